@@ -1,0 +1,238 @@
+//! `bertkit`: the command line over the stage crates. It parses arguments, prints progress and
+//! summaries, and maps errors to exit codes; all the work lives in the stage crates.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bertkit_format::{FormatManifest, Observer, Progress, RunOutcome};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "bertkit",
+    version,
+    about = "From raw Wikipedia and book dumps to a pre-trained BERT."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Format raw corpora into one-sentence-per-line text (blank line between documents).
+    #[command(subcommand)]
+    Format(FormatCommand),
+}
+
+#[derive(Subcommand)]
+enum FormatCommand {
+    /// Wikipedia pages-articles dumps: .xml, .xml.bz2 or multistream .xml.bz2.
+    Wiki(WikiArgs),
+    /// Project Gutenberg plain-text books (files or directories of .txt files).
+    Books(BooksArgs),
+}
+
+#[derive(Args)]
+struct CommonArgs {
+    /// Output directory (created if missing).
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Largest output file in bytes; documents are never split across files.
+    #[arg(long, default_value_t = bertkit_format::DEFAULT_MAX_BYTES)]
+    max_bytes: u64,
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print only errors and the final summary.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args)]
+struct WikiArgs {
+    /// Dump files, read in the order given.
+    #[arg(long, short, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Keep the text of list items (dropped by default, as WikiExtractor does).
+    #[arg(long)]
+    keep_lists: bool,
+    /// Keep disambiguation pages (skipped by default).
+    #[arg(long)]
+    keep_disambiguation: bool,
+    /// Fail on a page that is not valid UTF-8 instead of skipping and counting it.
+    #[arg(long)]
+    strict: bool,
+}
+
+#[derive(Args)]
+struct BooksArgs {
+    /// Book files, or directories whose .txt files are read (sorted by name).
+    #[arg(long, short, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    #[command(flatten)]
+    common: CommonArgs,
+}
+
+/// Prints progress to stderr: a rewritten line on a terminal, a log line every 10 s otherwise.
+struct StderrObserver {
+    quiet: bool,
+    terminal: bool,
+    last: Mutex<Option<Instant>>,
+}
+
+impl StderrObserver {
+    fn new(quiet: bool) -> Self {
+        StderrObserver {
+            quiet,
+            terminal: std::io::stderr().is_terminal(),
+            last: Mutex::new(None),
+        }
+    }
+
+    fn finish_line(&self) {
+        if self.terminal && !self.quiet && self.last.lock().unwrap().is_some() {
+            eprintln!();
+        }
+    }
+}
+
+impl Observer for StderrObserver {
+    fn progress(&self, p: &Progress) {
+        if self.quiet {
+            return;
+        }
+        let every = if self.terminal {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_secs(10)
+        };
+        let mut last = self.last.lock().unwrap();
+        if last.is_some_and(|t| t.elapsed() < every) {
+            return;
+        }
+        *last = Some(Instant::now());
+        let secs = p.elapsed.as_secs_f64().max(1e-9);
+        let line = format!(
+            "input {}/{}: {} read, {} documents, {:.1} MB in ({:.1} MB/s), {:.1} MB out",
+            p.input + 1,
+            p.inputs,
+            p.items,
+            p.documents,
+            p.input_bytes as f64 / 1e6,
+            p.input_bytes as f64 / 1e6 / secs,
+            p.output_bytes as f64 / 1e6
+        );
+        if self.terminal {
+            eprint!("\r\x1b[2K{line}");
+            let _ = std::io::stderr().flush();
+        } else {
+            eprintln!("{line}");
+        }
+    }
+
+    fn message(&self, message: &str) {
+        if !self.quiet {
+            self.finish_line();
+            eprintln!("{message}");
+        }
+    }
+
+    fn warning(&self, warning: &str) {
+        self.finish_line();
+        eprintln!("warning: {warning}");
+    }
+}
+
+fn print_summary(outcome: &RunOutcome, output: &std::path::Path) {
+    let manifest: &FormatManifest = outcome.manifest();
+    let manifest_path = output.join(FormatManifest::file_name(&manifest.kind));
+    match outcome {
+        RunOutcome::UpToDate(_) => {
+            println!(
+                "{} is up to date (same inputs and options); nothing to do.",
+                manifest_path.display()
+            )
+        }
+        RunOutcome::Completed(m) => {
+            println!(
+                "formatted {} input(s) in {:.2} s",
+                m.inputs.len(),
+                m.elapsed_seconds
+            );
+        }
+    }
+    println!(
+        "output: {} ({} file(s))",
+        output.display(),
+        manifest.outputs.len()
+    );
+    for f in &manifest.outputs {
+        println!(
+            "  {}  {} bytes, {} documents, {} sentences",
+            f.file, f.bytes, f.documents, f.sentences
+        );
+    }
+    println!("manifest: {}", manifest_path.display());
+    println!(
+        "counts: {}",
+        serde_json::to_string_pretty(&manifest.counts).unwrap_or_default()
+    );
+}
+
+fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    match cli.command {
+        Command::Format(FormatCommand::Wiki(args)) => {
+            let options = bertkit_format::wiki::WikiOptions {
+                clean: bertkit_format::wiki::CleanOptions {
+                    keep_lists: args.keep_lists,
+                },
+                keep_disambiguation: args.keep_disambiguation,
+                max_bytes: args.common.max_bytes,
+                threads: args.common.threads,
+                strict: args.strict,
+                ..Default::default()
+            };
+            let observer = StderrObserver::new(args.common.quiet);
+            let outcome = bertkit_format::wiki::format_wiki(
+                &args.input,
+                &args.common.output,
+                &options,
+                &observer,
+            )?;
+            observer.finish_line();
+            print_summary(&outcome, &args.common.output);
+        }
+        Command::Format(FormatCommand::Books(args)) => {
+            let options = bertkit_format::books::BookOptions {
+                max_bytes: args.common.max_bytes,
+                threads: args.common.threads,
+            };
+            let observer = StderrObserver::new(args.common.quiet);
+            let outcome = bertkit_format::books::format_books(
+                &args.input,
+                &args.common.output,
+                &options,
+                &observer,
+            )?;
+            observer.finish_line();
+            print_summary(&outcome, &args.common.output);
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,513 @@
+//! Reading a dump into page-aligned segments of decompressed XML.
+//!
+//! Three inputs are recognised by their first bytes (not their names):
+//! - plain XML, read in blocks;
+//! - single-stream bzip2, decoded sequentially on the producer thread (while parsing and
+//!   cleaning run on the worker pool);
+//! - multistream bzip2 (many concatenated bzip2 streams, as Wikipedia publishes
+//!   `pages-articles-multistream.xml.bz2`), recognised by a second stream header within the
+//!   first [`MULTISTREAM_PROBE_BYTES`]. Stream boundaries are found by scanning for the stream
+//!   header (`BZh1`–`BZh9` followed by the block magic `0x314159265359`); batches of streams are
+//!   decoded in parallel on the worker pool, each stream by an independent decoder that must end
+//!   exactly where the next stream starts.
+//!
+//! Decompressed bytes are cut into segments just before a `<page>` tag (which cannot occur
+//! unescaped inside text), so every segment holds whole pages and segments can be parsed
+//! independently. Segment boundaries never change the output: pages are cleaned one by one and
+//! written in dump order.
+//!
+//! The producer runs on its own thread and hands segments over a bounded channel, so memory
+//! holds at most `queue` segments plus the batch being decoded; see the crate docs for the bound.
+
+use std::cell::Cell;
+use std::fs::File;
+use std::io::{self, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::mpsc::SyncSender;
+
+use memchr::memmem;
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+
+use crate::error::FormatError;
+use crate::output::hex;
+
+/// How far into a bzip2 file a second stream header is looked for.
+pub const MULTISTREAM_PROBE_BYTES: usize = 16 << 20;
+
+/// A multistream stream larger than this (compressed) switches the rest of the file to
+/// sequential decoding, which keeps memory bounded whatever the stream sizes.
+const MAX_PARALLEL_STREAM_BYTES: usize = 64 << 20;
+
+/// Compressed bytes gathered before a batch of streams is decoded in parallel.
+const MULTISTREAM_BATCH_BYTES: usize = 8 << 20;
+
+/// The block magic that follows `BZh1`..`BZh9` at the start of every bzip2 stream.
+const BLOCK_MAGIC: &[u8] = &[0x31, 0x41, 0x59, 0x26, 0x53, 0x59];
+
+/// What kind of input a file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InputKind {
+    /// Uncompressed XML.
+    Xml,
+    /// One bzip2 stream (or several, decoded one after the other).
+    Bzip2,
+    /// Many bzip2 streams, decoded in parallel.
+    Bzip2Multistream,
+}
+
+/// A run of decompressed XML holding whole `<page>` elements.
+#[derive(Debug)]
+pub struct Segment {
+    /// Byte offset of `bytes[0]` in the decompressed XML.
+    pub offset: u64,
+    /// The XML.
+    pub bytes: Vec<u8>,
+}
+
+/// What the producer sends.
+#[derive(Debug)]
+pub enum SourceMessage {
+    /// The next segment, in dump order.
+    Segment(Segment),
+    /// The input has been read completely.
+    Done {
+        /// SHA-256 of the file's bytes.
+        sha256: String,
+        /// Decompressed bytes.
+        xml_bytes: u64,
+    },
+    /// Reading stopped with an error.
+    Failed(FormatError),
+}
+
+fn bzip2_header_at(b: &[u8], i: usize) -> bool {
+    b.len() >= i + 10
+        && &b[i..i + 3] == b"BZh"
+        && (b'1'..=b'9').contains(&b[i + 3])
+        && &b[i + 4..i + 10] == BLOCK_MAGIC
+}
+
+/// Offsets of bzip2 stream headers in `b` at or after `from`.
+fn stream_starts(b: &[u8], from: usize) -> impl Iterator<Item = usize> + '_ {
+    memmem::find_iter(&b[from..], BLOCK_MAGIC)
+        .map(move |i| from + i)
+        .filter(|&i| i >= 4 && bzip2_header_at(b, i - 4))
+        .map(|i| i - 4)
+        .filter(move |&start| start >= from)
+}
+
+/// Recognises the input kind from the file's first bytes.
+pub fn detect(path: &Path) -> Result<InputKind, FormatError> {
+    let mut f = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let mut head = Vec::with_capacity(MULTISTREAM_PROBE_BYTES.min(1 << 20));
+    (&mut f)
+        .take(MULTISTREAM_PROBE_BYTES as u64)
+        .read_to_end(&mut head)
+        .map_err(|e| FormatError::io(path, e))?;
+    if head.starts_with(b"BZh") {
+        if !bzip2_header_at(&head, 0) {
+            return Err(FormatError::Bzip2 {
+                path: path.into(),
+                offset: 0,
+                message: "bad stream header".into(),
+            });
+        }
+        return Ok(if stream_starts(&head, 1).next().is_some() {
+            InputKind::Bzip2Multistream
+        } else {
+            InputKind::Bzip2
+        });
+    }
+    let text = head.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&head);
+    let first = text.iter().position(|c| !c.is_ascii_whitespace());
+    match first.map(|i| &text[i..]) {
+        Some(t) if t.starts_with(b"<") => Ok(InputKind::Xml),
+        _ => Err(FormatError::Unsupported {
+            path: path.into(),
+            message: "not a Wikipedia XML dump: expected XML (starting with '<') or bzip2 data"
+                .into(),
+        }),
+    }
+}
+
+/// A reader that hashes and counts what passes through it.
+struct HashingReader<R> {
+    inner: R,
+    hasher: Sha256,
+    count: Rc<Cell<u64>>,
+}
+
+impl<R: Read> Read for HashingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.count.set(self.count.get() + n as u64);
+        Ok(n)
+    }
+}
+
+/// Cuts decompressed XML into page-aligned segments.
+struct PageCutter {
+    carry: Vec<u8>,
+    offset: u64,
+    target: usize,
+    finder: memmem::FinderRev<'static>,
+}
+
+impl PageCutter {
+    fn new(target: usize) -> Self {
+        PageCutter {
+            carry: Vec::new(),
+            offset: 0,
+            target,
+            finder: memmem::FinderRev::new(b"<page>"),
+        }
+    }
+
+    /// Appends bytes; returns a segment when enough whole pages have gathered.
+    fn push(&mut self, data: &[u8]) -> Option<Segment> {
+        self.carry.extend_from_slice(data);
+        if self.carry.len() < self.target {
+            return None;
+        }
+        match self.finder.rfind(&self.carry) {
+            Some(cut) if cut > 0 => {
+                let rest = self.carry[cut..].to_vec();
+                self.carry.truncate(cut);
+                let bytes = std::mem::replace(&mut self.carry, rest);
+                let seg = Segment {
+                    offset: self.offset,
+                    bytes,
+                };
+                self.offset += cut as u64;
+                Some(seg)
+            }
+            // One page larger than the target: keep gathering until it ends.
+            _ => None,
+        }
+    }
+
+    fn finish(self) -> Option<Segment> {
+        (!self.carry.is_empty()).then_some(Segment {
+            offset: self.offset,
+            bytes: self.carry,
+        })
+    }
+
+    fn total(&self) -> u64 {
+        self.offset + self.carry.len() as u64
+    }
+}
+
+/// Reads `path` and sends its segments, then `Done` (or `Failed`), over `tx`. Runs on the
+/// calling thread; parallel decoding of multistream input uses `pool`.
+pub fn produce(
+    path: PathBuf,
+    kind: InputKind,
+    segment_bytes: usize,
+    pool: Arc<rayon::ThreadPool>,
+    tx: SyncSender<SourceMessage>,
+) {
+    let result = match kind {
+        InputKind::Xml | InputKind::Bzip2 => produce_sequential(&path, kind, segment_bytes, &tx),
+        InputKind::Bzip2Multistream => produce_multistream(&path, segment_bytes, &pool, &tx),
+    };
+    let message = match result {
+        Ok(Some((sha256, xml_bytes))) => SourceMessage::Done { sha256, xml_bytes },
+        Ok(None) => return, // the consumer hung up
+        Err(e) => SourceMessage::Failed(e),
+    };
+    let _ = tx.send(message);
+}
+
+/// Sends a segment; `false` when the consumer is gone.
+fn send(tx: &SyncSender<SourceMessage>, seg: Option<Segment>) -> bool {
+    match seg {
+        Some(s) => tx.send(SourceMessage::Segment(s)).is_ok(),
+        None => true,
+    }
+}
+
+type Produced = Result<Option<(String, u64)>, FormatError>;
+
+fn produce_sequential(
+    path: &Path,
+    kind: InputKind,
+    segment_bytes: usize,
+    tx: &SyncSender<SourceMessage>,
+) -> Produced {
+    let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let count = Rc::new(Cell::new(0u64));
+    let hashing = HashingReader {
+        inner: file,
+        hasher: Sha256::new(),
+        count: count.clone(),
+    };
+    let mut cutter = PageCutter::new(segment_bytes);
+    let mut block = vec![0u8; 1 << 20];
+    let finish = |hasher: Sha256| hex(&hasher.finalize());
+    match kind {
+        InputKind::Xml => {
+            let mut reader = hashing;
+            loop {
+                let n =
+                    read_retrying(&mut reader, &mut block).map_err(|e| FormatError::io(path, e))?;
+                if n == 0 {
+                    break;
+                }
+                if !send(tx, cutter.push(&block[..n])) {
+                    return Ok(None);
+                }
+            }
+            let total = cutter.total();
+            if !send(tx, cutter.finish()) {
+                return Ok(None);
+            }
+            Ok(Some((finish(reader.hasher), total)))
+        }
+        _ => {
+            let mut decoder =
+                bzip2::read::MultiBzDecoder::new(BufReader::with_capacity(1 << 20, hashing));
+            loop {
+                let n = match read_retrying(&mut decoder, &mut block) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        return Err(FormatError::Bzip2 {
+                            path: path.into(),
+                            offset: count.get(),
+                            message: format!("{e} (after {} bytes of XML)", cutter.total()),
+                        });
+                    }
+                };
+                if n == 0 {
+                    break;
+                }
+                if !send(tx, cutter.push(&block[..n])) {
+                    return Ok(None);
+                }
+            }
+            let total = cutter.total();
+            if !send(tx, cutter.finish()) {
+                return Ok(None);
+            }
+            let mut hashing = decoder.into_inner().into_inner();
+            // Hash any bytes the decoder did not need to read (there are none in a valid file).
+            io::copy(&mut hashing, &mut io::sink()).map_err(|e| FormatError::io(path, e))?;
+            Ok(Some((finish(hashing.hasher), total)))
+        }
+    }
+}
+
+fn read_retrying(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        match r.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
+/// Decodes exactly one bzip2 stream occupying all of `data`.
+pub(crate) fn decode_stream(data: &[u8]) -> Result<Vec<u8>, String> {
+    let mut d = bzip2::Decompress::new(false);
+    let mut out = Vec::with_capacity(data.len().saturating_mul(5).max(1 << 16));
+    loop {
+        let consumed = d.total_in() as usize;
+        let produced = out.len();
+        let status = d
+            .decompress_vec(&data[consumed..], &mut out)
+            .map_err(|e| e.to_string())?;
+        if let bzip2::Status::StreamEnd = status {
+            let used = d.total_in() as usize;
+            if used != data.len() {
+                return Err(format!(
+                    "{} unexpected bytes after the end of the stream",
+                    data.len() - used
+                ));
+            }
+            return Ok(out);
+        }
+        if out.len() == out.capacity() {
+            out.reserve(out.capacity());
+        } else if d.total_in() as usize == data.len() && out.len() == produced {
+            return Err("the stream ends without an end-of-stream marker (truncated file?)".into());
+        }
+    }
+}
+
+fn produce_multistream(
+    path: &Path,
+    segment_bytes: usize,
+    pool: &rayon::ThreadPool,
+    tx: &SyncSender<SourceMessage>,
+) -> Produced {
+    let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let count = Rc::new(Cell::new(0u64));
+    let mut reader = HashingReader {
+        inner: file,
+        hasher: Sha256::new(),
+        count: count.clone(),
+    };
+    let mut cutter = PageCutter::new(segment_bytes);
+    // Compressed bytes not yet decoded; `pending[0]` is a stream start at file offset `base`.
+    let mut pending: Vec<u8> = Vec::new();
+    let mut base = 0u64;
+    let mut eof = false;
+    let mut chunk = vec![0u8; 4 << 20];
+    loop {
+        if !eof {
+            let n = read_retrying(&mut reader, &mut chunk).map_err(|e| FormatError::io(path, e))?;
+            if n == 0 {
+                eof = true;
+            } else {
+                pending.extend_from_slice(&chunk[..n]);
+            }
+        }
+        if pending.len() < MULTISTREAM_BATCH_BYTES && !eof {
+            continue;
+        }
+        // Whole streams in `pending`: between consecutive headers (and to the end at EOF).
+        let mut starts: Vec<usize> = vec![0];
+        starts.extend(stream_starts(&pending, 1));
+        if eof {
+            starts.push(pending.len());
+        }
+        if starts.len() < 2 {
+            if pending.len() > MAX_PARALLEL_STREAM_BYTES {
+                // A huge stream: decode the rest of the file sequentially.
+                return finish_sequentially(path, pending, base, reader, cutter, tx, count);
+            }
+            if eof {
+                break;
+            }
+            continue;
+        }
+        let spans: Vec<(usize, usize)> = starts.windows(2).map(|w| (w[0], w[1])).collect();
+        let decoded: Vec<Result<Vec<u8>, String>> = pool.install(|| {
+            spans
+                .par_iter()
+                .map(|&(a, b)| decode_stream(&pending[a..b]))
+                .collect()
+        });
+        for ((a, _), result) in spans.iter().zip(decoded) {
+            match result {
+                Ok(xml) => {
+                    if !send(tx, cutter.push(&xml)) {
+                        return Ok(None);
+                    }
+                }
+                Err(message) => {
+                    return Err(FormatError::Bzip2 {
+                        path: path.into(),
+                        offset: base + *a as u64,
+                        message: format!("in the stream starting here: {message}"),
+                    });
+                }
+            }
+        }
+        let consumed = spans.last().map_or(0, |s| s.1);
+        pending.drain(..consumed);
+        base += consumed as u64;
+        if eof && pending.is_empty() {
+            break;
+        }
+    }
+    let total = cutter.total();
+    if !send(tx, cutter.finish()) {
+        return Ok(None);
+    }
+    Ok(Some((hex(&reader.hasher.finalize()), total)))
+}
+
+/// Continues a multistream file with one sequential decoder from `pending` (which starts at a
+/// stream header at file offset `base`).
+fn finish_sequentially(
+    path: &Path,
+    pending: Vec<u8>,
+    base: u64,
+    reader: HashingReader<File>,
+    mut cutter: PageCutter,
+    tx: &SyncSender<SourceMessage>,
+    count: Rc<Cell<u64>>,
+) -> Produced {
+    let pending_len = pending.len() as u64;
+    let read_before = count.get();
+    let chained = io::Cursor::new(pending).chain(reader);
+    let mut decoder = bzip2::read::MultiBzDecoder::new(BufReader::with_capacity(1 << 20, chained));
+    let mut block = vec![0u8; 1 << 20];
+    loop {
+        let n = match read_retrying(&mut decoder, &mut block) {
+            Ok(n) => n,
+            Err(e) => {
+                let offset = base + pending_len + (count.get() - read_before);
+                return Err(FormatError::Bzip2 {
+                    path: path.into(),
+                    offset,
+                    message: e.to_string(),
+                });
+            }
+        };
+        if n == 0 {
+            break;
+        }
+        if !send(tx, cutter.push(&block[..n])) {
+            return Ok(None);
+        }
+    }
+    let total = cutter.total();
+    if !send(tx, cutter.finish()) {
+        return Ok(None);
+    }
+    let (_, mut reader) = decoder.into_inner().into_inner().into_inner();
+    io::copy(&mut reader, &mut io::sink()).map_err(|e| FormatError::io(path, e))?;
+    Ok(Some((hex(&reader.hasher.finalize()), total)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cutter_cuts_before_page_tags_only() {
+        let mut c = PageCutter::new(10);
+        assert!(c.push(b"<mediawiki>").is_none()); // no <page> yet
+        let seg = c.push(b"<page>a</page><page>b</page>").unwrap();
+        assert_eq!(seg.bytes, b"<mediawiki><page>a</page>");
+        assert_eq!(seg.offset, 0);
+        let last = c.finish().unwrap();
+        assert_eq!(last.offset, 25);
+        assert_eq!(last.bytes, b"<page>b</page>");
+    }
+
+    #[test]
+    fn stream_header_scan() {
+        let mut data = b"BZh9".to_vec();
+        data.extend_from_slice(BLOCK_MAGIC);
+        data.extend_from_slice(b"xxxxBZh1");
+        data.extend_from_slice(BLOCK_MAGIC);
+        data.extend_from_slice(b"BZhX");
+        data.extend_from_slice(BLOCK_MAGIC);
+        assert_eq!(stream_starts(&data, 1).collect::<Vec<_>>(), vec![14]);
+    }
+
+    #[test]
+    fn decode_stream_rejects_truncation_and_trailing_bytes() {
+        use std::io::Write;
+        let mut enc = bzip2::write::BzEncoder::new(Vec::new(), bzip2::Compression::best());
+        enc.write_all(b"hello world, hello world").unwrap();
+        let stream = enc.finish().unwrap();
+        assert_eq!(decode_stream(&stream).unwrap(), b"hello world, hello world");
+        assert!(decode_stream(&stream[..stream.len() - 5]).is_err());
+        let mut extra = stream.clone();
+        extra.extend_from_slice(b"junk");
+        assert!(
+            decode_stream(&extra)
+                .unwrap_err()
+                .contains("unexpected bytes")
+        );
+    }
+}
