@@ -10,7 +10,7 @@
 //!   `End of (the) Project Gutenberg…` line on;
 //! - paragraphs are blocks separated by blank lines; hard-wrapped lines are re-joined with a
 //!   space (without one after a line ending in `--` or a hyphenated word part);
-//! - dropped: bracketed blocks (`[Emma by Jane Austen 1816]`, `[Illustration: …]`),
+//! - dropped: bracketed blocks and lines (`[Emma by Jane Austen 1816]`, `[Illustration: …]`),
 //!   `[Illustration…]`/`[Footnote…]` marks inside paragraphs, headings (blocks without a
 //!   lower-case letter, such as `CHAPTER I` or `THE TWO POETS OF SAFFRON PARK`, and short
 //!   blocks starting with Chapter/Book/Part/Volume/Section), the short title line that follows a
@@ -311,11 +311,17 @@ pub fn format_book(bytes: &[u8]) -> (Document, BookCounts) {
     let mut doc = Document::default();
     let mut after_chapter_heading = false;
     for block in text.split("\n\n").map(str::trim).filter(|b| !b.is_empty()) {
-        let lines: Vec<&str> = block
+        let mut lines: Vec<&str> = block
             .lines()
             .map(str::trim)
             .filter(|l| !l.is_empty())
             .collect();
+        // A bracketed line inside a block (`[To Mrs. Weston.]` above a letter) is a marker too.
+        if lines.len() > 1 {
+            let before = lines.len();
+            lines.retain(|l| !(l.starts_with('[') && l.ends_with(']')));
+            counts.blocks_dropped += (before - lines.len()) as u64;
+        }
         let mut joined = String::with_capacity(block.len());
         for line in &lines {
             let glue = joined.ends_with("--")

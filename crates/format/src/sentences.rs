@@ -13,7 +13,8 @@
 //! - abbreviations that may end one (`etc.`, `Inc.`, `Ltd.`, `Jr.`, `U.S.`, `a.m.` and every
 //!   dotted acronym) and single-letter initials (`J. R. R. Tolkien`) end a sentence only when
 //!   the next word is a common sentence opener (`The`, `In`, `He`, `This`, …);
-//! - month abbreviations before a number (`Jan. 5`) do not end a sentence.
+//! - month and numbering abbreviations before a number (`Jan. 5`, `world no. 1`, `Vol. 2`) do
+//!   not end a sentence.
 //!
 //! Decimals and version numbers (`3.14`, `v1.2.3`) never split because no space follows the
 //! period; an ellipsis followed by a lower-case word does not split.
@@ -22,11 +23,10 @@
 const NEVER_FINAL: &[&str] = &[
     "Mr", "Mrs", "Ms", "Dr", "Prof", "St", "Ste", "Gen", "Gov", "Lt", "Col", "Capt", "Cpt", "Sgt",
     "Maj", "Cmdr", "Adm", "Rev", "Hon", "Sen", "Rep", "Pres", "Fr", "Mt", "Ft", "Messrs", "Mme",
-    "Mlle", "Msgr", "Sr", "Supt", "Insp", "Brig", "Gens", "No", "Nos", "Nr", "Vol", "Vols", "pp",
-    "p", "ch", "Ch", "Fig", "fig", "Figs", "Eq", "eq", "cf", "Cf", "vs", "v", "viz", "approx",
-    "ca", "c", "fl", "b", "d", "r", "ed", "eds", "Ed", "Eds", "trans", "op", "Op", "Art", "art",
-    "Sec", "sec", "Sect", "Ave", "Blvd", "Rd", "Bros", "est", "Est", "lit", "al", "ibid", "Ibid",
-    "Jos", "Wm", "Chas", "Geo", "Thos", "Jas",
+    "Mlle", "Msgr", "Sr", "Supt", "Insp", "Brig", "Gens", "pp", "p", "cf", "Cf", "vs", "v", "viz",
+    "approx", "ca", "c", "fl", "b", "d", "r", "ed", "eds", "Ed", "Eds", "trans", "Ave", "Blvd",
+    "Rd", "Bros", "est", "Est", "lit", "al", "ibid", "Ibid", "Jos", "Wm", "Chas", "Geo", "Thos",
+    "Jas",
 ];
 
 /// Abbreviations that may end a sentence.
@@ -34,9 +34,12 @@ const MAYBE_FINAL: &[&str] = &[
     "etc", "Inc", "Ltd", "Co", "Corp", "Jr", "Bros", "Esq", "PhD", "Ph.D", "Mass", "Calif",
 ];
 
-/// Months, abbreviated: not final before a number.
-const MONTHS: &[&str] = &[
-    "Jan", "Feb", "Mar", "Apr", "Jun", "Jul", "Aug", "Sep", "Sept", "Oct", "Nov", "Dec",
+/// Abbreviations that are not final before a number: months (`Jan. 5`) and numbering
+/// (`No. 1`, `world no. 1`, `Vol. 2`, `Fig. 3`, `Art. 7`).
+const BEFORE_NUMBER: &[&str] = &[
+    "Jan", "Feb", "Mar", "Apr", "Jun", "Jul", "Aug", "Sep", "Sept", "Oct", "Nov", "Dec", "No",
+    "no", "Nos", "nos", "Nr", "nr", "Vol", "vol", "Vols", "Fig", "fig", "Figs", "Eq", "eq", "Ch",
+    "ch", "Art", "art", "Sec", "sec", "Op", "op",
 ];
 
 /// Words that commonly open a sentence; after a "maybe final" abbreviation they decide a split.
@@ -226,7 +229,7 @@ fn boundary_allowed(before: &str, run: &str, next_word: &str) -> bool {
     if NEVER_FINAL.contains(&word) {
         return false;
     }
-    if MONTHS.contains(&word) {
+    if BEFORE_NUMBER.contains(&word) {
         return !next_word.starts_with(|c: char| c.is_ascii_digit());
     }
     if MAYBE_FINAL.contains(&word) {
