@@ -125,17 +125,21 @@ pub fn split_sentences(paragraph: &str) -> Vec<&str> {
     let mut out = Vec::new();
     let b = paragraph.as_bytes();
     let mut start = 0;
+    let ellipsis = memchr::memmem::Finder::new("…".as_bytes());
+    let mut next_ellipsis = ellipsis.find(b);
     let mut i = 0;
     while i < b.len() {
-        let c = b[i];
-        let is_terminator = c == b'.'
-            || c == b'!'
-            || c == b'?'
-            || (c == 0xE2 && b[i..].starts_with("…".as_bytes()));
-        if !is_terminator {
-            i += 1;
-            continue;
+        // Jump to the next terminator: '.', '!', '?' or '…'.
+        if next_ellipsis.is_some_and(|e| e < i) {
+            next_ellipsis = ellipsis.find(&b[i..]).map(|e| i + e);
         }
+        let ascii = memchr::memchr3(b'.', b'!', b'?', &b[i..]).map(|t| i + t);
+        i = match (ascii, next_ellipsis) {
+            (Some(a), Some(e)) => a.min(e),
+            (Some(a), None) => a,
+            (None, Some(e)) => e,
+            (None, None) => break,
+        };
         // The whole run of terminators: "...", "?!", "…".
         let run_start = i;
         while i < b.len() {

@@ -8,9 +8,40 @@
 
 /// Whitespace collapse, invisible characters out, template debris mended.
 pub fn normalise_spacing(s: &str) -> String {
+    let b = s.as_bytes();
     let mut collapsed = String::with_capacity(s.len());
     let mut pending_space = false;
-    for c in s.chars() {
+    let mut i = 0;
+    while i < b.len() {
+        // Fast path: a run of printable ASCII is copied as it is. Single spaces inside the run
+        // are kept where the general rule below would keep them: after something that is not
+        // `(` and before something that is not closing punctuation.
+        let run_start = i;
+        loop {
+            while i < b.len() && is_graphic(b[i]) {
+                i += 1;
+            }
+            let plain_space = i > run_start
+                && i + 1 < b.len()
+                && b[i] == b' '
+                && b[i - 1] != b'('
+                && is_graphic(b[i + 1])
+                && !matches!(b[i + 1], b',' | b'.' | b';' | b':' | b')' | b'!' | b'?');
+            if !plain_space {
+                break;
+            }
+            i += 1;
+        }
+        if i > run_start {
+            if pending_space {
+                push_space_before(&mut collapsed, b[run_start] as char);
+                pending_space = false;
+            }
+            collapsed.push_str(&s[run_start..i]);
+            continue;
+        }
+        let c = s[i..].chars().next().expect("i is on a char boundary");
+        i += c.len_utf8();
         if c.is_whitespace() {
             pending_space = !collapsed.is_empty();
             continue;
@@ -23,10 +54,7 @@ pub fn normalise_spacing(s: &str) -> String {
             continue;
         }
         if pending_space {
-            // No space before closing punctuation or after an opening parenthesis.
-            if !matches!(c, ',' | '.' | ';' | ':' | ')' | '!' | '?') && !collapsed.ends_with('(') {
-                collapsed.push(' ');
-            }
+            push_space_before(&mut collapsed, c);
             pending_space = false;
         }
         collapsed.push(c);
@@ -34,19 +62,32 @@ pub fn normalise_spacing(s: &str) -> String {
     remove_empty_parentheses(&collapsed)
 }
 
+/// Printable ASCII other than space.
+fn is_graphic(c: u8) -> bool {
+    c > b' ' && c < 0x7F
+}
+
+/// Pushes the space that preceded `next`, unless `next` is closing punctuation or the space
+/// would follow an opening parenthesis.
+fn push_space_before(out: &mut String, next: char) {
+    if !matches!(next, ',' | '.' | ';' | ':' | ')' | '!' | '?') && !out.ends_with('(') {
+        out.push(' ');
+    }
+}
+
 /// Mends what removed templates leave inside parentheses: `()`, `(, )` and `(; )` are dropped
 /// (with the space before them), and `(; born 1809)` becomes `(born 1809)`.
 fn remove_empty_parentheses(s: &str) -> String {
-    if !s.contains('(') {
+    if memchr::memchr(b'(', s.as_bytes()).is_none() {
         return s.trim().to_string();
     }
     let debris = |c: char| c == ' ' || c == ',' || c == ';';
     let mut out = String::with_capacity(s.len());
     let mut rest = s;
-    while let Some(open) = rest.find('(') {
+    while let Some(open) = memchr::memchr(b'(', rest.as_bytes()) {
         out.push_str(&rest[..open]);
         let after = &rest[open + 1..];
-        match after.find([')', '(']) {
+        match memchr::memchr2(b')', b'(', after.as_bytes()) {
             Some(close) if after.as_bytes()[close] == b')' => {
                 let content = after[..close].trim_matches(debris);
                 if content.chars().all(|c| c.is_ascii_punctuation()) {

@@ -241,24 +241,16 @@ pub fn process_segment(
                     }
                     "revision" => in_revision = true,
                     "title" | "ns" | "text" => {
-                        let raw = reader
-                            .read_text(name)
-                            .map_err(|e| xml_error(before, format!("in <{}>: {e}", name.as_ref())))?
-                            .into_inner();
+                        // The span is in positions of `text`, which is already valid UTF-8.
+                        let span = reader.read_to_end(name).map_err(|e| {
+                            xml_error(before, format!("in <{}>: {e}", name.as_ref()))
+                        })?;
+                        let raw = &text[span.start as usize..span.end as usize];
                         let Some(p) = page.as_mut() else { continue };
                         let bad_escape = |e: quick_xml::escape::EscapeError| {
                             xml_error(before, format!("bad escape in <{}>: {e}", name.as_ref()))
                         };
-                        let value = match raw {
-                            Cow::Borrowed(r) => {
-                                quick_xml::escape::unescape(r).map_err(bad_escape)?
-                            }
-                            Cow::Owned(o) => Cow::Owned(
-                                quick_xml::escape::unescape(&o)
-                                    .map_err(bad_escape)?
-                                    .into_owned(),
-                            ),
-                        };
+                        let value = quick_xml::escape::unescape(raw).map_err(bad_escape)?;
                         match name.as_ref() {
                             "title" => p.title = value,
                             "ns" => p.ns = value.trim().parse().ok(),

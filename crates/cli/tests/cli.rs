@@ -1,0 +1,158 @@
+//! The `bertkit` binary end to end: arguments, summaries, exit codes and error messages.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use bertkit_shared_data::require;
+
+const ENWIKI: &str =
+    "wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2";
+
+fn bertkit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(args)
+        .output()
+        .expect("bertkit runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn format_wiki_prints_where_output_went_and_rerun_is_a_no_op() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("wiki");
+    let dump = require(ENWIKI);
+    let first = bertkit(&[
+        "format",
+        "wiki",
+        "--input",
+        path(&dump),
+        "--output",
+        path(&out),
+    ]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let stdout = text(&first.stdout);
+    assert!(
+        stdout.contains(&format!("output: {}", out.display())),
+        "{stdout}"
+    );
+    assert!(stdout.contains("wiki_00000.txt"), "{stdout}");
+    assert!(stdout.contains("\"articles_written\": 97"), "{stdout}");
+    // Progress and notes go to stderr, never into the summary.
+    assert!(
+        text(&first.stderr).contains("single stream"),
+        "{}",
+        text(&first.stderr)
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("wiki.manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(manifest["counts"]["pages_seen"], 206);
+    assert_eq!(
+        manifest["inputs"][0]["sha256"],
+        "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d",
+        "the input hash is the one PROVENANCE.md publishes"
+    );
+
+    let again = bertkit(&[
+        "format",
+        "wiki",
+        "--input",
+        path(&dump),
+        "--output",
+        path(&out),
+    ]);
+    assert!(again.status.success());
+    assert!(
+        text(&again.stdout).contains("up to date"),
+        "{}",
+        text(&again.stdout)
+    );
+}
+
+#[test]
+fn format_books_accepts_a_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("books");
+    let run = bertkit(&[
+        "format",
+        "books",
+        "--input",
+        path(&require("gutenberg")),
+        "--output",
+        path(&out),
+        "-q",
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    assert!(text(&run.stdout).contains("\"books_written\": 3"));
+    assert!(out.join("books_00000.txt").is_file());
+}
+
+#[test]
+fn bad_input_fails_with_the_file_name_and_no_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.xml.bz2");
+    let run = bertkit(&[
+        "format",
+        "wiki",
+        "--input",
+        path(&missing),
+        "--output",
+        path(&dir.path().join("o")),
+    ]);
+    assert_eq!(run.status.code(), Some(1));
+    let err = text(&run.stderr);
+    assert!(
+        err.starts_with("error: ") && err.contains("missing.xml.bz2"),
+        "{err}"
+    );
+
+    let not_xml = dir.path().join("notes.txt");
+    std::fs::write(&not_xml, "just some text\n").unwrap();
+    let run = bertkit(&[
+        "format",
+        "wiki",
+        "--input",
+        path(&not_xml),
+        "--output",
+        path(&dir.path().join("o")),
+    ]);
+    assert_eq!(run.status.code(), Some(1));
+    assert!(
+        text(&run.stderr).contains("notes.txt: not a Wikipedia XML dump"),
+        "{}",
+        text(&run.stderr)
+    );
+    assert!(!text(&run.stderr).contains("panicked"));
+
+    let bytes = std::fs::read(require(ENWIKI)).unwrap();
+    let cut = dir.path().join("cut.bz2");
+    std::fs::write(&cut, &bytes[..100_000]).unwrap();
+    let run = bertkit(&[
+        "format",
+        "wiki",
+        "--input",
+        path(&cut),
+        "--output",
+        path(&dir.path().join("o2")),
+    ]);
+    assert_eq!(run.status.code(), Some(1));
+    let err = text(&run.stderr);
+    assert!(
+        err.contains("cut.bz2: bzip2 data is corrupt or truncated near compressed byte offset"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_arguments_are_usage_errors() {
+    let run = bertkit(&["format", "wiki", "--output", "x"]);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(text(&run.stderr).contains("--input"));
+}
