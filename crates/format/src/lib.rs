@@ -22,12 +22,13 @@
 //! - **Atomic**: files are written under hidden `.partial` names and renamed into place when the
 //!   run succeeds; the manifest is written last. An interrupted run leaves no finished-looking
 //!   file, and re-running with unchanged inputs and options is a no-op.
-//! - **Bounded memory** (wiki): about `(2 × batch + batch) × max(segment, largest page)` of
-//!   XML in flight, where `batch = 2 × threads` and `segment` is 1 MiB, plus for multistream
-//!   input one batch of compressed streams (8 MiB) and their decoded text (≈ 5×), plus the
-//!   cleaned text of the segments being written. With 16 threads and 1 MiB segments that is
-//!   roughly 100–200 MB, whatever the size of the dump. Books are read one file at a time per
-//!   worker, so memory is bounded by `threads × largest book`.
+//! - **Bounded memory** (wiki): the XML in flight is at most `2 × batch` queued segments plus
+//!   `batch` being cleaned, where `batch = 2 × threads`, each segment about 1 MiB or one page if
+//!   a page is larger (the largest enwiki pages are a few MB); for multistream input add
+//!   `3 × threads` streams being decoded (≈ 0.3–1 MB compressed, ≈ 5× that decoded, each) and the
+//!   compressed bytes of the stream being read. With 16 threads that is roughly 200–400 MB,
+//!   whatever the size of the dump. Books are read one file per worker at a time, so memory is
+//!   bounded by `threads × largest book`.
 //! - **Errors name the file and the byte offset** (in the compressed file for bzip2 errors, in
 //!   the decompressed XML otherwise). A page whose bytes are not UTF-8 is skipped and counted
 //!   (or is an error with `strict`); malformed markup never stops a run (see [`wiki::markup`]).

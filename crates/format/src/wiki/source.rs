@@ -7,9 +7,10 @@
 //! - multistream bzip2 (many concatenated bzip2 streams, as Wikipedia publishes
 //!   `pages-articles-multistream.xml.bz2`), recognised by a second stream header within the
 //!   first [`MULTISTREAM_PROBE_BYTES`]. Stream boundaries are found by scanning for the stream
-//!   header (`BZh1`–`BZh9` followed by the block magic `0x314159265359`); batches of streams are
-//!   decoded in parallel on the worker pool, each stream by an independent decoder that must end
-//!   exactly where the next stream starts.
+//!   header (`BZh1`–`BZh9` followed by the block magic `0x314159265359`) as the file is read;
+//!   each stream is decoded as its own task on the worker pool by an independent decoder that
+//!   must end exactly where the next stream starts, up to `3 × threads` streams ahead of the
+//!   one being consumed (a sliding window, so no core waits for a batch to finish).
 //!
 //! Decompressed bytes are cut into segments just before a `<page>` tag (which cannot occur
 //! unescaped inside text), so every segment holds whole pages and segments can be parsed
@@ -20,15 +21,15 @@
 //! holds at most `queue` segments plus the batch being decoded; see the crate docs for the bound.
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::Arc;
-use std::sync::mpsc::SyncSender;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use memchr::memmem;
-use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::error::FormatError;
@@ -41,8 +42,8 @@ pub const MULTISTREAM_PROBE_BYTES: usize = 16 << 20;
 /// sequential decoding, which keeps memory bounded whatever the stream sizes.
 const MAX_PARALLEL_STREAM_BYTES: usize = 64 << 20;
 
-/// Compressed bytes gathered before a batch of streams is decoded in parallel.
-const MULTISTREAM_BATCH_BYTES: usize = 8 << 20;
+/// Streams decoded ahead of the one being consumed, per worker thread.
+const MULTISTREAM_WINDOW_PER_THREAD: usize = 3;
 
 /// The block magic that follows `BZh1`..`BZh9` at the start of every bzip2 stream.
 const BLOCK_MAGIC: &[u8] = &[0x31, 0x41, 0x59, 0x26, 0x53, 0x59];
@@ -353,67 +354,69 @@ fn produce_multistream(
         count: count.clone(),
     };
     let mut cutter = PageCutter::new(segment_bytes);
-    // Compressed bytes not yet decoded; `pending[0]` is a stream start at file offset `base`.
+    // Streams being decoded on the pool, in file order: (file offset, result).
+    let window = pool.current_num_threads() * MULTISTREAM_WINDOW_PER_THREAD;
+    let mut in_flight: VecDeque<(u64, Receiver<Result<Vec<u8>, String>>)> = VecDeque::new();
+    // Takes the oldest stream's text and cuts it into segments; `false` when the consumer is gone.
+    let take_oldest = |in_flight: &mut VecDeque<(u64, Receiver<Result<Vec<u8>, String>>)>,
+                       cutter: &mut PageCutter|
+     -> Result<bool, FormatError> {
+        let (offset, rx) = in_flight.pop_front().expect("a stream is in flight");
+        let result = rx
+            .recv()
+            .unwrap_or_else(|_| Err("the decoding task stopped".into()));
+        match result {
+            Ok(xml) => Ok(send(tx, cutter.push(&xml))),
+            Err(message) => Err(FormatError::Bzip2 {
+                path: path.into(),
+                offset,
+                message: format!("in the stream starting here: {message}"),
+            }),
+        }
+    };
+    // Compressed bytes not yet dispatched; `pending[0]` is a stream start at file offset `base`.
     let mut pending: Vec<u8> = Vec::new();
     let mut base = 0u64;
-    let mut eof = false;
-    let mut chunk = vec![0u8; 4 << 20];
+    let mut scan_from = 1usize;
+    let mut chunk = vec![0u8; 1 << 20];
     loop {
-        if !eof {
-            let n = read_retrying(&mut reader, &mut chunk).map_err(|e| FormatError::io(path, e))?;
-            if n == 0 {
-                eof = true;
-            } else {
-                pending.extend_from_slice(&chunk[..n]);
+        let n = read_retrying(&mut reader, &mut chunk).map_err(|e| FormatError::io(path, e))?;
+        let eof = n == 0;
+        pending.extend_from_slice(&chunk[..n]);
+        // Dispatch every whole stream: those followed by another header, and at EOF the last.
+        let mut ends: Vec<usize> = stream_starts(&pending, scan_from).collect();
+        if eof && !pending.is_empty() {
+            ends.push(pending.len());
+        }
+        let mut start = 0;
+        for end in ends {
+            let data = pending[start..end].to_vec();
+            let (result_tx, result_rx) = sync_channel(1);
+            pool.spawn(move || {
+                let _ = result_tx.send(decode_stream(&data));
+            });
+            in_flight.push_back((base + start as u64, result_rx));
+            start = end;
+        }
+        pending.drain(..start);
+        base += start as u64;
+        scan_from = pending.len().saturating_sub(BLOCK_MAGIC.len() + 4).max(1);
+        while in_flight.len() > window || (eof && !in_flight.is_empty()) {
+            if !take_oldest(&mut in_flight, &mut cutter)? {
+                return Ok(None);
             }
         }
-        if pending.len() < MULTISTREAM_BATCH_BYTES && !eof {
-            continue;
-        }
-        // Whole streams in `pending`: between consecutive headers (and to the end at EOF).
-        let mut starts: Vec<usize> = vec![0];
-        starts.extend(stream_starts(&pending, 1));
         if eof {
-            starts.push(pending.len());
-        }
-        if starts.len() < 2 {
-            if pending.len() > MAX_PARALLEL_STREAM_BYTES {
-                // A huge stream: decode the rest of the file sequentially.
-                return finish_sequentially(path, pending, base, reader, cutter, tx, count);
-            }
-            if eof {
-                break;
-            }
-            continue;
-        }
-        let spans: Vec<(usize, usize)> = starts.windows(2).map(|w| (w[0], w[1])).collect();
-        let decoded: Vec<Result<Vec<u8>, String>> = pool.install(|| {
-            spans
-                .par_iter()
-                .map(|&(a, b)| decode_stream(&pending[a..b]))
-                .collect()
-        });
-        for ((a, _), result) in spans.iter().zip(decoded) {
-            match result {
-                Ok(xml) => {
-                    if !send(tx, cutter.push(&xml)) {
-                        return Ok(None);
-                    }
-                }
-                Err(message) => {
-                    return Err(FormatError::Bzip2 {
-                        path: path.into(),
-                        offset: base + *a as u64,
-                        message: format!("in the stream starting here: {message}"),
-                    });
-                }
-            }
-        }
-        let consumed = spans.last().map_or(0, |s| s.1);
-        pending.drain(..consumed);
-        base += consumed as u64;
-        if eof && pending.is_empty() {
             break;
+        }
+        if pending.len() > MAX_PARALLEL_STREAM_BYTES {
+            // A huge stream: finish what is in flight, then decode the rest sequentially.
+            while !in_flight.is_empty() {
+                if !take_oldest(&mut in_flight, &mut cutter)? {
+                    return Ok(None);
+                }
+            }
+            return finish_sequentially(path, pending, base, reader, cutter, tx, count);
         }
     }
     let total = cutter.total();

@@ -1,0 +1,49 @@
+# bertkit: the two commands a new user needs are `make demo` and `make test`.
+#
+#   make demo [MIRROR=../shared/data]   build, then run the pipeline on small real data
+#   make test                           every test (what CI runs)
+#   make lint                           rustfmt check and clippy
+#   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
+
+# Where the demo data comes from: a folder laid out like ../shared/data.
+MIRROR ?= $(or $(BERTKIT_SHARED_DATA),../shared/data)
+# Where outputs go.
+OUT ?= out
+CARGO ?= cargo
+BERTKIT := target/release/bertkit
+ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
+
+.PHONY: all build demo test lint bench-format clean
+
+all: build
+
+build:
+	$(CARGO) build --release --locked
+
+demo: build
+	@test -d "$(MIRROR)" || { echo "error: MIRROR=$(MIRROR) is not a folder; point MIRROR at data laid out like ../shared/data" >&2; exit 1; }
+	@echo "== format: Wikipedia dump chunk"
+	$(BERTKIT) format wiki --input "$(MIRROR)/$(ENWIKI_CHUNK)" --output $(OUT)/demo/formatted/wiki
+	@echo
+	@echo "== format: Project Gutenberg books"
+	$(BERTKIT) format books --input "$(MIRROR)/gutenberg" --output $(OUT)/demo/formatted/books
+	@echo
+	@echo "demo output is in $(OUT)/demo/formatted/ (wiki/ and books/, each with its manifest)"
+
+test:
+	$(CARGO) test --workspace --locked
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+bench/.venv/bin/python:
+	python3 -m venv bench/.venv
+	bench/.venv/bin/pip install --quiet wikiextractor==3.1.0
+
+bench-format: build bench/.venv/bin/python
+	python3 bench/format_wiki.py --bertkit $(BERTKIT) --chunk "$(MIRROR)/$(ENWIKI_CHUNK)"
+
+clean:
+	$(CARGO) clean
+	rm -rf $(OUT) bench/.venv
