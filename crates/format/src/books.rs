@@ -139,10 +139,10 @@ pub fn format_books(
         .map(|p| InputFile::stat(p))
         .collect::<Result<Vec<_>, _>>()?;
     let parameters = serde_json::to_value(options).expect("options serialise");
-    if let Some(existing) = FormatManifest::read(output_dir, KIND) {
-        if existing.is_up_to_date(output_dir, &input_files, &parameters) {
-            return Ok(RunOutcome::UpToDate(existing));
-        }
+    if let Some(existing) = FormatManifest::read(output_dir, KIND)
+        && existing.is_up_to_date(output_dir, &input_files, &parameters)
+    {
+        return Ok(RunOutcome::UpToDate(existing));
     }
     fs::create_dir_all(output_dir).map_err(|e| FormatError::io(output_dir, e))?;
     FormatManifest::remove(output_dir, KIND)?;

@@ -103,10 +103,11 @@ impl ShardedTextWriter {
             return Ok(());
         }
         let len = doc.written_len();
-        if let Some(cur) = &self.current {
-            if cur.bytes > 0 && cur.bytes + len > self.max_bytes {
-                self.close_current()?;
-            }
+        if let Some(cur) = &self.current
+            && cur.bytes > 0
+            && cur.bytes + len > self.max_bytes
+        {
+            self.close_current()?;
         }
         if self.current.is_none() {
             let name = format!("{}_{:05}.txt", self.prefix, self.done.len());

@@ -225,7 +225,7 @@ fn multistream_plain_and_single_stream_give_identical_output_at_any_thread_count
             segment_bytes,
             ..Default::default()
         };
-        let outcome = run(&[input.clone()], &out, &options).unwrap();
+        let outcome = run(std::slice::from_ref(input), &out, &options).unwrap();
         assert_eq!(
             output_text(&out, &outcome),
             reference_text,
@@ -243,7 +243,7 @@ fn truncated_bz2_is_an_error_with_offset_and_leaves_no_output() {
     let cut = tmp.path().join("cut.xml.bz2");
     fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
     let out = tmp.path().join("out");
-    let err = run(&[cut.clone()], &out, &WikiOptions::default()).unwrap_err();
+    let err = run(std::slice::from_ref(&cut), &out, &WikiOptions::default()).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, FormatError::Bzip2 { .. }), "{msg}");
     assert!(
@@ -303,7 +303,7 @@ fn invalid_utf8_page_is_a_counted_skip_or_a_strict_error() {
     let path = tmp.path().join("bad-utf8.xml");
     fs::write(&path, &xml).unwrap();
     let outcome = run(
-        &[path.clone()],
+        std::slice::from_ref(&path),
         &tmp.path().join("o"),
         &WikiOptions::default(),
     )

@@ -267,10 +267,10 @@ pub fn process_segment(
                 }
             }
             Event::Empty(e) => {
-                if e.name().as_ref() == "redirect" {
-                    if let Some(p) = page.as_mut() {
-                        p.redirect = true;
-                    }
+                if e.name().as_ref() == "redirect"
+                    && let Some(p) = page.as_mut()
+                {
+                    p.redirect = true;
                 }
             }
             Event::End(e) => match e.name().as_ref() {

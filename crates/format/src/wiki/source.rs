@@ -235,6 +235,9 @@ fn send(tx: &SyncSender<SourceMessage>, seg: Option<Segment>) -> bool {
 
 type Produced = Result<Option<(String, u64)>, FormatError>;
 
+/// Multistream streams being decoded, in file order: (file offset, where the text will arrive).
+type InFlight = VecDeque<(u64, Receiver<Result<Vec<u8>, String>>)>;
+
 fn produce_sequential(
     path: &Path,
     kind: InputKind,
@@ -356,24 +359,23 @@ fn produce_multistream(
     let mut cutter = PageCutter::new(segment_bytes);
     // Streams being decoded on the pool, in file order: (file offset, result).
     let window = pool.current_num_threads() * MULTISTREAM_WINDOW_PER_THREAD;
-    let mut in_flight: VecDeque<(u64, Receiver<Result<Vec<u8>, String>>)> = VecDeque::new();
+    let mut in_flight: InFlight = VecDeque::new();
     // Takes the oldest stream's text and cuts it into segments; `false` when the consumer is gone.
-    let take_oldest = |in_flight: &mut VecDeque<(u64, Receiver<Result<Vec<u8>, String>>)>,
-                       cutter: &mut PageCutter|
-     -> Result<bool, FormatError> {
-        let (offset, rx) = in_flight.pop_front().expect("a stream is in flight");
-        let result = rx
-            .recv()
-            .unwrap_or_else(|_| Err("the decoding task stopped".into()));
-        match result {
-            Ok(xml) => Ok(send(tx, cutter.push(&xml))),
-            Err(message) => Err(FormatError::Bzip2 {
-                path: path.into(),
-                offset,
-                message: format!("in the stream starting here: {message}"),
-            }),
-        }
-    };
+    let take_oldest =
+        |in_flight: &mut InFlight, cutter: &mut PageCutter| -> Result<bool, FormatError> {
+            let (offset, rx) = in_flight.pop_front().expect("a stream is in flight");
+            let result = rx
+                .recv()
+                .unwrap_or_else(|_| Err("the decoding task stopped".into()));
+            match result {
+                Ok(xml) => Ok(send(tx, cutter.push(&xml))),
+                Err(message) => Err(FormatError::Bzip2 {
+                    path: path.into(),
+                    offset,
+                    message: format!("in the stream starting here: {message}"),
+                }),
+            }
+        };
     // Compressed bytes not yet dispatched; `pending[0]` is a stream start at file offset `base`.
     let mut pending: Vec<u8> = Vec::new();
     let mut base = 0u64;
