@@ -101,14 +101,20 @@ fn stream_starts(b: &[u8], from: usize) -> impl Iterator<Item = usize> + '_ {
         .filter(move |&start| start >= from)
 }
 
-/// Recognises the input kind from the file's first bytes.
+/// Recognises the input kind from the file's first bytes. Reads a few KB, and for bzip2 input
+/// as far as the second stream header (at most [`MULTISTREAM_PROBE_BYTES`]).
 pub fn detect(path: &Path) -> Result<InputKind, FormatError> {
     let mut f = File::open(path).map_err(|e| FormatError::io(path, e))?;
-    let mut head = Vec::with_capacity(MULTISTREAM_PROBE_BYTES.min(1 << 20));
-    (&mut f)
-        .take(MULTISTREAM_PROBE_BYTES as u64)
-        .read_to_end(&mut head)
-        .map_err(|e| FormatError::io(path, e))?;
+    let mut head = Vec::new();
+    let mut read_up_to = |head: &mut Vec<u8>, limit: usize| -> Result<bool, FormatError> {
+        let want = (limit - head.len()) as u64;
+        let n = (&mut f)
+            .take(want)
+            .read_to_end(head)
+            .map_err(|e| FormatError::io(path, e))?;
+        Ok(n as u64 == want)
+    };
+    read_up_to(&mut head, 4096)?;
     if head.starts_with(b"BZh") {
         if !bzip2_header_at(&head, 0) {
             return Err(FormatError::Bzip2 {
@@ -117,11 +123,18 @@ pub fn detect(path: &Path) -> Result<InputKind, FormatError> {
                 message: "bad stream header".into(),
             });
         }
-        return Ok(if stream_starts(&head, 1).next().is_some() {
-            InputKind::Bzip2Multistream
-        } else {
-            InputKind::Bzip2
-        });
+        let mut probed = 4096;
+        loop {
+            if stream_starts(&head, 1).next().is_some() {
+                return Ok(InputKind::Bzip2Multistream);
+            }
+            if probed >= MULTISTREAM_PROBE_BYTES
+                || !read_up_to(&mut head, (probed * 4).min(MULTISTREAM_PROBE_BYTES))?
+            {
+                return Ok(InputKind::Bzip2);
+            }
+            probed = head.len();
+        }
     }
     let text = head.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&head);
     let first = text.iter().position(|c| !c.is_ascii_whitespace());
