@@ -8,6 +8,15 @@
 
 /// Whitespace collapse, invisible characters out, template debris mended.
 pub fn normalise_spacing(s: &str) -> String {
+    if is_already_normal(s.as_bytes()) {
+        remove_empty_parentheses(s)
+    } else {
+        remove_empty_parentheses(&collapse(s))
+    }
+}
+
+/// The general (per-character) spacing rules.
+fn collapse(s: &str) -> String {
     let b = s.as_bytes();
     let mut collapsed = String::with_capacity(s.len());
     let mut pending_space = false;
@@ -59,7 +68,96 @@ pub fn normalise_spacing(s: &str) -> String {
         }
         collapsed.push(c);
     }
-    remove_empty_parentheses(&collapsed)
+    collapsed
+}
+
+/// Byte classes for [`is_already_normal`]: a control character (always needs work), a space,
+/// `(`, and the lead bytes of the few multi-byte characters the normaliser changes.
+const CONTROL: u8 = 1;
+const SPACE: u8 = 2;
+const OPEN: u8 = 4;
+const LEAD: u8 = 8;
+
+/// Class of each byte (what it is).
+const CLASS: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut c = 0;
+    while c < 0x20 {
+        t[c] = CONTROL;
+        c += 1;
+    }
+    t[0x7F] = CONTROL;
+    t[b' ' as usize] = SPACE;
+    t[b'(' as usize] = OPEN;
+    // U+0080–U+00A0 and U+00AD (C2 ..), U+1680 (E1), U+2000–U+206F (E2), U+3000 (E3), U+FEFF (EF).
+    t[0xC2] = LEAD;
+    t[0xE1] = LEAD;
+    t[0xE2] = LEAD;
+    t[0xE3] = LEAD;
+    t[0xEF] = LEAD;
+    t
+};
+
+/// Which classes a following byte makes a problem: a space before a space or closing
+/// punctuation, `(` before a space; controls and lead bytes always are.
+const NEXT: [u8; 256] = {
+    let mut t = [CONTROL | LEAD; 256];
+    let closers = [b' ', b',', b'.', b';', b':', b')', b'!', b'?'];
+    let mut i = 0;
+    while i < closers.len() {
+        t[closers[i] as usize] |= SPACE;
+        i += 1;
+    }
+    t[b' ' as usize] |= OPEN;
+    t
+};
+
+/// Whether `b` is certainly unchanged by the collapse step: no control character, no space
+/// at either end, no space before a space or closing punctuation, no space after `(`, and no
+/// multi-byte whitespace or invisible character. Branch-free over 64-byte blocks, so the
+/// common clean paragraph costs about a cycle per byte.
+fn is_already_normal(b: &[u8]) -> bool {
+    let n = b.len();
+    if n == 0 {
+        return true;
+    }
+    if b[0] == b' ' || b[n - 1] == b' ' || CLASS[b[n - 1] as usize] & (CONTROL | LEAD) != 0 {
+        return false;
+    }
+    let mut leads = false;
+    let mut start = 0;
+    while start + 1 < n {
+        let end = (start + 64).min(n - 1);
+        let mut flags = 0u8;
+        for (&c, &next) in b[start..end].iter().zip(&b[start + 1..end + 1]) {
+            flags |= CLASS[c as usize] & NEXT[next as usize];
+        }
+        if flags & (CONTROL | SPACE | OPEN) != 0 {
+            return false;
+        }
+        leads |= flags & LEAD != 0;
+        start = end;
+    }
+    !leads || !has_changed_multibyte(b)
+}
+
+/// Whether `b` holds a multi-byte character that the collapse step removes or turns into a
+/// space: C1 controls, NBSP, soft hyphen, U+1680, U+2000–U+200F, U+2028–U+202F, U+205F,
+/// U+2060, U+3000, U+FEFF.
+fn has_changed_multibyte(b: &[u8]) -> bool {
+    let at = |i: usize| b.get(i).copied().unwrap_or(0);
+    b.iter().enumerate().any(|(i, &c)| match c {
+        0xC2 => matches!(at(i + 1), 0x80..=0xA0 | 0xAD),
+        0xE1 => at(i + 1) == 0x9A && at(i + 2) == 0x80,
+        0xE2 => match at(i + 1) {
+            0x80 => matches!(at(i + 2), 0x80..=0x8F | 0xA8..=0xAF),
+            0x81 => matches!(at(i + 2), 0x9F | 0xA0),
+            _ => false,
+        },
+        0xE3 => at(i + 1) == 0x80 && at(i + 2) == 0x80,
+        0xEF => at(i + 1) == 0xBB && at(i + 2) == 0xBF,
+        _ => false,
+    })
 }
 
 /// Printable ASCII other than space.
@@ -123,5 +221,47 @@ mod tests {
         );
         assert_eq!(normalise_spacing("x (; y;)"), "x (y)");
         assert_eq!(normalise_spacing("lawn ?"), "lawn?");
+        assert_eq!(
+            normalise_spacing("a\u{2028}b\u{FEFF}c\u{00AD}d – e"),
+            "a bcd – e"
+        );
+    }
+
+    /// The fast check must never call a string normal that the general rules would change.
+    #[test]
+    fn fast_check_is_sound_on_random_text() {
+        let alphabet = [
+            "a", "Z", "1", " ", "  ", ",", ".", ";", ":", ")", "(", "!", "?", "\t", "\n", "\u{7F}",
+            "é", "–", "—", "°", "\u{00A0}", "\u{00AD}", "\u{0085}", "\u{1680}", "\u{2009}",
+            "\u{200B}", "\u{2028}", "\u{202F}", "\u{205F}", "\u{2060}", "\u{3000}", "\u{FEFF}",
+            "€", "™", "中",
+        ];
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut normal = 0;
+        for _ in 0..200_000 {
+            let len = (next() % 12) as usize;
+            // Mostly letters, so that many samples are normal.
+            let s: String = (0..len)
+                .map(|_| {
+                    let r = next();
+                    if r % 3 == 0 {
+                        alphabet[(r / 3 % alphabet.len() as u64) as usize]
+                    } else {
+                        "b"
+                    }
+                })
+                .collect();
+            if is_already_normal(s.as_bytes()) {
+                normal += 1;
+                assert_eq!(collapse(&s), s, "{s:?} was called normal");
+            }
+        }
+        assert!(normal > 10_000, "only {normal} normal samples");
     }
 }

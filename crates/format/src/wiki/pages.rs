@@ -132,7 +132,7 @@ fn drop_invalid_pages<'a>(
         base: seg_offset,
         removals: Vec::new(),
     };
-    let first_error = match std::str::from_utf8(bytes) {
+    let first_error = match simdutf8::compat::from_utf8(bytes) {
         Ok(s) => return Ok((Cow::Borrowed(s), map)),
         Err(e) => e.valid_up_to(),
     };
@@ -171,7 +171,7 @@ fn drop_invalid_pages<'a>(
         removed_total += (end - start) as u64;
         map.removals.push((kept.len(), removed_total));
         pos = end;
-        bad = std::str::from_utf8(&bytes[pos..])
+        bad = simdutf8::compat::from_utf8(&bytes[pos..])
             .err()
             .map(|e| pos + e.valid_up_to());
     }
