@@ -154,10 +154,10 @@ def main():
         """Median over rounds of a ratio computed within each round."""
         return statistics.median(ratio(i) for i in range(args.repeat))
 
-    def wall(name, i):
+    def wall_of(name, i):
         return rounds[name][i][0]
 
-    def cpu(name, i):
+    def cpu_of(name, i):
         return rounds[name][i][1]
 
     print(f"machine: {platform.node()}, {cores} cores, {platform.processor() or platform.machine()}, "
@@ -174,13 +174,13 @@ def main():
     print("| check | measured | floor |")
     print("|---|---:|---:|")
     print(f"| plain XML x1, MB per CPU-s vs WikiExtractor | "
-          f"{per_round(lambda i: cpu(wx_name, i) / cpu(x1, i)):.1f}x | 20x |")
+          f"{per_round(lambda i: cpu_of(wx_name, i) / cpu_of(x1, i)):.1f}x | 20x |")
     print(f"| plain XML x{n}, MB per CPU-s vs WikiExtractor | "
-          f"{per_round(lambda i: (sizen / cpu(xn, i)) / (size1 / cpu(wx_name, i))):.1f}x | 20x |")
-    print(f"| single-stream bz2 wall / bzip2 -dc wall | {per_round(lambda i: wall(single, i) / wall(bz_name, i)):.2f} "
+          f"{per_round(lambda i: (sizen / cpu_of(xn, i)) / (size1 / cpu_of(wx_name, i))):.1f}x | 20x |")
+    print(f"| single-stream bz2 wall / bzip2 -dc wall | {per_round(lambda i: wall_of(single, i) / wall_of(bz_name, i)):.2f} "
           f"| <= 1.25 |")
     for t, name in multi.items():
-        ratio = per_round(lambda i: wall(bz_name, i) / wall(name, i) / t)
+        ratio = per_round(lambda i: wall_of(bz_name, i) / wall_of(name, i) / t)
         print(f"| multistream, {t} thread(s): rate / ({t} x bzip2 -dc rate) | {ratio:.2f} | >= 0.8 |")
 
     top, wx_total, bk_total, matched, wx_docs = compare_with_wikiextractor(
