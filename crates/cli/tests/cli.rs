@@ -156,3 +156,99 @@ fn missing_arguments_are_usage_errors() {
     assert_eq!(run.status.code(), Some(2));
     assert!(text(&run.stderr).contains("--input"));
 }
+
+/// A run killed in the middle leaves only hidden `.partial` files and no manifest; the next run
+/// cleans them up and completes.
+#[cfg(unix)]
+#[test]
+fn killed_run_leaves_nothing_that_looks_finished() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    // A plain XML dump long enough to be interrupted: the real chunk's pages, eight times.
+    let mut xml = Vec::new();
+    bzip2::read::MultiBzDecoder::new(std::fs::File::open(require(ENWIKI)).unwrap())
+        .read_to_end(&mut xml)
+        .unwrap();
+    let dump = String::from_utf8(xml).unwrap();
+    let (first, last) = (
+        dump.find("<page>").unwrap(),
+        dump.rfind("</page>").unwrap() + "</page>".len(),
+    );
+    let big = format!(
+        "{}{}{}",
+        &dump[..first],
+        dump[first..last].repeat(8),
+        &dump[last..]
+    );
+    let input = dir.path().join("big.xml");
+    std::fs::write(&input, big).unwrap();
+    let out = dir.path().join("out");
+    let args = [
+        "format",
+        "wiki",
+        "--input",
+        path(&input),
+        "--output",
+        path(&out),
+        "--max-bytes",
+        "200000",
+        "-q",
+    ];
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(args)
+        .spawn()
+        .unwrap();
+    // Wait until output is being written, then kill.
+    let started = std::time::Instant::now();
+    let partial_exists = || {
+        std::fs::read_dir(&out)
+            .map(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+            })
+            .unwrap_or(false)
+    };
+    while !partial_exists() {
+        assert!(
+            started.elapsed().as_secs() < 60,
+            "no partial output appeared"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be interrupted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the run was not interrupted: {status:?}"
+    );
+    let names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!names.is_empty());
+    for name in &names {
+        assert!(
+            name.starts_with('.') && name.ends_with(".partial"),
+            "finished-looking file {name} after a kill"
+        );
+    }
+
+    let rerun = bertkit(&args);
+    assert!(rerun.status.success(), "{}", text(&rerun.stderr));
+    let names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.ends_with(".partial")), "{names:?}");
+    assert!(names.contains(&"wiki.manifest.json".to_string()));
+}

@@ -100,6 +100,20 @@ fn enwiki_chunk_counts_residue_and_known_sentences() {
     ] {
         assert!(lines.contains(sentence), "missing sentence: {sentence}");
     }
+    // Real sentence boundaries around abbreviations, initials and decimals: each must be one
+    // whole line, neither split nor glued to its neighbour.
+    for sentence in [
+        "Also M. E. Lazarus was an important American individualist anarchist who promoted free love.",
+        "Experiments in Germany led to A. S. Neill founding what became Summerhill School in 1921.",
+        "They encouraged playing with sexual roles and sexuality, and the openly bisexual radical Edna St. Vincent Millay and the lesbian anarchist Margaret Anderson were prominent among them.",
+        "Human activities (e.g. deforestation, farming, and urbanization) change the albedo of various areas around the globe.",
+        "We may suppose this paper is divided into squares like a child's arithmetic book....I assume then that the computation is carried out on one-dimensional paper, i.e., on a tape divided into squares.",
+        "The overall albedo of the Moon is measured to be around 0.136, but it is strongly directional and non-Lambertian, displaying also a strong opposition effect.",
+        "The sex ratio averages 4.3:1 and is greatly modified by cognitive impairment: it may be close to 2:1 with intellectual disability and more than 5.5:1 without.",
+        "In surveys of U.S. scholars ranking presidents conducted since the 1940s, Lincoln is consistently ranked in the top three, often as number one.",
+    ] {
+        assert!(lines.contains(sentence), "not a whole line: {sentence}");
+    }
 }
 
 #[test]
