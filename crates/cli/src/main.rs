@@ -119,10 +119,11 @@ impl Observer for StderrObserver {
         *last = Some(Instant::now());
         let secs = p.elapsed.as_secs_f64().max(1e-9);
         let line = format!(
-            "input {}/{}: {} read, {} documents, {:.1} MB in ({:.1} MB/s), {:.1} MB out",
+            "input {}/{}: {} {} read, {} documents written, {:.1} MB in ({:.1} MB/s), {:.1} MB out",
             p.input + 1,
             p.inputs,
             p.items,
+            p.unit,
             p.documents,
             p.input_bytes as f64 / 1e6,
             p.input_bytes as f64 / 1e6 / secs,

@@ -192,9 +192,10 @@ pub fn format_books(
             counts.add(&c);
         }
         observer.progress(&Progress {
-            input: (batch_index + 1) * threads.max(1) - 1,
+            input: ((batch_index + 1) * threads.max(1)).min(files.len()) - 1,
             inputs: files.len(),
             items: counts.books_seen,
+            unit: "books",
             documents: counts.books_written,
             input_bytes: counts.input_bytes,
             output_bytes: counts.bytes,

@@ -13,6 +13,8 @@ pub struct Progress {
     pub inputs: usize,
     /// Pages (wiki) or books read so far.
     pub items: u64,
+    /// What `items` counts: "pages" or "books".
+    pub unit: &'static str,
     /// Documents written so far.
     pub documents: u64,
     /// Input bytes processed (decompressed XML or book bytes).

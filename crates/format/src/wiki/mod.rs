@@ -187,6 +187,7 @@ pub fn format_wiki(
                 input: index,
                 inputs: inputs.len(),
                 items: counts.pages_seen,
+                unit: "pages",
                 documents: counts.articles_written,
                 input_bytes: counts.xml_bytes,
                 output_bytes: counts.bytes,
