@@ -199,32 +199,42 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 strict: args.strict,
                 ..Default::default()
             };
-            let observer = StderrObserver::new(args.common.quiet);
-            let outcome = bertkit_format::wiki::format_wiki(
-                &args.input,
-                &args.common.output,
-                &options,
-                &observer,
-            )?;
-            observer.finish_line();
-            print_summary(&outcome, &args.common.output);
+            report(&args.common, |observer| {
+                bertkit_format::wiki::format_wiki(
+                    &args.input,
+                    &args.common.output,
+                    &options,
+                    observer,
+                )
+            })?;
         }
         Command::Format(FormatCommand::Books(args)) => {
             let options = bertkit_format::books::BookOptions {
                 max_bytes: args.common.max_bytes,
                 threads: args.common.threads,
             };
-            let observer = StderrObserver::new(args.common.quiet);
-            let outcome = bertkit_format::books::format_books(
-                &args.input,
-                &args.common.output,
-                &options,
-                &observer,
-            )?;
-            observer.finish_line();
-            print_summary(&outcome, &args.common.output);
+            report(&args.common, |observer| {
+                bertkit_format::books::format_books(
+                    &args.input,
+                    &args.common.output,
+                    &options,
+                    observer,
+                )
+            })?;
         }
     }
+    Ok(())
+}
+
+/// Runs a format stage with progress on stderr, then prints its summary on stdout.
+fn report(
+    common: &CommonArgs,
+    stage: impl FnOnce(&StderrObserver) -> Result<RunOutcome, bertkit_format::FormatError>,
+) -> Result<(), bertkit_format::FormatError> {
+    let observer = StderrObserver::new(common.quiet);
+    let outcome = stage(&observer)?;
+    observer.finish_line();
+    print_summary(&outcome, &common.output);
     Ok(())
 }
 

@@ -21,16 +21,15 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::FormatError;
-use crate::manifest::{FormatManifest, InputFile};
-use crate::output::{Document, ShardedTextWriter, hex};
+use crate::output::{Document, hex};
 use crate::progress::{Observer, Progress, RunOutcome};
+use crate::run::Run;
 use crate::sentences::split_sentences;
 use crate::spacing::normalise_spacing;
 
@@ -132,35 +131,24 @@ pub fn format_books(
     options: &BookOptions,
     observer: &dyn Observer,
 ) -> Result<RunOutcome, FormatError> {
-    let started = Instant::now();
     let files = expand_inputs(inputs)?;
-    let mut input_files = files
-        .iter()
-        .map(|p| InputFile::stat(p))
-        .collect::<Result<Vec<_>, _>>()?;
     let parameters = serde_json::to_value(options).expect("options serialise");
-    if let Some(existing) = FormatManifest::read(output_dir, KIND)
-        && existing.is_up_to_date(output_dir, &input_files, &parameters)
-    {
-        return Ok(RunOutcome::UpToDate(existing));
-    }
-    fs::create_dir_all(output_dir).map_err(|e| FormatError::io(output_dir, e))?;
-    FormatManifest::remove(output_dir, KIND)?;
-    let threads = if options.threads == 0 {
-        rayon::current_num_threads()
-    } else {
-        options.threads
+    let mut run = match Run::begin(
+        KIND,
+        &files,
+        output_dir,
+        parameters,
+        options.threads,
+        options.max_bytes,
+    )? {
+        Ok(run) => run,
+        Err(up_to_date) => return Ok(RunOutcome::UpToDate(up_to_date)),
     };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| FormatError::Usage(format!("cannot start {threads} worker threads: {e}")))?;
-    let mut writer = ShardedTextWriter::new(output_dir, KIND, options.max_bytes)?;
     let mut counts = BookCounts::default();
-    let mut warnings = Vec::new();
-    for (batch_index, batch) in files.chunks(threads.max(1)).enumerate() {
+    let per_batch = run.threads.max(1);
+    for (batch_index, batch) in files.chunks(per_batch).enumerate() {
         let results: Vec<Result<(Document, BookCounts, String), FormatError>> =
-            pool.install(|| {
+            run.pool.install(|| {
                 batch
                     .par_iter()
                     .map(|path| {
@@ -173,47 +161,38 @@ pub fn format_books(
             });
         for (i, result) in results.into_iter().enumerate() {
             let (doc, c, sha) = result?;
-            let index = batch_index * threads.max(1) + i;
-            input_files[index].sha256 = sha;
+            let index = batch_index * per_batch + i;
+            run.inputs[index].sha256 = sha;
             if c.latin1_fallbacks > 0 {
-                let w = format!("{}: not UTF-8; read as Latin-1", files[index].display());
-                observer.warning(&w);
-                warnings.push(w);
+                run.warn(
+                    observer,
+                    format!("{}: not UTF-8; read as Latin-1", files[index].display()),
+                );
             }
             if c.empty_books_skipped > 0 {
-                let w = format!(
-                    "{}: no text left after cleaning; skipped",
-                    files[index].display()
+                run.warn(
+                    observer,
+                    format!(
+                        "{}: no text left after cleaning; skipped",
+                        files[index].display()
+                    ),
                 );
-                observer.warning(&w);
-                warnings.push(w);
             }
-            writer.write(&doc)?;
+            run.writer.write(&doc)?;
             counts.add(&c);
         }
         observer.progress(&Progress {
-            input: ((batch_index + 1) * threads.max(1)).min(files.len()) - 1,
+            input: ((batch_index + 1) * per_batch).min(files.len()) - 1,
             inputs: files.len(),
             items: counts.books_seen,
             unit: "books",
             documents: counts.books_written,
             input_bytes: counts.input_bytes,
             output_bytes: counts.bytes,
-            elapsed: started.elapsed(),
+            elapsed: run.elapsed(),
         });
     }
-    let outputs = writer.commit()?;
-    let manifest = FormatManifest::new(
-        KIND,
-        parameters,
-        input_files,
-        outputs,
-        counts,
-        warnings,
-        started.elapsed().as_secs_f64(),
-    );
-    manifest.write(output_dir)?;
-    Ok(RunOutcome::Completed(manifest))
+    run.finish(counts)
 }
 
 /// Decodes a book's bytes: UTF-8 (BOM dropped) or, failing that, Windows-1252/Latin-1.

@@ -38,6 +38,7 @@ pub mod error;
 pub mod manifest;
 pub mod output;
 pub mod progress;
+mod run;
 pub mod sentences;
 pub mod spacing;
 pub mod wiki;

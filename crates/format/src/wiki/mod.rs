@@ -13,17 +13,14 @@ pub mod pages;
 pub mod source;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::mpsc::{TryRecvError, sync_channel};
-use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::FormatError;
-use crate::manifest::{FormatManifest, InputFile, MAX_RECORDED_WARNINGS};
-use crate::output::ShardedTextWriter;
 use crate::progress::{Observer, Progress, RunOutcome};
+use crate::run::Run;
 pub use markup::CleanOptions;
 pub use pages::WikiCounts;
 pub use source::InputKind;
@@ -74,45 +71,27 @@ pub fn format_wiki(
     options: &WikiOptions,
     observer: &dyn Observer,
 ) -> Result<RunOutcome, FormatError> {
-    let started = Instant::now();
     if inputs.is_empty() {
         return Err(FormatError::Usage("no input dump given".into()));
-    }
-    let mut input_files = inputs
-        .iter()
-        .map(|p| InputFile::stat(p))
-        .collect::<Result<Vec<_>, _>>()?;
-    let parameters = serde_json::to_value(options).expect("options serialise");
-    if let Some(existing) = FormatManifest::read(output_dir, KIND)
-        && existing.is_up_to_date(output_dir, &input_files, &parameters)
-    {
-        return Ok(RunOutcome::UpToDate(existing));
     }
     let kinds = inputs
         .iter()
         .map(|p| source::detect(p))
         .collect::<Result<Vec<_>, _>>()?;
-    std::fs::create_dir_all(output_dir).map_err(|e| FormatError::io(output_dir, e))?;
-    FormatManifest::remove(output_dir, KIND)?;
-
-    let threads = if options.threads == 0 {
-        rayon::current_num_threads()
-    } else {
-        options.threads
+    let parameters = serde_json::to_value(options).expect("options serialise");
+    let mut run = match Run::begin(
+        KIND,
+        inputs,
+        output_dir,
+        parameters,
+        options.threads,
+        options.max_bytes,
+    )? {
+        Ok(run) => run,
+        Err(up_to_date) => return Ok(RunOutcome::UpToDate(up_to_date)),
     };
-    let pool = Arc::new(
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("bertkit-format-{i}"))
-            .build()
-            .map_err(|e| {
-                FormatError::Usage(format!("cannot start {threads} worker threads: {e}"))
-            })?,
-    );
-    let mut writer = ShardedTextWriter::new(output_dir, KIND, options.max_bytes)?;
     let mut counts = WikiCounts::default();
-    let mut warnings = Vec::new();
-    let batch = threads * 2;
+    let batch = run.threads * 2;
     for (index, (path, kind)) in inputs.iter().zip(&kinds).enumerate() {
         observer.message(&format!(
             "reading {} ({})",
@@ -122,11 +101,11 @@ pub fn format_wiki(
         let (tx, rx) = sync_channel(batch * 2);
         let producer = {
             let (path, kind, pool, segment_bytes) =
-                (path.clone(), *kind, pool.clone(), options.segment_bytes);
+                (path.clone(), *kind, run.pool.clone(), options.segment_bytes);
             std::thread::Builder::new()
                 .name("bertkit-format-reader".into())
                 .spawn(move || source::produce(path, kind, segment_bytes, pool, tx))
-                .map_err(|e| FormatError::io(path_of(inputs, index), e))?
+                .map_err(|e| FormatError::io(&inputs[index], e))?
         };
         let mut done = None;
         let mut saw_root_end = false;
@@ -156,7 +135,7 @@ pub fn format_wiki(
                     path.display()
                 )));
             }
-            let outcomes: Vec<_> = pool.install(|| {
+            let outcomes: Vec<_> = run.pool.install(|| {
                 segments
                     .par_iter()
                     .map(|s| pages::process_segment(path, s.offset, &s.bytes, options))
@@ -173,13 +152,10 @@ pub fn format_wiki(
                 }
                 saw_root_end |= outcome.saw_root_end;
                 for doc in &outcome.documents {
-                    writer.write(doc)?;
+                    run.writer.write(doc)?;
                 }
                 for w in outcome.warnings {
-                    observer.warning(&w);
-                    if warnings.len() < MAX_RECORDED_WARNINGS {
-                        warnings.push(w);
-                    }
+                    run.warn(observer, w);
                 }
                 counts.add(&outcome.counts);
             }
@@ -191,7 +167,7 @@ pub fn format_wiki(
                 documents: counts.articles_written,
                 input_bytes: counts.xml_bytes,
                 output_bytes: counts.bytes,
-                elapsed: started.elapsed(),
+                elapsed: run.elapsed(),
             });
         }
         let _ = producer.join();
@@ -203,24 +179,9 @@ pub fn format_wiki(
                 message: "truncated XML: the dump ends without its closing </mediawiki> tag".into(),
             });
         }
-        input_files[index].sha256 = sha256;
+        run.inputs[index].sha256 = sha256;
     }
-    let outputs = writer.commit()?;
-    let manifest = FormatManifest::new(
-        KIND,
-        parameters,
-        input_files,
-        outputs,
-        counts,
-        warnings,
-        started.elapsed().as_secs_f64(),
-    );
-    manifest.write(output_dir)?;
-    Ok(RunOutcome::Completed(manifest))
-}
-
-fn path_of(inputs: &[PathBuf], index: usize) -> &Path {
-    &inputs[index]
+    run.finish(counts)
 }
 
 fn kind_name(kind: InputKind) -> &'static str {

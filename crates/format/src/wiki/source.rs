@@ -259,64 +259,54 @@ fn produce_sequential(
 ) -> Produced {
     let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
     let count = Rc::new(Cell::new(0u64));
-    let hashing = HashingReader {
+    let mut hashing = HashingReader {
         inner: file,
         hasher: Sha256::new(),
         count: count.clone(),
     };
-    let mut cutter = PageCutter::new(segment_bytes);
+    let cutter = PageCutter::new(segment_bytes);
+    if kind == InputKind::Xml {
+        let Some(total) = pump(&mut hashing, cutter, tx, |e, _| FormatError::io(path, e))? else {
+            return Ok(None);
+        };
+        return Ok(Some((hex(&hashing.hasher.finalize()), total)));
+    }
+    let mut decoder = bzip2::read::MultiBzDecoder::new(BufReader::with_capacity(1 << 20, hashing));
+    let bzip2_error = |e: io::Error, xml: u64| FormatError::Bzip2 {
+        path: path.into(),
+        offset: count.get(),
+        message: format!("{e} (after {xml} bytes of XML)"),
+    };
+    let Some(total) = pump(&mut decoder, cutter, tx, bzip2_error)? else {
+        return Ok(None);
+    };
+    let mut hashing = decoder.into_inner().into_inner();
+    // Hash any bytes the decoder did not need to read (there are none in a valid file).
+    io::copy(&mut hashing, &mut io::sink()).map_err(|e| FormatError::io(path, e))?;
+    Ok(Some((hex(&hashing.hasher.finalize()), total)))
+}
+
+/// Reads `reader` to its end, cutting what it yields into segments for `tx`. Returns the
+/// number of XML bytes, or `None` when the consumer hung up; a read error becomes
+/// `error(error, XML bytes so far)`.
+fn pump(
+    reader: &mut impl Read,
+    mut cutter: PageCutter,
+    tx: &SyncSender<SourceMessage>,
+    error: impl Fn(io::Error, u64) -> FormatError,
+) -> Result<Option<u64>, FormatError> {
     let mut block = vec![0u8; 1 << 20];
-    let finish = |hasher: Sha256| hex(&hasher.finalize());
-    match kind {
-        InputKind::Xml => {
-            let mut reader = hashing;
-            loop {
-                let n =
-                    read_retrying(&mut reader, &mut block).map_err(|e| FormatError::io(path, e))?;
-                if n == 0 {
-                    break;
-                }
-                if !send(tx, cutter.push(&block[..n])) {
-                    return Ok(None);
-                }
-            }
-            let total = cutter.total();
-            if !send(tx, cutter.finish()) {
-                return Ok(None);
-            }
-            Ok(Some((finish(reader.hasher), total)))
+    loop {
+        let n = read_retrying(reader, &mut block).map_err(|e| error(e, cutter.total()))?;
+        if n == 0 {
+            break;
         }
-        _ => {
-            let mut decoder =
-                bzip2::read::MultiBzDecoder::new(BufReader::with_capacity(1 << 20, hashing));
-            loop {
-                let n = match read_retrying(&mut decoder, &mut block) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        return Err(FormatError::Bzip2 {
-                            path: path.into(),
-                            offset: count.get(),
-                            message: format!("{e} (after {} bytes of XML)", cutter.total()),
-                        });
-                    }
-                };
-                if n == 0 {
-                    break;
-                }
-                if !send(tx, cutter.push(&block[..n])) {
-                    return Ok(None);
-                }
-            }
-            let total = cutter.total();
-            if !send(tx, cutter.finish()) {
-                return Ok(None);
-            }
-            let mut hashing = decoder.into_inner().into_inner();
-            // Hash any bytes the decoder did not need to read (there are none in a valid file).
-            io::copy(&mut hashing, &mut io::sink()).map_err(|e| FormatError::io(path, e))?;
-            Ok(Some((finish(hashing.hasher), total)))
+        if !send(tx, cutter.push(&block[..n])) {
+            return Ok(None);
         }
     }
+    let total = cutter.total();
+    Ok(send(tx, cutter.finish()).then_some(total))
 }
 
 fn read_retrying(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
@@ -448,7 +438,7 @@ fn finish_sequentially(
     pending: Vec<u8>,
     base: u64,
     reader: HashingReader<File>,
-    mut cutter: PageCutter,
+    cutter: PageCutter,
     tx: &SyncSender<SourceMessage>,
     count: Rc<Cell<u64>>,
 ) -> Produced {
@@ -456,30 +446,14 @@ fn finish_sequentially(
     let read_before = count.get();
     let chained = io::Cursor::new(pending).chain(reader);
     let mut decoder = bzip2::read::MultiBzDecoder::new(BufReader::with_capacity(1 << 20, chained));
-    let mut block = vec![0u8; 1 << 20];
-    loop {
-        let n = match read_retrying(&mut decoder, &mut block) {
-            Ok(n) => n,
-            Err(e) => {
-                let offset = base + pending_len + (count.get() - read_before);
-                return Err(FormatError::Bzip2 {
-                    path: path.into(),
-                    offset,
-                    message: e.to_string(),
-                });
-            }
-        };
-        if n == 0 {
-            break;
-        }
-        if !send(tx, cutter.push(&block[..n])) {
-            return Ok(None);
-        }
-    }
-    let total = cutter.total();
-    if !send(tx, cutter.finish()) {
+    let bzip2_error = |e: io::Error, _| FormatError::Bzip2 {
+        path: path.into(),
+        offset: base + pending_len + (count.get() - read_before),
+        message: e.to_string(),
+    };
+    let Some(total) = pump(&mut decoder, cutter, tx, bzip2_error)? else {
         return Ok(None);
-    }
+    };
     let (_, mut reader) = decoder.into_inner().into_inner().into_inner();
     io::copy(&mut reader, &mut io::sink()).map_err(|e| FormatError::io(path, e))?;
     Ok(Some((hex(&reader.hasher.finalize()), total)))
