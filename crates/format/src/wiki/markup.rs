@@ -59,14 +59,6 @@ pub struct CleanStats {
     pub stray: u64,
 }
 
-impl CleanStats {
-    /// Adds another article's counters to these.
-    pub fn add(&mut self, other: &CleanStats) {
-        self.unterminated += other.unterminated;
-        self.stray += other.stray;
-    }
-}
-
 /// Cleans one article's wikitext (already XML-unescaped) into plain-text paragraphs.
 pub fn wikitext_to_paragraphs(
     wikitext: &str,
@@ -576,7 +568,7 @@ fn paragraphs(s: &str, options: &CleanOptions) -> Vec<String> {
 }
 
 /// Removes quote markup and magic words, decodes entities and normalises spacing.
-pub(crate) fn clean_inline(s: &str) -> String {
+fn clean_inline(s: &str) -> String {
     let mut no_quotes = String::with_capacity(s.len());
     strip_quote_markup(s, &mut no_quotes);
     let no_magic = strip_magic_words(&no_quotes);
