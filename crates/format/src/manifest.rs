@@ -8,9 +8,7 @@
 //! does nothing.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::UNIX_EPOCH;
 
 use serde::{Deserialize, Serialize};
 
@@ -19,48 +17,12 @@ use crate::error::FormatError;
 /// Version of the manifest layout.
 pub const MANIFEST_VERSION: u32 = 1;
 
-/// One input file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct InputFile {
-    /// Absolute path.
-    pub path: String,
-    /// Size in bytes.
-    pub bytes: u64,
-    /// Modification time, nanoseconds since the Unix epoch.
-    pub modified_unix_ns: u128,
-    /// SHA-256 of the file's bytes (computed while reading it).
-    pub sha256: String,
-}
+/// One input file's fingerprint (shared by every stage).
+pub use bertkit_stage_io::InputFile;
 
-impl InputFile {
-    /// Stats a file (the hash is filled in after it has been read).
-    pub fn stat(path: &Path) -> Result<Self, FormatError> {
-        let abs = fs::canonicalize(path).map_err(|e| FormatError::io(path, e))?;
-        let meta = fs::metadata(&abs).map_err(|e| FormatError::io(path, e))?;
-        if !meta.is_file() {
-            return Err(FormatError::Unsupported {
-                path: path.into(),
-                message: "not a regular file".into(),
-            });
-        }
-        let modified_unix_ns = meta
-            .modified()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_nanos());
-        Ok(InputFile {
-            path: abs.to_string_lossy().into_owned(),
-            bytes: meta.len(),
-            modified_unix_ns,
-            sha256: String::new(),
-        })
-    }
-
-    fn same_file_as(&self, other: &InputFile) -> bool {
-        self.path == other.path
-            && self.bytes == other.bytes
-            && self.modified_unix_ns == other.modified_unix_ns
-    }
+/// Stats an input file for a manifest (the hash is filled in after it has been read).
+pub fn stat_input(path: &Path) -> Result<InputFile, FormatError> {
+    InputFile::stat(path).map_err(|e| FormatError::io(path, e))
 }
 
 /// One output file.
@@ -178,14 +140,10 @@ impl FormatManifest {
     /// Writes the manifest atomically (temporary file, then rename).
     pub fn write(&self, dir: &Path) -> Result<PathBuf, FormatError> {
         let path = dir.join(Self::file_name(&self.kind));
-        let tmp = dir.join(format!(".{}.partial", Self::file_name(&self.kind)));
         let mut json = serde_json::to_string_pretty(self).expect("manifest serialises");
         json.push('\n');
-        let mut f = fs::File::create(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
-        f.write_all(json.as_bytes())
-            .map_err(|e| FormatError::io(&tmp, e))?;
-        f.sync_all().map_err(|e| FormatError::io(&tmp, e))?;
-        fs::rename(&tmp, &path).map_err(|e| FormatError::io(&path, e))?;
+        bertkit_stage_io::write_atomically(&path, json.as_bytes())
+            .map_err(|e| FormatError::io(&path, e))?;
         Ok(path)
     }
 }

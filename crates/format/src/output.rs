@@ -201,10 +201,7 @@ fn is_shard_name(name: &str, prefix: &str) -> bool {
         .is_some_and(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()))
 }
 
-/// Lower-case hex of a digest.
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub(crate) use bertkit_stage_io::hex;
 
 #[cfg(test)]
 mod tests {

@@ -9,7 +9,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::error::FormatError;
-use crate::manifest::{FormatManifest, InputFile, MAX_RECORDED_WARNINGS};
+use crate::manifest::{FormatManifest, InputFile, MAX_RECORDED_WARNINGS, stat_input};
 use crate::output::ShardedTextWriter;
 use crate::progress::{Observer, RunOutcome};
 
@@ -43,7 +43,7 @@ impl Run {
         let started = Instant::now();
         let inputs = files
             .iter()
-            .map(|p| InputFile::stat(p))
+            .map(|p| stat_input(p))
             .collect::<Result<Vec<_>, _>>()?;
         if let Some(existing) = FormatManifest::read(output_dir, kind)
             && existing.is_up_to_date(output_dir, &inputs, &parameters)

@@ -20,20 +20,17 @@
 //! The producer runs on its own thread and hands segments over a bounded channel, so memory
 //! holds at most `queue` segments plus the batch being decoded; see the crate docs for the bound.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
+use bertkit_stage_io::HashingReader;
 use memchr::memmem;
-use sha2::{Digest, Sha256};
 
 use crate::error::FormatError;
-use crate::output::hex;
 
 /// How far into a bzip2 file a second stream header is looked for.
 pub const MULTISTREAM_PROBE_BYTES: usize = 16 << 20;
@@ -148,22 +145,6 @@ pub fn detect(path: &Path) -> Result<InputKind, FormatError> {
     }
 }
 
-/// A reader that hashes and counts what passes through it.
-struct HashingReader<R> {
-    inner: R,
-    hasher: Sha256,
-    count: Rc<Cell<u64>>,
-}
-
-impl<R: Read> Read for HashingReader<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.hasher.update(&buf[..n]);
-        self.count.set(self.count.get() + n as u64);
-        Ok(n)
-    }
-}
-
 /// Cuts decompressed XML into page-aligned segments.
 struct PageCutter {
     carry: Vec<u8>,
@@ -258,18 +239,17 @@ fn produce_sequential(
     tx: &SyncSender<SourceMessage>,
 ) -> Produced {
     let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
-    let count = Rc::new(Cell::new(0u64));
-    let mut hashing = HashingReader {
-        inner: file,
-        hasher: Sha256::new(),
-        count: count.clone(),
-    };
+    let mut hashing = HashingReader::new(file);
+    let count = hashing.counter();
     let cutter = PageCutter::new(segment_bytes);
     if kind == InputKind::Xml {
         let Some(total) = pump(&mut hashing, cutter, tx, |e, _| FormatError::io(path, e))? else {
             return Ok(None);
         };
-        return Ok(Some((hex(&hashing.hasher.finalize()), total)));
+        return Ok(Some((
+            hashing.finish().map_err(|e| FormatError::io(path, e))?,
+            total,
+        )));
     }
     let mut decoder = bzip2::read::MultiBzDecoder::new(BufReader::with_capacity(1 << 20, hashing));
     let bzip2_error = |e: io::Error, xml: u64| FormatError::Bzip2 {
@@ -280,10 +260,13 @@ fn produce_sequential(
     let Some(total) = pump(&mut decoder, cutter, tx, bzip2_error)? else {
         return Ok(None);
     };
-    let mut hashing = decoder.into_inner().into_inner();
-    // Hash any bytes the decoder did not need to read (there are none in a valid file).
-    io::copy(&mut hashing, &mut io::sink()).map_err(|e| FormatError::io(path, e))?;
-    Ok(Some((hex(&hashing.hasher.finalize()), total)))
+    // `finish` also hashes any bytes the decoder did not need (there are none in a valid file).
+    let sha256 = decoder
+        .into_inner()
+        .into_inner()
+        .finish()
+        .map_err(|e| FormatError::io(path, e))?;
+    Ok(Some((sha256, total)))
 }
 
 /// Reads `reader` to its end, cutting what it yields into segments for `tx`. Returns the
@@ -353,12 +336,8 @@ fn produce_multistream(
     tx: &SyncSender<SourceMessage>,
 ) -> Produced {
     let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
-    let count = Rc::new(Cell::new(0u64));
-    let mut reader = HashingReader {
-        inner: file,
-        hasher: Sha256::new(),
-        count: count.clone(),
-    };
+    let mut reader = HashingReader::new(file);
+    let count = reader.counter();
     let mut cutter = PageCutter::new(segment_bytes);
     // Streams being decoded on the pool, in file order: (file offset, result).
     let window = pool.current_num_threads() * MULTISTREAM_WINDOW_PER_THREAD;
@@ -428,7 +407,10 @@ fn produce_multistream(
     if !send(tx, cutter.finish()) {
         return Ok(None);
     }
-    Ok(Some((hex(&reader.hasher.finalize()), total)))
+    Ok(Some((
+        reader.finish().map_err(|e| FormatError::io(path, e))?,
+        total,
+    )))
 }
 
 /// Continues a multistream file with one sequential decoder from `pending` (which starts at a
@@ -440,7 +422,7 @@ fn finish_sequentially(
     reader: HashingReader<File>,
     cutter: PageCutter,
     tx: &SyncSender<SourceMessage>,
-    count: Rc<Cell<u64>>,
+    count: std::rc::Rc<std::cell::Cell<u64>>,
 ) -> Produced {
     let pending_len = pending.len() as u64;
     let read_before = count.get();
@@ -454,9 +436,11 @@ fn finish_sequentially(
     let Some(total) = pump(&mut decoder, cutter, tx, bzip2_error)? else {
         return Ok(None);
     };
-    let (_, mut reader) = decoder.into_inner().into_inner().into_inner();
-    io::copy(&mut reader, &mut io::sink()).map_err(|e| FormatError::io(path, e))?;
-    Ok(Some((hex(&reader.hasher.finalize()), total)))
+    let (_, reader) = decoder.into_inner().into_inner().into_inner();
+    Ok(Some((
+        reader.finish().map_err(|e| FormatError::io(path, e))?,
+        total,
+    )))
 }
 
 #[cfg(test)]

@@ -1,0 +1,173 @@
+//! # bertkit-stage-io: what every data stage shares
+//!
+//! bertkit's stages hand off through files and manifests. Each manifest fingerprints its inputs
+//! (absolute path, size, modification time, SHA-256) so that a re-run with unchanged inputs can
+//! be skipped, and every file a stage writes appears atomically (written under a temporary
+//! name, then renamed). This crate holds those few shared pieces:
+//! - [`InputFile`]: an input's fingerprint, and whether a file is still the one fingerprinted;
+//! - [`HashingReader`]: a reader that hashes (SHA-256) and counts what passes through it;
+//! - [`write_atomically`]: write a file whole or not at all;
+//! - [`hex`]: lower-case hex of a digest.
+
+use std::cell::Cell;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::UNIX_EPOCH;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// An input file's fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputFile {
+    /// Absolute path.
+    pub path: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub modified_unix_ns: u128,
+    /// SHA-256 of the file's bytes (filled in by the stage once it has read the file).
+    pub sha256: String,
+}
+
+impl InputFile {
+    /// Stats a regular file; the hash is left empty for the stage to fill in as it reads.
+    pub fn stat(path: &Path) -> io::Result<Self> {
+        let abs = fs::canonicalize(path)?;
+        let meta = fs::metadata(&abs)?;
+        if !meta.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        let modified_unix_ns = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        Ok(InputFile {
+            path: abs.to_string_lossy().into_owned(),
+            bytes: meta.len(),
+            modified_unix_ns,
+            sha256: String::new(),
+        })
+    }
+
+    /// Whether `other` is the same file, unchanged (same path, size and modification time).
+    pub fn same_file_as(&self, other: &InputFile) -> bool {
+        self.path == other.path
+            && self.bytes == other.bytes
+            && self.modified_unix_ns == other.modified_unix_ns
+    }
+}
+
+/// Whether two input lists are the same files, unchanged, in the same order.
+pub fn same_inputs(a: &[InputFile], b: &[InputFile]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same_file_as(y))
+}
+
+/// A reader that hashes (SHA-256) and counts the bytes that pass through it. The count is
+/// shared, so it can be read while the reader is owned by a decoder.
+pub struct HashingReader<R> {
+    inner: R,
+    hasher: Sha256,
+    count: Rc<Cell<u64>>,
+}
+
+impl<R: Read> HashingReader<R> {
+    /// Wraps a reader.
+    pub fn new(inner: R) -> Self {
+        HashingReader {
+            inner,
+            hasher: Sha256::new(),
+            count: Rc::new(Cell::new(0)),
+        }
+    }
+
+    /// A handle on the number of bytes read so far.
+    pub fn counter(&self) -> Rc<Cell<u64>> {
+        self.count.clone()
+    }
+
+    /// Reads what is left (so the hash covers the whole input) and returns the hex SHA-256.
+    pub fn finish(mut self) -> io::Result<String> {
+        io::copy(&mut self, &mut io::sink())?;
+        Ok(hex(&self.hasher.finalize()))
+    }
+}
+
+impl<R: Read> Read for HashingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.count.set(self.count.get() + n as u64);
+        Ok(n)
+    }
+}
+
+/// Lower-case hex of a digest.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[(b >> 4) as usize] as char);
+        s.push(DIGITS[(b & 15) as usize] as char);
+    }
+    s
+}
+
+/// The hidden temporary name a file is written under before it is renamed into place:
+/// `dir/.name.partial`.
+pub fn partial_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.partial"))
+}
+
+/// Writes `contents` to `path` whole or not at all: to the partial path, synced, then renamed.
+pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
+    let tmp = partial_path(path);
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(contents)?;
+    f.sync_all()?;
+    fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashing_reader_hashes_the_whole_input() {
+        let mut r = HashingReader::new(&b"hello world"[..]);
+        let counter = r.counter();
+        let mut first = [0u8; 5];
+        r.read_exact(&mut first).unwrap();
+        assert_eq!(counter.get(), 5);
+        // sha256("hello world")
+        assert_eq!(
+            r.finish().unwrap(),
+            "b94d27b9934d3e08a52e52d7da7dabfac484efe37a5380ee9088f7ace2efcde9"
+        );
+    }
+
+    #[test]
+    fn atomic_write_and_fingerprint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.json");
+        write_atomically(&path, b"{}").unwrap();
+        assert!(!partial_path(&path).exists());
+        let a = InputFile::stat(&path).unwrap();
+        assert_eq!(a.bytes, 2);
+        assert!(same_inputs(std::slice::from_ref(&a), &[a.clone()]));
+        write_atomically(&path, b"{ }").unwrap();
+        let b = InputFile::stat(&path).unwrap();
+        assert!(!a.same_file_as(&b));
+        assert!(InputFile::stat(dir.path()).is_err());
+    }
+}
