@@ -165,7 +165,10 @@ mod tests {
         let a = InputFile::stat(&path).unwrap();
         assert_eq!(a.bytes, 2);
         let again = InputFile::stat(&path).unwrap();
-        assert!(same_inputs(std::slice::from_ref(&a), std::slice::from_ref(&again)));
+        assert!(same_inputs(
+            std::slice::from_ref(&a),
+            std::slice::from_ref(&again)
+        ));
         write_atomically(&path, b"{ }").unwrap();
         let b = InputFile::stat(&path).unwrap();
         assert!(!a.same_file_as(&b));
