@@ -26,6 +26,51 @@ enum Command {
     /// Format raw corpora into one-sentence-per-line text (blank line between documents).
     #[command(subcommand)]
     Format(FormatCommand),
+    /// Split formatted text into shuffled, balanced train/test shards in bounded memory.
+    Shard(ShardArgs),
+}
+
+#[derive(Args)]
+struct ShardArgs {
+    /// Formatted text: .txt or .txt.zst files, or folders holding them (read sorted).
+    #[arg(long, short, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// Output directory: train/, test/ and the manifest go here.
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Number of train shards.
+    #[arg(long)]
+    num_train_shards: usize,
+    /// Number of test shards.
+    #[arg(long, default_value_t = 0)]
+    num_test_shards: usize,
+    /// Share of the sentences that go to the test shards.
+    #[arg(long, default_value_t = 0.0)]
+    test_fraction: f64,
+    /// Seed of the shuffle.
+    #[arg(long, default_value_t = 12345)]
+    seed: u64,
+    /// Compress shards (writes .txt.zst).
+    #[arg(long, value_parser = ["zstd"])]
+    compress: Option<String>,
+    /// zstd level for --compress zstd.
+    #[arg(long, default_value_t = 3)]
+    zstd_level: i32,
+    /// This process's rank in a distributed run (each rank writes shards g with g % world-size == rank).
+    #[arg(long, env = "RANK", default_value_t = 0)]
+    rank: usize,
+    /// Number of processes in a distributed run.
+    #[arg(long, env = "WORLD_SIZE", default_value_t = 1)]
+    world_size: usize,
+    /// Worker threads (default: one per core); the output does not depend on it.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// MiB of documents sorted in memory per run; bounds memory, does not change the output.
+    #[arg(long, default_value_t = 64)]
+    run_mb: usize,
+    /// Print only errors and the final summary.
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -222,7 +267,75 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 )
             })?;
         }
+        Command::Shard(args) => shard(args)?,
     }
+    Ok(())
+}
+
+fn shard(args: ShardArgs) -> Result<(), bertkit_shard::ShardError> {
+    let options = bertkit_shard::ShardOptions {
+        num_train_shards: args.num_train_shards,
+        num_test_shards: args.num_test_shards,
+        test_fraction: args.test_fraction,
+        seed: args.seed,
+        compression: match args.compress.as_deref() {
+            Some("zstd") => bertkit_shard::Compression::Zstd {
+                level: args.zstd_level,
+            },
+            _ => bertkit_shard::Compression::None,
+        },
+        rank: args.rank,
+        world_size: args.world_size,
+        threads: args.threads,
+        run_bytes: args.run_mb.max(1) << 20,
+    };
+    let quiet = args.quiet;
+    let progress = move |line: &str| {
+        if !quiet {
+            eprintln!("{line}");
+        }
+    };
+    let outcome = bertkit_shard::shard(&args.input, &args.output, &options, &progress)?;
+    let m = outcome.manifest();
+    let manifest_path = args.output.join(bertkit_shard::ShardManifest::file_name(
+        args.rank,
+        args.world_size,
+    ));
+    match &outcome {
+        bertkit_shard::ShardOutcome::UpToDate(_) => {
+            println!(
+                "{} is up to date (same inputs and parameters); nothing to do.",
+                manifest_path.display()
+            )
+        }
+        bertkit_shard::ShardOutcome::Completed(_) => println!(
+            "sharded {} documents ({} sentences, {:.1} MB) from {} input(s) in {:.2} s",
+            m.totals.documents,
+            m.totals.sentences,
+            m.totals.bytes as f64 / 1e6,
+            m.inputs.len(),
+            m.elapsed_seconds
+        ),
+    }
+    let written = m.shards.iter().filter(|s| s.file_bytes.is_some()).count();
+    println!(
+        "output: {} ({written} shard file(s) written by this process)",
+        args.output.display()
+    );
+    for s in m.shards.iter().filter(|s| s.file_bytes.is_some()) {
+        println!(
+            "  {}  {} documents, {} sentences, {} bytes",
+            s.file, s.documents, s.sentences, s.bytes
+        );
+    }
+    println!(
+        "test fraction {:.4} (asked {}), train imbalance {:.2}% of sentences and {:.2}% of bytes",
+        m.totals.test_fraction_achieved,
+        args.test_fraction,
+        m.totals.train_sentence_imbalance * 100.0,
+        m.totals.train_byte_imbalance * 100.0
+    );
+    println!("manifest: {}", manifest_path.display());
     Ok(())
 }
 

@@ -12,18 +12,20 @@
 //!    and spilled to a temporary file under the output directory, and a k-way merge yields every
 //!    document in key order: a seeded random permutation of the corpus. Documents from every
 //!    source and topic are therefore interleaved.
-//! 2. **Assign** ([`balance`]). In that order, each document goes to the split that is behind
-//!    its target share of the sentences (the test split holds `test_fraction` of the sentences,
-//!    counted like NVIDIA's recipe, to within one document), then to the shard of that split
-//!    with the fewest sentences so far. Every document lands whole in exactly one shard.
+//! 2. **Assign** ([`balance`]). The shuffled stream is taken in windows of up to `run_bytes`;
+//!    within a window documents are placed largest first: each goes to the split that is
+//!    behind its target share of the sentences (the test split holds `test_fraction` of the
+//!    sentences, counted like NVIDIA's recipe), then to the shard of that split with the fewest
+//!    sentences so far. Every document lands whole in exactly one shard, and the window is
+//!    written in shuffled order.
 //! 3. **Write** ([`output`]). Each shard receives its documents in shuffled order. Shards are
 //!    written under hidden `.partial` names, compressed afterwards if asked (one encoder per
 //!    worker), and renamed into place only when all are done. The manifest is written last.
 //!
 //! ## Memory
-//! Peak memory is about `run_bytes` (the run being gathered and sorted, by default 64 MiB plus
-//! about 64 bytes per document) + `FAN_IN (64) × (256 KiB read buffer + the largest document)`
-//! while merging + `shards × 128 KiB` write buffers + `threads × ~10 MiB` zstd encoders. None of
+//! Peak memory is about `run_bytes` (the run being gathered and sorted, later the window being
+//! placed; by default 64 MiB plus about 64 bytes per document) + `FAN_IN (64) × (256 KiB read
+//! buffer + the largest document)` while merging + `shards × 128 KiB` write buffers + `threads × ~10 MiB` zstd encoders. None of
 //! these grows with the corpus (BENCHMARKS.md measures it). Temporary disk space is about one
 //! copy of the corpus, plus the plain shard text while compressing.
 //!
@@ -282,11 +284,44 @@ pub fn shard(
         options.num_test_shards,
         options.test_fraction,
     );
+    // Windows of the shuffled stream are placed largest first; each window's smallest
+    // documents (up to a quarter of the window) wait for the next one, so that every window,
+    // the last included, has small documents to even out its large ones.
+    let defer_bytes = (options.run_bytes / 4) as u64;
+    let mut window: Vec<runs::Keyed> = Vec::new();
+    let mut window_bytes = 0usize;
+    let mut place_window =
+        |window: &mut Vec<runs::Keyed>, defer_bytes: u64| -> Result<usize, ShardError> {
+            let sizes: Vec<(u64, u64)> = window
+                .iter()
+                .map(|k| (u64::from(k.doc.sentences), k.doc.text.len() as u64 + 1))
+                .collect();
+            let placements = balancer.place_window(&sizes, defer_bytes);
+            let mut carried = Vec::new();
+            let mut carried_bytes = 0;
+            for (k, place) in window.drain(..).zip(placements) {
+                match place {
+                    Some(p) => {
+                        shards.write(p.split, p.shard, &k.doc.text, u64::from(k.doc.sentences))?
+                    }
+                    None => {
+                        carried_bytes += k.doc.text.len() + std::mem::size_of::<runs::Keyed>();
+                        carried.push(k);
+                    }
+                }
+            }
+            *window = carried;
+            Ok(carried_bytes)
+        };
     runs::for_each_in_order(shuffled, &tmp, |k| {
-        let sentences = u64::from(k.doc.sentences);
-        let place = balancer.place(sentences);
-        shards.write(place.split, place.shard, &k.doc.text, sentences)
+        window_bytes += k.doc.text.len() + std::mem::size_of::<runs::Keyed>();
+        window.push(k);
+        if window_bytes >= options.run_bytes {
+            window_bytes = place_window(&mut window, defer_bytes)?;
+        }
+        Ok(())
     })?;
+    place_window(&mut window, 0)?;
     progress("writing shards");
     let records = shards.commit(&pool)?;
     std::fs::remove_dir_all(&tmp).map_err(|e| ShardError::io(&tmp, e))?;

@@ -76,28 +76,27 @@ impl ShardSet {
         compression: Compression,
         owned: impl Fn(usize) -> bool,
     ) -> Result<Self, ShardError> {
-        let open =
-            |split: Split, index: usize, global: usize| -> Result<OpenShard, ShardError> {
-                let name = shard_file_name(split, index, Compression::None);
-                let path = dir.join(&name);
-                let partial = bertkit_stage_io::partial_path(&path);
-                let out = if owned(global) {
-                    let parent = path.parent().expect("shards live in a split folder");
-                    fs::create_dir_all(parent).map_err(|e| ShardError::io(parent, e))?;
-                    let file = File::create(&partial).map_err(|e| ShardError::io(&partial, e))?;
-                    Some(BufWriter::with_capacity(128 << 10, file))
-                } else {
-                    None
-                };
-                Ok(OpenShard {
-                    out,
-                    partial,
-                    content: Sha256::new(),
-                    documents: 0,
-                    sentences: 0,
-                    bytes: 0,
-                })
+        let open = |split: Split, index: usize, global: usize| -> Result<OpenShard, ShardError> {
+            let name = shard_file_name(split, index, Compression::None);
+            let path = dir.join(&name);
+            let partial = bertkit_stage_io::partial_path(&path);
+            let out = if owned(global) {
+                let parent = path.parent().expect("shards live in a split folder");
+                fs::create_dir_all(parent).map_err(|e| ShardError::io(parent, e))?;
+                let file = File::create(&partial).map_err(|e| ShardError::io(&partial, e))?;
+                Some(BufWriter::with_capacity(128 << 10, file))
+            } else {
+                None
             };
+            Ok(OpenShard {
+                out,
+                partial,
+                content: Sha256::new(),
+                documents: 0,
+                sentences: 0,
+                bytes: 0,
+            })
+        };
         let train = (0..num_train)
             .map(|i| open(Split::Train, i, i))
             .collect::<Result<Vec<_>, _>>()?;
