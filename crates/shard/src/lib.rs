@@ -12,7 +12,7 @@
 //!    and spilled to a temporary file under the output directory, and a k-way merge yields every
 //!    document in key order: a seeded random permutation of the corpus. Documents from every
 //!    source and topic are therefore interleaved.
-//! 2. **Assign** ([`balance`]). The shuffled stream is taken in windows of up to `run_bytes`;
+//! 2. **Assign** ([`balance`]). The shuffled stream is taken in windows of 32 MiB;
 //!    within a window documents are placed largest first: each goes to the split that is
 //!    behind its target share of the sentences (the test split holds `test_fraction` of the
 //!    sentences, counted like NVIDIA's recipe), then to the shard of that split with the fewest
@@ -23,11 +23,17 @@
 //!    worker), and renamed into place only when all are done. The manifest is written last.
 //!
 //! ## Memory
-//! Peak memory is about `run_bytes` (the run being gathered and sorted, later the window being
-//! placed; by default 64 MiB plus about 64 bytes per document) + `FAN_IN (64) × (256 KiB read
-//! buffer + the largest document)` while merging + `shards × 128 KiB` write buffers + `threads × ~10 MiB` zstd encoders. None of
-//! these grows with the corpus (BENCHMARKS.md measures it). Temporary disk space is about one
-//! copy of the corpus, plus the plain shard text while compressing.
+//! Peak memory is the larger of two phases, and neither grows with the corpus (BENCHMARKS.md
+//! measures it):
+//! - reading: the run being gathered and sorted, `run_bytes` (default 64 MiB) plus about 64
+//!   bytes per document;
+//! - merging and writing: `FAN_IN (64) × (256 KiB read buffer + one document)`, plus the
+//!   32 MiB placement window and up to a quarter of it carried over, plus `shards × 128 KiB`
+//!   write buffers, plus `threads ×` one zstd encoder (about 10 MiB at level 3) while
+//!   compressing. A corpus smaller than `run_bytes` is shuffled in memory instead.
+//!
+//! Temporary disk space is about one copy of the corpus, plus the plain shard text while
+//! compressing.
 //!
 //! ## Determinism and distribution
 //! The same inputs (in the same order), parameters and seed give byte-identical shards,
@@ -61,6 +67,10 @@ pub use balance::Split;
 pub use error::ShardError;
 pub use manifest::{ShardFile, ShardManifest, Totals};
 pub use output::Compression;
+
+/// Bytes of shuffled documents placed together (largest first). Part of the algorithm, so a
+/// constant: memory settings never change the output.
+pub const WINDOW_BYTES: usize = 32 << 20;
 
 /// Name of the temporary folder inside the output directory.
 pub const TMP_DIR: &str = ".shard-tmp";
@@ -287,7 +297,7 @@ pub fn shard(
     // Windows of the shuffled stream are placed largest first; each window's smallest
     // documents (up to a quarter of the window) wait for the next one, so that every window,
     // the last included, has small documents to even out its large ones.
-    let defer_bytes = (options.run_bytes / 4) as u64;
+    let defer_bytes = (WINDOW_BYTES / 4) as u64;
     let mut window: Vec<runs::Keyed> = Vec::new();
     let mut window_bytes = 0usize;
     let mut place_window =
@@ -316,7 +326,7 @@ pub fn shard(
     runs::for_each_in_order(shuffled, &tmp, |k| {
         window_bytes += k.doc.text.len() + std::mem::size_of::<runs::Keyed>();
         window.push(k);
-        if window_bytes >= options.run_bytes {
+        if window_bytes >= WINDOW_BYTES {
             window_bytes = place_window(&mut window, defer_bytes)?;
         }
         Ok(())
