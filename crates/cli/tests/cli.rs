@@ -252,3 +252,180 @@ fn killed_run_leaves_nothing_that_looks_finished() {
     assert!(names.iter().all(|n| !n.ends_with(".partial")), "{names:?}");
     assert!(names.contains(&"wiki.manifest.json".to_string()));
 }
+
+/// A formatted corpus for the shard tests: the Gutenberg books formatted by the CLI.
+fn formatted_books(dir: &Path) -> std::path::PathBuf {
+    let out = dir.join("books");
+    let run = bertkit(&[
+        "format",
+        "books",
+        "--input",
+        path(&require("gutenberg")),
+        "--output",
+        path(&out),
+        "-q",
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    out
+}
+
+#[test]
+fn shard_prints_its_shards_and_reruns_as_a_no_op_and_reads_rank_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let books = formatted_books(dir.path());
+    let out = dir.path().join("shards");
+    let args = [
+        "shard",
+        "--input",
+        path(&books),
+        "--output",
+        path(&out),
+        "--num-train-shards",
+        "2",
+        "--num-test-shards",
+        "1",
+        "--test-fraction",
+        "0.3",
+        "--seed",
+        "7",
+    ];
+    let first = bertkit(&args);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let stdout = text(&first.stdout);
+    assert!(stdout.contains("sharded 3 documents"), "{stdout}");
+    assert!(
+        stdout.contains("train/shard_00000.txt") && stdout.contains("test/shard_00000.txt"),
+        "{stdout}"
+    );
+    assert!(text(&bertkit(&args).stdout).contains("up to date"));
+
+    let ranked = Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(args)
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert!(ranked.status.success(), "{}", text(&ranked.stderr));
+    assert!(
+        out.join("shard.manifest.rank-00001-of-00002.json")
+            .is_file()
+    );
+    assert!(
+        text(&ranked.stdout).contains("1 shard file(s) written by this process"),
+        "{}",
+        text(&ranked.stdout)
+    );
+
+    let bad = bertkit(&[
+        "shard",
+        "--input",
+        path(&books),
+        "--output",
+        path(&out),
+        "--num-train-shards",
+        "0",
+    ]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(text(&bad.stderr).contains("--num-train-shards must be at least 1"));
+}
+
+/// A shard run killed in the middle leaves no manifest and no finished-looking shard; the
+/// re-run gives exactly the output of an uninterrupted run.
+#[cfg(unix)]
+#[test]
+fn killed_shard_run_reruns_to_the_same_output() {
+    use std::os::unix::process::ExitStatusExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let books = formatted_books(dir.path());
+    // 40 marked copies of the books (about 100 MB) so that the run spills many sorted runs.
+    let corpus = dir.path().join("corpus");
+    std::fs::create_dir(&corpus).unwrap();
+    let formatted = std::fs::read_to_string(books.join("books_00000.txt")).unwrap();
+    for c in 0..40 {
+        let marked: String = formatted
+            .split("\n\n")
+            .filter(|d| !d.is_empty())
+            .map(|d| format!("[copy {c}] {d}\n\n"))
+            .collect();
+        std::fs::write(corpus.join(format!("copy_{c:03}.txt")), marked).unwrap();
+    }
+    let args = |out: &Path| {
+        vec![
+            "shard".to_string(),
+            "--input".into(),
+            path(&corpus).into(),
+            "--output".into(),
+            path(out).into(),
+            "--num-train-shards".into(),
+            "3".into(),
+            "--num-test-shards".into(),
+            "1".into(),
+            "--test-fraction".into(),
+            "0.1".into(),
+            "--run-mb".into(),
+            "2".into(),
+            "--compress".into(),
+            "zstd".into(),
+            "-q".into(),
+        ]
+    };
+    let reference = dir.path().join("reference");
+    assert!(
+        Command::new(env!("CARGO_BIN_EXE_bertkit"))
+            .args(args(&reference))
+            .output()
+            .unwrap()
+            .status
+            .success()
+    );
+
+    let out = dir.path().join("out");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(args(&out))
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let spilled = || {
+        std::fs::read_dir(out.join(bertkit_shard::TMP_DIR))
+            .map(|d| d.flatten().count() >= 2)
+            .unwrap_or(false)
+    };
+    while !spilled() {
+        assert!(started.elapsed().as_secs() < 60, "no sorted run appeared");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be interrupted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    assert_eq!(child.wait().unwrap().signal(), Some(9));
+    assert!(!out.join("shard.manifest.json").exists());
+    for split in ["train", "test"] {
+        if let Ok(entries) = std::fs::read_dir(out.join(split)) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                assert!(
+                    name.starts_with('.'),
+                    "finished-looking {split}/{name} after a kill"
+                );
+            }
+        }
+    }
+
+    let rerun = Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(args(&out))
+        .output()
+        .unwrap();
+    assert!(rerun.status.success(), "{}", text(&rerun.stderr));
+    let shards = |dir: &Path| -> serde_json::Value {
+        let m: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("shard.manifest.json")).unwrap(),
+        )
+        .unwrap();
+        m["shards"].clone()
+    };
+    assert_eq!(shards(&out), shards(&reference));
+    assert!(!out.join(bertkit_shard::TMP_DIR).exists());
+}
