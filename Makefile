@@ -4,6 +4,7 @@
 #   make test                           every test (what CI runs)
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
+#   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
 
 # Where the demo data comes from: a folder laid out like ../shared/data.
 MIRROR ?= $(or $(BERTKIT_SHARED_DATA),../shared/data)
@@ -13,7 +14,7 @@ CARGO ?= cargo
 BERTKIT := target/release/bertkit
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
-.PHONY: all build demo test lint bench-format clean
+.PHONY: all build demo test lint bench-format bench-shard clean
 
 all: build
 
@@ -28,7 +29,11 @@ demo: build
 	@echo "== format: Project Gutenberg books"
 	$(BERTKIT) format books --input "$(MIRROR)/gutenberg" --output $(OUT)/demo/formatted/books
 	@echo
-	@echo "demo output is in $(OUT)/demo/formatted/ (wiki/ and books/, each with its manifest)"
+	@echo "== shard: both sources into shuffled, balanced train/test shards"
+	$(BERTKIT) shard --input $(OUT)/demo/formatted/wiki $(OUT)/demo/formatted/books --output $(OUT)/demo/shards \
+		--num-train-shards 4 --num-test-shards 1 --test-fraction 0.1 --seed 12345
+	@echo
+	@echo "demo output: $(OUT)/demo/formatted/ (wiki/ and books/) and $(OUT)/demo/shards/ (train/ and test/), each with its manifest"
 
 test:
 	$(CARGO) test --workspace --locked
@@ -43,6 +48,10 @@ bench/.venv/bin/python:
 
 bench-format: build bench/.venv/bin/python
 	python3 bench/format_wiki.py --bertkit $(BERTKIT) --chunk "$(MIRROR)/$(ENWIKI_CHUNK)"
+
+bench-shard: build
+	@test -x /usr/bin/time || { apt-get update -qq && apt-get install -y -qq time; }
+	python3 bench/shard_scaling.py --bertkit $(BERTKIT) --shared "$(MIRROR)"
 
 clean:
 	$(CARGO) clean

@@ -92,10 +92,9 @@ impl Balancer {
     }
 
     /// Places a window of documents given their (sentences, bytes), largest first (by
-    /// sentences, ties in window order). The smallest documents, up to `defer_bytes` in all and
-    /// at most half of the window, are not placed (`None`): the caller carries them into the
-    /// next window, where they even out that window's large documents. With `defer_bytes` 0
-    /// everything is placed.
+    /// sentences, ties in window order). The smallest documents, up to `defer_bytes` in all, are
+    /// not placed (`None`): the caller carries them into the next window, where they even out
+    /// that window's large documents. With `defer_bytes` 0 everything is placed.
     pub fn place_window(
         &mut self,
         sizes: &[(u64, u64)],
@@ -106,7 +105,7 @@ impl Balancer {
         let mut deferred = 0;
         let mut deferred_bytes = 0;
         for &i in order.iter().rev() {
-            if deferred >= sizes.len() / 2 || deferred_bytes + sizes[i].1 > defer_bytes {
+            if deferred_bytes + sizes[i].1 > defer_bytes {
                 break;
             }
             deferred += 1;

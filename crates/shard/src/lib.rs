@@ -68,9 +68,15 @@ pub use error::ShardError;
 pub use manifest::{ShardFile, ShardManifest, Totals};
 pub use output::Compression;
 
-/// Bytes of shuffled documents placed together (largest first). Part of the algorithm, so a
+/// Bytes of new shuffled documents placed together (largest first). Part of the algorithm, so a
 /// constant: memory settings never change the output.
 pub const WINDOW_BYTES: usize = 32 << 20;
+
+/// Bytes of the smallest documents held back from each window for later ones (a reserve of
+/// filler that evens out the large documents of later windows, the last one included). The
+/// repair this allows is about `RESERVE_BYTES / shards` per shard, so it needs to be of the
+/// order of (shards × the largest document); a constant, like the window.
+pub const RESERVE_BYTES: usize = 64 << 20;
 
 /// Name of the temporary folder inside the output directory.
 pub const TMP_DIR: &str = ".shard-tmp";
@@ -294,40 +300,40 @@ pub fn shard(
         options.num_test_shards,
         options.test_fraction,
     );
-    // Windows of the shuffled stream are placed largest first; each window's smallest
-    // documents (up to a quarter of the window) wait for the next one, so that every window,
-    // the last included, has small documents to even out its large ones.
-    let defer_bytes = (WINDOW_BYTES / 4) as u64;
+    // Windows of the shuffled stream are placed largest first; the smallest documents seen so
+    // far (up to RESERVE_BYTES) wait for later windows, so that every window, the last
+    // included, has small documents to even out its large ones.
+    let defer_bytes = RESERVE_BYTES as u64;
     let mut window: Vec<runs::Keyed> = Vec::new();
+    // New bytes since the last placement (the reserve carried over is not counted).
     let mut window_bytes = 0usize;
     let mut place_window =
-        |window: &mut Vec<runs::Keyed>, defer_bytes: u64| -> Result<usize, ShardError> {
+        |window: &mut Vec<runs::Keyed>, defer_bytes: u64| -> Result<(), ShardError> {
             let sizes: Vec<(u64, u64)> = window
                 .iter()
                 .map(|k| (u64::from(k.doc.sentences), k.doc.text.len() as u64 + 1))
                 .collect();
             let placements = balancer.place_window(&sizes, defer_bytes);
             let mut carried = Vec::new();
-            let mut carried_bytes = 0;
             for (k, place) in window.drain(..).zip(placements) {
                 match place {
                     Some(p) => {
                         shards.write(p.split, p.shard, &k.doc.text, u64::from(k.doc.sentences))?
                     }
                     None => {
-                        carried_bytes += k.doc.text.len() + std::mem::size_of::<runs::Keyed>();
                         carried.push(k);
                     }
                 }
             }
             *window = carried;
-            Ok(carried_bytes)
+            Ok(())
         };
     runs::for_each_in_order(shuffled, &tmp, |k| {
         window_bytes += k.doc.text.len() + std::mem::size_of::<runs::Keyed>();
         window.push(k);
         if window_bytes >= WINDOW_BYTES {
-            window_bytes = place_window(&mut window, defer_bytes)?;
+            place_window(&mut window, defer_bytes)?;
+            window_bytes = 0;
         }
         Ok(())
     })?;
