@@ -100,22 +100,12 @@ impl BookCounts {
 
 /// Expands directories into their `.txt` files (sorted), keeping files as given.
 pub fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, FormatError> {
-    let mut files = Vec::new();
-    for input in inputs {
-        if input.is_dir() {
-            let mut found: Vec<PathBuf> = fs::read_dir(input)
-                .map_err(|e| FormatError::io(input, e))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| {
-                    p.is_file() && p.extension().is_some_and(|x| x.eq_ignore_ascii_case("txt"))
-                })
-                .collect();
-            found.sort();
-            files.extend(found);
-        } else {
-            files.push(input.clone());
-        }
-    }
+    let files = bertkit_stage_io::expand_inputs(inputs, |name| {
+        std::path::Path::new(name)
+            .extension()
+            .is_some_and(|x| x.eq_ignore_ascii_case("txt"))
+    })
+    .map_err(|(path, e)| FormatError::io(path, e))?;
     if files.is_empty() {
         return Err(FormatError::Usage(
             "no book files found in the inputs".into(),

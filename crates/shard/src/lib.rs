@@ -150,29 +150,10 @@ impl ShardOutcome {
 /// Expands directories into their `.txt` and `.txt.zst` files (sorted, hidden files skipped);
 /// files are kept as given.
 pub fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, ShardError> {
-    let mut files = Vec::new();
-    for input in inputs {
-        if input.is_dir() {
-            let mut found: Vec<PathBuf> = std::fs::read_dir(input)
-                .map_err(|e| ShardError::io(input, e))?
-                .flatten()
-                .map(|e| e.path())
-                .filter(|p| {
-                    let name = p
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_default();
-                    p.is_file()
-                        && !name.starts_with('.')
-                        && (name.ends_with(".txt") || name.ends_with(".txt.zst"))
-                })
-                .collect();
-            found.sort();
-            files.extend(found);
-        } else {
-            files.push(input.clone());
-        }
-    }
+    let files = bertkit_stage_io::expand_inputs(inputs, |name| {
+        name.ends_with(".txt") || name.ends_with(".txt.zst")
+    })
+    .map_err(|(path, e)| ShardError::io(path, e))?;
     if files.is_empty() {
         return Err(ShardError::Usage(
             "no input files: give .txt or .txt.zst files or folders holding them".into(),

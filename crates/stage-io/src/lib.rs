@@ -7,6 +7,7 @@
 //! - [`InputFile`]: an input's fingerprint, and whether a file is still the one fingerprinted;
 //! - [`HashingReader`]: a reader that hashes (SHA-256) and counts what passes through it;
 //! - [`write_atomically`]: write a file whole or not at all;
+//! - [`expand_inputs`]: files as given, folders as their matching files in sorted order;
 //! - [`hex`]: lower-case hex of a digest.
 
 use std::cell::Cell;
@@ -108,6 +109,35 @@ impl<R: Read> Read for HashingReader<R> {
     }
 }
 
+/// Expands input paths: a file is kept as given; a folder becomes its files (not hidden, not
+/// recursive) whose names `accept`s, sorted by name. On error, returns the path that failed.
+pub fn expand_inputs(
+    inputs: &[PathBuf],
+    accept: impl Fn(&str) -> bool,
+) -> Result<Vec<PathBuf>, (PathBuf, io::Error)> {
+    let mut files = Vec::new();
+    for input in inputs {
+        if !input.is_dir() {
+            files.push(input.clone());
+            continue;
+        }
+        let mut found = Vec::new();
+        for entry in fs::read_dir(input).map_err(|e| (input.clone(), e))? {
+            let path = entry.map_err(|e| (input.clone(), e))?.path();
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if path.is_file() && !name.starts_with('.') && accept(&name) {
+                found.push(path);
+            }
+        }
+        found.sort();
+        files.extend(found);
+    }
+    Ok(files)
+}
+
 /// Lower-case hex of a digest.
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -153,6 +183,23 @@ mod tests {
         assert_eq!(
             r.finish().unwrap(),
             "b94d27b9934d3e08a52e52d7da7dabfac484efe37a5380ee9088f7ace2efcde9"
+        );
+    }
+
+    #[test]
+    fn folders_expand_to_sorted_matching_files() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["b.txt", "a.txt", ".hidden.txt", "c.json"] {
+            fs::write(dir.path().join(name), "x").unwrap();
+        }
+        let single = dir.path().join("c.json");
+        let files = expand_inputs(&[dir.path().to_path_buf(), single.clone()], |n| {
+            n.ends_with(".txt")
+        })
+        .unwrap();
+        assert_eq!(
+            files,
+            vec![dir.path().join("a.txt"), dir.path().join("b.txt"), single]
         );
     }
 
