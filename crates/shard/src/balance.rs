@@ -3,13 +3,13 @@
 //!
 //! Documents arrive in shuffled order, in windows of bounded size. Within a window they are
 //! placed largest first (longest-processing-time order, ties by shuffle key): each goes to the
-//! split that is further behind its target share of the sentences so far (test if
-//! `test · (1 − F) < train · F`), then to the shard of that split whose larger normalised load
+//! split after which the test share of the sentences is closest to its target `F` (so a book
+//! never overshoots the test split), then to the shard of that split whose larger normalised load
 //! (its sentences over the split's mean, its bytes over the split's mean) is smallest, so that
 //! sentences and bytes are balanced together (books have shorter sentences than encyclopedia
 //! articles, so balancing sentences alone leaves bytes uneven). Large documents (books) are placed early in their window and the many
 //! small ones then even the shards out, so at the end of every window the test share is within
-//! one small document of `F` and the shards of a split differ by about the size of the smallest
+//! half a small document of `F` and the shards of a split differ by about the size of the smallest
 //! documents. The window's documents are still written in shuffled order.
 
 use std::cmp::Reverse;
@@ -120,10 +120,12 @@ impl Balancer {
 
     /// Places one document.
     pub fn place(&mut self, sentences: u64, bytes: u64) -> Placement {
+        // The split after which the test share is closest to its target.
         let f = self.test_fraction;
-        let to_test = !self.test.shards.is_empty()
-            && f > 0.0
-            && (self.test.sentences as f64) * (1.0 - f) < (self.train.sentences as f64) * f;
+        let target = f * (self.test.sentences + self.train.sentences + sentences) as f64;
+        let miss_if_test = ((self.test.sentences + sentences) as f64 - target).abs();
+        let miss_if_train = (self.test.sentences as f64 - target).abs();
+        let to_test = !self.test.shards.is_empty() && f > 0.0 && miss_if_test < miss_if_train;
         if to_test {
             Placement {
                 split: Split::Test,
