@@ -1,0 +1,286 @@
+//! BERT WordPiece tokenization, identical to Google's `FullTokenizer` (google-research/bert
+//! `tokenization.py`, the spec).
+//!
+//! The basic tokenizer is written here to follow that file step by step, because the
+//! `tokenizers` crate's stock BERT normalizer and pre-tokenizer differ from it on edge cases:
+//! 1. clean: drop U+0000, U+FFFD and control/format characters (Cc, Cf) other than `\t \n \r`;
+//!    `\t \n \r`, space and every Zs character become a space;
+//! 2. put spaces around CJK ideographs (the code-point blocks of `_is_chinese_char`; not
+//!    Hangul, Hiragana or Katakana);
+//! 3. split on whitespace; for uncased vocabularies, lower-case each token as Python's
+//!    `str.lower()` does (full Unicode case mapping, final sigma included), decompose it (NFD)
+//!    and drop combining marks (Mn);
+//! 4. split off every punctuation character: ASCII 33–47, 58–64, 91–96, 123–126 and every
+//!    Unicode P* character;
+//! 5. WordPiece, with the `tokenizers` crate's model: greedy longest match with `##`
+//!    continuations; a word of more than 200 characters, or one with a piece not in the
+//!    vocabulary, becomes `[UNK]`.
+//!
+//! Text such as "[CLS]" is not a special token: it is split like any other text. Unicode
+//! character data is version 16 here and 14 in the reference's Python 3.11. The two can
+//! differ only on characters assigned since then.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::Model;
+use tokenizers::models::wordpiece::WordPiece;
+use unicode_general_category::{GeneralCategory, get_general_category};
+use unicode_normalization::UnicodeNormalization;
+
+/// Why a vocabulary could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum VocabError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The vocabulary file.
+        path: std::path::PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// The vocabulary lacks a token the tokenizer needs.
+    #[error("{path}: the vocabulary has no {token} token")]
+    Missing {
+        /// The vocabulary file.
+        path: std::path::PathBuf,
+        /// The token.
+        token: &'static str,
+    },
+    /// The tokenizers crate refused the vocabulary.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The vocabulary file.
+        path: std::path::PathBuf,
+        /// Why.
+        message: String,
+    },
+}
+
+/// Longest word WordPiece tries to split; longer words become `[UNK]`.
+pub const MAX_INPUT_CHARS_PER_WORD: usize = 200;
+
+/// Google's `FullTokenizer`: basic tokenization, then WordPiece.
+pub struct FullTokenizer {
+    lower_case: bool,
+    vocab: HashMap<String, u32>,
+    inverse: Vec<String>,
+    wordpiece: WordPiece,
+}
+
+impl FullTokenizer {
+    /// Loads a `vocab.txt` (one token per line, id = line number; each line is stripped of
+    /// surrounding whitespace, and a repeated token keeps its last id, as `load_vocab` does).
+    pub fn from_vocab_file(path: &Path, lower_case: bool) -> Result<Self, VocabError> {
+        let text = std::fs::read_to_string(path).map_err(|e| VocabError::Io {
+            path: path.into(),
+            source: e,
+        })?;
+        let mut vocab = HashMap::new();
+        let mut inverse = Vec::new();
+        for (id, line) in text.lines().enumerate() {
+            let token = line.trim().to_string();
+            vocab.insert(token.clone(), id as u32);
+            inverse.push(token);
+        }
+        if !vocab.contains_key("[UNK]") {
+            return Err(VocabError::Missing {
+                path: path.into(),
+                token: "[UNK]",
+            });
+        }
+        let wordpiece = WordPiece::builder()
+            .vocab(
+                vocab
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect::<ahash::AHashMap<_, _>>(),
+            )
+            .unk_token("[UNK]".into())
+            .continuing_subword_prefix("##".into())
+            .max_input_chars_per_word(MAX_INPUT_CHARS_PER_WORD)
+            .build()
+            .map_err(|e| VocabError::Invalid {
+                path: path.into(),
+                message: e.to_string(),
+            })?;
+        Ok(FullTokenizer {
+            lower_case,
+            vocab,
+            inverse,
+            wordpiece,
+        })
+    }
+
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.inverse.len()
+    }
+
+    /// The id of a token, if it is in the vocabulary.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.vocab.get(token).copied()
+    }
+
+    /// The token of an id, if in range.
+    pub fn id_to_token(&self, id: u32) -> Option<&str> {
+        self.inverse.get(id as usize).map(String::as_str)
+    }
+
+    /// WordPiece tokens of `text`.
+    pub fn tokenize(&self, text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for word in basic_tokenize(text, self.lower_case) {
+            match self.wordpiece.tokenize(&word) {
+                Ok(pieces) => out.extend(pieces.into_iter().map(|t| t.value)),
+                Err(_) => out.push("[UNK]".to_string()),
+            }
+        }
+        out
+    }
+
+    /// Ids of tokens (every token from [`FullTokenizer::tokenize`] is in the vocabulary).
+    pub fn convert_tokens_to_ids(&self, tokens: &[String]) -> Vec<u32> {
+        tokens
+            .iter()
+            .map(|t| self.vocab.get(t).copied().unwrap_or(self.vocab["[UNK]"]))
+            .collect()
+    }
+}
+
+fn is_whitespace(c: char) -> bool {
+    matches!(c, ' ' | '\t' | '\n' | '\r')
+        || get_general_category(c) == GeneralCategory::SpaceSeparator
+}
+
+fn is_control(c: char) -> bool {
+    if matches!(c, '\t' | '\n' | '\r') {
+        return false;
+    }
+    matches!(
+        get_general_category(c),
+        GeneralCategory::Control | GeneralCategory::Format
+    )
+}
+
+/// ASCII 33–47, 58–64, 91–96, 123–126, and every Unicode P* character.
+pub fn is_punctuation(c: char) -> bool {
+    let cp = c as u32;
+    if (33..=47).contains(&cp)
+        || (58..=64).contains(&cp)
+        || (91..=96).contains(&cp)
+        || (123..=126).contains(&cp)
+    {
+        return true;
+    }
+    matches!(
+        get_general_category(c),
+        GeneralCategory::ConnectorPunctuation
+            | GeneralCategory::DashPunctuation
+            | GeneralCategory::OpenPunctuation
+            | GeneralCategory::ClosePunctuation
+            | GeneralCategory::InitialPunctuation
+            | GeneralCategory::FinalPunctuation
+            | GeneralCategory::OtherPunctuation
+    )
+}
+
+/// The CJK Unified Ideograph blocks of `_is_chinese_char`.
+pub fn is_chinese_char(c: char) -> bool {
+    matches!(c as u32,
+        0x4E00..=0x9FFF
+            | 0x3400..=0x4DBF
+            | 0x20000..=0x2A6DF
+            | 0x2A700..=0x2B73F
+            | 0x2B740..=0x2B81F
+            | 0x2B820..=0x2CEAF
+            | 0xF900..=0xFAFF
+            | 0x2F800..=0x2FA1F)
+}
+
+/// Whitespace as Python's `str.split()` sees it (after cleaning, only these remain).
+fn is_split_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1C}'..='\u{1F}').contains(&c)
+}
+
+/// Google's `BasicTokenizer.tokenize`: cleaning, CJK spacing, lower-casing and accent
+/// stripping (uncased), punctuation splitting.
+pub fn basic_tokenize(text: &str, lower_case: bool) -> Vec<String> {
+    // _clean_text and _tokenize_chinese_chars.
+    let mut cleaned = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if c == '\u{0}' || c == '\u{FFFD}' || is_control(c) {
+            continue;
+        }
+        if is_whitespace(c) {
+            cleaned.push(' ');
+        } else if is_chinese_char(c) {
+            cleaned.push(' ');
+            cleaned.push(c);
+            cleaned.push(' ');
+        } else {
+            cleaned.push(c);
+        }
+    }
+    let mut out = Vec::new();
+    for token in cleaned.split(is_split_space).filter(|t| !t.is_empty()) {
+        let token = if lower_case {
+            strip_accents(&token.to_lowercase())
+        } else {
+            token.to_string()
+        };
+        // _run_split_on_punc, then whitespace_tokenize of the joined result.
+        let mut current = String::new();
+        for c in token.chars() {
+            if is_punctuation(c) {
+                if !current.is_empty() {
+                    out.push(std::mem::take(&mut current));
+                }
+                out.push(c.to_string());
+            } else if is_split_space(c) {
+                if !current.is_empty() {
+                    out.push(std::mem::take(&mut current));
+                }
+            } else {
+                current.push(c);
+            }
+        }
+        if !current.is_empty() {
+            out.push(current);
+        }
+    }
+    out
+}
+
+/// NFD, then drop combining marks (Mn).
+fn strip_accents(s: &str) -> String {
+    s.nfd()
+        .filter(|&c| get_general_category(c) != GeneralCategory::NonspacingMark)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn basic_rules() {
+        assert_eq!(
+            basic_tokenize("Héllo, [CLS] wörld!", true),
+            vec!["hello", ",", "[", "cls", "]", "world", "!"]
+        );
+        assert_eq!(basic_tokenize("Héllo", false), vec!["Héllo"]);
+        assert_eq!(
+            basic_tokenize("a\u{0}b\u{FFFD}c\u{200B}d\u{00A0}e", true),
+            vec!["abcd", "e"]
+        );
+        // NFD decomposes Hangul syllables into conjoining jamo (Lo, kept), as Python does.
+        let hangul: String = "한국".nfd().collect();
+        assert_eq!(
+            basic_tokenize("力加勝北区한국", true),
+            vec!["力", "加", "勝", "北", "区", hangul.as_str()]
+        );
+        assert_eq!(basic_tokenize("ΟΔΟΣ.", true), vec!["οδος", "."]);
+        assert_eq!(basic_tokenize("a\u{2028}b\tc", true), vec!["a", "b", "c"]);
+    }
+}
