@@ -28,6 +28,21 @@ enum Command {
     Format(FormatCommand),
     /// Split formatted text into shuffled, balanced train/test shards in bounded memory.
     Shard(ShardArgs),
+    /// WordPiece-tokenize lines from stdin exactly as Google's BERT FullTokenizer; JSONL out.
+    Tokenize(TokenizeArgs),
+}
+
+#[derive(Args)]
+struct TokenizeArgs {
+    /// WordPiece vocabulary (vocab.txt, one token per line).
+    #[arg(long)]
+    vocab: PathBuf,
+    /// Cased vocabulary: no lower-casing and no accent stripping.
+    #[arg(long)]
+    cased: bool,
+    /// Each input line is a JSON object with a "text" field (so a text may hold newlines).
+    #[arg(long)]
+    jsonl_input: bool,
 }
 
 #[derive(Args)]
@@ -268,6 +283,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             })?;
         }
         Command::Shard(args) => shard(args)?,
+        Command::Tokenize(args) => tokenize(args)?,
     }
     Ok(())
 }
@@ -336,6 +352,52 @@ fn shard(args: ShardArgs) -> Result<(), bertkit_shard::ShardError> {
         m.totals.train_byte_imbalance * 100.0
     );
     println!("manifest: {}", manifest_path.display());
+    Ok(())
+}
+
+/// Reads stdin in batches, tokenizes each batch in parallel, writes JSONL in input order.
+fn tokenize(args: TokenizeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use std::io::{BufRead, BufWriter};
+    let tokenizer = bertkit_records::FullTokenizer::from_vocab_file(&args.vocab, !args.cased)?;
+    let stdin = std::io::stdin().lock();
+    let mut out = BufWriter::new(std::io::stdout().lock());
+    let mut lines = stdin.split(b'\n');
+    let mut line_number = 0u64;
+    loop {
+        let mut batch = Vec::with_capacity(4096);
+        for raw in lines.by_ref().take(4096) {
+            line_number += 1;
+            let raw = raw?;
+            let text = String::from_utf8(raw)
+                .map_err(|_| format!("stdin line {line_number}: not valid UTF-8"))?;
+            let text = if args.jsonl_input {
+                let value: serde_json::Value = serde_json::from_str(&text)
+                    .map_err(|e| format!("stdin line {line_number}: not JSON: {e}"))?;
+                match value.get("text").and_then(|t| t.as_str()) {
+                    Some(t) => t.to_string(),
+                    None => {
+                        return Err(
+                            format!("stdin line {line_number}: no string \"text\" field").into(),
+                        );
+                    }
+                }
+            } else {
+                text
+            };
+            batch.push(text);
+        }
+        if batch.is_empty() {
+            break;
+        }
+        for (tokens, ids) in tokenizer.tokenize_batch(&batch) {
+            serde_json::to_writer(
+                &mut out,
+                &serde_json::json!({ "tokens": tokens, "ids": ids }),
+            )?;
+            out.write_all(b"\n")?;
+        }
+    }
+    out.flush()?;
     Ok(())
 }
 

@@ -429,3 +429,71 @@ fn killed_shard_run_reruns_to_the_same_output() {
     assert_eq!(shards(&out), shards(&reference));
     assert!(!out.join(bertkit_shard::TMP_DIR).exists());
 }
+
+#[test]
+fn tokenize_matches_the_reference_in_jsonl_mode_and_reads_plain_lines() {
+    use std::io::Write;
+    let vocab = require("minilm/vocab.txt");
+    let reference =
+        std::fs::read_to_string(require("reference/wordpiece_reference.jsonl")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(["tokenize", "--vocab", path(&vocab), "--jsonl-input"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let input = reference.clone();
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()).unwrap());
+    let output = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let got: Vec<serde_json::Value> = text(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let expected: Vec<serde_json::Value> = reference
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(got.len(), 3031);
+    for (g, e) in got.iter().zip(&expected) {
+        assert_eq!(g["tokens"], e["tokens"], "{}", e["text"]);
+        assert_eq!(g["ids"], e["ids"], "{}", e["text"]);
+    }
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(["tokenize", "--vocab", path(&vocab)])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all("Hello, [CLS] world!\r\nnaïve café\n".as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    let lines: Vec<serde_json::Value> = text(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    let tokens =
+        |i: usize| -> Vec<String> { serde_json::from_value(lines[i]["tokens"].clone()).unwrap() };
+    // "[CLS]" in text is not a special token; the CR of a CRLF line is whitespace.
+    assert_eq!(tokens(0).first().map(String::as_str), Some("hello"));
+    assert!(!tokens(0).contains(&"[CLS]".to_string()));
+    assert_eq!(
+        tokens(0).iter().filter(|t| *t == "[" || *t == "]").count(),
+        2
+    );
+    assert_eq!(tokens(0).last().map(String::as_str), Some("!"));
+    assert_eq!(
+        tokens(1),
+        vec!["naive", "cafe"],
+        "accents stripped for an uncased vocabulary"
+    );
+    assert_eq!(lines[1]["ids"].as_array().unwrap().len(), 2);
+}

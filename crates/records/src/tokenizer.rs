@@ -139,6 +139,22 @@ impl FullTokenizer {
         out
     }
 
+    /// Tokens and ids of many texts, in parallel, in order.
+    pub fn tokenize_batch<S: AsRef<str> + Sync>(
+        &self,
+        texts: &[S],
+    ) -> Vec<(Vec<String>, Vec<u32>)> {
+        use rayon::prelude::*;
+        texts
+            .par_iter()
+            .map(|t| {
+                let tokens = self.tokenize(t.as_ref());
+                let ids = self.convert_tokens_to_ids(&tokens);
+                (tokens, ids)
+            })
+            .collect()
+    }
+
     /// Ids of tokens (every token from [`FullTokenizer::tokenize`] is in the vocabulary).
     pub fn convert_tokens_to_ids(&self, tokens: &[String]) -> Vec<u32> {
         tokens
