@@ -30,6 +30,24 @@ enum Command {
     Shard(ShardArgs),
     /// WordPiece-tokenize lines from stdin exactly as Google's BERT FullTokenizer; JSONL out.
     Tokenize(TokenizeArgs),
+    /// Train a WordPiece vocabulary (vocab.txt) on formatted text or shards.
+    Vocab(VocabArgs),
+}
+
+#[derive(Args)]
+struct VocabArgs {
+    /// Formatted text or shards: .txt or .txt.zst files, or folders holding them.
+    #[arg(long, short, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// Vocabulary size, special tokens included.
+    #[arg(long, default_value_t = 30522)]
+    size: usize,
+    /// Output vocab.txt.
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Cased: no lower-casing and no accent stripping.
+    #[arg(long)]
+    cased: bool,
 }
 
 #[derive(Args)]
@@ -284,6 +302,15 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         }
         Command::Shard(args) => shard(args)?,
         Command::Tokenize(args) => tokenize(args)?,
+        Command::Vocab(args) => {
+            let n = bertkit_records::vocab::train_vocab(
+                &args.input,
+                args.size,
+                !args.cased,
+                &args.output,
+            )?;
+            println!("wrote {} ({n} tokens)", args.output.display());
+        }
     }
     Ok(())
 }
