@@ -117,6 +117,11 @@ impl FullTokenizer {
         self.inverse.len()
     }
 
+    /// The vocabulary's tokens in id order (the reference script's `vocab_words`).
+    pub fn vocab_words(&self) -> &[String] {
+        &self.inverse
+    }
+
     /// The id of a token, if it is in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.vocab.get(token).copied()

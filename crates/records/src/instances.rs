@@ -1,0 +1,296 @@
+//! Masked-LM / next-sentence pre-training instances, Google's `create_pretraining_data.py`
+//! algorithm, in its compatible form: the same input, vocabulary and seed give the reference
+//! script's instances, one for one and in the same order. It uses CPython's generator
+//! ([`PyRandom`]) and makes the script's random calls in the script's order. The reference data's
+//! `REFERENCE.md` lists that order and its traps: `randint(1, 1)` still draws, the
+//! short-circuited `random()` for one-segment chunks, round-half-to-even for the number of
+//! predictions, a tie in `truncate_seq_pair` truncating B, and whole-word groups that cross
+//! `[SEP]`.
+//!
+//! The algorithm: documents are shuffled; for each of `dupe_factor` passes and each document,
+//! sentences are packed into chunks up to a target length (`max_seq_length − 3`, or with
+//! probability `short_seq_prob` a random shorter one). Each chunk is split at a random point into
+//! A and B. B is replaced by text from a random other document in half of the cases (always for
+//! one-segment chunks), and the unused segments are put back. The pair is truncated from the
+//! longer side at random ends, wrapped as `[CLS] A [SEP] B [SEP]`, and masked (15% by default,
+//! capped at `max_predictions_per_seq`; 80% `[MASK]`, 10% kept, 10% random word; optionally
+//! whole words). The full instance list is shuffled at the end.
+
+use std::io::BufRead;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::pyrandom::PyRandom;
+use crate::tokenizer::FullTokenizer;
+
+/// The knobs of `create_pretraining_data.py`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceOptions {
+    /// Maximum sequence length, `[CLS]` and both `[SEP]` included.
+    pub max_seq_length: usize,
+    /// Maximum masked positions per instance.
+    pub max_predictions_per_seq: usize,
+    /// Share of tokens masked.
+    pub masked_lm_prob: f64,
+    /// Probability of a shorter target length.
+    pub short_seq_prob: f64,
+    /// Passes over the corpus (each with different masks and pairs).
+    pub dupe_factor: usize,
+    /// Mask whole words (a `##` piece joins the previous candidate).
+    pub whole_word_mask: bool,
+    /// Seed.
+    pub seed: u64,
+}
+
+impl InstanceOptions {
+    /// Phase 1 of BERT pre-training: sequences of 128, 20 predictions.
+    pub fn phase1() -> Self {
+        InstanceOptions {
+            max_seq_length: 128,
+            max_predictions_per_seq: 20,
+            masked_lm_prob: 0.15,
+            short_seq_prob: 0.1,
+            dupe_factor: 5,
+            whole_word_mask: false,
+            seed: 12345,
+        }
+    }
+
+    /// Phase 2: sequences of 512, 80 predictions.
+    pub fn phase2() -> Self {
+        InstanceOptions {
+            max_seq_length: 512,
+            max_predictions_per_seq: 80,
+            ..Self::phase1()
+        }
+    }
+}
+
+/// One training instance, as the reference script's `TrainingInstance`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainingInstance {
+    /// `[CLS] A [SEP] B [SEP]`, after masking.
+    pub tokens: Vec<String>,
+    /// 0 for `[CLS]`, A and the first `[SEP]`; 1 for B and the last `[SEP]`.
+    pub segment_ids: Vec<u8>,
+    /// Whether B came from another document.
+    pub is_random_next: bool,
+    /// Masked positions, ascending.
+    pub masked_lm_positions: Vec<usize>,
+    /// The original tokens at those positions.
+    pub masked_lm_labels: Vec<String>,
+}
+
+/// A document: its sentences as WordPiece tokens.
+pub type Document = Vec<Vec<String>>;
+
+/// Reads documents as the reference script does: lines split at `\n` only, each stripped of
+/// whitespace as Python's `str.strip()` does; an empty line starts a new document; every line is
+/// tokenized and kept if it yields tokens. Empty documents are dropped.
+pub fn read_documents(
+    path: &Path,
+    tokenizer: &FullTokenizer,
+    documents: &mut Vec<Document>,
+) -> std::io::Result<()> {
+    let reader = std::io::BufReader::new(std::fs::File::open(path)?);
+    documents.push(Vec::new());
+    for line in reader.split(b'\n') {
+        let line = line?;
+        let line = String::from_utf8(line).map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, "a line is not valid UTF-8")
+        })?;
+        let line =
+            line.trim_matches(|c: char| c.is_whitespace() || ('\u{1C}'..='\u{1F}').contains(&c));
+        if line.is_empty() {
+            documents.push(Vec::new());
+        }
+        let tokens = tokenizer.tokenize(line);
+        if !tokens.is_empty() {
+            documents.last_mut().expect("pushed above").push(tokens);
+        }
+    }
+    documents.retain(|d| !d.is_empty());
+    Ok(())
+}
+
+/// `create_training_instances` after reading: shuffles the documents, makes `dupe_factor`
+/// passes, and shuffles the instances, all with CPython's generator seeded with `options.seed`.
+pub fn create_instances_google(
+    documents: Vec<Document>,
+    vocab_words: &[String],
+    options: &InstanceOptions,
+) -> Vec<TrainingInstance> {
+    create_instances_google_with(
+        documents,
+        vocab_words,
+        options,
+        &mut PyRandom::new(options.seed),
+    )
+}
+
+/// [`create_instances_google`] with a given generator (whose word count then tells how many
+/// random words the run drew).
+pub fn create_instances_google_with(
+    mut documents: Vec<Document>,
+    vocab_words: &[String],
+    options: &InstanceOptions,
+    rng: &mut PyRandom,
+) -> Vec<TrainingInstance> {
+    rng.shuffle(&mut documents);
+    let mut instances = Vec::new();
+    for _ in 0..options.dupe_factor {
+        for index in 0..documents.len() {
+            instances_from_document(&documents, index, vocab_words, options, rng, &mut instances);
+        }
+    }
+    rng.shuffle(&mut instances);
+    instances
+}
+
+fn instances_from_document(
+    documents: &[Document],
+    document_index: usize,
+    vocab_words: &[String],
+    options: &InstanceOptions,
+    rng: &mut PyRandom,
+    out: &mut Vec<TrainingInstance>,
+) {
+    let document = &documents[document_index];
+    let max_num_tokens = options.max_seq_length - 3;
+    let mut target_seq_length = max_num_tokens;
+    if rng.random() < options.short_seq_prob {
+        target_seq_length = rng.randint(2, max_num_tokens);
+    }
+    let mut chunk: Vec<&Vec<String>> = Vec::new();
+    let mut length = 0;
+    let mut i = 0usize;
+    while i < document.len() {
+        let segment = &document[i];
+        chunk.push(segment);
+        length += segment.len();
+        if i == document.len() - 1 || length >= target_seq_length {
+            if !chunk.is_empty() {
+                let a_end = if chunk.len() >= 2 {
+                    rng.randint(1, chunk.len() - 1)
+                } else {
+                    1
+                };
+                let mut tokens_a: Vec<String> = chunk[..a_end]
+                    .iter()
+                    .flat_map(|s| s.iter().cloned())
+                    .collect();
+                let mut tokens_b: Vec<String> = Vec::new();
+                let is_random_next = chunk.len() == 1 || rng.random() < 0.5;
+                if is_random_next {
+                    let target_b_length = target_seq_length.saturating_sub(tokens_a.len());
+                    let mut random_index = document_index;
+                    for _ in 0..10 {
+                        random_index = rng.randint(0, documents.len() - 1);
+                        if random_index != document_index {
+                            break;
+                        }
+                    }
+                    let random_document = &documents[random_index];
+                    let start = rng.randint(0, random_document.len() - 1);
+                    for segment in &random_document[start..] {
+                        tokens_b.extend(segment.iter().cloned());
+                        if tokens_b.len() >= target_b_length {
+                            break;
+                        }
+                    }
+                    // Put the unused segments back.
+                    i -= chunk.len() - a_end;
+                } else {
+                    tokens_b.extend(chunk[a_end..].iter().flat_map(|s| s.iter().cloned()));
+                }
+                truncate_seq_pair(&mut tokens_a, &mut tokens_b, max_num_tokens, rng);
+                let mut tokens = Vec::with_capacity(tokens_a.len() + tokens_b.len() + 3);
+                tokens.push("[CLS]".to_string());
+                tokens.extend(tokens_a.iter().cloned());
+                tokens.push("[SEP]".to_string());
+                let mut segment_ids = vec![0u8; tokens.len()];
+                tokens.extend(tokens_b.iter().cloned());
+                tokens.push("[SEP]".to_string());
+                segment_ids.resize(tokens.len(), 1);
+                let (tokens, masked_lm_positions, masked_lm_labels) =
+                    masked_lm_predictions(tokens, options, vocab_words, rng);
+                out.push(TrainingInstance {
+                    tokens,
+                    segment_ids,
+                    is_random_next,
+                    masked_lm_positions,
+                    masked_lm_labels,
+                });
+            }
+            chunk.clear();
+            length = 0;
+        }
+        i += 1;
+    }
+}
+
+/// Truncates the longer list (B on a tie) at a random end, one token at a time.
+fn truncate_seq_pair(
+    a: &mut Vec<String>,
+    b: &mut Vec<String>,
+    max_num_tokens: usize,
+    rng: &mut PyRandom,
+) {
+    while a.len() + b.len() > max_num_tokens {
+        let longer = if a.len() > b.len() { &mut *a } else { &mut *b };
+        if rng.random() < 0.5 {
+            longer.remove(0);
+        } else {
+            longer.pop();
+        }
+    }
+}
+
+/// `create_masked_lm_predictions`.
+fn masked_lm_predictions(
+    tokens: Vec<String>,
+    options: &InstanceOptions,
+    vocab_words: &[String],
+    rng: &mut PyRandom,
+) -> (Vec<String>, Vec<usize>, Vec<String>) {
+    let mut candidates: Vec<Vec<usize>> = Vec::new();
+    for (i, token) in tokens.iter().enumerate() {
+        if token == "[CLS]" || token == "[SEP]" {
+            continue;
+        }
+        match candidates.last_mut() {
+            Some(last) if options.whole_word_mask && token.starts_with("##") => last.push(i),
+            _ => candidates.push(vec![i]),
+        }
+    }
+    rng.shuffle(&mut candidates);
+    let num_to_predict = options
+        .max_predictions_per_seq
+        .min(1.max((tokens.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
+    let mut output = tokens.clone();
+    let mut masked: Vec<(usize, String)> = Vec::new();
+    for group in &candidates {
+        if masked.len() >= num_to_predict {
+            break;
+        }
+        if masked.len() + group.len() > num_to_predict {
+            continue;
+        }
+        // Groups are disjoint, so none is ever already covered.
+        for &index in group {
+            let replacement = if rng.random() < 0.8 {
+                "[MASK]".to_string()
+            } else if rng.random() < 0.5 {
+                tokens[index].clone()
+            } else {
+                vocab_words[rng.randint(0, vocab_words.len() - 1)].clone()
+            };
+            output[index] = replacement;
+            masked.push((index, tokens[index].clone()));
+        }
+    }
+    masked.sort_by_key(|m| m.0);
+    let (positions, labels) = masked.into_iter().unzip();
+    (output, positions, labels)
+}
