@@ -32,6 +32,55 @@ enum Command {
     Tokenize(TokenizeArgs),
     /// Train a WordPiece vocabulary (vocab.txt) on formatted text or shards.
     Vocab(VocabArgs),
+    /// Masked-LM / next-sentence pre-training instances from shards, to Parquet.
+    Records(RecordsArgs),
+}
+
+#[derive(Args)]
+struct RecordsArgs {
+    /// Shards or formatted text: .txt or .txt.zst files, or folders holding them.
+    #[arg(long, short, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// WordPiece vocabulary (vocab.txt).
+    #[arg(long)]
+    vocab: PathBuf,
+    /// A .parquet file (all inputs as one corpus) or a folder (one .parquet per input shard).
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Preset: phase 1 = sequences of 128 with 20 predictions, phase 2 = 512 with 80.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    phase: u8,
+    /// Maximum sequence length (overrides the phase).
+    #[arg(long)]
+    max_seq_length: Option<usize>,
+    /// Maximum masked positions per sequence (overrides the phase).
+    #[arg(long)]
+    max_predictions_per_seq: Option<usize>,
+    /// Share of tokens to mask.
+    #[arg(long, default_value_t = 0.15)]
+    masked_lm_prob: f64,
+    /// Probability of a shorter target sequence length.
+    #[arg(long, default_value_t = 0.1)]
+    short_seq_prob: f64,
+    /// Passes over the corpus, each with different pairs and masks.
+    #[arg(long, default_value_t = 5)]
+    dupe_factor: usize,
+    /// Seed.
+    #[arg(long, default_value_t = 12345)]
+    seed: u64,
+    /// Mask whole words.
+    #[arg(long)]
+    whole_word_mask: bool,
+    /// `google`: reproduce create_pretraining_data.py exactly (in folder mode, every shard is
+    /// seeded with --seed, as the script run per shard).
+    #[arg(long, value_parser = ["google"])]
+    compat: Option<String>,
+    /// Also write the instances as JSONL with the reference script's fields (file mode).
+    #[arg(long)]
+    jsonl: Option<PathBuf>,
+    /// Cased vocabulary.
+    #[arg(long)]
+    cased: bool,
 }
 
 #[derive(Args)]
@@ -302,6 +351,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         }
         Command::Shard(args) => shard(args)?,
         Command::Tokenize(args) => tokenize(args)?,
+        Command::Records(args) => records(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -425,6 +475,85 @@ fn tokenize(args: TokenizeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     out.flush()?;
+    Ok(())
+}
+
+fn records(args: RecordsArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use bertkit_records::instances::InstanceOptions;
+    use bertkit_records::run::{Compat, RecordsOptions};
+    let preset = if args.phase == 2 {
+        InstanceOptions::phase2()
+    } else {
+        InstanceOptions::phase1()
+    };
+    let options = RecordsOptions {
+        instances: InstanceOptions {
+            max_seq_length: args.max_seq_length.unwrap_or(preset.max_seq_length),
+            max_predictions_per_seq: args
+                .max_predictions_per_seq
+                .unwrap_or(preset.max_predictions_per_seq),
+            masked_lm_prob: args.masked_lm_prob,
+            short_seq_prob: args.short_seq_prob,
+            dupe_factor: args.dupe_factor,
+            whole_word_mask: args.whole_word_mask,
+            seed: args.seed,
+        },
+        lower_case: !args.cased,
+        compat: if args.compat.is_some() {
+            Compat::Google
+        } else {
+            Compat::None
+        },
+    };
+    if options.instances.max_seq_length < 5 {
+        return Err("--max-seq-length must be at least 5".into());
+    }
+    let started = std::time::Instant::now();
+    let summaries = if args.output.extension().is_some_and(|e| e == "parquet") {
+        vec![bertkit_records::run::records_to_file(
+            &args.input,
+            &args.vocab,
+            &args.output,
+            args.jsonl.as_deref(),
+            &options,
+        )?]
+    } else {
+        if args.jsonl.is_some() {
+            return Err("--jsonl needs a .parquet output (file mode)".into());
+        }
+        let report = |s: &bertkit_records::run::FileSummary| {
+            if s.skipped {
+                eprintln!("{}: up to date, skipped", s.output.display());
+            } else {
+                eprintln!(
+                    "{}: {} instances from {} documents",
+                    s.output.display(),
+                    s.instances,
+                    s.documents
+                );
+            }
+        };
+        bertkit_records::run::records_to_dir(
+            &args.input,
+            &args.vocab,
+            &args.output,
+            &options,
+            &report,
+        )?
+    };
+    let instances: usize = summaries.iter().map(|s| s.instances).sum();
+    let tokens: usize = summaries.iter().map(|s| s.tokens).sum();
+    let skipped = summaries.iter().filter(|s| s.skipped).count();
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "wrote {} file(s) ({} up to date): {instances} instances, {tokens} tokens in {secs:.2} s ({:.0} instances/s)",
+        summaries.len() - skipped,
+        skipped,
+        instances as f64 / secs.max(1e-9)
+    );
+    for s in summaries.iter().filter(|s| !s.skipped) {
+        println!("  {}  {} instances", s.output.display(), s.instances);
+    }
     Ok(())
 }
 

@@ -10,7 +10,9 @@
 //! `bertkit records` command.
 
 pub mod instances;
+pub mod parquet_file;
 pub mod pyrandom;
+pub mod run;
 pub mod tokenizer;
 pub mod vocab;
 

@@ -1,0 +1,165 @@
+//! The records stage's Parquet files (layout `bertkit-records-v1`, described in
+//! `schemas/records.schema.json`).
+//!
+//! One row per training instance, unpadded:
+//! - `input_ids: list<int32>`: vocabulary ids of `[CLS] A [SEP] B [SEP]`, after masking;
+//! - `segment_ids: list<int8>`: 0 for `[CLS]`, A and the first `[SEP]`, 1 for the rest;
+//! - `masked_lm_positions: list<int32>`: masked positions, ascending;
+//! - `masked_lm_ids: list<int32>`: vocabulary ids of the original tokens there;
+//! - `next_sentence_label: int8`: 1 when B is a random next (as NVIDIA's loaders expect), else 0;
+//! - `seq_len: int32`: the length of `input_ids`, for length-bucketed batching.
+//!
+//! zstd level 3. Row groups of [`ROW_GROUP_ROWS`] rows: about 1 MiB of ids at phase 1 and 4 MiB at
+//! phase 2. That is small enough for a memory-mapped reader to shuffle at row-group granularity
+//! and decode one group at a time, and large enough for zstd to compress well. The key-value
+//! metadata holds the layout name, the generation parameters, the SHA-256 of the vocabulary and
+//! of the input, and the number of instances. Files are written under a hidden `.partial` name
+//! and renamed into place.
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use arrow_array::builder::{Int8Builder, Int32Builder, ListBuilder};
+use arrow_array::{ArrayRef, Int8Array, Int32Array, RecordBatch};
+use arrow_schema::{DataType, Field, Schema};
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::KeyValue;
+use parquet::file::properties::WriterProperties;
+
+use crate::instances::TrainingInstance;
+use crate::tokenizer::FullTokenizer;
+
+/// Name of the file layout, stored in the metadata under `bertkit.layout`.
+pub const LAYOUT: &str = "bertkit-records-v1";
+
+/// Rows per row group.
+pub const ROW_GROUP_ROWS: usize = 2048;
+
+fn list_of(name: &str, item: DataType) -> Field {
+    Field::new(
+        name,
+        DataType::List(Arc::new(Field::new("item", item, false))),
+        false,
+    )
+}
+
+/// The Arrow schema of a records file.
+pub fn arrow_schema() -> Schema {
+    Schema::new(vec![
+        list_of("input_ids", DataType::Int32),
+        list_of("segment_ids", DataType::Int8),
+        list_of("masked_lm_positions", DataType::Int32),
+        list_of("masked_lm_ids", DataType::Int32),
+        Field::new("next_sentence_label", DataType::Int8, false),
+        Field::new("seq_len", DataType::Int32, false),
+    ])
+}
+
+fn int32_list() -> ListBuilder<Int32Builder> {
+    ListBuilder::new(Int32Builder::new()).with_field(Arc::new(Field::new(
+        "item",
+        DataType::Int32,
+        false,
+    )))
+}
+
+/// One row group's columns.
+fn batch(
+    instances: &[TrainingInstance],
+    tokenizer: &FullTokenizer,
+    schema: &Arc<Schema>,
+) -> parquet::errors::Result<RecordBatch> {
+    let mut input_ids = int32_list();
+    let mut segment_ids = ListBuilder::new(Int8Builder::new()).with_field(Arc::new(Field::new(
+        "item",
+        DataType::Int8,
+        false,
+    )));
+    let mut positions = int32_list();
+    let mut masked_ids = int32_list();
+    let mut labels = Vec::with_capacity(instances.len());
+    let mut lengths = Vec::with_capacity(instances.len());
+    for instance in instances {
+        for id in tokenizer.convert_tokens_to_ids(&instance.tokens) {
+            input_ids.values().append_value(id as i32);
+        }
+        input_ids.append(true);
+        for &s in &instance.segment_ids {
+            segment_ids.values().append_value(s as i8);
+        }
+        segment_ids.append(true);
+        for &p in &instance.masked_lm_positions {
+            positions.values().append_value(p as i32);
+        }
+        positions.append(true);
+        for id in tokenizer.convert_tokens_to_ids(&instance.masked_lm_labels) {
+            masked_ids.values().append_value(id as i32);
+        }
+        masked_ids.append(true);
+        labels.push(instance.is_random_next as i8);
+        lengths.push(instance.tokens.len() as i32);
+    }
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(input_ids.finish()),
+        Arc::new(segment_ids.finish()),
+        Arc::new(positions.finish()),
+        Arc::new(masked_ids.finish()),
+        Arc::new(Int8Array::from(labels)),
+        Arc::new(Int32Array::from(lengths)),
+    ];
+    Ok(RecordBatch::try_new(schema.clone(), columns)?)
+}
+
+/// Writes instances to `path` atomically, with `metadata` (key, value) pairs added to the
+/// layout name and the instance count.
+pub fn write_instances(
+    path: &Path,
+    instances: &[TrainingInstance],
+    tokenizer: &FullTokenizer,
+    metadata: &[(String, String)],
+) -> parquet::errors::Result<()> {
+    let schema = Arc::new(arrow_schema());
+    let mut kv = vec![
+        KeyValue::new("bertkit.layout".to_string(), LAYOUT.to_string()),
+        KeyValue::new("bertkit.instances".to_string(), instances.len().to_string()),
+    ];
+    kv.extend(
+        metadata
+            .iter()
+            .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+    );
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
+        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .set_key_value_metadata(Some(kv))
+        .build();
+    let partial = bertkit_stage_io::partial_path(path);
+    let file = File::create(&partial)?;
+    let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
+    for chunk in instances.chunks(ROW_GROUP_ROWS) {
+        writer.write(&batch(chunk, tokenizer, &schema)?)?;
+    }
+    let file = writer.into_inner()?;
+    file.sync_all()?;
+    std::fs::rename(&partial, path)?;
+    Ok(())
+}
+
+/// The key-value metadata of a records file (to check whether it is complete and current).
+pub fn read_metadata(path: &Path) -> Option<Vec<(String, String)>> {
+    let file = File::open(path).ok()?;
+    let reader = parquet::file::reader::SerializedFileReader::new(file).ok()?;
+    use parquet::file::reader::FileReader;
+    let kv = reader
+        .metadata()
+        .file_metadata()
+        .key_value_metadata()?
+        .clone();
+    Some(
+        kv.into_iter()
+            .map(|k| (k.key, k.value.unwrap_or_default()))
+            .collect(),
+    )
+}

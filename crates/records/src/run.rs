@@ -1,0 +1,342 @@
+//! A records run: formatted text or shards in, Parquet (and optionally JSONL) out.
+//!
+//! - **File mode** (output ends in `.parquet`): every input is read, in order, as one corpus, and
+//!   one generator seeded with `seed` makes the instances. This is exactly what Google's
+//!   `create_pretraining_data.py` does with the same inputs, vocabulary and flags.
+//! - **Directory mode** (any other output): every input shard becomes
+//!   `OUTPUT/<shard name>.parquet`, shards in parallel (memory: one shard per worker). Each
+//!   shard is an independent run. With `--compat google` its seed is `seed`, which is what running
+//!   Google's script on each shard gives (NVIDIA's recipe does that). By default the seed is
+//!   derived from `seed` and the shard's name, so shards draw independent masks. Either way the
+//!   output does not depend on the thread count. An output whose metadata records the same
+//!   input (path, size, modification time), vocabulary and parameters is skipped.
+
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::instances::{Document, InstanceOptions, TrainingInstance, create_instances_google};
+use crate::tokenizer::FullTokenizer;
+
+/// How seeds are given to shards in directory mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compat {
+    /// Each shard's seed is derived from the seed and the shard's name.
+    None,
+    /// Each shard is seeded with the seed itself, as Google's script run per shard.
+    Google,
+}
+
+/// Everything that determines a records file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordsOptions {
+    /// Instance generation.
+    pub instances: InstanceOptions,
+    /// Uncased vocabulary (lower-casing and accent stripping).
+    pub lower_case: bool,
+    /// Seeding of shards in directory mode.
+    pub compat: Compat,
+}
+
+/// Why a records run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordsError {
+    /// Reading an input failed.
+    #[error(transparent)]
+    Read(#[from] bertkit_shard::ShardError),
+    /// The vocabulary is unusable.
+    #[error(transparent)]
+    Vocab(#[from] crate::tokenizer::VocabError),
+    /// Writing an output failed.
+    #[error("{path}: {message}")]
+    Write {
+        /// The output.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// Bad arguments or an input without documents.
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// What one output file holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileSummary {
+    /// The Parquet file.
+    pub output: PathBuf,
+    /// Documents read.
+    pub documents: usize,
+    /// Instances written.
+    pub instances: usize,
+    /// Tokens in all instances.
+    pub tokens: usize,
+    /// Whether the file was already complete and was skipped.
+    pub skipped: bool,
+}
+
+fn hash_file(path: &Path) -> Result<String, RecordsError> {
+    let bytes = std::fs::read(path).map_err(|e| bertkit_shard::ShardError::Io {
+        path: path.into(),
+        source: e,
+    })?;
+    Ok(bertkit_stage_io::hex(&Sha256::digest(&bytes)))
+}
+
+/// Reads documents (one sentence per line, blank lines between documents; `.txt` or
+/// `.txt.zst`) and tokenizes them; sentences that tokenize to nothing are dropped, as Google's
+/// script drops them. Returns the documents and the input's fingerprint.
+pub fn read_tokenized(
+    path: &Path,
+    tokenizer: &FullTokenizer,
+) -> Result<(Vec<Document>, bertkit_stage_io::InputFile), RecordsError> {
+    let mut fingerprint =
+        bertkit_stage_io::InputFile::stat(path).map_err(|e| bertkit_shard::ShardError::Io {
+            path: path.into(),
+            source: e,
+        })?;
+    let mut reader = bertkit_shard::documents::DocumentReader::open(path)?;
+    let mut texts = Vec::new();
+    while let Some(doc) = reader.next_document()? {
+        texts.push(String::from_utf8(doc.text).expect("the reader checked UTF-8"));
+    }
+    fingerprint.sha256 = reader.finish()?;
+    let documents: Vec<Document> = texts
+        .par_iter()
+        .map(|text| {
+            text.lines()
+                .map(|line| tokenizer.tokenize(line))
+                .filter(|t| !t.is_empty())
+                .collect::<Document>()
+        })
+        .filter(|d| !d.is_empty())
+        .collect();
+    Ok((documents, fingerprint))
+}
+
+fn metadata(
+    options: &RecordsOptions,
+    vocab_sha256: &str,
+    inputs: &[bertkit_stage_io::InputFile],
+) -> Vec<(String, String)> {
+    vec![
+        (
+            "bertkit.parameters".into(),
+            serde_json::to_string(options).expect("options serialise"),
+        ),
+        ("bertkit.vocab_sha256".into(), vocab_sha256.into()),
+        (
+            "bertkit.inputs".into(),
+            serde_json::to_string(inputs).expect("inputs serialise"),
+        ),
+    ]
+}
+
+/// Whether `output` is a complete records file for these inputs, vocabulary and options.
+fn is_current(
+    output: &Path,
+    options: &RecordsOptions,
+    vocab_sha256: &str,
+    inputs: &[bertkit_stage_io::InputFile],
+) -> bool {
+    let Some(kv) = crate::parquet_file::read_metadata(output) else {
+        return false;
+    };
+    let get = |k: &str| kv.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+    let recorded: Option<Vec<bertkit_stage_io::InputFile>> =
+        get("bertkit.inputs").and_then(|v| serde_json::from_str(v).ok());
+    get("bertkit.layout") == Some(crate::parquet_file::LAYOUT)
+        && get("bertkit.parameters")
+            == Some(
+                serde_json::to_string(options)
+                    .expect("options serialise")
+                    .as_str(),
+            )
+        && get("bertkit.vocab_sha256") == Some(vocab_sha256)
+        && recorded.is_some_and(|r| bertkit_stage_io::same_inputs(&r, inputs))
+}
+
+fn write_outputs(
+    output: &Path,
+    jsonl: Option<&Path>,
+    instances: &[TrainingInstance],
+    tokenizer: &FullTokenizer,
+    metadata: &[(String, String)],
+) -> Result<(), RecordsError> {
+    crate::parquet_file::write_instances(output, instances, tokenizer, metadata).map_err(|e| {
+        RecordsError::Write {
+            path: output.into(),
+            message: e.to_string(),
+        }
+    })?;
+    if let Some(path) = jsonl {
+        let mut text = String::new();
+        for i in instances {
+            text.push_str(&serde_json::to_string(i).expect("instances serialise"));
+            text.push('\n');
+        }
+        bertkit_stage_io::write_atomically(path, text.as_bytes()).map_err(|e| {
+            RecordsError::Write {
+                path: path.into(),
+                message: e.to_string(),
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// File mode: all inputs as one corpus into one Parquet file (and optionally a JSONL file with
+/// the reference script's instance fields).
+pub fn records_to_file(
+    inputs: &[PathBuf],
+    vocab: &Path,
+    output: &Path,
+    jsonl: Option<&Path>,
+    options: &RecordsOptions,
+) -> Result<FileSummary, RecordsError> {
+    let tokenizer = FullTokenizer::from_vocab_file(vocab, options.lower_case)?;
+    let vocab_sha256 = hash_file(vocab)?;
+    let files = bertkit_shard::expand_inputs(inputs)?;
+    let mut documents = Vec::new();
+    let mut fingerprints = Vec::new();
+    for path in &files {
+        let (docs, fingerprint) = read_tokenized(path, &tokenizer)?;
+        documents.extend(docs);
+        fingerprints.push(fingerprint);
+    }
+    if documents.is_empty() {
+        return Err(RecordsError::Usage("the inputs hold no document".into()));
+    }
+    let document_count = documents.len();
+    let instances = create_instances_google(documents, tokenizer.vocab_words(), &options.instances);
+    write_outputs(
+        output,
+        jsonl,
+        &instances,
+        &tokenizer,
+        &metadata(options, &vocab_sha256, &fingerprints),
+    )?;
+    Ok(FileSummary {
+        output: output.into(),
+        documents: document_count,
+        instances: instances.len(),
+        tokens: instances.iter().map(|i| i.tokens.len()).sum(),
+        skipped: false,
+    })
+}
+
+/// The seed of one shard in directory mode.
+pub fn shard_seed(seed: u64, shard_name: &str, compat: Compat) -> u64 {
+    match compat {
+        Compat::Google => seed,
+        Compat::None => {
+            // FNV-1a of the name, mixed with the seed.
+            let mut h = 0xCBF2_9CE4_8422_2325u64;
+            for b in shard_name.bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3);
+            }
+            (seed ^ h) % (1 << 63)
+        }
+    }
+}
+
+/// Directory mode: every input shard into `output_dir/<name>.parquet`, in parallel.
+pub fn records_to_dir(
+    inputs: &[PathBuf],
+    vocab: &Path,
+    output_dir: &Path,
+    options: &RecordsOptions,
+    progress: &(dyn Fn(&FileSummary) + Sync),
+) -> Result<Vec<FileSummary>, RecordsError> {
+    let tokenizer = FullTokenizer::from_vocab_file(vocab, options.lower_case)?;
+    let vocab_sha256 = hash_file(vocab)?;
+    let files = bertkit_shard::expand_inputs(inputs)?;
+    std::fs::create_dir_all(output_dir).map_err(|e| RecordsError::Write {
+        path: output_dir.into(),
+        message: e.to_string(),
+    })?;
+    let mut names = std::collections::HashSet::new();
+    for f in &files {
+        if !names.insert(stem(f)) {
+            return Err(RecordsError::Usage(format!(
+                "two inputs are named {}: outputs would collide",
+                stem(f)
+            )));
+        }
+    }
+    files
+        .par_iter()
+        .map(|path| {
+            let name = stem(path);
+            let output = output_dir.join(format!("{name}.parquet"));
+            let mut shard_options = options.clone();
+            shard_options.instances.seed =
+                shard_seed(options.instances.seed, &name, options.compat);
+            let stat = bertkit_stage_io::InputFile::stat(path).map_err(|e| {
+                bertkit_shard::ShardError::Io {
+                    path: path.clone(),
+                    source: e,
+                }
+            })?;
+            if is_current(
+                &output,
+                &shard_options,
+                &vocab_sha256,
+                std::slice::from_ref(&stat),
+            ) {
+                let summary = FileSummary {
+                    output,
+                    documents: 0,
+                    instances: 0,
+                    tokens: 0,
+                    skipped: true,
+                };
+                progress(&summary);
+                return Ok(summary);
+            }
+            let (documents, fingerprint) = read_tokenized(path, &tokenizer)?;
+            if documents.is_empty() {
+                return Err(RecordsError::Usage(format!(
+                    "{}: no document",
+                    path.display()
+                )));
+            }
+            let document_count = documents.len();
+            let instances = create_instances_google(
+                documents,
+                tokenizer.vocab_words(),
+                &shard_options.instances,
+            );
+            let meta = metadata(
+                &shard_options,
+                &vocab_sha256,
+                std::slice::from_ref(&fingerprint),
+            );
+            write_outputs(&output, None, &instances, &tokenizer, &meta)?;
+            let summary = FileSummary {
+                output,
+                documents: document_count,
+                instances: instances.len(),
+                tokens: instances.iter().map(|i| i.tokens.len()).sum(),
+                skipped: false,
+            };
+            progress(&summary);
+            Ok(summary)
+        })
+        .collect()
+}
+
+/// A shard's name without `.txt` / `.txt.zst`.
+fn stem(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    name.strip_suffix(".txt.zst")
+        .or_else(|| name.strip_suffix(".txt"))
+        .unwrap_or(&name)
+        .to_string()
+}
