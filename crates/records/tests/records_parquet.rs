@@ -145,6 +145,26 @@ print(t.num_rows)
         String::from_utf8_lossy(&run.stderr)
     );
     assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), "38");
+
+    // The published schema lists exactly the written columns, with their Arrow types.
+    let published: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            bertkit_shared_data::repo_root().join("schemas/records.schema.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(published["version"], bertkit_records::parquet_file::LAYOUT);
+    let schema = bertkit_records::parquet_file::arrow_schema();
+    let fields = published["arrow_schema"]["fields"].as_array().unwrap();
+    assert_eq!(fields.len(), schema.fields().len());
+    for (f, field) in fields.iter().zip(schema.fields()) {
+        assert_eq!(f["name"], field.name().as_str());
+    }
+    assert_eq!(
+        published["arrow_schema"]["row_group_rows"],
+        bertkit_records::parquet_file::ROW_GROUP_ROWS
+    );
 }
 
 /// The real fixtures, formatted and sharded by the earlier stages, once per test binary.
