@@ -5,6 +5,8 @@
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
 #   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
+#   make bench-records GOOGLE_BERT=DIR  records stage vs Google's create_pretraining_data.py
+#                                       (DIR: a google-research/bert checkout)
 
 # Where the demo data comes from: a folder laid out like ../shared/data.
 MIRROR ?= $(or $(BERTKIT_SHARED_DATA),../shared/data)
@@ -14,7 +16,7 @@ CARGO ?= cargo
 BERTKIT := target/release/bertkit
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
-.PHONY: all build demo test lint bench-format bench-shard clean
+.PHONY: all build demo test lint bench-format bench-shard bench-records clean
 
 all: build
 
@@ -52,6 +54,10 @@ bench-format: build bench/.venv/bin/python
 bench-shard: build
 	@test -x /usr/bin/time || { apt-get update -qq && apt-get install -y -qq time; }
 	python3 bench/shard_scaling.py --bertkit $(BERTKIT) --shared "$(MIRROR)"
+
+bench-records: build
+	@test -n "$(GOOGLE_BERT)" || { echo "error: set GOOGLE_BERT to a google-research/bert checkout (the peer)" >&2; exit 1; }
+	python3 bench/records_throughput.py --bertkit $(BERTKIT) --shared "$(MIRROR)" --google-bert "$(GOOGLE_BERT)"
 
 clean:
 	$(CARGO) clean

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Benchmark of `bertkit records` beside Google's create_pretraining_data.py, in one run.
+
+Input: the real enwiki chunk and the three Gutenberg books, formatted by `bertkit format`
+(100 documents, 5 MB). Parameters: phase 1 (max_seq_length 128, 20 predictions,
+masked_lm_prob 0.15, short_seq_prob 0.1), dupe_factor --dupe, seed 12345, uncased
+bert-base vocabulary.
+
+Peer: google-research/bert's create_pretraining_data.py, unmodified, from a checkout given with
+--google-bert (the folder holding create_pretraining_data.py and tokenization.py), run with
+bench/peers/tensorflow_standin instead of TensorFlow (its TFRecordWriter writes JSON lines).
+Runs:
+  1. the peer on both formatted files (one process, one core);
+  2. `bertkit records --compat google` on the same files into one Parquet file: the same
+     algorithm, generator and call order, so the same instances (checked with pyarrow);
+  3. `bertkit records` on the corpus cut into 8 shards (`bertkit shard`), one Parquet file per
+     shard, with RAYON_NUM_THREADS=1 and =2: throughput per core and scaling with threads.
+Reported: wall and CPU seconds, instances/s and tokens/s per CPU-second.
+
+Usage: bench/records_throughput.py --bertkit target/release/bertkit --shared ../shared/data
+                                   --google-bert DIR [--work target/bench-records] [--dupe 2]
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(cmd, env=None, quiet=True):
+    """Runs cmd; returns (wall s, CPU s of the child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if res.returncode != 0:
+        sys.exit(f"{cmd[0]} failed:\n{res.stderr[-3000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bertkit", required=True)
+    ap.add_argument("--shared", required=True)
+    ap.add_argument("--google-bert", required=True)
+    ap.add_argument("--work", default="target/bench-records")
+    ap.add_argument("--dupe", type=int, default=2)
+    args = ap.parse_args()
+    work = os.path.abspath(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    vocab = os.path.join(args.shared, "minilm/vocab.txt")
+    wiki_dump = os.path.join(args.shared, "wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
+    run([args.bertkit, "format", "wiki", "--input", wiki_dump, "--output", f"{work}/formatted/wiki", "-q"])
+    run([args.bertkit, "format", "books", "--input", os.path.join(args.shared, "gutenberg"), "--output",
+         f"{work}/formatted/books", "-q"])
+    inputs = [f"{work}/formatted/wiki/wiki_00000.txt", f"{work}/formatted/books/books_00000.txt"]
+    mb = sum(os.path.getsize(p) for p in inputs) / 1e6
+    flags = ["--max_seq_length=128", "--max_predictions_per_seq=20", "--masked_lm_prob=0.15",
+             "--short_seq_prob=0.1", "--random_seed=12345", f"--dupe_factor={args.dupe}", "--do_lower_case=True"]
+    rows = []
+
+    # 1. The peer.
+    peer_out = f"{work}/google.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "peers/tensorflow_standin"),
+                                                      os.path.abspath(args.google_bert)]))
+    wall, cpu = run([sys.executable, os.path.join(args.google_bert, "create_pretraining_data.py"),
+                     "--input_file=" + ",".join(inputs), f"--output_file={peer_out}", f"--vocab_file={vocab}"] + flags,
+                    env=env)
+    with open(peer_out) as f:
+        peer = [json.loads(line) for line in f]
+    peer_tokens = sum(sum(r["input_mask"]) for r in peer)
+    rows.append(("create_pretraining_data.py (CPython, 1 process)", 1, wall, cpu, len(peer), peer_tokens))
+
+    # 2. bertkit, same algorithm and generator, one file.
+    same = f"{work}/bertkit-compat.parquet"
+    common = ["--vocab", vocab, "--dupe-factor", str(args.dupe), "--seed", "12345"]
+    wall, cpu = run([args.bertkit, "records", "--input"] + inputs + ["--output", same, "--compat", "google"] + common,
+                    env=dict(os.environ, RAYON_NUM_THREADS="1"))
+    identical = None
+    try:
+        import pyarrow.parquet as pq
+        table = pq.read_table(same)
+        ours = table.column("input_ids").to_pylist()
+        theirs = [r["input_ids"][: sum(r["input_mask"])] for r in peer]
+        identical = ours == theirs
+        rows.append(("bertkit records --compat google, 1 thread", 1, wall, cpu, table.num_rows,
+                     sum(len(x) for x in ours)))
+    except ImportError:
+        rows.append(("bertkit records --compat google, 1 thread", 1, wall, cpu, None, None))
+
+    # 3. bertkit on 8 shards, one Parquet file each.
+    run([args.bertkit, "shard", "--input"] + inputs + ["--output", f"{work}/shards", "--num-train-shards", "8", "-q"])
+    for threads in (1, 2):
+        out = f"{work}/records-{threads}"
+        wall, cpu = run([args.bertkit, "records", "--input", f"{work}/shards/train", "--output", out] + common,
+                        env=dict(os.environ, RAYON_NUM_THREADS=str(threads)))
+        import pyarrow.parquet as pq
+        files = sorted(os.listdir(out))
+        n = sum(pq.ParquetFile(os.path.join(out, f)).metadata.num_rows for f in files)
+        tokens = sum(sum(pq.read_table(os.path.join(out, f), columns=["seq_len"]).column("seq_len").to_pylist())
+                     for f in files)
+        rows.append((f"bertkit records, 8 shards, {threads} thread(s)", threads, wall, cpu, n, tokens))
+
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    print(f"input: {mb:.1f} MB of formatted text (enwiki chunk + 3 books); phase 1, dupe_factor {args.dupe}\n")
+    print("| run | threads | wall s | CPU s | instances | tokens | instances/s per CPU-s | tokens/s per CPU-s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, threads, wall, cpu, n, tokens in rows:
+        if n is None:
+            print(f"| {name} | {threads} | {wall:.2f} | {cpu:.2f} | | | | |")
+            continue
+        print(f"| {name} | {threads} | {wall:.2f} | {cpu:.2f} | {n} | {tokens} | {n / cpu:.0f} | {tokens / cpu:.0f} |")
+    peer_rate = rows[0][4] / rows[0][3]
+    for name, threads, wall, cpu, n, tokens in rows[1:]:
+        if n:
+            print(f"\n{name}: {n / cpu / peer_rate:.0f}x the peer's instances per CPU-second", end="")
+    print(f"\n\nsame instances as the peer (input_ids of every instance, in order): {identical}")
+
+
+if __name__ == "__main__":
+    main()
