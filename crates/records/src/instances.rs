@@ -67,23 +67,78 @@ impl InstanceOptions {
     }
 }
 
-/// One training instance, as the reference script's `TrainingInstance`.
+/// One training instance, as the reference script's `TrainingInstance`, in vocabulary ids.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrainingInstance {
     /// `[CLS] A [SEP] B [SEP]`, after masking.
-    pub tokens: Vec<String>,
+    pub input_ids: Vec<u32>,
     /// 0 for `[CLS]`, A and the first `[SEP]`; 1 for B and the last `[SEP]`.
     pub segment_ids: Vec<u8>,
     /// Whether B came from another document.
     pub is_random_next: bool,
     /// Masked positions, ascending.
     pub masked_lm_positions: Vec<usize>,
-    /// The original tokens at those positions.
-    pub masked_lm_labels: Vec<String>,
+    /// The original ids at those positions.
+    pub masked_lm_ids: Vec<u32>,
 }
 
-/// A document: its sentences as WordPiece tokens.
-pub type Document = Vec<Vec<String>>;
+impl TrainingInstance {
+    /// The instance with tokens, in the reference script's JSON fields (`tokens`,
+    /// `segment_ids`, `is_random_next`, `masked_lm_positions`, `masked_lm_labels`).
+    pub fn to_reference_json(&self, tokenizer: &FullTokenizer) -> serde_json::Value {
+        let tokens = |ids: &[u32]| -> Vec<&str> {
+            ids.iter()
+                .map(|&i| tokenizer.id_to_token(i).unwrap_or("[UNK]"))
+                .collect()
+        };
+        serde_json::json!({
+            "tokens": tokens(&self.input_ids),
+            "segment_ids": self.segment_ids,
+            "is_random_next": self.is_random_next,
+            "masked_lm_positions": self.masked_lm_positions,
+            "masked_lm_labels": tokens(&self.masked_lm_ids),
+        })
+    }
+}
+
+/// A document: its sentences as vocabulary ids.
+pub type Document = Vec<Vec<u32>>;
+
+/// What instance generation needs to know of the vocabulary.
+#[derive(Debug, Clone)]
+pub struct VocabIds {
+    /// `[CLS]`.
+    pub cls: u32,
+    /// `[SEP]`.
+    pub sep: u32,
+    /// `[MASK]`.
+    pub mask: u32,
+    /// The reference script's `vocab_words` (distinct tokens in file order) as ids.
+    pub words: Vec<u32>,
+    /// Whether each id's token starts with `##`.
+    pub continuation: Vec<bool>,
+}
+
+impl VocabIds {
+    /// From a tokenizer's vocabulary; `None` if `[CLS]`, `[SEP]` or `[MASK]` is missing.
+    pub fn new(tokenizer: &FullTokenizer) -> Option<Self> {
+        let words = tokenizer.vocab_word_ids();
+        let continuation = (0..tokenizer.vocab_size() as u32)
+            .map(|i| {
+                tokenizer
+                    .id_to_token(i)
+                    .is_some_and(|t| t.starts_with("##"))
+            })
+            .collect();
+        Some(VocabIds {
+            cls: tokenizer.token_to_id("[CLS]")?,
+            sep: tokenizer.token_to_id("[SEP]")?,
+            mask: tokenizer.token_to_id("[MASK]")?,
+            words,
+            continuation,
+        })
+    }
+}
 
 /// Reads documents as the reference script does: lines split at `\n` only, each stripped of
 /// whitespace as Python's `str.strip()` does; an empty line starts a new document; every line is
@@ -105,9 +160,9 @@ pub fn read_documents(
         if line.is_empty() {
             documents.push(Vec::new());
         }
-        let tokens = tokenizer.tokenize(line);
-        if !tokens.is_empty() {
-            documents.last_mut().expect("pushed above").push(tokens);
+        let ids = tokenizer.tokenize_ids(line);
+        if !ids.is_empty() {
+            documents.last_mut().expect("pushed above").push(ids);
         }
     }
     documents.retain(|d| !d.is_empty());
@@ -118,22 +173,17 @@ pub fn read_documents(
 /// passes, and shuffles the instances, all with CPython's generator seeded with `options.seed`.
 pub fn create_instances_google(
     documents: Vec<Document>,
-    vocab_words: &[String],
+    vocab: &VocabIds,
     options: &InstanceOptions,
 ) -> Vec<TrainingInstance> {
-    create_instances_google_with(
-        documents,
-        vocab_words,
-        options,
-        &mut PyRandom::new(options.seed),
-    )
+    create_instances_google_with(documents, vocab, options, &mut PyRandom::new(options.seed))
 }
 
 /// [`create_instances_google`] with a given generator (whose word count then tells how many
 /// random words the run drew).
 pub fn create_instances_google_with(
     mut documents: Vec<Document>,
-    vocab_words: &[String],
+    vocab: &VocabIds,
     options: &InstanceOptions,
     rng: &mut PyRandom,
 ) -> Vec<TrainingInstance> {
@@ -141,7 +191,7 @@ pub fn create_instances_google_with(
     let mut instances = Vec::new();
     for _ in 0..options.dupe_factor {
         for index in 0..documents.len() {
-            instances_from_document(&documents, index, vocab_words, options, rng, &mut instances);
+            instances_from_document(&documents, index, vocab, options, rng, &mut instances);
         }
     }
     rng.shuffle(&mut instances);
@@ -151,7 +201,7 @@ pub fn create_instances_google_with(
 fn instances_from_document(
     documents: &[Document],
     document_index: usize,
-    vocab_words: &[String],
+    vocab: &VocabIds,
     options: &InstanceOptions,
     rng: &mut PyRandom,
     out: &mut Vec<TrainingInstance>,
@@ -162,7 +212,7 @@ fn instances_from_document(
     if rng.random() < options.short_seq_prob {
         target_seq_length = rng.randint(2, max_num_tokens);
     }
-    let mut chunk: Vec<&Vec<String>> = Vec::new();
+    let mut chunk: Vec<&Vec<u32>> = Vec::new();
     let mut length = 0;
     let mut i = 0usize;
     while i < document.len() {
@@ -176,11 +226,11 @@ fn instances_from_document(
                 } else {
                     1
                 };
-                let mut tokens_a: Vec<String> = chunk[..a_end]
+                let mut tokens_a: Vec<u32> = chunk[..a_end]
                     .iter()
-                    .flat_map(|s| s.iter().cloned())
+                    .flat_map(|s| s.iter().copied())
                     .collect();
-                let mut tokens_b: Vec<String> = Vec::new();
+                let mut tokens_b: Vec<u32> = Vec::new();
                 let is_random_next = chunk.len() == 1 || rng.random() < 0.5;
                 if is_random_next {
                     let target_b_length = target_seq_length.saturating_sub(tokens_a.len());
@@ -194,7 +244,7 @@ fn instances_from_document(
                     let random_document = &documents[random_index];
                     let start = rng.randint(0, random_document.len() - 1);
                     for segment in &random_document[start..] {
-                        tokens_b.extend(segment.iter().cloned());
+                        tokens_b.extend_from_slice(segment);
                         if tokens_b.len() >= target_b_length {
                             break;
                         }
@@ -202,25 +252,25 @@ fn instances_from_document(
                     // Put the unused segments back.
                     i -= chunk.len() - a_end;
                 } else {
-                    tokens_b.extend(chunk[a_end..].iter().flat_map(|s| s.iter().cloned()));
+                    tokens_b.extend(chunk[a_end..].iter().flat_map(|s| s.iter().copied()));
                 }
                 truncate_seq_pair(&mut tokens_a, &mut tokens_b, max_num_tokens, rng);
-                let mut tokens = Vec::with_capacity(tokens_a.len() + tokens_b.len() + 3);
-                tokens.push("[CLS]".to_string());
-                tokens.extend(tokens_a.iter().cloned());
-                tokens.push("[SEP]".to_string());
-                let mut segment_ids = vec![0u8; tokens.len()];
-                tokens.extend(tokens_b.iter().cloned());
-                tokens.push("[SEP]".to_string());
-                segment_ids.resize(tokens.len(), 1);
-                let (tokens, masked_lm_positions, masked_lm_labels) =
-                    masked_lm_predictions(tokens, options, vocab_words, rng);
+                let mut input_ids = Vec::with_capacity(tokens_a.len() + tokens_b.len() + 3);
+                input_ids.push(vocab.cls);
+                input_ids.extend_from_slice(&tokens_a);
+                input_ids.push(vocab.sep);
+                let mut segment_ids = vec![0u8; input_ids.len()];
+                input_ids.extend_from_slice(&tokens_b);
+                input_ids.push(vocab.sep);
+                segment_ids.resize(input_ids.len(), 1);
+                let (masked_lm_positions, masked_lm_ids) =
+                    mask_tokens(&mut input_ids, options, vocab, rng);
                 out.push(TrainingInstance {
-                    tokens,
+                    input_ids,
                     segment_ids,
                     is_random_next,
                     masked_lm_positions,
-                    masked_lm_labels,
+                    masked_lm_ids,
                 });
             }
             chunk.clear();
@@ -232,8 +282,8 @@ fn instances_from_document(
 
 /// Truncates the longer list (B on a tie) at a random end, one token at a time.
 fn truncate_seq_pair(
-    a: &mut Vec<String>,
-    b: &mut Vec<String>,
+    a: &mut Vec<u32>,
+    b: &mut Vec<u32>,
     max_num_tokens: usize,
     rng: &mut PyRandom,
 ) {
@@ -247,29 +297,34 @@ fn truncate_seq_pair(
     }
 }
 
-/// `create_masked_lm_predictions`.
-fn masked_lm_predictions(
-    tokens: Vec<String>,
+/// `create_masked_lm_predictions`, in place: returns the masked positions (ascending) and the
+/// original ids there.
+fn mask_tokens(
+    ids: &mut [u32],
     options: &InstanceOptions,
-    vocab_words: &[String],
+    vocab: &VocabIds,
     rng: &mut PyRandom,
-) -> (Vec<String>, Vec<usize>, Vec<String>) {
+) -> (Vec<usize>, Vec<u32>) {
     let mut candidates: Vec<Vec<usize>> = Vec::new();
-    for (i, token) in tokens.iter().enumerate() {
-        if token == "[CLS]" || token == "[SEP]" {
+    for (i, &id) in ids.iter().enumerate() {
+        if id == vocab.cls || id == vocab.sep {
             continue;
         }
+        let continuation = vocab
+            .continuation
+            .get(id as usize)
+            .copied()
+            .unwrap_or(false);
         match candidates.last_mut() {
-            Some(last) if options.whole_word_mask && token.starts_with("##") => last.push(i),
+            Some(last) if options.whole_word_mask && continuation => last.push(i),
             _ => candidates.push(vec![i]),
         }
     }
     rng.shuffle(&mut candidates);
     let num_to_predict = options
         .max_predictions_per_seq
-        .min(1.max((tokens.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
-    let mut output = tokens.clone();
-    let mut masked: Vec<(usize, String)> = Vec::new();
+        .min(1.max((ids.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
+    let mut masked: Vec<(usize, u32)> = Vec::new();
     for group in &candidates {
         if masked.len() >= num_to_predict {
             break;
@@ -279,18 +334,17 @@ fn masked_lm_predictions(
         }
         // Groups are disjoint, so none is ever already covered.
         for &index in group {
-            let replacement = if rng.random() < 0.8 {
-                "[MASK]".to_string()
+            let original = ids[index];
+            ids[index] = if rng.random() < 0.8 {
+                vocab.mask
             } else if rng.random() < 0.5 {
-                tokens[index].clone()
+                original
             } else {
-                vocab_words[rng.randint(0, vocab_words.len() - 1)].clone()
+                vocab.words[rng.randint(0, vocab.words.len() - 1)]
             };
-            output[index] = replacement;
-            masked.push((index, tokens[index].clone()));
+            masked.push((index, original));
         }
     }
-    masked.sort_by_key(|m| m.0);
-    let (positions, labels) = masked.into_iter().unzip();
-    (output, positions, labels)
+    masked.sort_unstable_by_key(|m| m.0);
+    masked.into_iter().unzip()
 }

@@ -29,7 +29,6 @@ use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 
 use crate::instances::TrainingInstance;
-use crate::tokenizer::FullTokenizer;
 
 /// Name of the file layout, stored in the metadata under `bertkit.layout`.
 pub const LAYOUT: &str = "bertkit-records-v1";
@@ -68,7 +67,6 @@ fn int32_list() -> ListBuilder<Int32Builder> {
 /// One row group's columns.
 fn batch(
     instances: &[TrainingInstance],
-    tokenizer: &FullTokenizer,
     schema: &Arc<Schema>,
 ) -> parquet::errors::Result<RecordBatch> {
     let mut input_ids = int32_list();
@@ -82,7 +80,7 @@ fn batch(
     let mut labels = Vec::with_capacity(instances.len());
     let mut lengths = Vec::with_capacity(instances.len());
     for instance in instances {
-        for id in tokenizer.convert_tokens_to_ids(&instance.tokens) {
+        for &id in &instance.input_ids {
             input_ids.values().append_value(id as i32);
         }
         input_ids.append(true);
@@ -94,12 +92,12 @@ fn batch(
             positions.values().append_value(p as i32);
         }
         positions.append(true);
-        for id in tokenizer.convert_tokens_to_ids(&instance.masked_lm_labels) {
+        for &id in &instance.masked_lm_ids {
             masked_ids.values().append_value(id as i32);
         }
         masked_ids.append(true);
         labels.push(instance.is_random_next as i8);
-        lengths.push(instance.tokens.len() as i32);
+        lengths.push(instance.input_ids.len() as i32);
     }
     let columns: Vec<ArrayRef> = vec![
         Arc::new(input_ids.finish()),
@@ -117,7 +115,6 @@ fn batch(
 pub fn write_instances(
     path: &Path,
     instances: &[TrainingInstance],
-    tokenizer: &FullTokenizer,
     metadata: &[(String, String)],
 ) -> parquet::errors::Result<()> {
     let schema = Arc::new(arrow_schema());
@@ -139,7 +136,7 @@ pub fn write_instances(
     let file = File::create(&partial)?;
     let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
     for chunk in instances.chunks(ROW_GROUP_ROWS) {
-        writer.write(&batch(chunk, tokenizer, &schema)?)?;
+        writer.write(&batch(chunk, &schema)?)?;
     }
     let file = writer.into_inner()?;
     file.sync_all()?;

@@ -17,7 +17,9 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::instances::{Document, InstanceOptions, TrainingInstance, create_instances_google};
+use crate::instances::{
+    Document, InstanceOptions, TrainingInstance, VocabIds, create_instances_google,
+};
 use crate::tokenizer::FullTokenizer;
 
 /// How seeds are given to shards in directory mode.
@@ -106,9 +108,9 @@ pub fn read_tokenized(
     fingerprint.sha256 = reader.finish()?;
     let documents: Vec<Document> = texts
         .par_iter()
-        .map(|text| {
+        .map_init(crate::tokenizer::WordCache::default, |cache, text| {
             text.lines()
-                .map(|line| tokenizer.tokenize(line))
+                .map(|line| tokenizer.tokenize_ids_cached(line, cache))
                 .filter(|t| !t.is_empty())
                 .collect::<Document>()
         })
@@ -166,7 +168,7 @@ fn write_outputs(
     tokenizer: &FullTokenizer,
     metadata: &[(String, String)],
 ) -> Result<(), RecordsError> {
-    crate::parquet_file::write_instances(output, instances, tokenizer, metadata).map_err(|e| {
+    crate::parquet_file::write_instances(output, instances, metadata).map_err(|e| {
         RecordsError::Write {
             path: output.into(),
             message: e.to_string(),
@@ -175,7 +177,7 @@ fn write_outputs(
     if let Some(path) = jsonl {
         let mut text = String::new();
         for i in instances {
-            text.push_str(&serde_json::to_string(i).expect("instances serialise"));
+            text.push_str(&i.to_reference_json(tokenizer).to_string());
             text.push('\n');
         }
         bertkit_stage_io::write_atomically(path, text.as_bytes()).map_err(|e| {
@@ -186,6 +188,15 @@ fn write_outputs(
         })?;
     }
     Ok(())
+}
+
+fn vocab_ids(tokenizer: &FullTokenizer, vocab: &Path) -> Result<VocabIds, RecordsError> {
+    VocabIds::new(tokenizer).ok_or_else(|| {
+        RecordsError::Usage(format!(
+            "{}: the vocabulary lacks [CLS], [SEP] or [MASK]",
+            vocab.display()
+        ))
+    })
 }
 
 /// File mode: all inputs as one corpus into one Parquet file (and optionally a JSONL file with
@@ -211,7 +222,8 @@ pub fn records_to_file(
         return Err(RecordsError::Usage("the inputs hold no document".into()));
     }
     let document_count = documents.len();
-    let instances = create_instances_google(documents, tokenizer.vocab_words(), &options.instances);
+    let vocab_ids = vocab_ids(&tokenizer, vocab)?;
+    let instances = create_instances_google(documents, &vocab_ids, &options.instances);
     write_outputs(
         output,
         jsonl,
@@ -223,7 +235,7 @@ pub fn records_to_file(
         output: output.into(),
         documents: document_count,
         instances: instances.len(),
-        tokens: instances.iter().map(|i| i.tokens.len()).sum(),
+        tokens: instances.iter().map(|i| i.input_ids.len()).sum(),
         skipped: false,
     })
 }
@@ -254,6 +266,7 @@ pub fn records_to_dir(
     let tokenizer = FullTokenizer::from_vocab_file(vocab, options.lower_case)?;
     let vocab_sha256 = hash_file(vocab)?;
     let files = bertkit_shard::expand_inputs(inputs)?;
+    let vocab_ids = vocab_ids(&tokenizer, vocab)?;
     std::fs::create_dir_all(output_dir).map_err(|e| RecordsError::Write {
         path: output_dir.into(),
         message: e.to_string(),
@@ -305,11 +318,8 @@ pub fn records_to_dir(
                 )));
             }
             let document_count = documents.len();
-            let instances = create_instances_google(
-                documents,
-                tokenizer.vocab_words(),
-                &shard_options.instances,
-            );
+            let instances =
+                create_instances_google(documents, &vocab_ids, &shard_options.instances);
             let meta = metadata(
                 &shard_options,
                 &vocab_sha256,
@@ -320,7 +330,7 @@ pub fn records_to_dir(
                 output,
                 documents: document_count,
                 instances: instances.len(),
-                tokens: instances.iter().map(|i| i.tokens.len()).sum(),
+                tokens: instances.iter().map(|i| i.input_ids.len()).sum(),
                 skipped: false,
             };
             progress(&summary);

@@ -57,6 +57,12 @@ pub enum VocabError {
     },
 }
 
+/// A cache of words to their WordPiece ids (see [`FullTokenizer::tokenize_ids_cached`]).
+pub type WordCache = ahash::AHashMap<String, Vec<u32>>;
+
+/// Words a [`WordCache`] holds before it is emptied.
+pub const WORD_CACHE_ENTRIES: usize = 1 << 20;
+
 /// Longest word WordPiece tries to split; longer words become `[UNK]`.
 pub const MAX_INPUT_CHARS_PER_WORD: usize = 200;
 
@@ -117,11 +123,6 @@ impl FullTokenizer {
         self.inverse.len()
     }
 
-    /// The vocabulary's tokens in id order (the reference script's `vocab_words`).
-    pub fn vocab_words(&self) -> &[String] {
-        &self.inverse
-    }
-
     /// The id of a token, if it is in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.vocab.get(token).copied()
@@ -142,6 +143,54 @@ impl FullTokenizer {
             }
         }
         out
+    }
+
+    /// Vocabulary ids of `text` (the ids of [`FullTokenizer::tokenize`]).
+    pub fn tokenize_ids(&self, text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        for word in basic_tokenize(text, self.lower_case) {
+            self.word_ids(&word, &mut ids);
+        }
+        ids
+    }
+
+    /// [`FullTokenizer::tokenize_ids`] with a cache of word pieces, for bulk work. Real text
+    /// repeats a small set of words, so most words are looked up once; the cache is emptied when
+    /// it holds [`WORD_CACHE_ENTRIES`] words, which bounds its memory.
+    pub fn tokenize_ids_cached(&self, text: &str, cache: &mut WordCache) -> Vec<u32> {
+        let mut ids = Vec::new();
+        for word in basic_tokenize(text, self.lower_case) {
+            if let Some(pieces) = cache.get(&word) {
+                ids.extend_from_slice(pieces);
+                continue;
+            }
+            let start = ids.len();
+            self.word_ids(&word, &mut ids);
+            if cache.len() >= WORD_CACHE_ENTRIES {
+                cache.clear();
+            }
+            cache.insert(word, ids[start..].to_vec());
+        }
+        ids
+    }
+
+    fn word_ids(&self, word: &str, ids: &mut Vec<u32>) {
+        match self.wordpiece.tokenize(word) {
+            Ok(pieces) => ids.extend(pieces.into_iter().map(|t| t.id)),
+            Err(_) => ids.push(self.vocab["[UNK]"]),
+        }
+    }
+
+    /// The reference script's `vocab_words` as ids: every distinct token in the order of its
+    /// first line, with the id of its last line (what `load_vocab`'s dict gives). For a
+    /// vocabulary without repeated lines this is `0..vocab_size`.
+    pub fn vocab_word_ids(&self) -> Vec<u32> {
+        let mut seen = std::collections::HashSet::new();
+        self.inverse
+            .iter()
+            .filter(|t| seen.insert(t.as_str()))
+            .map(|t| self.vocab[t])
+            .collect()
     }
 
     /// Tokens and ids of many texts, in parallel, in order.

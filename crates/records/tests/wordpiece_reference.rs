@@ -11,6 +11,7 @@ fn all_reference_lines_match_googles_full_tokenizer() {
     let reference =
         std::fs::read_to_string(require("reference/wordpiece_reference.jsonl")).unwrap();
     let mut lines = 0;
+    let mut cache = bertkit_records::tokenizer::WordCache::default();
     let mut mismatches = Vec::new();
     for line in reference.lines() {
         let case: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -18,6 +19,13 @@ fn all_reference_lines_match_googles_full_tokenizer() {
         let expected: Vec<String> = serde_json::from_value(case["tokens"].clone()).unwrap();
         let expected_ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
         let tokens = tokenizer.tokenize(text);
+        // The id paths (plain and cached) agree with the token path.
+        assert_eq!(tokenizer.tokenize_ids(text), expected_ids, "{text:?}");
+        assert_eq!(
+            tokenizer.tokenize_ids_cached(text, &mut cache),
+            expected_ids,
+            "{text:?}"
+        );
         if tokens != expected || tokenizer.convert_tokens_to_ids(&tokens) != expected_ids {
             mismatches.push(format!(
                 "{text:?}\n  got      {tokens:?}\n  expected {expected:?}"
