@@ -305,7 +305,11 @@ fn mask_tokens(
     vocab: &VocabIds,
     rng: &mut PyRandom,
 ) -> (Vec<usize>, Vec<u32>) {
-    let mut candidates: Vec<Vec<usize>> = Vec::new();
+    // Candidate groups as (start, length) runs of `positions`: one position each, or whole
+    // words with whole-word masking. Shuffling the groups draws exactly what shuffling the
+    // script's list of lists draws.
+    let mut positions: Vec<usize> = Vec::with_capacity(ids.len());
+    let mut candidates: Vec<(u32, u32)> = Vec::with_capacity(ids.len());
     for (i, &id) in ids.iter().enumerate() {
         if id == vocab.cls || id == vocab.sep {
             continue;
@@ -315,9 +319,10 @@ fn mask_tokens(
             .get(id as usize)
             .copied()
             .unwrap_or(false);
+        positions.push(i);
         match candidates.last_mut() {
-            Some(last) if options.whole_word_mask && continuation => last.push(i),
-            _ => candidates.push(vec![i]),
+            Some(last) if options.whole_word_mask && continuation => last.1 += 1,
+            _ => candidates.push(((positions.len() - 1) as u32, 1)),
         }
     }
     rng.shuffle(&mut candidates);
@@ -325,15 +330,15 @@ fn mask_tokens(
         .max_predictions_per_seq
         .min(1.max((ids.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
     let mut masked: Vec<(usize, u32)> = Vec::new();
-    for group in &candidates {
+    for &(start, len) in &candidates {
         if masked.len() >= num_to_predict {
             break;
         }
-        if masked.len() + group.len() > num_to_predict {
+        if masked.len() + len as usize > num_to_predict {
             continue;
         }
         // Groups are disjoint, so none is ever already covered.
-        for &index in group {
+        for &index in &positions[start as usize..(start + len) as usize] {
             let original = ids[index];
             ids[index] = if rng.random() < 0.8 {
                 vocab.mask

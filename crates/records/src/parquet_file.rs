@@ -130,6 +130,8 @@ pub fn write_instances(
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
         .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        // Ids are high-cardinality: dictionary pages cost time and zstd does better alone.
+        .set_dictionary_enabled(false)
         .set_key_value_metadata(Some(kv))
         .build();
     let partial = bertkit_stage_io::partial_path(path);

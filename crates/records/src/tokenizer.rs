@@ -57,8 +57,13 @@ pub enum VocabError {
     },
 }
 
-/// A cache of words to their WordPiece ids (see [`FullTokenizer::tokenize_ids_cached`]).
-pub type WordCache = ahash::AHashMap<String, Vec<u32>>;
+/// A cache of words to their WordPiece ids, and scratch buffers (see
+/// [`FullTokenizer::tokenize_ids_cached`]).
+#[derive(Default)]
+pub struct WordCache {
+    words: ahash::AHashMap<String, Vec<u32>>,
+    buffers: BasicBuffers,
+}
 
 /// Words a [`WordCache`] holds before it is emptied.
 pub const WORD_CACHE_ENTRIES: usize = 1 << 20;
@@ -159,18 +164,20 @@ impl FullTokenizer {
     /// it holds [`WORD_CACHE_ENTRIES`] words, which bounds its memory.
     pub fn tokenize_ids_cached(&self, text: &str, cache: &mut WordCache) -> Vec<u32> {
         let mut ids = Vec::new();
-        for word in basic_tokenize(text, self.lower_case) {
-            if let Some(pieces) = cache.get(&word) {
+        let mut buffers = std::mem::take(&mut cache.buffers);
+        for_each_basic_token(text, self.lower_case, &mut buffers, &mut |word| {
+            if let Some(pieces) = cache.words.get(word) {
                 ids.extend_from_slice(pieces);
-                continue;
+                return;
             }
             let start = ids.len();
-            self.word_ids(&word, &mut ids);
-            if cache.len() >= WORD_CACHE_ENTRIES {
-                cache.clear();
+            self.word_ids(word, &mut ids);
+            if cache.words.len() >= WORD_CACHE_ENTRIES {
+                cache.words.clear();
             }
-            cache.insert(word, ids[start..].to_vec());
-        }
+            cache.words.insert(word.to_string(), ids[start..].to_vec());
+        });
+        cache.buffers = buffers;
         ids
     }
 
@@ -276,13 +283,44 @@ fn is_split_space(c: char) -> bool {
 /// Google's `BasicTokenizer.tokenize`: cleaning, CJK spacing, lower-casing and accent
 /// stripping (uncased), punctuation splitting.
 pub fn basic_tokenize(text: &str, lower_case: bool) -> Vec<String> {
+    let mut words = Vec::new();
+    for_each_basic_token(text, lower_case, &mut BasicBuffers::default(), &mut |w| {
+        words.push(w.to_string())
+    });
+    words
+}
+
+/// Reusable buffers for [`for_each_basic_token`].
+#[derive(Default)]
+pub struct BasicBuffers {
+    cleaned: String,
+    word: String,
+}
+
+/// Calls `f` with each word of Google's basic tokenization of `text`, in order, without
+/// allocating per word. ASCII tokens take a fast path (ASCII lower-casing and the ASCII
+/// punctuation table give the same result as the general rules on ASCII); any other token goes
+/// through the general rules: Python-style lower-casing of the token, NFD, dropping Mn, and
+/// splitting on Unicode punctuation.
+pub fn for_each_basic_token(
+    text: &str,
+    lower_case: bool,
+    buffers: &mut BasicBuffers,
+    f: &mut dyn FnMut(&str),
+) {
     // _clean_text and _tokenize_chinese_chars.
-    let mut cleaned = String::with_capacity(text.len() + 16);
+    let cleaned = &mut buffers.cleaned;
+    cleaned.clear();
     for c in text.chars() {
-        if c == '\u{0}' || c == '\u{FFFD}' || is_control(c) {
-            continue;
-        }
-        if is_whitespace(c) {
+        if c.is_ascii() {
+            match c {
+                ' ' | '\t' | '\n' | '\r' => cleaned.push(' '),
+                // NUL and the other C0 controls and DEL are Cc: dropped.
+                '\u{0}'..='\u{1F}' | '\u{7F}' => {}
+                _ => cleaned.push(c),
+            }
+        } else if c == '\u{FFFD}' || is_control(c) {
+        } else if is_whitespace(c) {
             cleaned.push(' ');
         } else if is_chinese_char(c) {
             cleaned.push(' ');
@@ -292,8 +330,30 @@ pub fn basic_tokenize(text: &str, lower_case: bool) -> Vec<String> {
             cleaned.push(c);
         }
     }
-    let mut out = Vec::new();
+    let word = &mut buffers.word;
     for token in cleaned.split(is_split_space).filter(|t| !t.is_empty()) {
+        if token.is_ascii() {
+            word.clear();
+            word.push_str(token);
+            if lower_case {
+                word.make_ascii_lowercase();
+            }
+            let bytes = word.as_bytes();
+            let mut start = 0;
+            for (i, &b) in bytes.iter().enumerate() {
+                if b.is_ascii_punctuation() {
+                    if start < i {
+                        f(&word[start..i]);
+                    }
+                    f(&word[i..i + 1]);
+                    start = i + 1;
+                }
+            }
+            if start < bytes.len() {
+                f(&word[start..]);
+            }
+            continue;
+        }
         let token = if lower_case {
             strip_accents(&token.to_lowercase())
         } else {
@@ -304,22 +364,24 @@ pub fn basic_tokenize(text: &str, lower_case: bool) -> Vec<String> {
         for c in token.chars() {
             if is_punctuation(c) {
                 if !current.is_empty() {
-                    out.push(std::mem::take(&mut current));
+                    f(&current);
+                    current.clear();
                 }
-                out.push(c.to_string());
+                let mut utf8 = [0u8; 4];
+                f(c.encode_utf8(&mut utf8));
             } else if is_split_space(c) {
                 if !current.is_empty() {
-                    out.push(std::mem::take(&mut current));
+                    f(&current);
+                    current.clear();
                 }
             } else {
                 current.push(c);
             }
         }
         if !current.is_empty() {
-            out.push(current);
+            f(&current);
         }
     }
-    out
 }
 
 /// NFD, then drop combining marks (Mn).
