@@ -71,8 +71,10 @@ struct RecordsArgs {
     /// Mask whole words.
     #[arg(long)]
     whole_word_mask: bool,
-    /// `google`: reproduce create_pretraining_data.py exactly (in folder mode, every shard is
-    /// seeded with --seed, as the script run per shard).
+    /// `google`: reproduce create_pretraining_data.py exactly, with its generator and call order
+    /// (in folder mode every shard is seeded with --seed, as the script run per shard). Default:
+    /// the same algorithm with documents in parallel; the output depends on the seed, not on the
+    /// thread count.
     #[arg(long, value_parser = ["google"])]
     compat: Option<String>,
     /// Also write the instances as JSONL with the reference script's fields (file mode).

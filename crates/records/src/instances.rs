@@ -21,6 +21,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use rayon::prelude::*;
+
+use crate::draws::{Draws, FastRng};
 use crate::pyrandom::PyRandom;
 use crate::tokenizer::FullTokenizer;
 
@@ -198,12 +201,42 @@ pub fn create_instances_google_with(
     instances
 }
 
-fn instances_from_document(
+/// The default mode: the same algorithm, with documents processed in parallel. The documents
+/// and, at the end, the instances are shuffled by a generator seeded with `options.seed`; every
+/// (pass, document) draws from its own [`FastRng`] stream, so the result depends on the seed and
+/// not on the thread count. The statistics (mask rate, 80/10/10, random-next share, lengths) are
+/// those of the algorithm; the instances are not the reference script's (use
+/// [`create_instances_google`] for that).
+pub fn create_instances(
+    mut documents: Vec<Document>,
+    vocab: &VocabIds,
+    options: &InstanceOptions,
+) -> Vec<TrainingInstance> {
+    let mut rng = FastRng::new(options.seed);
+    rng.shuffle(&mut documents);
+    let jobs: Vec<(usize, usize)> = (0..options.dupe_factor)
+        .flat_map(|pass| (0..documents.len()).map(move |doc| (pass, doc)))
+        .collect();
+    let per_document: Vec<Vec<TrainingInstance>> = jobs
+        .par_iter()
+        .map(|&(pass, doc)| {
+            let mut draws = FastRng::for_document(options.seed, pass, doc);
+            let mut out = Vec::new();
+            instances_from_document(&documents, doc, vocab, options, &mut draws, &mut out);
+            out
+        })
+        .collect();
+    let mut instances: Vec<TrainingInstance> = per_document.into_iter().flatten().collect();
+    rng.shuffle(&mut instances);
+    instances
+}
+
+fn instances_from_document<R: Draws>(
     documents: &[Document],
     document_index: usize,
     vocab: &VocabIds,
     options: &InstanceOptions,
-    rng: &mut PyRandom,
+    rng: &mut R,
     out: &mut Vec<TrainingInstance>,
 ) {
     let document = &documents[document_index];
@@ -281,11 +314,11 @@ fn instances_from_document(
 }
 
 /// Truncates the longer list (B on a tie) at a random end, one token at a time.
-fn truncate_seq_pair(
+fn truncate_seq_pair<R: Draws>(
     a: &mut Vec<u32>,
     b: &mut Vec<u32>,
     max_num_tokens: usize,
-    rng: &mut PyRandom,
+    rng: &mut R,
 ) {
     while a.len() + b.len() > max_num_tokens {
         let longer = if a.len() > b.len() { &mut *a } else { &mut *b };
@@ -299,11 +332,11 @@ fn truncate_seq_pair(
 
 /// `create_masked_lm_predictions`, in place: returns the masked positions (ascending) and the
 /// original ids there.
-fn mask_tokens(
+fn mask_tokens<R: Draws>(
     ids: &mut [u32],
     options: &InstanceOptions,
     vocab: &VocabIds,
-    rng: &mut PyRandom,
+    rng: &mut R,
 ) -> (Vec<usize>, Vec<u32>) {
     // Candidate groups as (start, length) runs of `positions`: one position each, or whole
     // words with whole-word masking. Shuffling the groups draws exactly what shuffling the

@@ -9,6 +9,7 @@
 //! Still to come (issue 4 is open): the fast parallel default mode, the Parquet output and the
 //! `bertkit records` command.
 
+pub mod draws;
 pub mod instances;
 pub mod parquet_file;
 pub mod pyrandom;

@@ -1,8 +1,11 @@
 //! A records run: formatted text or shards in, Parquet (and optionally JSONL) out.
 //!
-//! - **File mode** (output ends in `.parquet`): every input is read, in order, as one corpus, and
-//!   one generator seeded with `seed` makes the instances. This is exactly what Google's
-//!   `create_pretraining_data.py` does with the same inputs, vocabulary and flags.
+//! - **File mode** (output ends in `.parquet`): every input is read, in order, as one corpus.
+//!   With `--compat google`, one CPython generator seeded with `seed` makes the instances, exactly
+//!   as Google's `create_pretraining_data.py` does with the same inputs, vocabulary and flags.
+//!   By default, documents are processed in parallel, each (pass, document) with its own
+//!   generator: the same algorithm and statistics, and a result that depends on the seed but
+//!   not on the thread count.
 //! - **Directory mode** (any other output): every input shard becomes
 //!   `OUTPUT/<shard name>.parquet`, shards in parallel (memory: one shard per worker). Each
 //!   shard is an independent run. With `--compat google` its seed is `seed`, which is what running
@@ -18,7 +21,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::instances::{
-    Document, InstanceOptions, TrainingInstance, VocabIds, create_instances_google,
+    Document, InstanceOptions, TrainingInstance, VocabIds, create_instances,
+    create_instances_google,
 };
 use crate::tokenizer::FullTokenizer;
 
@@ -190,6 +194,18 @@ fn write_outputs(
     Ok(())
 }
 
+/// Instances in the run's mode: the reference script's exact algorithm, or the parallel default.
+fn generate(
+    documents: Vec<Document>,
+    vocab: &VocabIds,
+    options: &RecordsOptions,
+) -> Vec<TrainingInstance> {
+    match options.compat {
+        Compat::Google => create_instances_google(documents, vocab, &options.instances),
+        Compat::None => create_instances(documents, vocab, &options.instances),
+    }
+}
+
 fn vocab_ids(tokenizer: &FullTokenizer, vocab: &Path) -> Result<VocabIds, RecordsError> {
     VocabIds::new(tokenizer).ok_or_else(|| {
         RecordsError::Usage(format!(
@@ -223,7 +239,7 @@ pub fn records_to_file(
     }
     let document_count = documents.len();
     let vocab_ids = vocab_ids(&tokenizer, vocab)?;
-    let instances = create_instances_google(documents, &vocab_ids, &options.instances);
+    let instances = generate(documents, &vocab_ids, options);
     write_outputs(
         output,
         jsonl,
@@ -318,8 +334,7 @@ pub fn records_to_dir(
                 )));
             }
             let document_count = documents.len();
-            let instances =
-                create_instances_google(documents, &vocab_ids, &shard_options.instances);
+            let instances = generate(documents, &vocab_ids, &shard_options);
             let meta = metadata(
                 &shard_options,
                 &vocab_sha256,
