@@ -13,7 +13,9 @@ Runs:
   1. the peer on both formatted files (one process, one core);
   2. `bertkit records --compat google` on the same files into one Parquet file: the same
      algorithm, generator and call order, so the same instances (checked with pyarrow);
-  3. `bertkit records` on the corpus cut into 8 shards (`bertkit shard`), one Parquet file per
+  3. `bertkit records` (default mode: documents in parallel) on the same files into one file,
+     with RAYON_NUM_THREADS=1 and =2;
+  4. `bertkit records` on the corpus cut into 8 shards (`bertkit shard`), one Parquet file per
      shard, with RAYON_NUM_THREADS=1 and =2: throughput per core and scaling with threads.
 Reported: wall and CPU seconds, instances/s and tokens/s per CPU-second.
 
@@ -96,7 +98,17 @@ def main():
     except ImportError:
         rows.append(("bertkit records --compat google, 1 thread", 1, wall, cpu, None, None))
 
-    # 3. bertkit on 8 shards, one Parquet file each.
+    # 3. bertkit's default mode (documents in parallel), one file.
+    for threads in (1, 2):
+        out = f"{work}/bertkit-default-{threads}.parquet"
+        wall, cpu = run([args.bertkit, "records", "--input"] + inputs + ["--output", out] + common,
+                        env=dict(os.environ, RAYON_NUM_THREADS=str(threads)))
+        import pyarrow.parquet as pq
+        lengths = pq.read_table(out, columns=["seq_len"]).column("seq_len").to_pylist()
+        rows.append((f"bertkit records (default mode), one file, {threads} thread(s)", threads, wall, cpu,
+                     len(lengths), sum(lengths)))
+
+    # 4. bertkit on 8 shards, one Parquet file each.
     run([args.bertkit, "shard", "--input"] + inputs + ["--output", f"{work}/shards", "--num-train-shards", "8", "-q"])
     for threads in (1, 2):
         out = f"{work}/records-{threads}"

@@ -110,16 +110,29 @@ pub fn read_tokenized(
         texts.push(String::from_utf8(doc.text).expect("the reader checked UTF-8"));
     }
     fingerprint.sha256 = reader.finish()?;
-    let documents: Vec<Document> = texts
-        .par_iter()
-        .map_init(crate::tokenizer::WordCache::default, |cache, text| {
-            text.lines()
-                .map(|line| tokenizer.tokenize_ids_cached(line, cache))
-                .filter(|t| !t.is_empty())
-                .collect::<Document>()
-        })
-        .filter(|d| !d.is_empty())
+    // Tokenize lines in parallel chunks (a book is one document, but thousands of lines), then
+    // regroup them into documents.
+    let lines: Vec<(usize, &str)> = texts
+        .iter()
+        .enumerate()
+        .flat_map(|(d, text)| text.lines().map(move |line| (d, line)))
         .collect();
+    let tokenized: Vec<Vec<(usize, Vec<u32>)>> = lines
+        .par_chunks(1024)
+        .map_init(crate::tokenizer::WordCache::default, |cache, chunk| {
+            chunk
+                .iter()
+                .map(|&(d, line)| (d, tokenizer.tokenize_ids_cached(line, cache)))
+                .collect()
+        })
+        .collect();
+    let mut documents: Vec<Document> = vec![Vec::new(); texts.len()];
+    for (d, ids) in tokenized.into_iter().flatten() {
+        if !ids.is_empty() {
+            documents[d].push(ids);
+        }
+    }
+    documents.retain(|d| !d.is_empty());
     Ok((documents, fingerprint))
 }
 
