@@ -119,10 +119,10 @@ pub fn read_tokenized(
         .collect();
     let tokenized: Vec<Vec<(usize, Vec<u32>)>> = lines
         .par_chunks(1024)
-        .map_init(crate::tokenizer::WordCache::default, |cache, chunk| {
+        .map(|chunk| {
             chunk
                 .iter()
-                .map(|&(d, line)| (d, tokenizer.tokenize_ids_cached(line, cache)))
+                .map(|&(d, line)| (d, tokenizer.tokenize_ids_thread_cached(line)))
                 .collect()
         })
         .collect();

@@ -65,14 +65,23 @@ pub struct WordCache {
     buffers: BasicBuffers,
 }
 
-/// Words a [`WordCache`] holds before it is emptied.
-pub const WORD_CACHE_ENTRIES: usize = 1 << 20;
+/// Words a [`WordCache`] holds before it is emptied (about 25 MB at most per cache).
+pub const WORD_CACHE_ENTRIES: usize = 1 << 18;
+
+/// Gives every tokenizer a distinct id, so a thread's cache is never used with another one.
+static NEXT_TOKENIZER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+thread_local! {
+    /// Each thread's word cache, with the id of the tokenizer that filled it.
+    static THREAD_CACHE: std::cell::RefCell<(u64, WordCache)> = std::cell::RefCell::new((u64::MAX, WordCache::default()));
+}
 
 /// Longest word WordPiece tries to split; longer words become `[UNK]`.
 pub const MAX_INPUT_CHARS_PER_WORD: usize = 200;
 
 /// Google's `FullTokenizer`: basic tokenization, then WordPiece.
 pub struct FullTokenizer {
+    id: u64,
     lower_case: bool,
     vocab: HashMap<String, u32>,
     inverse: Vec<String>,
@@ -115,7 +124,9 @@ impl FullTokenizer {
                 path: path.into(),
                 message: e.to_string(),
             })?;
+        let id = NEXT_TOKENIZER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(FullTokenizer {
+            id,
             lower_case,
             vocab,
             inverse,
@@ -179,6 +190,18 @@ impl FullTokenizer {
         });
         cache.buffers = buffers;
         ids
+    }
+
+    /// [`FullTokenizer::tokenize_ids_cached`] with the calling thread's cache, which lives as long
+    /// as the thread (rayon's workers keep theirs across files and shards).
+    pub fn tokenize_ids_thread_cached(&self, text: &str) -> Vec<u32> {
+        THREAD_CACHE.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            if cell.0 != self.id {
+                *cell = (self.id, WordCache::default());
+            }
+            self.tokenize_ids_cached(text, &mut cell.1)
+        })
     }
 
     fn word_ids(&self, word: &str, ids: &mut Vec<u32>) {
