@@ -35,7 +35,11 @@ demo: build
 	$(BERTKIT) shard --input $(OUT)/demo/formatted/wiki $(OUT)/demo/formatted/books --output $(OUT)/demo/shards \
 		--num-train-shards 4 --num-test-shards 1 --test-fraction 0.1 --seed 12345
 	@echo
-	@echo "demo output: $(OUT)/demo/formatted/ (wiki/ and books/) and $(OUT)/demo/shards/ (train/ and test/), each with its manifest"
+	@echo "== records: phase-1 masked-LM / next-sentence instances, one Parquet file per train shard"
+	$(BERTKIT) records --input $(OUT)/demo/shards/train --vocab "$(MIRROR)/minilm/vocab.txt" \
+		--output $(OUT)/demo/records/phase1 --phase 1 --dupe-factor 1 --seed 12345
+	@echo
+	@echo "demo output: $(OUT)/demo/formatted/ (wiki/, books/), $(OUT)/demo/shards/ (train/, test/) and $(OUT)/demo/records/phase1/ (Parquet)"
 
 test:
 	$(CARGO) test --workspace --locked

@@ -547,6 +547,13 @@ fn records(args: RecordsArgs) -> Result<(), Box<dyn std::error::Error>> {
     let tokens: usize = summaries.iter().map(|s| s.tokens).sum();
     let skipped = summaries.iter().filter(|s| s.skipped).count();
     let secs = started.elapsed().as_secs_f64();
+    if skipped == summaries.len() {
+        println!(
+            "{} is up to date (same inputs, vocabulary and parameters); nothing to do.",
+            args.output.display()
+        );
+        return Ok(());
+    }
     println!(
         "wrote {} file(s) ({} up to date): {instances} instances, {tokens} tokens in {secs:.2} s ({:.0} instances/s)",
         summaries.len() - skipped,
