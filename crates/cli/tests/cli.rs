@@ -497,3 +497,83 @@ fn tokenize_matches_the_reference_in_jsonl_mode_and_reads_plain_lines() {
     );
     assert_eq!(lines[1]["ids"].as_array().unwrap().len(), 2);
 }
+
+#[test]
+fn records_compat_google_writes_the_reference_instances_and_folders_skip_finished_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = require("minilm/vocab.txt");
+    let parquet = dir.path().join("sample.parquet");
+    let jsonl = dir.path().join("sample.jsonl");
+    let run = bertkit(&[
+        "records",
+        "--input",
+        path(&require("bert/sample_text.txt")),
+        "--vocab",
+        path(&vocab),
+        "--output",
+        path(&parquet),
+        "--phase",
+        "1",
+        "--dupe-factor",
+        "3",
+        "--compat",
+        "google",
+        "--jsonl",
+        path(&jsonl),
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    assert!(
+        text(&run.stdout).contains("38 instances"),
+        "{}",
+        text(&run.stdout)
+    );
+    let ours: Vec<serde_json::Value> = std::fs::read_to_string(&jsonl)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let reference: Vec<serde_json::Value> =
+        std::fs::read_to_string(require("reference/cpd_sample_text_msl128/instances.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    assert_eq!(ours.len(), reference.len());
+    for (a, b) in ours.iter().zip(&reference) {
+        assert_eq!(a["tokens"], b["tokens"]);
+        assert_eq!(a["masked_lm_positions"], b["masked_lm_positions"]);
+    }
+
+    // Folder mode: one file per input; a second run has nothing to do.
+    let books = formatted_books(dir.path());
+    let out = dir.path().join("phase2");
+    let args = [
+        "records",
+        "--input",
+        path(&books),
+        "--vocab",
+        path(&vocab),
+        "--output",
+        path(&out),
+        "--phase",
+        "2",
+        "--dupe-factor",
+        "1",
+    ];
+    let first = bertkit(&args);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert!(out.join("books_00000.parquet").is_file());
+    assert!(text(&bertkit(&args).stdout).contains("up to date"));
+    let bad = bertkit(&[
+        "records",
+        "--input",
+        path(&books),
+        "--vocab",
+        path(&vocab),
+        "--output",
+        path(&out),
+        "--phase",
+        "3",
+    ]);
+    assert_eq!(bad.status.code(), Some(2), "phase 3 is a usage error");
+}
