@@ -34,6 +34,100 @@ enum Command {
     Vocab(VocabArgs),
     /// Masked-LM / next-sentence pre-training instances from shards, to Parquet.
     Records(RecordsArgs),
+    /// Resumable, retried, checksum-verified downloads.
+    #[command(subcommand)]
+    Download(DownloadCommand),
+}
+
+#[derive(Subcommand)]
+enum DownloadCommand {
+    /// Download one URL (http, https, file://) or copy a local path.
+    Url(DownloadUrlArgs),
+}
+
+#[derive(Args)]
+struct DownloadUrlArgs {
+    /// The source: an http(s):// or file:// URL, or a path.
+    url: String,
+    /// Destination file.
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Expected SHA-256 (hex).
+    #[arg(long, conflicts_with_all = ["sha1", "md5"])]
+    sha256: Option<String>,
+    /// Expected SHA-1 (hex), as Wikimedia publishes.
+    #[arg(long, conflicts_with = "md5")]
+    sha1: Option<String>,
+    /// Expected MD5 (hex), as Wikimedia publishes.
+    #[arg(long)]
+    md5: Option<String>,
+    /// Retries for timeouts, connection errors, 408, 429 and 5xx.
+    #[arg(long, default_value_t = 5)]
+    retries: u32,
+}
+
+/// Download progress: a bar with rate and ETA on a terminal, a log line every 10 s otherwise.
+struct DownloadProgress {
+    bar: Mutex<Option<indicatif::ProgressBar>>,
+    terminal: bool,
+    last: Mutex<Option<(Instant, u64)>>,
+}
+
+impl bertkit_download::Progress for DownloadProgress {
+    fn start(&self, name: &str, done: u64, total: Option<u64>) {
+        if self.terminal {
+            let bar = match total {
+                Some(t) => indicatif::ProgressBar::new(t),
+                None => indicatif::ProgressBar::new_spinner(),
+            };
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_message(name.rsplit('/').next().unwrap_or(name).to_string());
+            bar.set_position(done);
+            *self.bar.lock().unwrap() = Some(bar);
+        } else {
+            let from = if done > 0 {
+                format!(", resuming at {done} bytes")
+            } else {
+                String::new()
+            };
+            let size = total.map_or("unknown size".to_string(), |t| format!("{t} bytes"));
+            eprintln!("downloading {name} ({size}{from})");
+        }
+        *self.last.lock().unwrap() = Some((Instant::now(), done));
+    }
+
+    fn advance(&self, done: u64) {
+        if let Some(bar) = self.bar.lock().unwrap().as_ref() {
+            bar.set_position(done);
+            return;
+        }
+        let mut last = self.last.lock().unwrap();
+        if let Some((t, bytes)) = *last
+            && t.elapsed() >= Duration::from_secs(10)
+        {
+            let rate = (done - bytes) as f64 / t.elapsed().as_secs_f64() / 1e6;
+            eprintln!("  {:.1} MB ({rate:.1} MB/s)", done as f64 / 1e6);
+            *last = Some((Instant::now(), done));
+        }
+    }
+
+    fn retry(&self, message: &str, wait: Duration) {
+        if let Some(bar) = self.bar.lock().unwrap().take() {
+            bar.abandon();
+        }
+        eprintln!("warning: {message} in {:.1} s", wait.as_secs_f64());
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = self.bar.lock().unwrap().take() {
+            bar.finish();
+        }
+    }
 }
 
 #[derive(Args)]
@@ -354,6 +448,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Shard(args) => shard(args)?,
         Command::Tokenize(args) => tokenize(args)?,
         Command::Records(args) => records(args)?,
+        Command::Download(DownloadCommand::Url(args)) => download_url(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -477,6 +572,69 @@ fn tokenize(args: TokenizeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     out.flush()?;
+    Ok(())
+}
+
+fn download_url(args: DownloadUrlArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use bertkit_download::{Algorithm, Checksum};
+    let checksum = match (&args.sha256, &args.sha1, &args.md5) {
+        (Some(h), _, _) => Some(Checksum::new(Algorithm::Sha256, h)?),
+        (_, Some(h), _) => Some(Checksum::new(Algorithm::Sha1, h)?),
+        (_, _, Some(h)) => Some(Checksum::new(Algorithm::Md5, h)?),
+        _ => None,
+    };
+    let options = bertkit_download::FetchOptions {
+        retries: args.retries,
+        ..Default::default()
+    };
+    let progress = DownloadProgress {
+        bar: Mutex::new(None),
+        terminal: std::io::stderr().is_terminal(),
+        last: Mutex::new(None),
+    };
+    let outcome = bertkit_download::fetch(
+        &args.url,
+        &args.output,
+        checksum.as_ref(),
+        &options,
+        &progress,
+    )?;
+    let verified = if checksum.is_some() {
+        ", checksum verified"
+    } else {
+        ""
+    };
+    match outcome {
+        bertkit_download::Outcome::AlreadyPresent { bytes } => {
+            println!(
+                "{} is already complete ({bytes} bytes{verified}); nothing to do.",
+                args.output.display()
+            )
+        }
+        bertkit_download::Outcome::Copied { bytes } => {
+            println!(
+                "copied {} to {} ({bytes} bytes{verified})",
+                args.url,
+                args.output.display()
+            )
+        }
+        bertkit_download::Outcome::Downloaded {
+            bytes,
+            resumed_from,
+            attempts,
+        } => {
+            let resumed = if resumed_from > 0 {
+                format!(", resumed at {resumed_from}")
+            } else {
+                String::new()
+            };
+            println!(
+                "downloaded {} to {} ({bytes} bytes{verified}{resumed}, {attempts} request(s))",
+                args.url,
+                args.output.display()
+            )
+        }
+    }
     Ok(())
 }
 
