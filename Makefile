@@ -24,22 +24,24 @@ build:
 	$(CARGO) build --release --locked
 
 demo: build
-	@test -d "$(MIRROR)" || { echo "error: MIRROR=$(MIRROR) is not a folder; point MIRROR at data laid out like ../shared/data" >&2; exit 1; }
+	@echo "== download: the demo source set (pipelines/sources.toml) from MIRROR=$(MIRROR)"
+	$(BERTKIT) download sources --set demo --mirror "$(MIRROR)" --output $(OUT)/demo/raw
+	@echo
 	@echo "== format: Wikipedia dump chunk"
-	$(BERTKIT) format wiki --input "$(MIRROR)/$(ENWIKI_CHUNK)" --output $(OUT)/demo/formatted/wiki
+	$(BERTKIT) format wiki --input "$(OUT)/demo/raw/$(ENWIKI_CHUNK)" --output $(OUT)/demo/formatted/wiki
 	@echo
 	@echo "== format: Project Gutenberg books"
-	$(BERTKIT) format books --input "$(MIRROR)/gutenberg" --output $(OUT)/demo/formatted/books
+	$(BERTKIT) format books --input $(OUT)/demo/raw/gutenberg --output $(OUT)/demo/formatted/books
 	@echo
 	@echo "== shard: both sources into shuffled, balanced train/test shards"
 	$(BERTKIT) shard --input $(OUT)/demo/formatted/wiki $(OUT)/demo/formatted/books --output $(OUT)/demo/shards \
 		--num-train-shards 4 --num-test-shards 1 --test-fraction 0.1 --seed 12345
 	@echo
 	@echo "== records: phase-1 masked-LM / next-sentence instances, one Parquet file per train shard"
-	$(BERTKIT) records --input $(OUT)/demo/shards/train --vocab "$(MIRROR)/minilm/vocab.txt" \
+	$(BERTKIT) records --input $(OUT)/demo/shards/train --vocab $(OUT)/demo/raw/minilm/vocab.txt \
 		--output $(OUT)/demo/records/phase1 --phase 1 --dupe-factor 1 --seed 12345
 	@echo
-	@echo "demo output: $(OUT)/demo/formatted/ (wiki/, books/), $(OUT)/demo/shards/ (train/, test/) and $(OUT)/demo/records/phase1/ (Parquet)"
+	@echo "demo output: $(OUT)/demo/raw/ (downloads), $(OUT)/demo/formatted/ (wiki/, books/), $(OUT)/demo/shards/ (train/, test/), $(OUT)/demo/records/phase1/ (Parquet)"
 
 test:
 	$(CARGO) test --workspace --locked

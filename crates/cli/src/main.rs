@@ -43,6 +43,36 @@ enum Command {
 enum DownloadCommand {
     /// Download one URL (http, https, file://) or copy a local path.
     Url(DownloadUrlArgs),
+    /// Download a named set of the source registry (pipelines/sources.toml).
+    Sources(DownloadSourcesArgs),
+}
+
+#[derive(Args)]
+struct DownloadSourcesArgs {
+    /// The set: demo, wikipedia, gutenberg, squad-v1.1, squad-v2.0, glue, hf, …
+    #[arg(long)]
+    set: String,
+    /// Output folder; every file goes to its registry path under it.
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Fetch the same relative paths from this folder or base URL instead.
+    #[arg(long)]
+    mirror: Option<String>,
+    /// Template variables, e.g. date=20240101 or repo=bert-base-uncased.
+    #[arg(long = "var", value_parser = parse_var)]
+    vars: Vec<(String, String)>,
+    /// The registry file.
+    #[arg(long, default_value = "pipelines/sources.toml")]
+    registry: PathBuf,
+    /// Retries for timeouts, connection errors, 408, 429 and 5xx.
+    #[arg(long, default_value_t = 5)]
+    retries: u32,
+}
+
+fn parse_var(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))
 }
 
 #[derive(Args)]
@@ -449,6 +479,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Tokenize(args) => tokenize(args)?,
         Command::Records(args) => records(args)?,
         Command::Download(DownloadCommand::Url(args)) => download_url(args)?,
+        Command::Download(DownloadCommand::Sources(args)) => download_sources(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -572,6 +603,71 @@ fn tokenize(args: TokenizeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     out.flush()?;
+    Ok(())
+}
+
+fn download_sources(args: DownloadSourcesArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let registry = bertkit_download::sources::Registry::load(&args.registry)?;
+    let vars = args.vars.into_iter().collect();
+    let options = bertkit_download::FetchOptions {
+        retries: args.retries,
+        ..Default::default()
+    };
+    let progress = DownloadProgress {
+        bar: Mutex::new(None),
+        terminal: std::io::stderr().is_terminal(),
+        last: Mutex::new(None),
+    };
+    let started = Instant::now();
+    let done = bertkit_download::sources::download_set(
+        &registry,
+        &args.set,
+        &vars,
+        &args.output,
+        args.mirror.as_deref(),
+        &options,
+        &progress,
+    )?;
+    let fetched = done
+        .iter()
+        .filter(|(_, o)| !matches!(o, bertkit_download::Outcome::AlreadyPresent { .. }))
+        .count();
+    let bytes: u64 = done
+        .iter()
+        .map(|(_, o)| match o {
+            bertkit_download::Outcome::Downloaded { bytes, .. }
+            | bertkit_download::Outcome::Copied { bytes }
+            | bertkit_download::Outcome::AlreadyPresent { bytes } => *bytes,
+        })
+        .sum();
+    if fetched == 0 {
+        println!(
+            "{}: set {:?} is complete ({} files, {bytes} bytes); nothing to do.",
+            args.output.display(),
+            args.set,
+            done.len()
+        );
+        return Ok(());
+    }
+    println!(
+        "set {:?}: {fetched} of {} file(s) fetched{} into {} ({bytes} bytes, {:.1} s)",
+        args.set,
+        done.len(),
+        args.mirror
+            .as_ref()
+            .map(|m| format!(" from {m}"))
+            .unwrap_or_default(),
+        args.output.display(),
+        started.elapsed().as_secs_f64()
+    );
+    for (path, outcome) in &done {
+        let how = match outcome {
+            bertkit_download::Outcome::AlreadyPresent { .. } => "already present",
+            bertkit_download::Outcome::Copied { .. } => "copied",
+            bertkit_download::Outcome::Downloaded { .. } => "downloaded",
+        };
+        println!("  {path}  {how}");
+    }
     Ok(())
 }
 

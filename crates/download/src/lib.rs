@@ -20,6 +20,8 @@
 //! Requests carry a `User-Agent` naming bertkit; the caller decides concurrency (the CLI
 //! fetches one file at a time per source set).
 
+pub mod sources;
+
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
