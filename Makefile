@@ -1,6 +1,7 @@
 # bertkit: the two commands a new user needs are `make demo` and `make test`.
 #
 #   make demo [MIRROR=../shared/data]   build, then run the pipeline on small real data
+#   make data                           the full pipeline (pipelines/data.toml)
 #   make test                           every test (what CI runs)
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
@@ -16,7 +17,7 @@ CARGO ?= cargo
 BERTKIT := target/release/bertkit
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
-.PHONY: all build demo test lint bench-format bench-shard bench-records clean
+.PHONY: all build demo data test lint bench-format bench-shard bench-records clean
 
 all: build
 
@@ -24,24 +25,12 @@ build:
 	$(CARGO) build --release --locked
 
 demo: build
-	@echo "== download: the demo source set (pipelines/sources.toml) from MIRROR=$(MIRROR)"
-	$(BERTKIT) download sources --set demo --mirror "$(MIRROR)" --output $(OUT)/demo/raw
-	@echo
-	@echo "== format: Wikipedia dump chunk"
-	$(BERTKIT) format wiki --input "$(OUT)/demo/raw/$(ENWIKI_CHUNK)" --output $(OUT)/demo/formatted/wiki
-	@echo
-	@echo "== format: Project Gutenberg books"
-	$(BERTKIT) format books --input $(OUT)/demo/raw/gutenberg --output $(OUT)/demo/formatted/books
-	@echo
-	@echo "== shard: both sources into shuffled, balanced train/test shards"
-	$(BERTKIT) shard --input $(OUT)/demo/formatted/wiki $(OUT)/demo/formatted/books --output $(OUT)/demo/shards \
-		--num-train-shards 4 --num-test-shards 1 --test-fraction 0.1 --seed 12345
-	@echo
-	@echo "== records: phase-1 masked-LM / next-sentence instances, one Parquet file per train shard"
-	$(BERTKIT) records --input $(OUT)/demo/shards/train --vocab $(OUT)/demo/raw/minilm/vocab.txt \
-		--output $(OUT)/demo/records/phase1 --phase 1 --dupe-factor 1 --seed 12345
-	@echo
-	@echo "demo output: $(OUT)/demo/raw/ (downloads), $(OUT)/demo/formatted/ (wiki/, books/), $(OUT)/demo/shards/ (train/, test/), $(OUT)/demo/records/phase1/ (Parquet)"
+	@echo "== the demo pipeline (pipelines/demo.toml), downloading from MIRROR=$(MIRROR)"
+	$(BERTKIT) pipeline --config pipelines/demo.toml --mirror "$(MIRROR)"
+
+data: build
+	@echo "== the full data pipeline (pipelines/data.toml): downloads tens of GB"
+	$(BERTKIT) pipeline --config pipelines/data.toml
 
 test:
 	$(CARGO) test --workspace --locked

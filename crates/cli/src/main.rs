@@ -37,6 +37,21 @@ enum Command {
     /// Resumable, retried, checksum-verified downloads.
     #[command(subcommand)]
     Download(DownloadCommand),
+    /// Run download → format → shard → records from one config; finished steps are skipped.
+    Pipeline(PipelineArgs),
+}
+
+#[derive(Args)]
+struct PipelineArgs {
+    /// The pipeline config (pipelines/data.toml, pipelines/demo.toml).
+    #[arg(long)]
+    config: PathBuf,
+    /// Fetch every download from this folder or base URL instead.
+    #[arg(long)]
+    mirror: Option<String>,
+    /// The source registry.
+    #[arg(long, default_value = "pipelines/sources.toml")]
+    registry: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -480,6 +495,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Records(args) => records(args)?,
         Command::Download(DownloadCommand::Url(args)) => download_url(args)?,
         Command::Download(DownloadCommand::Sources(args)) => download_sources(args)?,
+        Command::Pipeline(args) => pipeline(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -603,6 +619,35 @@ fn tokenize(args: TokenizeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     out.flush()?;
+    Ok(())
+}
+
+fn pipeline(args: PipelineArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let config = bertkit_pipeline::PipelineConfig::load(&args.config)?;
+    let registry = bertkit_download::sources::Registry::load(&args.registry)?;
+    println!(
+        "pipeline {} into {}",
+        args.config.display(),
+        config.output.display()
+    );
+    let started = Instant::now();
+    let reports = bertkit_pipeline::run(&config, &registry, args.mirror.as_deref(), &mut |r| {
+        let state = if r.up_to_date { "up to date" } else { "done" };
+        println!(
+            "  {:<18} {:<10} {:>7.2} s  {}",
+            r.step, state, r.seconds, r.summary
+        );
+    })?;
+    let redone = reports.iter().filter(|r| !r.up_to_date).count();
+    println!(
+        "{} step(s) run, {} up to date, {:.2} s in all",
+        redone,
+        reports.len() - redone,
+        started.elapsed().as_secs_f64()
+    );
+    for dir in ["raw", "formatted", "shards", "records"] {
+        println!("  {}", config.output.join(dir).display());
+    }
     Ok(())
 }
 

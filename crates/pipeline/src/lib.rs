@@ -1,0 +1,316 @@
+//! # bertkit-pipeline: the data pipeline runner
+//!
+//! Runs download → format (wiki, books) → shard → records (phase 1 and/or 2) from one TOML
+//! config (`pipelines/data.toml`, `pipelines/demo.toml`). Outputs go under the config's
+//! `output` folder:
+//! `raw/` (downloads), `formatted/wiki/`, `formatted/books/`, `shards/`, `records/phase1/`,
+//! `records/phase2/`. Each step is the stage's own library call, with its own manifest and
+//! no-op check, so a re-run skips every step whose inputs and parameters are unchanged. A run
+//! killed at any point finishes on the next run: every stage writes atomically and ignores its
+//! own leftovers. The runner reports what each step did and how long it took.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Deserialize;
+
+/// The `[download]` table.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DownloadConfig {
+    /// Source sets of `pipelines/sources.toml` to fetch.
+    pub sets: Vec<String>,
+    /// Template variables (`date`, `repo`, …).
+    #[serde(default)]
+    pub vars: HashMap<String, String>,
+}
+
+/// The `[format]` table: inputs relative to `<output>/raw`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct FormatConfig {
+    /// Wikipedia dumps.
+    #[serde(default)]
+    pub wiki: Vec<String>,
+    /// Book files or folders.
+    #[serde(default)]
+    pub books: Vec<String>,
+}
+
+/// The `[shard]` table.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ShardConfig {
+    /// Train shards.
+    pub num_train_shards: usize,
+    /// Test shards.
+    #[serde(default)]
+    pub num_test_shards: usize,
+    /// Share of sentences in the test split.
+    #[serde(default)]
+    pub test_fraction: f64,
+    /// Seed.
+    pub seed: u64,
+    /// `"zstd"` for compressed shards.
+    pub compress: Option<String>,
+}
+
+/// The `[records]` table.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RecordsConfig {
+    /// Vocabulary, relative to `<output>/raw`.
+    pub vocab: String,
+    /// Passes over the corpus.
+    pub dupe_factor: usize,
+    /// Seed.
+    pub seed: u64,
+    /// Which phases to make: 1 (128 / 20) and/or 2 (512 / 80).
+    pub phases: Vec<u8>,
+}
+
+/// A pipeline config.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PipelineConfig {
+    /// Output root (relative paths are relative to the current directory).
+    pub output: PathBuf,
+    /// Downloads.
+    pub download: DownloadConfig,
+    /// Formatting.
+    pub format: FormatConfig,
+    /// Sharding.
+    pub shard: ShardConfig,
+    /// Pre-training records.
+    pub records: RecordsConfig,
+}
+
+impl PipelineConfig {
+    /// Parses a config file.
+    pub fn load(path: &Path) -> Result<Self, PipelineError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))
+    }
+}
+
+/// Why a pipeline stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The config is unreadable or inconsistent.
+    #[error("{0}")]
+    Config(String),
+    /// A step failed.
+    #[error("step {step}: {message}")]
+    Step {
+        /// The step.
+        step: String,
+        /// Its error.
+        message: String,
+    },
+}
+
+/// What one step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// The step's name.
+    pub step: String,
+    /// Whether it was already done (nothing was redone).
+    pub up_to_date: bool,
+    /// A one-line summary (documents, sentences, instances, bytes).
+    pub summary: String,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+}
+
+fn step_err(step: &str) -> impl Fn(String) -> PipelineError + '_ {
+    move |message| PipelineError::Step {
+        step: step.into(),
+        message,
+    }
+}
+
+/// Runs the pipeline. `registry` is the source registry; `mirror`, if given, replaces every
+/// download URL. `report` is called after each step.
+pub fn run(
+    config: &PipelineConfig,
+    registry: &bertkit_download::sources::Registry,
+    mirror: Option<&str>,
+    report: &mut dyn FnMut(&StepReport),
+) -> Result<Vec<StepReport>, PipelineError> {
+    let root = &config.output;
+    let raw = root.join("raw");
+    let mut reports = Vec::new();
+    let mut emit = |r: StepReport, reports: &mut Vec<StepReport>| {
+        report(&r);
+        reports.push(r);
+    };
+
+    // Download.
+    for set in &config.download.sets {
+        let step = format!("download {set}");
+        let started = Instant::now();
+        let done = bertkit_download::sources::download_set(
+            registry,
+            set,
+            &config.download.vars,
+            &raw,
+            mirror,
+            &bertkit_download::FetchOptions::default(),
+            &bertkit_download::Silent,
+        )
+        .map_err(|e| step_err(&step)(e.to_string()))?;
+        let fetched = done
+            .iter()
+            .filter(|(_, o)| !matches!(o, bertkit_download::Outcome::AlreadyPresent { .. }))
+            .count();
+        emit(
+            StepReport {
+                step,
+                up_to_date: fetched == 0,
+                summary: format!("{} files, {fetched} fetched", done.len()),
+                seconds: started.elapsed().as_secs_f64(),
+            },
+            &mut reports,
+        );
+    }
+
+    // Format.
+    let mut formatted = Vec::new();
+    let format_step = |kind: &str, outcome: bertkit_format::RunOutcome, started: Instant| {
+        let m = outcome.manifest();
+        let written = m
+            .counts
+            .get("articles_written")
+            .or_else(|| m.counts.get("books_written"));
+        StepReport {
+            step: format!("format {kind}"),
+            up_to_date: matches!(outcome, bertkit_format::RunOutcome::UpToDate(_)),
+            summary: format!(
+                "{} documents, {} sentences, {} bytes",
+                written.and_then(|v| v.as_u64()).unwrap_or(0),
+                m.counts["sentences"],
+                m.counts["bytes"]
+            ),
+            seconds: started.elapsed().as_secs_f64(),
+        }
+    };
+    if !config.format.wiki.is_empty() {
+        let started = Instant::now();
+        let inputs: Vec<PathBuf> = config.format.wiki.iter().map(|p| raw.join(p)).collect();
+        let out = root.join("formatted/wiki");
+        let outcome = bertkit_format::wiki::format_wiki(
+            &inputs,
+            &out,
+            &Default::default(),
+            &bertkit_format::Silent,
+        )
+        .map_err(|e| step_err("format wiki")(e.to_string()))?;
+        emit(format_step("wiki", outcome, started), &mut reports);
+        formatted.push(out);
+    }
+    if !config.format.books.is_empty() {
+        let started = Instant::now();
+        let inputs: Vec<PathBuf> = config.format.books.iter().map(|p| raw.join(p)).collect();
+        let out = root.join("formatted/books");
+        let outcome = bertkit_format::books::format_books(
+            &inputs,
+            &out,
+            &Default::default(),
+            &bertkit_format::Silent,
+        )
+        .map_err(|e| step_err("format books")(e.to_string()))?;
+        emit(format_step("books", outcome, started), &mut reports);
+        formatted.push(out);
+    }
+    if formatted.is_empty() {
+        return Err(PipelineError::Config(
+            "[format] lists no wiki or books inputs".into(),
+        ));
+    }
+
+    // Shard.
+    let started = Instant::now();
+    let shards = root.join("shards");
+    let s = &config.shard;
+    let options = bertkit_shard::ShardOptions {
+        num_train_shards: s.num_train_shards,
+        num_test_shards: s.num_test_shards,
+        test_fraction: s.test_fraction,
+        seed: s.seed,
+        compression: match s.compress.as_deref() {
+            Some("zstd") => bertkit_shard::Compression::Zstd { level: 3 },
+            None => bertkit_shard::Compression::None,
+            Some(other) => {
+                return Err(PipelineError::Config(format!(
+                    "[shard] compress = {other:?}: only \"zstd\""
+                )));
+            }
+        },
+        ..Default::default()
+    };
+    let outcome = bertkit_shard::shard(&formatted, &shards, &options, &|_| {})
+        .map_err(|e| step_err("shard")(e.to_string()))?;
+    let m = outcome.manifest();
+    emit(
+        StepReport {
+            step: "shard".into(),
+            up_to_date: matches!(outcome, bertkit_shard::ShardOutcome::UpToDate(_)),
+            summary: format!(
+                "{} documents into {} shards, test fraction {:.4}, train imbalance {:.2}%",
+                m.totals.documents,
+                m.shards.len(),
+                m.totals.test_fraction_achieved,
+                m.totals.train_sentence_imbalance * 100.0
+            ),
+            seconds: started.elapsed().as_secs_f64(),
+        },
+        &mut reports,
+    );
+
+    // Records, per phase, from the train shards.
+    let vocab = raw.join(&config.records.vocab);
+    for &phase in &config.records.phases {
+        let step = format!("records phase {phase}");
+        let preset = match phase {
+            1 => bertkit_records::instances::InstanceOptions::phase1(),
+            2 => bertkit_records::instances::InstanceOptions::phase2(),
+            other => {
+                return Err(PipelineError::Config(format!(
+                    "[records] phases: no phase {other}"
+                )));
+            }
+        };
+        let options = bertkit_records::run::RecordsOptions {
+            instances: bertkit_records::instances::InstanceOptions {
+                dupe_factor: config.records.dupe_factor,
+                seed: config.records.seed,
+                ..preset
+            },
+            lower_case: true,
+            compat: bertkit_records::run::Compat::None,
+        };
+        let started = Instant::now();
+        let out = root.join(format!("records/phase{phase}"));
+        let summaries = bertkit_records::run::records_to_dir(
+            &[shards.join("train")],
+            &vocab,
+            &out,
+            &options,
+            &|_| {},
+        )
+        .map_err(|e| step_err(&step)(e.to_string()))?;
+        let written: Vec<_> = summaries.iter().filter(|s| !s.skipped).collect();
+        emit(
+            StepReport {
+                step,
+                up_to_date: written.is_empty(),
+                summary: format!(
+                    "{} files, {} instances, {} tokens written",
+                    summaries.len(),
+                    written.iter().map(|s| s.instances).sum::<usize>(),
+                    written.iter().map(|s| s.tokens).sum::<usize>()
+                ),
+                seconds: started.elapsed().as_secs_f64(),
+            },
+            &mut reports,
+        );
+    }
+    Ok(reports)
+}
