@@ -118,6 +118,16 @@ struct DownloadProgress {
     last: Mutex<Option<(Instant, u64)>>,
 }
 
+impl DownloadProgress {
+    fn new() -> Self {
+        DownloadProgress {
+            bar: Mutex::new(None),
+            terminal: std::io::stderr().is_terminal(),
+            last: Mutex::new(None),
+        }
+    }
+}
+
 impl bertkit_download::Progress for DownloadProgress {
     fn start(&self, name: &str, done: u64, total: Option<u64>) {
         if self.terminal {
@@ -658,11 +668,7 @@ fn download_sources(args: DownloadSourcesArgs) -> Result<(), Box<dyn std::error:
         retries: args.retries,
         ..Default::default()
     };
-    let progress = DownloadProgress {
-        bar: Mutex::new(None),
-        terminal: std::io::stderr().is_terminal(),
-        last: Mutex::new(None),
-    };
+    let progress = DownloadProgress::new();
     let started = Instant::now();
     let done = bertkit_download::sources::download_set(
         &registry,
@@ -717,22 +723,16 @@ fn download_sources(args: DownloadSourcesArgs) -> Result<(), Box<dyn std::error:
 }
 
 fn download_url(args: DownloadUrlArgs) -> Result<(), Box<dyn std::error::Error>> {
-    use bertkit_download::{Algorithm, Checksum};
-    let checksum = match (&args.sha256, &args.sha1, &args.md5) {
-        (Some(h), _, _) => Some(Checksum::new(Algorithm::Sha256, h)?),
-        (_, Some(h), _) => Some(Checksum::new(Algorithm::Sha1, h)?),
-        (_, _, Some(h)) => Some(Checksum::new(Algorithm::Md5, h)?),
-        _ => None,
-    };
+    let checksum = bertkit_download::Checksum::from_one_of(
+        args.sha256.as_deref(),
+        args.sha1.as_deref(),
+        args.md5.as_deref(),
+    )?;
     let options = bertkit_download::FetchOptions {
         retries: args.retries,
         ..Default::default()
     };
-    let progress = DownloadProgress {
-        bar: Mutex::new(None),
-        terminal: std::io::stderr().is_terminal(),
-        last: Mutex::new(None),
-    };
+    let progress = DownloadProgress::new();
     let outcome = bertkit_download::fetch(
         &args.url,
         &args.output,

@@ -68,6 +68,23 @@ impl Checksum {
         })
     }
 
+    /// At most one of a SHA-256, SHA-1 or MD5 digest, as a checksum (`None` if none is given).
+    pub fn from_one_of(
+        sha256: Option<&str>,
+        sha1: Option<&str>,
+        md5: Option<&str>,
+    ) -> Result<Option<Self>, DownloadError> {
+        match (sha256, sha1, md5) {
+            (Some(h), None, None) => Checksum::new(Algorithm::Sha256, h).map(Some),
+            (None, Some(h), None) => Checksum::new(Algorithm::Sha1, h).map(Some),
+            (None, None, Some(h)) => Checksum::new(Algorithm::Md5, h).map(Some),
+            (None, None, None) => Ok(None),
+            _ => Err(DownloadError::Usage(
+                "give at most one of sha256, sha1 and md5".into(),
+            )),
+        }
+    }
+
     /// The digest of a file, in this checksum's algorithm.
     pub fn digest_of(&self, path: &Path) -> io::Result<String> {
         let mut file = File::open(path)?;

@@ -174,12 +174,11 @@ pub fn download_set(
             }
             let path = fill(&entry.path, &vars)?;
             let url = fill(&entry.url, &vars)?;
-            let mut checksum = match (&entry.sha256, &entry.sha1, &entry.md5) {
-                (Some(h), _, _) => Some(Checksum::new(Algorithm::Sha256, h)?),
-                (_, Some(h), _) => Some(Checksum::new(Algorithm::Sha1, h)?),
-                (_, _, Some(h)) => Some(Checksum::new(Algorithm::Md5, h)?),
-                _ => None,
-            };
+            let mut checksum = Checksum::from_one_of(
+                entry.sha256.as_deref(),
+                entry.sha1.as_deref(),
+                entry.md5.as_deref(),
+            )?;
             if let Some(cf) = &entry.checksum_file {
                 let sums_path = fill(&cf.path, &vars)?;
                 let sums_dest = output.join(&sums_path);

@@ -16,9 +16,6 @@
 //! capped at `max_predictions_per_seq`; 80% `[MASK]`, 10% kept, 10% random word; optionally
 //! whole words). The full instance list is shuffled at the end.
 
-use std::io::BufRead;
-use std::path::Path;
-
 use serde::{Deserialize, Serialize};
 
 use rayon::prelude::*;
@@ -141,35 +138,6 @@ impl VocabIds {
             continuation,
         })
     }
-}
-
-/// Reads documents as the reference script does: lines split at `\n` only, each stripped of
-/// whitespace as Python's `str.strip()` does; an empty line starts a new document; every line is
-/// tokenized and kept if it yields tokens. Empty documents are dropped.
-pub fn read_documents(
-    path: &Path,
-    tokenizer: &FullTokenizer,
-    documents: &mut Vec<Document>,
-) -> std::io::Result<()> {
-    let reader = std::io::BufReader::new(std::fs::File::open(path)?);
-    documents.push(Vec::new());
-    for line in reader.split(b'\n') {
-        let line = line?;
-        let line = String::from_utf8(line).map_err(|_| {
-            std::io::Error::new(std::io::ErrorKind::InvalidData, "a line is not valid UTF-8")
-        })?;
-        let line =
-            line.trim_matches(|c: char| c.is_whitespace() || ('\u{1C}'..='\u{1F}').contains(&c));
-        if line.is_empty() {
-            documents.push(Vec::new());
-        }
-        let ids = tokenizer.tokenize_ids(line);
-        if !ids.is_empty() {
-            documents.last_mut().expect("pushed above").push(ids);
-        }
-    }
-    documents.retain(|d| !d.is_empty());
-    Ok(())
 }
 
 /// `create_training_instances` after reading: shuffles the documents, makes `dupe_factor`

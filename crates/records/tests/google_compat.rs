@@ -2,9 +2,7 @@
 //! flags and seed, the instances equal the reference script's, one for one, in order.
 
 use bertkit_records::FullTokenizer;
-use bertkit_records::instances::{
-    InstanceOptions, VocabIds, create_instances_google_with, read_documents,
-};
+use bertkit_records::instances::{InstanceOptions, VocabIds, create_instances_google_with};
 use bertkit_records::pyrandom::PyRandom;
 use bertkit_shared_data::require;
 
@@ -24,8 +22,9 @@ fn check(reference_dir: &str, words_drawn: u64) {
         seed: params["random_seed"].as_u64().unwrap(),
     };
     let tokenizer = FullTokenizer::from_vocab_file(&require("minilm/vocab.txt"), true).unwrap();
-    let mut documents = Vec::new();
-    read_documents(&require("bert/sample_text.txt"), &tokenizer, &mut documents).unwrap();
+    // The production reader (what `bertkit records` uses) must give the script's documents.
+    let (documents, _) =
+        bertkit_records::run::read_tokenized(&require("bert/sample_text.txt"), &tokenizer).unwrap();
     assert_eq!(documents.len(), 3);
     let mut rng = PyRandom::new(options.seed);
     let vocab = VocabIds::new(&tokenizer).unwrap();
