@@ -41,6 +41,27 @@ enum Command {
     Pipeline(PipelineArgs),
 }
 
+/// This process's share in a multi-process run. Without the flags, the launcher's variables
+/// are read: RANK/WORLD_SIZE, SLURM_PROCID/SLURM_NTASKS or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE.
+#[derive(Args)]
+struct RankArgs {
+    /// This process's rank, below --world-size.
+    #[arg(long, requires = "world_size")]
+    rank: Option<usize>,
+    /// Number of processes sharing the work.
+    #[arg(long, requires = "rank")]
+    world_size: Option<usize>,
+}
+
+impl RankArgs {
+    fn ranks(&self) -> Result<bertkit_stage_io::Ranks, String> {
+        match (self.rank, self.world_size) {
+            (Some(r), Some(w)) => bertkit_stage_io::Ranks::new(r, w),
+            _ => bertkit_stage_io::Ranks::from_env(),
+        }
+    }
+}
+
 #[derive(Args)]
 struct PipelineArgs {
     /// The pipeline config (pipelines/data.toml, pipelines/demo.toml).
@@ -52,6 +73,11 @@ struct PipelineArgs {
     /// The source registry.
     #[arg(long, default_value = "pipelines/sources.toml")]
     registry: PathBuf,
+    #[command(flatten)]
+    ranks: RankArgs,
+    /// How long a rank waits at a merge point for the others, in seconds.
+    #[arg(long, default_value_t = 86_400)]
+    wait_timeout: u64,
 }
 
 #[derive(Subcommand)]
@@ -82,6 +108,17 @@ struct DownloadSourcesArgs {
     /// Retries for timeouts, connection errors, 408, 429 and 5xx.
     #[arg(long, default_value_t = 5)]
     retries: u32,
+    /// Files in flight at once.
+    #[arg(long, default_value_t = 4)]
+    jobs: usize,
+    /// Files in flight at once from one host.
+    #[arg(long, default_value_t = 2)]
+    per_host: usize,
+    /// Least time between two transfers starting from one host, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    interval_ms: u64,
+    #[command(flatten)]
+    ranks: RankArgs,
 }
 
 fn parse_var(s: &str) -> Result<(String, String), String> {
@@ -111,39 +148,64 @@ struct DownloadUrlArgs {
     retries: u32,
 }
 
-/// Download progress: a bar with rate and ETA on a terminal, a log line every 10 s otherwise.
+/// Download progress: a bar per transfer with rate and ETA on a terminal, a log line every 10 s
+/// otherwise. Transfers run on worker threads, one at a time each, so a transfer is known by the
+/// thread that reports it.
 struct DownloadProgress {
-    bar: Mutex<Option<indicatif::ProgressBar>>,
     terminal: bool,
-    last: Mutex<Option<(Instant, u64)>>,
+    multi: indicatif::MultiProgress,
+    transfers: Mutex<std::collections::HashMap<std::thread::ThreadId, Transfer>>,
+}
+
+struct Transfer {
+    name: String,
+    bar: Option<indicatif::ProgressBar>,
+    logged_at: Instant,
+    logged_bytes: u64,
 }
 
 impl DownloadProgress {
     fn new() -> Self {
         DownloadProgress {
-            bar: Mutex::new(None),
             terminal: std::io::stderr().is_terminal(),
-            last: Mutex::new(None),
+            multi: indicatif::MultiProgress::new(),
+            transfers: Mutex::new(Default::default()),
+        }
+    }
+
+    fn end(&self, abandon: bool) {
+        let transfer = self
+            .transfers
+            .lock()
+            .unwrap()
+            .remove(&std::thread::current().id());
+        if let Some(bar) = transfer.and_then(|t| t.bar) {
+            if abandon {
+                bar.abandon();
+            } else {
+                bar.finish();
+            }
         }
     }
 }
 
 impl bertkit_download::Progress for DownloadProgress {
     fn start(&self, name: &str, done: u64, total: Option<u64>) {
-        if self.terminal {
-            let bar = match total {
+        let short = name.rsplit('/').next().unwrap_or(name).to_string();
+        let bar = if self.terminal {
+            let bar = self.multi.add(match total {
                 Some(t) => indicatif::ProgressBar::new(t),
                 None => indicatif::ProgressBar::new_spinner(),
-            };
+            });
             bar.set_style(
                 indicatif::ProgressStyle::with_template(
                     "{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
                 )
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
-            bar.set_message(name.rsplit('/').next().unwrap_or(name).to_string());
+            bar.set_message(short.clone());
             bar.set_position(done);
-            *self.bar.lock().unwrap() = Some(bar);
+            Some(bar)
         } else {
             let from = if done > 0 {
                 format!(", resuming at {done} bytes")
@@ -152,36 +214,46 @@ impl bertkit_download::Progress for DownloadProgress {
             };
             let size = total.map_or("unknown size".to_string(), |t| format!("{t} bytes"));
             eprintln!("downloading {name} ({size}{from})");
-        }
-        *self.last.lock().unwrap() = Some((Instant::now(), done));
+            None
+        };
+        self.transfers.lock().unwrap().insert(
+            std::thread::current().id(),
+            Transfer {
+                name: short,
+                bar,
+                logged_at: Instant::now(),
+                logged_bytes: done,
+            },
+        );
     }
 
     fn advance(&self, done: u64) {
-        if let Some(bar) = self.bar.lock().unwrap().as_ref() {
-            bar.set_position(done);
+        let mut transfers = self.transfers.lock().unwrap();
+        let Some(t) = transfers.get_mut(&std::thread::current().id()) else {
             return;
-        }
-        let mut last = self.last.lock().unwrap();
-        if let Some((t, bytes)) = *last
-            && t.elapsed() >= Duration::from_secs(10)
-        {
-            let rate = (done - bytes) as f64 / t.elapsed().as_secs_f64() / 1e6;
-            eprintln!("  {:.1} MB ({rate:.1} MB/s)", done as f64 / 1e6);
-            *last = Some((Instant::now(), done));
+        };
+        if let Some(bar) = &t.bar {
+            bar.set_position(done);
+        } else if t.logged_at.elapsed() >= Duration::from_secs(10) {
+            let rate = (done - t.logged_bytes) as f64 / t.logged_at.elapsed().as_secs_f64() / 1e6;
+            eprintln!("  {}: {:.1} MB ({rate:.1} MB/s)", t.name, done as f64 / 1e6);
+            t.logged_at = Instant::now();
+            t.logged_bytes = done;
         }
     }
 
     fn retry(&self, message: &str, wait: Duration) {
-        if let Some(bar) = self.bar.lock().unwrap().take() {
-            bar.abandon();
+        self.end(true);
+        let line = format!("warning: {message} in {:.1} s", wait.as_secs_f64());
+        if self.terminal {
+            let _ = self.multi.println(line);
+        } else {
+            eprintln!("{line}");
         }
-        eprintln!("warning: {message} in {:.1} s", wait.as_secs_f64());
     }
 
     fn finish(&self) {
-        if let Some(bar) = self.bar.lock().unwrap().take() {
-            bar.finish();
-        }
+        self.end(false);
     }
 }
 
@@ -289,12 +361,9 @@ struct ShardArgs {
     /// zstd level for --compress zstd.
     #[arg(long, default_value_t = 3)]
     zstd_level: i32,
-    /// This process's rank in a distributed run (each rank writes shards g with g % world-size == rank).
-    #[arg(long, env = "RANK", default_value_t = 0)]
-    rank: usize,
-    /// Number of processes in a distributed run.
-    #[arg(long, env = "WORLD_SIZE", default_value_t = 1)]
-    world_size: usize,
+    /// In a multi-process run, each rank writes shards g with g % world-size == rank.
+    #[command(flatten)]
+    ranks: RankArgs,
     /// Worker threads (default: one per core); the output does not depend on it.
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -520,6 +589,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn shard(args: ShardArgs) -> Result<(), bertkit_shard::ShardError> {
+    let ranks = args
+        .ranks
+        .ranks()
+        .map_err(bertkit_shard::ShardError::Usage)?;
     let options = bertkit_shard::ShardOptions {
         num_train_shards: args.num_train_shards,
         num_test_shards: args.num_test_shards,
@@ -531,8 +604,8 @@ fn shard(args: ShardArgs) -> Result<(), bertkit_shard::ShardError> {
             },
             _ => bertkit_shard::Compression::None,
         },
-        rank: args.rank,
-        world_size: args.world_size,
+        rank: ranks.rank,
+        world_size: ranks.world_size,
         threads: args.threads,
         run_bytes: args.run_mb.max(1) << 20,
     };
@@ -545,8 +618,8 @@ fn shard(args: ShardArgs) -> Result<(), bertkit_shard::ShardError> {
     let outcome = bertkit_shard::shard(&args.input, &args.output, &options, &progress)?;
     let m = outcome.manifest();
     let manifest_path = args.output.join(bertkit_shard::ShardManifest::file_name(
-        args.rank,
-        args.world_size,
+        ranks.rank,
+        ranks.world_size,
     ));
     match &outcome {
         bertkit_shard::ShardOutcome::UpToDate(_) => {
@@ -640,14 +713,31 @@ fn pipeline(args: PipelineArgs) -> Result<(), Box<dyn std::error::Error>> {
         args.config.display(),
         config.output.display()
     );
+    let options = bertkit_pipeline::RunOptions {
+        ranks: args.ranks.ranks()?,
+        wait_timeout: Duration::from_secs(args.wait_timeout),
+        ..Default::default()
+    };
+    if options.ranks.world_size > 1 {
+        println!("  {} (steps of other ranks are not listed)", options.ranks);
+    }
     let started = Instant::now();
-    let reports = bertkit_pipeline::run(&config, &registry, args.mirror.as_deref(), &mut |r| {
-        let state = if r.up_to_date { "up to date" } else { "done" };
-        println!(
-            "  {:<18} {:<10} {:>7.2} s  {}",
-            r.step, state, r.seconds, r.summary
-        );
-    })?;
+    let reports = bertkit_pipeline::run(
+        &config,
+        &registry,
+        args.mirror.as_deref(),
+        &options,
+        &mut |event| match event {
+            bertkit_pipeline::Event::Step(r) => {
+                let state = if r.up_to_date { "up to date" } else { "done" };
+                println!(
+                    "  {:<18} {:<10} {:>7.2} s  {}",
+                    r.step, state, r.seconds, r.summary
+                );
+            }
+            bertkit_pipeline::Event::Waiting(message) => eprintln!("  {message}"),
+        },
+    )?;
     let redone = reports.iter().filter(|r| !r.up_to_date).count();
     println!(
         "{} step(s) run, {} up to date, {:.2} s in all",
@@ -664,9 +754,17 @@ fn pipeline(args: PipelineArgs) -> Result<(), Box<dyn std::error::Error>> {
 fn download_sources(args: DownloadSourcesArgs) -> Result<(), Box<dyn std::error::Error>> {
     let registry = bertkit_download::sources::Registry::load(&args.registry)?;
     let vars = args.vars.into_iter().collect();
-    let options = bertkit_download::FetchOptions {
-        retries: args.retries,
-        ..Default::default()
+    let options = bertkit_download::sources::SetOptions {
+        fetch: bertkit_download::FetchOptions {
+            retries: args.retries,
+            ..Default::default()
+        },
+        queue: bertkit_download::queue::QueueOptions {
+            jobs: args.jobs,
+            per_host: args.per_host,
+            min_interval: Duration::from_millis(args.interval_ms),
+        },
+        ranks: args.ranks.ranks()?,
     };
     let progress = DownloadProgress::new();
     let started = Instant::now();

@@ -17,9 +17,10 @@
 //! - **Mirrors**: [`mirrored`] maps a source onto a local directory or another base URL that
 //!   holds the same relative paths, so the whole pipeline can run offline from a mirror.
 //!
-//! Requests carry a `User-Agent` naming bertkit; the caller decides concurrency (the CLI
-//! fetches one file at a time per source set).
+//! Requests carry a `User-Agent` naming bertkit. Many files at once go through [`queue`]:
+//! a few in flight, at most two per host, spaced out, so public servers are not hammered.
 
+pub mod queue;
 pub mod sources;
 
 use std::fs::{self, File, OpenOptions};
@@ -158,6 +159,18 @@ pub enum DownloadError {
     /// Bad arguments.
     #[error("{0}")]
     Usage(String),
+    /// Some files of a set failed (the others are in place).
+    #[error("set {set:?}: {failed} of {total} file(s) failed (re-run to fetch only those):\n  {}", errors.join("\n  "))]
+    Incomplete {
+        /// The set.
+        set: String,
+        /// How many failed.
+        failed: usize,
+        /// How many were tried.
+        total: usize,
+        /// One line per failed file.
+        errors: Vec<String>,
+    },
 }
 
 fn io_err(path: &Path) -> impl Fn(io::Error) -> DownloadError + '_ {

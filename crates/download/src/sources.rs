@@ -19,12 +19,32 @@
 //! `latest`). `ids = [...]` expands an entry once per id as `{id}`. A checksum file (lines of
 //! `<hex>  <file name>`, as Wikimedia publishes) is fetched first and the file's line looked up.
 //! An entry with an empty `url` exists only in mirrors (the demo set's cut-down samples).
+//!
+//! A URL list (BookCorpus-style crawls, any list of files) is an entry with `url_list`: a path,
+//! `file://` or `http(s)://` URL of a text file with one URL per line, optionally followed by
+//! its SHA-256; blank lines and `#` comments are skipped. Each URL becomes a file at `path`,
+//! where `{name}` is the URL's last path segment (characters other than letters, digits, `.`,
+//! `_` and `-` become `_`):
+//!
+//! ```toml
+//! [[source]]
+//! set = "bookcorpus"
+//! url_list = "{url_list}"        # --var url_list=my-books.txt
+//! path = "bookcorpus/{name}"
+//! ```
+//!
+//! [`plan_set`] turns a set into [`Job`]s (fetching checksum files and URL lists on the way);
+//! [`download_set`] fetches this rank's share of them with [`crate::queue::fetch_all`]: several at
+//! once, politely per host, every file tried even when one fails.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use serde::Deserialize;
 
+use bertkit_stage_io::Ranks;
+
+use crate::queue::{Job, QueueOptions, fetch_all};
 use crate::{Algorithm, Checksum, DownloadError, FetchOptions, Outcome, Progress, fetch, mirrored};
 
 /// A published checksum file.
@@ -46,6 +66,9 @@ pub struct SourceEntry {
     /// Where it is published (empty: only in mirrors).
     #[serde(default)]
     pub url: String,
+    /// A file listing URLs, one per line (with an optional SHA-256 after each): the entry
+    /// expands once per URL, with `{name}` its last path segment.
+    pub url_list: Option<String>,
     /// Relative path under the output folder and in mirrors.
     pub path: String,
     /// Expected SHA-256.
@@ -132,17 +155,92 @@ pub fn lookup_checksum(sums: &str, file_name: &str, algorithm: Algorithm) -> Opt
     })
 }
 
-/// Downloads every file of `set` into `output` (from `mirror` when given), verifying checksums.
-/// Returns each file's relative path and outcome.
-pub fn download_set(
+/// How a set is fetched.
+#[derive(Debug, Clone, Default)]
+pub struct SetOptions {
+    /// Retries, timeouts, User-Agent.
+    pub fetch: FetchOptions,
+    /// Concurrency and per-host politeness.
+    pub queue: QueueOptions,
+    /// This process's share: file `i` of the set goes to rank `i % world_size`.
+    pub ranks: Ranks,
+}
+
+/// Parses a URL list: `(url, optional sha256)` per line; `name` is the list's name in errors.
+pub fn parse_url_list(
+    text: &str,
+    name: &str,
+) -> Result<Vec<(String, Option<Checksum>)>, DownloadError> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        // A comment starts with `#` at the start of the line or after a space (URLs keep theirs).
+        let line = match line
+            .find(" #")
+            .or_else(|| line.starts_with('#').then_some(0))
+        {
+            Some(at) => &line[..at],
+            None => line,
+        }
+        .trim();
+        if line.is_empty() {
+            continue;
+        }
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        if parts.len() > 2 {
+            return Err(DownloadError::Usage(format!(
+                "{name}:{}: expected `URL [SHA256]`, got {line:?}",
+                i + 1
+            )));
+        }
+        let url = parts[0].to_string();
+        let checksum = parts
+            .get(1)
+            .map(|hex| Checksum::new(Algorithm::Sha256, hex))
+            .transpose()
+            .map_err(|e| DownloadError::Usage(format!("{name}:{}: {e}", i + 1)))?;
+        out.push((url, checksum));
+    }
+    Ok(out)
+}
+
+/// The file name a listed URL is saved under: its last path segment, made safe.
+pub fn name_from_url(url: &str) -> Option<String> {
+    let no_query = url.split(['?', '#']).next().unwrap_or(url);
+    let segment = no_query.trim_end_matches('/').rsplit('/').next()?;
+    let name: String = segment
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    (!name.is_empty() && name != "." && name != "..").then_some(name)
+}
+
+/// Where an auxiliary file (checksum file, URL list) goes: its own path for rank 0, a private
+/// copy for other ranks, so that ranks sharing a file system never write the same file.
+fn aux_dest(output: &Path, relative: &str, ranks: Ranks) -> std::path::PathBuf {
+    if ranks.rank == 0 {
+        output.join(relative)
+    } else {
+        output.join(format!(".rank-{}", ranks.rank)).join(relative)
+    }
+}
+
+/// Expands `set` into the files to fetch (all ranks' files, in registry order), fetching the
+/// checksum files and URL lists it refers to.
+pub fn plan_set(
     registry: &Registry,
     set: &str,
     vars: &HashMap<String, String>,
     output: &Path,
     mirror: Option<&str>,
-    options: &FetchOptions,
+    options: &SetOptions,
     progress: &dyn Progress,
-) -> Result<Vec<(String, Outcome)>, DownloadError> {
+) -> Result<Vec<Job>, DownloadError> {
     let entries: Vec<&SourceEntry> = registry.source.iter().filter(|s| s.set == set).collect();
     if entries.is_empty() {
         return Err(DownloadError::Usage(format!(
@@ -161,8 +259,47 @@ pub fn download_set(
             None => Ok(url.to_string()),
         }
     };
-    let mut done = Vec::new();
+    let read = |path: &Path| {
+        std::fs::read_to_string(path).map_err(|e| DownloadError::Io {
+            path: path.into(),
+            source: e,
+        })
+    };
+    let mut jobs: Vec<Job> = Vec::new();
     for entry in entries {
+        if let Some(list) = &entry.url_list {
+            let list = fill(list, &vars)?;
+            let text = if list.starts_with("http://") || list.starts_with("https://") {
+                let name = crate::queue::host_of(&list).unwrap_or("list").to_string();
+                let dest = aux_dest(output, &format!(".lists/{set}-{name}.txt"), options.ranks);
+                let _ = std::fs::remove_file(&dest);
+                fetch(&list, &dest, None, &options.fetch, progress)?;
+                read(&dest)?
+            } else {
+                read(Path::new(list.strip_prefix("file://").unwrap_or(&list)))?
+            };
+            let mut seen: HashMap<String, String> = HashMap::new();
+            for (url, checksum) in parse_url_list(&text, &list)? {
+                let name = name_from_url(&url).ok_or_else(|| {
+                    DownloadError::Usage(format!("{list}: no file name in {url:?}"))
+                })?;
+                if let Some(other) = seen.insert(name.clone(), url.clone()) {
+                    return Err(DownloadError::Usage(format!(
+                        "{list}: {url:?} and {other:?} would both be saved as {name:?}"
+                    )));
+                }
+                let mut vars = vars.clone();
+                vars.insert("name".into(), name);
+                let path = fill(&entry.path, &vars)?;
+                jobs.push(Job {
+                    source: source_of(&url, &path)?,
+                    dest: output.join(&path),
+                    path,
+                    checksum,
+                });
+            }
+            continue;
+        }
         let ids: Vec<Option<u64>> = match &entry.ids {
             Some(ids) => ids.iter().map(|&i| Some(i)).collect(),
             None => vec![None],
@@ -181,20 +318,17 @@ pub fn download_set(
             )?;
             if let Some(cf) = &entry.checksum_file {
                 let sums_path = fill(&cf.path, &vars)?;
-                let sums_dest = output.join(&sums_path);
+                let sums_dest = aux_dest(output, &sums_path, options.ranks);
                 // A checksum file changes with every dump: always fetch it again.
                 let _ = std::fs::remove_file(&sums_dest);
                 fetch(
                     &source_of(&fill(&cf.url, &vars)?, &sums_path)?,
                     &sums_dest,
                     None,
-                    options,
+                    &options.fetch,
                     progress,
                 )?;
-                let sums = std::fs::read_to_string(&sums_dest).map_err(|e| DownloadError::Io {
-                    path: sums_dest.clone(),
-                    source: e,
-                })?;
+                let sums = read(&sums_dest)?;
                 let name = Path::new(&path)
                     .file_name()
                     .map(|n| n.to_string_lossy().into_owned())
@@ -206,15 +340,48 @@ pub fn download_set(
                     )));
                 }
             }
-            let outcome = fetch(
-                &source_of(&url, &path)?,
-                &output.join(&path),
-                checksum.as_ref(),
-                options,
-                progress,
-            )?;
-            done.push((path, outcome));
+            jobs.push(Job {
+                source: source_of(&url, &path)?,
+                dest: output.join(&path),
+                path,
+                checksum,
+            });
         }
+    }
+    Ok(jobs)
+}
+
+/// Downloads this rank's share of `set` into `output` (from `mirror` when given), verifying
+/// checksums. Every file is tried; if any failed, the error lists them all (what succeeded
+/// stays, so a re-run fetches only the rest). Returns each file's relative path and outcome.
+pub fn download_set(
+    registry: &Registry,
+    set: &str,
+    vars: &HashMap<String, String>,
+    output: &Path,
+    mirror: Option<&str>,
+    options: &SetOptions,
+    progress: &dyn Progress,
+) -> Result<Vec<(String, Outcome)>, DownloadError> {
+    let jobs = options.ranks.share(plan_set(
+        registry, set, vars, output, mirror, options, progress,
+    )?);
+    let results = fetch_all(&jobs, &options.queue, &options.fetch, progress);
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    for (job, result) in jobs.iter().zip(results) {
+        match result {
+            Ok(outcome) => done.push((job.path.clone(), outcome)),
+            Err(e) => failed.push(format!("{}: {e}", job.path)),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(DownloadError::Incomplete {
+            set: set.to_string(),
+            failed: failed.len(),
+            total: jobs.len(),
+            errors: failed,
+        });
     }
     Ok(done)
 }

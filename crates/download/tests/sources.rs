@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use bertkit_download::sources::{Registry, download_set, lookup_checksum};
-use bertkit_download::{Algorithm, FetchOptions, Outcome, Silent};
+use bertkit_download::sources::{Registry, SetOptions, download_set, lookup_checksum};
+use bertkit_download::{Algorithm, Outcome, Silent};
 use bertkit_shared_data::{repo_root, shared_data_dir};
 
 fn registry() -> Registry {
@@ -46,7 +46,7 @@ fn the_demo_set_downloads_from_the_shared_data_mirror_with_verified_checksums() 
         &vars,
         dir.path(),
         mirror.to_str(),
-        &FetchOptions::default(),
+        &SetOptions::default(),
         &Silent,
     )
     .unwrap();
@@ -68,7 +68,7 @@ fn the_demo_set_downloads_from_the_shared_data_mirror_with_verified_checksums() 
         &vars,
         dir.path(),
         mirror.to_str(),
-        &FetchOptions::default(),
+        &SetOptions::default(),
         &Silent,
     )
     .unwrap();
@@ -92,7 +92,7 @@ fn the_demo_set_downloads_from_the_shared_data_mirror_with_verified_checksums() 
         &vars,
         dir2.path(),
         None,
-        &FetchOptions::default(),
+        &SetOptions::default(),
         &Silent,
     )
     .unwrap_err();
@@ -133,7 +133,7 @@ fn checksum_files_and_templates() {
         &vars,
         &out,
         mirror.to_str(),
-        &FetchOptions::default(),
+        &SetOptions::default(),
         &Silent,
     )
     .unwrap();
@@ -156,7 +156,7 @@ fn checksum_files_and_templates() {
         &vars,
         &out2,
         mirror.to_str(),
-        &FetchOptions::default(),
+        &SetOptions::default(),
         &Silent,
     )
     .unwrap_err();
@@ -175,7 +175,7 @@ fn checksum_files_and_templates() {
         &HashMap::new(),
         &out,
         mirror.to_str(),
-        &FetchOptions::default(),
+        &SetOptions::default(),
         &Silent,
     )
     .unwrap_err();

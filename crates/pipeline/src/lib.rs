@@ -8,12 +8,32 @@
 //! no-op check, so a re-run skips every step whose inputs and parameters are unchanged. A run
 //! killed at any point finishes on the next run: every stage writes atomically and ignores its
 //! own leftovers. The runner reports what each step did and how long it took.
+//!
+//! ## Several processes
+//! With [`RunOptions::ranks`] (from `RANK`/`WORLD_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS` or
+//! `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`), every rank runs the same config on a shared
+//! output folder and takes a disjoint part of each step:
+//! - **download**: file `i` of each set (registry order) is rank `i % W`'s;
+//! - **format**: the wiki and books jobs are dealt to ranks 0 and 1 (mod W);
+//! - **shard**: every rank reads and shuffles the whole corpus and writes shards `g % W == R`
+//!   (see the shard crate);
+//! - **records**: train shard `i` (sorted by name) is rank `i % W`'s, per phase.
+//!
+//! A [`merge::MergePoints`] barrier follows each step, since the next one reads what all ranks
+//! wrote; the last one (`done`) means the whole output is complete whichever rank exits first.
+//! The files are byte-identical to a single-process run (the shard manifests are written per
+//! rank, `shard.manifest.rank-R-of-W.json`).
+
+pub mod merge;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use bertkit_stage_io::Ranks;
 use serde::Deserialize;
+
+use crate::merge::MergePoints;
 
 /// The `[download]` table.
 #[derive(Debug, Clone, Deserialize)]
@@ -119,6 +139,48 @@ pub struct StepReport {
     pub seconds: f64,
 }
 
+/// What the runner tells its caller as it goes.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// A step ended.
+    Step(&'a StepReport),
+    /// This rank waits at a merge point for others.
+    Waiting(&'a str),
+}
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// This process's share of the work.
+    pub ranks: Ranks,
+    /// How long a rank waits at a merge point.
+    pub wait_timeout: Duration,
+    /// Download concurrency and politeness.
+    pub queue: bertkit_download::queue::QueueOptions,
+    /// Download retries and timeouts.
+    pub fetch: bertkit_download::FetchOptions,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            ranks: Ranks::single(),
+            wait_timeout: Duration::from_secs(86_400),
+            queue: Default::default(),
+            fetch: Default::default(),
+        }
+    }
+}
+
+fn fingerprint(config: &PipelineConfig, mirror: Option<&str>, ranks: Ranks) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    format!("{config:?}").hash(&mut h);
+    mirror.hash(&mut h);
+    ranks.world_size.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
 fn step_err(step: &str) -> impl Fn(String) -> PipelineError + '_ {
     move |message| PipelineError::Step {
         step: step.into(),
@@ -126,21 +188,32 @@ fn step_err(step: &str) -> impl Fn(String) -> PipelineError + '_ {
     }
 }
 
-/// Runs the pipeline. `registry` is the source registry; `mirror`, if given, replaces every
-/// download URL. `report` is called after each step.
+/// Runs this rank's part of the pipeline. `registry` is the source registry; `mirror`, if
+/// given, replaces every download URL. `report` hears of each step this rank ran and of waits.
+/// Returns the reports of this rank's steps.
 pub fn run(
     config: &PipelineConfig,
     registry: &bertkit_download::sources::Registry,
     mirror: Option<&str>,
-    report: &mut dyn FnMut(&StepReport),
+    options: &RunOptions,
+    report: &mut dyn FnMut(Event),
 ) -> Result<Vec<StepReport>, PipelineError> {
     let root = &config.output;
     let raw = root.join("raw");
+    let ranks = options.ranks;
+    let merge = MergePoints::new(
+        root,
+        fingerprint(config, mirror, ranks),
+        ranks,
+        options.wait_timeout,
+    );
     let mut reports = Vec::new();
-    let mut emit = |r: StepReport, reports: &mut Vec<StepReport>| {
-        report(&r);
+    let report = std::cell::RefCell::new(report);
+    let emit = |r: StepReport, reports: &mut Vec<StepReport>| {
+        (report.borrow_mut())(Event::Step(&r));
         reports.push(r);
     };
+    let arrive = |step: &str| merge.arrive(step, &mut |m| (report.borrow_mut())(Event::Waiting(m)));
 
     // Download.
     for set in &config.download.sets {
@@ -152,7 +225,11 @@ pub fn run(
             &config.download.vars,
             &raw,
             mirror,
-            &bertkit_download::FetchOptions::default(),
+            &bertkit_download::sources::SetOptions {
+                fetch: options.fetch.clone(),
+                queue: options.queue.clone(),
+                ranks,
+            },
             &bertkit_download::Silent,
         )
         .map_err(|e| step_err(&step)(e.to_string()))?;
@@ -170,8 +247,9 @@ pub fn run(
             &mut reports,
         );
     }
+    arrive("download")?;
 
-    // Format.
+    // Format: the wiki and books jobs, dealt to ranks.
     let mut formatted = Vec::new();
     let format_step = |kind: &str, outcome: bertkit_format::RunOutcome, started: Instant| {
         let m = outcome.manifest();
@@ -191,7 +269,12 @@ pub fn run(
             seconds: started.elapsed().as_secs_f64(),
         }
     };
-    if !config.format.wiki.is_empty() {
+    let mut format_jobs = 0;
+    let mut owns_next = || {
+        format_jobs += 1;
+        ranks.owns(format_jobs - 1)
+    };
+    if !config.format.wiki.is_empty() && owns_next() {
         let started = Instant::now();
         let inputs: Vec<PathBuf> = config.format.wiki.iter().map(|p| raw.join(p)).collect();
         let out = root.join("formatted/wiki");
@@ -203,9 +286,11 @@ pub fn run(
         )
         .map_err(|e| step_err("format wiki")(e.to_string()))?;
         emit(format_step("wiki", outcome, started), &mut reports);
-        formatted.push(out);
     }
-    if !config.format.books.is_empty() {
+    if !config.format.wiki.is_empty() {
+        formatted.push(root.join("formatted/wiki"));
+    }
+    if !config.format.books.is_empty() && owns_next() {
         let started = Instant::now();
         let inputs: Vec<PathBuf> = config.format.books.iter().map(|p| raw.join(p)).collect();
         let out = root.join("formatted/books");
@@ -217,13 +302,16 @@ pub fn run(
         )
         .map_err(|e| step_err("format books")(e.to_string()))?;
         emit(format_step("books", outcome, started), &mut reports);
-        formatted.push(out);
+    }
+    if !config.format.books.is_empty() {
+        formatted.push(root.join("formatted/books"));
     }
     if formatted.is_empty() {
         return Err(PipelineError::Config(
             "[format] lists no wiki or books inputs".into(),
         ));
     }
+    arrive("format")?;
 
     // Shard.
     let started = Instant::now();
@@ -243,6 +331,8 @@ pub fn run(
                 )));
             }
         },
+        rank: ranks.rank,
+        world_size: ranks.world_size,
         ..Default::default()
     };
     let outcome = bertkit_shard::shard(&formatted, &shards, &options, &|_| {})
@@ -263,9 +353,14 @@ pub fn run(
         },
         &mut reports,
     );
+    arrive("shard")?;
 
-    // Records, per phase, from the train shards.
+    // Records, per phase, from this rank's train shards.
     let vocab = raw.join(&config.records.vocab);
+    let train_shards = ranks.share(
+        bertkit_shard::expand_inputs(&[shards.join("train")])
+            .map_err(|e| step_err("records")(e.to_string()))?,
+    );
     for &phase in &config.records.phases {
         let step = format!("records phase {phase}");
         let preset = match phase {
@@ -288,14 +383,12 @@ pub fn run(
         };
         let started = Instant::now();
         let out = root.join(format!("records/phase{phase}"));
-        let summaries = bertkit_records::run::records_to_dir(
-            &[shards.join("train")],
-            &vocab,
-            &out,
-            &options,
-            &|_| {},
-        )
-        .map_err(|e| step_err(&step)(e.to_string()))?;
+        if train_shards.is_empty() {
+            continue;
+        }
+        let summaries =
+            bertkit_records::run::records_to_dir(&train_shards, &vocab, &out, &options, &|_| {})
+                .map_err(|e| step_err(&step)(e.to_string()))?;
         let written: Vec<_> = summaries.iter().filter(|s| !s.skipped).collect();
         emit(
             StepReport {
@@ -312,5 +405,6 @@ pub fn run(
             &mut reports,
         );
     }
+    arrive("done")?;
     Ok(reports)
 }

@@ -1,7 +1,7 @@
 //! The demo pipeline end to end from the shared data folder as a mirror: every step runs, and a
 //! second run finds every step up to date.
 
-use bertkit_pipeline::{PipelineConfig, run};
+use bertkit_pipeline::{PipelineConfig, RunOptions, run};
 use bertkit_shared_data::{repo_root, shared_data_dir};
 
 #[test]
@@ -14,7 +14,14 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
             .unwrap();
     let mirror = shared_data_dir().unwrap();
 
-    let first = run(&config, &registry, mirror.to_str(), &mut |_| {}).unwrap();
+    let first = run(
+        &config,
+        &registry,
+        mirror.to_str(),
+        &RunOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
     let steps: Vec<&str> = first.iter().map(|r| r.step.as_str()).collect();
     assert_eq!(
         steps,
@@ -49,7 +56,14 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
         }
     }
 
-    let second = run(&config, &registry, mirror.to_str(), &mut |_| {}).unwrap();
+    let second = run(
+        &config,
+        &registry,
+        mirror.to_str(),
+        &RunOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
     assert!(second.iter().all(|r| r.up_to_date), "{second:?}");
 }
 

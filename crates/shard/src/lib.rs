@@ -84,8 +84,19 @@ pub const WINDOW_BYTES: usize = 32 << 20;
 /// order of (shards × the largest document); a constant, like the window.
 pub const RESERVE_BYTES: usize = 64 << 20;
 
-/// Name of the temporary folder inside the output directory.
+/// Name of the temporary folder inside the output directory (of a single-process run; each
+/// rank of a multi-process run has its own, see [`tmp_dir_name`]).
 pub const TMP_DIR: &str = ".shard-tmp";
+
+/// The temporary folder of `rank` of `world_size`: ranks sharing an output folder on a shared
+/// file system must not clear each other's runs.
+pub fn tmp_dir_name(rank: usize, world_size: usize) -> String {
+    if world_size == 1 {
+        TMP_DIR.to_string()
+    } else {
+        format!("{TMP_DIR}.rank-{rank:05}")
+    }
+}
 
 /// Options of a shard run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -219,7 +230,7 @@ pub fn shard(
         }
         _ => {}
     }
-    let tmp = output_dir.join(TMP_DIR);
+    let tmp = output_dir.join(tmp_dir_name(options.rank, options.world_size));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| ShardError::io(&tmp, e))?;
     }

@@ -8,7 +8,12 @@
 //! - [`HashingReader`]: a reader that hashes (SHA-256) and counts what passes through it;
 //! - [`write_atomically`]: write a file whole or not at all;
 //! - [`expand_inputs`]: files as given, folders as their matching files in sorted order;
-//! - [`hex`]: lower-case hex of a digest.
+//! - [`hex`]: lower-case hex of a digest;
+//! - [`Ranks`]: this process's share of the work in a multi-process run (`RANK`/`WORLD_SIZE`,
+//!   Slurm and Open MPI variables).
+
+mod ranks;
+pub use ranks::{RANK_VARIABLES, Ranks};
 
 use std::cell::Cell;
 use std::fs;
