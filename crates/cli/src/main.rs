@@ -39,6 +39,29 @@ enum Command {
     Download(DownloadCommand),
     /// Run download → format → shard → records from one config; finished steps are skipped.
     Pipeline(PipelineArgs),
+    /// Run a BERT model directory (config.json + model.safetensors) on token ids from a
+    /// safetensors file; writes the hidden states and pooler output as transformers names them.
+    Forward(ForwardArgs),
+}
+
+#[derive(Args)]
+struct ForwardArgs {
+    /// Model directory: config.json and model.safetensors (transformers layout).
+    #[arg(long)]
+    model: PathBuf,
+    /// Safetensors file with int64 `input_ids`, and optionally `attention_mask` and
+    /// `token_type_ids`, all [batch, seq].
+    #[arg(long)]
+    input: PathBuf,
+    /// Output safetensors: `last_hidden_state`, `pooler_output` and `hidden_states.0…N` (f32).
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Weights and activations: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// cpu, or cuda / cuda:N with a CUDA build.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// This process's share in a multi-process run. Without the flags, the launcher's variables
@@ -575,6 +598,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Download(DownloadCommand::Url(args)) => download_url(args)?,
         Command::Download(DownloadCommand::Sources(args)) => download_sources(args)?,
         Command::Pipeline(args) => pipeline(args)?,
+        Command::Forward(args) => forward(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -983,4 +1007,77 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn device(name: &str) -> Result<candle_core::Device, Box<dyn std::error::Error>> {
+    match name {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
+            let index = cuda
+                .strip_prefix("cuda:")
+                .map(str::parse::<usize>)
+                .transpose()?
+                .unwrap_or(0);
+            Ok(candle_core::Device::new_cuda(index)
+                .map_err(|e| format!("{cuda}: {e} (CUDA needs a build with --features cuda)"))?)
+        }
+        other => Err(format!("--device {other:?}: expected cpu, cuda or cuda:N").into()),
+    }
+}
+
+fn forward(args: ForwardArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use bertkit_model::bert::{BertModel, load};
+    let dtype = bertkit_model::parse_dtype(&args.dtype)?;
+    let device = device(&args.device)?;
+    let started = Instant::now();
+    let loaded = load::<BertModel>(&args.model, dtype, &device, 0)?;
+    if !loaded.params.initialised.is_empty() {
+        eprintln!(
+            "warning: {} has no {}; initialised at random",
+            args.model.display(),
+            loaded.params.initialised.join(", ")
+        );
+    }
+    let inputs = candle_core::safetensors::load(&args.input, &device)
+        .map_err(|e| format!("{}: {e}", args.input.display()))?;
+    let input_ids = inputs
+        .get("input_ids")
+        .ok_or_else(|| format!("{}: no input_ids tensor", args.input.display()))?;
+    let model_inputs = bertkit_model::Inputs::new(
+        &loaded.config,
+        input_ids,
+        inputs.get("token_type_ids"),
+        inputs.get("attention_mask"),
+    )
+    .map_err(|e| format!("{}: {e}", args.input.display()))?;
+    let out = loaded.model.forward(&model_inputs, false, true)?;
+    let f32 = |t: &candle_core::Tensor| -> Result<candle_core::Tensor, candle_core::Error> {
+        t.to_dtype(candle_core::DType::F32)?
+            .to_device(&candle_core::Device::Cpu)
+    };
+    let mut tensors = std::collections::HashMap::new();
+    tensors.insert(
+        "last_hidden_state".to_string(),
+        f32(&out.last_hidden_state)?,
+    );
+    if let Some(p) = &out.pooler_output {
+        tensors.insert("pooler_output".to_string(), f32(p)?);
+    }
+    for (i, h) in out.hidden_states.iter().enumerate() {
+        tensors.insert(format!("hidden_states.{i}"), f32(h)?);
+    }
+    let partial = bertkit_stage_io::partial_path(&args.output);
+    candle_core::safetensors::save(&tensors, &partial)?;
+    std::fs::rename(&partial, &args.output)?;
+    let (batch, seq) = input_ids.dims2()?;
+    println!(
+        "{}: {} tensors for {batch} sequence(s) of {seq} ({}, {:?}, {} layers, {:.2} s)",
+        args.output.display(),
+        tensors.len(),
+        args.dtype,
+        device.location(),
+        loaded.config.num_hidden_layers,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }

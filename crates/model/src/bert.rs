@@ -1,0 +1,683 @@
+//! BERT: embeddings, encoder, pooler, and the pre-training, question-answering and
+//! sequence-classification heads, in one file (as candle-transformers lays models out).
+//!
+//! Inputs are `[batch, seq]` tensors of token ids, segment (token type) ids and an attention
+//! mask (1 for tokens, 0 for padding), as integers (`u32` or `i64`). `train = true` turns the
+//! dropouts on. Every hot op goes through [`Kernels`].
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+
+use crate::kernels::{Composed, Kernels};
+use crate::params::{Init, ParamBuilder, ParamStore};
+use crate::{BertConfig, ModelError};
+
+/// The additive attention bias of padding: large enough that its softmax weight is exactly 0
+/// in f32, small enough for f16.
+pub const MASK_BIAS: f64 = -10_000.0;
+
+/// `x · Wᵀ + b`, with PyTorch's `[out, in]` weight layout.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn build(
+        p: &mut ParamBuilder,
+        name: &str,
+        input: usize,
+        output: usize,
+    ) -> Result<Self, ModelError> {
+        Ok(Linear {
+            weight: p.get(
+                &format!("{name}.weight"),
+                &[output, input],
+                Init::TruncatedNormal,
+            )?,
+            bias: Some(p.get(&format!("{name}.bias"), &[output], Init::Zeros)?),
+        })
+    }
+
+    /// Applies the layer to `[..., in]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let input = *dims.last().expect("a tensor with a last dimension");
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = x.reshape((rows, input))?.matmul(&self.weight.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out = dims;
+        *out.last_mut().expect("non-empty") = self.weight.dim(0)?;
+        y.reshape(out)
+    }
+}
+
+/// LayerNorm parameters; the computation is the kernels'.
+#[derive(Debug, Clone)]
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    fn build(p: &mut ParamBuilder, name: &str, size: usize, eps: f64) -> Result<Self, ModelError> {
+        Ok(LayerNorm {
+            weight: p.get(&format!("{name}.weight"), &[size], Init::Ones)?,
+            bias: p.get(&format!("{name}.bias"), &[size], Init::Zeros)?,
+            eps,
+        })
+    }
+
+    fn forward(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
+        k.layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}
+
+fn dropout(x: &Tensor, p: f64, train: bool) -> candle_core::Result<Tensor> {
+    if train && p > 0.0 {
+        candle_nn::ops::dropout(x, p as f32)
+    } else {
+        Ok(x.clone())
+    }
+}
+
+/// Checked model inputs, as `u32` ids and an additive mask bias.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    /// Token ids, `[batch, seq]`, u32.
+    pub input_ids: Tensor,
+    /// Segment ids, `[batch, seq]`, u32.
+    pub token_type_ids: Tensor,
+    /// `[batch, 1, 1, seq]`, f32: 0 for tokens, [`MASK_BIAS`] for padding.
+    pub mask_bias: Tensor,
+}
+
+fn as_u32_checked(t: &Tensor, name: &str, limit: usize, what: &str) -> Result<Tensor, ModelError> {
+    let t = match t.dtype() {
+        DType::U32 | DType::I64 | DType::U8 => t.clone(),
+        other => {
+            return Err(ModelError::Input(format!(
+                "{name} must hold integers (u32 or i64), not {other:?}"
+            )));
+        }
+    };
+    let as_i64 = t.to_dtype(DType::I64)?;
+    let (min, max) = (
+        as_i64.flatten_all()?.min(0)?.to_scalar::<i64>()?,
+        as_i64.flatten_all()?.max(0)?.to_scalar::<i64>()?,
+    );
+    if min < 0 || max as u64 >= limit as u64 {
+        let bad = if min < 0 { min } else { max };
+        return Err(ModelError::Input(format!(
+            "{name} holds {bad}, outside 0..{limit} ({what})"
+        )));
+    }
+    Ok(t.to_dtype(DType::U32)?)
+}
+
+impl Inputs {
+    /// Checks shapes and values against `config`: ids below the vocabulary size, segments below
+    /// `type_vocab_size`, at most `max_position_embeddings` positions, and the three tensors of
+    /// one `[batch, seq]` shape. `token_type_ids` defaults to zeros, `attention_mask` to ones.
+    pub fn new(
+        config: &BertConfig,
+        input_ids: &Tensor,
+        token_type_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Self, ModelError> {
+        let (batch, seq) = input_ids.dims2().map_err(|_| {
+            ModelError::Input(format!(
+                "input_ids must be [batch, seq], got shape {:?}",
+                input_ids.dims()
+            ))
+        })?;
+        if seq > config.max_position_embeddings {
+            return Err(ModelError::Input(format!(
+                "sequence length {seq} exceeds max_position_embeddings {}",
+                config.max_position_embeddings
+            )));
+        }
+        if seq == 0 || batch == 0 {
+            return Err(ModelError::Input("empty input_ids".into()));
+        }
+        for (name, t) in [
+            ("token_type_ids", token_type_ids),
+            ("attention_mask", attention_mask),
+        ] {
+            if let Some(t) = t
+                && t.dims() != input_ids.dims()
+            {
+                return Err(ModelError::Input(format!(
+                    "{name} has shape {:?}, input_ids has {:?}",
+                    t.dims(),
+                    input_ids.dims()
+                )));
+            }
+        }
+        let input_ids = as_u32_checked(input_ids, "input_ids", config.vocab_size, "vocab_size")?;
+        let token_type_ids = match token_type_ids {
+            Some(t) => as_u32_checked(
+                t,
+                "token_type_ids",
+                config.type_vocab_size,
+                "type_vocab_size",
+            )?,
+            None => input_ids.zeros_like()?,
+        };
+        let mask = match attention_mask {
+            Some(m) => m.to_dtype(DType::F32)?,
+            None => Tensor::ones((batch, seq), DType::F32, input_ids.device())?,
+        };
+        let tokens_per_row = mask.sum(1)?.to_vec1::<f32>()?;
+        if let Some(row) = tokens_per_row.iter().position(|&n| n < 0.5) {
+            return Err(ModelError::Input(format!(
+                "attention_mask row {row} masks every position"
+            )));
+        }
+        let mask_bias = ((1.0 - mask)? * MASK_BIAS)?.reshape((batch, 1, 1, seq))?;
+        Ok(Inputs {
+            input_ids,
+            token_type_ids,
+            mask_bias,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Embeddings {
+    word: Tensor,
+    position: Tensor,
+    token_type: Tensor,
+    norm: LayerNorm,
+    dropout: f64,
+}
+
+impl Embeddings {
+    fn build(c: &BertConfig, p: &mut ParamBuilder) -> Result<Self, ModelError> {
+        let h = c.hidden_size;
+        Ok(Embeddings {
+            word: p.get(
+                "embeddings.word_embeddings.weight",
+                &[c.vocab_size, h],
+                Init::TruncatedNormal,
+            )?,
+            position: p.get(
+                "embeddings.position_embeddings.weight",
+                &[c.max_position_embeddings, h],
+                Init::TruncatedNormal,
+            )?,
+            token_type: p.get(
+                "embeddings.token_type_embeddings.weight",
+                &[c.type_vocab_size, h],
+                Init::TruncatedNormal,
+            )?,
+            norm: LayerNorm::build(p, "embeddings.LayerNorm", h, c.layer_norm_eps)?,
+            dropout: c.hidden_dropout_prob,
+        })
+    }
+
+    fn forward(
+        &self,
+        k: &dyn Kernels,
+        inputs: &Inputs,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        let (batch, seq) = inputs.input_ids.dims2()?;
+        let h = self.word.dim(1)?;
+        let words = self
+            .word
+            .index_select(&inputs.input_ids.flatten_all()?, 0)?
+            .reshape((batch, seq, h))?;
+        let types = self
+            .token_type
+            .index_select(&inputs.token_type_ids.flatten_all()?, 0)?
+            .reshape((batch, seq, h))?;
+        let positions = self.position.narrow(0, 0, seq)?.unsqueeze(0)?;
+        let x = (words + types)?.broadcast_add(&positions)?;
+        dropout(&self.norm.forward(k, &x)?, self.dropout, train)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct EncoderLayer {
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attention_output: Linear,
+    attention_norm: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    output_norm: LayerNorm,
+    heads: usize,
+    hidden_dropout: f64,
+    attention_dropout: f64,
+}
+
+impl EncoderLayer {
+    fn build(c: &BertConfig, p: &mut ParamBuilder, i: usize) -> Result<Self, ModelError> {
+        let h = c.hidden_size;
+        let n = |s: &str| format!("encoder.layer.{i}.{s}");
+        Ok(EncoderLayer {
+            query: Linear::build(p, &n("attention.self.query"), h, h)?,
+            key: Linear::build(p, &n("attention.self.key"), h, h)?,
+            value: Linear::build(p, &n("attention.self.value"), h, h)?,
+            attention_output: Linear::build(p, &n("attention.output.dense"), h, h)?,
+            attention_norm: LayerNorm::build(
+                p,
+                &n("attention.output.LayerNorm"),
+                h,
+                c.layer_norm_eps,
+            )?,
+            intermediate: Linear::build(p, &n("intermediate.dense"), h, c.intermediate_size)?,
+            output: Linear::build(p, &n("output.dense"), c.intermediate_size, h)?,
+            output_norm: LayerNorm::build(p, &n("output.LayerNorm"), h, c.layer_norm_eps)?,
+            heads: c.num_attention_heads,
+            hidden_dropout: c.hidden_dropout_prob,
+            attention_dropout: c.attention_probs_dropout_prob,
+        })
+    }
+
+    fn forward(
+        &self,
+        k: &dyn Kernels,
+        x: &Tensor,
+        mask_bias: &Tensor,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        let (batch, seq, hidden) = x.dims3()?;
+        let head = hidden / self.heads;
+        let split = |t: Tensor| -> candle_core::Result<Tensor> {
+            t.reshape((batch, seq, self.heads, head))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let q = split(self.query.forward(x)?)?;
+        let kk = split(self.key.forward(x)?)?;
+        let v = split(self.value.forward(x)?)?;
+        let p = if train {
+            self.attention_dropout as f32
+        } else {
+            0.0
+        };
+        let context = k
+            .attention(&q, &kk, &v, mask_bias, p)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((batch, seq, hidden))?;
+        let attended = dropout(
+            &self.attention_output.forward(&context)?,
+            self.hidden_dropout,
+            train,
+        )?;
+        let x = self.attention_norm.forward(k, &(attended + x)?)?;
+        let inner = k.gelu(&self.intermediate.forward(&x)?)?;
+        let out = dropout(&self.output.forward(&inner)?, self.hidden_dropout, train)?;
+        self.output_norm.forward(k, &(out + x)?)
+    }
+}
+
+/// What the base model computes.
+#[derive(Debug, Clone)]
+pub struct BertOutput {
+    /// The embedding output and every layer's output (`num_hidden_layers + 1` tensors of
+    /// `[batch, seq, hidden]`), when asked for.
+    pub hidden_states: Vec<Tensor>,
+    /// The last layer's output, `[batch, seq, hidden]`.
+    pub last_hidden_state: Tensor,
+    /// `tanh(dense(h[:, 0]))`, `[batch, hidden]`, for models with a pooler.
+    pub pooler_output: Option<Tensor>,
+}
+
+/// The BERT encoder (embeddings, layers, optional pooler).
+#[derive(Debug, Clone)]
+pub struct BertModel {
+    config: BertConfig,
+    embeddings: Embeddings,
+    layers: Vec<EncoderLayer>,
+    pooler: Option<Linear>,
+    kernels: Arc<dyn Kernels>,
+}
+
+impl BertModel {
+    /// Builds the encoder's parameters from `p` (with the pooler when `pooler`).
+    pub fn build(
+        config: &BertConfig,
+        p: &mut ParamBuilder,
+        pooler: bool,
+    ) -> Result<Self, ModelError> {
+        config.validate().map_err(ModelError::Config)?;
+        let embeddings = Embeddings::build(config, p)?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| EncoderLayer::build(config, p, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let pooler = if pooler {
+            Some(Linear::build(
+                p,
+                "pooler.dense",
+                config.hidden_size,
+                config.hidden_size,
+            )?)
+        } else {
+            None
+        };
+        Ok(BertModel {
+            config: config.clone(),
+            embeddings,
+            layers,
+            pooler,
+            kernels: Arc::new(Composed),
+        })
+    }
+
+    /// Replaces the kernels (for example with fused CUDA ones).
+    pub fn set_kernels(&mut self, kernels: Arc<dyn Kernels>) {
+        self.kernels = kernels;
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BertConfig {
+        &self.config
+    }
+
+    /// The word embedding matrix, `[vocab, hidden]` (the MLM decoder is tied to it).
+    pub fn word_embeddings(&self) -> &Tensor {
+        &self.embeddings.word
+    }
+
+    /// Runs the encoder; `all_hidden_states` keeps every layer's output.
+    pub fn forward(
+        &self,
+        inputs: &Inputs,
+        train: bool,
+        all_hidden_states: bool,
+    ) -> Result<BertOutput, ModelError> {
+        let k = self.kernels.as_ref();
+        let mut x = self.embeddings.forward(k, inputs, train)?;
+        let mut hidden_states = Vec::new();
+        let dtype = x.dtype();
+        let mask_bias = inputs.mask_bias.to_dtype(if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        })?;
+        for layer in &self.layers {
+            if all_hidden_states {
+                hidden_states.push(x.clone());
+            }
+            x = layer.forward(k, &x, &mask_bias, train)?;
+        }
+        if all_hidden_states {
+            hidden_states.push(x.clone());
+        }
+        let pooler_output = match &self.pooler {
+            Some(dense) => Some(dense.forward(&x.i((.., 0))?)?.tanh()?),
+            None => None,
+        };
+        Ok(BertOutput {
+            hidden_states,
+            last_hidden_state: x,
+            pooler_output,
+        })
+    }
+}
+
+/// A model that can be built from parameters, loaded and saved.
+pub trait BertArchitecture: Sized {
+    /// The class name transformers knows it by (`architectures` in config.json).
+    const ARCHITECTURE: &'static str;
+    /// Builds the model's parameters from `p`.
+    fn build(config: &BertConfig, p: &mut ParamBuilder) -> Result<Self, ModelError>;
+}
+
+impl BertArchitecture for BertModel {
+    const ARCHITECTURE: &'static str = "BertModel";
+    fn build(config: &BertConfig, p: &mut ParamBuilder) -> Result<Self, ModelError> {
+        BertModel::build(config, p, true)
+    }
+}
+
+/// What the pre-training heads compute.
+#[derive(Debug, Clone)]
+pub struct PreTrainingOutput {
+    /// Masked-LM logits at the asked positions, `[batch, predictions, vocab]`.
+    pub mlm_logits: Tensor,
+    /// Next-sentence logits (0 = is next, 1 = random), `[batch, 2]`.
+    pub nsp_logits: Tensor,
+}
+
+/// BERT with the masked-LM and next-sentence heads (transformers' `BertForPreTraining`).
+#[derive(Debug, Clone)]
+pub struct BertForPreTraining {
+    /// The encoder.
+    pub bert: BertModel,
+    transform: Linear,
+    transform_norm: LayerNorm,
+    output_bias: Tensor,
+    seq_relationship: Linear,
+}
+
+impl BertArchitecture for BertForPreTraining {
+    const ARCHITECTURE: &'static str = "BertForPreTraining";
+    fn build(c: &BertConfig, p: &mut ParamBuilder) -> Result<Self, ModelError> {
+        let bert = BertModel::build(c, p, true)?;
+        let h = c.hidden_size;
+        Ok(BertForPreTraining {
+            bert,
+            transform: Linear::build(p, "cls.predictions.transform.dense", h, h)?,
+            transform_norm: LayerNorm::build(
+                p,
+                "cls.predictions.transform.LayerNorm",
+                h,
+                c.layer_norm_eps,
+            )?,
+            output_bias: p.get("cls.predictions.bias", &[c.vocab_size], Init::Zeros)?,
+            seq_relationship: Linear::build(p, "cls.seq_relationship", h, 2)?,
+        })
+    }
+}
+
+impl BertForPreTraining {
+    /// Runs the encoder and both heads. `masked_positions` (`[batch, predictions]`, u32)
+    /// selects where the masked-LM logits are computed (the decoder is the costliest matmul,
+    /// so only masked positions pay for it).
+    pub fn forward(
+        &self,
+        inputs: &Inputs,
+        masked_positions: &Tensor,
+        train: bool,
+    ) -> Result<PreTrainingOutput, ModelError> {
+        let out = self.bert.forward(inputs, train, false)?;
+        let x = &out.last_hidden_state;
+        let (batch, seq, hidden) = x.dims3()?;
+        let (pb, predictions) = masked_positions.dims2()?;
+        if pb != batch {
+            return Err(ModelError::Input(format!(
+                "masked_positions has {pb} rows, the batch has {batch}"
+            )));
+        }
+        let positions = masked_positions.to_dtype(DType::U32)?;
+        if predictions > 0 && positions.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize >= seq {
+            return Err(ModelError::Input(format!(
+                "a masked position is outside the sequence of {seq}"
+            )));
+        }
+        let offsets = Tensor::arange(0u32, batch as u32, x.device())?
+            .affine(seq as f64, 0.0)?
+            .unsqueeze(1)?;
+        let flat = positions.broadcast_add(&offsets)?.flatten_all()?;
+        let picked = x.reshape((batch * seq, hidden))?.index_select(&flat, 0)?;
+        let k = self.bert.kernels.as_ref();
+        let t = k.gelu(&self.transform.forward(&picked)?)?;
+        let t = self.transform_norm.forward(k, &t)?;
+        let logits = t
+            .matmul(&self.bert.word_embeddings().t()?)?
+            .broadcast_add(&self.output_bias)?
+            .reshape((batch, predictions, ()))?;
+        let pooled = out
+            .pooler_output
+            .expect("the pre-training model has a pooler");
+        Ok(PreTrainingOutput {
+            mlm_logits: logits,
+            nsp_logits: self.seq_relationship.forward(&pooled)?,
+        })
+    }
+}
+
+/// BERT with a span head for extractive question answering (transformers'
+/// `BertForQuestionAnswering`: no pooler).
+#[derive(Debug, Clone)]
+pub struct BertForQuestionAnswering {
+    /// The encoder.
+    pub bert: BertModel,
+    qa_outputs: Linear,
+}
+
+impl BertArchitecture for BertForQuestionAnswering {
+    const ARCHITECTURE: &'static str = "BertForQuestionAnswering";
+    fn build(c: &BertConfig, p: &mut ParamBuilder) -> Result<Self, ModelError> {
+        Ok(BertForQuestionAnswering {
+            bert: BertModel::build(c, p, false)?,
+            qa_outputs: Linear::build(p, "qa_outputs", c.hidden_size, 2)?,
+        })
+    }
+}
+
+impl BertForQuestionAnswering {
+    /// Start and end logits, each `[batch, seq]`.
+    pub fn forward(&self, inputs: &Inputs, train: bool) -> Result<(Tensor, Tensor), ModelError> {
+        let out = self.bert.forward(inputs, train, false)?;
+        let logits = self.qa_outputs.forward(&out.last_hidden_state)?;
+        Ok((
+            logits.i((.., .., 0))?.contiguous()?,
+            logits.i((.., .., 1))?.contiguous()?,
+        ))
+    }
+}
+
+/// BERT with a classifier on the pooled output (transformers' `BertForSequenceClassification`).
+#[derive(Debug, Clone)]
+pub struct BertForSequenceClassification {
+    /// The encoder.
+    pub bert: BertModel,
+    classifier: Linear,
+    dropout: f64,
+}
+
+impl BertArchitecture for BertForSequenceClassification {
+    const ARCHITECTURE: &'static str = "BertForSequenceClassification";
+    fn build(c: &BertConfig, p: &mut ParamBuilder) -> Result<Self, ModelError> {
+        Ok(BertForSequenceClassification {
+            bert: BertModel::build(c, p, true)?,
+            classifier: Linear::build(p, "classifier", c.hidden_size, c.num_labels())?,
+            dropout: c.hidden_dropout_prob,
+        })
+    }
+}
+
+impl BertForSequenceClassification {
+    /// Class logits, `[batch, num_labels]` (one column: a regression score).
+    pub fn forward(&self, inputs: &Inputs, train: bool) -> Result<Tensor, ModelError> {
+        let out = self.bert.forward(inputs, train, false)?;
+        let pooled = out
+            .pooler_output
+            .expect("the classification model has a pooler");
+        Ok(self
+            .classifier
+            .forward(&dropout(&pooled, self.dropout, train)?)?)
+    }
+}
+
+/// A model with its parameters and config.
+#[derive(Debug, Clone)]
+pub struct Loaded<M> {
+    /// The model.
+    pub model: M,
+    /// Its parameters (for optimisers and saving).
+    pub params: ParamStore,
+    /// Its configuration.
+    pub config: BertConfig,
+}
+
+/// Where a model directory keeps its files.
+pub fn model_files(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    (dir.join("config.json"), dir.join("model.safetensors"))
+}
+
+/// Loads `M` from a transformers model directory (`config.json` + `model.safetensors`).
+/// Parameters the checkpoint lacks are initialised with `seed` and listed in
+/// `params.initialised`.
+pub fn load<M: BertArchitecture>(
+    dir: &std::path::Path,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<Loaded<M>, ModelError> {
+    let (config_path, weights) = model_files(dir);
+    let config = BertConfig::load(&config_path)?;
+    if !weights.is_file() {
+        return Err(ModelError::Weights(format!(
+            "{}: not found (a model directory holds config.json and model.safetensors)",
+            weights.display()
+        )));
+    }
+    let mut p =
+        ParamBuilder::from_safetensors(&weights, dtype, device, config.initializer_range, seed)?;
+    let model = M::build(&config, &mut p).map_err(|e| match e {
+        ModelError::Weights(m) => ModelError::Weights(format!("{}: {m}", weights.display())),
+        other => other,
+    })?;
+    Ok(Loaded {
+        model,
+        params: p.finish(),
+        config,
+    })
+}
+
+/// A freshly initialised `M` (seeded).
+pub fn init<M: BertArchitecture>(
+    config: &BertConfig,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<Loaded<M>, ModelError> {
+    let mut p = ParamBuilder::fresh(dtype, device, config.initializer_range, seed);
+    let model = M::build(config, &mut p)?;
+    Ok(Loaded {
+        model,
+        params: p.finish(),
+        config: config.clone(),
+    })
+}
+
+/// Saves a model directory transformers can load: `config.json` and `model.safetensors`
+/// (each written atomically) with the tensors in `dtype`.
+pub fn save<M: BertArchitecture>(
+    loaded: &Loaded<M>,
+    dir: &std::path::Path,
+    dtype: DType,
+) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::Io {
+        path: dir.into(),
+        source: e,
+    })?;
+    let (config_path, weights) = model_files(dir);
+    loaded.params.save_safetensors(&weights, dtype)?;
+    let torch_dtype = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    };
+    let json = loaded
+        .config
+        .to_hf_json(M::ARCHITECTURE, &[("torch_dtype", torch_dtype.into())]);
+    bertkit_stage_io::write_atomically(&config_path, json.as_bytes()).map_err(|e| ModelError::Io {
+        path: config_path,
+        source: e,
+    })
+}

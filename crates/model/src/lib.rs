@@ -1,0 +1,76 @@
+//! # bertkit-model: BERT in candle
+//!
+//! The model stage: BERT of any size from a Hugging Face `config.json` (tiny test configs,
+//! MiniLM, BERT-base, BERT-large), with Hugging Face–compatible weights and gradients that reach
+//! every parameter. It knows nothing of training or tasks: the train and tasks crates build on
+//! it.
+//!
+//! - [`config`]: [`BertConfig`], read from and written to `config.json`.
+//! - [`bert`]: the network, one file: embeddings (word + position + token type, LayerNorm,
+//!   dropout), encoder layers (multi-head self-attention with the padding mask, exact GELU,
+//!   residuals, LayerNorm), pooler, and the heads: pre-training (masked-LM transform and a decoder
+//!   tied to the word embeddings with its own output bias; next sentence), question answering
+//!   (start/end logits) and sequence classification. [`bert::load`], [`bert::init`] and
+//!   [`bert::save`] read and write transformers model directories.
+//! - [`kernels`]: LayerNorm, GELU, softmax and attention behind the [`Kernels`] interface, so
+//!   fused CUDA kernels can replace them; the default [`Composed`] kernels are built from
+//!   candle ops that all have a backward pass.
+//! - [`params`]: checkpoint names (with or without `bert.`, `gamma`/`beta`), initialisation of
+//!   what a checkpoint lacks, and saving in the transformers layout.
+//! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
+//!
+//! Dropout is on when a forward pass is called with `train = true` and off otherwise.
+
+pub mod bert;
+pub mod config;
+pub mod kernels;
+pub mod loss;
+pub mod params;
+
+use std::path::PathBuf;
+
+pub use bert::{
+    BertArchitecture, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
+    BertModel, BertOutput, Inputs, Loaded, PreTrainingOutput,
+};
+pub use config::BertConfig;
+pub use kernels::{Composed, Kernels};
+pub use params::{ParamBuilder, ParamStore};
+
+/// Why the model could not be built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// An unreadable or inconsistent config.
+    #[error("config: {0}")]
+    Config(String),
+    /// A checkpoint that does not fit the config (names the tensor).
+    #[error("weights: {0}")]
+    Weights(String),
+    /// Inputs the model cannot take.
+    #[error("input: {0}")]
+    Input(String),
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Parses `f32`, `bf16` or `f16`.
+pub fn parse_dtype(name: &str) -> Result<candle_core::DType, ModelError> {
+    match name {
+        "f32" | "float32" => Ok(candle_core::DType::F32),
+        "bf16" | "bfloat16" => Ok(candle_core::DType::BF16),
+        "f16" | "float16" => Ok(candle_core::DType::F16),
+        "f64" => Ok(candle_core::DType::F64),
+        other => Err(ModelError::Config(format!(
+            "dtype {other:?}: expected f32, bf16 or f16"
+        ))),
+    }
+}

@@ -1,0 +1,52 @@
+//! The pre-training losses, from differentiable ops (computed in f32 whatever the model dtype).
+
+use candle_core::{D, DType, Result, Tensor};
+
+/// `log(softmax(x))` over the last dimension; the row maximum is detached (it cancels out).
+pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    let log_sum = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    shifted.broadcast_sub(&log_sum)
+}
+
+/// Per-row negative log-likelihood of `labels` (`[rows]`, u32) under `logits` (`[rows, classes]`).
+pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    let logits = if logits.dtype() == DType::F64 {
+        logits.clone()
+    } else {
+        logits.to_dtype(DType::F32)?
+    };
+    let picked = log_softmax(&logits)?.gather(&labels.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
+    picked.squeeze(1)?.neg()
+}
+
+/// Mean cross-entropy of `labels` (`[rows]`) under `logits` (`[rows, classes]`).
+pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    nll_per_row(logits, labels)?.mean_all()
+}
+
+/// The masked-LM loss: cross-entropy at each prediction slot, weighted by `weights`
+/// (`[batch, predictions]`: 1 for real masked positions, 0 for padding slots), averaged over
+/// the real ones, as Google's BERT computes it.
+pub fn masked_lm_loss(mlm_logits: &Tensor, labels: &Tensor, weights: &Tensor) -> Result<Tensor> {
+    let (batch, predictions, vocab) = mlm_logits.dims3()?;
+    let nll = nll_per_row(
+        &mlm_logits.reshape((batch * predictions, vocab))?,
+        &labels.flatten_all()?,
+    )?;
+    let w = weights.flatten_all()?.to_dtype(nll.dtype())?;
+    let total = (nll * &w)?.sum_all()?;
+    total.broadcast_div(&(w.sum_all()? + 1e-5)?)
+}
+
+/// The pre-training loss: masked-LM loss plus next-sentence cross-entropy.
+pub fn pretraining_loss(
+    mlm_logits: &Tensor,
+    mlm_labels: &Tensor,
+    mlm_weights: &Tensor,
+    nsp_logits: &Tensor,
+    nsp_labels: &Tensor,
+) -> Result<Tensor> {
+    masked_lm_loss(mlm_logits, mlm_labels, mlm_weights)? + cross_entropy(nsp_logits, nsp_labels)?
+}

@@ -1,0 +1,260 @@
+//! Parameters: loading Hugging Face checkpoints, initialising what a checkpoint lacks, saving.
+//!
+//! Inside the model every parameter has its Hugging Face name without the `bert.` prefix of
+//! the base model (`embeddings.word_embeddings.weight`, `encoder.layer.0.attention.self.query.weight`,
+//! `pooler.dense.bias`), and the heads keep theirs (`cls.predictions.bias`,
+//! `cls.seq_relationship.weight`, `qa_outputs.weight`, `classifier.weight`).
+//!
+//! Loading accepts names with or without `bert.`, TensorFlow-era `gamma`/`beta` for LayerNorm,
+//! and `cls.predictions.decoder.bias` for the output bias. The decoder weight is tied to the word
+//! embeddings, so a stored `cls.predictions.decoder.weight` is not read, and `position_ids`
+//! buffers are skipped. A parameter the checkpoint lacks is initialised as BERT does (truncated
+//! normal with std `initializer_range`, cut at two std; zero bias; LayerNorm ones and zeros) and
+//! listed in [`ParamStore::initialised`]. A tensor of the wrong shape is an error naming it.
+//!
+//! Saving writes the same layout transformers writes: `bert.`-prefixed base names when the
+//! model has a head, the tied decoder weight left out (transformers re-ties it on load).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::ModelError;
+
+/// How a parameter missing from a checkpoint starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// Truncated normal, std `initializer_range`, resampled beyond two std (weights, embeddings).
+    TruncatedNormal,
+    /// Zeros (biases, LayerNorm bias).
+    Zeros,
+    /// Ones (LayerNorm weight).
+    Ones,
+}
+
+/// Maps a checkpoint name onto the model's name, or `None` for entries that are not parameters.
+pub fn canonical_name(name: &str) -> Option<String> {
+    let name = name.strip_prefix("bert.").unwrap_or(name);
+    if name.ends_with("position_ids") || name == "cls.predictions.decoder.weight" {
+        return None;
+    }
+    let name = if name == "cls.predictions.decoder.bias" {
+        "cls.predictions.bias".to_string()
+    } else if let Some(stem) = name.strip_suffix(".gamma") {
+        format!("{stem}.weight")
+    } else if let Some(stem) = name.strip_suffix(".beta") {
+        format!("{stem}.bias")
+    } else {
+        name.to_string()
+    };
+    Some(name)
+}
+
+/// The name transformers stores a parameter under, for a model with or without a head.
+pub fn hf_name(name: &str, has_head: bool) -> String {
+    let is_head = name.starts_with("cls.")
+        || name.starts_with("qa_outputs.")
+        || name.starts_with("classifier.");
+    if has_head && !is_head {
+        format!("bert.{name}")
+    } else {
+        name.to_string()
+    }
+}
+
+/// Builds the model's parameters from a checkpoint (or from scratch).
+pub struct ParamBuilder {
+    checkpoint: HashMap<String, Tensor>,
+    used: HashSet<String>,
+    vars: BTreeMap<String, Var>,
+    initialised: Vec<String>,
+    dtype: DType,
+    device: Device,
+    std: f64,
+    rng: u64,
+}
+
+impl ParamBuilder {
+    /// No checkpoint: every parameter is initialised (seeded, so runs repeat).
+    pub fn fresh(dtype: DType, device: &Device, initializer_range: f64, seed: u64) -> Self {
+        ParamBuilder {
+            checkpoint: HashMap::new(),
+            used: HashSet::new(),
+            vars: BTreeMap::new(),
+            initialised: Vec::new(),
+            dtype,
+            device: device.clone(),
+            std: initializer_range,
+            rng: seed ^ 0x9E37_79B9_7F4A_7C15,
+        }
+    }
+
+    /// Parameters from a safetensors checkpoint; what it lacks is initialised.
+    pub fn from_safetensors(
+        path: &Path,
+        dtype: DType,
+        device: &Device,
+        initializer_range: f64,
+        seed: u64,
+    ) -> Result<Self, ModelError> {
+        let raw = candle_core::safetensors::load(path, &Device::Cpu)
+            .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
+        let mut builder = Self::fresh(dtype, device, initializer_range, seed);
+        for (name, tensor) in raw {
+            if let Some(canonical) = canonical_name(&name)
+                && builder
+                    .checkpoint
+                    .insert(canonical.clone(), tensor)
+                    .is_some()
+            {
+                return Err(ModelError::Weights(format!(
+                    "{}: two tensors map to {canonical} (with and without the bert. prefix?)",
+                    path.display()
+                )));
+            }
+        }
+        Ok(builder)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        // splitmix64
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn truncated_normal(&mut self, n: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            // Box-Muller; values beyond two std are drawn again, as TensorFlow's truncated_normal.
+            let (u1, u2) = (self.uniform(), self.uniform());
+            let r = (-2.0 * u1.ln()).sqrt();
+            for z in [
+                r * (std::f64::consts::TAU * u2).cos(),
+                r * (std::f64::consts::TAU * u2).sin(),
+            ] {
+                if z.abs() <= 2.0 && out.len() < n {
+                    out.push((z * self.std) as f32);
+                }
+            }
+        }
+        out
+    }
+
+    /// The parameter `name` of `shape`: from the checkpoint if there, else initialised.
+    pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor, ModelError> {
+        if let Some(var) = self.vars.get(name) {
+            return Ok(var.as_tensor().clone());
+        }
+        let tensor = match self.checkpoint.get(name) {
+            Some(t) => {
+                if t.dims() != shape {
+                    return Err(ModelError::Weights(format!(
+                        "{name}: the checkpoint has shape {:?}, the config needs {shape:?}",
+                        t.dims()
+                    )));
+                }
+                self.used.insert(name.to_string());
+                t.to_dtype(self.dtype)?.to_device(&self.device)?
+            }
+            None => {
+                self.initialised.push(name.to_string());
+                let n: usize = shape.iter().product();
+                let values = match init {
+                    Init::TruncatedNormal => self.truncated_normal(n),
+                    Init::Zeros => vec![0.0; n],
+                    Init::Ones => vec![1.0; n],
+                };
+                Tensor::from_vec(values, shape, &self.device)?.to_dtype(self.dtype)?
+            }
+        };
+        let var = Var::from_tensor(&tensor)?;
+        let t = var.as_tensor().clone();
+        self.vars.insert(name.to_string(), var);
+        Ok(t)
+    }
+
+    /// The built parameters. Checkpoint tensors the model did not use are listed in
+    /// [`ParamStore::unused`].
+    pub fn finish(self) -> ParamStore {
+        let mut unused: Vec<String> = self
+            .checkpoint
+            .keys()
+            .filter(|k| !self.used.contains(*k))
+            .cloned()
+            .collect();
+        unused.sort();
+        ParamStore {
+            vars: self.vars,
+            initialised: self.initialised,
+            unused,
+        }
+    }
+}
+
+/// A model's parameters by name.
+#[derive(Debug, Clone)]
+pub struct ParamStore {
+    vars: BTreeMap<String, Var>,
+    /// Parameters the checkpoint lacked, initialised as BERT does.
+    pub initialised: Vec<String>,
+    /// Checkpoint tensors the model has no place for (a head it was not built with).
+    pub unused: Vec<String>,
+}
+
+impl ParamStore {
+    /// Every parameter, by name (sorted).
+    pub fn vars(&self) -> &BTreeMap<String, Var> {
+        &self.vars
+    }
+
+    /// One parameter.
+    pub fn get(&self, name: &str) -> Option<&Var> {
+        self.vars.get(name)
+    }
+
+    /// Number of scalar parameters.
+    pub fn count(&self) -> usize {
+        self.vars.values().map(|v| v.elem_count()).sum()
+    }
+
+    /// Whether a head (pre-training, QA or classification) is among the parameters.
+    pub fn has_head(&self) -> bool {
+        self.vars.keys().any(|k| {
+            k.starts_with("cls.") || k.starts_with("qa_outputs.") || k.starts_with("classifier.")
+        })
+    }
+
+    /// The tensors under their transformers names, in `dtype`.
+    pub fn hf_tensors(&self, dtype: DType) -> Result<HashMap<String, Tensor>, ModelError> {
+        let head = self.has_head();
+        self.vars
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    hf_name(k, head),
+                    v.as_tensor().to_dtype(dtype)?.to_device(&Device::Cpu)?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Writes `model.safetensors` (atomically) in the transformers layout.
+    pub fn save_safetensors(&self, path: &Path, dtype: DType) -> Result<(), ModelError> {
+        let tensors = self.hf_tensors(dtype)?;
+        let partial = bertkit_stage_io::partial_path(path);
+        candle_core::safetensors::save(&tensors, &partial)
+            .map_err(|e| ModelError::Weights(format!("{}: {e}", partial.display())))?;
+        std::fs::rename(&partial, path).map_err(|e| ModelError::Io {
+            path: path.into(),
+            source: e,
+        })
+    }
+}

@@ -1,0 +1,170 @@
+//! The real all-MiniLM-L6-v2 checkpoint against transformers' forward pass
+//! (`reference/minilm_forward.safetensors`): every hidden state and the pooler output, on
+//! unpadded positions, in f32 (1e-4), bf16 and f16 (documented tolerances).
+
+use bertkit_model::bert::{BertModel, load};
+use bertkit_model::{Inputs, ModelError};
+use bertkit_shared_data::require;
+use candle_core::{DType, Device, Tensor};
+
+struct Reference {
+    input_ids: Tensor,
+    token_type_ids: Tensor,
+    attention_mask: Tensor,
+    tensors: std::collections::HashMap<String, Tensor>,
+}
+
+fn reference() -> Reference {
+    let tensors = candle_core::safetensors::load(
+        require("reference/minilm_forward.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    Reference {
+        input_ids: tensors["input_ids"].clone(),
+        token_type_ids: tensors["token_type_ids"].clone(),
+        attention_mask: tensors["attention_mask"].clone(),
+        tensors,
+    }
+}
+
+/// Largest |a - b| over unpadded positions of `[batch, seq, hidden]` tensors.
+fn max_diff_unpadded(a: &Tensor, b: &Tensor, mask: &Tensor) -> f32 {
+    let d = (a.to_dtype(DType::F32).unwrap() - b)
+        .unwrap()
+        .abs()
+        .unwrap();
+    let m = mask.to_dtype(DType::F32).unwrap().unsqueeze(2).unwrap();
+    d.broadcast_mul(&m)
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn run(dtype: DType) -> (Reference, bertkit_model::BertOutput) {
+    let r = reference();
+    let loaded = load::<BertModel>(&require("minilm"), dtype, &Device::Cpu, 0).unwrap();
+    // The checkpoint has every parameter of the base model, pooler included.
+    assert!(
+        loaded.params.initialised.is_empty(),
+        "{:?}",
+        loaded.params.initialised
+    );
+    assert!(
+        loaded.params.unused.is_empty(),
+        "{:?}",
+        loaded.params.unused
+    );
+    let inputs = Inputs::new(
+        &loaded.config,
+        &r.input_ids,
+        Some(&r.token_type_ids),
+        Some(&r.attention_mask),
+    )
+    .unwrap();
+    let out = loaded.model.forward(&inputs, false, true).unwrap();
+    (r, out)
+}
+
+fn check(dtype: DType, hidden_tol: f32, pooler_tol: f32) -> (f32, f32) {
+    let (r, out) = run(dtype);
+    assert_eq!(out.hidden_states.len(), 7);
+    let mut worst = 0f32;
+    for (i, h) in out.hidden_states.iter().enumerate() {
+        let d = max_diff_unpadded(
+            h,
+            &r.tensors[&format!("hidden_states.{i}")],
+            &r.attention_mask,
+        );
+        assert!(
+            d <= hidden_tol,
+            "{dtype:?} hidden_states.{i}: max |diff| {d} > {hidden_tol}"
+        );
+        worst = worst.max(d);
+    }
+    let d = max_diff_unpadded(
+        &out.last_hidden_state,
+        &r.tensors["last_hidden_state"],
+        &r.attention_mask,
+    );
+    assert!(d <= hidden_tol, "{dtype:?} last_hidden_state: {d}");
+    let pooled = out.pooler_output.unwrap().to_dtype(DType::F32).unwrap();
+    let p = (pooled - &r.tensors["pooler_output"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(
+        p <= pooler_tol,
+        "{dtype:?} pooler_output: {p} > {pooler_tol}"
+    );
+    eprintln!("{dtype:?}: hidden max |diff| {worst:.3e}, pooler {p:.3e}");
+    (worst, p)
+}
+
+#[test]
+fn f32_matches_transformers_within_1e_4() {
+    check(DType::F32, 1e-4, 1e-4);
+    // A real comparison: the reference states are far from zero.
+    let r = reference();
+    let magnitude = r.tensors["last_hidden_state"]
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap();
+    assert!(magnitude.to_scalar::<f32>().unwrap() > 1.0);
+}
+
+#[test]
+fn bf16_and_f16_stay_within_their_tolerances() {
+    // Measured on this checkpoint (max |diff| over every hidden state, then pooler): f16
+    // 1.5e-2 and 3.6e-4, bf16 8.6e-2 and 3.0e-3, with hidden values up to ~10 in magnitude
+    // (bf16 keeps 8 mantissa bits, f16 11). The tolerances are about 3x that.
+    check(DType::F16, 0.05, 2e-3);
+    check(DType::BF16, 0.25, 1.5e-2);
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let loaded = load::<BertModel>(&require("minilm"), DType::F32, &Device::Cpu, 0).unwrap();
+    let c = &loaded.config;
+    let ids = Tensor::new(&[[101i64, 30522, 102]], &Device::Cpu).unwrap();
+    let err = Inputs::new(c, &ids, None, None).unwrap_err();
+    assert!(matches!(err, ModelError::Input(_)));
+    assert!(
+        err.to_string().contains("30522") && err.to_string().contains("vocab_size"),
+        "{err}"
+    );
+
+    let long = Tensor::zeros((1, 513), DType::I64, &Device::Cpu).unwrap();
+    let err = Inputs::new(c, &long, None, None).unwrap_err();
+    assert!(
+        err.to_string().contains("max_position_embeddings 512"),
+        "{err}"
+    );
+
+    let ids = Tensor::new(&[[101i64, 2000, 102]], &Device::Cpu).unwrap();
+    let mask = Tensor::new(&[[1i64, 1]], &Device::Cpu).unwrap();
+    let err = Inputs::new(c, &ids, None, Some(&mask)).unwrap_err();
+    assert!(
+        err.to_string().contains("attention_mask has shape [1, 2]"),
+        "{err}"
+    );
+
+    let types = Tensor::new(&[[0i64, 2, 0]], &Device::Cpu).unwrap();
+    let err = Inputs::new(c, &ids, Some(&types), None).unwrap_err();
+    assert!(err.to_string().contains("token_type_ids holds 2"), "{err}");
+
+    let neg = Tensor::new(&[[101i64, -1, 102]], &Device::Cpu).unwrap();
+    assert!(
+        Inputs::new(c, &neg, None, None)
+            .unwrap_err()
+            .to_string()
+            .contains("-1")
+    );
+}
