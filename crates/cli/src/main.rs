@@ -1050,7 +1050,9 @@ fn forward(args: ForwardArgs) -> Result<(), Box<dyn std::error::Error>> {
         inputs.get("attention_mask"),
     )
     .map_err(|e| format!("{}: {e}", args.input.display()))?;
-    let out = loaded.model.forward(&model_inputs, false, true)?;
+    let out = loaded
+        .model
+        .forward(&model_inputs, bertkit_model::Mode::Eval, true)?;
     let f32 = |t: &candle_core::Tensor| -> Result<candle_core::Tensor, candle_core::Error> {
         t.to_dtype(candle_core::DType::F32)?
             .to_device(&candle_core::Device::Cpu)

@@ -2,13 +2,14 @@
 //! sequence-classification heads, in one file (as candle-transformers lays models out).
 //!
 //! Inputs are `[batch, seq]` tensors of token ids, segment (token type) ids and an attention
-//! mask (1 for tokens, 0 for padding), as integers (`u32` or `i64`). `train = true` turns the
-//! dropouts on. Every hot op goes through [`Kernels`].
+//! mask (1 for tokens, 0 for padding), as integers (`u32` or `i64`). [`Mode::Train`] turns the
+//! dropouts on, with masks from a [`DropoutSource`]. Every hot op goes through [`Kernels`].
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
+use crate::dropout::DropoutSource;
 use crate::kernels::{Composed, Kernels};
 use crate::params::{Init, ParamBuilder, ParamStore};
 use crate::{BertConfig, ModelError};
@@ -79,12 +80,27 @@ impl LayerNorm {
     }
 }
 
-fn dropout(x: &Tensor, p: f64, train: bool) -> candle_core::Result<Tensor> {
-    if train && p > 0.0 {
-        candle_nn::ops::dropout(x, p as f32)
-    } else {
-        Ok(x.clone())
+/// Inference, or training with dropout masks from a source.
+#[derive(Debug, Clone, Copy)]
+pub enum Mode<'a> {
+    /// No dropout.
+    Eval,
+    /// Dropout on, masks drawn from the source.
+    Train(&'a DropoutSource),
+}
+
+impl Mode<'_> {
+    /// Applies dropout with probability `p` in training mode.
+    pub fn dropout(&self, x: &Tensor, p: f64) -> candle_core::Result<Tensor> {
+        match self {
+            Mode::Train(source) if p > 0.0 => source.apply(x, p),
+            _ => Ok(x.clone()),
+        }
     }
+}
+
+fn dropout(x: &Tensor, p: f64, mode: Mode) -> candle_core::Result<Tensor> {
+    mode.dropout(x, p)
 }
 
 /// Checked model inputs, as `u32` ids and an additive mask bias.
@@ -222,12 +238,7 @@ impl Embeddings {
         })
     }
 
-    fn forward(
-        &self,
-        k: &dyn Kernels,
-        inputs: &Inputs,
-        train: bool,
-    ) -> candle_core::Result<Tensor> {
+    fn forward(&self, k: &dyn Kernels, inputs: &Inputs, mode: Mode) -> candle_core::Result<Tensor> {
         let (batch, seq) = inputs.input_ids.dims2()?;
         let h = self.word.dim(1)?;
         let words = self
@@ -240,7 +251,7 @@ impl Embeddings {
             .reshape((batch, seq, h))?;
         let positions = self.position.narrow(0, 0, seq)?.unsqueeze(0)?;
         let x = (words + types)?.broadcast_add(&positions)?;
-        dropout(&self.norm.forward(k, &x)?, self.dropout, train)
+        dropout(&self.norm.forward(k, &x)?, self.dropout, mode)
     }
 }
 
@@ -288,7 +299,7 @@ impl EncoderLayer {
         k: &dyn Kernels,
         x: &Tensor,
         mask_bias: &Tensor,
-        train: bool,
+        mode: Mode,
     ) -> candle_core::Result<Tensor> {
         let (batch, seq, hidden) = x.dims3()?;
         let head = hidden / self.heads;
@@ -300,24 +311,19 @@ impl EncoderLayer {
         let q = split(self.query.forward(x)?)?;
         let kk = split(self.key.forward(x)?)?;
         let v = split(self.value.forward(x)?)?;
-        let p = if train {
-            self.attention_dropout as f32
-        } else {
-            0.0
-        };
         let context = k
-            .attention(&q, &kk, &v, mask_bias, p)?
+            .attention(&q, &kk, &v, mask_bias, mode, self.attention_dropout)?
             .transpose(1, 2)?
             .contiguous()?
             .reshape((batch, seq, hidden))?;
         let attended = dropout(
             &self.attention_output.forward(&context)?,
             self.hidden_dropout,
-            train,
+            mode,
         )?;
         let x = self.attention_norm.forward(k, &(attended + x)?)?;
         let inner = k.gelu(&self.intermediate.forward(&x)?)?;
-        let out = dropout(&self.output.forward(&inner)?, self.hidden_dropout, train)?;
+        let out = dropout(&self.output.forward(&inner)?, self.hidden_dropout, mode)?;
         self.output_norm.forward(k, &(out + x)?)
     }
 }
@@ -394,11 +400,11 @@ impl BertModel {
     pub fn forward(
         &self,
         inputs: &Inputs,
-        train: bool,
+        mode: Mode,
         all_hidden_states: bool,
     ) -> Result<BertOutput, ModelError> {
         let k = self.kernels.as_ref();
-        let mut x = self.embeddings.forward(k, inputs, train)?;
+        let mut x = self.embeddings.forward(k, inputs, mode)?;
         let mut hidden_states = Vec::new();
         let dtype = x.dtype();
         let mask_bias = inputs.mask_bias.to_dtype(if dtype == DType::F64 {
@@ -410,7 +416,7 @@ impl BertModel {
             if all_hidden_states {
                 hidden_states.push(x.clone());
             }
-            x = layer.forward(k, &x, &mask_bias, train)?;
+            x = layer.forward(k, &x, &mask_bias, mode)?;
         }
         if all_hidden_states {
             hidden_states.push(x.clone());
@@ -490,9 +496,9 @@ impl BertForPreTraining {
         &self,
         inputs: &Inputs,
         masked_positions: &Tensor,
-        train: bool,
+        mode: Mode,
     ) -> Result<PreTrainingOutput, ModelError> {
-        let out = self.bert.forward(inputs, train, false)?;
+        let out = self.bert.forward(inputs, mode, false)?;
         let x = &out.last_hidden_state;
         let (batch, seq, hidden) = x.dims3()?;
         let (pb, predictions) = masked_positions.dims2()?;
@@ -550,8 +556,8 @@ impl BertArchitecture for BertForQuestionAnswering {
 
 impl BertForQuestionAnswering {
     /// Start and end logits, each `[batch, seq]`.
-    pub fn forward(&self, inputs: &Inputs, train: bool) -> Result<(Tensor, Tensor), ModelError> {
-        let out = self.bert.forward(inputs, train, false)?;
+    pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<(Tensor, Tensor), ModelError> {
+        let out = self.bert.forward(inputs, mode, false)?;
         let logits = self.qa_outputs.forward(&out.last_hidden_state)?;
         Ok((
             logits.i((.., .., 0))?.contiguous()?,
@@ -582,14 +588,14 @@ impl BertArchitecture for BertForSequenceClassification {
 
 impl BertForSequenceClassification {
     /// Class logits, `[batch, num_labels]` (one column: a regression score).
-    pub fn forward(&self, inputs: &Inputs, train: bool) -> Result<Tensor, ModelError> {
-        let out = self.bert.forward(inputs, train, false)?;
+    pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<Tensor, ModelError> {
+        let out = self.bert.forward(inputs, mode, false)?;
         let pooled = out
             .pooler_output
             .expect("the classification model has a pooler");
         Ok(self
             .classifier
-            .forward(&dropout(&pooled, self.dropout, train)?)?)
+            .forward(&dropout(&pooled, self.dropout, mode)?)?)
     }
 }
 

@@ -12,6 +12,8 @@ use std::fmt::Debug;
 
 use candle_core::{D, DType, Result, Tensor};
 
+use crate::bert::Mode;
+
 /// The hot operations the model uses.
 pub trait Kernels: Send + Sync + Debug {
     /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`.
@@ -25,7 +27,7 @@ pub trait Kernels: Send + Sync + Debug {
 
     /// Scaled dot-product attention. `q`, `k`, `v`: `[batch, heads, seq, head_size]`;
     /// `mask_bias`: `[batch, 1, 1, seq]`, 0 for tokens and a large negative number for padding;
-    /// `dropout`: probability applied to the attention probabilities (0 in eval).
+    /// `dropout`: probability applied to the attention probabilities in training `mode`.
     /// Returns `[batch, heads, seq, head_size]`.
     fn attention(
         &self,
@@ -33,17 +35,14 @@ pub trait Kernels: Send + Sync + Debug {
         k: &Tensor,
         v: &Tensor,
         mask_bias: &Tensor,
-        dropout: f32,
+        mode: Mode,
+        dropout: f64,
     ) -> Result<Tensor> {
         let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
         let scores = (q.matmul(&k.t()?)? * scale)?;
         let scores = scores.broadcast_add(&mask_bias.to_dtype(scores.dtype())?)?;
         let probs = self.softmax_last_dim(&scores)?;
-        let probs = if dropout > 0.0 {
-            candle_nn::ops::dropout(&probs, dropout)?
-        } else {
-            probs
-        };
+        let probs = mode.dropout(&probs, dropout)?;
         probs.matmul(v)
     }
 }

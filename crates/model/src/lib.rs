@@ -19,10 +19,12 @@
 //!   what a checkpoint lacks, and saving in the transformers layout.
 //! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
 //!
-//! Dropout is on when a forward pass is called with `train = true` and off otherwise.
+//! Dropout is on in [`Mode::Train`] forward passes, with reproducible masks from a
+//! [`DropoutSource`] ([`dropout`]), and off in [`Mode::Eval`].
 
 pub mod bert;
 pub mod config;
+pub mod dropout;
 pub mod kernels;
 pub mod loss;
 pub mod params;
@@ -31,9 +33,10 @@ use std::path::PathBuf;
 
 pub use bert::{
     BertArchitecture, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
-    BertModel, BertOutput, Inputs, Loaded, PreTrainingOutput,
+    BertModel, BertOutput, Inputs, Loaded, Mode, PreTrainingOutput,
 };
 pub use config::BertConfig;
+pub use dropout::DropoutSource;
 pub use kernels::{Composed, Kernels};
 pub use params::{ParamBuilder, ParamStore};
 

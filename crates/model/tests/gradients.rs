@@ -4,7 +4,7 @@
 
 use bertkit_model::bert::{BertForPreTraining, init};
 use bertkit_model::kernels::{Composed, Kernels};
-use bertkit_model::{BertConfig, Inputs, loss};
+use bertkit_model::{BertConfig, DropoutSource, Inputs, Mode, loss};
 use candle_core::{DType, Device, Tensor, Var};
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -64,7 +64,10 @@ fn a_pretraining_loss_reaches_every_parameter() {
     let weights = Tensor::new(&[[1f32, 1., 0.], [1., 1., 1.], [1., 1., 1.]], &Device::Cpu).unwrap();
     let nsp_labels = Tensor::new(&[0u32, 1, 0], &Device::Cpu).unwrap();
 
-    let out = loaded.model.forward(&inputs, &positions, true).unwrap();
+    let out = loaded
+        .model
+        .forward(&inputs, &positions, Mode::Train(&DropoutSource::new(1)))
+        .unwrap();
     assert_eq!(out.mlm_logits.dims(), &[3, 3, 60]);
     assert_eq!(out.nsp_logits.dims(), &[3, 2]);
     let total = loss::pretraining_loss(
@@ -170,7 +173,11 @@ fn masked_attention_matches_finite_differences() {
             tensor(&[1, 2, 4, 3], 5),
             tensor(&[1, 2, 4, 3], 6),
         ],
-        &|t| Composed.attention(&t[0], &t[1], &t[2], &mask, 0.0).unwrap(),
+        &|t| {
+            Composed
+                .attention(&t[0], &t[1], &t[2], &mask, Mode::Eval, 0.0)
+                .unwrap()
+        },
     );
     finite_difference_check(&[tensor(&[2, 7], 7)], &|t| {
         Composed.softmax_last_dim(&t[0]).unwrap()

@@ -3,7 +3,7 @@
 //! unpadded positions, in f32 (1e-4), bf16 and f16 (documented tolerances).
 
 use bertkit_model::bert::{BertModel, load};
-use bertkit_model::{Inputs, ModelError};
+use bertkit_model::{Inputs, Mode, ModelError};
 use bertkit_shared_data::require;
 use candle_core::{DType, Device, Tensor};
 
@@ -64,7 +64,7 @@ fn run(dtype: DType) -> (Reference, bertkit_model::BertOutput) {
         Some(&r.attention_mask),
     )
     .unwrap();
-    let out = loaded.model.forward(&inputs, false, true).unwrap();
+    let out = loaded.model.forward(&inputs, Mode::Eval, true).unwrap();
     (r, out)
 }
 

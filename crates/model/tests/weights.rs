@@ -7,7 +7,7 @@ use bertkit_model::bert::{
     BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification, BertModel, init,
     load, save,
 };
-use bertkit_model::{BertConfig, Inputs, ModelError};
+use bertkit_model::{BertConfig, DropoutSource, Inputs, Mode, ModelError};
 use bertkit_shared_data::require;
 use candle_core::{DType, Device, Tensor};
 
@@ -212,16 +212,26 @@ fn dropout_is_on_in_training_only() {
         init::<BertForSequenceClassification>(&config, DType::F32, &Device::Cpu, 11).unwrap();
     let ids = Tensor::new(&[[2u32, 5, 6, 7, 3]], &Device::Cpu).unwrap();
     let inputs = Inputs::new(&config, &ids, None, None).unwrap();
-    let eval1 = as_vec(&loaded.model.forward(&inputs, false).unwrap());
-    let eval2 = as_vec(&loaded.model.forward(&inputs, false).unwrap());
+    let eval1 = as_vec(&loaded.model.forward(&inputs, Mode::Eval).unwrap());
+    let eval2 = as_vec(&loaded.model.forward(&inputs, Mode::Eval).unwrap());
     assert_eq!(eval1, eval2);
-    let train1 = as_vec(&loaded.model.forward(&inputs, true).unwrap());
-    let train2 = as_vec(&loaded.model.forward(&inputs, true).unwrap());
+    let source = DropoutSource::new(5);
+    let train1 = as_vec(&loaded.model.forward(&inputs, Mode::Train(&source)).unwrap());
+    let train2 = as_vec(&loaded.model.forward(&inputs, Mode::Train(&source)).unwrap());
     assert_ne!(train1, eval1);
     assert_ne!(train1, train2);
+    // The same source position replays the same masks.
+    source.set_position(0);
+    assert_eq!(
+        as_vec(&loaded.model.forward(&inputs, Mode::Train(&source)).unwrap()),
+        train1
+    );
     assert_eq!(eval1.len(), 2);
     // Seeded initialisation repeats.
     let again =
         init::<BertForSequenceClassification>(&config, DType::F32, &Device::Cpu, 11).unwrap();
-    assert_eq!(as_vec(&again.model.forward(&inputs, false).unwrap()), eval1);
+    assert_eq!(
+        as_vec(&again.model.forward(&inputs, Mode::Eval).unwrap()),
+        eval1
+    );
 }
