@@ -1,18 +1,20 @@
 //! # bertkit-records: the records stage
 //!
-//! Turns shards of formatted text into BERT pre-training data. Written so far:
+//! Turns shards of formatted text into BERT pre-training data:
 //! - [`tokenizer`]: WordPiece tokenization identical to Google's `FullTokenizer`;
 //! - [`vocab`]: training a WordPiece vocabulary on a domain corpus;
-//! - [`pyrandom`] and [`instances`]: masked-LM / next-sentence instances exactly as Google's
-//!   `create_pretraining_data.py` makes them (same instances, same order, same random draws).
-//!
-//! Still to come (issue 4 is open): the fast parallel default mode, the Parquet output and the
-//! `bertkit records` command.
+//! - [`pyrandom`], [`draws`] and [`instances`]: masked-LM / next-sentence instances exactly as
+//!   Google's `create_pretraining_data.py` makes them (same instances, same order, same random
+//!   draws), or the same algorithm in parallel over documents;
+//! - [`parquet_file`] and [`run`]: the Parquet output and the stage's file and folder modes;
+//! - [`reader`]: memory-mapped reading of the Parquet files, a row group at a time (the
+//!   trainer's input).
 
 pub mod draws;
 pub mod instances;
 pub mod parquet_file;
 pub mod pyrandom;
+pub mod reader;
 pub mod run;
 pub mod tokenizer;
 pub mod vocab;
