@@ -624,8 +624,22 @@ pub fn load<M: BertArchitecture>(
     device: &Device,
     seed: u64,
 ) -> Result<Loaded<M>, ModelError> {
+    load_with(dir, dtype, device, seed, &|_| {})
+}
+
+/// As [`load`], with the directory's config adjusted first (for example the dropout
+/// probabilities of a training run).
+pub fn load_with<M: BertArchitecture>(
+    dir: &std::path::Path,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+    adjust: &dyn Fn(&mut BertConfig),
+) -> Result<Loaded<M>, ModelError> {
     let (config_path, weights) = model_files(dir);
-    let config = BertConfig::load(&config_path)?;
+    let mut config = BertConfig::load(&config_path)?;
+    adjust(&mut config);
+    config.validate().map_err(ModelError::Config)?;
     if !weights.is_file() {
         return Err(ModelError::Weights(format!(
             "{}: not found (a model directory holds config.json and model.safetensors)",

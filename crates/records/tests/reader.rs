@@ -10,7 +10,7 @@ fn instance(i: usize) -> TrainingInstance {
     TrainingInstance {
         input_ids: (0..n).map(|j| (i * 7 + j) as u32 % 30522).collect(),
         segment_ids: (0..n).map(|j| u8::from(j > n / 2)).collect(),
-        is_random_next: i % 3 == 0,
+        is_random_next: i.is_multiple_of(3),
         masked_lm_positions: vec![1, 3 + i % 2],
         masked_lm_ids: vec![i as u32, 2 * i as u32],
     }

@@ -1,0 +1,239 @@
+//! The pre-training run config (TOML): model, data, optimiser, schedule and run settings.
+//!
+//! ```toml
+//! output = "runs/phase1"              # run folder: metrics.jsonl, checkpoints/step-N/
+//! [model]
+//! preset = "large"                    # base | large | tiny, or config = "path/config.json"
+//! init = ""                           # a model folder or an earlier run to start from
+//! [data]
+//! records = "out/data/records/phase1" # .parquet files or folders
+//! micro_batch = 32                    # sequences per forward/backward
+//! max_predictions = 20
+//! pad_multiple = 8
+//! seed = 12345
+//! [optimizer]
+//! rule = "lamb"                       # lamb | adamw; beta1, beta2, eps, weight_decay, max_grad_norm
+//! [schedule]
+//! lr = 6e-3
+//! warmup = 0.2843
+//! total_steps = 7038
+//! decay = "poly"                      # poly | linear; power = 0.5
+//! [train]
+//! global_batch = 65536                # = micro_batch × accumulation × ranks
+//! precision = "bf16"                  # f32 | bf16 | fp16
+//! device = "cuda"                     # cpu | cuda | cuda:N
+//! checkpoint_every = 200
+//! keep_checkpoints = 3
+//! seed = 42
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use bertkit_model::BertConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::TrainError;
+use crate::optim::OptimizerConfig;
+use crate::schedule::Schedule;
+
+/// `[model]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelSection {
+    /// `base`, `large` or `tiny` (with the bert-base-uncased vocabulary size unless
+    /// `vocab_size` is given).
+    pub preset: Option<String>,
+    /// A transformers config.json instead of a preset.
+    pub config: Option<PathBuf>,
+    /// Vocabulary size for a preset.
+    pub vocab_size: Option<usize>,
+    /// A model folder (config.json + model.safetensors) or an earlier run folder (its newest
+    /// checkpoint) whose weights start this run; its schedule and optimiser state are not used.
+    #[serde(default)]
+    pub init: Option<PathBuf>,
+    /// Dropout probabilities override (0 for exact-equality tests).
+    pub dropout: Option<f64>,
+}
+
+/// `[data]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DataSection {
+    /// Records files or folders.
+    pub records: Vec<PathBuf>,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Masked-LM slots per sequence.
+    pub max_predictions: usize,
+    /// Pad lengths to a multiple of this.
+    #[serde(default = "default_pad")]
+    pub pad_multiple: usize,
+    /// Shuffle seed.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_pad() -> usize {
+    8
+}
+
+/// `[train]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainSection {
+    /// Sequences per optimiser step over all ranks.
+    pub global_batch: usize,
+    /// `f32`, `bf16`, `fp16` (or `f64` for tests).
+    #[serde(default = "default_precision")]
+    pub precision: String,
+    /// `cpu`, `cuda`, `cuda:N`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Save a checkpoint every this many steps (and at the end).
+    #[serde(default = "default_checkpoint_every")]
+    pub checkpoint_every: u64,
+    /// Checkpoints kept (older ones are deleted).
+    #[serde(default = "default_keep")]
+    pub keep_checkpoints: usize,
+    /// Seed of initialisation and dropout.
+    #[serde(default)]
+    pub seed: u64,
+    /// fp16: stop after this many skipped (overflowing) steps in a row.
+    #[serde(default = "default_max_skipped")]
+    pub max_skipped_steps: u64,
+    /// Peak dense TFLOP/s of the device, to report model FLOP utilisation.
+    pub peak_tflops: Option<f64>,
+}
+
+fn default_precision() -> String {
+    "f32".into()
+}
+fn default_device() -> String {
+    "cpu".into()
+}
+fn default_checkpoint_every() -> u64 {
+    1000
+}
+fn default_keep() -> usize {
+    3
+}
+fn default_max_skipped() -> u64 {
+    50
+}
+
+/// A whole pre-training config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PretrainConfig {
+    /// Run folder.
+    pub output: PathBuf,
+    /// The model.
+    pub model: ModelSection,
+    /// The data.
+    pub data: DataSection,
+    /// The optimiser.
+    pub optimizer: OptimizerConfig,
+    /// The learning-rate schedule.
+    pub schedule: Schedule,
+    /// Run settings.
+    pub train: TrainSection,
+}
+
+impl PretrainConfig {
+    /// Reads and checks a config file; relative paths in it are taken from the current folder.
+    pub fn load(path: &Path) -> Result<Self, TrainError> {
+        let text = std::fs::read_to_string(path).map_err(crate::io_err(path))?;
+        let config: PretrainConfig = toml::from_str(&text)
+            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        config
+            .validate(1)
+            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        Ok(config)
+    }
+
+    /// Checks values (for `world_size` ranks).
+    pub fn validate(&self, world_size: usize) -> Result<(), TrainError> {
+        self.optimizer.validate()?;
+        self.schedule.validate()?;
+        self.accumulation(world_size)?;
+        if !matches!(
+            self.train.precision.as_str(),
+            "f32" | "bf16" | "fp16" | "f64"
+        ) {
+            return Err(TrainError::Config(format!(
+                "[train] precision {:?}: expected f32, bf16 or fp16",
+                self.train.precision
+            )));
+        }
+        if self.train.checkpoint_every == 0 || self.train.keep_checkpoints == 0 {
+            return Err(TrainError::Config(
+                "[train] checkpoint_every and keep_checkpoints must be at least 1".into(),
+            ));
+        }
+        if self.data.max_predictions == 0 || self.data.records.is_empty() {
+            return Err(TrainError::Config(
+                "[data] needs records and max_predictions of at least 1".into(),
+            ));
+        }
+        if let Some(p) = self.model.dropout
+            && !(0.0..1.0).contains(&p)
+        {
+            return Err(TrainError::Config(format!(
+                "[model] dropout {p} is not in [0, 1)"
+            )));
+        }
+        self.bert_config()?;
+        Ok(())
+    }
+
+    /// Micro-batches per optimiser step: `global_batch / (micro_batch × world_size)`, which must
+    /// divide exactly.
+    pub fn accumulation(&self, world_size: usize) -> Result<usize, TrainError> {
+        let per_step = self.data.micro_batch * world_size;
+        if self.data.micro_batch == 0 || self.train.global_batch == 0 {
+            return Err(TrainError::Config(
+                "[data] micro_batch and [train] global_batch must be at least 1".into(),
+            ));
+        }
+        if !self.train.global_batch.is_multiple_of(per_step) {
+            return Err(TrainError::Config(format!(
+                "[train] global_batch {} is not a multiple of micro_batch {} × {world_size} rank(s)",
+                self.train.global_batch, self.data.micro_batch
+            )));
+        }
+        Ok(self.train.global_batch / per_step)
+    }
+
+    /// The model's config (from the preset or file, with the dropout override).
+    pub fn bert_config(&self) -> Result<BertConfig, TrainError> {
+        let mut config = match (&self.model.preset, &self.model.config) {
+            (Some(p), None) => {
+                let mut c = match p.as_str() {
+                    "base" => BertConfig::base(),
+                    "large" => BertConfig::large(),
+                    "tiny" => {
+                        let mut c = BertConfig::tiny(30522);
+                        c.max_position_embeddings = 512;
+                        c
+                    }
+                    other => {
+                        return Err(TrainError::Config(format!(
+                            "[model] preset {other:?}: expected base, large or tiny"
+                        )));
+                    }
+                };
+                if let Some(v) = self.model.vocab_size {
+                    c.vocab_size = v;
+                }
+                c
+            }
+            (None, Some(path)) => BertConfig::load(path)?,
+            _ => {
+                return Err(TrainError::Config(
+                    "[model] needs exactly one of preset and config".into(),
+                ));
+            }
+        };
+        if let Some(p) = self.model.dropout {
+            config.hidden_dropout_prob = p;
+            config.attention_probs_dropout_prob = p;
+        }
+        Ok(config)
+    }
+}

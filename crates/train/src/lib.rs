@@ -1,0 +1,60 @@
+//! # bertkit-train: BERT pre-training
+//!
+//! The train stage: pre-trains a [`bertkit_model::BertForPreTraining`] on the records stage's
+//! Parquet files, NVIDIA's two-phase LAMB recipe made practical on any device size.
+//!
+//! - [`data`]: memory-mapped Parquet reading, seeded shuffling across files and row groups,
+//!   partitioning by rank, padding, a background prefetch thread and a data cursor.
+//! - [`optim`]: LAMB and AdamW with f32 master weights, gradient clipping, decoupled weight decay.
+//! - [`schedule`]: warmup + polynomial (NVIDIA's PolyWarmUp) or linear decay.
+//! - [`scaler`]: dynamic loss scaling for fp16.
+//! - [`config`]: the run config (`pipelines/pretrain-phase1.toml`, …).
+//! - [`trainer`]: the loop — gradient accumulation, mixed precision, metrics, atomic
+//!   checkpoints and exact resume.
+
+pub mod config;
+pub mod data;
+pub mod optim;
+pub mod scaler;
+pub mod schedule;
+pub mod trainer;
+
+use std::path::PathBuf;
+
+/// Why training stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A config value that cannot work.
+    #[error("config: {0}")]
+    Config(String),
+    /// Unreadable or unsuitable training data.
+    #[error("data: {0}")]
+    Data(String),
+    /// A checkpoint that cannot be written or resumed from.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// The loss or gradients stopped being finite.
+    #[error("diverged: {0}")]
+    Diverged(String),
+    /// The model refused.
+    #[error(transparent)]
+    Model(#[from] bertkit_model::ModelError),
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
+
+pub(crate) fn io_err(path: &std::path::Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.into(),
+        source,
+    }
+}

@@ -1,0 +1,605 @@
+//! The pre-training loop.
+//!
+//! Each optimiser step takes `accumulation` micro-batches. Their losses are normalised by the
+//! whole step's counts (masked-LM terms by the step's masked tokens, next-sentence terms by its
+//! sequences), so the accumulated gradient equals the gradient of one batch of
+//! `micro_batch × accumulation` sequences. Gradients accumulate in the optimiser's master dtype
+//! (f32). In fp16 the loss is scaled before backward and the gradients unscaled; a step with
+//! non-finite gradients is skipped (see [`crate::scaler`]).
+//!
+//! The run folder holds `metrics.jsonl` (one object per optimiser step) and
+//! `checkpoints/step-N/`: `config.json` + `model.safetensors` (the f32 master weights in the
+//! transformers layout, loadable by the model crate and transformers), `optimizer.safetensors`
+//! (moments) and `state.json` (step, data cursor, dropout position, loss scaler). A checkpoint
+//! is written into a hidden folder and renamed into place; the newest `keep_checkpoints` are
+//! kept. Resuming loads the newest and continues with the next unseen batch and the same
+//! dropout masks, so a resumed run reproduces an uninterrupted one exactly on the CPU.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bertkit_model::bert::{BertForPreTraining, Loaded, init, load_with};
+use bertkit_model::{DropoutSource, Inputs, Mode, loss};
+use bertkit_stage_io::Ranks;
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::config::PretrainConfig;
+use crate::data::{Batch, Cursor, DataOptions, Dataset};
+use crate::optim::Optimizer;
+use crate::scaler::LossScaler;
+use crate::{TrainError, io_err};
+
+/// One optimiser step's figures (a line of `metrics.jsonl`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// Optimiser step, from 1.
+    pub step: u64,
+    /// `mlm_loss + nsp_loss`.
+    pub loss: f64,
+    /// Masked-LM cross-entropy per masked token.
+    pub mlm_loss: f64,
+    /// Next-sentence cross-entropy per sequence.
+    pub nsp_loss: f64,
+    /// Share of masked tokens predicted right.
+    pub mlm_accuracy: f64,
+    /// Share of next-sentence labels predicted right.
+    pub nsp_accuracy: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Loss scale (1 unless fp16).
+    pub loss_scale: f64,
+    /// Whether the step was skipped (fp16 overflow).
+    pub skipped: bool,
+    /// Sequences per second.
+    pub seq_per_s: f64,
+    /// Real (unpadded) tokens per second.
+    pub tokens_per_s: f64,
+    /// Model TFLOP/s achieved (6 × parameters × padded tokens, plus attention).
+    pub tflops: f64,
+    /// Model FLOP utilisation, when the device's peak is configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
+}
+
+/// Where a run stands, saved in `state.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// Optimiser steps done.
+    pub step: u64,
+    /// The next batch.
+    pub cursor: Cursor,
+    /// Dropout masks drawn.
+    pub dropout_position: u64,
+    /// fp16 loss scaler.
+    pub scaler: Option<LossScaler>,
+    /// The config the run was started with.
+    pub config: PretrainConfig,
+}
+
+/// Overrides from the command line.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Stop after this many optimiser steps (the schedule still spans `total_steps`).
+    pub max_steps: Option<u64>,
+    /// Continue from the newest checkpoint.
+    pub resume: bool,
+    /// This process's share of the data.
+    pub ranks: Ranks,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    /// Step the run started from (0, or the resumed checkpoint's).
+    pub started_at: u64,
+    /// Step it ended at.
+    pub step: u64,
+    /// Metrics of the steps run.
+    pub metrics: Vec<StepMetrics>,
+    /// The last checkpoint written.
+    pub checkpoint: Option<PathBuf>,
+}
+
+fn device(name: &str) -> Result<Device, TrainError> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
+            let index = cuda
+                .strip_prefix("cuda:")
+                .map(|i| {
+                    i.parse::<usize>()
+                        .map_err(|_| TrainError::Config(format!("device {cuda:?}")))
+                })
+                .transpose()?
+                .unwrap_or(0);
+            Device::new_cuda(index).map_err(|e| {
+                TrainError::Config(format!("device {cuda}: {e} (a CUDA build is needed)"))
+            })
+        }
+        other => Err(TrainError::Config(format!(
+            "[train] device {other:?}: expected cpu, cuda or cuda:N"
+        ))),
+    }
+}
+
+fn compute_dtype(precision: &str) -> DType {
+    match precision {
+        "bf16" => DType::BF16,
+        "fp16" => DType::F16,
+        "f64" => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// The checkpoints of a run folder, oldest first: (step, folder).
+pub fn checkpoints(run: &Path) -> Vec<(u64, PathBuf)> {
+    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(run.join("checkpoints"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let step = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse::<u64>()
+                .ok()?;
+            e.path()
+                .join("state.json")
+                .is_file()
+                .then(|| (step, e.path()))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// The model folder `init` names: itself, or an earlier run's newest checkpoint.
+fn init_dir(init: &Path) -> Result<PathBuf, TrainError> {
+    if init.join("model.safetensors").is_file() {
+        return Ok(init.to_path_buf());
+    }
+    checkpoints(init).pop().map(|(_, p)| p).ok_or_else(|| {
+        TrainError::Config(format!(
+            "[model] init {}: neither a model folder (config.json + model.safetensors) nor a run with checkpoints",
+            init.display()
+        ))
+    })
+}
+
+/// Host batch → device tensors.
+struct DeviceBatch {
+    inputs: Inputs,
+    positions: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    nsp: Tensor,
+}
+
+fn to_device(
+    b: &Batch,
+    config: &bertkit_model::BertConfig,
+    device: &Device,
+) -> Result<DeviceBatch, TrainError> {
+    let shape = (b.size, b.seq_len);
+    let slots = (b.size, b.predictions);
+    let ids = Tensor::from_slice(&b.input_ids, shape, device)?;
+    let segments = Tensor::from_slice(&b.segment_ids, shape, device)?;
+    let mask = Tensor::from_slice(&b.attention_mask, shape, device)?;
+    Ok(DeviceBatch {
+        inputs: Inputs::new(config, &ids, Some(&segments), Some(&mask))?,
+        positions: Tensor::from_slice(&b.masked_positions, slots, device)?,
+        labels: Tensor::from_slice(&b.masked_ids, slots, device)?,
+        weights: Tensor::from_slice(&b.masked_weights, slots, device)?,
+        nsp: Tensor::from_slice(&b.nsp_labels, b.size, device)?,
+    })
+}
+
+/// Sums of a micro-batch's losses and hits (not yet normalised).
+#[derive(Default)]
+struct Sums {
+    mlm: f64,
+    nsp: f64,
+    mlm_hits: f64,
+    nsp_hits: f64,
+}
+
+/// A pre-training run.
+pub struct Trainer {
+    config: PretrainConfig,
+    options: RunOptions,
+    model: Loaded<BertForPreTraining>,
+    optimizer: Optimizer,
+    dataset: Arc<Dataset>,
+    device: Device,
+    dropout: DropoutSource,
+    scaler: Option<LossScaler>,
+    accumulation: usize,
+    state: RunState,
+    flops_per_token: f64,
+}
+
+impl Trainer {
+    /// Sets a run up: the model (fresh, from `[model] init`, or from the newest checkpoint
+    /// when resuming), the data and the optimiser.
+    pub fn new(config: PretrainConfig, options: RunOptions) -> Result<Self, TrainError> {
+        config.validate(options.ranks.world_size)?;
+        let accumulation = config.accumulation(options.ranks.world_size)?;
+        let device = device(&config.train.device)?;
+        let dtype = compute_dtype(&config.train.precision);
+        let bert_config = config.bert_config()?;
+        let resume_from = if options.resume {
+            checkpoints(&config.output).pop()
+        } else {
+            None
+        };
+        // The run's dropout setting applies to loaded models too.
+        let dropout_override = config.model.dropout;
+        let adjust = move |c: &mut bertkit_model::BertConfig| {
+            if let Some(p) = dropout_override {
+                c.hidden_dropout_prob = p;
+                c.attention_probs_dropout_prob = p;
+            }
+        };
+        let model = match (&resume_from, &config.model.init) {
+            (Some((_, dir)), _) => {
+                load_with::<BertForPreTraining>(dir, dtype, &device, config.train.seed, &adjust)?
+            }
+            (None, Some(init_path)) => {
+                let dir = init_dir(init_path)?;
+                load_with::<BertForPreTraining>(&dir, dtype, &device, config.train.seed, &adjust)?
+            }
+            (None, None) => {
+                init::<BertForPreTraining>(&bert_config, dtype, &device, config.train.seed)?
+            }
+        };
+        let mut optimizer = Optimizer::new(config.optimizer.clone(), model.params.vars())?;
+        let dataset = Arc::new(Dataset::open(
+            &config.data.records,
+            DataOptions {
+                micro_batch: config.data.micro_batch,
+                pad_multiple: config.data.pad_multiple,
+                max_predictions: config.data.max_predictions,
+                seed: config.data.seed,
+                ranks: options.ranks,
+                prefetch: 4,
+            },
+        )?);
+        let dropout =
+            DropoutSource::new(config.train.seed ^ 0xD50F_0000 ^ options.ranks.rank as u64);
+        let mut scaler =
+            (dtype == DType::F16).then(|| LossScaler::new(config.train.max_skipped_steps));
+        let mut state = RunState {
+            step: 0,
+            cursor: Cursor::default(),
+            dropout_position: 0,
+            scaler: scaler.clone(),
+            config: config.clone(),
+        };
+        if let Some((step, dir)) = &resume_from {
+            let saved: RunState = serde_json::from_str(
+                &std::fs::read_to_string(dir.join("state.json"))
+                    .map_err(io_err(&dir.join("state.json")))?,
+            )
+            .map_err(|e| {
+                TrainError::Checkpoint(format!("{}: {e}", dir.join("state.json").display()))
+            })?;
+            let moments =
+                candle_core::safetensors::load(dir.join("optimizer.safetensors"), &device)
+                    .map_err(|e| {
+                        TrainError::Checkpoint(format!(
+                            "{}: {e}",
+                            dir.join("optimizer.safetensors").display()
+                        ))
+                    })?;
+            let masters: HashMap<String, Tensor> =
+                candle_core::safetensors::load(dir.join("model.safetensors"), &device)?
+                    .into_iter()
+                    .filter_map(|(k, v)| bertkit_model::params::canonical_name(&k).map(|k| (k, v)))
+                    .collect();
+            optimizer.restore(&moments, &masters, *step)?;
+            dropout.set_position(saved.dropout_position);
+            scaler = saved.scaler.clone();
+            state = RunState {
+                config: config.clone(),
+                ..saved
+            };
+        }
+        let params = model.params.count() as f64;
+        let c = &model.config;
+        // 6 FLOPs per parameter per token (forward + backward) plus attention's two matmuls.
+        let flops_per_token =
+            6.0 * params + 12.0 * c.num_hidden_layers as f64 * c.hidden_size as f64;
+        Ok(Trainer {
+            config,
+            options,
+            model,
+            optimizer,
+            dataset,
+            device,
+            dropout,
+            scaler,
+            accumulation,
+            state,
+            flops_per_token,
+        })
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Loaded<BertForPreTraining> {
+        &self.model
+    }
+
+    /// Micro-batches per optimiser step.
+    pub fn accumulation(&self) -> usize {
+        self.accumulation
+    }
+
+    /// The step the run is at.
+    pub fn step(&self) -> u64 {
+        self.state.step
+    }
+
+    /// Gradients of one optimiser step's batches, normalised as one batch, plus the loss sums.
+    fn gradients(
+        &self,
+        batches: &[Batch],
+        loss_scale: f64,
+    ) -> Result<(BTreeMap<String, Tensor>, Sums), TrainError> {
+        let masked: f64 = batches
+            .iter()
+            .map(|b| b.masked_weights.iter().map(|&w| f64::from(w)).sum::<f64>())
+            .sum();
+        let sequences: f64 = batches.iter().map(|b| b.size as f64).sum();
+        let master = self.optimizer.master_dtype();
+        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut sums = Sums::default();
+        for b in batches {
+            let d = to_device(b, &self.model.config, &self.device)?;
+            let out =
+                self.model
+                    .model
+                    .forward(&d.inputs, &d.positions, Mode::Train(&self.dropout))?;
+            let (bs, p, v) = out.mlm_logits.dims3()?;
+            let logits = out.mlm_logits.reshape((bs * p, v))?;
+            let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
+            let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
+            let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
+            let nsp_nll = loss::nll_per_row(&out.nsp_logits, &d.nsp)?;
+            let nsp_sum = nsp_nll.sum_all()?;
+            let objective =
+                ((mlm_sum.clone() / masked.max(1e-5))? + (nsp_sum.clone() / sequences)?)?;
+            let objective = if loss_scale != 1.0 {
+                (objective * loss_scale)?
+            } else {
+                objective
+            };
+            let g = objective.backward()?;
+            for (name, var) in self.model.params.vars() {
+                if let Some(t) = g.get(var.as_tensor()) {
+                    let t = t.to_dtype(master)?;
+                    let t = if loss_scale != 1.0 {
+                        (t / loss_scale)?
+                    } else {
+                        t
+                    };
+                    let entry = grads.remove(name);
+                    grads.insert(
+                        name.clone(),
+                        match entry {
+                            Some(acc) => (acc + t)?,
+                            None => t,
+                        },
+                    );
+                }
+            }
+            sums.mlm += mlm_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            sums.nsp += nsp_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let predicted = out
+                .mlm_logits
+                .argmax(2)?
+                .flatten_all()?
+                .to_dtype(DType::U32)?;
+            let right = predicted
+                .eq(&d.labels.flatten_all()?)?
+                .to_dtype(DType::F32)?;
+            sums.mlm_hits += f64::from(
+                (right * d.weights.flatten_all()?)?
+                    .sum_all()?
+                    .to_scalar::<f32>()?,
+            );
+            let nsp_pred = out.nsp_logits.argmax(1)?.to_dtype(DType::U32)?;
+            sums.nsp_hits += f64::from(
+                nsp_pred
+                    .eq(&d.nsp)?
+                    .to_dtype(DType::F32)?
+                    .sum_all()?
+                    .to_scalar::<f32>()?,
+            );
+        }
+        sums.mlm /= masked.max(1e-5);
+        sums.nsp /= sequences;
+        sums.mlm_hits /= masked.max(1e-5);
+        sums.nsp_hits /= sequences;
+        Ok((grads, sums))
+    }
+
+    /// Gradients of one step's worth of `batches` at the current weights (no update): for tests
+    /// of accumulation equivalence.
+    pub fn step_gradients(
+        &self,
+        batches: &[Batch],
+    ) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        Ok(self.gradients(batches, 1.0)?.0)
+    }
+
+    /// Applies one optimiser step on `batches` (normally `accumulation` micro-batches).
+    pub fn train_step(&mut self, batches: &[Batch]) -> Result<StepMetrics, TrainError> {
+        let started = Instant::now();
+        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let (grads, sums) = self.gradients(batches, scale)?;
+        let lr = self.config.schedule.lr_at(self.state.step);
+        let grad_norm = Optimizer::global_norm(&grads)?;
+        let apply = match &mut self.scaler {
+            Some(s) => s.update(grad_norm.is_finite(), self.state.step + 1)?,
+            None => {
+                if !grad_norm.is_finite() || !(sums.mlm + sums.nsp).is_finite() {
+                    return Err(TrainError::Diverged(format!(
+                        "step {}: loss {} and gradient norm {grad_norm} are not finite",
+                        self.state.step + 1,
+                        sums.mlm + sums.nsp
+                    )));
+                }
+                true
+            }
+        };
+        if apply {
+            self.optimizer.step(&grads, lr)?;
+        }
+        self.state.step += 1;
+        self.state.dropout_position = self.dropout.position();
+        self.state.scaler = self.scaler.clone();
+        if let Some(last) = batches.last() {
+            self.state.cursor = last.next;
+        }
+        let seconds = started.elapsed().as_secs_f64().max(1e-9);
+        let sequences: usize = batches.iter().map(|b| b.size).sum();
+        let tokens: usize = batches.iter().map(|b| b.tokens).sum();
+        let padded: usize = batches.iter().map(|b| b.size * b.seq_len).sum();
+        let tflops = self.flops_per_token * padded as f64 / seconds / 1e12;
+        Ok(StepMetrics {
+            step: self.state.step,
+            loss: sums.mlm + sums.nsp,
+            mlm_loss: sums.mlm,
+            nsp_loss: sums.nsp,
+            mlm_accuracy: sums.mlm_hits,
+            nsp_accuracy: sums.nsp_hits,
+            lr,
+            grad_norm,
+            loss_scale: scale,
+            skipped: !apply,
+            seq_per_s: sequences as f64 / seconds,
+            tokens_per_s: tokens as f64 / seconds,
+            tflops,
+            mfu: self.config.train.peak_tflops.map(|p| tflops / p),
+        })
+    }
+
+    /// Writes `checkpoints/step-N/` atomically and deletes all but the newest
+    /// `keep_checkpoints`. Returns its folder.
+    pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        let root = self.config.output.join("checkpoints");
+        let name = format!("step-{}", self.state.step);
+        let dir = root.join(&name);
+        let partial = root.join(format!(".{name}.partial"));
+        if partial.exists() {
+            std::fs::remove_dir_all(&partial).map_err(io_err(&partial))?;
+        }
+        std::fs::create_dir_all(&partial).map_err(io_err(&partial))?;
+        let masters = self.optimizer.master_tensors()?;
+        let weights: HashMap<String, Tensor> = masters
+            .iter()
+            .map(|(k, v)| (bertkit_model::params::hf_name(k, true), v.clone()))
+            .collect();
+        let save = |tensors: &HashMap<String, Tensor>, file: &str| -> Result<(), TrainError> {
+            candle_core::safetensors::save(tensors, partial.join(file)).map_err(|e| {
+                TrainError::Checkpoint(format!("{}: {e}", partial.join(file).display()))
+            })
+        };
+        save(&weights, "model.safetensors")?;
+        save(&self.optimizer.moment_tensors()?, "optimizer.safetensors")?;
+        let config_json = self
+            .model
+            .config
+            .to_hf_json("BertForPreTraining", &[("torch_dtype", "float32".into())]);
+        std::fs::write(partial.join("config.json"), config_json).map_err(io_err(&partial))?;
+        let state = serde_json::to_string_pretty(&self.state).expect("state serialises");
+        std::fs::write(partial.join("state.json"), state).map_err(io_err(&partial))?;
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
+        }
+        std::fs::rename(&partial, &dir).map_err(io_err(&dir))?;
+        let all = checkpoints(&self.config.output);
+        let excess = all.len().saturating_sub(self.config.train.keep_checkpoints);
+        for (_, old) in all.into_iter().take(excess) {
+            std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+        }
+        Ok(dir)
+    }
+
+    /// Runs to `total_steps` (or `max_steps`), appending to `metrics.jsonl` and calling
+    /// `progress` after each step; checkpoints every `checkpoint_every` steps and at the end.
+    pub fn run(
+        &mut self,
+        progress: &mut dyn FnMut(&StepMetrics),
+    ) -> Result<RunSummary, TrainError> {
+        let last = self
+            .options
+            .max_steps
+            .unwrap_or(self.config.schedule.total_steps)
+            .min(self.config.schedule.total_steps);
+        std::fs::create_dir_all(&self.config.output).map_err(io_err(&self.config.output))?;
+        let metrics_path = self.config.output.join("metrics.jsonl");
+        let started_at = self.state.step;
+        // Lines past the step resumed from were written by a run that did not checkpoint them.
+        let kept: Vec<String> = std::fs::read_to_string(&metrics_path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s <= started_at)
+            })
+            .map(str::to_string)
+            .collect();
+        let mut text = kept.join("\n");
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        bertkit_stage_io::write_atomically(&metrics_path, text.as_bytes())
+            .map_err(io_err(&metrics_path))?;
+        let mut metrics_file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&metrics_path)
+            .map_err(io_err(&metrics_path))?;
+        let mut stream = self.dataset.stream(self.state.cursor);
+        let mut metrics = Vec::new();
+        let mut checkpoint = None;
+        while self.state.step < last {
+            let batches = (0..self.accumulation)
+                .map(|_| stream.next_batch())
+                .collect::<Result<Vec<_>, _>>()?;
+            let m = self.train_step(&batches)?;
+            let line = serde_json::to_string(&m).expect("metrics serialise");
+            writeln!(metrics_file, "{line}").map_err(io_err(&metrics_path))?;
+            progress(&m);
+            metrics.push(m);
+            if self
+                .state
+                .step
+                .is_multiple_of(self.config.train.checkpoint_every)
+                || self.state.step == last
+            {
+                checkpoint = Some(self.save_checkpoint()?);
+            }
+        }
+        Ok(RunSummary {
+            started_at,
+            step: self.state.step,
+            metrics,
+            checkpoint,
+        })
+    }
+
+    /// The data set.
+    pub fn dataset(&self) -> &Arc<Dataset> {
+        &self.dataset
+    }
+}

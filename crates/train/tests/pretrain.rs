@@ -1,0 +1,307 @@
+//! Pre-training a tiny BERT on records made from a real book (Gutenberg, shared data): the loss
+//! falls, accumulated micro-batches equal one large batch, a resumed run equals an
+//! uninterrupted one, and bad configs are refused with clear messages.
+
+use std::path::{Path, PathBuf};
+
+use bertkit_records::instances::InstanceOptions;
+use bertkit_records::reader::Record;
+use bertkit_records::run::{Compat, RecordsOptions, records_to_file};
+use bertkit_shared_data::require;
+use bertkit_train::config::{DataSection, ModelSection, PretrainConfig, TrainSection};
+use bertkit_train::data::{Batch, Cursor};
+use bertkit_train::optim::OptimizerConfig;
+use bertkit_train::schedule::{Decay, Schedule};
+use bertkit_train::trainer::{RunOptions, Trainer, checkpoints};
+
+/// Records (sequence length 64, 10 predictions) from the first 1500 lines of Emma.
+fn records(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(require("gutenberg/austen-emma.txt")).unwrap();
+    let cut: String = text.lines().take(1500).map(|l| format!("{l}\n")).collect();
+    let input = dir.join("emma.txt");
+    std::fs::write(&input, cut).unwrap();
+    let out = dir.join("emma.parquet");
+    let options = RecordsOptions {
+        instances: InstanceOptions {
+            max_seq_length: 64,
+            max_predictions_per_seq: 10,
+            dupe_factor: 2,
+            ..InstanceOptions::phase1()
+        },
+        lower_case: true,
+        compat: Compat::None,
+    };
+    let summary =
+        records_to_file(&[input], &require("minilm/vocab.txt"), &out, None, &options).unwrap();
+    assert!(summary.instances > 300, "{}", summary.instances);
+    out
+}
+
+fn config(records: &Path, output: &Path) -> PretrainConfig {
+    PretrainConfig {
+        output: output.to_path_buf(),
+        model: ModelSection {
+            preset: Some("tiny".into()),
+            config: None,
+            vocab_size: None,
+            init: None,
+            dropout: None,
+        },
+        data: DataSection {
+            records: vec![records.to_path_buf()],
+            micro_batch: 8,
+            max_predictions: 10,
+            pad_multiple: 8,
+            seed: 3,
+        },
+        optimizer: OptimizerConfig::lamb(),
+        schedule: Schedule {
+            lr: 2e-2,
+            warmup: 0.05,
+            total_steps: 160,
+            decay: Decay::Poly,
+            power: 0.5,
+        },
+        train: TrainSection {
+            global_batch: 8,
+            precision: "f32".into(),
+            device: "cpu".into(),
+            checkpoint_every: 1000,
+            keep_checkpoints: 2,
+            seed: 11,
+            max_skipped_steps: 10,
+            peak_tflops: None,
+        },
+    }
+}
+
+#[test]
+fn the_loss_falls_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    let mut trainer = Trainer::new(
+        config(&records, &dir.path().join("run")),
+        RunOptions::default(),
+    )
+    .unwrap();
+    let summary = trainer.run(&mut |_| {}).unwrap();
+    let losses: Vec<f64> = summary.metrics.iter().map(|m| m.loss).collect();
+    assert_eq!(losses.len(), 160);
+    let first: f64 = losses[..5].iter().sum::<f64>() / 5.0;
+    let last: f64 = losses[losses.len() - 20..].iter().sum::<f64>() / 20.0;
+    eprintln!("loss: first 5 steps {first:.3}, last 20 steps {last:.3}");
+    // At initialisation the loss is about ln(30522) + ln(2) = 11.0.
+    assert!((first - 11.0).abs() < 1.0, "{first}");
+    assert!(last < first - 3.0, "first {first}, last {last}");
+    // metrics.jsonl has one line per step with the contract's fields.
+    let text = std::fs::read_to_string(dir.path().join("run/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 160);
+    for key in [
+        "step",
+        "loss",
+        "mlm_loss",
+        "nsp_loss",
+        "lr",
+        "grad_norm",
+        "seq_per_s",
+    ] {
+        assert!(lines[10][key].is_number(), "{key}");
+    }
+    // The final checkpoint is a model folder the model crate loads.
+    let (step, last_dir) = checkpoints(&dir.path().join("run")).pop().unwrap();
+    assert_eq!(step, 160);
+    let loaded = bertkit_model::bert::load::<bertkit_model::BertForPreTraining>(
+        &last_dir,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        0,
+    )
+    .unwrap();
+    assert!(loaded.params.initialised.is_empty());
+}
+
+/// The records of a batch, without padding.
+fn unpad(b: &Batch) -> Vec<Record> {
+    (0..b.size)
+        .map(|i| {
+            let row = i * b.seq_len;
+            let len = b.attention_mask[row..row + b.seq_len]
+                .iter()
+                .filter(|&&m| m == 1)
+                .count();
+            let slots = i * b.predictions;
+            let real = b.masked_weights[slots..slots + b.predictions]
+                .iter()
+                .filter(|&&w| w > 0.0)
+                .count();
+            Record {
+                input_ids: b.input_ids[row..row + len].to_vec(),
+                segment_ids: b.segment_ids[row..row + len]
+                    .iter()
+                    .map(|&s| s as u8)
+                    .collect(),
+                masked_lm_positions: b.masked_positions[slots..slots + real].to_vec(),
+                masked_lm_ids: b.masked_ids[slots..slots + real].to_vec(),
+                next_sentence_label: b.nsp_labels[i] as u8,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn four_micro_batches_of_8_update_like_one_batch_of_32() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    let mut small = config(&records, &dir.path().join("a"));
+    small.train.precision = "f64".into();
+    small.model.dropout = Some(0.0);
+    small.train.global_batch = 32;
+    let mut big = small.clone();
+    big.output = dir.path().join("b");
+    big.data.micro_batch = 32;
+
+    let mut a = Trainer::new(small, RunOptions::default()).unwrap();
+    let mut b = Trainer::new(big, RunOptions::default()).unwrap();
+    assert_eq!((a.accumulation(), b.accumulation()), (4, 1));
+    let mut stream = a.dataset().stream(Cursor::default());
+    let micro: Vec<Batch> = (0..4).map(|_| stream.next_batch().unwrap()).collect();
+    let all: Vec<Record> = micro.iter().flat_map(unpad).collect();
+    let one = Batch::pad(&all, 8, 10, micro[3].next);
+    assert_ne!(
+        one.seq_len * 4,
+        micro.iter().map(|m| m.seq_len).sum::<usize>() + 1
+    );
+
+    let ma = a.train_step(&micro).unwrap();
+    let mb = b.train_step(std::slice::from_ref(&one)).unwrap();
+    assert!(
+        (ma.loss - mb.loss).abs() < 1e-10,
+        "{} vs {}",
+        ma.loss,
+        mb.loss
+    );
+    assert!((ma.grad_norm - mb.grad_norm).abs() < 1e-10 * mb.grad_norm);
+    let (pa, pb) = (&a.model().params, &b.model().params);
+    let mut worst = 0f64;
+    for (name, var) in pa.vars() {
+        let x = var
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let y = pb
+            .get(name)
+            .unwrap()
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        for (x, y) in x.iter().zip(&y) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    assert!(worst < 1e-12, "largest weight difference {worst}");
+}
+
+#[test]
+fn a_resumed_run_equals_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    let mut straight = config(&records, &dir.path().join("straight"));
+    straight.schedule.total_steps = 12;
+    straight.train.checkpoint_every = 6;
+    straight.data.micro_batch = 4;
+    straight.train.global_batch = 8; // two micro-batches per step
+    let mut resumed = straight.clone();
+    resumed.output = dir.path().join("resumed");
+
+    let full = Trainer::new(straight.clone(), RunOptions::default())
+        .unwrap()
+        .run(&mut |_| {})
+        .unwrap();
+
+    // Stop after the checkpoint at step 6, as a killed run would have; a half-written
+    // checkpoint of step 9 is left behind.
+    let first = Trainer::new(
+        resumed.clone(),
+        RunOptions {
+            max_steps: Some(6),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .run(&mut |_| {})
+    .unwrap();
+    assert_eq!(first.step, 6);
+    std::fs::create_dir_all(resumed.output.join("checkpoints/.step-9.partial")).unwrap();
+    let mut metrics = std::fs::read_to_string(resumed.output.join("metrics.jsonl")).unwrap();
+    metrics.push_str("{\"step\": 7, \"loss\": 1.0}\n");
+    std::fs::write(resumed.output.join("metrics.jsonl"), metrics).unwrap();
+
+    let second = Trainer::new(
+        resumed.clone(),
+        RunOptions {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .run(&mut |_| {})
+    .unwrap();
+    assert_eq!(second.started_at, 6);
+    let losses = |m: &[bertkit_train::trainer::StepMetrics]| {
+        m.iter()
+            .map(|m| (m.step, m.loss, m.grad_norm))
+            .collect::<Vec<_>>()
+    };
+    let mut joined = losses(&first.metrics);
+    joined.extend(losses(&second.metrics));
+    assert_eq!(joined, losses(&full.metrics), "losses differ");
+    let a = std::fs::read(full.checkpoint.unwrap().join("model.safetensors")).unwrap();
+    let b = std::fs::read(second.checkpoint.unwrap().join("model.safetensors")).unwrap();
+    assert!(a == b, "final weights differ");
+    // metrics.jsonl: 12 lines, the stray step-7 line of the interrupted run gone.
+    let text = std::fs::read_to_string(resumed.output.join("metrics.jsonl")).unwrap();
+    assert_eq!(text.lines().count(), 12);
+    // Keep the newest two checkpoints.
+    let kept: Vec<u64> = checkpoints(&resumed.output)
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(kept, vec![6, 12]);
+}
+
+#[test]
+fn bad_configs_are_refused_with_clear_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = config(Path::new("records"), dir.path());
+    let check = |edit: &dyn Fn(&mut PretrainConfig), want: &str| {
+        let mut c = base.clone();
+        edit(&mut c);
+        let err = c.validate(1).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+    };
+    check(
+        &|c| c.train.global_batch = 12,
+        "not a multiple of micro_batch 8",
+    );
+    check(&|c| c.train.precision = "fp8".into(), "precision \"fp8\"");
+    check(&|c| c.schedule.warmup = 1.5, "warmup 1.5");
+    check(&|c| c.schedule.lr = -1.0, "lr -1");
+    check(&|c| c.optimizer.beta2 = 1.0, "beta2");
+    check(&|c| c.model.preset = Some("huge".into()), "preset \"huge\"");
+    check(&|c| c.model.dropout = Some(1.0), "dropout 1");
+    let mut c = base.clone();
+    c.data.records = vec![dir.path().join("nothing-here")];
+    let err = Trainer::new(c, RunOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("nothing-here"), "{err}");
+}
