@@ -2,6 +2,7 @@
 #
 #   make demo [MIRROR=../shared/data]   build, then run the pipeline on small real data
 #   make data                           the full pipeline (pipelines/data.toml)
+#   make pretrain-phase1 / -phase2      NVIDIA's BERT-large recipe on the data (resumes if stopped)
 #   make test                           every test (what CI runs)
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
@@ -17,7 +18,8 @@ CARGO ?= cargo
 BERTKIT := target/release/bertkit
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
-.PHONY: all build demo data test lint bench-format bench-shard bench-records clean
+PHONY_TRAIN := pretrain-phase1 pretrain-phase2
+.PHONY: all build demo data test lint $(PHONY_TRAIN) bench-format bench-shard bench-records clean
 
 all: build
 
@@ -27,6 +29,15 @@ build:
 demo: build
 	@echo "== the demo pipeline (pipelines/demo.toml), downloading from MIRROR=$(MIRROR)"
 	$(BERTKIT) pipeline --config pipelines/demo.toml --mirror "$(MIRROR)"
+	@echo "== a tiny BERT pre-trained on the demo records (pipelines/tiny.toml), on the CPU"
+	$(BERTKIT) pretrain --config pipelines/tiny.toml $(if $(wildcard out/demo/tiny-run/checkpoints/step-*),--resume)
+	$(BERTKIT) plot out/demo/tiny-run/metrics.jsonl -o out/demo/tiny-run/loss.svg
+
+pretrain-phase1: build
+	$(BERTKIT) pretrain --config pipelines/pretrain-phase1.toml $(if $(wildcard runs/phase1/checkpoints/step-*),--resume)
+
+pretrain-phase2: build
+	$(BERTKIT) pretrain --config pipelines/pretrain-phase2.toml $(if $(wildcard runs/phase2/checkpoints/step-*),--resume)
 
 data: build
 	@echo "== the full data pipeline (pipelines/data.toml): downloads tens of GB"

@@ -42,6 +42,70 @@ enum Command {
     /// Run a BERT model directory (config.json + model.safetensors) on token ids from a
     /// safetensors file; writes the hidden states and pooler output as transformers names them.
     Forward(ForwardArgs),
+    /// Pre-train BERT on records (LAMB, accumulation, mixed precision, checkpoints, resume).
+    Pretrain(PretrainArgs),
+    /// Draw the curves of a metrics.jsonl (loss, MLM and NSP loss, learning rate) as SVG.
+    Plot(PlotArgs),
+    /// The largest micro-batch that fits a GPU's memory, per sequence length.
+    Plan(PlanArgs),
+}
+
+#[derive(Args)]
+struct PretrainArgs {
+    /// The run config (pipelines/pretrain-phase1.toml, pipelines/tiny.toml, …).
+    #[arg(long)]
+    config: PathBuf,
+    /// Records (.parquet files or folders) instead of the config's.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Run folder instead of the config's.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Stop after this many optimiser steps (the schedule still spans the config's).
+    #[arg(long)]
+    max_steps: Option<u64>,
+    /// Continue from the newest checkpoint of the run folder.
+    #[arg(long)]
+    resume: bool,
+    /// Device instead of the config's: cpu, cuda, cuda:N.
+    #[arg(long)]
+    device: Option<String>,
+    #[command(flatten)]
+    ranks: RankArgs,
+}
+
+#[derive(Args)]
+struct PlotArgs {
+    /// A run's metrics.jsonl.
+    metrics: PathBuf,
+    /// The SVG file to write.
+    #[arg(long, short)]
+    output: PathBuf,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// A transformers config.json, or base / large.
+    #[arg(long)]
+    config: String,
+    /// Sequence lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    seq: Vec<usize>,
+    /// GPU memory, e.g. 12GiB, 16GiB, 80GB.
+    #[arg(long)]
+    gpu_mem: String,
+    /// f32, bf16 or fp16.
+    #[arg(long, default_value = "bf16")]
+    precision: String,
+    /// Activation checkpointing (keep one layer input per layer, recompute the rest).
+    #[arg(long)]
+    checkpointing: bool,
+    /// Global batch per sequence length, comma-separated (NVIDIA's recipe: 65536,32768).
+    #[arg(long, value_delimiter = ',', default_value = "65536,32768")]
+    global_batch: Vec<usize>,
+    /// Masked-LM predictions per sequence length, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "20,80")]
+    predictions: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -599,6 +663,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Download(DownloadCommand::Sources(args)) => download_sources(args)?,
         Command::Pipeline(args) => pipeline(args)?,
         Command::Forward(args) => forward(args)?,
+        Command::Pretrain(args) => pretrain(args)?,
+        Command::Plot(args) => plot(args)?,
+        Command::Plan(args) => plan(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -1080,6 +1147,184 @@ fn forward(args: ForwardArgs) -> Result<(), Box<dyn std::error::Error>> {
         device.location(),
         loaded.config.num_hidden_layers,
         started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn pretrain(args: PretrainArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let mut config = bertkit_train::config::PretrainConfig::load(&args.config)?;
+    if let Some(data) = args.data {
+        config.data.records = vec![data];
+    }
+    if let Some(output) = args.output {
+        config.output = output;
+    }
+    if let Some(device) = args.device {
+        config.train.device = device;
+    }
+    let options = bertkit_train::trainer::RunOptions {
+        max_steps: args.max_steps,
+        resume: args.resume,
+        ranks: args.ranks.ranks()?,
+    };
+    let mut trainer = bertkit_train::trainer::Trainer::new(config.clone(), options)?;
+    let last = args
+        .max_steps
+        .unwrap_or(config.schedule.total_steps)
+        .min(config.schedule.total_steps);
+    let params = trainer.model().params.count();
+    println!(
+        "pretrain {}: {:.1} M parameters, {} sequences in {} file(s), micro-batch {} x {} accumulation = {} per step, steps {}..{} of {}, {} on {}",
+        config.output.display(),
+        params as f64 / 1e6,
+        trainer.dataset().sequences(),
+        trainer.dataset().paths().len(),
+        config.data.micro_batch,
+        trainer.accumulation(),
+        config.train.global_batch,
+        trainer.step(),
+        last,
+        config.schedule.total_steps,
+        config.train.precision,
+        config.train.device
+    );
+    let terminal = std::io::stderr().is_terminal();
+    let bar = indicatif::ProgressBar::new(last);
+    bar.set_position(trainer.step());
+    if terminal {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} ETA {eta} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let started = Instant::now();
+    let mut last_log = Instant::now();
+    let summary = trainer.run(&mut |m| {
+        let line = format!(
+            "step {} loss {:.4} (mlm {:.4}, nsp {:.4}) acc {:.3}/{:.3} lr {:.3e} |g| {:.3} {:.1} seq/s {:.0} tok/s {:.3} TFLOP/s{}{}",
+            m.step,
+            m.loss,
+            m.mlm_loss,
+            m.nsp_loss,
+            m.mlm_accuracy,
+            m.nsp_accuracy,
+            m.lr,
+            m.grad_norm,
+            m.seq_per_s,
+            m.tokens_per_s,
+            m.tflops,
+            m.mfu.map(|u| format!(" MFU {:.1}%", u * 100.0)).unwrap_or_default(),
+            if m.skipped { format!(" skipped (loss scale {})", m.loss_scale) } else { String::new() },
+        );
+        bar.set_position(m.step);
+        if terminal {
+            bar.set_message(format!("loss {:.3}", m.loss));
+        }
+        if !terminal && (last_log.elapsed() >= Duration::from_secs(10) || m.step == last) {
+            eprintln!("{line}");
+            last_log = Instant::now();
+        } else if terminal && m.step % 50 == 0 {
+            bar.println(line);
+        }
+    })?;
+    bar.finish_and_clear();
+    let first = summary.metrics.first();
+    let end = summary.metrics.last();
+    println!(
+        "steps {}..{} in {:.1} s; loss {} -> {}; metrics in {}",
+        summary.started_at,
+        summary.step,
+        started.elapsed().as_secs_f64(),
+        first.map_or("-".into(), |m| format!("{:.4}", m.loss)),
+        end.map_or("-".into(), |m| format!("{:.4}", m.loss)),
+        config.output.join("metrics.jsonl").display()
+    );
+    if let Some(c) = summary.checkpoint {
+        println!("checkpoint: {}", c.display());
+    }
+    Ok(())
+}
+
+fn plot(args: PlotArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let text = std::fs::read_to_string(&args.metrics)
+        .map_err(|e| format!("{}: {e}", args.metrics.display()))?;
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| format!("{}:{}: {e}", args.metrics.display(), i + 1))?;
+        rows.push(v);
+    }
+    let svg = bertkit_train::plot::svg(&rows)?;
+    let partial = bertkit_stage_io::partial_path(&args.output);
+    std::fs::write(&partial, svg)?;
+    std::fs::rename(&partial, &args.output)?;
+    println!("{}: {} steps plotted", args.output.display(), rows.len());
+    Ok(())
+}
+
+fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let config = match args.config.as_str() {
+        "base" => bertkit_model::BertConfig::base(),
+        "large" => bertkit_model::BertConfig::large(),
+        path => bertkit_model::BertConfig::load(std::path::Path::new(path))?,
+    };
+    let memory = bertkit_train::plan::parse_bytes(&args.gpu_mem)?;
+    let precision = bertkit_train::plan::Precision::parse(&args.precision)?;
+    println!(
+        "{} layers, hidden {}, {:.1} M parameters; {} GPU memory, {}, activation checkpointing {}",
+        config.num_hidden_layers,
+        config.hidden_size,
+        bertkit_train::plan::parameters(&config) as f64 / 1e6,
+        args.gpu_mem,
+        args.precision,
+        if args.checkpointing { "on" } else { "off" }
+    );
+    println!(
+        "{:>6} {:>10} {:>12} {:>12} {:>14} {:>14} {:>12}",
+        "seq", "fits", "micro-batch", "state GiB", "act GiB/seq", "global batch", "accumulate"
+    );
+    for (i, &seq) in args.seq.iter().enumerate() {
+        let predictions = *args
+            .predictions
+            .get(i)
+            .or(args.predictions.last())
+            .unwrap_or(&20);
+        let global = *args
+            .global_batch
+            .get(i)
+            .or(args.global_batch.last())
+            .unwrap_or(&256);
+        let p = bertkit_train::plan::plan(
+            &config,
+            seq,
+            predictions,
+            precision,
+            args.checkpointing,
+            memory,
+        );
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        // A power of two divides the recipe's global batches exactly.
+        let micro = if p.micro_batch == 0 {
+            0
+        } else {
+            1usize << p.micro_batch.ilog2()
+        };
+        let accumulate = if micro == 0 {
+            "-".to_string()
+        } else {
+            global.div_ceil(micro).to_string()
+        };
+        println!(
+            "{seq:>6} {:>10} {micro:>12} {:>12.2} {:>14.3} {global:>14} {accumulate:>12}",
+            p.micro_batch,
+            gib(p.state_bytes),
+            gib(p.activation_bytes_per_sequence),
+        );
+    }
+    println!(
+        "(an analytic estimate: weights, gradients, optimiser state, activations, 10% reserve; not yet calibrated on a GPU)"
     );
     Ok(())
 }

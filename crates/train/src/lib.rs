@@ -8,6 +8,8 @@
 //! - [`optim`]: LAMB and AdamW with f32 master weights, gradient clipping, decoupled weight decay.
 //! - [`schedule`]: warmup + polynomial (NVIDIA's PolyWarmUp) or linear decay.
 //! - [`scaler`]: dynamic loss scaling for fp16.
+//! - [`plan`]: the largest micro-batch per sequence length for a device's memory (estimate).
+//! - [`plot`]: training curves from `metrics.jsonl` as SVG.
 //! - [`config`]: the run config (`pipelines/pretrain-phase1.toml`, …).
 //! - [`trainer`]: the loop — gradient accumulation, mixed precision, metrics, atomic
 //!   checkpoints and exact resume.
@@ -15,6 +17,8 @@
 pub mod config;
 pub mod data;
 pub mod optim;
+pub mod plan;
+pub mod plot;
 pub mod scaler;
 pub mod schedule;
 pub mod trainer;

@@ -1,0 +1,169 @@
+//! `bertkit pretrain` as scripts use it: --config, --data, --output, --max-steps, --resume; the
+//! run folder holds metrics.jsonl and checkpoints/step-N/; `bertkit plot` draws the curves and
+//! `bertkit plan` prints a table.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use bertkit_shared_data::{repo_root, require};
+
+fn bertkit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn pretrain_writes_metrics_and_checkpoints_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(require("gutenberg/chesterton-thursday.txt")).unwrap();
+    let input = dir.path().join("book.txt");
+    std::fs::write(
+        &input,
+        text.lines()
+            .take(600)
+            .map(|l| format!("{l}\n"))
+            .collect::<String>(),
+    )
+    .unwrap();
+    let records = dir.path().join("records.parquet");
+    ok(bertkit(&[
+        "records",
+        "--input",
+        p(&input),
+        "--vocab",
+        p(&require("minilm/vocab.txt")),
+        "--output",
+        p(&records),
+        "--dupe-factor",
+        "1",
+    ]));
+    // The shipped tiny config, pointed at these records and a temporary run folder.
+    let config = repo_root().join("pipelines/tiny.toml");
+    let run = dir.path().join("run");
+    let args = |steps: &'static str, resume: bool| {
+        let mut a = vec![
+            "pretrain",
+            "--config",
+            p(&config),
+            "--data",
+            p(&records),
+            "--output",
+            p(&run),
+            "--max-steps",
+            steps,
+        ];
+        if resume {
+            a.push("--resume");
+        }
+        a
+    };
+    let first = ok(bertkit(&args("3", false)));
+    assert!(first.contains("steps 0..3"), "{first}");
+    let second = ok(bertkit(&args("5", true)));
+    assert!(second.contains("steps 3..5"), "{second}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        rows.iter()
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![1, 2, 3, 4, 5]
+    );
+    for key in [
+        "loss",
+        "mlm_loss",
+        "nsp_loss",
+        "lr",
+        "grad_norm",
+        "seq_per_s",
+    ] {
+        assert!(rows[4][key].as_f64().unwrap().is_finite(), "{key}");
+    }
+    for step in [3, 5] {
+        let c = run.join(format!("checkpoints/step-{step}"));
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "state.json",
+        ] {
+            assert!(c.join(f).is_file(), "{}", c.join(f).display());
+        }
+    }
+    let svg = dir.path().join("loss.svg");
+    assert!(
+        ok(bertkit(&[
+            "plot",
+            p(&run.join("metrics.jsonl")),
+            "-o",
+            p(&svg)
+        ]))
+        .contains("5 steps plotted")
+    );
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<polyline"));
+
+    // A config mistake is a clear error, not a panic.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&config)
+            .unwrap()
+            .replace("global_batch = 16", "global_batch = 20"),
+    )
+    .unwrap();
+    let out = bertkit(&["pretrain", "--config", p(&bad)]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("global_batch 20 is not a multiple of micro_batch 16"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn plan_prints_a_table_per_sequence_length() {
+    let out = ok(bertkit(&[
+        "plan",
+        "--config",
+        "large",
+        "--seq",
+        "128,512",
+        "--gpu-mem",
+        "16GiB",
+    ]));
+    assert!(out.contains("336.2 M parameters"), "{out}");
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with("128") || l.trim_start().starts_with("512"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    let micro = |row: &str| {
+        row.split_whitespace()
+            .nth(2)
+            .unwrap()
+            .parse::<usize>()
+            .unwrap()
+    };
+    assert!(
+        micro(rows[0]) > micro(rows[1]) && micro(rows[1]) > 0,
+        "{out}"
+    );
+}

@@ -1,0 +1,175 @@
+//! How large a micro-batch fits: an analytic account of device memory.
+//!
+//! Per parameter (bytes): the compute-dtype weight and gradient, the f32 master weight, the f32
+//! gradient accumulator and the two f32 moments: 24 in f32, 20 in bf16/fp16.
+//! Per sequence of length `s` and per layer, activations kept for backward follow Korthikanti
+//! et al. (2022): `s·h·(34 + 5·a·s/h)` bytes in 16-bit, doubled in f32, times 1.5 for what the
+//! composed (differentiable) softmax and LayerNorm keep in f32. With activation checkpointing a
+//! layer keeps only its input (`s·h` values) and one layer's full activations exist at a time.
+//! The masked-LM head keeps its `predictions × vocab` logits in f32 three times (logits,
+//! log-softmax, gradient). 10% of the memory is held back for the allocator and workspace.
+//! This is an estimate to be calibrated against GPU measurements.
+
+use bertkit_model::BertConfig;
+
+use crate::TrainError;
+
+/// Compute precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 everywhere.
+    F32,
+    /// bf16 or fp16 compute with f32 master weights.
+    Half,
+}
+
+impl Precision {
+    /// From `f32`, `bf16` or `fp16`.
+    pub fn parse(name: &str) -> Result<Self, TrainError> {
+        match name {
+            "f32" => Ok(Precision::F32),
+            "bf16" | "fp16" | "f16" => Ok(Precision::Half),
+            other => Err(TrainError::Config(format!(
+                "precision {other:?}: expected f32, bf16 or fp16"
+            ))),
+        }
+    }
+
+    fn bytes(self) -> f64 {
+        match self {
+            Precision::F32 => 4.0,
+            Precision::Half => 2.0,
+        }
+    }
+}
+
+/// Parses `12GiB`, `16 GB`, `80000MiB`, `1.5TiB` or a plain number of bytes.
+pub fn parse_bytes(text: &str) -> Result<f64, TrainError> {
+    let t = text.trim().replace(' ', "");
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| TrainError::Config(format!("{text:?} is not a size like 12GiB")))?;
+    let scale = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "mib" => 1024.0f64.powi(2),
+        "gib" => 1024.0f64.powi(3),
+        "tib" => 1024.0f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => {
+            return Err(TrainError::Config(format!(
+                "{text:?}: unknown unit {other:?}"
+            )));
+        }
+    };
+    Ok(value * scale)
+}
+
+/// Parameters of a BERT with pre-training heads.
+pub fn parameters(c: &BertConfig) -> usize {
+    let h = c.hidden_size;
+    let embeddings = (c.vocab_size + c.max_position_embeddings + c.type_vocab_size) * h + 2 * h;
+    let layer = 4 * (h * h + h) + 2 * (h * c.intermediate_size) + c.intermediate_size + h + 4 * h;
+    let heads = (h * h + h) + 2 * h + c.vocab_size + (h * h + h) + (2 * h + 2);
+    embeddings + c.num_hidden_layers * layer + heads
+}
+
+/// The plan for one sequence length.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Largest micro-batch that fits (0: not even one sequence).
+    pub micro_batch: usize,
+    /// Weights, gradients and optimiser state.
+    pub state_bytes: f64,
+    /// Activations of one sequence.
+    pub activation_bytes_per_sequence: f64,
+}
+
+/// Plans `seq`-long sequences with `predictions` masked slots in `memory` bytes.
+pub fn plan(
+    c: &BertConfig,
+    seq: usize,
+    predictions: usize,
+    precision: Precision,
+    checkpointing: bool,
+    memory: f64,
+) -> Plan {
+    let p = parameters(c) as f64;
+    let per_param = match precision {
+        Precision::F32 => 24.0,
+        Precision::Half => 20.0,
+    };
+    let state = p * per_param;
+    let (s, h, a) = (
+        seq as f64,
+        c.hidden_size as f64,
+        c.num_attention_heads as f64,
+    );
+    let layer = s * h * (34.0 + 5.0 * a * s / h) * (precision.bytes() / 2.0) * 1.5;
+    let layers = c.num_hidden_layers as f64;
+    let encoder = if checkpointing {
+        layers * s * h * precision.bytes() + layer
+    } else {
+        layers * layer
+    };
+    let head = predictions as f64 * c.vocab_size as f64 * 4.0 * 3.0;
+    let embeddings = 4.0 * s * h * precision.bytes();
+    let per_sequence = encoder + head + embeddings;
+    let available = memory * 0.9 - state;
+    let micro_batch = if available <= 0.0 {
+        0
+    } else {
+        (available / per_sequence).floor() as usize
+    };
+    Plan {
+        micro_batch,
+        state_bytes: state,
+        activation_bytes_per_sequence: per_sequence,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_known_parameter_counts() {
+        assert_eq!(parse_bytes("12GiB").unwrap(), 12.0 * 1024f64.powi(3));
+        assert_eq!(parse_bytes("80 GB").unwrap(), 80e9);
+        assert!(parse_bytes("12 apples").is_err());
+        // BERT-base with heads: 110 M in the paper (109.5 M encoder + pooler, plus heads).
+        let base = parameters(&BertConfig::base()) as f64 / 1e6;
+        assert!((base - 110.1).abs() < 0.5, "{base}");
+        let large = parameters(&BertConfig::large()) as f64 / 1e6;
+        assert!((large - 336.2).abs() < 1.0, "{large}");
+    }
+
+    #[test]
+    fn more_memory_checkpointing_and_shorter_sequences_fit_more() {
+        let c = BertConfig::large();
+        let gib = 1024f64.powi(3);
+        let p12 = plan(&c, 128, 20, Precision::Half, false, 12.0 * gib);
+        let p80 = plan(&c, 128, 20, Precision::Half, false, 80.0 * gib);
+        let ck = plan(&c, 128, 20, Precision::Half, true, 12.0 * gib);
+        let long = plan(&c, 512, 80, Precision::Half, false, 12.0 * gib);
+        assert!(p12.micro_batch > 0);
+        assert!(p80.micro_batch > 5 * p12.micro_batch);
+        assert!(ck.micro_batch > 2 * p12.micro_batch);
+        assert!(long.micro_batch < p12.micro_batch / 3);
+        // Optimiser state of BERT-large in mixed precision: about 6.3 GiB.
+        assert!(
+            (p12.state_bytes / gib - 6.26).abs() < 0.1,
+            "{}",
+            p12.state_bytes / gib
+        );
+        assert_eq!(
+            plan(&c, 128, 20, Precision::F32, false, 4.0 * gib).micro_batch,
+            0
+        );
+    }
+}
