@@ -1,5 +1,5 @@
 //! The whole data pipeline as users run it (`bertkit pipeline`, the demo config, the shared data
-//! folder as a mirror): killed with SIGKILL at several moments and re-run, it ends with the
+//! folder as a mirror): killed with SIGKILL again and again and re-run, it ends with the
 //! same files as an uninterrupted run; run as two processes (ranks, as srun starts them), it
 //! gives the same files as one.
 
@@ -126,18 +126,20 @@ fn killed_at_any_moment_and_rerun_it_ends_with_the_files_of_an_uninterrupted_run
     );
     let full = started.elapsed();
 
-    // SIGKILL at moments spread over a whole run; each run continues from what the last left.
+    // SIGKILL every eighth of a full run's time: each run continues from what the last left,
+    // so the kills land at later and later steps, until a run finishes on its own.
     let killed = dir.path().join("killed");
     let config = demo_config(dir.path(), &killed);
     let mut kills = 0;
-    for step in 1..=6u32 {
+    for _ in 0..40 {
         let mut child = pipeline(&config, &[]).spawn().unwrap();
-        std::thread::sleep(full.mul_f64(f64::from(step) / 7.0));
-        if child.try_wait().unwrap().is_none() {
-            child.kill().unwrap(); // SIGKILL
-            kills += 1;
+        std::thread::sleep(full / 8);
+        if child.try_wait().unwrap().is_some() {
+            break;
         }
+        child.kill().unwrap(); // SIGKILL
         let _ = child.wait();
+        kills += 1;
     }
     assert!(kills >= 3, "only {kills} runs were still going when killed");
     let stdout = finish(pipeline(&config, &[]).spawn().unwrap());
