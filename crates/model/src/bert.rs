@@ -396,6 +396,48 @@ impl BertModel {
         &self.embeddings.word
     }
 
+    /// Number of encoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The embedding stage: word + position + token type, LayerNorm, dropout.
+    pub fn embed(&self, inputs: &Inputs, mode: Mode) -> Result<Tensor, ModelError> {
+        Ok(self
+            .embeddings
+            .forward(self.kernels.as_ref(), inputs, mode)?)
+    }
+
+    /// Encoder layers `layers` (a range of layer indices) on `x`. Running the ranges in order
+    /// is the whole encoder; activation checkpointing runs them one segment at a time.
+    pub fn encode(
+        &self,
+        x: &Tensor,
+        inputs: &Inputs,
+        layers: std::ops::Range<usize>,
+        mode: Mode,
+    ) -> Result<Tensor, ModelError> {
+        let k = self.kernels.as_ref();
+        let mask_bias = inputs.mask_bias.to_dtype(if x.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        })?;
+        let mut x = x.clone();
+        for layer in &self.layers[layers] {
+            x = layer.forward(k, &x, &mask_bias, mode)?;
+        }
+        Ok(x)
+    }
+
+    /// The pooler on the `[CLS]` position, if the model has one.
+    pub fn pool(&self, x: &Tensor) -> Result<Option<Tensor>, ModelError> {
+        Ok(match &self.pooler {
+            Some(dense) => Some(dense.forward(&x.i((.., 0))?)?.tanh()?),
+            None => None,
+        })
+    }
+
     /// Runs the encoder; `all_hidden_states` keeps every layer's output.
     pub fn forward(
         &self,
@@ -403,28 +445,18 @@ impl BertModel {
         mode: Mode,
         all_hidden_states: bool,
     ) -> Result<BertOutput, ModelError> {
-        let k = self.kernels.as_ref();
-        let mut x = self.embeddings.forward(k, inputs, mode)?;
+        let mut x = self.embed(inputs, mode)?;
         let mut hidden_states = Vec::new();
-        let dtype = x.dtype();
-        let mask_bias = inputs.mask_bias.to_dtype(if dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        })?;
-        for layer in &self.layers {
+        for i in 0..self.layers.len() {
             if all_hidden_states {
                 hidden_states.push(x.clone());
             }
-            x = layer.forward(k, &x, &mask_bias, mode)?;
+            x = self.encode(&x, inputs, i..i + 1, mode)?;
         }
         if all_hidden_states {
             hidden_states.push(x.clone());
         }
-        let pooler_output = match &self.pooler {
-            Some(dense) => Some(dense.forward(&x.i((.., 0))?)?.tanh()?),
-            None => None,
-        };
+        let pooler_output = self.pool(&x)?;
         Ok(BertOutput {
             hidden_states,
             last_hidden_state: x,
@@ -499,7 +531,15 @@ impl BertForPreTraining {
         mode: Mode,
     ) -> Result<PreTrainingOutput, ModelError> {
         let out = self.bert.forward(inputs, mode, false)?;
-        let x = &out.last_hidden_state;
+        self.heads(&out.last_hidden_state, masked_positions)
+    }
+
+    /// The masked-LM and next-sentence heads on the encoder's output `x`.
+    pub fn heads(
+        &self,
+        x: &Tensor,
+        masked_positions: &Tensor,
+    ) -> Result<PreTrainingOutput, ModelError> {
         let (batch, seq, hidden) = x.dims3()?;
         let (pb, predictions) = masked_positions.dims2()?;
         if pb != batch {
@@ -525,8 +565,9 @@ impl BertForPreTraining {
             .matmul(&self.bert.word_embeddings().t()?)?
             .broadcast_add(&self.output_bias)?
             .reshape((batch, predictions, ()))?;
-        let pooled = out
-            .pooler_output
+        let pooled = self
+            .bert
+            .pool(x)?
             .expect("the pre-training model has a pooler");
         Ok(PreTrainingOutput {
             mlm_logits: logits,

@@ -25,6 +25,7 @@
 //! checkpoint_every = 200
 //! keep_checkpoints = 3
 //! seed = 42
+//! activation_checkpointing = 1        # recompute every layer in backward (0 = off)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -100,6 +101,10 @@ pub struct TrainSection {
     pub max_skipped_steps: u64,
     /// Peak dense TFLOP/s of the device, to report model FLOP utilisation.
     pub peak_tflops: Option<f64>,
+    /// Activation checkpointing: keep only the input of every `k`-layer segment and recompute
+    /// the segment in backward (0 = off, 1 = every layer).
+    #[serde(default)]
+    pub activation_checkpointing: usize,
 }
 
 fn default_precision() -> String {

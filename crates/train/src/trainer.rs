@@ -360,27 +360,7 @@ impl Trainer {
         let master = self.optimizer.master_dtype();
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut sums = Sums::default();
-        for b in batches {
-            let d = to_device(b, &self.model.config, &self.device)?;
-            let out =
-                self.model
-                    .model
-                    .forward(&d.inputs, &d.positions, Mode::Train(&self.dropout))?;
-            let (bs, p, v) = out.mlm_logits.dims3()?;
-            let logits = out.mlm_logits.reshape((bs * p, v))?;
-            let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
-            let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
-            let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
-            let nsp_nll = loss::nll_per_row(&out.nsp_logits, &d.nsp)?;
-            let nsp_sum = nsp_nll.sum_all()?;
-            let objective =
-                ((mlm_sum.clone() / masked.max(1e-5))? + (nsp_sum.clone() / sequences)?)?;
-            let objective = if loss_scale != 1.0 {
-                (objective * loss_scale)?
-            } else {
-                objective
-            };
-            let g = objective.backward()?;
+        let mut add = |g: &candle_core::backprop::GradStore| -> Result<(), TrainError> {
             for (name, var) in self.model.params.vars() {
                 if let Some(t) = g.get(var.as_tensor()) {
                     let t = t.to_dtype(master)?;
@@ -399,6 +379,72 @@ impl Trainer {
                     );
                 }
             }
+            Ok(())
+        };
+        let objective = |out: &bertkit_model::PreTrainingOutput,
+                         d: &DeviceBatch|
+         -> Result<(Tensor, Tensor, Tensor), TrainError> {
+            let (bs, p, v) = out.mlm_logits.dims3()?;
+            let logits = out.mlm_logits.reshape((bs * p, v))?;
+            let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
+            let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
+            let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
+            let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;
+            let objective =
+                ((mlm_sum.clone() / masked.max(1e-5))? + (nsp_sum.clone() / sequences)?)?;
+            let objective = if loss_scale != 1.0 {
+                (objective * loss_scale)?
+            } else {
+                objective
+            };
+            Ok((objective, mlm_sum, nsp_sum))
+        };
+        let every = self.config.train.activation_checkpointing;
+        for b in batches {
+            let d = to_device(b, &self.model.config, &self.device)?;
+            let mode = Mode::Train(&self.dropout);
+            let (out, mlm_sum, nsp_sum) = if every == 0 {
+                let out = self.model.model.forward(&d.inputs, &d.positions, mode)?;
+                let (objective, mlm_sum, nsp_sum) = objective(&out, &d)?;
+                add(&objective.backward()?)?;
+                (out, mlm_sum, nsp_sum)
+            } else {
+                // Activation checkpointing: keep only each segment's input, recompute the
+                // segment in backward (replaying its dropout masks), and chain the gradient
+                // through the segments by hand.
+                let bert = &self.model.model.bert;
+                let layers = bert.num_layers();
+                let embedded = bert.embed(&d.inputs, mode)?;
+                let mut segments = Vec::new();
+                let mut x = embedded.detach();
+                for start in (0..layers).step_by(every) {
+                    let range = start..(start + every).min(layers);
+                    segments.push((x.clone(), self.dropout.position(), range.clone()));
+                    x = bert.encode(&x, &d.inputs, range, mode)?.detach();
+                }
+                let end = self.dropout.position();
+                let top = candle_core::Var::from_tensor(&x)?;
+                let out = self.model.model.heads(top.as_tensor(), &d.positions)?;
+                let (objective, mlm_sum, nsp_sum) = objective(&out, &d)?;
+                let g = objective.backward()?;
+                add(&g)?;
+                let mut upstream = g.get(top.as_tensor()).cloned().ok_or_else(|| {
+                    TrainError::Checkpoint("no gradient reached the encoder output".into())
+                })?;
+                for (input, position, range) in segments.into_iter().rev() {
+                    self.dropout.set_position(position);
+                    let input = candle_core::Var::from_tensor(&input)?;
+                    let y = bert.encode(input.as_tensor(), &d.inputs, range, mode)?;
+                    let g = (y * &upstream)?.sum_all()?.backward()?;
+                    add(&g)?;
+                    upstream = g.get(input.as_tensor()).cloned().ok_or_else(|| {
+                        TrainError::Checkpoint("no gradient reached a segment input".into())
+                    })?;
+                }
+                add(&(embedded * &upstream)?.sum_all()?.backward()?)?;
+                self.dropout.set_position(end);
+                (out, mlm_sum, nsp_sum)
+            };
             sums.mlm += mlm_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             sums.nsp += nsp_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let predicted = out

@@ -71,6 +71,7 @@ fn config(records: &Path, output: &Path) -> PretrainConfig {
             seed: 11,
             max_skipped_steps: 10,
             peak_tflops: None,
+            activation_checkpointing: 0,
         },
     }
 }
@@ -207,6 +208,35 @@ fn four_micro_batches_of_8_update_like_one_batch_of_32() {
         }
     }
     assert!(worst < 1e-12, "largest weight difference {worst}");
+}
+
+#[test]
+fn activation_checkpointing_gives_the_same_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    let mut plain = config(&records, &dir.path().join("plain"));
+    plain.train.precision = "f64".into();
+    // Dropout on: the recomputed segments must replay the first pass's masks.
+    plain.model.dropout = Some(0.1);
+    let trainer = Trainer::new(plain.clone(), RunOptions::default()).unwrap();
+    let mut stream = trainer.dataset().stream(Cursor::default());
+    let batch = [stream.next_batch().unwrap()];
+    let reference = trainer.step_gradients(&batch).unwrap();
+    assert_eq!(reference.len(), trainer.model().params.vars().len());
+    for every in [1, 2] {
+        let mut c = plain.clone();
+        c.train.activation_checkpointing = every;
+        let t = Trainer::new(c, RunOptions::default()).unwrap();
+        let grads = t.step_gradients(&batch).unwrap();
+        assert_eq!(grads.len(), reference.len());
+        for (name, g) in &reference {
+            let a = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let b = grads[name].flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let scale = a.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+            let worst = a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+            assert!(worst <= 1e-12 * scale.max(1.0), "every {every}: {name} differs by {worst}");
+        }
+    }
 }
 
 #[test]
