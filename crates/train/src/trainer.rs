@@ -82,6 +82,28 @@ pub struct RunState {
     pub config: PretrainConfig,
 }
 
+/// Combines the gradients of data-parallel ranks. One process needs nothing ([`Local`]); a
+/// multi-GPU reducer (NCCL all-reduce of the mean) plugs in here without touching the loop.
+pub trait GradientReducer: Send + Sync {
+    /// Replaces every gradient by its mean over the ranks.
+    fn all_reduce_mean(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError>;
+    /// Ranks taking part.
+    fn world_size(&self) -> usize;
+}
+
+/// The single-process reducer.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Local;
+
+impl GradientReducer for Local {
+    fn all_reduce_mean(&self, _grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+        Ok(())
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+}
+
 /// Overrides from the command line.
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {
@@ -223,6 +245,7 @@ pub struct Trainer {
     accumulation: usize,
     state: RunState,
     flops_per_token: f64,
+    reducer: Box<dyn GradientReducer>,
 }
 
 impl Trainer {
@@ -230,6 +253,15 @@ impl Trainer {
     /// when resuming), the data and the optimiser.
     pub fn new(config: PretrainConfig, options: RunOptions) -> Result<Self, TrainError> {
         config.validate(options.ranks.world_size)?;
+        if options.ranks.world_size > 1 {
+            // Each rank would train its own copy on its share of the data: refuse rather than
+            // silently diverge.
+            return Err(TrainError::Config(format!(
+                "{}: data-parallel training needs a gradient reducer across ranks (NCCL), which \
+                 is not built yet; run one process (unset RANK/WORLD_SIZE)",
+                options.ranks
+            )));
+        }
         let accumulation = config.accumulation(options.ranks.world_size)?;
         let device = device(&config.train.device)?;
         let dtype = compute_dtype(&config.train.precision);
@@ -328,6 +360,7 @@ impl Trainer {
             accumulation,
             state,
             flops_per_token,
+            reducer: Box::new(Local),
         })
     }
 
@@ -489,7 +522,8 @@ impl Trainer {
     pub fn train_step(&mut self, batches: &[Batch]) -> Result<StepMetrics, TrainError> {
         let started = Instant::now();
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        let (grads, sums) = self.gradients(batches, scale)?;
+        let (mut grads, sums) = self.gradients(batches, scale)?;
+        self.reducer.all_reduce_mean(&mut grads)?;
         let lr = self.config.schedule.lr_at(self.state.step);
         let grad_norm = Optimizer::global_norm(&grads)?;
         let apply = match &mut self.scaler {

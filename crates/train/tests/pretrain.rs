@@ -233,8 +233,14 @@ fn activation_checkpointing_gives_the_same_gradients() {
             let a = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
             let b = grads[name].flatten_all().unwrap().to_vec1::<f64>().unwrap();
             let scale = a.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
-            let worst = a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-            assert!(worst <= 1e-12 * scale.max(1.0), "every {every}: {name} differs by {worst}");
+            let worst = a
+                .iter()
+                .zip(&b)
+                .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                worst <= 1e-12 * scale.max(1.0),
+                "every {every}: {name} differs by {worst}"
+            );
         }
     }
 }
@@ -305,6 +311,52 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         .map(|(s, _)| s)
         .collect();
     assert_eq!(kept, vec![6, 12]);
+}
+
+#[test]
+fn fp16_runs_with_a_loss_scale_and_bf16_with_f32_master_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    for precision in ["fp16", "bf16"] {
+        let mut c = config(&records, &dir.path().join(precision));
+        c.train.precision = precision.into();
+        c.schedule.total_steps = 6;
+        let mut t = Trainer::new(c, RunOptions::default()).unwrap();
+        let summary = t.run(&mut |_| {}).unwrap();
+        for m in &summary.metrics {
+            assert!(
+                m.loss.is_finite() && m.grad_norm.is_finite(),
+                "{precision}: {m:?}"
+            );
+            assert_eq!(
+                m.loss_scale,
+                if precision == "fp16" { 65536.0 } else { 1.0 }
+            );
+        }
+        // The model computes in 16 bits; the checkpoint holds the f32 master weights.
+        let var = t
+            .model()
+            .params
+            .get("encoder.layer.0.output.dense.weight")
+            .unwrap();
+        assert_eq!(
+            var.dtype(),
+            if precision == "fp16" {
+                candle_core::DType::F16
+            } else {
+                candle_core::DType::BF16
+            }
+        );
+        let stored = candle_core::safetensors::load(
+            summary.checkpoint.unwrap().join("model.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(
+            stored["bert.encoder.layer.0.output.dense.weight"].dtype(),
+            candle_core::DType::F32
+        );
+    }
 }
 
 #[test]
