@@ -70,6 +70,10 @@ pub struct DataSection {
     /// Shuffle seed.
     #[serde(default)]
     pub seed: u64,
+    /// Re-mask at load time (`[data.dynamic_masking]`, with `prob`, `mask_token_id`, … or
+    /// `{}` for BERT's defaults) instead of the records' static masks.
+    #[serde(default)]
+    pub dynamic_masking: Option<crate::data::DynamicMasking>,
 }
 
 fn default_pad() -> usize {

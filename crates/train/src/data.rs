@@ -49,6 +49,89 @@ pub struct DataOptions {
     pub ranks: Ranks,
     /// Batches decoded ahead of use.
     pub prefetch: usize,
+    /// Re-mask every sequence at load time instead of using the records' static masks.
+    pub dynamic_masking: Option<DynamicMasking>,
+}
+
+/// Masking at load time (RoBERTa / LDDL style): every epoch sees new masks.
+///
+/// The stored masks are undone first (the original ids are put back at the masked
+/// positions), then `prob` of the positions other than `[CLS]` and `[SEP]` (at least one, at
+/// most `max_predictions`) are chosen: 80% become `[MASK]`, 10% a random id, 10% stay. The
+/// draws depend only on the seed, the epoch and the row's place, so runs and resumes repeat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DynamicMasking {
+    /// Share of positions to predict.
+    #[serde(default = "default_mask_prob")]
+    pub prob: f64,
+    /// The `[MASK]` id (103 in BERT's vocabularies).
+    #[serde(default = "default_mask_id")]
+    pub mask_token_id: u32,
+    /// The `[CLS]` id (101).
+    #[serde(default = "default_cls_id")]
+    pub cls_token_id: u32,
+    /// The `[SEP]` id (102).
+    #[serde(default = "default_sep_id")]
+    pub sep_token_id: u32,
+    /// Random replacements are drawn below this id (the vocabulary size).
+    #[serde(default = "default_vocab")]
+    pub vocab_size: u32,
+}
+
+fn default_mask_prob() -> f64 {
+    0.15
+}
+fn default_mask_id() -> u32 {
+    103
+}
+fn default_cls_id() -> u32 {
+    101
+}
+fn default_sep_id() -> u32 {
+    102
+}
+fn default_vocab() -> u32 {
+    30522
+}
+
+impl DynamicMasking {
+    /// Re-masks `record` with draws from `key`.
+    pub fn apply(&self, record: &mut Record, max_predictions: usize, key: u64) {
+        for (&p, &id) in record.masked_lm_positions.iter().zip(&record.masked_lm_ids) {
+            if let Some(slot) = record.input_ids.get_mut(p as usize) {
+                *slot = id;
+            }
+        }
+        let mut candidates: Vec<u32> = (0..record.input_ids.len() as u32)
+            .filter(|&i| {
+                let id = record.input_ids[i as usize];
+                id != self.cls_token_id && id != self.sep_token_id
+            })
+            .collect();
+        shuffle(&mut candidates, key);
+        let wanted = ((record.input_ids.len() as f64 * self.prob).round() as usize)
+            .clamp(1, max_predictions)
+            .min(candidates.len());
+        let mut chosen: Vec<u32> = candidates[..wanted].to_vec();
+        chosen.sort_unstable();
+        let mut state = splitmix(key ^ 0x5EED);
+        record.masked_lm_ids = chosen
+            .iter()
+            .map(|&p| record.input_ids[p as usize])
+            .collect();
+        for &p in &chosen {
+            state = splitmix(state);
+            let roll = state % 10;
+            let slot = &mut record.input_ids[p as usize];
+            if roll < 8 {
+                *slot = self.mask_token_id;
+            } else if roll == 8 {
+                state = splitmix(state);
+                *slot = (state % u64::from(self.vocab_size)) as u32;
+            }
+        }
+        record.masked_lm_positions = chosen;
+    }
 }
 
 /// One padded batch on the host.
@@ -243,10 +326,17 @@ impl Dataset {
         let mut rows = self.files[f]
             .read_row_group(g)
             .map_err(|e| TrainError::Data(e.to_string()))?;
-        shuffle(
-            &mut rows,
-            splitmix(self.options.seed ^ splitmix(epoch ^ splitmix(unit as u64 + 1))),
-        );
+        let key = splitmix(self.options.seed ^ splitmix(epoch ^ splitmix(unit as u64 + 1)));
+        shuffle(&mut rows, key);
+        if let Some(masking) = &self.options.dynamic_masking {
+            for (i, row) in rows.iter_mut().enumerate() {
+                masking.apply(
+                    row,
+                    self.options.max_predictions,
+                    splitmix(key ^ splitmix(i as u64 + 7)),
+                );
+            }
+        }
         Ok(rows)
     }
 
@@ -387,6 +477,63 @@ mod tests {
         assert_eq!(b.masked_weights, vec![1.0, 0.0, 0.0, 1.0, 0.0, 0.0]);
         assert_eq!(b.nsp_labels, vec![1, 1]);
         assert_eq!(b.tokens, 6);
+    }
+
+    #[test]
+    fn dynamic_masking_undoes_the_stored_masks_and_draws_new_ones() {
+        let original: Vec<u32> = (0..40).map(|i| 1000 + i).collect();
+        let mut ids = original.clone();
+        ids[0] = 101;
+        ids[39] = 102;
+        let mut stored = ids.clone();
+        stored[5] = 103;
+        let record = Record {
+            input_ids: stored,
+            segment_ids: vec![0; 40],
+            masked_lm_positions: vec![5],
+            masked_lm_ids: vec![1005],
+            next_sentence_label: 0,
+        };
+        let m = DynamicMasking {
+            prob: 0.15,
+            mask_token_id: 103,
+            cls_token_id: 101,
+            sep_token_id: 102,
+            vocab_size: 30522,
+        };
+        let mut a = record.clone();
+        m.apply(&mut a, 20, 1);
+        let mut b = record.clone();
+        m.apply(&mut b, 20, 2);
+        assert_eq!(a.masked_lm_positions.len(), 6);
+        assert_ne!(a.masked_lm_positions, b.masked_lm_positions);
+        for r in [&a, &b] {
+            assert!(r.masked_lm_positions.windows(2).all(|w| w[0] < w[1]));
+            assert!(!r.masked_lm_positions.contains(&0) && !r.masked_lm_positions.contains(&39));
+            // Putting the labels back gives the unmasked sequence.
+            let mut restored = r.input_ids.clone();
+            for (&p, &id) in r.masked_lm_positions.iter().zip(&r.masked_lm_ids) {
+                restored[p as usize] = id;
+            }
+            assert_eq!(restored, ids);
+        }
+        let mut again = record.clone();
+        m.apply(&mut again, 20, 1);
+        assert_eq!(again, a);
+        // The 80/10/10 split over many draws.
+        let (mut masked, mut total) = (0, 0);
+        for key in 0..400 {
+            let mut r = record.clone();
+            m.apply(&mut r, 20, key);
+            masked += r
+                .masked_lm_positions
+                .iter()
+                .filter(|&&p| r.input_ids[p as usize] == 103)
+                .count();
+            total += r.masked_lm_positions.len();
+        }
+        let share = masked as f64 / total as f64;
+        assert!((share - 0.8).abs() < 0.03, "{share}");
     }
 
     #[test]

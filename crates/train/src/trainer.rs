@@ -301,6 +301,10 @@ impl Trainer {
                 seed: config.data.seed,
                 ranks: options.ranks,
                 prefetch: 4,
+                dynamic_masking: config.data.dynamic_masking.clone().map(|mut m| {
+                    m.vocab_size = model.config.vocab_size as u32;
+                    m
+                }),
             },
         )?);
         let dropout =

@@ -53,6 +53,7 @@ fn config(records: &Path, output: &Path) -> PretrainConfig {
             max_predictions: 10,
             pad_multiple: 8,
             seed: 3,
+            dynamic_masking: None,
         },
         optimizer: OptimizerConfig::lamb(),
         schedule: Schedule {
@@ -357,6 +358,36 @@ fn fp16_runs_with_a_loss_scale_and_bf16_with_f32_master_weights() {
             candle_core::DType::F32
         );
     }
+}
+
+#[test]
+fn dynamic_masking_draws_new_masks_over_the_same_sequences() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    let plain = config(&records, &dir.path().join("static"));
+    let mut dynamic = plain.clone();
+    dynamic.output = dir.path().join("dynamic");
+    dynamic.data.dynamic_masking = Some(toml::from_str("").unwrap());
+    dynamic.schedule.total_steps = 3;
+    let a = Trainer::new(plain, RunOptions::default()).unwrap();
+    let mut b = Trainer::new(dynamic, RunOptions::default()).unwrap();
+    let x = a.dataset().stream(Cursor::default()).next_batch().unwrap();
+    let y = b.dataset().stream(Cursor::default()).next_batch().unwrap();
+    let restore = |batch: &Batch| {
+        unpad(batch)
+            .into_iter()
+            .map(|mut r| {
+                for (&p, &id) in r.masked_lm_positions.iter().zip(&r.masked_lm_ids) {
+                    r.input_ids[p as usize] = id;
+                }
+                r.input_ids
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(restore(&x), restore(&y));
+    assert_ne!(x.masked_positions, y.masked_positions);
+    let run = b.run(&mut |_| {}).unwrap();
+    assert!(run.metrics.iter().all(|m| m.loss.is_finite()));
 }
 
 #[test]
