@@ -48,6 +48,25 @@ enum Command {
     Plot(PlotArgs),
     /// The largest micro-batch that fits a GPU's memory, per sequence length.
     Plan(PlanArgs),
+    /// Score predictions as the official scripts do.
+    #[command(subcommand)]
+    Evaluate(EvaluateCommand),
+}
+
+#[derive(Subcommand)]
+enum EvaluateCommand {
+    /// SQuAD v1.1: prints {"exact_match": …, "f1": …} exactly as evaluate-v1.1.py.
+    Squad(EvaluateSquadArgs),
+}
+
+#[derive(Args)]
+struct EvaluateSquadArgs {
+    /// The SQuAD JSON the predictions answer (dev-v1.1.json).
+    #[arg(long)]
+    data: PathBuf,
+    /// Predictions: a JSON object {question id: answer text}.
+    #[arg(long)]
+    predictions: PathBuf,
 }
 
 #[derive(Args)]
@@ -666,6 +685,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Pretrain(args) => pretrain(args)?,
         Command::Plot(args) => plot(args)?,
         Command::Plan(args) => plan(args)?,
+        Command::Evaluate(EvaluateCommand::Squad(args)) => evaluate_squad(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -1326,5 +1346,30 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "(an analytic estimate: weights, gradients, optimiser state, activations, 10% reserve; not yet calibrated on a GPU)"
     );
+    Ok(())
+}
+
+fn evaluate_squad(args: EvaluateSquadArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let dataset = bertkit_tasks::squad::data::Dataset::load(&args.data)?;
+    if dataset.version != "1.1" {
+        eprintln!(
+            "Evaluation expects v-1.1, but got dataset with v-{}",
+            dataset.version
+        );
+    }
+    let text = std::fs::read_to_string(&args.predictions)
+        .map_err(|e| format!("{}: {e}", args.predictions.display()))?;
+    let predictions: std::collections::HashMap<String, String> = serde_json::from_str(&text)
+        .map_err(|e| {
+            format!(
+                "{}: not a JSON object of question id to answer text: {e}",
+                args.predictions.display()
+            )
+        })?;
+    let scores = bertkit_tasks::squad::eval::evaluate(&dataset, &predictions);
+    for id in &scores.unanswered {
+        eprintln!("Unanswered question {id} will receive score 0.");
+    }
+    println!("{}", scores.to_json());
     Ok(())
 }

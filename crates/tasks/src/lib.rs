@@ -1,0 +1,33 @@
+//! # bertkit-tasks: fine-tuning tasks
+//!
+//! The tasks stage: SQuAD and GLUE, built on the model crate. So far:
+//! - [`squad::data`]: the official SQuAD JSON (v1.1 and v2.0);
+//! - [`squad::eval`]: the official v1.1 evaluation, equal to `evaluate-v1.1.py` down to the
+//!   printed digits;
+//! - [`pyfloat`]: floats printed as Python's `json.dumps` prints them.
+
+pub mod pyfloat;
+pub mod squad;
+
+use std::path::PathBuf;
+
+/// Why a task step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A file is not what it should be.
+    #[error("{path}: {message}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and where.
+        message: String,
+    },
+}

@@ -1,0 +1,83 @@
+//! The official SQuAD JSON (`{"version", "data": [{"title", "paragraphs": [{"context",
+//! "qas": [{"id", "question", "answers": [{"text", "answer_start"}], "is_impossible"}]}]}]}`).
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::TaskError;
+
+/// One answer span.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Answer {
+    /// The answer text.
+    pub text: String,
+    /// Character offset in the context.
+    pub answer_start: usize,
+}
+
+/// One question.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Question {
+    /// Unique id.
+    pub id: String,
+    /// The question.
+    pub question: String,
+    /// Gold answers (several in dev sets).
+    #[serde(default)]
+    pub answers: Vec<Answer>,
+    /// v2.0: no answer in the context.
+    #[serde(default)]
+    pub is_impossible: bool,
+}
+
+/// A context paragraph and its questions.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Paragraph {
+    /// The context.
+    pub context: String,
+    /// Its questions.
+    pub qas: Vec<Question>,
+}
+
+/// An article.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Article {
+    /// Title.
+    #[serde(default)]
+    pub title: String,
+    /// Paragraphs.
+    pub paragraphs: Vec<Paragraph>,
+}
+
+/// A SQuAD file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Dataset {
+    /// `1.1` or `v2.0`.
+    #[serde(default)]
+    pub version: String,
+    /// Articles, in file order.
+    pub data: Vec<Article>,
+}
+
+impl Dataset {
+    /// Reads a SQuAD JSON file; a malformed one is an error naming the line and column.
+    pub fn load(path: &Path) -> Result<Self, TaskError> {
+        let text = std::fs::read_to_string(path).map_err(|e| TaskError::Io {
+            path: path.into(),
+            source: e,
+        })?;
+        serde_json::from_str(&text).map_err(|e| TaskError::Format {
+            path: path.into(),
+            message: format!("not SQuAD JSON: {e}"),
+        })
+    }
+
+    /// Every question with its paragraph's context, in file order.
+    pub fn questions(&self) -> impl Iterator<Item = (&Paragraph, &Question)> {
+        self.data
+            .iter()
+            .flat_map(|a| a.paragraphs.iter())
+            .flat_map(|p| p.qas.iter().map(move |q| (p, q)))
+    }
+}

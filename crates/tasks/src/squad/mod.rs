@@ -1,0 +1,4 @@
+//! SQuAD: the data format and the official evaluation.
+
+pub mod data;
+pub mod eval;
