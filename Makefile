@@ -3,6 +3,7 @@
 #   make demo [MIRROR=../shared/data]   build, then run the pipeline on small real data
 #   make data                           the full pipeline (pipelines/data.toml)
 #   make pretrain-phase1 / -phase2      NVIDIA's BERT-large recipe on the data (resumes if stopped)
+#   make finetune-glue TASK=mrpc [MODEL=dir]  fine-tune (default: the shared MiniLM) and score dev
 #   make test                           every test (what CI runs)
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
@@ -18,7 +19,7 @@ CARGO ?= cargo
 BERTKIT := target/release/bertkit
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
-PHONY_TRAIN := pretrain-phase1 pretrain-phase2
+PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue
 .PHONY: all build demo data test lint $(PHONY_TRAIN) bench-format bench-shard bench-records clean
 
 all: build
@@ -32,6 +33,12 @@ demo: build
 	@echo "== a tiny BERT pre-trained on the demo records (pipelines/tiny.toml), on the CPU"
 	$(BERTKIT) pretrain --config pipelines/tiny.toml $(if $(wildcard out/demo/tiny-run/checkpoints/step-*),--resume)
 	$(BERTKIT) plot out/demo/tiny-run/metrics.jsonl -o out/demo/tiny-run/loss.svg
+
+# Fine-tune a model folder on a GLUE task (MRPC, CoLA, SST-2, MNLI) from the shared data layout.
+TASK ?= mrpc
+MODEL ?= $(MIRROR)/minilm
+finetune-glue: build
+	$(BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o out/finetune/$(TASK)
 
 pretrain-phase1: build
 	$(BERTKIT) pretrain --config pipelines/pretrain-phase1.toml $(if $(wildcard runs/phase1/checkpoints/step-*),--resume)

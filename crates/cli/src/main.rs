@@ -51,6 +51,58 @@ enum Command {
     /// Score predictions as the official scripts do.
     #[command(subcommand)]
     Evaluate(EvaluateCommand),
+    /// Fine-tune a checkpoint on a task.
+    #[command(subcommand)]
+    Finetune(FinetuneCommand),
+}
+
+#[derive(Subcommand)]
+enum FinetuneCommand {
+    /// GLUE: MRPC, CoLA, SST-2 or MNLI (train.tsv, then the dev set's metrics).
+    Glue(FinetuneGlueArgs),
+}
+
+#[derive(Args)]
+struct FinetuneGlueArgs {
+    /// mrpc, cola, sst-2 or mnli.
+    #[arg(long)]
+    task: String,
+    /// Model folder: config.json, model.safetensors, vocab.txt.
+    #[arg(long)]
+    model: PathBuf,
+    /// The task folder (default: $BERTKIT_SHARED_DATA/glue/<TASK>).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Where the fine-tuned model goes.
+    #[arg(long, short)]
+    output: Option<PathBuf>,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 3.0)]
+    epochs: f64,
+    /// Peak learning rate (AdamW, linear warmup and decay).
+    #[arg(long, default_value_t = 2e-5)]
+    lr: f64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Longest encoded sequence.
+    #[arg(long, default_value_t = 128)]
+    max_seq_length: usize,
+    /// Share of steps warming up.
+    #[arg(long, default_value_t = 0.1)]
+    warmup: f64,
+    /// Stop after this many steps.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// Seed.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Cased vocabulary.
+    #[arg(long)]
+    cased: bool,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Subcommand)]
@@ -686,6 +738,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Plot(args) => plot(args)?,
         Command::Plan(args) => plan(args)?,
         Command::Evaluate(EvaluateCommand::Squad(args)) => evaluate_squad(args)?,
+        Command::Finetune(FinetuneCommand::Glue(args)) => finetune_glue(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -1371,5 +1424,52 @@ fn evaluate_squad(args: EvaluateSquadArgs) -> Result<(), Box<dyn std::error::Err
         eprintln!("Unanswered question {id} will receive score 0.");
     }
     println!("{}", scores.to_json());
+    Ok(())
+}
+
+fn finetune_glue(args: FinetuneGlueArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let task = bertkit_tasks::glue::data::Task::parse(&args.task)?;
+    let data = match args.data {
+        Some(d) => d,
+        None => bertkit_shared_data::shared_data_path(format!("glue/{}", task.folder()))?,
+    };
+    let options = bertkit_tasks::glue::finetune::FinetuneOptions {
+        task,
+        model: args.model,
+        data,
+        output: args.output.clone(),
+        epochs: args.epochs,
+        lr: args.lr,
+        batch: args.batch,
+        max_seq_length: args.max_seq_length,
+        warmup: args.warmup,
+        seed: args.seed,
+        max_steps: args.max_steps,
+        lower_case: !args.cased,
+        device: device(&args.device)?,
+    };
+    let report =
+        bertkit_tasks::glue::finetune::finetune(&options, &mut |line| eprintln!("{line}"))?;
+    let metrics: Vec<String> = report
+        .dev
+        .metrics
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.4}"))
+        .collect();
+    println!(
+        "{}: {} steps on {} examples in {:.1} s (train loss {:.4} -> {:.4}); dev ({} examples): loss {:.4}, {}",
+        task.folder(),
+        report.steps,
+        report.train_examples,
+        report.seconds,
+        report.train_loss.0,
+        report.train_loss.1,
+        report.dev.examples,
+        report.dev.loss,
+        metrics.join(", ")
+    );
+    if let Some(out) = args.output {
+        println!("model: {}", out.display());
+    }
     Ok(())
 }

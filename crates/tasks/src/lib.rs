@@ -4,8 +4,11 @@
 //! - [`squad::data`]: the official SQuAD JSON (v1.1 and v2.0);
 //! - [`squad::eval`]: the official v1.1 evaluation, equal to `evaluate-v1.1.py` down to the
 //!   printed digits;
+//! - [`glue`]: GLUE task files (MRPC, CoLA, SST-2, MNLI), metrics (accuracy, F1, Matthews
+//!   correlation) and fine-tuning of a checkpoint with AdamW;
 //! - [`pyfloat`]: floats printed as Python's `json.dumps` prints them.
 
+pub mod glue;
 pub mod pyfloat;
 pub mod squad;
 

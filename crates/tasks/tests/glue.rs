@@ -1,0 +1,117 @@
+//! GLUE on the real task files (shared data): readers, encoding, and a short fine-tuning run of
+//! the real MiniLM checkpoint on MRPC.
+
+use bertkit_records::FullTokenizer;
+use bertkit_shared_data::require;
+use bertkit_tasks::glue::data::{Example, Task, read};
+use bertkit_tasks::glue::finetune::{FinetuneOptions, encode, finetune};
+
+#[test]
+fn the_task_files_read_with_their_quirks() {
+    // MRPC: a byte-order mark, a header, bare quotes inside sentences.
+    let mrpc = read(Task::Mrpc, &require("glue/MRPC/dev.tsv")).unwrap();
+    assert_eq!(mrpc.len(), 408);
+    assert!(
+        mrpc[0]
+            .text_b
+            .as_deref()
+            .unwrap()
+            .starts_with("\" The foodservice pie business")
+    );
+    assert_eq!(mrpc.iter().filter(|e| e.label == 1).count(), 279);
+    assert_eq!(
+        read(Task::Mrpc, &require("glue/MRPC/train.tsv"))
+            .unwrap()
+            .len(),
+        3668
+    );
+    // CoLA: no header.
+    let cola = read(Task::Cola, &require("glue/CoLA/dev.tsv")).unwrap();
+    assert_eq!(cola.len(), 1043);
+    assert_eq!(
+        cola[0].text_a,
+        "The sailors rode the breeze clear of the rocks."
+    );
+    assert!(cola[0].text_b.is_none());
+    let sst = read(Task::Sst2, &require("glue/SST-2/dev.tsv")).unwrap();
+    assert_eq!(sst.len(), 872);
+    // A broken row names the file and line.
+    let dir = std::env::temp_dir().join(format!("bertkit-glue-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("dev.tsv");
+    std::fs::write(&bad, "sentence\tlabel\ngood\t1\nbad\tmaybe\n").unwrap();
+    let err = read(Task::Sst2, &bad).unwrap_err().to_string();
+    assert!(
+        err.contains("dev.tsv") && err.contains("line 3") && err.contains("\"maybe\""),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn pairs_are_encoded_and_truncated_as_run_classifier() {
+    let tokenizer = FullTokenizer::from_vocab_file(&require("minilm/vocab.txt"), true).unwrap();
+    let e = Example {
+        text_a: "Hello world, this is a longer first sentence.".into(),
+        text_b: Some("Short one.".into()),
+        label: 1,
+    };
+    let full = encode(&tokenizer, &e, 128).unwrap();
+    let a = tokenizer.tokenize_ids(&e.text_a);
+    let b = tokenizer.tokenize_ids(e.text_b.as_deref().unwrap());
+    assert_eq!(full.ids.len(), a.len() + b.len() + 3);
+    assert_eq!(full.ids[0], 101);
+    assert_eq!(full.ids[a.len() + 1], 102);
+    assert_eq!(
+        full.segments.iter().filter(|&&s| s == 1).count(),
+        b.len() + 1
+    );
+    // Truncation takes from the longer side first.
+    let cut = encode(&tokenizer, &e, 10).unwrap();
+    assert_eq!(cut.ids.len(), 10);
+    assert_eq!(
+        cut.segments.iter().filter(|&&s| s == 1).count(),
+        b.len() + 1
+    );
+}
+
+#[test]
+fn minilm_fine_tunes_on_mrpc_briefly() {
+    let dir = std::env::temp_dir().join(format!("bertkit-mrpc-{}", std::process::id()));
+    let options = FinetuneOptions {
+        task: Task::Mrpc,
+        model: require("minilm"),
+        data: require("glue/MRPC"),
+        output: Some(dir.clone()),
+        epochs: 1.0,
+        lr: 5e-5,
+        batch: 8,
+        max_seq_length: 64,
+        warmup: 0.1,
+        seed: 1,
+        max_steps: Some(6),
+        lower_case: true,
+        device: candle_core::Device::Cpu,
+    };
+    let mut lines = Vec::new();
+    let report = finetune(&options, &mut |l| lines.push(l.to_string())).unwrap();
+    assert_eq!(report.steps, 6);
+    assert_eq!(report.train_examples, 3668);
+    assert!(lines[0].contains("classifier.weight"), "{lines:?}");
+    assert_eq!(report.dev.examples, 408);
+    let accuracy = report.dev.metrics[0].1;
+    let f1 = report.dev.metrics[1].1;
+    assert!((0.0..=1.0).contains(&accuracy) && (0.0..=1.0).contains(&f1));
+    assert!(report.dev.loss.is_finite() && report.train_loss.0.is_finite());
+    // The saved model loads back with its head and the task's labels.
+    let saved = bertkit_model::bert::load::<bertkit_model::BertForSequenceClassification>(
+        &dir,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        0,
+    )
+    .unwrap();
+    assert!(saved.params.initialised.is_empty());
+    assert_eq!(saved.config.num_labels(), 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
