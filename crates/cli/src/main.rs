@@ -54,6 +54,37 @@ enum Command {
     /// Fine-tune a checkpoint on a task.
     #[command(subcommand)]
     Finetune(FinetuneCommand),
+    /// Measure speed.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Forward-pass throughput and latency of a model folder.
+    Inference(BenchInferenceArgs),
+}
+
+#[derive(Args)]
+struct BenchInferenceArgs {
+    /// Model folder (config.json + model.safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// Sequence lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,384")]
+    seq: Vec<usize>,
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batch: Vec<usize>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Timed seconds per setting (at least five passes).
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
 }
 
 #[derive(Subcommand)]
@@ -739,6 +770,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Plan(args) => plan(args)?,
         Command::Evaluate(EvaluateCommand::Squad(args)) => evaluate_squad(args)?,
         Command::Finetune(FinetuneCommand::Glue(args)) => finetune_glue(args)?,
+        Command::Bench(BenchCommand::Inference(args)) => bench_inference(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
                 &args.input,
@@ -1471,5 +1503,36 @@ fn finetune_glue(args: FinetuneGlueArgs) -> Result<(), Box<dyn std::error::Error
     if let Some(out) = args.output {
         println!("model: {}", out.display());
     }
+    Ok(())
+}
+
+fn bench_inference(args: BenchInferenceArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let dtype = bertkit_model::parse_dtype(&args.dtype)?;
+    let device = device(&args.device)?;
+    println!("{} ({}, {})", args.model.display(), args.dtype, args.device);
+    println!(
+        "{:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9}",
+        "seq", "batch", "runs", "seq/s", "p50 ms", "p90 ms", "p99 ms"
+    );
+    bertkit_tasks::inference::bench(
+        &args.model,
+        &args.seq,
+        &args.batch,
+        dtype,
+        &device,
+        args.seconds,
+        &mut |r| {
+            println!(
+                "{:>6} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>9.2}",
+                r.seq,
+                r.batch,
+                r.runs,
+                r.sequences_per_s,
+                r.latency_ms[0],
+                r.latency_ms[1],
+                r.latency_ms[2]
+            )
+        },
+    )?;
     Ok(())
 }

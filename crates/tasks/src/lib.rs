@@ -6,9 +6,11 @@
 //!   printed digits;
 //! - [`glue`]: GLUE task files (MRPC, CoLA, SST-2, MNLI), metrics (accuracy, F1, Matthews
 //!   correlation) and fine-tuning of a checkpoint with AdamW;
+//! - [`inference`]: forward-pass throughput and latency (`bertkit bench inference`);
 //! - [`pyfloat`]: floats printed as Python's `json.dumps` prints them.
 
 pub mod glue;
+pub mod inference;
 pub mod pyfloat;
 pub mod squad;
 

@@ -1,0 +1,122 @@
+//! Inference throughput: the encoder's forward pass at given sequence lengths and batch sizes.
+//!
+//! For each (sequence length, batch) the model runs two warm-up passes, then timed passes
+//! until `min_seconds` have passed (at least five). Inputs are seeded pseudo-random token ids
+//! (no padding). Reported: sequences per second at the median latency, and latency
+//! percentiles.
+
+use std::path::Path;
+use std::time::Instant;
+
+use bertkit_model::bert::{BertModel, load};
+use bertkit_model::{Inputs, Mode};
+use candle_core::{DType, Device, Tensor};
+
+use crate::TaskError;
+
+/// One measured setting.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchRow {
+    /// Sequence length.
+    pub seq: usize,
+    /// Batch size.
+    pub batch: usize,
+    /// Timed passes.
+    pub runs: usize,
+    /// Sequences per second at the median latency.
+    pub sequences_per_s: f64,
+    /// Latency percentiles, milliseconds: p50, p90, p99.
+    pub latency_ms: [f64; 3],
+}
+
+fn err(e: impl std::fmt::Display) -> TaskError {
+    TaskError::Format {
+        path: "<model>".into(),
+        message: e.to_string(),
+    }
+}
+
+/// The `q` quantile (nearest rank) of sorted `values`.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Measures the forward pass of the model in `dir`.
+pub fn bench(
+    dir: &Path,
+    seqs: &[usize],
+    batches: &[usize],
+    dtype: DType,
+    device: &Device,
+    min_seconds: f64,
+    report: &mut dyn FnMut(&BenchRow),
+) -> Result<Vec<BenchRow>, TaskError> {
+    let loaded = load::<BertModel>(dir, dtype, device, 0).map_err(err)?;
+    let vocab = loaded.config.vocab_size as u64;
+    let mut rows = Vec::new();
+    for &seq in seqs {
+        for &batch in batches {
+            let mut state = (seq * 31 + batch) as u64;
+            let ids: Vec<u32> = (0..seq * batch)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (1000 + (state >> 33) % (vocab - 1000)) as u32
+                })
+                .collect();
+            let ids = Tensor::from_vec(ids, (batch, seq), device).map_err(err)?;
+            let inputs = Inputs::new(&loaded.config, &ids, None, None).map_err(err)?;
+            let run = || -> Result<f64, TaskError> {
+                let t = Instant::now();
+                let out = loaded
+                    .model
+                    .forward(&inputs, Mode::Eval, false)
+                    .map_err(err)?;
+                // Reading one value waits for the device to finish.
+                out.last_hidden_state
+                    .flatten_all()
+                    .and_then(|t| t.get(0))
+                    .and_then(|t| t.to_dtype(DType::F32))
+                    .and_then(|t| t.to_scalar::<f32>())
+                    .map_err(err)?;
+                Ok(t.elapsed().as_secs_f64())
+            };
+            run()?;
+            run()?;
+            let started = Instant::now();
+            let mut times = Vec::new();
+            while times.len() < 5 || started.elapsed().as_secs_f64() < min_seconds {
+                times.push(run()?);
+            }
+            times.sort_by(f64::total_cmp);
+            let median = quantile(&times, 0.5);
+            let row = BenchRow {
+                seq,
+                batch,
+                runs: times.len(),
+                sequences_per_s: batch as f64 / median,
+                latency_ms: [
+                    median * 1e3,
+                    quantile(&times, 0.9) * 1e3,
+                    quantile(&times, 0.99) * 1e3,
+                ],
+            };
+            report(&row);
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn nearest_rank_quantiles() {
+        let v = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0];
+        assert_eq!(super::quantile(&v, 0.5), 5.0);
+        assert_eq!(super::quantile(&v, 0.9), 9.0);
+        assert_eq!(super::quantile(&v, 0.99), 10.0);
+    }
+}
