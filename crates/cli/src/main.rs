@@ -85,6 +85,9 @@ struct BenchInferenceArgs {
     /// Timed seconds per setting (at least five passes).
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
+    /// Use the training path's differentiable (composed) ops instead of the fused inference ops.
+    #[arg(long)]
+    composed: bool,
 }
 
 #[derive(Subcommand)]
@@ -1198,11 +1201,11 @@ fn device(name: &str) -> Result<candle_core::Device, Box<dyn std::error::Error>>
 }
 
 fn forward(args: ForwardArgs) -> Result<(), Box<dyn std::error::Error>> {
-    use bertkit_model::bert::{BertModel, load};
+    use bertkit_model::bert::{BertModel, load_frozen};
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
     let device = device(&args.device)?;
     let started = Instant::now();
-    let loaded = load::<BertModel>(&args.model, dtype, &device, 0)?;
+    let loaded = load_frozen::<BertModel>(&args.model, dtype, &device)?;
     if !loaded.params.initialised.is_empty() {
         eprintln!(
             "warning: {} has no {}; initialised at random",
@@ -1514,25 +1517,24 @@ fn bench_inference(args: BenchInferenceArgs) -> Result<(), Box<dyn std::error::E
         "{:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9}",
         "seq", "batch", "runs", "seq/s", "p50 ms", "p90 ms", "p99 ms"
     );
-    bertkit_tasks::inference::bench(
-        &args.model,
-        &args.seq,
-        &args.batch,
+    let settings = bertkit_tasks::inference::BenchSettings {
+        seqs: args.seq.clone(),
+        batches: args.batch.clone(),
         dtype,
-        &device,
-        args.seconds,
-        &mut |r| {
-            println!(
-                "{:>6} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>9.2}",
-                r.seq,
-                r.batch,
-                r.runs,
-                r.sequences_per_s,
-                r.latency_ms[0],
-                r.latency_ms[1],
-                r.latency_ms[2]
-            )
-        },
-    )?;
+        min_seconds: args.seconds,
+        composed: args.composed,
+    };
+    bertkit_tasks::inference::bench(&args.model, &settings, &device, &mut |r| {
+        println!(
+            "{:>6} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>9.2}",
+            r.seq,
+            r.batch,
+            r.runs,
+            r.sequences_per_s,
+            r.latency_ms[0],
+            r.latency_ms[1],
+            r.latency_ms[2]
+        )
+    })?;
     Ok(())
 }

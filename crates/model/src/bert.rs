@@ -668,6 +668,16 @@ pub fn load<M: BertArchitecture>(
     load_with(dir, dtype, device, seed, &|_| {})
 }
 
+/// As [`load`], for inference: parameters are plain tensors (no gradients), so the kernels use
+/// fused LayerNorm and softmax.
+pub fn load_frozen<M: BertArchitecture>(
+    dir: &std::path::Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<Loaded<M>, ModelError> {
+    load_inner(dir, dtype, device, 0, &|_| {}, true)
+}
+
 /// As [`load`], with the directory's config adjusted first (for example the dropout
 /// probabilities of a training run).
 pub fn load_with<M: BertArchitecture>(
@@ -676,6 +686,17 @@ pub fn load_with<M: BertArchitecture>(
     device: &Device,
     seed: u64,
     adjust: &dyn Fn(&mut BertConfig),
+) -> Result<Loaded<M>, ModelError> {
+    load_inner(dir, dtype, device, seed, adjust, false)
+}
+
+fn load_inner<M: BertArchitecture>(
+    dir: &std::path::Path,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+    adjust: &dyn Fn(&mut BertConfig),
+    frozen: bool,
 ) -> Result<Loaded<M>, ModelError> {
     let (config_path, weights) = model_files(dir);
     let mut config = BertConfig::load(&config_path)?;
@@ -689,6 +710,9 @@ pub fn load_with<M: BertArchitecture>(
     }
     let mut p =
         ParamBuilder::from_safetensors(&weights, dtype, device, config.initializer_range, seed)?;
+    if frozen {
+        p = p.frozen();
+    }
     let model = M::build(&config, &mut p).map_err(|e| match e {
         ModelError::Weights(m) => ModelError::Weights(format!("{}: {m}", weights.display())),
         other => other,

@@ -5,8 +5,11 @@
 //! the model code. [`Composed`] is the reference implementation: every op is composed of candle
 //! primitives that have a backward pass, so gradients flow through all of them. (candle's fused
 //! `softmax_last_dim`, `layer_norm`, `rms_norm` and `candle_nn::LayerNorm` have no backward and
-//! would silently stop gradients; they are not used.) In half precision, LayerNorm and softmax
-//! are computed in f32 and cast back.
+//! would silently stop gradients; they are not used where gradients are tracked.) When no input
+//! of LayerNorm or softmax tracks gradients (a frozen inference model, see
+//! [`crate::params::ParamBuilder::frozen`]), those fused candle ops are used: they are faster
+//! and need no intermediates. In half precision, LayerNorm and softmax are computed in f32 and
+//! cast back.
 
 use std::fmt::Debug;
 

@@ -73,9 +73,17 @@ pub struct ParamBuilder {
     device: Device,
     std: f64,
     rng: u64,
+    frozen: Option<BTreeMap<String, Tensor>>,
 }
 
 impl ParamBuilder {
+    /// Builds plain tensors instead of trainable variables: no gradients are tracked, so the
+    /// kernels may use fused inference ops (see [`crate::kernels`]). For inference only.
+    pub fn frozen(mut self) -> Self {
+        self.frozen = Some(BTreeMap::new());
+        self
+    }
+
     /// No checkpoint: every parameter is initialised (seeded, so runs repeat).
     pub fn fresh(dtype: DType, device: &Device, initializer_range: f64, seed: u64) -> Self {
         ParamBuilder {
@@ -87,6 +95,7 @@ impl ParamBuilder {
             device: device.clone(),
             std: initializer_range,
             rng: seed ^ 0x9E37_79B9_7F4A_7C15,
+            frozen: None,
         }
     }
 
@@ -153,6 +162,9 @@ impl ParamBuilder {
         if let Some(var) = self.vars.get(name) {
             return Ok(var.as_tensor().clone());
         }
+        if let Some(t) = self.frozen.as_ref().and_then(|f| f.get(name)) {
+            return Ok(t.clone());
+        }
         let tensor = match self.checkpoint.get(name) {
             Some(t) => {
                 if t.dims() != shape {
@@ -175,6 +187,10 @@ impl ParamBuilder {
                 Tensor::from_vec(values, shape, &self.device)?.to_dtype(self.dtype)?
             }
         };
+        if let Some(frozen) = &mut self.frozen {
+            frozen.insert(name.to_string(), tensor.clone());
+            return Ok(tensor);
+        }
         let var = Var::from_tensor(&tensor)?;
         let t = var.as_tensor().clone();
         self.vars.insert(name.to_string(), var);
@@ -193,6 +209,7 @@ impl ParamBuilder {
         unused.sort();
         ParamStore {
             vars: self.vars,
+            frozen: self.frozen.unwrap_or_default(),
             initialised: self.initialised,
             unused,
         }
@@ -203,6 +220,8 @@ impl ParamBuilder {
 #[derive(Debug, Clone)]
 pub struct ParamStore {
     vars: BTreeMap<String, Var>,
+    /// Parameters of a frozen (inference) model.
+    frozen: BTreeMap<String, Tensor>,
     /// Parameters the checkpoint lacked, initialised as BERT does.
     pub initialised: Vec<String>,
     /// Checkpoint tensors the model has no place for (a head it was not built with).
@@ -210,7 +229,7 @@ pub struct ParamStore {
 }
 
 impl ParamStore {
-    /// Every parameter, by name (sorted).
+    /// Every trainable parameter, by name (sorted; empty for a frozen model).
     pub fn vars(&self) -> &BTreeMap<String, Var> {
         &self.vars
     }
@@ -222,12 +241,24 @@ impl ParamStore {
 
     /// Number of scalar parameters.
     pub fn count(&self) -> usize {
-        self.vars.values().map(|v| v.elem_count()).sum()
+        self.vars.values().map(|v| v.elem_count()).sum::<usize>()
+            + self.frozen.values().map(|t| t.elem_count()).sum::<usize>()
+    }
+
+    /// Every parameter as a tensor, by name, trainable or frozen.
+    pub fn tensors(&self) -> BTreeMap<String, Tensor> {
+        let mut all: BTreeMap<String, Tensor> = self.frozen.clone();
+        all.extend(
+            self.vars
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().clone())),
+        );
+        all
     }
 
     /// Whether a head (pre-training, QA or classification) is among the parameters.
     pub fn has_head(&self) -> bool {
-        self.vars.keys().any(|k| {
+        self.tensors().keys().any(|k| {
             k.starts_with("cls.") || k.starts_with("qa_outputs.") || k.starts_with("classifier.")
         })
     }
@@ -235,12 +266,12 @@ impl ParamStore {
     /// The tensors under their transformers names, in `dtype`.
     pub fn hf_tensors(&self, dtype: DType) -> Result<HashMap<String, Tensor>, ModelError> {
         let head = self.has_head();
-        self.vars
+        self.tensors()
             .iter()
             .map(|(k, v)| {
                 Ok((
                     hf_name(k, head),
-                    v.as_tensor().to_dtype(dtype)?.to_device(&Device::Cpu)?,
+                    v.to_dtype(dtype)?.to_device(&Device::Cpu)?,
                 ))
             })
             .collect()

@@ -2,7 +2,7 @@
 //! (`reference/minilm_forward.safetensors`): every hidden state and the pooler output, on
 //! unpadded positions, in f32 (1e-4), bf16 and f16 (documented tolerances).
 
-use bertkit_model::bert::{BertModel, load};
+use bertkit_model::bert::{BertModel, load, load_frozen};
 use bertkit_model::{Inputs, Mode, ModelError};
 use bertkit_shared_data::require;
 use candle_core::{DType, Device, Tensor};
@@ -43,9 +43,14 @@ fn max_diff_unpadded(a: &Tensor, b: &Tensor, mask: &Tensor) -> f32 {
         .unwrap()
 }
 
-fn run(dtype: DType) -> (Reference, bertkit_model::BertOutput) {
+fn run(dtype: DType, frozen: bool) -> (Reference, bertkit_model::BertOutput) {
     let r = reference();
-    let loaded = load::<BertModel>(&require("minilm"), dtype, &Device::Cpu, 0).unwrap();
+    let loaded = if frozen {
+        load_frozen::<BertModel>(&require("minilm"), dtype, &Device::Cpu).unwrap()
+    } else {
+        load::<BertModel>(&require("minilm"), dtype, &Device::Cpu, 0).unwrap()
+    };
+    assert_eq!(loaded.params.vars().is_empty(), frozen);
     // The checkpoint has every parameter of the base model, pooler included.
     assert!(
         loaded.params.initialised.is_empty(),
@@ -69,7 +74,11 @@ fn run(dtype: DType) -> (Reference, bertkit_model::BertOutput) {
 }
 
 fn check(dtype: DType, hidden_tol: f32, pooler_tol: f32) -> (f32, f32) {
-    let (r, out) = run(dtype);
+    check_path(dtype, hidden_tol, pooler_tol, false)
+}
+
+fn check_path(dtype: DType, hidden_tol: f32, pooler_tol: f32, frozen: bool) -> (f32, f32) {
+    let (r, out) = run(dtype, frozen);
     assert_eq!(out.hidden_states.len(), 7);
     let mut worst = 0f32;
     for (i, h) in out.hidden_states.iter().enumerate() {
@@ -103,7 +112,7 @@ fn check(dtype: DType, hidden_tol: f32, pooler_tol: f32) -> (f32, f32) {
         p <= pooler_tol,
         "{dtype:?} pooler_output: {p} > {pooler_tol}"
     );
-    eprintln!("{dtype:?}: hidden max |diff| {worst:.3e}, pooler {p:.3e}");
+    eprintln!("{dtype:?} (frozen: {frozen}): hidden max |diff| {worst:.3e}, pooler {p:.3e}");
     (worst, p)
 }
 
@@ -118,6 +127,12 @@ fn f32_matches_transformers_within_1e_4() {
         .max_all()
         .unwrap();
     assert!(magnitude.to_scalar::<f32>().unwrap() > 1.0);
+}
+
+#[test]
+fn the_frozen_inference_path_with_fused_ops_matches_too() {
+    check_path(DType::F32, 1e-4, 1e-4, true);
+    check_path(DType::BF16, 0.25, 1.5e-2, true);
 }
 
 #[test]

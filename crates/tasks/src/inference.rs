@@ -2,13 +2,14 @@
 //!
 //! For each (sequence length, batch) the model runs two warm-up passes, then timed passes
 //! until `min_seconds` have passed (at least five). Inputs are seeded pseudo-random token ids
-//! (no padding). Reported: sequences per second at the median latency, and latency
+//! (no padding). The model is loaded frozen (fused LayerNorm and softmax) unless `composed`
+//! asks for the training path's differentiable ops. Reported: sequences per second at the median latency, and latency
 //! percentiles.
 
 use std::path::Path;
 use std::time::Instant;
 
-use bertkit_model::bert::{BertModel, load};
+use bertkit_model::bert::{BertModel, load_frozen};
 use bertkit_model::{Inputs, Mode};
 use candle_core::{DType, Device, Tensor};
 
@@ -42,21 +43,46 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchSettings {
+    /// Sequence lengths.
+    pub seqs: Vec<usize>,
+    /// Batch sizes.
+    pub batches: Vec<usize>,
+    /// Weights and activations.
+    pub dtype: DType,
+    /// Timed seconds per setting (at least five passes).
+    pub min_seconds: f64,
+    /// The training path's differentiable ops instead of the fused inference ops.
+    pub composed: bool,
+}
+
 /// Measures the forward pass of the model in `dir`.
 pub fn bench(
     dir: &Path,
-    seqs: &[usize],
-    batches: &[usize],
-    dtype: DType,
+    settings: &BenchSettings,
     device: &Device,
-    min_seconds: f64,
     report: &mut dyn FnMut(&BenchRow),
 ) -> Result<Vec<BenchRow>, TaskError> {
-    let loaded = load::<BertModel>(dir, dtype, device, 0).map_err(err)?;
+    let BenchSettings {
+        seqs,
+        batches,
+        dtype,
+        min_seconds,
+        composed,
+    } = settings.clone();
+    // Frozen parameters let the kernels use fused inference ops; `composed` measures the
+    // differentiable ops training uses instead.
+    let loaded = if composed {
+        bertkit_model::bert::load::<BertModel>(dir, dtype, device, 0).map_err(err)?
+    } else {
+        load_frozen::<BertModel>(dir, dtype, device).map_err(err)?
+    };
     let vocab = loaded.config.vocab_size as u64;
     let mut rows = Vec::new();
-    for &seq in seqs {
-        for &batch in batches {
+    for &seq in &seqs {
+        for &batch in &batches {
             let mut state = (seq * 31 + batch) as u64;
             let ids: Vec<u32> = (0..seq * batch)
                 .map(|_| {
