@@ -12,18 +12,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use crate::rng::splitmix64 as splitmix;
+
 /// Where training-mode dropout masks come from.
 #[derive(Debug)]
 pub struct DropoutSource {
     seed: u64,
     position: AtomicU64,
-}
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl DropoutSource {

@@ -127,12 +127,9 @@ impl ParamBuilder {
     }
 
     fn next_u64(&mut self) -> u64 {
-        // splitmix64
-        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let out = crate::rng::splitmix64(self.rng);
+        self.rng = self.rng.wrapping_add(crate::rng::SPLITMIX_INCREMENT);
+        out
     }
 
     fn uniform(&mut self) -> f64 {

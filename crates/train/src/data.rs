@@ -19,6 +19,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
+use bertkit_model::rng::{shuffle, splitmix64 as splitmix};
 use bertkit_records::reader::{Record, RecordsFile};
 use bertkit_stage_io::Ranks;
 use serde::{Deserialize, Serialize};
@@ -212,23 +213,6 @@ impl Batch {
             b.nsp_labels.push(u32::from(r.next_sentence_label));
         }
         b
-    }
-}
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// Fisher–Yates with a splitmix64 stream from `key`.
-fn shuffle<T>(items: &mut [T], key: u64) {
-    let mut state = key;
-    for i in (1..items.len()).rev() {
-        state = splitmix(state);
-        let j = (state % (i as u64 + 1)) as usize;
-        items.swap(i, j);
     }
 }
 

@@ -221,13 +221,11 @@ pub fn evaluate(
 
 fn shuffled(n: usize, key: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
+    // One splitmix64 stream (a counter from `key`), as the MRPC measurement was made with.
     let mut s = key;
     for i in (1..n).rev() {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z = bertkit_model::rng::splitmix64(s);
+        s = s.wrapping_add(bertkit_model::rng::SPLITMIX_INCREMENT);
         order.swap(i, (z % (i as u64 + 1)) as usize);
     }
     order
