@@ -1184,26 +1184,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn device(name: &str) -> Result<candle_core::Device, Box<dyn std::error::Error>> {
-    match name {
-        "cpu" => Ok(candle_core::Device::Cpu),
-        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
-            let index = cuda
-                .strip_prefix("cuda:")
-                .map(str::parse::<usize>)
-                .transpose()?
-                .unwrap_or(0);
-            Ok(candle_core::Device::new_cuda(index)
-                .map_err(|e| format!("{cuda}: {e} (CUDA needs a build with --features cuda)"))?)
-        }
-        other => Err(format!("--device {other:?}: expected cpu, cuda or cuda:N").into()),
-    }
-}
-
 fn forward(args: ForwardArgs) -> Result<(), Box<dyn std::error::Error>> {
     use bertkit_model::bert::{BertModel, load_frozen};
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
-    let device = device(&args.device)?;
+    let device = bertkit_model::parse_device(&args.device)?;
     let started = Instant::now();
     let loaded = load_frozen::<BertModel>(&args.model, dtype, &device)?;
     if !loaded.params.initialised.is_empty() {
@@ -1481,7 +1465,7 @@ fn finetune_glue(args: FinetuneGlueArgs) -> Result<(), Box<dyn std::error::Error
         seed: args.seed,
         max_steps: args.max_steps,
         lower_case: !args.cased,
-        device: device(&args.device)?,
+        device: bertkit_model::parse_device(&args.device)?,
     };
     let report =
         bertkit_tasks::glue::finetune::finetune(&options, &mut |line| eprintln!("{line}"))?;
@@ -1511,7 +1495,7 @@ fn finetune_glue(args: FinetuneGlueArgs) -> Result<(), Box<dyn std::error::Error
 
 fn bench_inference(args: BenchInferenceArgs) -> Result<(), Box<dyn std::error::Error>> {
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
-    let device = device(&args.device)?;
+    let device = bertkit_model::parse_device(&args.device)?;
     println!("{} ({}, {})", args.model.display(), args.dtype, args.device);
     println!(
         "{:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9}",

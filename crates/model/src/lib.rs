@@ -67,15 +67,38 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
 }
 
-/// Parses `f32`, `bf16` or `f16`.
+/// Parses `f32`, `bf16` or `f16` (also `fp16`, `float32`, …).
 pub fn parse_dtype(name: &str) -> Result<candle_core::DType, ModelError> {
     match name {
         "f32" | "float32" => Ok(candle_core::DType::F32),
         "bf16" | "bfloat16" => Ok(candle_core::DType::BF16),
-        "f16" | "float16" => Ok(candle_core::DType::F16),
+        "f16" | "fp16" | "float16" => Ok(candle_core::DType::F16),
         "f64" => Ok(candle_core::DType::F64),
         other => Err(ModelError::Config(format!(
             "dtype {other:?}: expected f32, bf16 or f16"
+        ))),
+    }
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N` and opens the device.
+pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
+    match name {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
+            let index = match cuda.strip_prefix("cuda:") {
+                Some(i) => i
+                    .parse::<usize>()
+                    .map_err(|_| ModelError::Config(format!("device {cuda:?}: bad GPU index")))?,
+                None => 0,
+            };
+            candle_core::Device::new_cuda(index).map_err(|e| {
+                ModelError::Config(format!(
+                    "device {cuda}: {e} (CUDA needs a build with --features cuda)"
+                ))
+            })
+        }
+        other => Err(ModelError::Config(format!(
+            "device {other:?}: expected cpu, cuda or cuda:N"
         ))),
     }
 }

@@ -128,37 +128,6 @@ pub struct RunSummary {
     pub checkpoint: Option<PathBuf>,
 }
 
-fn device(name: &str) -> Result<Device, TrainError> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
-            let index = cuda
-                .strip_prefix("cuda:")
-                .map(|i| {
-                    i.parse::<usize>()
-                        .map_err(|_| TrainError::Config(format!("device {cuda:?}")))
-                })
-                .transpose()?
-                .unwrap_or(0);
-            Device::new_cuda(index).map_err(|e| {
-                TrainError::Config(format!("device {cuda}: {e} (a CUDA build is needed)"))
-            })
-        }
-        other => Err(TrainError::Config(format!(
-            "[train] device {other:?}: expected cpu, cuda or cuda:N"
-        ))),
-    }
-}
-
-fn compute_dtype(precision: &str) -> DType {
-    match precision {
-        "bf16" => DType::BF16,
-        "fp16" => DType::F16,
-        "f64" => DType::F64,
-        _ => DType::F32,
-    }
-}
-
 /// The checkpoints of a run folder, oldest first: (step, folder).
 pub fn checkpoints(run: &Path) -> Vec<(u64, PathBuf)> {
     let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(run.join("checkpoints"))
@@ -263,8 +232,8 @@ impl Trainer {
             )));
         }
         let accumulation = config.accumulation(options.ranks.world_size)?;
-        let device = device(&config.train.device)?;
-        let dtype = compute_dtype(&config.train.precision);
+        let device = bertkit_model::parse_device(&config.train.device)?;
+        let dtype = bertkit_model::parse_dtype(&config.train.precision)?;
         let bert_config = config.bert_config()?;
         let resume_from = if options.resume {
             checkpoints(&config.output).pop()
