@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use bertkit_format::{FormatManifest, Observer, Progress, RunOutcome};
 use clap::{Args, Parser, Subcommand};
 
+mod tasks;
+
 #[derive(Parser)]
 #[command(
     name = "bertkit",
@@ -50,10 +52,16 @@ enum Command {
     Plan(PlanArgs),
     /// Score predictions as the official scripts do.
     #[command(subcommand)]
-    Evaluate(EvaluateCommand),
+    Evaluate(tasks::EvaluateCommand),
     /// Fine-tune a checkpoint on a task.
     #[command(subcommand)]
-    Finetune(FinetuneCommand),
+    Finetune(tasks::FinetuneCommand),
+    /// Answer questions or classify sentences with a fine-tuned model.
+    #[command(subcommand)]
+    Predict(tasks::PredictCommand),
+    /// Split a data set (SQuAD by articles, for offline runs on a dev set).
+    #[command(subcommand)]
+    Split(tasks::SplitCommand),
     /// Measure speed.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -88,71 +96,6 @@ struct BenchInferenceArgs {
     /// Use the training path's differentiable (composed) ops instead of the fused inference ops.
     #[arg(long)]
     composed: bool,
-}
-
-#[derive(Subcommand)]
-enum FinetuneCommand {
-    /// GLUE: MRPC, CoLA, SST-2 or MNLI (train.tsv, then the dev set's metrics).
-    Glue(FinetuneGlueArgs),
-}
-
-#[derive(Args)]
-struct FinetuneGlueArgs {
-    /// mrpc, cola, sst-2 or mnli.
-    #[arg(long)]
-    task: String,
-    /// Model folder: config.json, model.safetensors, vocab.txt.
-    #[arg(long)]
-    model: PathBuf,
-    /// The task folder (default: $BERTKIT_SHARED_DATA/glue/<TASK>).
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// Where the fine-tuned model goes.
-    #[arg(long, short)]
-    output: Option<PathBuf>,
-    /// Passes over the training set.
-    #[arg(long, default_value_t = 3.0)]
-    epochs: f64,
-    /// Peak learning rate (AdamW, linear warmup and decay).
-    #[arg(long, default_value_t = 2e-5)]
-    lr: f64,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 32)]
-    batch: usize,
-    /// Longest encoded sequence.
-    #[arg(long, default_value_t = 128)]
-    max_seq_length: usize,
-    /// Share of steps warming up.
-    #[arg(long, default_value_t = 0.1)]
-    warmup: f64,
-    /// Stop after this many steps.
-    #[arg(long)]
-    max_steps: Option<usize>,
-    /// Seed.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// Cased vocabulary.
-    #[arg(long)]
-    cased: bool,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
-}
-
-#[derive(Subcommand)]
-enum EvaluateCommand {
-    /// SQuAD v1.1: prints {"exact_match": …, "f1": …} exactly as evaluate-v1.1.py.
-    Squad(EvaluateSquadArgs),
-}
-
-#[derive(Args)]
-struct EvaluateSquadArgs {
-    /// The SQuAD JSON the predictions answer (dev-v1.1.json).
-    #[arg(long)]
-    data: PathBuf,
-    /// Predictions: a JSON object {question id: answer text}.
-    #[arg(long)]
-    predictions: PathBuf,
 }
 
 #[derive(Args)]
@@ -771,8 +714,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Pretrain(args) => pretrain(args)?,
         Command::Plot(args) => plot(args)?,
         Command::Plan(args) => plan(args)?,
-        Command::Evaluate(EvaluateCommand::Squad(args)) => evaluate_squad(args)?,
-        Command::Finetune(FinetuneCommand::Glue(args)) => finetune_glue(args)?,
+        Command::Evaluate(c) => tasks::evaluate(c)?,
+        Command::Finetune(c) => tasks::finetune(c)?,
+        Command::Predict(c) => tasks::predict(c)?,
+        Command::Split(c) => tasks::split(c)?,
         Command::Bench(BenchCommand::Inference(args)) => bench_inference(args)?,
         Command::Vocab(args) => {
             let n = bertkit_records::vocab::train_vocab(
@@ -1418,78 +1363,6 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "(an analytic estimate: weights, gradients, optimiser state, activations, 10% reserve; not yet calibrated on a GPU)"
     );
-    Ok(())
-}
-
-fn evaluate_squad(args: EvaluateSquadArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let dataset = bertkit_tasks::squad::data::Dataset::load(&args.data)?;
-    if dataset.version != "1.1" {
-        eprintln!(
-            "Evaluation expects v-1.1, but got dataset with v-{}",
-            dataset.version
-        );
-    }
-    let text = std::fs::read_to_string(&args.predictions)
-        .map_err(|e| format!("{}: {e}", args.predictions.display()))?;
-    let predictions: std::collections::HashMap<String, String> = serde_json::from_str(&text)
-        .map_err(|e| {
-            format!(
-                "{}: not a JSON object of question id to answer text: {e}",
-                args.predictions.display()
-            )
-        })?;
-    let scores = bertkit_tasks::squad::eval::evaluate(&dataset, &predictions);
-    for id in &scores.unanswered {
-        eprintln!("Unanswered question {id} will receive score 0.");
-    }
-    println!("{}", scores.to_json());
-    Ok(())
-}
-
-fn finetune_glue(args: FinetuneGlueArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let task = bertkit_tasks::glue::data::Task::parse(&args.task)?;
-    let data = match args.data {
-        Some(d) => d,
-        None => bertkit_shared_data::shared_data_path(format!("glue/{}", task.folder()))?,
-    };
-    let options = bertkit_tasks::glue::finetune::FinetuneOptions {
-        task,
-        model: args.model,
-        data,
-        output: args.output.clone(),
-        epochs: args.epochs,
-        lr: args.lr,
-        batch: args.batch,
-        max_seq_length: args.max_seq_length,
-        warmup: args.warmup,
-        seed: args.seed,
-        max_steps: args.max_steps,
-        lower_case: !args.cased,
-        device: bertkit_model::parse_device(&args.device)?,
-    };
-    let report =
-        bertkit_tasks::glue::finetune::finetune(&options, &mut |line| eprintln!("{line}"))?;
-    let metrics: Vec<String> = report
-        .dev
-        .metrics
-        .iter()
-        .map(|(k, v)| format!("{k} {v:.4}"))
-        .collect();
-    println!(
-        "{}: {} steps on {} examples in {:.1} s (train loss {:.4} -> {:.4}); dev ({} examples): loss {:.4}, {}",
-        task.folder(),
-        report.steps,
-        report.train_examples,
-        report.seconds,
-        report.train_loss.0,
-        report.train_loss.1,
-        report.dev.examples,
-        report.dev.loss,
-        metrics.join(", ")
-    );
-    if let Some(out) = args.output {
-        println!("model: {}", out.display());
-    }
     Ok(())
 }
 

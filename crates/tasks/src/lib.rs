@@ -1,18 +1,25 @@
 //! # bertkit-tasks: fine-tuning tasks
 //!
-//! The tasks stage: SQuAD and GLUE, built on the model crate. So far:
+//! The tasks stage: SQuAD and GLUE, built on the model crate.
 //! - [`squad::data`]: the official SQuAD JSON (v1.1 and v2.0);
-//! - [`squad::eval`]: the official v1.1 evaluation, equal to `evaluate-v1.1.py` down to the
-//!   printed digits;
+//! - [`squad::features`]: examples and windows as Google's `run_squad.py`;
+//! - [`squad::postprocess`]: n-best answers, `get_final_text`, the v2.0 null threshold;
+//! - [`squad::finetune`]: SQuAD fine-tuning and prediction;
+//! - [`squad::eval`] and [`squad::eval_v2`]: the official v1.1 and v2.0 evaluations, equal to
+//!   `evaluate-v1.1.py` and `evaluate-v2.0.py` down to the printed digits;
+//! - [`training`]: the fine-tuning loop (AdamW, warmup + linear decay, accumulation, bf16/fp16);
+//! - [`batch`]: padding sequences into model inputs;
 //! - [`glue`]: GLUE task files (MRPC, CoLA, SST-2, MNLI), metrics (accuracy, F1, Matthews
 //!   correlation) and fine-tuning of a checkpoint with AdamW;
 //! - [`inference`]: forward-pass throughput and latency (`bertkit bench inference`);
 //! - [`pyfloat`]: floats printed as Python's `json.dumps` prints them.
 
+pub mod batch;
 pub mod glue;
 pub mod inference;
 pub mod pyfloat;
 pub mod squad;
+pub mod training;
 
 use std::path::PathBuf;
 
@@ -35,4 +42,10 @@ pub enum TaskError {
         /// What is wrong, and where.
         message: String,
     },
+    /// The model or a tensor operation failed.
+    #[error("model: {0}")]
+    Model(String),
+    /// Settings that cannot work.
+    #[error("settings: {0}")]
+    Settings(String),
 }

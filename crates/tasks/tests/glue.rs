@@ -4,7 +4,10 @@
 use bertkit_records::FullTokenizer;
 use bertkit_shared_data::require;
 use bertkit_tasks::glue::data::{Example, Task, read};
-use bertkit_tasks::glue::finetune::{FinetuneOptions, encode, finetune};
+use bertkit_tasks::glue::finetune::{
+    FinetuneOptions, GluePredictOptions, encode, finetune, predict_file,
+};
+use bertkit_tasks::training::TrainSettings;
 
 #[test]
 fn the_task_files_read_with_their_quirks() {
@@ -83,14 +86,18 @@ fn minilm_fine_tunes_on_mrpc_briefly() {
         model: require("minilm"),
         data: require("glue/MRPC"),
         output: Some(dir.clone()),
-        epochs: 1.0,
-        lr: 5e-5,
-        batch: 8,
+        settings: TrainSettings {
+            epochs: 1.0,
+            lr: 5e-5,
+            batch: 8,
+            accumulation: 1,
+            warmup: 0.1,
+            seed: 1,
+            max_steps: Some(6),
+        },
         max_seq_length: 64,
-        warmup: 0.1,
-        seed: 1,
-        max_steps: Some(6),
         lower_case: true,
+        dtype: candle_core::DType::F32,
         device: candle_core::Device::Cpu,
     };
     let mut lines = Vec::new();
@@ -113,5 +120,24 @@ fn minilm_fine_tunes_on_mrpc_briefly() {
     .unwrap();
     assert!(saved.params.initialised.is_empty());
     assert_eq!(saved.config.num_labels(), 2);
+    // Predicting the dev set with the saved model gives the same predictions and metrics as
+    // the evaluation at the end of training, and writes one row per example.
+    let rows = dir.join("dev_predictions.tsv");
+    let predicted = predict_file(&GluePredictOptions {
+        task: Task::Mrpc,
+        model: dir.clone(),
+        data: require("glue/MRPC/dev.tsv"),
+        output: Some(rows.clone()),
+        max_seq_length: 64,
+        lower_case: true,
+        batch: 50,
+        device: candle_core::Device::Cpu,
+    })
+    .unwrap();
+    assert_eq!(predicted.predictions, report.dev.predictions);
+    assert!((predicted.metrics[0].1 - accuracy).abs() < 1e-12);
+    let text = std::fs::read_to_string(&rows).unwrap();
+    assert_eq!(text.lines().count(), 409);
+    assert!(text.starts_with("index\tprediction\n0\t"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -11,11 +11,12 @@
 use std::path::{Path, PathBuf};
 
 use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with, save};
-use bertkit_model::{DropoutSource, Inputs, Mode, loss};
+use bertkit_model::{Inputs, Mode, loss};
 use bertkit_records::FullTokenizer;
-use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
-use bertkit_train::schedule::{Decay, Schedule};
 use candle_core::{DType, Device, Tensor};
+
+use crate::batch::model_err;
+use crate::training::{TrainSettings, train};
 
 use crate::glue::data::{Example, Task, read};
 use crate::glue::metrics;
@@ -85,22 +86,14 @@ pub struct FinetuneOptions {
     pub data: PathBuf,
     /// Where the fine-tuned model goes (none: not saved).
     pub output: Option<PathBuf>,
-    /// Passes over the training set.
-    pub epochs: f64,
-    /// Peak learning rate.
-    pub lr: f64,
-    /// Sequences per step.
-    pub batch: usize,
+    /// The training loop's settings (the seed also initialises the head).
+    pub settings: TrainSettings,
     /// Longest encoded sequence.
     pub max_seq_length: usize,
-    /// Share of steps warming up.
-    pub warmup: f64,
-    /// Shuffling, dropout and head initialisation.
-    pub seed: u64,
-    /// Stop after this many steps (for short runs).
-    pub max_steps: Option<usize>,
     /// Uncased vocabulary.
     pub lower_case: bool,
+    /// Weights dtype (f32; bf16 or f16 on CUDA, with f32 master weights).
+    pub dtype: DType,
     /// Device.
     pub device: Device,
 }
@@ -114,6 +107,8 @@ pub struct Evaluation {
     pub loss: f64,
     /// (metric, value): accuracy, and F1 (MRPC) or Matthews correlation (CoLA).
     pub metrics: Vec<(String, f64)>,
+    /// The predicted class of each example, in order.
+    pub predictions: Vec<usize>,
 }
 
 /// What a fine-tuning run did.
@@ -136,42 +131,14 @@ fn batch_tensors(
     config: &bertkit_model::BertConfig,
     device: &Device,
 ) -> Result<(Inputs, Tensor), crate::TaskError> {
-    let longest = batch.iter().map(|e| e.ids.len()).max().unwrap_or(1);
-    let (mut ids, mut segs, mut mask) = (Vec::new(), Vec::new(), Vec::new());
-    for e in batch {
-        let pad = longest - e.ids.len();
-        ids.extend(e.ids.iter().copied().chain(std::iter::repeat_n(0, pad)));
-        segs.extend(
-            e.segments
-                .iter()
-                .copied()
-                .chain(std::iter::repeat_n(0, pad)),
-        );
-        mask.extend(std::iter::repeat_n(1u32, e.ids.len()).chain(std::iter::repeat_n(0, pad)));
-    }
-    let shape = (batch.len(), longest);
-    let t = |v: Vec<u32>| Tensor::from_vec(v, shape, device);
-    let err = |e: String| crate::TaskError::Format {
-        path: PathBuf::from("<batch>"),
-        message: e,
-    };
-    let inputs = Inputs::new(
-        config,
-        &t(ids).map_err(|e| err(e.to_string()))?,
-        Some(&t(segs).map_err(|e| err(e.to_string()))?),
-        Some(&t(mask).map_err(|e| err(e.to_string()))?),
-    )
-    .map_err(|e| err(e.to_string()))?;
+    let seqs: Vec<(&[u32], &[u32])> = batch
+        .iter()
+        .map(|e| (e.ids.as_slice(), e.segments.as_slice()))
+        .collect();
+    let (inputs, _) = crate::batch::pad(&seqs, config, device)?;
     let labels: Vec<u32> = batch.iter().map(|e| e.label as u32).collect();
-    let labels = Tensor::from_vec(labels, batch.len(), device).map_err(|e| err(e.to_string()))?;
+    let labels = Tensor::from_vec(labels, batch.len(), device).map_err(model_err)?;
     Ok((inputs, labels))
-}
-
-fn model_err(e: impl std::fmt::Display) -> crate::TaskError {
-    crate::TaskError::Format {
-        path: PathBuf::from("<model>"),
-        message: e.to_string(),
-    }
 }
 
 /// Scores `model` on `examples`.
@@ -179,11 +146,12 @@ pub fn evaluate(
     task: Task,
     model: &Loaded<BertForSequenceClassification>,
     examples: &[Encoded],
+    batch: usize,
     device: &Device,
 ) -> Result<Evaluation, crate::TaskError> {
     let mut predictions = Vec::with_capacity(examples.len());
     let mut loss_sum = 0f64;
-    for chunk in examples.chunks(64) {
+    for chunk in examples.chunks(batch.max(1)) {
         let refs: Vec<&Encoded> = chunk.iter().collect();
         let (inputs, labels) = batch_tensors(&refs, &model.config, device)?;
         let logits = model
@@ -216,19 +184,8 @@ pub fn evaluate(
         examples: examples.len(),
         loss: loss_sum / examples.len().max(1) as f64,
         metrics: m,
+        predictions,
     })
-}
-
-fn shuffled(n: usize, key: u64) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    // One splitmix64 stream (a counter from `key`), as the MRPC measurement was made with.
-    let mut s = key;
-    for i in (1..n).rev() {
-        let z = bertkit_model::rng::splitmix64(s);
-        s = s.wrapping_add(bertkit_model::rng::SPLITMIX_INCREMENT);
-        order.swap(i, (z % (i as u64 + 1)) as usize);
-    }
-    order
 }
 
 /// Fine-tunes and evaluates; `progress` hears a line now and then.
@@ -254,14 +211,14 @@ pub fn finetune(
                 message: m,
             })
     };
-    let train = encode_all(&options.data.join("train.tsv"))?;
+    let train_set = encode_all(&options.data.join("train.tsv"))?;
     let dev = encode_all(&options.data.join(task.dev_file()))?;
     let labels = task.labels();
     let model = load_with::<BertForSequenceClassification>(
         &options.model,
-        DType::F32,
+        options.dtype,
         &options.device,
-        options.seed,
+        options.settings.seed,
         &|c| {
             c.id2label = Some(
                 labels
@@ -279,72 +236,19 @@ pub fn finetune(
             model.params.initialised.join(", ")
         ));
     }
-    let steps_per_epoch = train.len().div_ceil(options.batch.max(1));
-    let total = ((steps_per_epoch as f64 * options.epochs).ceil() as usize).max(1);
-    let steps = options.max_steps.map_or(total, |m| m.min(total));
-    let schedule = Schedule {
-        lr: options.lr,
-        warmup: options.warmup,
-        total_steps: total as u64,
-        decay: Decay::Linear,
-        power: 1.0,
-    };
-    schedule.validate().map_err(model_err)?;
-    let mut optimizer = Optimizer::new(
-        OptimizerConfig {
-            rule: Rule::Adamw,
-            ..OptimizerConfig::lamb()
+    let log = train(
+        &model.params,
+        train_set.len(),
+        &options.settings,
+        &mut |indices, mode| {
+            let refs: Vec<&Encoded> = indices.iter().map(|&i| &train_set[i]).collect();
+            let (inputs, labels) = batch_tensors(&refs, &model.config, &options.device)?;
+            let logits = model.model.forward(&inputs, mode).map_err(model_err)?;
+            loss::cross_entropy(&logits, &labels).map_err(model_err)
         },
-        model.params.vars(),
-    )
-    .map_err(model_err)?;
-    let dropout = DropoutSource::new(options.seed);
-    let started = std::time::Instant::now();
-    let mut losses = Vec::with_capacity(steps);
-    let mut order = Vec::new();
-    for step in 0..steps {
-        let epoch = step / steps_per_epoch;
-        let within = step % steps_per_epoch;
-        if within == 0 {
-            order = shuffled(
-                train.len(),
-                options.seed ^ (epoch as u64 + 1).wrapping_mul(0x9E37),
-            );
-        }
-        let refs: Vec<&Encoded> = order
-            [within * options.batch..((within + 1) * options.batch).min(train.len())]
-            .iter()
-            .map(|&i| &train[i])
-            .collect();
-        let (inputs, labels) = batch_tensors(&refs, &model.config, &options.device)?;
-        let logits = model
-            .model
-            .forward(&inputs, Mode::Train(&dropout))
-            .map_err(model_err)?;
-        let l = loss::cross_entropy(&logits, &labels).map_err(model_err)?;
-        let grads = l.backward().map_err(model_err)?;
-        let grads = model
-            .params
-            .vars()
-            .iter()
-            .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
-            .collect();
-        optimizer
-            .step(&grads, schedule.lr_at(step as u64))
-            .map_err(model_err)?;
-        let value = l.to_scalar::<f32>().map_err(model_err)? as f64;
-        losses.push(value);
-        if (step + 1) % 20 == 0 || step + 1 == steps {
-            progress(&format!(
-                "step {}/{steps} loss {value:.4} lr {:.2e} ({:.1} s)",
-                step + 1,
-                schedule.lr_at(step as u64),
-                started.elapsed().as_secs_f64()
-            ));
-        }
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    let dev_eval = evaluate(task, &model, &dev, &options.device)?;
+        progress,
+    )?;
+    let dev_eval = evaluate(task, &model, &dev, 64, &options.device)?;
     if let Some(out) = &options.output {
         save(&model, out, DType::F32).map_err(model_err)?;
         std::fs::copy(&vocab, out.join("vocab.txt")).map_err(|e| crate::TaskError::Io {
@@ -352,16 +256,91 @@ pub fn finetune(
             source: e,
         })?;
     }
-    let tenth = (losses.len() / 10).max(1);
-    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
     Ok(FinetuneReport {
-        steps,
-        train_examples: train.len(),
-        train_loss: (
-            mean(&losses[..tenth]),
-            mean(&losses[losses.len() - tenth..]),
-        ),
+        steps: log.steps,
+        train_examples: train_set.len(),
+        train_loss: log.first_and_last_tenth(),
         dev: dev_eval,
-        seconds,
+        seconds: log.seconds,
     })
+}
+
+/// What to predict with a fine-tuned classifier.
+#[derive(Debug, Clone)]
+pub struct GluePredictOptions {
+    /// The task.
+    pub task: Task,
+    /// The fine-tuned model folder.
+    pub model: PathBuf,
+    /// A labelled task file.
+    pub data: PathBuf,
+    /// Where `index<TAB>prediction` rows go (label names, the GLUE submission format).
+    pub output: Option<PathBuf>,
+    /// Longest encoded sequence.
+    pub max_seq_length: usize,
+    /// Uncased vocabulary.
+    pub lower_case: bool,
+    /// Sequences per forward pass.
+    pub batch: usize,
+    /// Device.
+    pub device: Device,
+}
+
+/// Predicts and scores a labelled GLUE file with a fine-tuned model (frozen weights).
+pub fn predict_file(options: &GluePredictOptions) -> Result<Evaluation, crate::TaskError> {
+    let GluePredictOptions {
+        task,
+        model: model_dir,
+        data,
+        output,
+        max_seq_length,
+        lower_case,
+        batch,
+        device,
+    } = options;
+    let (task, max_seq_length, batch) = (*task, *max_seq_length, *batch);
+    let tokenizer = crate::squad::finetune::load_tokenizer(model_dir, *lower_case)?;
+    let model = bertkit_model::bert::load_frozen::<BertForSequenceClassification>(
+        model_dir,
+        DType::F32,
+        device,
+    )
+    .map_err(model_err)?;
+    if !model.params.initialised.is_empty() || model.config.num_labels() != task.labels().len() {
+        return Err(crate::TaskError::Format {
+            path: model_dir.into(),
+            message: format!(
+                "not a {} classifier ({} labels{}): fine-tune it first (bertkit finetune glue)",
+                task.folder(),
+                model.config.num_labels(),
+                if model.params.initialised.is_empty() {
+                    String::new()
+                } else {
+                    format!(", no {}", model.params.initialised.join(", "))
+                }
+            ),
+        });
+    }
+    let encoded = read(task, data)?
+        .iter()
+        .map(|e| encode(&tokenizer, e, max_seq_length))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|m| crate::TaskError::Format {
+            path: data.into(),
+            message: m,
+        })?;
+    let evaluation = evaluate(task, &model, &encoded, batch, device)?;
+    if let Some(out) = output {
+        let mut text = String::from("index\tprediction\n");
+        for (i, p) in evaluation.predictions.iter().enumerate() {
+            text.push_str(&format!("{i}\t{}\n", task.labels()[*p]));
+        }
+        bertkit_stage_io::write_atomically(out, text.as_bytes()).map_err(|e| {
+            crate::TaskError::Io {
+                path: out.into(),
+                source: e,
+            }
+        })?;
+    }
+    Ok(evaluation)
 }

@@ -3,12 +3,12 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::TaskError;
 
 /// One answer span.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Answer {
     /// The answer text.
     pub text: String,
@@ -17,7 +17,7 @@ pub struct Answer {
 }
 
 /// One question.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Question {
     /// Unique id.
     pub id: String,
@@ -27,12 +27,12 @@ pub struct Question {
     #[serde(default)]
     pub answers: Vec<Answer>,
     /// v2.0: no answer in the context.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub is_impossible: bool,
 }
 
 /// A context paragraph and its questions.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Paragraph {
     /// The context.
     pub context: String,
@@ -41,7 +41,7 @@ pub struct Paragraph {
 }
 
 /// An article.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Article {
     /// Title.
     #[serde(default)]
@@ -51,7 +51,7 @@ pub struct Article {
 }
 
 /// A SQuAD file.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Dataset {
     /// `1.1` or `v2.0`.
     #[serde(default)]
@@ -71,6 +71,42 @@ impl Dataset {
             path: path.into(),
             message: format!("not SQuAD JSON: {e}"),
         })
+    }
+
+    /// Splits off the first `train_articles` articles (for offline runs on a dev set only:
+    /// train on the head, evaluate on the tail). Both halves keep the version.
+    pub fn split_articles(&self, train_articles: usize) -> Result<(Dataset, Dataset), TaskError> {
+        if train_articles == 0 || train_articles >= self.data.len() {
+            return Err(TaskError::Settings(format!(
+                "cannot split {} articles after article {train_articles}: both halves need one",
+                self.data.len()
+            )));
+        }
+        let half = |data: &[Article]| Dataset {
+            version: self.version.clone(),
+            data: data.to_vec(),
+        };
+        Ok((
+            half(&self.data[..train_articles]),
+            half(&self.data[train_articles..]),
+        ))
+    }
+
+    /// Writes the dataset as SQuAD JSON (temp file, then renamed into place).
+    pub fn save(&self, path: &Path) -> Result<(), TaskError> {
+        let json = serde_json::to_vec(self).map_err(|e| TaskError::Format {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+        bertkit_stage_io::write_atomically(path, &json).map_err(|e| TaskError::Io {
+            path: path.into(),
+            source: e,
+        })
+    }
+
+    /// Questions in the dataset.
+    pub fn question_count(&self) -> usize {
+        self.questions().count()
     }
 
     /// Every question with its paragraph's context, in file order.

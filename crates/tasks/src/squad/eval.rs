@@ -89,6 +89,20 @@ pub fn f1(prediction: &str, gold: &str) -> f64 {
     2.0 * precision * recall / (precision + recall)
 }
 
+/// Reads a predictions file: a JSON object `{question id: answer text}`.
+pub fn read_predictions(
+    path: &std::path::Path,
+) -> Result<HashMap<String, String>, crate::TaskError> {
+    let text = std::fs::read_to_string(path).map_err(|e| crate::TaskError::Io {
+        path: path.into(),
+        source: e,
+    })?;
+    serde_json::from_str(&text).map_err(|e| crate::TaskError::Format {
+        path: path.into(),
+        message: format!("not a JSON object of question id to answer text: {e}"),
+    })
+}
+
 /// One question's scores.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuestionScore {

@@ -65,6 +65,42 @@ pub fn f1(gold: &str, prediction: &str) -> f64 {
     2.0 * precision * recall / (precision + recall)
 }
 
+/// Reads no-answer probabilities (or run_squad's `null_odds.json`): a JSON object
+/// `{question id: number}`, kept in file order (the best-threshold search is a stable sort
+/// over it, as the script's).
+pub fn read_na_probs(path: &std::path::Path) -> Result<Vec<(String, f64)>, crate::TaskError> {
+    let text = std::fs::read_to_string(path).map_err(|e| crate::TaskError::Io {
+        path: path.into(),
+        source: e,
+    })?;
+    let bad = |m: String| crate::TaskError::Format {
+        path: path.into(),
+        message: m,
+    };
+    let mut de = serde_json::Deserializer::from_str(&text);
+    let entries = serde::Deserializer::deserialize_map(&mut de, OrderedNumbers)
+        .map_err(|e| bad(format!("not a JSON object of question id to number: {e}")))?;
+    de.end().map_err(|e| bad(e.to_string()))?;
+    Ok(entries)
+}
+
+/// Visits a JSON object of numbers, keeping the entries' order.
+struct OrderedNumbers;
+
+impl<'de> serde::de::Visitor<'de> for OrderedNumbers {
+    type Value = Vec<(String, f64)>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object of question id to number")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(entry) = map.next_entry::<String, f64>()? {
+            out.push(entry);
+        }
+        Ok(out)
+    }
+}
+
 /// The v2.0 results, in the script's key order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScoresV2 {

@@ -5,4 +5,5 @@ pub mod data;
 pub mod eval;
 pub mod eval_v2;
 pub mod features;
+pub mod finetune;
 pub mod postprocess;

@@ -1,0 +1,37 @@
+//! Padding encoded sequences into model inputs.
+
+use bertkit_model::{BertConfig, Inputs};
+use candle_core::{Device, Tensor};
+
+use crate::TaskError;
+
+/// Model-side failures, as task errors.
+pub(crate) fn model_err(e: impl std::fmt::Display) -> TaskError {
+    TaskError::Model(e.to_string())
+}
+
+/// Pads `(ids, segments)` pairs to the longest with id 0, segment 0 and attention mask 0, and
+/// returns the checked inputs and the `[batch, longest]` attention mask (1 = token).
+pub fn pad(
+    sequences: &[(&[u32], &[u32])],
+    config: &BertConfig,
+    device: &Device,
+) -> Result<(Inputs, Tensor), TaskError> {
+    let longest = sequences.iter().map(|(i, _)| i.len()).max().unwrap_or(1);
+    let rows = sequences.len();
+    let (mut ids, mut segs, mut mask) = (
+        Vec::with_capacity(rows * longest),
+        Vec::with_capacity(rows * longest),
+        Vec::with_capacity(rows * longest),
+    );
+    for (i, s) in sequences {
+        let padding = longest - i.len();
+        ids.extend(i.iter().copied().chain(std::iter::repeat_n(0, padding)));
+        segs.extend(s.iter().copied().chain(std::iter::repeat_n(0, padding)));
+        mask.extend(std::iter::repeat_n(1u32, i.len()).chain(std::iter::repeat_n(0, padding)));
+    }
+    let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, longest), device).map_err(model_err);
+    let mask = t(mask)?;
+    let inputs = Inputs::new(config, &t(ids)?, Some(&t(segs)?), Some(&mask)).map_err(model_err)?;
+    Ok((inputs, mask))
+}

@@ -1,0 +1,372 @@
+//! SQuAD fine-tuning and prediction.
+//!
+//! Training (as Google's `run_squad.py`): features from [`crate::squad::features`], the QA head
+//! on every token (initialised when the checkpoint has none), loss = mean of the start and end
+//! cross-entropies against the target positions (`[CLS]` when the answer is not in the window
+//! or the question is impossible), the shared loop of [`crate::training`]. Unlike Google's
+//! script, padding positions are masked out of the softmax (batches pad to their longest
+//! feature, so the loss does not depend on how much padding a batch has).
+//!
+//! Prediction: features sorted by length and run in batches (frozen weights: fused kernels),
+//! logits of the real tokens, then [`crate::squad::postprocess`]. Files written into the output
+//! folder, each whole or not at all: `predictions.json` (`{id: answer}`, the official format),
+//! `nbest_predictions.json`, and for v2.0 `null_odds.json` (null score − best answer score; give
+//! it to the v2.0 evaluation as the no-answer probabilities to find the best threshold).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use bertkit_model::bert::{BertForQuestionAnswering, Loaded, load_frozen, load_with, save};
+use bertkit_model::{Mode, loss};
+use bertkit_records::FullTokenizer;
+use candle_core::{DType, Device, Tensor};
+
+use crate::TaskError;
+use crate::batch::{model_err, pad};
+use crate::squad::data::Dataset;
+use crate::squad::features::{Examples, Feature, FeatureOptions, build_features, read_examples};
+use crate::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
+use crate::training::{TrainLog, TrainSettings, train};
+
+/// Loads the model folder's `vocab.txt`.
+pub fn load_tokenizer(model: &Path, lower_case: bool) -> Result<FullTokenizer, TaskError> {
+    let vocab = model.join("vocab.txt");
+    FullTokenizer::from_vocab_file(&vocab, lower_case).map_err(|e| TaskError::Format {
+        path: vocab,
+        message: e.to_string(),
+    })
+}
+
+/// Start/end logits of every feature (unpadded), `batch` features per forward pass, shortest
+/// first; `progress` hears a line every 20 batches.
+pub fn feature_logits(
+    model: &Loaded<BertForQuestionAnswering>,
+    features: &[Feature],
+    batch: usize,
+    device: &Device,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<FeatureLogits>, TaskError> {
+    let mut order: Vec<usize> = (0..features.len()).collect();
+    order.sort_by_key(|&i| features[i].input_ids.len());
+    let mut out: Vec<Option<FeatureLogits>> = vec![None; features.len()];
+    let batches = order.len().div_ceil(batch.max(1));
+    let started = Instant::now();
+    for (b, chunk) in order.chunks(batch.max(1)).enumerate() {
+        let seqs: Vec<(&[u32], &[u32])> = chunk
+            .iter()
+            .map(|&i| {
+                (
+                    features[i].input_ids.as_slice(),
+                    features[i].segment_ids.as_slice(),
+                )
+            })
+            .collect();
+        let (inputs, _) = pad(&seqs, &model.config, device)?;
+        let (start, end) = model
+            .model
+            .forward(&inputs, Mode::Eval)
+            .map_err(model_err)?;
+        let rows = |t: Tensor| -> Result<Vec<Vec<f32>>, TaskError> {
+            t.to_dtype(DType::F32)
+                .and_then(|t| t.to_vec2::<f32>())
+                .map_err(model_err)
+        };
+        let (start, end) = (rows(start)?, rows(end)?);
+        for ((&i, s), e) in chunk.iter().zip(start).zip(end) {
+            let n = features[i].input_ids.len();
+            out[i] = Some(FeatureLogits {
+                start: s[..n].to_vec(),
+                end: e[..n].to_vec(),
+            });
+        }
+        if (b + 1) % 20 == 0 || b + 1 == batches {
+            progress(&format!(
+                "predicted {}/{batches} batches ({:.1} s)",
+                b + 1,
+                started.elapsed().as_secs_f64()
+            ));
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|l| l.expect("every feature was run"))
+        .collect())
+}
+
+/// Prediction settings.
+#[derive(Debug, Clone)]
+pub struct PredictOptions {
+    /// Window settings (as in training).
+    pub features: FeatureOptions,
+    /// n-best, answer length, casing, v2.0 and null threshold.
+    pub postprocess: PostprocessOptions,
+    /// Features per forward pass.
+    pub batch: usize,
+    /// Device.
+    pub device: Device,
+}
+
+/// What a prediction run did.
+#[derive(Debug, Clone)]
+pub struct PredictReport {
+    /// Questions answered.
+    pub examples: usize,
+    /// Windows run through the model.
+    pub features: usize,
+    /// Seconds in the model (forward passes).
+    pub model_seconds: f64,
+    /// The predictions, in file order.
+    pub predictions: Vec<Prediction>,
+    /// The files written.
+    pub files: Vec<PathBuf>,
+}
+
+/// `{"key": value, …}` with one entry per line and 4-space indentation (as run_squad writes),
+/// keeping the given order.
+fn ordered_json(entries: impl Iterator<Item = (String, serde_json::Value)>) -> String {
+    let mut out = String::from("{\n");
+    let mut first = true;
+    for (k, v) in entries {
+        if !first {
+            out.push_str(",\n");
+        }
+        first = false;
+        out.push_str("    ");
+        out.push_str(&serde_json::Value::String(k).to_string());
+        out.push_str(": ");
+        out.push_str(&v.to_string());
+    }
+    out.push_str("\n}\n");
+    out
+}
+
+fn write(path: PathBuf, text: &str, files: &mut Vec<PathBuf>) -> Result<(), TaskError> {
+    bertkit_stage_io::write_atomically(&path, text.as_bytes()).map_err(|e| TaskError::Io {
+        path: path.clone(),
+        source: e,
+    })?;
+    files.push(path);
+    Ok(())
+}
+
+/// Writes `predictions.json`, `nbest_predictions.json` and (v2.0) `null_odds.json` into
+/// `dir`.
+pub fn write_predictions(
+    predictions: &[Prediction],
+    dir: &Path,
+) -> Result<Vec<PathBuf>, TaskError> {
+    std::fs::create_dir_all(dir).map_err(|e| TaskError::Io {
+        path: dir.into(),
+        source: e,
+    })?;
+    let mut files = Vec::new();
+    let answers = ordered_json(
+        predictions
+            .iter()
+            .map(|p| (p.id.clone(), serde_json::Value::String(p.text.clone()))),
+    );
+    write(dir.join("predictions.json"), &answers, &mut files)?;
+    let n_best = ordered_json(predictions.iter().map(|p| {
+        let list: Vec<serde_json::Value> = p
+            .n_best
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "text": c.text,
+                    "probability": c.probability,
+                    "start_logit": c.start_logit,
+                    "end_logit": c.end_logit,
+                })
+            })
+            .collect();
+        (p.id.clone(), serde_json::Value::Array(list))
+    }));
+    write(dir.join("nbest_predictions.json"), &n_best, &mut files)?;
+    if predictions.iter().any(|p| p.null_score_diff.is_some()) {
+        let odds = ordered_json(predictions.iter().map(|p| {
+            let v = p.null_score_diff.unwrap_or(f64::INFINITY);
+            // JSON has no infinity: a question with only "no answer" gets a large number.
+            let v = if v.is_finite() { v } else { 1e9 };
+            (p.id.clone(), serde_json::json!(v))
+        }));
+        write(dir.join("null_odds.json"), &odds, &mut files)?;
+    }
+    Ok(files)
+}
+
+/// Predicts answers for every question of `dataset` with `model`, writing the prediction
+/// files into `output` when given.
+pub fn predict_dataset(
+    model: &Loaded<BertForQuestionAnswering>,
+    tokenizer: &FullTokenizer,
+    dataset: &Dataset,
+    options: &PredictOptions,
+    output: Option<&Path>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PredictReport, TaskError> {
+    let examples: Examples = read_examples(dataset, false, options.postprocess.version_2)?;
+    let features = build_features(&examples, tokenizer, &options.features, false)?;
+    progress(&format!(
+        "{} questions, {} windows",
+        examples.examples.len(),
+        features.len()
+    ));
+    let started = Instant::now();
+    let logits = feature_logits(model, &features, options.batch, &options.device, progress)?;
+    let model_seconds = started.elapsed().as_secs_f64();
+    let predictions = predict(
+        &examples,
+        &features,
+        &logits,
+        tokenizer,
+        &options.postprocess,
+    );
+    let files = match output {
+        Some(dir) => write_predictions(&predictions, dir)?,
+        None => Vec::new(),
+    };
+    Ok(PredictReport {
+        examples: examples.examples.len(),
+        features: features.len(),
+        model_seconds,
+        predictions,
+        files,
+    })
+}
+
+/// Loads a fine-tuned QA model for prediction (frozen weights).
+pub fn load_for_prediction(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<Loaded<BertForQuestionAnswering>, TaskError> {
+    let model = load_frozen::<BertForQuestionAnswering>(dir, dtype, device).map_err(model_err)?;
+    if !model.params.initialised.is_empty() {
+        return Err(TaskError::Format {
+            path: dir.into(),
+            message: format!(
+                "not a question-answering model: it lacks {} (fine-tune it first: bertkit \
+                 finetune squad)",
+                model.params.initialised.join(", ")
+            ),
+        });
+    }
+    Ok(model)
+}
+
+/// Fine-tuning settings.
+#[derive(Debug, Clone)]
+pub struct SquadFinetuneOptions {
+    /// Model folder (config.json, model.safetensors, vocab.txt).
+    pub model: PathBuf,
+    /// Training data.
+    pub train: Dataset,
+    /// Where the fine-tuned model (and vocab.txt) goes.
+    pub output: PathBuf,
+    /// The training loop.
+    pub settings: TrainSettings,
+    /// Windows, post-processing, prediction batch, device.
+    pub predict: PredictOptions,
+    /// Weights dtype (f32; bf16 or f16 on CUDA with f32 master weights).
+    pub dtype: DType,
+}
+
+/// What fine-tuning did.
+#[derive(Debug, Clone)]
+pub struct SquadFinetuneReport {
+    /// Training questions used.
+    pub train_examples: usize,
+    /// Training questions skipped (answer text not at its offset).
+    pub skipped: usize,
+    /// Training windows.
+    pub train_features: usize,
+    /// The loop's log.
+    pub log: TrainLog,
+}
+
+/// Fine-tunes `options.model` on SQuAD and saves the result to `options.output`.
+pub fn finetune(
+    options: &SquadFinetuneOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<SquadFinetuneReport, TaskError> {
+    let lower_case = options.predict.postprocess.lower_case;
+    let tokenizer = load_tokenizer(&options.model, lower_case)?;
+    let version_2 = options.predict.postprocess.version_2;
+    let examples = read_examples(&options.train, true, version_2)?;
+    let features = build_features(&examples, &tokenizer, &options.predict.features, true)?;
+    progress(&format!(
+        "{} training questions ({} skipped: answer not at its offset), {} windows",
+        examples.examples.len(),
+        examples.skipped.len(),
+        features.len()
+    ));
+    let device = &options.predict.device;
+    let model = load_with::<BertForQuestionAnswering>(
+        &options.model,
+        options.dtype,
+        device,
+        options.settings.seed,
+        &|_| {},
+    )
+    .map_err(model_err)?;
+    if !model.params.initialised.is_empty() {
+        progress(&format!(
+            "initialised: {}",
+            model.params.initialised.join(", ")
+        ));
+    }
+    let log = train(
+        &model.params,
+        features.len(),
+        &options.settings,
+        &mut |indices, mode| {
+            let seqs: Vec<(&[u32], &[u32])> = indices
+                .iter()
+                .map(|&i| {
+                    (
+                        features[i].input_ids.as_slice(),
+                        features[i].segment_ids.as_slice(),
+                    )
+                })
+                .collect();
+            let (inputs, mask) = pad(&seqs, &model.config, device)?;
+            let positions = |pick: fn(&Feature) -> usize| {
+                let v: Vec<u32> = indices.iter().map(|&i| pick(&features[i]) as u32).collect();
+                Tensor::from_vec(v, indices.len(), device).map_err(model_err)
+            };
+            let starts = positions(|f| f.start_position)?;
+            let ends = positions(|f| f.end_position)?;
+            let (start, end) = model.model.forward(&inputs, mode).map_err(model_err)?;
+            qa_loss(&start, &end, &mask, &starts, &ends).map_err(model_err)
+        },
+        progress,
+    )?;
+    save(&model, &options.output, DType::F32).map_err(model_err)?;
+    let vocab = options.model.join("vocab.txt");
+    std::fs::copy(&vocab, options.output.join("vocab.txt")).map_err(|e| TaskError::Io {
+        path: options.output.join("vocab.txt"),
+        source: e,
+    })?;
+    Ok(SquadFinetuneReport {
+        train_examples: examples.examples.len(),
+        skipped: examples.skipped.len(),
+        train_features: features.len(),
+        log,
+    })
+}
+
+/// The span loss: mean of the start and end cross-entropies, padding (`mask` 0) excluded.
+pub fn qa_loss(
+    start: &Tensor,
+    end: &Tensor,
+    mask: &Tensor,
+    starts: &Tensor,
+    ends: &Tensor,
+) -> candle_core::Result<Tensor> {
+    // 0 for tokens, -10000 for padding (exp underflows to 0 in f32).
+    let bias = ((mask.to_dtype(DType::F32)? - 1.0)? * 10_000.0)?;
+    let masked = |t: &Tensor| t.to_dtype(DType::F32)?.add(&bias);
+    let s = loss::cross_entropy(&masked(start)?, starts)?;
+    let e = loss::cross_entropy(&masked(end)?, ends)?;
+    (s + e)? * 0.5
+}

@@ -1,0 +1,230 @@
+//! The fine-tuning loop the tasks share (nanoGPT-style: one readable loop).
+//!
+//! Each epoch visits the examples in a seeded shuffled order, `batch` examples per optimiser
+//! step. A step's batch is split into `accumulation` micro-batches; each micro-batch's mean
+//! loss is weighted by its share of the batch, so the accumulated gradient is the gradient of
+//! the batch mean whatever the split. AdamW (weight decay 0.01 except biases and LayerNorm,
+//! global-norm clipping at 1.0) keeps f32 master weights, so the model may run in bf16 or
+//! fp16; fp16 scales the loss dynamically and skips steps whose gradients overflow. The
+//! learning rate warms up linearly over `warmup` of the steps and then decays linearly to 0.
+
+use bertkit_model::{DropoutSource, Mode, ParamStore};
+use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
+use bertkit_train::scaler::LossScaler;
+use bertkit_train::schedule::{Decay, Schedule};
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
+
+use crate::TaskError;
+use crate::batch::model_err;
+
+/// Fine-tuning hyper-parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSettings {
+    /// Passes over the training examples.
+    pub epochs: f64,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Examples per optimiser step.
+    pub batch: usize,
+    /// Micro-batches per step (gradient accumulation).
+    pub accumulation: usize,
+    /// Share of the steps spent warming up.
+    pub warmup: f64,
+    /// Shuffling and dropout.
+    pub seed: u64,
+    /// Stop after this many steps (short runs); the schedule still spans all epochs.
+    pub max_steps: Option<usize>,
+}
+
+impl TrainSettings {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<(), TaskError> {
+        let bad = |m: String| Err(TaskError::Settings(m));
+        if self.batch == 0 || self.accumulation == 0 {
+            return bad("batch and accumulation must be at least 1".into());
+        }
+        if self.accumulation > self.batch {
+            return bad(format!(
+                "accumulation {} exceeds the batch {}: each micro-batch needs an example",
+                self.accumulation, self.batch
+            ));
+        }
+        if self.epochs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return bad(format!("epochs must be positive, not {}", self.epochs));
+        }
+        Ok(())
+    }
+
+    /// Optimiser steps per epoch for `examples` examples.
+    pub fn steps_per_epoch(&self, examples: usize) -> usize {
+        examples.div_ceil(self.batch).max(1)
+    }
+
+    /// Steps in the schedule (all epochs).
+    pub fn total_steps(&self, examples: usize) -> usize {
+        ((self.steps_per_epoch(examples) as f64 * self.epochs).ceil() as usize).max(1)
+    }
+}
+
+/// What a training run did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainLog {
+    /// Optimiser steps taken (skipped fp16 steps included).
+    pub steps: usize,
+    /// Loss of each step (mean over its batch).
+    pub losses: Vec<f64>,
+    /// fp16 steps skipped for overflowing gradients.
+    pub skipped: usize,
+    /// Seconds spent.
+    pub seconds: f64,
+}
+
+impl TrainLog {
+    /// Mean loss of the first and last tenth of the steps.
+    pub fn first_and_last_tenth(&self) -> (f64, f64) {
+        let tenth = (self.losses.len() / 10)
+            .max(1)
+            .min(self.losses.len().max(1));
+        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
+        if self.losses.is_empty() {
+            return (f64::NAN, f64::NAN);
+        }
+        (
+            mean(&self.losses[..tenth]),
+            mean(&self.losses[self.losses.len() - tenth..]),
+        )
+    }
+}
+
+/// A seeded permutation of `0..n` (one splitmix64 stream from `key`).
+pub fn shuffled(n: usize, key: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut s = key;
+    for i in (1..n).rev() {
+        let z = bertkit_model::rng::splitmix64(s);
+        s = s.wrapping_add(bertkit_model::rng::SPLITMIX_INCREMENT);
+        order.swap(i, (z % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
+/// The mean loss (a scalar tensor) of the examples at some indices, in a mode.
+pub type LossFn<'a> = dyn FnMut(&[usize], Mode) -> Result<Tensor, TaskError> + 'a;
+
+/// Trains the parameters in `params` on `examples` examples. `loss_of(indices, mode)` returns
+/// the mean loss (a scalar) of those examples; `progress` hears a line every 20 steps.
+pub fn train(
+    params: &ParamStore,
+    examples: usize,
+    settings: &TrainSettings,
+    loss_of: &mut LossFn,
+    progress: &mut dyn FnMut(&str),
+) -> Result<TrainLog, TaskError> {
+    settings.validate()?;
+    if examples == 0 {
+        return Err(TaskError::Settings("no training examples".into()));
+    }
+    let steps_per_epoch = settings.steps_per_epoch(examples);
+    let total = settings.total_steps(examples);
+    let steps = settings.max_steps.map_or(total, |m| m.min(total));
+    let schedule = Schedule {
+        lr: settings.lr,
+        warmup: settings.warmup,
+        total_steps: total as u64,
+        decay: Decay::Linear,
+        power: 1.0,
+    };
+    schedule.validate().map_err(model_err)?;
+    let mut optimizer = Optimizer::new(
+        OptimizerConfig {
+            rule: Rule::Adamw,
+            ..OptimizerConfig::lamb()
+        },
+        params.vars(),
+    )
+    .map_err(model_err)?;
+    let fp16 = params.vars().values().any(|v| v.dtype() == DType::F16);
+    let mut scaler = fp16.then(|| LossScaler::new(50));
+    let master = optimizer.master_dtype();
+    let dropout = DropoutSource::new(settings.seed);
+    let started = std::time::Instant::now();
+    let mut log = TrainLog {
+        steps: 0,
+        losses: Vec::with_capacity(steps),
+        skipped: 0,
+        seconds: 0.0,
+    };
+    let mut order = Vec::new();
+    for step in 0..steps {
+        let epoch = step / steps_per_epoch;
+        let within = step % steps_per_epoch;
+        if within == 0 {
+            order = shuffled(
+                examples,
+                settings.seed ^ (epoch as u64 + 1).wrapping_mul(0x9E37),
+            );
+        }
+        let batch = &order[within * settings.batch..((within + 1) * settings.batch).min(examples)];
+        let micro = batch.len().div_ceil(settings.accumulation);
+        let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut step_loss = 0f64;
+        for part in batch.chunks(micro) {
+            let weight = part.len() as f64 / batch.len() as f64;
+            let loss = loss_of(part, Mode::Train(&dropout))?;
+            step_loss += weight
+                * loss
+                    .to_dtype(DType::F64)
+                    .and_then(|l| l.to_scalar::<f64>())
+                    .map_err(model_err)?;
+            let g = (loss * (weight * scale))
+                .and_then(|l| l.backward())
+                .map_err(model_err)?;
+            for (name, var) in params.vars() {
+                let Some(g) = g.get(var.as_tensor()) else {
+                    continue;
+                };
+                let g = g.to_dtype(master).map_err(model_err)?;
+                let sum = match grads.remove(name) {
+                    Some(acc) => (acc + g).map_err(model_err)?,
+                    None => g,
+                };
+                grads.insert(name.clone(), sum);
+            }
+        }
+        if scale != 1.0 {
+            for g in grads.values_mut() {
+                *g = (&*g / scale).map_err(model_err)?;
+            }
+        }
+        let apply = match &mut scaler {
+            Some(s) => {
+                let finite = Optimizer::global_norm(&grads)
+                    .map_err(model_err)?
+                    .is_finite();
+                s.update(finite, step as u64 + 1).map_err(model_err)?
+            }
+            None => true,
+        };
+        if apply {
+            optimizer
+                .step(&grads, schedule.lr_at(step as u64))
+                .map_err(model_err)?;
+        } else {
+            log.skipped += 1;
+        }
+        log.losses.push(step_loss);
+        log.steps += 1;
+        if (step + 1) % 20 == 0 || step + 1 == steps {
+            progress(&format!(
+                "step {}/{steps} loss {step_loss:.4} lr {:.2e} ({:.1} s)",
+                step + 1,
+                schedule.lr_at(step as u64),
+                started.elapsed().as_secs_f64()
+            ));
+        }
+    }
+    log.seconds = started.elapsed().as_secs_f64();
+    Ok(log)
+}
