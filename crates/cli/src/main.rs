@@ -12,6 +12,25 @@ use clap::{Args, Parser, Subcommand};
 
 mod tasks;
 
+/// Tensor buffers are large and short-lived: see the workspace Cargo.toml.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// mimalloc's `mi_option_purge_delay` (the 16th entry of `mi_option_e`, v2 and v3 alike).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Keeps freed memory mapped instead of returning it to the OS 10 ms later: each training step
+/// frees and re-allocates the same large buffers, and purging them cost a page fault per 4 KiB
+/// on the next step (SQuAD fine-tuning of MiniLM on 2 cores: 60 s -> 31 s for 3 steps).
+/// The process keeps its peak footprint, which the next step needs anyway. `MIMALLOC_PURGE_DELAY`
+/// in the environment still wins.
+fn keep_freed_memory() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets an integer option of the allocator; no memory is touched.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "bertkit",
@@ -1120,6 +1139,7 @@ fn report(
 }
 
 fn main() -> ExitCode {
+    keep_freed_memory();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
