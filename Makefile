@@ -4,6 +4,9 @@
 #   make data                           the full pipeline (pipelines/data.toml)
 #   make pretrain-phase1 / -phase2      NVIDIA's BERT-large recipe on the data (resumes if stopped)
 #   make finetune-glue TASK=mrpc [MODEL=dir]  fine-tune (default: the shared MiniLM) and score dev
+#   make finetune-squad [MODEL=dir] [SQUAD_TRAIN=train.json SQUAD_DEV=dev.json] [SQUAD_FLAGS=…]
+#                                       fine-tune, predict and score SQuAD (offline: the split of
+#                                       the mirror's dev-v1.1.json, first 38 articles / last 10)
 #   make test                           every test (what CI runs)
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
@@ -19,7 +22,7 @@ CARGO ?= cargo
 BERTKIT := target/release/bertkit
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
-PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue
+PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
 .PHONY: all build demo data test lint $(PHONY_TRAIN) bench-format bench-shard bench-records clean
 
 all: build
@@ -39,6 +42,21 @@ TASK ?= mrpc
 MODEL ?= $(MIRROR)/minilm
 finetune-glue: build
 	$(BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o out/finetune/$(TASK)
+
+# Fine-tune on SQuAD, then predict and score the dev set (files in out/finetune/squad/predictions/).
+# Without SQUAD_TRAIN: the documented offline split of SQuAD v1.1 dev (train on its first 38
+# articles, 8,582 questions; evaluate on the last 10, 1,988 questions). On a CPU, a short run:
+# SQUAD_FLAGS="--epochs 0.45 --batch 32 --accumulation 4" (see BENCHMARKS.md).
+SQUAD_TRAIN ?=
+SQUAD_DEV ?=
+SQUAD_FLAGS ?=
+finetune-squad: build
+ifeq ($(SQUAD_TRAIN),)
+	$(BERTKIT) split squad --input "$(MIRROR)/squad/dev-v1.1.json" --train-articles 38 -o $(OUT)/squad-split
+	$(BERTKIT) finetune squad --model "$(MODEL)" --train $(OUT)/squad-split/train.json --dev $(OUT)/squad-split/dev.json -o $(OUT)/finetune/squad $(SQUAD_FLAGS)
+else
+	$(BERTKIT) finetune squad --model "$(MODEL)" --train "$(SQUAD_TRAIN)" $(if $(SQUAD_DEV),--dev "$(SQUAD_DEV)") -o $(OUT)/finetune/squad $(SQUAD_FLAGS)
+endif
 
 pretrain-phase1: build
 	$(BERTKIT) pretrain --config pipelines/pretrain-phase1.toml $(if $(wildcard runs/phase1/checkpoints/step-*),--resume)
