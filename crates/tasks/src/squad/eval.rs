@@ -68,12 +68,18 @@ pub fn f1(prediction: &str, gold: &str) -> f64 {
     let g = normalize_answer(gold);
     let p: Vec<&str> = p.split_whitespace().collect();
     let g: Vec<&str> = g.split_whitespace().collect();
+    overlap_f1(&p, &g)
+}
+
+/// F1 of the token overlap (multiset intersection) of two token lists; 0 when they share
+/// nothing.
+pub(crate) fn overlap_f1(prediction: &[&str], gold: &[&str]) -> f64 {
     let mut counts: HashMap<&str, i64> = HashMap::new();
-    for t in &g {
+    for t in gold {
         *counts.entry(t).or_default() += 1;
     }
     let mut same = 0i64;
-    for t in &p {
+    for t in prediction {
         if let Some(c) = counts.get_mut(t)
             && *c > 0
         {
@@ -84,8 +90,8 @@ pub fn f1(prediction: &str, gold: &str) -> f64 {
     if same == 0 {
         return 0.0;
     }
-    let precision = same as f64 / p.len() as f64;
-    let recall = same as f64 / g.len() as f64;
+    let precision = same as f64 / prediction.len() as f64;
+    let recall = same as f64 / gold.len() as f64;
     2.0 * precision * recall / (precision + recall)
 }
 

@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 
 use crate::squad::data::Dataset;
-use crate::squad::eval::normalize_answer;
+use crate::squad::eval::{normalize_answer, overlap_f1};
 
 fn tokens(text: &str) -> Vec<String> {
     if text.is_empty() {
@@ -44,25 +44,9 @@ pub fn f1(gold: &str, prediction: &str) -> f64 {
     if g.is_empty() || p.is_empty() {
         return f64::from(u8::from(g == p));
     }
-    let mut counts: HashMap<&str, i64> = HashMap::new();
-    for t in &g {
-        *counts.entry(t).or_default() += 1;
-    }
-    let mut same = 0i64;
-    for t in &p {
-        if let Some(c) = counts.get_mut(t.as_str())
-            && *c > 0
-        {
-            *c -= 1;
-            same += 1;
-        }
-    }
-    if same == 0 {
-        return 0.0;
-    }
-    let precision = same as f64 / p.len() as f64;
-    let recall = same as f64 / g.len() as f64;
-    2.0 * precision * recall / (precision + recall)
+    let g: Vec<&str> = g.iter().map(String::as_str).collect();
+    let p: Vec<&str> = p.iter().map(String::as_str).collect();
+    overlap_f1(&p, &g)
 }
 
 /// Reads no-answer probabilities (or run_squad's `null_odds.json`): a JSON object
