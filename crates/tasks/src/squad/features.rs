@@ -17,8 +17,6 @@
 //!
 //! Features are kept unpadded; batches pad to their longest feature.
 
-use std::collections::HashMap;
-
 use bertkit_records::FullTokenizer;
 
 use crate::TaskError;
@@ -324,16 +322,15 @@ pub fn build_features(
         })
     };
     let (cls, sep) = (special("[CLS]")?, special("[SEP]")?);
-    let mut tokenized: HashMap<usize, TokenizedContext> = HashMap::new();
+    // Consecutive questions share a context: it is tokenized once for all of them.
+    let mut current: Option<(usize, TokenizedContext)> = None;
     let mut features = Vec::new();
     for (example_index, example) in examples.examples.iter().enumerate() {
         let context = &examples.contexts[example.context];
-        // Contexts are shared by consecutive questions: keep only the current one.
-        if !tokenized.contains_key(&example.context) {
-            tokenized.clear();
-            tokenized.insert(example.context, tokenize_context(tokenizer, context));
+        if current.as_ref().is_none_or(|(c, _)| *c != example.context) {
+            current = Some((example.context, tokenize_context(tokenizer, context)));
         }
-        let doc = &tokenized[&example.context];
+        let doc = &current.as_ref().expect("set above").1;
         let mut query = tokenizer.tokenize_ids(&example.question);
         query.truncate(options.max_query_length);
 
