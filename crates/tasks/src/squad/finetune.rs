@@ -363,9 +363,14 @@ pub fn qa_loss(
     starts: &Tensor,
     ends: &Tensor,
 ) -> candle_core::Result<Tensor> {
-    // 0 for tokens, -10000 for padding (exp underflows to 0 in f32).
-    let bias = ((mask.to_dtype(DType::F32)? - 1.0)? * 10_000.0)?;
-    let masked = |t: &Tensor| t.to_dtype(DType::F32)?.add(&bias);
+    // In f32 (f64 for f64 models); 0 for tokens, -10000 for padding (exp underflows to 0).
+    let dtype = if start.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let bias = ((mask.to_dtype(dtype)? - 1.0)? * 10_000.0)?;
+    let masked = |t: &Tensor| t.to_dtype(dtype)?.add(&bias);
     let s = loss::cross_entropy(&masked(start)?, starts)?;
     let e = loss::cross_entropy(&masked(end)?, ends)?;
     (s + e)? * 0.5
