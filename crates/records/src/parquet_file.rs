@@ -9,7 +9,8 @@
 //! - `next_sentence_label: int8`: 1 when B is a random next (as NVIDIA's loaders expect), else 0;
 //! - `seq_len: int32`: the length of `input_ids`, for length-bucketed batching.
 //!
-//! zstd level 3. Row groups of [`ROW_GROUP_ROWS`] rows: about 1 MiB of ids at phase 1 and 4 MiB at
+//! zstd level 1 (level 3 made files 8% smaller and the whole stage 15-25% slower; see BENCHMARKS.md).
+//! Row groups of [`ROW_GROUP_ROWS`] rows: about 1 MiB of ids at phase 1 and 4 MiB at
 //! phase 2. That is small enough for a memory-mapped reader to shuffle at row-group granularity
 //! and decode one group at a time, and large enough for zstd to compress well. The key-value
 //! metadata holds the layout name, the generation parameters, the SHA-256 of the vocabulary and
@@ -128,7 +129,7 @@ pub fn write_instances(
             .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
     );
     let props = WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
         .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
         // Ids are high-cardinality: dictionary pages cost time and zstd does better alone.
         .set_dictionary_enabled(false)
