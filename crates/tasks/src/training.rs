@@ -113,7 +113,8 @@ pub fn shuffled(n: usize, key: u64) -> Vec<usize> {
 pub type LossFn<'a> = dyn FnMut(&[usize], Mode) -> Result<Tensor, TaskError> + 'a;
 
 /// Trains the parameters in `params` on `examples` examples. `loss_of(indices, mode)` returns
-/// the mean loss (a scalar) of those examples; `progress` hears a line every 20 steps.
+/// the mean loss (a scalar) of those examples; `progress` hears which parameters the
+/// checkpoint lacked (initialised fresh), then a line every 20 steps.
 pub fn train(
     params: &ParamStore,
     examples: usize,
@@ -124,6 +125,9 @@ pub fn train(
     settings.validate()?;
     if examples == 0 {
         return Err(TaskError::Settings("no training examples".into()));
+    }
+    if !params.initialised.is_empty() {
+        progress(&format!("initialised: {}", params.initialised.join(", ")));
     }
     let steps_per_epoch = settings.steps_per_epoch(examples);
     let total = settings.total_steps(examples);

@@ -230,12 +230,6 @@ pub fn finetune(
         },
     )
     .map_err(model_err)?;
-    if !model.params.initialised.is_empty() {
-        progress(&format!(
-            "initialised: {}",
-            model.params.initialised.join(", ")
-        ));
-    }
     let log = train(
         &model.params,
         train_set.len(),

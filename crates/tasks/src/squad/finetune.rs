@@ -309,12 +309,6 @@ pub fn finetune(
         &|_| {},
     )
     .map_err(model_err)?;
-    if !model.params.initialised.is_empty() {
-        progress(&format!(
-            "initialised: {}",
-            model.params.initialised.join(", ")
-        ));
-    }
     let log = train(
         &model.params,
         features.len(),
