@@ -1,7 +1,7 @@
 //! The task commands: `evaluate`, `finetune`, `predict` and `split` (SQuAD and GLUE).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use bertkit_tasks::glue::data::Task;
 use bertkit_tasks::squad::data::Dataset;
@@ -275,17 +275,28 @@ pub fn evaluate(command: EvaluateCommand) -> Result<()> {
     let EvaluateCommand::Squad(args) = command;
     let dataset = Dataset::load(&args.data)?;
     let predictions = bertkit_tasks::squad::eval::read_predictions(&args.predictions)?;
-    println!("{}", score_squad(&dataset, &predictions, &args)?);
+    let scores = score_squad(
+        &dataset,
+        &predictions,
+        args.version_2,
+        args.na_prob_file.as_deref(),
+        args.na_prob_thresh,
+    )?;
+    println!("{scores}");
     Ok(())
 }
 
+/// The official script's output for `predictions`: v2.0 when asked or when the data file says
+/// so (with no-answer probabilities from `na_prob_file`), else v1.1.
 fn score_squad(
     dataset: &Dataset,
     predictions: &HashMap<String, String>,
-    args: &EvaluateSquadArgs,
+    version_2: bool,
+    na_prob_file: Option<&Path>,
+    na_prob_thresh: f64,
 ) -> Result<String> {
-    if args.version_2 || dataset.version.starts_with("v2") || dataset.version.starts_with('2') {
-        let na_probs = match &args.na_prob_file {
+    if version_2 || dataset.version.starts_with("v2") || dataset.version.starts_with('2') {
+        let na_probs = match na_prob_file {
             Some(path) => Some(bertkit_tasks::squad::eval_v2::read_na_probs(path)?),
             None => None,
         };
@@ -293,7 +304,7 @@ fn score_squad(
             dataset,
             predictions,
             na_probs.as_deref(),
-            args.na_prob_thresh,
+            na_prob_thresh,
         );
         for id in &scores.unanswered {
             eprintln!("Missing prediction for {id} (scored 0)");
@@ -416,7 +427,7 @@ fn predict_squad(args: PredictSquadArgs) -> Result<()> {
     let device = bertkit_model::parse_device(&args.device)?;
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
     let model = squad::load_for_prediction(&args.model, dtype, &device)?;
-    let tokenizer = squad::load_tokenizer(&args.model, !args.cased)?;
+    let tokenizer = bertkit_tasks::model_dir::load_tokenizer(&args.model, !args.cased)?;
     let dataset = Dataset::load(&args.data)?;
     let options = args.squad.options(!args.cased, device);
     let report = squad::predict_dataset(
@@ -444,14 +455,14 @@ fn predict_squad(args: PredictSquadArgs) -> Result<()> {
             .map(|p| (p.id.clone(), p.text.clone()))
             .collect();
         let null_odds = args.output.join("null_odds.json");
-        let eval_args = EvaluateSquadArgs {
-            data: args.data.clone(),
-            predictions: args.output.join("predictions.json"),
-            version_2: args.squad.version_2,
-            na_prob_file: args.squad.version_2.then_some(null_odds),
-            na_prob_thresh: 1.0,
-        };
-        println!("{}", score_squad(&dataset, &predictions, &eval_args)?);
+        let scores = score_squad(
+            &dataset,
+            &predictions,
+            args.squad.version_2,
+            args.squad.version_2.then_some(null_odds.as_path()),
+            1.0,
+        )?;
+        println!("{scores}");
     }
     Ok(())
 }

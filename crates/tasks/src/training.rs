@@ -83,13 +83,11 @@ pub struct TrainLog {
 impl TrainLog {
     /// Mean loss of the first and last tenth of the steps.
     pub fn first_and_last_tenth(&self) -> (f64, f64) {
-        let tenth = (self.losses.len() / 10)
-            .max(1)
-            .min(self.losses.len().max(1));
-        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
         if self.losses.is_empty() {
             return (f64::NAN, f64::NAN);
         }
+        let tenth = (self.losses.len() / 10).max(1);
+        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
         (
             mean(&self.losses[..tenth]),
             mean(&self.losses[self.losses.len() - tenth..]),

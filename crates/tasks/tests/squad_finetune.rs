@@ -6,11 +6,11 @@ use std::collections::HashMap;
 
 use bertkit_model::bert::{BertForQuestionAnswering, load};
 use bertkit_shared_data::require;
+use bertkit_tasks::model_dir::load_tokenizer;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::features::FeatureOptions;
 use bertkit_tasks::squad::finetune::{
-    PredictOptions, SquadFinetuneOptions, finetune, load_for_prediction, load_tokenizer,
-    predict_dataset, qa_loss,
+    PredictOptions, SquadFinetuneOptions, finetune, load_for_prediction, predict_dataset, qa_loss,
 };
 use bertkit_tasks::squad::postprocess::PostprocessOptions;
 use bertkit_tasks::training::TrainSettings;

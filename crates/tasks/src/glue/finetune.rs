@@ -10,12 +10,13 @@
 
 use std::path::{Path, PathBuf};
 
-use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with, save};
+use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with};
 use bertkit_model::{Inputs, Mode, loss};
 use bertkit_records::FullTokenizer;
 use candle_core::{DType, Device, Tensor};
 
 use crate::batch::model_err;
+use crate::model_dir::{load_tokenizer, save_finetuned};
 use crate::training::{TrainSettings, train};
 
 use crate::glue::data::{Example, Task, read};
@@ -73,6 +74,23 @@ pub fn encode(
         segments,
         label: example.label,
     })
+}
+
+/// Reads and encodes a labelled task file.
+fn encode_file(
+    task: Task,
+    tokenizer: &FullTokenizer,
+    path: &Path,
+    max_seq_length: usize,
+) -> Result<Vec<Encoded>, crate::TaskError> {
+    read(task, path)?
+        .iter()
+        .map(|e| encode(tokenizer, e, max_seq_length))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|m| crate::TaskError::Format {
+            path: path.into(),
+            message: m,
+        })
 }
 
 /// Fine-tuning settings (defaults: BERT's GLUE recipe).
@@ -194,23 +212,8 @@ pub fn finetune(
     progress: &mut dyn FnMut(&str),
 ) -> Result<FinetuneReport, crate::TaskError> {
     let task = options.task;
-    let vocab = options.model.join("vocab.txt");
-    let tokenizer = FullTokenizer::from_vocab_file(&vocab, options.lower_case).map_err(|e| {
-        crate::TaskError::Format {
-            path: vocab.clone(),
-            message: e.to_string(),
-        }
-    })?;
-    let encode_all = |path: &Path| -> Result<Vec<Encoded>, crate::TaskError> {
-        read(task, path)?
-            .iter()
-            .map(|e| encode(&tokenizer, e, options.max_seq_length))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|m| crate::TaskError::Format {
-                path: path.into(),
-                message: m,
-            })
-    };
+    let tokenizer = load_tokenizer(&options.model, options.lower_case)?;
+    let encode_all = |path: &Path| encode_file(task, &tokenizer, path, options.max_seq_length);
     let train_set = encode_all(&options.data.join("train.tsv"))?;
     let dev = encode_all(&options.data.join(task.dev_file()))?;
     let labels = task.labels();
@@ -244,11 +247,7 @@ pub fn finetune(
     )?;
     let dev_eval = evaluate(task, &model, &dev, 64, &options.device)?;
     if let Some(out) = &options.output {
-        save(&model, out, DType::F32).map_err(model_err)?;
-        std::fs::copy(&vocab, out.join("vocab.txt")).map_err(|e| crate::TaskError::Io {
-            path: out.join("vocab.txt"),
-            source: e,
-        })?;
+        save_finetuned(&model, &options.model, out)?;
     }
     Ok(FinetuneReport {
         steps: log.steps,
@@ -287,17 +286,14 @@ pub fn predict_file(options: &GluePredictOptions) -> Result<Evaluation, crate::T
         model: model_dir,
         data,
         output,
-        max_seq_length,
-        lower_case,
-        batch,
-        device,
+        ..
     } = options;
-    let (task, max_seq_length, batch) = (*task, *max_seq_length, *batch);
-    let tokenizer = crate::squad::finetune::load_tokenizer(model_dir, *lower_case)?;
+    let task = *task;
+    let tokenizer = load_tokenizer(model_dir, options.lower_case)?;
     let model = bertkit_model::bert::load_frozen::<BertForSequenceClassification>(
         model_dir,
         DType::F32,
-        device,
+        &options.device,
     )
     .map_err(model_err)?;
     if !model.params.initialised.is_empty() || model.config.num_labels() != task.labels().len() {
@@ -315,15 +311,8 @@ pub fn predict_file(options: &GluePredictOptions) -> Result<Evaluation, crate::T
             ),
         });
     }
-    let encoded = read(task, data)?
-        .iter()
-        .map(|e| encode(&tokenizer, e, max_seq_length))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|m| crate::TaskError::Format {
-            path: data.into(),
-            message: m,
-        })?;
-    let evaluation = evaluate(task, &model, &encoded, batch, device)?;
+    let encoded = encode_file(task, &tokenizer, data, options.max_seq_length)?;
+    let evaluation = evaluate(task, &model, &encoded, options.batch, &options.device)?;
     if let Some(out) = output {
         let mut text = String::from("index\tprediction\n");
         for (i, p) in evaluation.predictions.iter().enumerate() {

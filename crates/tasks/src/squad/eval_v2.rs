@@ -164,15 +164,11 @@ pub fn evaluate_v2(
         raw.push((q.id.clone(), e, f));
     }
     let has: HashMap<&str, bool> = has_answer.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    let default_probs: Vec<(String, f64)>;
-    let probs: &[(String, f64)] = match na_probs {
-        Some(p) => p,
-        None => {
-            default_probs = predictions.keys().map(|k| (k.clone(), 0.0)).collect();
-            &default_probs
-        }
+    let prob_of: HashMap<&str, f64> = match na_probs {
+        Some(p) => p.iter().map(|(k, v)| (k.as_str(), *v)).collect(),
+        // The script's default: 0.0 for every predicted question.
+        None => predictions.keys().map(|k| (k.as_str(), 0.0)).collect(),
     };
-    let prob_of: HashMap<&str, f64> = probs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
     let thresholded: Vec<(String, f64, f64)> = raw
         .iter()
         .map(|(id, e, f)| {

@@ -224,6 +224,13 @@ pub struct Feature {
     pub end_position: usize,
 }
 
+impl Feature {
+    /// Token and segment ids, as [`crate::batch::pad`] takes them.
+    pub fn sequence(&self) -> (&[u32], &[u32]) {
+        (&self.input_ids, &self.segment_ids)
+    }
+}
+
 /// A context tokenized word by word.
 struct TokenizedContext {
     tokens: Vec<u32>,

@@ -16,26 +16,18 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use bertkit_model::bert::{BertForQuestionAnswering, Loaded, load_frozen, load_with, save};
+use bertkit_model::bert::{BertForQuestionAnswering, Loaded, load_frozen, load_with};
 use bertkit_model::{Mode, loss};
 use bertkit_records::FullTokenizer;
 use candle_core::{DType, Device, Tensor};
 
 use crate::TaskError;
 use crate::batch::{model_err, pad};
+use crate::model_dir::{load_tokenizer, save_finetuned};
 use crate::squad::data::Dataset;
 use crate::squad::features::{Examples, Feature, FeatureOptions, build_features, read_examples};
 use crate::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
 use crate::training::{TrainLog, TrainSettings, train};
-
-/// Loads the model folder's `vocab.txt`.
-pub fn load_tokenizer(model: &Path, lower_case: bool) -> Result<FullTokenizer, TaskError> {
-    let vocab = model.join("vocab.txt");
-    FullTokenizer::from_vocab_file(&vocab, lower_case).map_err(|e| TaskError::Format {
-        path: vocab,
-        message: e.to_string(),
-    })
-}
 
 /// Start/end logits of every feature (unpadded), `batch` features per forward pass, shortest
 /// first; `progress` hears a line every 20 batches.
@@ -52,15 +44,7 @@ pub fn feature_logits(
     let batches = order.len().div_ceil(batch.max(1));
     let started = Instant::now();
     for (b, chunk) in order.chunks(batch.max(1)).enumerate() {
-        let seqs: Vec<(&[u32], &[u32])> = chunk
-            .iter()
-            .map(|&i| {
-                (
-                    features[i].input_ids.as_slice(),
-                    features[i].segment_ids.as_slice(),
-                )
-            })
-            .collect();
+        let seqs: Vec<(&[u32], &[u32])> = chunk.iter().map(|&i| features[i].sequence()).collect();
         let (inputs, _) = pad(&seqs, &model.config, device)?;
         let (start, end) = model
             .model
@@ -314,15 +298,8 @@ pub fn finetune(
         features.len(),
         &options.settings,
         &mut |indices, mode| {
-            let seqs: Vec<(&[u32], &[u32])> = indices
-                .iter()
-                .map(|&i| {
-                    (
-                        features[i].input_ids.as_slice(),
-                        features[i].segment_ids.as_slice(),
-                    )
-                })
-                .collect();
+            let seqs: Vec<(&[u32], &[u32])> =
+                indices.iter().map(|&i| features[i].sequence()).collect();
             let (inputs, mask) = pad(&seqs, &model.config, device)?;
             let positions = |pick: fn(&Feature) -> usize| {
                 let v: Vec<u32> = indices.iter().map(|&i| pick(&features[i]) as u32).collect();
@@ -335,12 +312,7 @@ pub fn finetune(
         },
         progress,
     )?;
-    save(&model, &options.output, DType::F32).map_err(model_err)?;
-    let vocab = options.model.join("vocab.txt");
-    std::fs::copy(&vocab, options.output.join("vocab.txt")).map_err(|e| TaskError::Io {
-        path: options.output.join("vocab.txt"),
-        source: e,
-    })?;
+    save_finetuned(&model, &options.model, &options.output)?;
     Ok(SquadFinetuneReport {
         train_examples: examples.examples.len(),
         skipped: examples.skipped.len(),
