@@ -1132,7 +1132,14 @@ fn records(args: RecordsArgs) -> Result<(), Box<dyn std::error::Error>> {
         instances as f64 / secs.max(1e-9)
     );
     for s in summaries.iter().filter(|s| !s.skipped) {
-        println!("  {}  {} instances", s.output.display(), s.instances);
+        println!(
+            "  {}  {} instances (tokenize {:.3} s, instances {:.3} s, write {:.3} s)",
+            s.output.display(),
+            s.instances,
+            s.seconds.tokenize,
+            s.seconds.instances,
+            s.seconds.write
+        );
     }
     Ok(())
 }

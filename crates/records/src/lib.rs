@@ -1,7 +1,8 @@
 //! # bertkit-records: the records stage
 //!
 //! Turns shards of formatted text into BERT pre-training data:
-//! - [`tokenizer`]: WordPiece tokenization identical to Google's `FullTokenizer`;
+//! - [`tokenizer`]: WordPiece tokenization identical to Google's `FullTokenizer`, with a
+//!   [`wordpiece`] splitting straight to ids and a [`word_cache`] for bulk work;
 //! - [`vocab`]: training a WordPiece vocabulary on a domain corpus;
 //! - [`pyrandom`], [`draws`] and [`instances`]: masked-LM / next-sentence instances exactly as
 //!   Google's `create_pretraining_data.py` makes them (same instances, same order, same random
@@ -18,5 +19,7 @@ pub mod reader;
 pub mod run;
 pub mod tokenizer;
 pub mod vocab;
+pub mod word_cache;
+pub mod wordpiece;
 
 pub use tokenizer::FullTokenizer;

@@ -21,8 +21,8 @@ use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
-use arrow_array::builder::{Int8Builder, Int32Builder, ListBuilder};
 use arrow_array::{ArrayRef, Int8Array, Int32Array, RecordBatch};
+use arrow_buffer::OffsetBuffer;
 use arrow_schema::{DataType, Field, Schema};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
@@ -57,12 +57,28 @@ pub fn arrow_schema() -> Schema {
     ])
 }
 
-fn int32_list() -> ListBuilder<Int32Builder> {
-    ListBuilder::new(Int32Builder::new()).with_field(Arc::new(Field::new(
-        "item",
-        DataType::Int32,
-        false,
-    )))
+/// A `list<item>` column from per-row slices, built as one values buffer and one offsets buffer.
+fn list_column<T: Copy, A: arrow_array::types::ArrowPrimitiveType>(
+    instances: &[TrainingInstance],
+    item: DataType,
+    field: impl Fn(&TrainingInstance) -> &[T],
+    convert: impl Fn(T) -> A::Native,
+) -> ArrayRef {
+    let total: usize = instances.iter().map(|i| field(i).len()).sum();
+    let mut values: Vec<A::Native> = Vec::with_capacity(total);
+    let mut offsets: Vec<i32> = Vec::with_capacity(instances.len() + 1);
+    offsets.push(0);
+    for instance in instances {
+        values.extend(field(instance).iter().map(|&v| convert(v)));
+        offsets.push(values.len() as i32);
+    }
+    let values = arrow_array::PrimitiveArray::<A>::new(values.into(), None);
+    Arc::new(arrow_array::ListArray::new(
+        Arc::new(Field::new("item", item, false)),
+        OffsetBuffer::new(offsets.into()),
+        Arc::new(values),
+        None,
+    ))
 }
 
 /// One row group's columns.
@@ -70,43 +86,28 @@ fn batch(
     instances: &[TrainingInstance],
     schema: &Arc<Schema>,
 ) -> parquet::errors::Result<RecordBatch> {
-    let mut input_ids = int32_list();
-    let mut segment_ids = ListBuilder::new(Int8Builder::new()).with_field(Arc::new(Field::new(
-        "item",
-        DataType::Int8,
-        false,
-    )));
-    let mut positions = int32_list();
-    let mut masked_ids = int32_list();
-    let mut labels = Vec::with_capacity(instances.len());
-    let mut lengths = Vec::with_capacity(instances.len());
-    for instance in instances {
-        for &id in &instance.input_ids {
-            input_ids.values().append_value(id as i32);
-        }
-        input_ids.append(true);
-        for &s in &instance.segment_ids {
-            segment_ids.values().append_value(s as i8);
-        }
-        segment_ids.append(true);
-        for &p in &instance.masked_lm_positions {
-            positions.values().append_value(p as i32);
-        }
-        positions.append(true);
-        for &id in &instance.masked_lm_ids {
-            masked_ids.values().append_value(id as i32);
-        }
-        masked_ids.append(true);
-        labels.push(instance.is_random_next as i8);
-        lengths.push(instance.input_ids.len() as i32);
-    }
+    use arrow_array::types::{Int8Type, Int32Type};
     let columns: Vec<ArrayRef> = vec![
-        Arc::new(input_ids.finish()),
-        Arc::new(segment_ids.finish()),
-        Arc::new(positions.finish()),
-        Arc::new(masked_ids.finish()),
-        Arc::new(Int8Array::from(labels)),
-        Arc::new(Int32Array::from(lengths)),
+        list_column::<_, Int32Type>(instances, DataType::Int32, |i| &i.input_ids, |v| v as i32),
+        list_column::<_, Int8Type>(instances, DataType::Int8, |i| &i.segment_ids, |v| v as i8),
+        list_column::<_, Int32Type>(
+            instances,
+            DataType::Int32,
+            |i| &i.masked_lm_positions,
+            |v| v as i32,
+        ),
+        list_column::<_, Int32Type>(
+            instances,
+            DataType::Int32,
+            |i| &i.masked_lm_ids,
+            |v| v as i32,
+        ),
+        Arc::new(Int8Array::from_iter_values(
+            instances.iter().map(|i| i.is_random_next as i8),
+        )),
+        Arc::new(Int32Array::from_iter_values(
+            instances.iter().map(|i| i.input_ids.len() as i32),
+        )),
     ];
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
 }
@@ -133,6 +134,8 @@ pub fn write_instances(
         .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
         // Ids are high-cardinality: dictionary pages cost time and zstd does better alone.
         .set_dictionary_enabled(false)
+        .set_encoding(parquet::basic::Encoding::BYTE_STREAM_SPLIT)
+        .set_statistics_enabled(parquet::file::properties::EnabledStatistics::None)
         .set_key_value_metadata(Some(kv))
         .build();
     let partial = bertkit_stage_io::partial_path(path);

@@ -70,7 +70,7 @@ pub enum RecordsError {
 }
 
 /// What one output file holds.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileSummary {
     /// The Parquet file.
     pub output: PathBuf,
@@ -82,6 +82,20 @@ pub struct FileSummary {
     pub tokens: usize,
     /// Whether the file was already complete and was skipped.
     pub skipped: bool,
+    /// Where the time went (zero when skipped).
+    pub seconds: StepSeconds,
+}
+
+/// Seconds spent in each step of making one output (wall clock; in file mode the reading and
+/// tokenizing of all inputs counts once).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepSeconds {
+    /// Reading, checking and tokenizing the input text.
+    pub tokenize: f64,
+    /// Making the instances (packing, pairing, masking, shuffling).
+    pub instances: f64,
+    /// Writing the Parquet file (and JSONL when asked).
+    pub write: f64,
 }
 
 fn hash_file(path: &Path) -> Result<String, RecordsError> {
@@ -240,6 +254,7 @@ pub fn records_to_file(
     let tokenizer = FullTokenizer::from_vocab_file(vocab, options.lower_case)?;
     let vocab_sha256 = hash_file(vocab)?;
     let files = bertkit_shard::expand_inputs(inputs)?;
+    let clock = std::time::Instant::now();
     let mut documents = Vec::new();
     let mut fingerprints = Vec::new();
     for path in &files {
@@ -252,7 +267,14 @@ pub fn records_to_file(
     }
     let document_count = documents.len();
     let vocab_ids = vocab_ids(&tokenizer, vocab)?;
+    let mut seconds = StepSeconds {
+        tokenize: clock.elapsed().as_secs_f64(),
+        ..StepSeconds::default()
+    };
+    let clock = std::time::Instant::now();
     let instances = generate(documents, &vocab_ids, options);
+    seconds.instances = clock.elapsed().as_secs_f64();
+    let clock = std::time::Instant::now();
     write_outputs(
         output,
         jsonl,
@@ -260,12 +282,14 @@ pub fn records_to_file(
         &tokenizer,
         &metadata(options, &vocab_sha256, &fingerprints),
     )?;
+    seconds.write = clock.elapsed().as_secs_f64();
     Ok(FileSummary {
         output: output.into(),
         documents: document_count,
         instances: instances.len(),
         tokens: instances.iter().map(|i| i.input_ids.len()).sum(),
         skipped: false,
+        seconds,
     })
 }
 
@@ -335,10 +359,12 @@ pub fn records_to_dir(
                     instances: 0,
                     tokens: 0,
                     skipped: true,
+                    seconds: StepSeconds::default(),
                 };
                 progress(&summary);
                 return Ok(summary);
             }
+            let clock = std::time::Instant::now();
             let (documents, fingerprint) = read_tokenized(path, &tokenizer)?;
             if documents.is_empty() {
                 return Err(RecordsError::Usage(format!(
@@ -347,19 +373,28 @@ pub fn records_to_dir(
                 )));
             }
             let document_count = documents.len();
+            let mut seconds = StepSeconds {
+                tokenize: clock.elapsed().as_secs_f64(),
+                ..StepSeconds::default()
+            };
+            let clock = std::time::Instant::now();
             let instances = generate(documents, &vocab_ids, &shard_options);
+            seconds.instances = clock.elapsed().as_secs_f64();
+            let clock = std::time::Instant::now();
             let meta = metadata(
                 &shard_options,
                 &vocab_sha256,
                 std::slice::from_ref(&fingerprint),
             );
             write_outputs(&output, None, &instances, &tokenizer, &meta)?;
+            seconds.write = clock.elapsed().as_secs_f64();
             let summary = FileSummary {
                 output,
                 documents: document_count,
                 instances: instances.len(),
                 tokens: instances.iter().map(|i| i.input_ids.len()).sum(),
                 skipped: false,
+                seconds,
             };
             progress(&summary);
             Ok(summary)

@@ -12,21 +12,22 @@
 //!    and drop combining marks (Mn);
 //! 4. split off every punctuation character: ASCII 33–47, 58–64, 91–96, 123–126 and every
 //!    Unicode P* character;
-//! 5. WordPiece, with the `tokenizers` crate's model: greedy longest match with `##`
+//! 5. WordPiece ([`crate::wordpiece`], straight to ids): greedy longest match with `##`
 //!    continuations; a word of more than 200 characters, or one with a piece not in the
-//!    vocabulary, becomes `[UNK]`.
+//!    vocabulary, becomes `[UNK]`. (Tests check it against the `tokenizers` crate's WordPiece
+//!    model as well as against Google's output.)
 //!
 //! Text such as "[CLS]" is not a special token: it is split like any other text. Unicode
 //! character data is version 16 here and 14 in the reference's Python 3.11. The two can
 //! differ only on characters assigned since then.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use tokenizers::Model;
-use tokenizers::models::wordpiece::WordPiece;
 use unicode_general_category::{GeneralCategory, get_general_category};
 use unicode_normalization::UnicodeNormalization;
+
+use crate::word_cache::{PACKED_WORD_BYTES, WordCache, pack_padded};
+use crate::wordpiece::WordPieceVocab;
 
 /// Why a vocabulary could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -57,35 +58,63 @@ pub enum VocabError {
     },
 }
 
-/// A cache of words to their WordPiece ids, and scratch buffers (see
+/// What bulk tokenization keeps between texts: the [`WordCache`] and reusable buffers (see
 /// [`FullTokenizer::tokenize_ids_cached`]).
 #[derive(Default)]
-pub struct WordCache {
-    words: ahash::AHashMap<String, Vec<u32>>,
+pub struct TokenizerCache {
+    words: WordCache,
+    line: Vec<u8>,
     buffers: BasicBuffers,
 }
-
-/// Words a [`WordCache`] holds before it is emptied (about 25 MB at most per cache).
-pub const WORD_CACHE_ENTRIES: usize = 1 << 18;
 
 /// Gives every tokenizer a distinct id, so a thread's cache is never used with another one.
 static NEXT_TOKENIZER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 thread_local! {
-    /// Each thread's word cache, with the id of the tokenizer that filled it.
-    static THREAD_CACHE: std::cell::RefCell<(u64, WordCache)> = std::cell::RefCell::new((u64::MAX, WordCache::default()));
+    /// Each thread's cache, with the id of the tokenizer that filled it.
+    static THREAD_CACHE: std::cell::RefCell<(u64, TokenizerCache)> = std::cell::RefCell::new((u64::MAX, TokenizerCache::default()));
 }
 
-/// Longest word WordPiece tries to split; longer words become `[UNK]`.
-pub const MAX_INPUT_CHARS_PER_WORD: usize = 200;
+/// How the ASCII fast path sees a byte of cleaned text.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AsciiClass {
+    /// Part of a word: letters and digits.
+    Word,
+    /// Splits words: the space (tabs and line breaks are spaces after cleaning).
+    Space,
+    /// ASCII punctuation: a token of its own.
+    Punctuation,
+}
+
+const fn ascii_classes() -> [AsciiClass; 128] {
+    let mut classes = [AsciiClass::Word; 128];
+    let mut b = 0;
+    while b < 128 {
+        let c = b as u8;
+        classes[b] = if c == b' ' {
+            AsciiClass::Space
+        } else if c.is_ascii_punctuation() {
+            AsciiClass::Punctuation
+        } else {
+            AsciiClass::Word
+        };
+        b += 1;
+    }
+    classes
+}
+
+const ASCII_CLASSES: [AsciiClass; 128] = ascii_classes();
+
+pub use crate::wordpiece::MAX_INPUT_CHARS_PER_WORD;
 
 /// Google's `FullTokenizer`: basic tokenization, then WordPiece.
 pub struct FullTokenizer {
     id: u64,
     lower_case: bool,
-    vocab: HashMap<String, u32>,
     inverse: Vec<String>,
-    wordpiece: WordPiece,
+    wordpiece: WordPieceVocab,
+    /// The id of each ASCII punctuation character as a word (itself, or `[UNK]`).
+    ascii_punctuation: [u32; 128],
 }
 
 impl FullTokenizer {
@@ -96,42 +125,38 @@ impl FullTokenizer {
             path: path.into(),
             source: e,
         })?;
-        let mut vocab = HashMap::new();
-        let mut inverse = Vec::new();
-        for (id, line) in text.lines().enumerate() {
-            let token = line.trim().to_string();
-            vocab.insert(token.clone(), id as u32);
-            inverse.push(token);
-        }
-        if !vocab.contains_key("[UNK]") {
-            return Err(VocabError::Missing {
-                path: path.into(),
-                token: "[UNK]",
-            });
-        }
-        let wordpiece = WordPiece::builder()
-            .vocab(
-                vocab
-                    .iter()
-                    .map(|(k, v)| (k.clone(), *v))
-                    .collect::<ahash::AHashMap<_, _>>(),
-            )
-            .unk_token("[UNK]".into())
-            .continuing_subword_prefix("##".into())
-            .max_input_chars_per_word(MAX_INPUT_CHARS_PER_WORD)
-            .build()
-            .map_err(|e| VocabError::Invalid {
-                path: path.into(),
-                message: e.to_string(),
-            })?;
+        let inverse: Vec<String> = text.lines().map(|l| l.trim().to_string()).collect();
+        let unk =
+            inverse
+                .iter()
+                .rposition(|t| t == "[UNK]")
+                .ok_or_else(|| VocabError::Missing {
+                    path: path.into(),
+                    token: "[UNK]",
+                })?;
+        // Inserted in file order, so a repeated token keeps its last id.
+        let wordpiece = WordPieceVocab::new(
+            inverse
+                .iter()
+                .enumerate()
+                .map(|(id, t)| (t.as_str(), id as u32)),
+            unk as u32,
+        );
         let id = NEXT_TOKENIZER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(FullTokenizer {
+        let mut tokenizer = FullTokenizer {
             id,
             lower_case,
-            vocab,
             inverse,
             wordpiece,
-        })
+            ascii_punctuation: [0; 128],
+        };
+        for b in (0u8..128).filter(u8::is_ascii_punctuation) {
+            let mut ids = Vec::new();
+            tokenizer.word_ids(std::str::from_utf8(&[b]).expect("ASCII"), &mut ids);
+            // One character is one piece: itself, or [UNK].
+            tokenizer.ascii_punctuation[b as usize] = ids[0];
+        }
+        Ok(tokenizer)
     }
 
     /// The vocabulary size.
@@ -141,7 +166,7 @@ impl FullTokenizer {
 
     /// The id of a token, if it is in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.vocab.get(token).copied()
+        self.wordpiece.id(token)
     }
 
     /// The token of an id, if in range.
@@ -151,14 +176,10 @@ impl FullTokenizer {
 
     /// WordPiece tokens of `text`.
     pub fn tokenize(&self, text: &str) -> Vec<String> {
-        let mut out = Vec::new();
-        for word in basic_tokenize(text, self.lower_case) {
-            match self.wordpiece.tokenize(&word) {
-                Ok(pieces) => out.extend(pieces.into_iter().map(|t| t.value)),
-                Err(_) => out.push("[UNK]".to_string()),
-            }
-        }
-        out
+        self.tokenize_ids(text)
+            .into_iter()
+            .map(|id| self.inverse[id as usize].clone())
+            .collect()
     }
 
     /// Vocabulary ids of `text` (the ids of [`FullTokenizer::tokenize`]).
@@ -170,26 +191,73 @@ impl FullTokenizer {
         ids
     }
 
-    /// [`FullTokenizer::tokenize_ids`] with a cache of word pieces, for bulk work. Real text
-    /// repeats a small set of words, so most words are looked up once; the cache is emptied when
-    /// it holds [`WORD_CACHE_ENTRIES`] words, which bounds its memory.
-    pub fn tokenize_ids_cached(&self, text: &str, cache: &mut WordCache) -> Vec<u32> {
+    /// [`FullTokenizer::tokenize_ids`] with a cache of word pieces, for bulk work: real text
+    /// repeats a small set of words, so most words are split once (see [`WordCache`], which
+    /// bounds its memory). A text made of ASCII only takes a fast path over bytes: cleaning,
+    /// lower-casing, splitting on spaces and punctuation give the same words as the general
+    /// rules there, and punctuation ids come from a table.
+    pub fn tokenize_ids_cached(&self, text: &str, cache: &mut TokenizerCache) -> Vec<u32> {
         let mut ids = Vec::new();
+        if text.is_ascii() {
+            self.ascii_ids(text.as_bytes(), cache, &mut ids);
+            return ids;
+        }
         let mut buffers = std::mem::take(&mut cache.buffers);
         for_each_basic_token(text, self.lower_case, &mut buffers, &mut |word| {
-            if let Some(pieces) = cache.words.get(word) {
-                ids.extend_from_slice(pieces);
-                return;
-            }
-            let start = ids.len();
-            self.word_ids(word, &mut ids);
-            if cache.words.len() >= WORD_CACHE_ENTRIES {
-                cache.words.clear();
-            }
-            cache.words.insert(word.to_string(), ids[start..].to_vec());
+            cache
+                .words
+                .extend_ids(word.as_bytes(), None, &mut ids, |w, out| {
+                    self.word_bytes_ids(w, out)
+                });
         });
         cache.buffers = buffers;
         ids
+    }
+
+    /// The ASCII fast path of [`FullTokenizer::tokenize_ids_cached`].
+    fn ascii_ids(&self, text: &[u8], cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
+        // _clean_text: tabs and line breaks become spaces, other controls are dropped; then
+        // lower-casing (accent stripping changes nothing in ASCII).
+        let mut line = std::mem::take(&mut cache.line);
+        line.clear();
+        if text.iter().any(|&b| b < 0x20 || b == 0x7F) {
+            line.extend(text.iter().filter_map(|&b| match b {
+                b'\t' | b'\n' | b'\r' => Some(b' '),
+                0..=0x1F | 0x7F => None,
+                _ => Some(b),
+            }));
+        } else {
+            line.extend_from_slice(text);
+        }
+        if self.lower_case {
+            line.make_ascii_lowercase();
+        }
+        let len = line.len();
+        // Room for one 16-byte load at any word start.
+        line.extend_from_slice(&[0; PACKED_WORD_BYTES]);
+        let mut i = 0;
+        while i < len {
+            let b = line[i];
+            match ASCII_CLASSES[b as usize] {
+                AsciiClass::Space => i += 1,
+                AsciiClass::Punctuation => {
+                    ids.push(self.ascii_punctuation[b as usize]);
+                    i += 1;
+                }
+                AsciiClass::Word => {
+                    let start = i;
+                    while i < len && ASCII_CLASSES[line[i] as usize] == AsciiClass::Word {
+                        i += 1;
+                    }
+                    let key =
+                        (i - start <= PACKED_WORD_BYTES).then(|| pack_padded(&line, start, i));
+                    cache.words.extend_ids(&line[start..i], key, ids, |w, out| {
+                        self.word_bytes_ids(w, out)
+                    });
+                }
+            }
+        }
+        cache.line = line;
     }
 
     /// [`FullTokenizer::tokenize_ids_cached`] with the calling thread's cache, which lives as long
@@ -198,28 +266,34 @@ impl FullTokenizer {
         THREAD_CACHE.with(|cell| {
             let mut cell = cell.borrow_mut();
             if cell.0 != self.id {
-                *cell = (self.id, WordCache::default());
+                *cell = (self.id, TokenizerCache::default());
             }
             self.tokenize_ids_cached(text, &mut cell.1)
         })
     }
 
+    /// [`FullTokenizer::word_ids`] of a word given as bytes (always UTF-8: a whole word of the
+    /// basic tokenizer).
+    fn word_bytes_ids(&self, word: &[u8], ids: &mut Vec<u32>) {
+        self.word_ids(std::str::from_utf8(word).expect("a word is UTF-8"), ids)
+    }
+
     fn word_ids(&self, word: &str, ids: &mut Vec<u32>) {
-        match self.wordpiece.tokenize(word) {
-            Ok(pieces) => ids.extend(pieces.into_iter().map(|t| t.id)),
-            Err(_) => ids.push(self.vocab["[UNK]"]),
-        }
+        self.wordpiece.split(word, ids)
     }
 
     /// The reference script's `vocab_words` as ids: every distinct token in the order of its
     /// first line, with the id of its last line (what `load_vocab`'s dict gives). For a
     /// vocabulary without repeated lines this is `0..vocab_size`.
     pub fn vocab_word_ids(&self) -> Vec<u32> {
-        let mut seen = std::collections::HashSet::new();
+        if self.wordpiece.len() == self.inverse.len() {
+            return (0..self.inverse.len() as u32).collect();
+        }
+        let mut seen = ahash::AHashSet::new();
         self.inverse
             .iter()
             .filter(|t| seen.insert(t.as_str()))
-            .map(|t| self.vocab[t])
+            .map(|t| self.wordpiece.id(t).expect("a vocabulary token"))
             .collect()
     }
 
@@ -243,7 +317,7 @@ impl FullTokenizer {
     pub fn convert_tokens_to_ids(&self, tokens: &[String]) -> Vec<u32> {
         tokens
             .iter()
-            .map(|t| self.vocab.get(t).copied().unwrap_or(self.vocab["[UNK]"]))
+            .map(|t| self.wordpiece.id(t).unwrap_or(self.wordpiece.unk()))
             .collect()
     }
 }
@@ -417,6 +491,22 @@ fn strip_accents(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `load_vocab`'s dict: a repeated token keeps its last id, and `vocab_words` lists each
+    /// distinct token once, in the order of its first line.
+    #[test]
+    fn repeated_vocabulary_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vocab.txt");
+        std::fs::write(&path, "[PAD]\n[UNK]\nhello\n##s\n hello \nworld\n").unwrap();
+        let t = FullTokenizer::from_vocab_file(&path, true).unwrap();
+        assert_eq!(t.token_to_id("hello"), Some(4));
+        assert_eq!(t.vocab_word_ids(), [0, 1, 4, 3, 5]);
+        assert_eq!(t.tokenize_ids("Hellos world"), [4, 3, 5]);
+        std::fs::write(&path, "[PAD]\n[UNK]\nhello\n").unwrap();
+        let t = FullTokenizer::from_vocab_file(&path, true).unwrap();
+        assert_eq!(t.vocab_word_ids(), [0, 1, 2]);
+    }
 
     #[test]
     fn basic_rules() {

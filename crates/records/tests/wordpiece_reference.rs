@@ -11,7 +11,7 @@ fn all_reference_lines_match_googles_full_tokenizer() {
     let reference =
         std::fs::read_to_string(require("reference/wordpiece_reference.jsonl")).unwrap();
     let mut lines = 0;
-    let mut cache = bertkit_records::tokenizer::WordCache::default();
+    let mut cache = bertkit_records::tokenizer::TokenizerCache::default();
     let mut mismatches = Vec::new();
     for line in reference.lines() {
         let case: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -40,4 +40,63 @@ fn all_reference_lines_match_googles_full_tokenizer() {
         mismatches.len(),
         mismatches[..mismatches.len().min(5)].join("\n")
     );
+}
+
+/// bertkit's WordPiece splits every word of the reference texts, and made-up words with
+/// unknown pieces, accents and more than 200 characters, as the `tokenizers` crate's WordPiece
+/// model does (the same greedy longest-match algorithm).
+#[test]
+fn wordpiece_splits_words_as_the_tokenizers_crate_does() {
+    use tokenizers::Model;
+    use tokenizers::models::wordpiece::WordPiece;
+    let vocab_path = require("minilm/vocab.txt");
+    let lines: Vec<String> = std::fs::read_to_string(&vocab_path)
+        .unwrap()
+        .lines()
+        .map(|l| l.trim().to_string())
+        .collect();
+    let unk = lines.iter().position(|t| t == "[UNK]").unwrap() as u32;
+    let ours = bertkit_records::wordpiece::WordPieceVocab::new(
+        lines
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.as_str(), i as u32)),
+        unk,
+    );
+    let model = WordPiece::from_file(vocab_path.to_str().unwrap())
+        .unk_token("[UNK]".into())
+        .max_input_chars_per_word(200)
+        .build()
+        .unwrap();
+    let reference =
+        std::fs::read_to_string(require("reference/wordpiece_reference.jsonl")).unwrap();
+    let mut words = std::collections::BTreeSet::new();
+    for line in reference.lines() {
+        let case: serde_json::Value = serde_json::from_str(line).unwrap();
+        for cased in [true, false] {
+            words.extend(bertkit_records::tokenizer::basic_tokenize(
+                case["text"].as_str().unwrap(),
+                cased,
+            ));
+        }
+    }
+    let made_up = [
+        "a".repeat(200),
+        "a".repeat(201),
+        "é".repeat(150),
+        format!("{}xq", "un".repeat(99)),
+        "unaffablezzzqqq".into(),
+        "ünïcödé".into(),
+    ];
+    words.extend(made_up);
+    assert!(words.len() > 6_000, "{}", words.len());
+    for word in &words {
+        let expected: Vec<u32> = match model.tokenize(word) {
+            Ok(pieces) => pieces.into_iter().map(|t| t.id).collect(),
+            Err(_) => vec![unk],
+        };
+        let mut ids = Vec::new();
+        ours.split(word, &mut ids);
+        assert_eq!(ids, expected, "{word:?}");
+    }
 }
