@@ -492,6 +492,52 @@ fn strip_accents(s: &str) -> String {
 mod tests {
     use super::*;
 
+    /// The cached path (ASCII fast path, word cache, punctuation table) gives the ids of the
+    /// general path on every ASCII byte, controls included, and on mixed text.
+    #[test]
+    fn cached_fast_path_equals_the_general_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vocab.txt");
+        let mut vocab = String::from("[PAD]\n[UNK]\n!\n.\n,\n#\né\nab\nabc\n##c\n##bc\n");
+        for c in ('a'..='z').chain('0'..='9') {
+            vocab.push_str(&format!("{c}\n##{c}\n"));
+        }
+        std::fs::write(&path, vocab).unwrap();
+        let alphabet: Vec<char> = (0u8..128)
+            .map(char::from)
+            .chain("aAbBcC   éÉ\u{a0}\u{2028}中–".chars())
+            .collect();
+        let mut state = 0x1234_5678_9ABC_DEF0u64;
+        for lower_case in [true, false] {
+            let t = FullTokenizer::from_vocab_file(&path, lower_case).unwrap();
+            let mut cache = TokenizerCache::default();
+            for n in 0..20_000 {
+                let len = n % 40;
+                let text: String = (0..len)
+                    .map(|_| {
+                        state = crate::draws::splitmix64(state);
+                        // Mostly letters and spaces, so words repeat and hit the cache.
+                        match state % 4 {
+                            0 | 1 => ['a', 'b', 'c', ' '][(state >> 8) as usize % 4],
+                            _ => alphabet[(state >> 8) as usize % alphabet.len()],
+                        }
+                    })
+                    .collect();
+                assert_eq!(
+                    t.tokenize_ids_cached(&text, &mut cache),
+                    t.tokenize_ids(&text),
+                    "{text:?}"
+                );
+            }
+            // Words longer than the packed key and than WordPiece's limit.
+            for text in ["abcabcabcabcabcabcabc x", &"ab".repeat(101), &"a".repeat(200)] {
+                for _ in 0..2 {
+                    assert_eq!(t.tokenize_ids_cached(text, &mut cache), t.tokenize_ids(text));
+                }
+            }
+        }
+    }
+
     /// `load_vocab`'s dict: a repeated token keeps its last id, and `vocab_words` lists each
     /// distinct token once, in the order of its first line.
     #[test]
