@@ -67,22 +67,70 @@ impl InstanceOptions {
     }
 }
 
-/// One training instance, as the reference script's `TrainingInstance`, in vocabulary ids.
+/// One training instance, as the reference script's `TrainingInstance`, in vocabulary ids
+/// (owned; runs keep instances in [`InstanceColumns`] and hand out [`InstanceRef`]s).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrainingInstance {
     /// `[CLS] A [SEP] B [SEP]`, after masking.
     pub input_ids: Vec<u32>,
-    /// 0 for `[CLS]`, A and the first `[SEP]`; 1 for B and the last `[SEP]`.
-    pub segment_ids: Vec<u8>,
+    /// Tokens of segment 0 (`[CLS]`, A and the first `[SEP]`); the rest are segment 1.
+    pub first_segment_len: usize,
     /// Whether B came from another document.
     pub is_random_next: bool,
     /// Masked positions, ascending.
-    pub masked_lm_positions: Vec<usize>,
+    pub masked_lm_positions: Vec<u32>,
     /// The original ids at those positions.
     pub masked_lm_ids: Vec<u32>,
 }
 
 impl TrainingInstance {
+    /// The instance borrowed as an [`InstanceRef`].
+    pub fn as_ref(&self) -> InstanceRef<'_> {
+        InstanceRef {
+            input_ids: &self.input_ids,
+            first_segment_len: self.first_segment_len,
+            is_random_next: self.is_random_next,
+            masked_lm_positions: &self.masked_lm_positions,
+            masked_lm_ids: &self.masked_lm_ids,
+        }
+    }
+}
+
+/// One training instance, borrowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceRef<'a> {
+    /// `[CLS] A [SEP] B [SEP]`, after masking.
+    pub input_ids: &'a [u32],
+    /// Tokens of segment 0 (`[CLS]`, A and the first `[SEP]`); the rest are segment 1.
+    pub first_segment_len: usize,
+    /// Whether B came from another document.
+    pub is_random_next: bool,
+    /// Masked positions, ascending.
+    pub masked_lm_positions: &'a [u32],
+    /// The original ids at those positions.
+    pub masked_lm_ids: &'a [u32],
+}
+
+impl InstanceRef<'_> {
+    /// Segment ids: 0 for the first segment, 1 for the rest.
+    pub fn segment_ids(&self) -> Vec<u8> {
+        let len = self.input_ids.len();
+        let mut ids = vec![0u8; len];
+        ids[self.first_segment_len.min(len)..].fill(1);
+        ids
+    }
+
+    /// An owned copy.
+    pub fn to_owned(&self) -> TrainingInstance {
+        TrainingInstance {
+            input_ids: self.input_ids.to_vec(),
+            first_segment_len: self.first_segment_len,
+            is_random_next: self.is_random_next,
+            masked_lm_positions: self.masked_lm_positions.to_vec(),
+            masked_lm_ids: self.masked_lm_ids.to_vec(),
+        }
+    }
+
     /// The instance with tokens, in the reference script's JSON fields (`tokens`,
     /// `segment_ids`, `is_random_next`, `masked_lm_positions`, `masked_lm_labels`).
     pub fn to_reference_json(&self, tokenizer: &FullTokenizer) -> serde_json::Value {
@@ -92,12 +140,156 @@ impl TrainingInstance {
                 .collect()
         };
         serde_json::json!({
-            "tokens": tokens(&self.input_ids),
-            "segment_ids": self.segment_ids,
+            "tokens": tokens(self.input_ids),
+            "segment_ids": self.segment_ids(),
             "is_random_next": self.is_random_next,
             "masked_lm_positions": self.masked_lm_positions,
-            "masked_lm_labels": tokens(&self.masked_lm_ids),
+            "masked_lm_labels": tokens(self.masked_lm_ids),
         })
+    }
+}
+
+/// Instances stored column by column in flat buffers: a handful of allocations for any number
+/// of instances, instead of five per instance.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InstanceColumns {
+    input_ids: Vec<u32>,
+    input_ends: Vec<usize>,
+    first_segment_lens: Vec<u32>,
+    is_random_next: Vec<bool>,
+    masked_positions: Vec<u32>,
+    masked_ids: Vec<u32>,
+    masked_ends: Vec<usize>,
+}
+
+impl InstanceColumns {
+    /// Empty columns with room for what one pass over `document` makes, so that the buffers
+    /// rarely grow (growing a large buffer copies it into freshly faulted pages). Pages of
+    /// room that stays unused are never touched.
+    fn for_document(document: &Document, options: &InstanceOptions) -> Self {
+        let tokens: usize = document.iter().map(Vec::len).sum();
+        let target = (options.max_seq_length.saturating_sub(3)).max(1);
+        // Random-next B segments come from other documents: allow up to twice the text.
+        let instances = 2 * tokens / target + 2;
+        let masked = instances * options.max_predictions_per_seq;
+        InstanceColumns {
+            input_ids: Vec::with_capacity(2 * tokens + 3 * instances),
+            input_ends: Vec::with_capacity(instances),
+            first_segment_lens: Vec::with_capacity(instances),
+            is_random_next: Vec::with_capacity(instances),
+            masked_positions: Vec::with_capacity(masked),
+            masked_ids: Vec::with_capacity(masked),
+            masked_ends: Vec::with_capacity(instances),
+        }
+    }
+
+    /// Instances held.
+    pub fn len(&self) -> usize {
+        self.input_ends.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.input_ends.is_empty()
+    }
+
+    /// Tokens in all instances.
+    pub fn tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    /// Instance `i` (in the order pushed).
+    pub fn get(&self, i: usize) -> InstanceRef<'_> {
+        let input_start = if i == 0 { 0 } else { self.input_ends[i - 1] };
+        let masked_start = if i == 0 { 0 } else { self.masked_ends[i - 1] };
+        let masked = masked_start..self.masked_ends[i];
+        InstanceRef {
+            input_ids: &self.input_ids[input_start..self.input_ends[i]],
+            first_segment_len: self.first_segment_lens[i] as usize,
+            is_random_next: self.is_random_next[i],
+            masked_lm_positions: &self.masked_positions[masked.clone()],
+            masked_lm_ids: &self.masked_ids[masked],
+        }
+    }
+
+    /// Appends a copy of `instance`.
+    pub fn push(&mut self, instance: InstanceRef<'_>) {
+        self.input_ids.extend_from_slice(instance.input_ids);
+        self.masked_positions
+            .extend_from_slice(instance.masked_lm_positions);
+        self.masked_ids.extend_from_slice(instance.masked_lm_ids);
+        self.end_instance(instance.first_segment_len, instance.is_random_next);
+    }
+
+    /// Closes the instance whose ids and masks were appended to the buffers since the last one.
+    fn end_instance(&mut self, first_segment_len: usize, is_random_next: bool) {
+        self.input_ends.push(self.input_ids.len());
+        self.masked_ends.push(self.masked_positions.len());
+        self.first_segment_lens.push(first_segment_len as u32);
+        self.is_random_next.push(is_random_next);
+    }
+}
+
+/// A run's instances: generated in chunks (one per document and pass in the parallel mode),
+/// listed in their final, shuffled order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Instances {
+    chunks: Vec<InstanceColumns>,
+    /// (chunk, index in chunk) of each instance, in order.
+    order: Vec<(u32, u32)>,
+}
+
+impl Instances {
+    /// Chunks' instances in chunk order (not shuffled).
+    pub fn from_chunks(chunks: Vec<InstanceColumns>) -> Self {
+        let order = chunks
+            .iter()
+            .enumerate()
+            .flat_map(|(c, chunk)| (0..chunk.len() as u32).map(move |i| (c as u32, i)))
+            .collect();
+        Instances { chunks, order }
+    }
+
+    /// Owned instances, in order.
+    pub fn from_owned(instances: &[TrainingInstance]) -> Self {
+        let mut columns = InstanceColumns::default();
+        for instance in instances {
+            columns.push(instance.as_ref());
+        }
+        Self::from_chunks(vec![columns])
+    }
+
+    /// Instances held.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Tokens in all instances.
+    pub fn tokens(&self) -> usize {
+        self.chunks.iter().map(InstanceColumns::tokens).sum()
+    }
+
+    /// Instance `i` of the final order.
+    pub fn get(&self, i: usize) -> InstanceRef<'_> {
+        let (chunk, index) = self.order[i];
+        self.chunks[chunk as usize].get(index as usize)
+    }
+
+    /// The instances in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = InstanceRef<'_>> + '_ {
+        self.order
+            .iter()
+            .map(|&(c, i)| self.chunks[c as usize].get(i as usize))
+    }
+
+    /// Shuffles the order with `rng` (the draws of shuffling a list of this length).
+    fn shuffle<R: Draws>(&mut self, rng: &mut R) {
+        rng.shuffle(&mut self.order);
     }
 }
 
@@ -146,7 +338,7 @@ pub fn create_instances_google(
     documents: Vec<Document>,
     vocab: &VocabIds,
     options: &InstanceOptions,
-) -> Vec<TrainingInstance> {
+) -> Instances {
     create_instances_google_with(documents, vocab, options, &mut PyRandom::new(options.seed))
 }
 
@@ -157,15 +349,25 @@ pub fn create_instances_google_with(
     vocab: &VocabIds,
     options: &InstanceOptions,
     rng: &mut PyRandom,
-) -> Vec<TrainingInstance> {
+) -> Instances {
     rng.shuffle(&mut documents);
-    let mut instances = Vec::new();
+    let mut columns = InstanceColumns::default();
+    let mut scratch = Scratch::default();
     for _ in 0..options.dupe_factor {
         for index in 0..documents.len() {
-            instances_from_document(&documents, index, vocab, options, rng, &mut instances);
+            instances_from_document(
+                &documents,
+                index,
+                vocab,
+                options,
+                rng,
+                &mut columns,
+                &mut scratch,
+            );
         }
     }
-    rng.shuffle(&mut instances);
+    let mut instances = Instances::from_chunks(vec![columns]);
+    instances.shuffle(rng);
     instances
 }
 
@@ -179,24 +381,36 @@ pub fn create_instances(
     mut documents: Vec<Document>,
     vocab: &VocabIds,
     options: &InstanceOptions,
-) -> Vec<TrainingInstance> {
+) -> Instances {
     let mut rng = FastRng::new(options.seed);
     rng.shuffle(&mut documents);
     let jobs: Vec<(usize, usize)> = (0..options.dupe_factor)
         .flat_map(|pass| (0..documents.len()).map(move |doc| (pass, doc)))
         .collect();
-    let per_document: Vec<Vec<TrainingInstance>> = jobs
+    let chunks: Vec<InstanceColumns> = jobs
         .par_iter()
-        .map(|&(pass, doc)| {
+        .map_init(Scratch::default, |scratch, &(pass, doc)| {
             let mut draws = FastRng::for_document(options.seed, pass, doc);
-            let mut out = Vec::new();
-            instances_from_document(&documents, doc, vocab, options, &mut draws, &mut out);
+            let mut out = InstanceColumns::for_document(&documents[doc], options);
+            instances_from_document(
+                &documents, doc, vocab, options, &mut draws, &mut out, scratch,
+            );
             out
         })
         .collect();
-    let mut instances: Vec<TrainingInstance> = per_document.into_iter().flatten().collect();
-    rng.shuffle(&mut instances);
+    let mut instances = Instances::from_chunks(chunks);
+    instances.shuffle(&mut rng);
     instances
+}
+
+/// Buffers reused from one instance to the next.
+#[derive(Default)]
+struct Scratch {
+    tokens_a: Vec<u32>,
+    tokens_b: Vec<u32>,
+    positions: Vec<u32>,
+    candidates: Vec<(u32, u32)>,
+    masked: Vec<(u32, u32)>,
 }
 
 fn instances_from_document<R: Draws>(
@@ -205,7 +419,8 @@ fn instances_from_document<R: Draws>(
     vocab: &VocabIds,
     options: &InstanceOptions,
     rng: &mut R,
-    out: &mut Vec<TrainingInstance>,
+    out: &mut InstanceColumns,
+    scratch: &mut Scratch,
 ) {
     let document = &documents[document_index];
     let max_num_tokens = options.max_seq_length - 3;
@@ -227,11 +442,13 @@ fn instances_from_document<R: Draws>(
                 } else {
                     1
                 };
-                let mut tokens_a: Vec<u32> = chunk[..a_end]
-                    .iter()
-                    .flat_map(|s| s.iter().copied())
-                    .collect();
-                let mut tokens_b: Vec<u32> = Vec::new();
+                let tokens_a = &mut scratch.tokens_a;
+                tokens_a.clear();
+                for s in &chunk[..a_end] {
+                    tokens_a.extend_from_slice(s);
+                }
+                let tokens_b = &mut scratch.tokens_b;
+                tokens_b.clear();
                 let is_random_next = chunk.len() == 1 || rng.random() < 0.5;
                 if is_random_next {
                     let target_b_length = target_seq_length.saturating_sub(tokens_a.len());
@@ -253,26 +470,28 @@ fn instances_from_document<R: Draws>(
                     // Put the unused segments back.
                     i -= chunk.len() - a_end;
                 } else {
-                    tokens_b.extend(chunk[a_end..].iter().flat_map(|s| s.iter().copied()));
+                    for s in &chunk[a_end..] {
+                        tokens_b.extend_from_slice(s);
+                    }
                 }
-                truncate_seq_pair(&mut tokens_a, &mut tokens_b, max_num_tokens, rng);
-                let mut input_ids = Vec::with_capacity(tokens_a.len() + tokens_b.len() + 3);
-                input_ids.push(vocab.cls);
-                input_ids.extend_from_slice(&tokens_a);
-                input_ids.push(vocab.sep);
-                let mut segment_ids = vec![0u8; input_ids.len()];
-                input_ids.extend_from_slice(&tokens_b);
-                input_ids.push(vocab.sep);
-                segment_ids.resize(input_ids.len(), 1);
-                let (masked_lm_positions, masked_lm_ids) =
-                    mask_tokens(&mut input_ids, options, vocab, rng);
-                out.push(TrainingInstance {
-                    input_ids,
-                    segment_ids,
-                    is_random_next,
-                    masked_lm_positions,
-                    masked_lm_ids,
-                });
+                let (a, b) = truncate_seq_pair(tokens_a.len(), tokens_b.len(), max_num_tokens, rng);
+                let start = out.input_ids.len();
+                out.input_ids.push(vocab.cls);
+                out.input_ids.extend_from_slice(&tokens_a[a]);
+                out.input_ids.push(vocab.sep);
+                let first_segment_len = out.input_ids.len() - start;
+                out.input_ids.extend_from_slice(&tokens_b[b]);
+                out.input_ids.push(vocab.sep);
+                mask_tokens(
+                    &mut out.input_ids[start..],
+                    options,
+                    vocab,
+                    rng,
+                    scratch,
+                    &mut out.masked_positions,
+                    &mut out.masked_ids,
+                );
+                out.end_instance(first_segment_len, is_random_next);
             }
             chunk.clear();
             length = 0;
@@ -281,36 +500,44 @@ fn instances_from_document<R: Draws>(
     }
 }
 
-/// Truncates the longer list (B on a tie) at a random end, one token at a time.
+/// Truncates the longer list (B on a tie) at a random end, one token at a time; returns the
+/// ranges of A and B that are left.
 fn truncate_seq_pair<R: Draws>(
-    a: &mut Vec<u32>,
-    b: &mut Vec<u32>,
+    a_len: usize,
+    b_len: usize,
     max_num_tokens: usize,
     rng: &mut R,
-) {
+) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    let (mut a, mut b) = (0..a_len, 0..b_len);
     while a.len() + b.len() > max_num_tokens {
-        let longer = if a.len() > b.len() { &mut *a } else { &mut *b };
+        let longer = if a.len() > b.len() { &mut a } else { &mut b };
         if rng.random() < 0.5 {
-            longer.remove(0);
+            longer.start += 1;
         } else {
-            longer.pop();
+            longer.end -= 1;
         }
     }
+    (a, b)
 }
 
-/// `create_masked_lm_predictions`, in place: returns the masked positions (ascending) and the
+/// `create_masked_lm_predictions`, in place: appends the masked positions (ascending) and the
 /// original ids there.
 fn mask_tokens<R: Draws>(
     ids: &mut [u32],
     options: &InstanceOptions,
     vocab: &VocabIds,
     rng: &mut R,
-) -> (Vec<usize>, Vec<u32>) {
+    scratch: &mut Scratch,
+    masked_positions: &mut Vec<u32>,
+    masked_ids: &mut Vec<u32>,
+) {
     // Candidate groups as (start, length) runs of `positions`: one position each, or whole
     // words with whole-word masking. Shuffling the groups draws exactly what shuffling the
     // script's list of lists draws.
-    let mut positions: Vec<usize> = Vec::with_capacity(ids.len());
-    let mut candidates: Vec<(u32, u32)> = Vec::with_capacity(ids.len());
+    let positions = &mut scratch.positions;
+    let candidates = &mut scratch.candidates;
+    positions.clear();
+    candidates.clear();
     for (i, &id) in ids.iter().enumerate() {
         if id == vocab.cls || id == vocab.sep {
             continue;
@@ -320,18 +547,19 @@ fn mask_tokens<R: Draws>(
             .get(id as usize)
             .copied()
             .unwrap_or(false);
-        positions.push(i);
+        positions.push(i as u32);
         match candidates.last_mut() {
             Some(last) if options.whole_word_mask && continuation => last.1 += 1,
             _ => candidates.push(((positions.len() - 1) as u32, 1)),
         }
     }
-    rng.shuffle(&mut candidates);
+    rng.shuffle(candidates);
     let num_to_predict = options
         .max_predictions_per_seq
         .min(1.max((ids.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
-    let mut masked: Vec<(usize, u32)> = Vec::new();
-    for &(start, len) in &candidates {
+    let masked = &mut scratch.masked;
+    masked.clear();
+    for &(start, len) in candidates.iter() {
         if masked.len() >= num_to_predict {
             break;
         }
@@ -340,8 +568,8 @@ fn mask_tokens<R: Draws>(
         }
         // Groups are disjoint, so none is ever already covered.
         for &index in &positions[start as usize..(start + len) as usize] {
-            let original = ids[index];
-            ids[index] = if rng.random() < 0.8 {
+            let original = ids[index as usize];
+            ids[index as usize] = if rng.random() < 0.8 {
                 vocab.mask
             } else if rng.random() < 0.5 {
                 original
@@ -352,5 +580,6 @@ fn mask_tokens<R: Draws>(
         }
     }
     masked.sort_unstable_by_key(|m| m.0);
-    masked.into_iter().unzip()
+    masked_positions.extend(masked.iter().map(|m| m.0));
+    masked_ids.extend(masked.iter().map(|m| m.1));
 }

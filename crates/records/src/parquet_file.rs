@@ -29,7 +29,7 @@ use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 
-use crate::instances::TrainingInstance;
+use crate::instances::{InstanceRef, Instances};
 
 /// Name of the file layout, stored in the metadata under `bertkit.layout`.
 pub const LAYOUT: &str = "bertkit-records-v1";
@@ -58,20 +58,28 @@ pub fn arrow_schema() -> Schema {
 }
 
 /// A `list<item>` column from per-row slices, built as one values buffer and one offsets buffer.
-fn list_column<T: Copy, A: arrow_array::types::ArrowPrimitiveType>(
-    instances: &[TrainingInstance],
+fn list_column<'a, T: Copy + 'a, A: arrow_array::types::ArrowPrimitiveType>(
+    rows: &[InstanceRef<'a>],
     item: DataType,
-    field: impl Fn(&TrainingInstance) -> &[T],
+    field: impl Fn(&InstanceRef<'a>) -> &'a [T],
     convert: impl Fn(T) -> A::Native,
 ) -> ArrayRef {
-    let total: usize = instances.iter().map(|i| field(i).len()).sum();
+    let total: usize = rows.iter().map(|r| field(r).len()).sum();
     let mut values: Vec<A::Native> = Vec::with_capacity(total);
-    let mut offsets: Vec<i32> = Vec::with_capacity(instances.len() + 1);
+    let mut offsets: Vec<i32> = Vec::with_capacity(rows.len() + 1);
     offsets.push(0);
-    for instance in instances {
-        values.extend(field(instance).iter().map(|&v| convert(v)));
+    for row in rows {
+        values.extend(field(row).iter().map(|&v| convert(v)));
         offsets.push(values.len() as i32);
     }
+    list_array::<A>(item, values, offsets)
+}
+
+fn list_array<A: arrow_array::types::ArrowPrimitiveType>(
+    item: DataType,
+    values: Vec<A::Native>,
+    offsets: Vec<i32>,
+) -> ArrayRef {
     let values = arrow_array::PrimitiveArray::<A>::new(values.into(), None);
     Arc::new(arrow_array::ListArray::new(
         Arc::new(Field::new("item", item, false)),
@@ -81,32 +89,39 @@ fn list_column<T: Copy, A: arrow_array::types::ArrowPrimitiveType>(
     ))
 }
 
+/// The `segment_ids` column: zeros for each row's first segment, then ones.
+fn segment_column(rows: &[InstanceRef<'_>]) -> ArrayRef {
+    let total: usize = rows.iter().map(|r| r.input_ids.len()).sum();
+    let mut values: Vec<i8> = Vec::with_capacity(total);
+    let mut offsets: Vec<i32> = Vec::with_capacity(rows.len() + 1);
+    offsets.push(0);
+    for row in rows {
+        let start = values.len();
+        values.resize(start + row.first_segment_len, 0);
+        values.resize(start + row.input_ids.len(), 1);
+        offsets.push(values.len() as i32);
+    }
+    list_array::<arrow_array::types::Int8Type>(DataType::Int8, values, offsets)
+}
+
 /// One row group's columns.
-fn batch(
-    instances: &[TrainingInstance],
-    schema: &Arc<Schema>,
-) -> parquet::errors::Result<RecordBatch> {
-    use arrow_array::types::{Int8Type, Int32Type};
+fn batch(rows: &[InstanceRef<'_>], schema: &Arc<Schema>) -> parquet::errors::Result<RecordBatch> {
+    use arrow_array::types::Int32Type;
     let columns: Vec<ArrayRef> = vec![
-        list_column::<_, Int32Type>(instances, DataType::Int32, |i| &i.input_ids, |v| v as i32),
-        list_column::<_, Int8Type>(instances, DataType::Int8, |i| &i.segment_ids, |v| v as i8),
+        list_column::<_, Int32Type>(rows, DataType::Int32, |r| r.input_ids, |v| v as i32),
+        segment_column(rows),
         list_column::<_, Int32Type>(
-            instances,
+            rows,
             DataType::Int32,
-            |i| &i.masked_lm_positions,
+            |r| r.masked_lm_positions,
             |v| v as i32,
         ),
-        list_column::<_, Int32Type>(
-            instances,
-            DataType::Int32,
-            |i| &i.masked_lm_ids,
-            |v| v as i32,
-        ),
+        list_column::<_, Int32Type>(rows, DataType::Int32, |r| r.masked_lm_ids, |v| v as i32),
         Arc::new(Int8Array::from_iter_values(
-            instances.iter().map(|i| i.is_random_next as i8),
+            rows.iter().map(|r| r.is_random_next as i8),
         )),
         Arc::new(Int32Array::from_iter_values(
-            instances.iter().map(|i| i.input_ids.len() as i32),
+            rows.iter().map(|r| r.input_ids.len() as i32),
         )),
     ];
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
@@ -116,7 +131,7 @@ fn batch(
 /// layout name and the instance count.
 pub fn write_instances(
     path: &Path,
-    instances: &[TrainingInstance],
+    instances: &Instances,
     metadata: &[(String, String)],
 ) -> parquet::errors::Result<()> {
     let schema = Arc::new(arrow_schema());
@@ -141,8 +156,15 @@ pub fn write_instances(
     let partial = bertkit_stage_io::partial_path(path);
     let file = File::create(&partial)?;
     let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
-    for chunk in instances.chunks(ROW_GROUP_ROWS) {
-        writer.write(&batch(chunk, &schema)?)?;
+    let mut rows = Vec::with_capacity(ROW_GROUP_ROWS);
+    let mut all = instances.iter();
+    loop {
+        rows.clear();
+        rows.extend(all.by_ref().take(ROW_GROUP_ROWS));
+        if rows.is_empty() {
+            break;
+        }
+        writer.write(&batch(&rows, &schema)?)?;
     }
     let file = writer.into_inner()?;
     file.sync_all()?;

@@ -21,8 +21,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::instances::{
-    Document, InstanceOptions, TrainingInstance, VocabIds, create_instances,
-    create_instances_google,
+    Document, InstanceOptions, Instances, VocabIds, create_instances, create_instances_google,
 };
 use crate::tokenizer::FullTokenizer;
 
@@ -195,7 +194,7 @@ fn is_current(
 fn write_outputs(
     output: &Path,
     jsonl: Option<&Path>,
-    instances: &[TrainingInstance],
+    instances: &Instances,
     tokenizer: &FullTokenizer,
     metadata: &[(String, String)],
 ) -> Result<(), RecordsError> {
@@ -207,7 +206,7 @@ fn write_outputs(
     })?;
     if let Some(path) = jsonl {
         let mut text = String::new();
-        for i in instances {
+        for i in instances.iter() {
             text.push_str(&i.to_reference_json(tokenizer).to_string());
             text.push('\n');
         }
@@ -222,11 +221,7 @@ fn write_outputs(
 }
 
 /// Instances in the run's mode: the reference script's exact algorithm, or the parallel default.
-fn generate(
-    documents: Vec<Document>,
-    vocab: &VocabIds,
-    options: &RecordsOptions,
-) -> Vec<TrainingInstance> {
+fn generate(documents: Vec<Document>, vocab: &VocabIds, options: &RecordsOptions) -> Instances {
     match options.compat {
         Compat::Google => create_instances_google(documents, vocab, &options.instances),
         Compat::None => create_instances(documents, vocab, &options.instances),
@@ -287,7 +282,7 @@ pub fn records_to_file(
         output: output.into(),
         documents: document_count,
         instances: instances.len(),
-        tokens: instances.iter().map(|i| i.input_ids.len()).sum(),
+        tokens: instances.tokens(),
         skipped: false,
         seconds,
     })
@@ -392,7 +387,7 @@ pub fn records_to_dir(
                 output,
                 documents: document_count,
                 instances: instances.len(),
-                tokens: instances.iter().map(|i| i.input_ids.len()).sum(),
+                tokens: instances.tokens(),
                 skipped: false,
                 seconds,
             };

@@ -530,9 +530,16 @@ mod tests {
                 );
             }
             // Words longer than the packed key and than WordPiece's limit.
-            for text in ["abcabcabcabcabcabcabc x", &"ab".repeat(101), &"a".repeat(200)] {
+            for text in [
+                "abcabcabcabcabcabcabc x",
+                &"ab".repeat(101),
+                &"a".repeat(200),
+            ] {
                 for _ in 0..2 {
-                    assert_eq!(t.tokenize_ids_cached(text, &mut cache), t.tokenize_ids(text));
+                    assert_eq!(
+                        t.tokenize_ids_cached(text, &mut cache),
+                        t.tokenize_ids(text)
+                    );
                 }
             }
         }

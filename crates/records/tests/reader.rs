@@ -1,7 +1,7 @@
 //! The memory-mapped reader returns exactly what was written, row group by row group, and
 //! refuses files that are not records files.
 
-use bertkit_records::instances::TrainingInstance;
+use bertkit_records::instances::{Instances, TrainingInstance};
 use bertkit_records::parquet_file::{ROW_GROUP_ROWS, write_instances};
 use bertkit_records::reader::RecordsFile;
 
@@ -9,9 +9,9 @@ fn instance(i: usize) -> TrainingInstance {
     let n = 5 + i % 50;
     TrainingInstance {
         input_ids: (0..n).map(|j| (i * 7 + j) as u32 % 30522).collect(),
-        segment_ids: (0..n).map(|j| u8::from(j > n / 2)).collect(),
+        first_segment_len: n / 2 + 1,
         is_random_next: i.is_multiple_of(3),
-        masked_lm_positions: vec![1, 3 + i % 2],
+        masked_lm_positions: vec![1, 3 + (i % 2) as u32],
         masked_lm_ids: vec![i as u32, 2 * i as u32],
     }
 }
@@ -22,7 +22,7 @@ fn row_groups_read_back_exactly() {
     let path = dir.path().join("x.parquet");
     let count = ROW_GROUP_ROWS * 2 + 100;
     let instances: Vec<TrainingInstance> = (0..count).map(instance).collect();
-    write_instances(&path, &instances, &[]).unwrap();
+    write_instances(&path, &Instances::from_owned(&instances), &[]).unwrap();
     let file = RecordsFile::open(&path).unwrap();
     assert_eq!(
         file.row_group_rows(),
@@ -39,15 +39,13 @@ fn row_groups_read_back_exactly() {
     assert_eq!(all.len(), count);
     for (r, i) in all.iter().zip(&instances) {
         assert_eq!(r.input_ids, i.input_ids);
-        assert_eq!(r.segment_ids, i.segment_ids);
-        assert_eq!(r.next_sentence_label, u8::from(i.is_random_next));
+        assert_eq!(r.segment_ids, i.as_ref().segment_ids());
         assert_eq!(
-            r.masked_lm_positions,
-            i.masked_lm_positions
-                .iter()
-                .map(|&p| p as u32)
-                .collect::<Vec<_>>()
+            r.segment_ids.iter().filter(|&&s| s == 0).count(),
+            i.first_segment_len
         );
+        assert_eq!(r.next_sentence_label, u8::from(i.is_random_next));
+        assert_eq!(r.masked_lm_positions, i.masked_lm_positions);
         assert_eq!(r.masked_lm_ids, i.masked_lm_ids);
     }
     assert!(file.read_row_group(3).is_err());
