@@ -18,6 +18,27 @@ pub trait Draws {
             x.swap(i, j);
         }
     }
+
+    /// A fair coin: `random() < 0.5`.
+    fn coin(&mut self) -> bool {
+        self.random() < 0.5
+    }
+
+    /// Visits the items of `x` in a uniformly random order until `visit` returns false
+    /// (`visit` gets the generator for draws of its own). This shuffles all of `x` first, as
+    /// the reference script does.
+    fn visit_shuffled<T: Copy>(
+        &mut self,
+        x: &mut [T],
+        mut visit: impl FnMut(&mut Self, T) -> bool,
+    ) {
+        self.shuffle(x);
+        for &item in x.iter() {
+            if !visit(self, item) {
+                break;
+            }
+        }
+    }
 }
 
 impl Draws for PyRandom {
@@ -42,10 +63,15 @@ pub fn splitmix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// xoshiro256++: small, fast, and good enough for masking and pairing.
+/// xoshiro256++: small, fast, and good enough for masking and pairing. Coins come 64 to a
+/// draw, and [`Draws::visit_shuffled`] shuffles lazily (forward Fisher–Yates, one draw per item
+/// visited), so masking 20 of 128 candidates draws 20 times, not 127.
 #[derive(Debug, Clone)]
 pub struct FastRng {
     s: [u64; 4],
+    /// Unused coin bits, and how many.
+    coins: u64,
+    coins_left: u32,
 }
 
 impl FastRng {
@@ -57,7 +83,11 @@ impl FastRng {
             x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
             *word = splitmix64(x);
         }
-        FastRng { s }
+        FastRng {
+            s,
+            coins: 0,
+            coins_left: 0,
+        }
     }
 
     /// The generator of one (pass, document) of a run seeded with `seed`.
@@ -89,14 +119,42 @@ impl Draws for FastRng {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
-    /// Unbiased: Lemire's multiply-and-reject.
+    /// Unbiased: Lemire's multiply-and-reject (the division only on the rare possible
+    /// rejection).
     fn randint(&mut self, a: usize, b: usize) -> usize {
         let n = (b - a) as u64 + 1;
-        let threshold = n.wrapping_neg() % n;
-        loop {
-            let m = u128::from(self.next_u64()) * u128::from(n);
-            if (m as u64) >= threshold {
-                return a + (m >> 64) as usize;
+        let mut m = u128::from(self.next_u64()) * u128::from(n);
+        if (m as u64) < n {
+            let threshold = n.wrapping_neg() % n;
+            while (m as u64) < threshold {
+                m = u128::from(self.next_u64()) * u128::from(n);
+            }
+        }
+        a + (m >> 64) as usize
+    }
+
+    fn coin(&mut self) -> bool {
+        if self.coins_left == 0 {
+            self.coins = self.next_u64();
+            self.coins_left = 64;
+        }
+        let heads = self.coins & 1 == 1;
+        self.coins >>= 1;
+        self.coins_left -= 1;
+        heads
+    }
+
+    fn visit_shuffled<T: Copy>(
+        &mut self,
+        x: &mut [T],
+        mut visit: impl FnMut(&mut Self, T) -> bool,
+    ) {
+        let n = x.len();
+        for k in 0..n {
+            let j = self.randint(k, n - 1);
+            x.swap(k, j);
+            if !visit(self, x[k]) {
+                break;
             }
         }
     }
@@ -127,6 +185,43 @@ mod tests {
             FastRng::for_document(3, 1, 2).next_u64(),
             FastRng::for_document(3, 2, 1).next_u64()
         );
+    }
+
+    /// Coins are fair and independent of each other (pairs equally likely); a lazy shuffle
+    /// visits every item first equally often and, visited to the end, is a permutation.
+    #[test]
+    fn coins_and_lazy_shuffles_are_uniform() {
+        let mut r = FastRng::new(9);
+        let mut pairs = [0u32; 4];
+        for _ in 0..40_000 {
+            pairs[usize::from(r.coin()) * 2 + usize::from(r.coin())] += 1;
+        }
+        assert!(
+            pairs.iter().all(|&c| (9_600..10_400).contains(&c)),
+            "{pairs:?}"
+        );
+        let mut first = [0u32; 8];
+        for _ in 0..80_000 {
+            let mut x: Vec<usize> = (0..8).collect();
+            let mut seen = Vec::new();
+            r.visit_shuffled(&mut x, |_, i| {
+                seen.push(i);
+                true
+            });
+            first[seen[0]] += 1;
+            seen.sort_unstable();
+            assert_eq!(seen, (0..8).collect::<Vec<_>>());
+        }
+        assert!(
+            first.iter().all(|&c| (9_600..10_400).contains(&c)),
+            "{first:?}"
+        );
+        let mut visited = 0;
+        r.visit_shuffled(&mut [1, 2, 3, 4], |_, _| {
+            visited += 1;
+            visited < 2
+        });
+        assert_eq!(visited, 2);
     }
 
     /// Each document's first draw decides its short target (10%): over many (pass, document)

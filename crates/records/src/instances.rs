@@ -406,11 +406,26 @@ pub fn create_instances(
 /// Buffers reused from one instance to the next.
 #[derive(Default)]
 struct Scratch {
-    tokens_a: Vec<u32>,
-    tokens_b: Vec<u32>,
     positions: Vec<u32>,
     candidates: Vec<(u32, u32)>,
-    masked: Vec<(u32, u32)>,
+    masked_bits: Vec<u64>,
+    originals: Vec<u32>,
+}
+
+/// Appends tokens `range` of the concatenation of `parts`.
+fn extend_from_parts(out: &mut Vec<u32>, parts: &[&[u32]], range: std::ops::Range<usize>) {
+    let mut offset = 0;
+    for part in parts {
+        let (start, end) = (offset, offset + part.len());
+        offset = end;
+        if end <= range.start {
+            continue;
+        }
+        if start >= range.end {
+            break;
+        }
+        out.extend_from_slice(&part[range.start.max(start) - start..range.end.min(end) - start]);
+    }
 }
 
 fn instances_from_document<R: Draws>(
@@ -428,7 +443,9 @@ fn instances_from_document<R: Draws>(
     if rng.random() < options.short_seq_prob {
         target_seq_length = rng.randint(2, max_num_tokens);
     }
-    let mut chunk: Vec<&Vec<u32>> = Vec::new();
+    // Segments A and B are lists of sentences, copied once, after truncation, into `out`.
+    let mut chunk: Vec<&[u32]> = Vec::new();
+    let mut parts_b: Vec<&[u32]> = Vec::new();
     let mut length = 0;
     let mut i = 0usize;
     while i < document.len() {
@@ -442,16 +459,12 @@ fn instances_from_document<R: Draws>(
                 } else {
                     1
                 };
-                let tokens_a = &mut scratch.tokens_a;
-                tokens_a.clear();
-                for s in &chunk[..a_end] {
-                    tokens_a.extend_from_slice(s);
-                }
-                let tokens_b = &mut scratch.tokens_b;
-                tokens_b.clear();
+                let a_len: usize = chunk[..a_end].iter().map(|s| s.len()).sum();
+                parts_b.clear();
+                let mut b_len = 0;
                 let is_random_next = chunk.len() == 1 || rng.random() < 0.5;
                 if is_random_next {
-                    let target_b_length = target_seq_length.saturating_sub(tokens_a.len());
+                    let target_b_length = target_seq_length.saturating_sub(a_len);
                     let mut random_index = document_index;
                     for _ in 0..10 {
                         random_index = rng.randint(0, documents.len() - 1);
@@ -462,25 +475,25 @@ fn instances_from_document<R: Draws>(
                     let random_document = &documents[random_index];
                     let start = rng.randint(0, random_document.len() - 1);
                     for segment in &random_document[start..] {
-                        tokens_b.extend_from_slice(segment);
-                        if tokens_b.len() >= target_b_length {
+                        parts_b.push(segment);
+                        b_len += segment.len();
+                        if b_len >= target_b_length {
                             break;
                         }
                     }
                     // Put the unused segments back.
                     i -= chunk.len() - a_end;
                 } else {
-                    for s in &chunk[a_end..] {
-                        tokens_b.extend_from_slice(s);
-                    }
+                    parts_b.extend_from_slice(&chunk[a_end..]);
+                    b_len = parts_b.iter().map(|s| s.len()).sum();
                 }
-                let (a, b) = truncate_seq_pair(tokens_a.len(), tokens_b.len(), max_num_tokens, rng);
+                let (a, b) = truncate_seq_pair(a_len, b_len, max_num_tokens, rng);
                 let start = out.input_ids.len();
                 out.input_ids.push(vocab.cls);
-                out.input_ids.extend_from_slice(&tokens_a[a]);
+                extend_from_parts(&mut out.input_ids, &chunk[..a_end], a);
                 out.input_ids.push(vocab.sep);
                 let first_segment_len = out.input_ids.len() - start;
-                out.input_ids.extend_from_slice(&tokens_b[b]);
+                extend_from_parts(&mut out.input_ids, &parts_b, b);
                 out.input_ids.push(vocab.sep);
                 mask_tokens(
                     &mut out.input_ids[start..],
@@ -511,7 +524,7 @@ fn truncate_seq_pair<R: Draws>(
     let (mut a, mut b) = (0..a_len, 0..b_len);
     while a.len() + b.len() > max_num_tokens {
         let longer = if a.len() > b.len() { &mut a } else { &mut b };
-        if rng.random() < 0.5 {
+        if rng.coin() {
             longer.start += 1;
         } else {
             longer.end -= 1;
@@ -531,55 +544,86 @@ fn mask_tokens<R: Draws>(
     masked_positions: &mut Vec<u32>,
     masked_ids: &mut Vec<u32>,
 ) {
-    // Candidate groups as (start, length) runs of `positions`: one position each, or whole
-    // words with whole-word masking. Shuffling the groups draws exactly what shuffling the
-    // script's list of lists draws.
-    let positions = &mut scratch.positions;
-    let candidates = &mut scratch.candidates;
+    let Scratch {
+        positions,
+        candidates,
+        masked_bits,
+        originals,
+    } = scratch;
     positions.clear();
-    candidates.clear();
-    for (i, &id) in ids.iter().enumerate() {
-        if id == vocab.cls || id == vocab.sep {
-            continue;
-        }
-        let continuation = vocab
-            .continuation
-            .get(id as usize)
-            .copied()
-            .unwrap_or(false);
-        positions.push(i as u32);
-        match candidates.last_mut() {
-            Some(last) if options.whole_word_mask && continuation => last.1 += 1,
-            _ => candidates.push(((positions.len() - 1) as u32, 1)),
-        }
-    }
-    rng.shuffle(candidates);
+    positions.extend(
+        (0..ids.len() as u32)
+            .filter(|&i| ids[i as usize] != vocab.cls && ids[i as usize] != vocab.sep),
+    );
     let num_to_predict = options
         .max_predictions_per_seq
         .min(1.max((ids.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
-    let masked = &mut scratch.masked;
-    masked.clear();
-    for &(start, len) in candidates.iter() {
-        if masked.len() >= num_to_predict {
-            break;
+    // Which positions are masked (a bit each, read back in ascending order: no sort), and the
+    // original ids there.
+    masked_bits.clear();
+    masked_bits.resize(ids.len().div_ceil(64), 0);
+    originals.resize(ids.len(), 0);
+    let mut masked = 0;
+    let mut mask = |rng: &mut R, ids: &mut [u32], index: u32| {
+        let index = index as usize;
+        originals[index] = ids[index];
+        ids[index] = if rng.random() < 0.8 {
+            vocab.mask
+        } else if rng.random() < 0.5 {
+            ids[index]
+        } else {
+            vocab.words[rng.randint(0, vocab.words.len() - 1)]
+        };
+        masked_bits[index / 64] |= 1 << (index % 64);
+    };
+    if options.whole_word_mask {
+        // Candidate groups as (start, length) runs of `positions`: a `##` piece joins the
+        // group before it. Shuffling the groups draws what shuffling the script's list of
+        // lists draws.
+        candidates.clear();
+        for (k, &i) in positions.iter().enumerate() {
+            let continuation = vocab
+                .continuation
+                .get(ids[i as usize] as usize)
+                .copied()
+                .unwrap_or(false);
+            match candidates.last_mut() {
+                Some(last) if continuation => last.1 += 1,
+                _ => candidates.push((k as u32, 1)),
+            }
         }
-        if masked.len() + len as usize > num_to_predict {
-            continue;
-        }
-        // Groups are disjoint, so none is ever already covered.
-        for &index in &positions[start as usize..(start + len) as usize] {
-            let original = ids[index as usize];
-            ids[index as usize] = if rng.random() < 0.8 {
-                vocab.mask
-            } else if rng.random() < 0.5 {
-                original
-            } else {
-                vocab.words[rng.randint(0, vocab.words.len() - 1)]
-            };
-            masked.push((index, original));
+        rng.visit_shuffled(candidates, |rng, (start, len)| {
+            if masked >= num_to_predict {
+                return false;
+            }
+            if masked + len as usize > num_to_predict {
+                return true;
+            }
+            // Groups are disjoint, so none is ever already covered.
+            for &index in &positions[start as usize..(start + len) as usize] {
+                mask(rng, ids, index);
+                masked += 1;
+            }
+            true
+        });
+    } else {
+        // Every position is a group of its own.
+        rng.visit_shuffled(positions, |rng, index| {
+            if masked >= num_to_predict {
+                return false;
+            }
+            mask(rng, ids, index);
+            masked += 1;
+            true
+        });
+    }
+    for (word_index, &word) in masked_bits.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            let position = word_index * 64 + bits.trailing_zeros() as usize;
+            masked_positions.push(position as u32);
+            masked_ids.push(originals[position]);
+            bits &= bits - 1;
         }
     }
-    masked.sort_unstable_by_key(|m| m.0);
-    masked_positions.extend(masked.iter().map(|m| m.0));
-    masked_ids.extend(masked.iter().map(|m| m.1));
 }
