@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use rayon::prelude::*;
 
+use crate::corpus::{Corpus, DocumentRef};
 use crate::draws::{Draws, FastRng};
 use crate::pyrandom::PyRandom;
 use crate::tokenizer::FullTokenizer;
@@ -166,8 +167,8 @@ impl InstanceColumns {
     /// Empty columns with room for what one pass over `document` makes, so that the buffers
     /// rarely grow (growing a large buffer copies it into freshly faulted pages). Pages of
     /// room that stays unused are never touched.
-    fn for_document(document: &Document, options: &InstanceOptions) -> Self {
-        let tokens: usize = document.iter().map(Vec::len).sum();
+    fn for_document(document: DocumentRef<'_>, options: &InstanceOptions) -> Self {
+        let tokens = document.tokens();
         let target = (options.max_seq_length.saturating_sub(3)).max(1);
         // Random-next B segments come from other documents: allow up to twice the text.
         let instances = 2 * tokens / target + 2;
@@ -293,9 +294,6 @@ impl Instances {
     }
 }
 
-/// A document: its sentences as vocabulary ids.
-pub type Document = Vec<Vec<u32>>;
-
 /// What instance generation needs to know of the vocabulary.
 #[derive(Debug, Clone)]
 pub struct VocabIds {
@@ -335,22 +333,22 @@ impl VocabIds {
 /// `create_training_instances` after reading: shuffles the documents, makes `dupe_factor`
 /// passes, and shuffles the instances, all with CPython's generator seeded with `options.seed`.
 pub fn create_instances_google(
-    documents: Vec<Document>,
+    corpus: &Corpus,
     vocab: &VocabIds,
     options: &InstanceOptions,
 ) -> Instances {
-    create_instances_google_with(documents, vocab, options, &mut PyRandom::new(options.seed))
+    create_instances_google_with(corpus, vocab, options, &mut PyRandom::new(options.seed))
 }
 
 /// [`create_instances_google`] with a given generator (whose word count then tells how many
 /// random words the run drew).
 pub fn create_instances_google_with(
-    mut documents: Vec<Document>,
+    corpus: &Corpus,
     vocab: &VocabIds,
     options: &InstanceOptions,
     rng: &mut PyRandom,
 ) -> Instances {
-    rng.shuffle(&mut documents);
+    let documents = ShuffledDocuments::new(corpus, rng);
     let mut columns = InstanceColumns::default();
     let mut scratch = Scratch::default();
     for _ in 0..options.dupe_factor {
@@ -377,13 +375,9 @@ pub fn create_instances_google_with(
 /// not on the thread count. The statistics (mask rate, 80/10/10, random-next share, lengths) are
 /// those of the algorithm; the instances are not the reference script's (use
 /// [`create_instances_google`] for that).
-pub fn create_instances(
-    mut documents: Vec<Document>,
-    vocab: &VocabIds,
-    options: &InstanceOptions,
-) -> Instances {
+pub fn create_instances(corpus: &Corpus, vocab: &VocabIds, options: &InstanceOptions) -> Instances {
     let mut rng = FastRng::new(options.seed);
-    rng.shuffle(&mut documents);
+    let documents = ShuffledDocuments::new(corpus, &mut rng);
     let jobs: Vec<(usize, usize)> = (0..options.dupe_factor)
         .flat_map(|pass| (0..documents.len()).map(move |doc| (pass, doc)))
         .collect();
@@ -391,7 +385,7 @@ pub fn create_instances(
         .par_iter()
         .map_init(Scratch::default, |scratch, &(pass, doc)| {
             let mut draws = FastRng::for_document(options.seed, pass, doc);
-            let mut out = InstanceColumns::for_document(&documents[doc], options);
+            let mut out = InstanceColumns::for_document(documents.get(doc), options);
             instances_from_document(
                 &documents, doc, vocab, options, &mut draws, &mut out, scratch,
             );
@@ -428,8 +422,32 @@ fn extend_from_parts(out: &mut Vec<u32>, parts: &[&[u32]], range: std::ops::Rang
     }
 }
 
+/// A corpus's documents in a shuffled order.
+struct ShuffledDocuments<'a> {
+    corpus: &'a Corpus,
+    order: Vec<u32>,
+}
+
+impl<'a> ShuffledDocuments<'a> {
+    /// Shuffling the order draws what shuffling the script's list of documents draws.
+    fn new<R: Draws>(corpus: &'a Corpus, rng: &mut R) -> Self {
+        let mut order: Vec<u32> = (0..corpus.len() as u32).collect();
+        rng.shuffle(&mut order);
+        ShuffledDocuments { corpus, order }
+    }
+
+    fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    fn get(&self, index: usize) -> DocumentRef<'a> {
+        self.corpus.document(self.order[index] as usize)
+    }
+}
+
+/// The instances of document `document_index` (one pass), appended to `out`.
 fn instances_from_document<R: Draws>(
-    documents: &[Document],
+    documents: &ShuffledDocuments<'_>,
     document_index: usize,
     vocab: &VocabIds,
     options: &InstanceOptions,
@@ -437,7 +455,7 @@ fn instances_from_document<R: Draws>(
     out: &mut InstanceColumns,
     scratch: &mut Scratch,
 ) {
-    let document = &documents[document_index];
+    let document = documents.get(document_index);
     let max_num_tokens = options.max_seq_length - 3;
     let mut target_seq_length = max_num_tokens;
     if rng.random() < options.short_seq_prob {
@@ -449,7 +467,7 @@ fn instances_from_document<R: Draws>(
     let mut length = 0;
     let mut i = 0usize;
     while i < document.len() {
-        let segment = &document[i];
+        let segment = document.sentence(i);
         chunk.push(segment);
         length += segment.len();
         if i == document.len() - 1 || length >= target_seq_length {
@@ -472,9 +490,10 @@ fn instances_from_document<R: Draws>(
                             break;
                         }
                     }
-                    let random_document = &documents[random_index];
+                    let random_document = documents.get(random_index);
                     let start = rng.randint(0, random_document.len() - 1);
-                    for segment in &random_document[start..] {
+                    for s in start..random_document.len() {
+                        let segment = random_document.sentence(s);
                         parts_b.push(segment);
                         b_len += segment.len();
                         if b_len >= target_b_length {

@@ -4,6 +4,7 @@
 //! - [`tokenizer`]: WordPiece tokenization identical to Google's `FullTokenizer`, with a
 //!   [`wordpiece`] splitting straight to ids and a [`word_cache`] for bulk work;
 //! - [`vocab`]: training a WordPiece vocabulary on a domain corpus;
+//! - [`corpus`]: tokenized documents in flat buffers;
 //! - [`pyrandom`], [`draws`] and [`instances`]: masked-LM / next-sentence instances exactly as
 //!   Google's `create_pretraining_data.py` makes them (same instances, same order, same random
 //!   draws), or the same algorithm in parallel over documents;
@@ -11,6 +12,7 @@
 //! - [`reader`]: memory-mapped reading of the Parquet files, a row group at a time (the
 //!   trainer's input).
 
+pub mod corpus;
 pub mod draws;
 pub mod instances;
 pub mod parquet_file;

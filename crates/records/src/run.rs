@@ -20,8 +20,9 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::corpus::Corpus;
 use crate::instances::{
-    Document, InstanceOptions, Instances, VocabIds, create_instances, create_instances_google,
+    InstanceOptions, Instances, VocabIds, create_instances, create_instances_google,
 };
 use crate::tokenizer::FullTokenizer;
 
@@ -111,7 +112,7 @@ fn hash_file(path: &Path) -> Result<String, RecordsError> {
 pub fn read_tokenized(
     path: &Path,
     tokenizer: &FullTokenizer,
-) -> Result<(Vec<Document>, bertkit_stage_io::InputFile), RecordsError> {
+) -> Result<(Corpus, bertkit_stage_io::InputFile), RecordsError> {
     let mut fingerprint =
         bertkit_stage_io::InputFile::stat(path).map_err(|e| bertkit_shard::ShardError::Io {
             path: path.into(),
@@ -123,30 +124,43 @@ pub fn read_tokenized(
         texts.push(String::from_utf8(doc.text).expect("the reader checked UTF-8"));
     }
     fingerprint.sha256 = reader.finish()?;
-    // Tokenize lines in parallel chunks (a book is one document, but thousands of lines), then
-    // regroup them into documents.
+    // Tokenize lines in parallel chunks (a book is one document, but thousands of lines), each
+    // chunk into one buffer with the (document, end) of every line, then regroup them into
+    // documents.
     let lines: Vec<(usize, &str)> = texts
         .iter()
         .enumerate()
         .flat_map(|(d, text)| text.lines().map(move |line| (d, line)))
         .collect();
-    let tokenized: Vec<Vec<(usize, Vec<u32>)>> = lines
+    let tokenized: Vec<(Vec<u32>, Vec<(usize, usize)>)> = lines
         .par_chunks(1024)
         .map(|chunk| {
-            chunk
+            let mut ids = Vec::new();
+            let ends = chunk
                 .iter()
-                .map(|&(d, line)| (d, tokenizer.tokenize_ids_thread_cached(line)))
-                .collect()
+                .map(|&(d, line)| {
+                    tokenizer.extend_ids_thread_cached(line, &mut ids);
+                    (d, ids.len())
+                })
+                .collect();
+            (ids, ends)
         })
         .collect();
-    let mut documents: Vec<Document> = vec![Vec::new(); texts.len()];
-    for (d, ids) in tokenized.into_iter().flatten() {
-        if !ids.is_empty() {
-            documents[d].push(ids);
+    let mut corpus = Corpus::default();
+    let mut document = 0;
+    for (ids, ends) in &tokenized {
+        let mut start = 0;
+        for &(d, end) in ends {
+            if d != document {
+                corpus.end_document();
+                document = d;
+            }
+            corpus.push_sentence(&ids[start..end]);
+            start = end;
         }
     }
-    documents.retain(|d| !d.is_empty());
-    Ok((documents, fingerprint))
+    corpus.end_document();
+    Ok((corpus, fingerprint))
 }
 
 fn metadata(
@@ -221,10 +235,10 @@ fn write_outputs(
 }
 
 /// Instances in the run's mode: the reference script's exact algorithm, or the parallel default.
-fn generate(documents: Vec<Document>, vocab: &VocabIds, options: &RecordsOptions) -> Instances {
+fn generate(corpus: &Corpus, vocab: &VocabIds, options: &RecordsOptions) -> Instances {
     match options.compat {
-        Compat::Google => create_instances_google(documents, vocab, &options.instances),
-        Compat::None => create_instances(documents, vocab, &options.instances),
+        Compat::Google => create_instances_google(corpus, vocab, &options.instances),
+        Compat::None => create_instances(corpus, vocab, &options.instances),
     }
 }
 
@@ -250,11 +264,15 @@ pub fn records_to_file(
     let vocab_sha256 = hash_file(vocab)?;
     let files = bertkit_shard::expand_inputs(inputs)?;
     let clock = std::time::Instant::now();
-    let mut documents = Vec::new();
+    let mut documents = Corpus::default();
     let mut fingerprints = Vec::new();
     for path in &files {
-        let (docs, fingerprint) = read_tokenized(path, &tokenizer)?;
-        documents.extend(docs);
+        let (corpus, fingerprint) = read_tokenized(path, &tokenizer)?;
+        if documents.is_empty() {
+            documents = corpus;
+        } else {
+            documents.append(&corpus);
+        }
         fingerprints.push(fingerprint);
     }
     if documents.is_empty() {
@@ -267,7 +285,7 @@ pub fn records_to_file(
         ..StepSeconds::default()
     };
     let clock = std::time::Instant::now();
-    let instances = generate(documents, &vocab_ids, options);
+    let instances = generate(&documents, &vocab_ids, options);
     seconds.instances = clock.elapsed().as_secs_f64();
     let clock = std::time::Instant::now();
     write_outputs(
@@ -373,7 +391,7 @@ pub fn records_to_dir(
                 ..StepSeconds::default()
             };
             let clock = std::time::Instant::now();
-            let instances = generate(documents, &vocab_ids, &shard_options);
+            let instances = generate(&documents, &vocab_ids, &shard_options);
             seconds.instances = clock.elapsed().as_secs_f64();
             let clock = std::time::Instant::now();
             let meta = metadata(

@@ -198,20 +198,25 @@ impl FullTokenizer {
     /// rules there, and punctuation ids come from a table.
     pub fn tokenize_ids_cached(&self, text: &str, cache: &mut TokenizerCache) -> Vec<u32> {
         let mut ids = Vec::new();
+        self.extend_ids_cached(text, cache, &mut ids);
+        ids
+    }
+
+    /// [`FullTokenizer::tokenize_ids_cached`], appending to `ids`.
+    pub fn extend_ids_cached(&self, text: &str, cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
         if text.is_ascii() {
-            self.ascii_ids(text.as_bytes(), cache, &mut ids);
-            return ids;
+            self.ascii_ids(text.as_bytes(), cache, ids);
+            return;
         }
         let mut buffers = std::mem::take(&mut cache.buffers);
         for_each_basic_token(text, self.lower_case, &mut buffers, &mut |word| {
             cache
                 .words
-                .extend_ids(word.as_bytes(), None, &mut ids, |w, out| {
+                .extend_ids(word.as_bytes(), None, ids, |w, out| {
                     self.word_bytes_ids(w, out)
                 });
         });
         cache.buffers = buffers;
-        ids
     }
 
     /// The ASCII fast path of [`FullTokenizer::tokenize_ids_cached`].
@@ -263,12 +268,19 @@ impl FullTokenizer {
     /// [`FullTokenizer::tokenize_ids_cached`] with the calling thread's cache, which lives as long
     /// as the thread (rayon's workers keep theirs across files and shards).
     pub fn tokenize_ids_thread_cached(&self, text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        self.extend_ids_thread_cached(text, &mut ids);
+        ids
+    }
+
+    /// [`FullTokenizer::tokenize_ids_thread_cached`], appending to `ids`.
+    pub fn extend_ids_thread_cached(&self, text: &str, ids: &mut Vec<u32>) {
         THREAD_CACHE.with(|cell| {
             let mut cell = cell.borrow_mut();
             if cell.0 != self.id {
                 *cell = (self.id, TokenizerCache::default());
             }
-            self.tokenize_ids_cached(text, &mut cell.1)
+            self.extend_ids_cached(text, &mut cell.1, ids)
         })
     }
 

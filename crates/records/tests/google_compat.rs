@@ -23,12 +23,12 @@ fn check(reference_dir: &str, words_drawn: u64) {
     };
     let tokenizer = FullTokenizer::from_vocab_file(&require("minilm/vocab.txt"), true).unwrap();
     // The production reader (what `bertkit records` uses) must give the script's documents.
-    let (documents, _) =
+    let (corpus, _) =
         bertkit_records::run::read_tokenized(&require("bert/sample_text.txt"), &tokenizer).unwrap();
-    assert_eq!(documents.len(), 3);
+    assert_eq!(corpus.len(), 3);
     let mut rng = PyRandom::new(options.seed);
     let vocab = VocabIds::new(&tokenizer).unwrap();
-    let instances = create_instances_google_with(documents, &vocab, &options, &mut rng);
+    let instances = create_instances_google_with(&corpus, &vocab, &options, &mut rng);
     // The exact number of MT19937 words the reference run drew (REFERENCE.md).
     assert_eq!(rng.words, words_drawn);
 
