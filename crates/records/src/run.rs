@@ -132,7 +132,12 @@ pub fn read_tokenized(
         .enumerate()
         .flat_map(|(d, text)| text.lines().map(move |line| (d, line)))
         .collect();
-    let tokenized: Vec<(Vec<u32>, Vec<(usize, usize)>)> = lines
+    /// A chunk of lines: all their ids, and the (document, end in `ids`) of each line.
+    struct TokenizedLines {
+        ids: Vec<u32>,
+        ends: Vec<(usize, usize)>,
+    }
+    let tokenized: Vec<TokenizedLines> = lines
         .par_chunks(1024)
         .map(|chunk| {
             let mut ids = Vec::new();
@@ -143,12 +148,12 @@ pub fn read_tokenized(
                     (d, ids.len())
                 })
                 .collect();
-            (ids, ends)
+            TokenizedLines { ids, ends }
         })
         .collect();
     let mut corpus = Corpus::default();
     let mut document = 0;
-    for (ids, ends) in &tokenized {
+    for TokenizedLines { ids, ends } in &tokenized {
         let mut start = 0;
         for &(d, end) in ends {
             if d != document {
