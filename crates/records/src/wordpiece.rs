@@ -31,9 +31,12 @@ pub struct WordPieceVocab {
 impl WordPieceVocab {
     /// From (token, id) pairs and the id of `[UNK]`.
     pub fn new<'a>(tokens: impl IntoIterator<Item = (&'a str, u32)>, unk: u32) -> Self {
+        let tokens = tokens.into_iter();
+        // Sized up front: a BERT vocabulary is 30,000 tokens, a quarter of them `##` pieces.
+        let size = tokens.size_hint().0;
         let mut vocab = WordPieceVocab {
-            tokens: AHashMap::new(),
-            continuations: AHashMap::new(),
+            tokens: AHashMap::with_capacity(size),
+            continuations: AHashMap::with_capacity(size / 3),
             unk,
             longest_token: 0,
             longest_continuation: 0,
