@@ -7,6 +7,10 @@ use crate::pyrandom::PyRandom;
 
 /// The three draws of `create_pretraining_data.py`.
 pub trait Draws {
+    /// Whether the caller must make exactly the reference script's draws (CPython's generator);
+    /// otherwise it may draw the same distribution its own, cheaper way.
+    const REPLAYS_SCRIPT: bool = false;
+
     /// A float in [0, 1).
     fn random(&mut self) -> f64;
     /// An integer in `a..=b`.
@@ -42,6 +46,8 @@ pub trait Draws {
 }
 
 impl Draws for PyRandom {
+    const REPLAYS_SCRIPT: bool = true;
+
     fn random(&mut self) -> f64 {
         PyRandom::random(self)
     }

@@ -374,7 +374,10 @@ pub fn create_instances_google_with(
 /// (pass, document) draws from its own [`FastRng`] stream, so the result depends on the seed and
 /// not on the thread count. The statistics (mask rate, 80/10/10, random-next share, lengths) are
 /// those of the algorithm; the instances are not the reference script's (use
-/// [`create_instances_google`] for that).
+/// [`create_instances_google`] for that). Draws that only need the same distribution are made
+/// more cheaply than the script makes them: masked positions are drawn directly (or from a lazy
+/// shuffle with whole-word masking) instead of shuffling every candidate, and truncation coins
+/// come 64 to a random word.
 pub fn create_instances(corpus: &Corpus, vocab: &VocabIds, options: &InstanceOptions) -> Instances {
     let mut rng = FastRng::new(options.seed);
     let documents = ShuffledDocuments::new(corpus, &mut rng);
@@ -552,6 +555,12 @@ fn truncate_seq_pair<R: Draws>(
     (a, b)
 }
 
+/// The positions of `ids` that may be masked: all but `[CLS]` and `[SEP]`.
+fn list_candidates(ids: &[u32], positions: &mut Vec<u32>, is_special: &impl Fn(u32) -> bool) {
+    positions.clear();
+    positions.extend((0..ids.len() as u32).filter(|&i| !is_special(ids[i as usize])));
+}
+
 /// `create_masked_lm_predictions`, in place: appends the masked positions (ascending) and the
 /// original ids there.
 fn mask_tokens<R: Draws>(
@@ -569,11 +578,6 @@ fn mask_tokens<R: Draws>(
         masked_bits,
         originals,
     } = scratch;
-    positions.clear();
-    positions.extend(
-        (0..ids.len() as u32)
-            .filter(|&i| ids[i as usize] != vocab.cls && ids[i as usize] != vocab.sep),
-    );
     let num_to_predict = options
         .max_predictions_per_seq
         .min(1.max((ids.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
@@ -583,22 +587,40 @@ fn mask_tokens<R: Draws>(
     masked_bits.resize(ids.len().div_ceil(64), 0);
     originals.resize(ids.len(), 0);
     let mut masked = 0;
-    let mut mask = |rng: &mut R, ids: &mut [u32], index: u32| {
-        let index = index as usize;
-        originals[index] = ids[index];
-        ids[index] = if rng.random() < 0.8 {
-            vocab.mask
-        } else if rng.random() < 0.5 {
-            ids[index]
-        } else {
-            vocab.words[rng.randint(0, vocab.words.len() - 1)]
+    let is_masked = |bits: &[u64], index: usize| bits[index / 64] & (1 << (index % 64)) != 0;
+    let mask =
+        |rng: &mut R, ids: &mut [u32], bits: &mut [u64], originals: &mut [u32], index: u32| {
+            let index = index as usize;
+            originals[index] = ids[index];
+            ids[index] = if rng.random() < 0.8 {
+                vocab.mask
+            } else if rng.random() < 0.5 {
+                ids[index]
+            } else {
+                vocab.words[rng.randint(0, vocab.words.len() - 1)]
+            };
+            bits[index / 64] |= 1 << (index % 64);
         };
-        masked_bits[index / 64] |= 1 << (index % 64);
-    };
-    if options.whole_word_mask {
+    let is_special = |id: u32| id == vocab.cls || id == vocab.sep;
+    let candidate_count = ids.len() - ids.iter().filter(|&&id| is_special(id)).count();
+    if !R::REPLAYS_SCRIPT && !options.whole_word_mask && 2 * num_to_predict <= candidate_count {
+        // Single positions, not the script's draws: a uniformly random set of positions,
+        // drawn directly (a drawn special or already masked position is drawn again) instead
+        // of listing and shuffling every candidate. At most half the candidates are masked,
+        // so a draw is kept with probability at least 1/2.
+        while masked < num_to_predict {
+            let index = rng.randint(0, ids.len() - 1);
+            if is_masked(masked_bits, index) || is_special(ids[index]) {
+                continue;
+            }
+            mask(rng, ids, masked_bits, originals, index as u32);
+            masked += 1;
+        }
+    } else if options.whole_word_mask {
         // Candidate groups as (start, length) runs of `positions`: a `##` piece joins the
         // group before it. Shuffling the groups draws what shuffling the script's list of
         // lists draws.
+        list_candidates(ids, positions, &is_special);
         candidates.clear();
         for (k, &i) in positions.iter().enumerate() {
             let continuation = vocab
@@ -620,18 +642,19 @@ fn mask_tokens<R: Draws>(
             }
             // Groups are disjoint, so none is ever already covered.
             for &index in &positions[start as usize..(start + len) as usize] {
-                mask(rng, ids, index);
+                mask(rng, ids, masked_bits, originals, index);
                 masked += 1;
             }
             true
         });
     } else {
         // Every position is a group of its own.
+        list_candidates(ids, positions, &is_special);
         rng.visit_shuffled(positions, |rng, index| {
             if masked >= num_to_predict {
                 return false;
             }
-            mask(rng, ids, index);
+            mask(rng, ids, masked_bits, originals, index);
             masked += 1;
             true
         });

@@ -262,7 +262,8 @@ fn directory_mode_is_parallel_deterministic_restartable_and_has_the_algorithms_s
         mut kept,
         mut random_next,
         mut full_length,
-    ) = (0, 0, 0, 0, 0, 0, 0);
+        mut first_half,
+    ) = (0, 0, 0, 0, 0, 0, 0, 0);
     for s in &one {
         for (ids, positions, labels, next, len) in read_rows(&s.output) {
             instances += 1;
@@ -272,6 +273,9 @@ fn directory_mode_is_parallel_deterministic_restartable_and_has_the_algorithms_s
                 let id = ids[*p as usize];
                 as_mask += (id == mask_id) as usize;
                 kept += (id == *l) as usize;
+                // Never [CLS] (101) or [SEP] (102).
+                assert!(*l != 101 && *l != 102, "a special token was masked");
+                first_half += (2 * (*p as usize) < ids.len()) as usize;
             }
             random_next += next as usize;
             full_length += (len == 128) as usize;
@@ -296,6 +300,12 @@ fn directory_mode_is_parallel_deterministic_restartable_and_has_the_algorithms_s
         (0.09..0.115).contains(&rate(kept, masked)),
         "kept share {}",
         rate(kept, masked)
+    );
+    // Masks spread evenly over the sequence.
+    assert!(
+        (0.47..0.53).contains(&rate(first_half, masked)),
+        "share of masks in the first half {}",
+        rate(first_half, masked)
     );
     // Half random next, plus the chunks of one segment that are always random next.
     assert!(
