@@ -26,13 +26,12 @@ use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
-use arrow_array::{ArrayRef, Int8Array, Int32Array, RecordBatch};
-use arrow_buffer::OffsetBuffer;
 use arrow_schema::{DataType, Field, Schema};
-use parquet::arrow::ArrowWriter;
+use parquet::arrow::{ArrowSchemaConverter, add_encoded_arrow_schema_to_metadata};
 use parquet::basic::{Compression, Encoding, ZstdLevel};
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
+use parquet::file::writer::{SerializedFileWriter, SerializedRowGroupWriter};
 use parquet::schema::types::ColumnPath;
 
 use crate::instances::{InstanceRef, Instances};
@@ -63,74 +62,132 @@ pub fn arrow_schema() -> Schema {
     ])
 }
 
-/// A `list<item>` column from per-row slices, built as one values buffer and one offsets buffer.
-fn list_column<'a, T: Copy + 'a, A: arrow_array::types::ArrowPrimitiveType>(
-    rows: &[InstanceRef<'a>],
-    item: DataType,
-    field: impl Fn(&InstanceRef<'a>) -> &'a [T],
-    convert: impl Fn(T) -> A::Native,
-) -> ArrayRef {
-    let total: usize = rows.iter().map(|r| field(r).len()).sum();
-    let mut values: Vec<A::Native> = Vec::with_capacity(total);
-    let mut offsets: Vec<i32> = Vec::with_capacity(rows.len() + 1);
-    offsets.push(0);
-    for row in rows {
-        values.extend(field(row).iter().map(|&v| convert(v)));
-        offsets.push(values.len() as i32);
+/// How far ahead [`ColumnBuffer::list_of`] prefetches.
+const PREFETCH_ROWS_AHEAD: usize = 6;
+
+/// Hints the CPU to fetch the first cache lines of `items` (no effect on the result).
+#[inline]
+fn prefetch<T>(items: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let start = items.as_ptr() as *const i8;
+        let bytes = std::mem::size_of_val(items);
+        let mut offset = 0;
+        while offset < bytes.min(256) {
+            // SAFETY: a prefetch is a hint: it never faults, even on an invalid address, and
+            // `start + offset` stays inside `items`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset)) };
+            offset += 64;
+        }
     }
-    list_array::<A>(item, values, offsets)
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = items;
 }
 
-fn list_array<A: arrow_array::types::ArrowPrimitiveType>(
-    item: DataType,
-    values: Vec<A::Native>,
-    offsets: Vec<i32>,
-) -> ArrayRef {
-    let values = arrow_array::PrimitiveArray::<A>::new(values.into(), None);
-    Arc::new(arrow_array::ListArray::new(
-        Arc::new(Field::new("item", item, false)),
-        OffsetBuffer::new(offsets.into()),
-        Arc::new(values),
-        None,
-    ))
+/// One column of a row group, as the column writer takes it: values, and for list columns the
+/// definition and repetition levels (a non-empty list's values have definition level 1 and
+/// repetition level 0 for the first, 1 for the rest; an empty list is one level pair (0, 0)).
+#[derive(Default)]
+struct ColumnBuffer {
+    values: Vec<i32>,
+    definition: Vec<i16>,
+    repetition: Vec<i16>,
 }
 
-/// The `segment_ids` column: zeros for each row's first segment, then ones.
-fn segment_column(rows: &[InstanceRef<'_>]) -> ArrayRef {
-    let total: usize = rows.iter().map(|r| r.input_ids.len()).sum();
-    let mut values: Vec<i8> = Vec::with_capacity(total);
-    let mut offsets: Vec<i32> = Vec::with_capacity(rows.len() + 1);
-    offsets.push(0);
-    for row in rows {
-        let start = values.len();
-        values.resize(start + row.first_segment_len, 0);
-        values.resize(start + row.input_ids.len(), 1);
-        offsets.push(values.len() as i32);
+impl ColumnBuffer {
+    fn clear(&mut self) {
+        self.values.clear();
+        self.definition.clear();
+        self.repetition.clear();
     }
-    list_array::<arrow_array::types::Int8Type>(DataType::Int8, values, offsets)
+
+    /// Levels of a list of `len` values (the values are appended by the caller).
+    fn list_levels(&mut self, len: usize) {
+        if len == 0 {
+            self.definition.push(0);
+            self.repetition.push(0);
+            return;
+        }
+        let start = self.definition.len();
+        self.definition.resize(start + len, 1);
+        self.repetition.resize(start + len, 1);
+        self.repetition[start] = 0;
+    }
+
+    fn list_of<'a, T: Copy + 'a>(
+        &mut self,
+        rows: &[InstanceRef<'a>],
+        field: impl Fn(&InstanceRef<'a>) -> &'a [T],
+        convert: impl Fn(T) -> i32,
+    ) {
+        self.clear();
+        for (k, row) in rows.iter().enumerate() {
+            // Rows come in shuffled order from all over memory: ask for a row a few ahead.
+            if let Some(ahead) = rows.get(k + PREFETCH_ROWS_AHEAD) {
+                prefetch(field(ahead));
+            }
+            let items = field(row);
+            self.values.extend(items.iter().map(|&v| convert(v)));
+            self.list_levels(items.len());
+        }
+    }
+
+    /// Writes the buffer as the row group's next column.
+    fn write<W: std::io::Write + Send>(
+        &self,
+        group: &mut SerializedRowGroupWriter<'_, W>,
+        list: bool,
+    ) -> parquet::errors::Result<()> {
+        let mut column = group.next_column()?.ok_or_else(|| {
+            parquet::errors::ParquetError::General("more columns than the schema".into())
+        })?;
+        let (definition, repetition) = if list {
+            (Some(&self.definition[..]), Some(&self.repetition[..]))
+        } else {
+            (None, None)
+        };
+        column
+            .typed::<parquet::data_type::Int32Type>()
+            .write_batch(&self.values, definition, repetition)?;
+        column.close()
+    }
 }
 
-/// One row group's columns.
-fn batch(rows: &[InstanceRef<'_>], schema: &Arc<Schema>) -> parquet::errors::Result<RecordBatch> {
-    use arrow_array::types::Int32Type;
-    let columns: Vec<ArrayRef> = vec![
-        list_column::<_, Int32Type>(rows, DataType::Int32, |r| r.input_ids, |v| v as i32),
-        segment_column(rows),
-        list_column::<_, Int32Type>(
-            rows,
-            DataType::Int32,
-            |r| r.masked_lm_positions,
-            |v| v as i32,
-        ),
-        list_column::<_, Int32Type>(rows, DataType::Int32, |r| r.masked_lm_ids, |v| v as i32),
-        Arc::new(Int8Array::from_iter_values(
-            rows.iter().map(|r| r.is_random_next as i8),
-        )),
-        Arc::new(Int32Array::from_iter_values(
-            rows.iter().map(|r| r.input_ids.len() as i32),
-        )),
-    ];
-    Ok(RecordBatch::try_new(schema.clone(), columns)?)
+/// Writes one row group: the six columns in schema order.
+fn write_row_group<W: std::io::Write + Send>(
+    writer: &mut SerializedFileWriter<W>,
+    rows: &[InstanceRef<'_>],
+    buffer: &mut ColumnBuffer,
+) -> parquet::errors::Result<()> {
+    let mut group = writer.next_row_group()?;
+    buffer.list_of(rows, |r| r.input_ids, |v| v as i32);
+    buffer.write(&mut group, true)?;
+    // segment_ids: zeros for each row's first segment, then ones.
+    buffer.clear();
+    for row in rows {
+        let start = buffer.values.len();
+        buffer.values.resize(start + row.first_segment_len, 0);
+        buffer.values.resize(start + row.input_ids.len(), 1);
+        buffer.list_levels(row.input_ids.len());
+    }
+    buffer.write(&mut group, true)?;
+    buffer.list_of(rows, |r| r.masked_lm_positions, |v| v as i32);
+    buffer.write(&mut group, true)?;
+    buffer.list_of(rows, |r| r.masked_lm_ids, |v| v as i32);
+    buffer.write(&mut group, true)?;
+    buffer.clear();
+    buffer
+        .values
+        .extend(rows.iter().map(|r| r.is_random_next as i32));
+    buffer.write(&mut group, false)?;
+    buffer.clear();
+    buffer
+        .values
+        .extend(rows.iter().map(|r| r.input_ids.len() as i32));
+    buffer.write(&mut group, false)?;
+    group.close()?;
+    Ok(())
 }
 
 /// Writes instances to `path` atomically, with `metadata` (key, value) pairs added to the
@@ -140,7 +197,7 @@ pub fn write_instances(
     instances: &Instances,
     metadata: &[(String, String)],
 ) -> parquet::errors::Result<()> {
-    let schema = Arc::new(arrow_schema());
+    let schema = arrow_schema();
     let mut kv = vec![
         KeyValue::new("bertkit.layout".to_string(), LAYOUT.to_string()),
         KeyValue::new("bertkit.instances".to_string(), instances.len().to_string()),
@@ -150,7 +207,7 @@ pub fn write_instances(
             .iter()
             .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
     );
-    let props = WriterProperties::builder()
+    let mut props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
         .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
         // Ids are high-cardinality: dictionary pages cost time and zstd does better alone.
@@ -164,10 +221,16 @@ pub fn write_instances(
         .set_statistics_enabled(parquet::file::properties::EnabledStatistics::None)
         .set_key_value_metadata(Some(kv))
         .build();
+    // The Arrow schema goes in the metadata, as Arrow's own writer puts it, so that readers get
+    // the exact Arrow types back (int8 items, non-null lists).
+    add_encoded_arrow_schema_to_metadata(&schema, &mut props);
+    let parquet_schema = ArrowSchemaConverter::new().convert(&schema)?;
     let partial = bertkit_stage_io::partial_path(path);
-    let file = File::create(&partial)?;
-    let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
+    let file = std::io::BufWriter::with_capacity(1 << 20, File::create(&partial)?);
+    let mut writer =
+        SerializedFileWriter::new(file, parquet_schema.root_schema_ptr(), Arc::new(props))?;
     let mut rows = Vec::with_capacity(ROW_GROUP_ROWS);
+    let mut buffer = ColumnBuffer::default();
     let mut all = instances.iter();
     loop {
         rows.clear();
@@ -175,9 +238,12 @@ pub fn write_instances(
         if rows.is_empty() {
             break;
         }
-        writer.write(&batch(&rows, &schema)?)?;
+        write_row_group(&mut writer, &rows, &mut buffer)?;
     }
-    let file = writer.into_inner()?;
+    let file = writer
+        .into_inner()?
+        .into_inner()
+        .map_err(|e| parquet::errors::ParquetError::External(Box::new(e.into_error())))?;
     file.sync_all()?;
     std::fs::rename(&partial, path)?;
     Ok(())
