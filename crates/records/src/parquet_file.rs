@@ -19,8 +19,14 @@
 //! phase 2. That is small enough for a memory-mapped reader to shuffle at row-group granularity
 //! and decode one group at a time, and large enough for zstd to compress well. The key-value
 //! metadata holds the layout name, the generation parameters, the SHA-256 of the vocabulary and
-//! of the input, and the number of instances. Files are written under a hidden `.partial` name
-//! and renamed into place.
+//! of the input, and the number of instances, plus the Arrow schema (as Arrow's own writer
+//! stores it), so readers get the exact Arrow types back. Files are written under a hidden
+//! `.partial` name and renamed into place.
+//!
+//! The columns are written through the parquet crate's column writers straight from the flat
+//! instance buffers: values, and definition/repetition levels made from the list lengths (the
+//! files are byte-identical to what its Arrow writer makes from Arrow arrays, without building
+//! those). Rows are gathered in the shuffled order with the next rows prefetched.
 
 use std::fs::File;
 use std::path::Path;
