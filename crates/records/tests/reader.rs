@@ -11,8 +11,17 @@ fn instance(i: usize) -> TrainingInstance {
         input_ids: (0..n).map(|j| (i * 7 + j) as u32 % 30522).collect(),
         first_segment_len: n / 2 + 1,
         is_random_next: i.is_multiple_of(3),
-        masked_lm_positions: vec![1, 3 + (i % 2) as u32],
-        masked_lm_ids: vec![i as u32, 2 * i as u32],
+        // Every seventh instance has no masks: an empty list is written and read back.
+        masked_lm_positions: if i % 7 == 0 {
+            vec![]
+        } else {
+            vec![1, 3 + (i % 2) as u32]
+        },
+        masked_lm_ids: if i % 7 == 0 {
+            vec![]
+        } else {
+            vec![i as u32, 2 * i as u32]
+        },
     }
 }
 
