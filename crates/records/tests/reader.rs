@@ -12,12 +12,12 @@ fn instance(i: usize) -> TrainingInstance {
         first_segment_len: n / 2 + 1,
         is_random_next: i.is_multiple_of(3),
         // Every seventh instance has no masks: an empty list is written and read back.
-        masked_lm_positions: if i % 7 == 0 {
+        masked_lm_positions: if i.is_multiple_of(7) {
             vec![]
         } else {
             vec![1, 3 + (i % 2) as u32]
         },
-        masked_lm_ids: if i % 7 == 0 {
+        masked_lm_ids: if i.is_multiple_of(7) {
             vec![]
         } else {
             vec![i as u32, 2 * i as u32]
