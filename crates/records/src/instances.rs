@@ -275,12 +275,6 @@ impl Instances {
         self.chunks.iter().map(InstanceColumns::tokens).sum()
     }
 
-    /// Instance `i` of the final order.
-    pub fn get(&self, i: usize) -> InstanceRef<'_> {
-        let (chunk, index) = self.order[i];
-        self.chunks[chunk as usize].get(index as usize)
-    }
-
     /// The instances in order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = InstanceRef<'_>> + '_ {
         self.order

@@ -265,15 +265,8 @@ impl FullTokenizer {
         cache.line = line;
     }
 
-    /// [`FullTokenizer::tokenize_ids_cached`] with the calling thread's cache, which lives as long
+    /// [`FullTokenizer::extend_ids_cached`] with the calling thread's cache, which lives as long
     /// as the thread (rayon's workers keep theirs across files and shards).
-    pub fn tokenize_ids_thread_cached(&self, text: &str) -> Vec<u32> {
-        let mut ids = Vec::new();
-        self.extend_ids_thread_cached(text, &mut ids);
-        ids
-    }
-
-    /// [`FullTokenizer::tokenize_ids_thread_cached`], appending to `ids`.
     pub fn extend_ids_thread_cached(&self, text: &str, ids: &mut Vec<u32>) {
         THREAD_CACHE.with(|cell| {
             let mut cell = cell.borrow_mut();
