@@ -2,6 +2,11 @@
 //! document boundaries as offsets. A shard of a million sentences is three allocations instead
 //! of a million, and instance building reads neighbouring sentences from neighbouring memory.
 
+/// Item `i` of a list stored as end offsets: `ends[i - 1]..ends[i]` (from 0 for the first).
+pub(crate) fn span(ends: &[usize], i: usize) -> std::ops::Range<usize> {
+    (if i == 0 { 0 } else { ends[i - 1] })..ends[i]
+}
+
 /// Tokenized documents (sentences of vocabulary ids), in order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Corpus {
@@ -44,10 +49,11 @@ impl Corpus {
 
     /// Document `i`.
     pub fn document(&self, i: usize) -> DocumentRef<'_> {
+        let sentences = span(&self.document_ends, i);
         DocumentRef {
             corpus: self,
-            first: if i == 0 { 0 } else { self.document_ends[i - 1] },
-            end: self.document_ends[i],
+            first: sentences.start,
+            end: sentences.end,
         }
     }
 
@@ -69,8 +75,12 @@ impl Corpus {
         }
     }
 
-    /// Appends the documents of `other`.
-    pub fn append(&mut self, other: &Corpus) {
+    /// Appends the documents of `other` (taking its buffers when this corpus is empty).
+    pub fn append(&mut self, other: Corpus) {
+        if self.is_empty() {
+            *self = other;
+            return;
+        }
         let (ids, sentences) = (self.ids.len(), self.sentence_ends.len());
         self.ids.extend_from_slice(&other.ids);
         self.sentence_ends
@@ -122,23 +132,13 @@ impl<'a> DocumentRef<'a> {
 
     /// Sentence `i` of the document.
     pub fn sentence(&self, i: usize) -> &'a [u32] {
-        let index = self.first + i;
-        let start = if index == 0 {
-            0
-        } else {
-            self.corpus.sentence_ends[index - 1]
-        };
-        &self.corpus.ids[start..self.corpus.sentence_ends[index]]
+        &self.corpus.ids[span(&self.corpus.sentence_ends, self.first + i)]
     }
 
     /// Tokens in the document.
     pub fn tokens(&self) -> usize {
-        let start = if self.first == 0 {
-            0
-        } else {
-            self.corpus.sentence_ends[self.first - 1]
-        };
-        self.corpus.sentence_ends[self.end - 1] - start
+        let ends = &self.corpus.sentence_ends;
+        ends[self.end - 1] - span(ends, self.first).start
     }
 }
 
@@ -163,8 +163,9 @@ mod tests {
         );
         assert_eq!(corpus.document(0).tokens(), 3);
         assert_eq!(corpus.document(1).sentence(0), [4, 5, 6]);
-        let mut both = corpus.clone();
-        both.append(&corpus);
+        let mut both = Corpus::default();
+        both.append(corpus.clone());
+        both.append(corpus.clone());
         assert_eq!(both.to_documents(), [expected.clone(), expected].concat());
     }
 }

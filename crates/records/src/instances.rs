@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use rayon::prelude::*;
 
-use crate::corpus::{Corpus, DocumentRef};
+use crate::corpus::{Corpus, DocumentRef, span};
 use crate::draws::{Draws, FastRng};
 use crate::pyrandom::PyRandom;
 use crate::tokenizer::FullTokenizer;
@@ -201,11 +201,9 @@ impl InstanceColumns {
 
     /// Instance `i` (in the order pushed).
     pub fn get(&self, i: usize) -> InstanceRef<'_> {
-        let input_start = if i == 0 { 0 } else { self.input_ends[i - 1] };
-        let masked_start = if i == 0 { 0 } else { self.masked_ends[i - 1] };
-        let masked = masked_start..self.masked_ends[i];
+        let masked = span(&self.masked_ends, i);
         InstanceRef {
-            input_ids: &self.input_ids[input_start..self.input_ends[i]],
+            input_ids: &self.input_ids[span(&self.input_ends, i)],
             first_segment_len: self.first_segment_lens[i] as usize,
             is_random_next: self.is_random_next[i],
             masked_lm_positions: &self.masked_positions[masked.clone()],

@@ -247,12 +247,64 @@ fn generate(corpus: &Corpus, vocab: &VocabIds, options: &RecordsOptions) -> Inst
     }
 }
 
-fn vocab_ids(tokenizer: &FullTokenizer, vocab: &Path) -> Result<VocabIds, RecordsError> {
-    VocabIds::new(tokenizer).ok_or_else(|| {
-        RecordsError::Usage(format!(
-            "{}: the vocabulary lacks [CLS], [SEP] or [MASK]",
-            vocab.display()
-        ))
+/// The vocabulary of a run: its tokenizer, the ids instance generation needs, and its hash.
+struct Vocabulary {
+    tokenizer: FullTokenizer,
+    ids: VocabIds,
+    sha256: String,
+}
+
+impl Vocabulary {
+    fn load(path: &Path, lower_case: bool) -> Result<Self, RecordsError> {
+        let tokenizer = FullTokenizer::from_vocab_file(path, lower_case)?;
+        let ids = VocabIds::new(&tokenizer).ok_or_else(|| {
+            RecordsError::Usage(format!(
+                "{}: the vocabulary lacks [CLS], [SEP] or [MASK]",
+                path.display()
+            ))
+        })?;
+        Ok(Vocabulary {
+            tokenizer,
+            ids,
+            sha256: hash_file(path)?,
+        })
+    }
+}
+
+/// What file and folder modes share once a corpus is read: makes its instances and writes them
+/// (and the JSONL when asked), timing both steps.
+fn instances_to_file(
+    corpus: &Corpus,
+    tokenize_seconds: f64,
+    vocab: &Vocabulary,
+    options: &RecordsOptions,
+    output: &Path,
+    jsonl: Option<&Path>,
+    inputs: &[bertkit_stage_io::InputFile],
+) -> Result<FileSummary, RecordsError> {
+    let mut seconds = StepSeconds {
+        tokenize: tokenize_seconds,
+        ..StepSeconds::default()
+    };
+    let clock = std::time::Instant::now();
+    let instances = generate(corpus, &vocab.ids, options);
+    seconds.instances = clock.elapsed().as_secs_f64();
+    let clock = std::time::Instant::now();
+    write_outputs(
+        output,
+        jsonl,
+        &instances,
+        &vocab.tokenizer,
+        &metadata(options, &vocab.sha256, inputs),
+    )?;
+    seconds.write = clock.elapsed().as_secs_f64();
+    Ok(FileSummary {
+        output: output.into(),
+        documents: corpus.len(),
+        instances: instances.len(),
+        tokens: instances.tokens(),
+        skipped: false,
+        seconds,
     })
 }
 
@@ -265,50 +317,28 @@ pub fn records_to_file(
     jsonl: Option<&Path>,
     options: &RecordsOptions,
 ) -> Result<FileSummary, RecordsError> {
-    let tokenizer = FullTokenizer::from_vocab_file(vocab, options.lower_case)?;
-    let vocab_sha256 = hash_file(vocab)?;
+    let vocab = Vocabulary::load(vocab, options.lower_case)?;
     let files = bertkit_shard::expand_inputs(inputs)?;
     let clock = std::time::Instant::now();
     let mut documents = Corpus::default();
     let mut fingerprints = Vec::new();
     for path in &files {
-        let (corpus, fingerprint) = read_tokenized(path, &tokenizer)?;
-        if documents.is_empty() {
-            documents = corpus;
-        } else {
-            documents.append(&corpus);
-        }
+        let (corpus, fingerprint) = read_tokenized(path, &vocab.tokenizer)?;
+        documents.append(corpus);
         fingerprints.push(fingerprint);
     }
     if documents.is_empty() {
         return Err(RecordsError::Usage("the inputs hold no document".into()));
     }
-    let document_count = documents.len();
-    let vocab_ids = vocab_ids(&tokenizer, vocab)?;
-    let mut seconds = StepSeconds {
-        tokenize: clock.elapsed().as_secs_f64(),
-        ..StepSeconds::default()
-    };
-    let clock = std::time::Instant::now();
-    let instances = generate(&documents, &vocab_ids, options);
-    seconds.instances = clock.elapsed().as_secs_f64();
-    let clock = std::time::Instant::now();
-    write_outputs(
+    instances_to_file(
+        &documents,
+        clock.elapsed().as_secs_f64(),
+        &vocab,
+        options,
         output,
         jsonl,
-        &instances,
-        &tokenizer,
-        &metadata(options, &vocab_sha256, &fingerprints),
-    )?;
-    seconds.write = clock.elapsed().as_secs_f64();
-    Ok(FileSummary {
-        output: output.into(),
-        documents: document_count,
-        instances: instances.len(),
-        tokens: instances.tokens(),
-        skipped: false,
-        seconds,
-    })
+        &fingerprints,
+    )
 }
 
 /// The seed of one shard in directory mode.
@@ -334,10 +364,8 @@ pub fn records_to_dir(
     options: &RecordsOptions,
     progress: &(dyn Fn(&FileSummary) + Sync),
 ) -> Result<Vec<FileSummary>, RecordsError> {
-    let tokenizer = FullTokenizer::from_vocab_file(vocab, options.lower_case)?;
-    let vocab_sha256 = hash_file(vocab)?;
+    let vocab = Vocabulary::load(vocab, options.lower_case)?;
     let files = bertkit_shard::expand_inputs(inputs)?;
-    let vocab_ids = vocab_ids(&tokenizer, vocab)?;
     std::fs::create_dir_all(output_dir).map_err(|e| RecordsError::Write {
         path: output_dir.into(),
         message: e.to_string(),
@@ -368,7 +396,7 @@ pub fn records_to_dir(
             if is_current(
                 &output,
                 &shard_options,
-                &vocab_sha256,
+                &vocab.sha256,
                 std::slice::from_ref(&stat),
             ) {
                 let summary = FileSummary {
@@ -383,37 +411,22 @@ pub fn records_to_dir(
                 return Ok(summary);
             }
             let clock = std::time::Instant::now();
-            let (documents, fingerprint) = read_tokenized(path, &tokenizer)?;
+            let (documents, fingerprint) = read_tokenized(path, &vocab.tokenizer)?;
             if documents.is_empty() {
                 return Err(RecordsError::Usage(format!(
                     "{}: no document",
                     path.display()
                 )));
             }
-            let document_count = documents.len();
-            let mut seconds = StepSeconds {
-                tokenize: clock.elapsed().as_secs_f64(),
-                ..StepSeconds::default()
-            };
-            let clock = std::time::Instant::now();
-            let instances = generate(&documents, &vocab_ids, &shard_options);
-            seconds.instances = clock.elapsed().as_secs_f64();
-            let clock = std::time::Instant::now();
-            let meta = metadata(
+            let summary = instances_to_file(
+                &documents,
+                clock.elapsed().as_secs_f64(),
+                &vocab,
                 &shard_options,
-                &vocab_sha256,
+                &output,
+                None,
                 std::slice::from_ref(&fingerprint),
-            );
-            write_outputs(&output, None, &instances, &tokenizer, &meta)?;
-            seconds.write = clock.elapsed().as_secs_f64();
-            let summary = FileSummary {
-                output,
-                documents: document_count,
-                instances: instances.len(),
-                tokens: instances.tokens(),
-                skipped: false,
-                seconds,
-            };
+            )?;
             progress(&summary);
             Ok(summary)
         })

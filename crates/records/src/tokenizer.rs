@@ -48,14 +48,6 @@ pub enum VocabError {
         /// The token.
         token: &'static str,
     },
-    /// The tokenizers crate refused the vocabulary.
-    #[error("{path}: {message}")]
-    Invalid {
-        /// The vocabulary file.
-        path: std::path::PathBuf,
-        /// Why.
-        message: String,
-    },
 }
 
 /// What bulk tokenization keeps between texts: the [`WordCache`] and reusable buffers (see
