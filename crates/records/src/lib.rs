@@ -8,13 +8,15 @@
 //! - [`pyrandom`], [`draws`] and [`instances`]: masked-LM / next-sentence instances exactly as
 //!   Google's `create_pretraining_data.py` makes them (same instances, same order, same random
 //!   draws), or the same algorithm in parallel over documents;
-//! - [`parquet_file`] and [`run`]: the Parquet output and the stage's file and folder modes;
+//! - [`parquet_file`] (with [`parquet_chunks`], its column encoding) and [`run`]: the Parquet
+//!   output and the stage's file and folder modes;
 //! - [`reader`]: memory-mapped reading of the Parquet files, a row group at a time (the
 //!   trainer's input).
 
 pub mod corpus;
 pub mod draws;
 pub mod instances;
+pub mod parquet_chunks;
 pub mod parquet_file;
 pub mod pyrandom;
 pub mod reader;

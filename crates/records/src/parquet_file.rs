@@ -11,9 +11,10 @@
 //!
 //! Integer columns are `BYTE_STREAM_SPLIT`-encoded (Parquet format 2.11, read by pyarrow 16
 //! and later): ids below 2^16 leave two of the four byte streams all zero, so zstd compresses
-//! the ids 2.5 times faster and 17% smaller than plain values. `segment_ids` (runs of 0 and 1)
-//! stay plain. Then zstd level 1 (level 3 made files 8% smaller and the whole stage 15-25%
-//! slower), and no column statistics (nothing reads them). See BENCHMARKS.md.
+//! the ids 2.5 times faster and 17% smaller than plain values. `segment_ids` (a run of 0s then
+//! a run of 1s per row) are dictionary-encoded: two RLE runs per row. Then zstd level 1 (level
+//! 3 made files 8% smaller and the whole stage 15-25% slower), and no column statistics
+//! (nothing reads them). See BENCHMARKS.md. One data page per column chunk.
 //!
 //! Row groups of [`ROW_GROUP_ROWS`] rows: about 1 MiB of ids at phase 1 and 4 MiB at
 //! phase 2. That is small enough for a memory-mapped reader to shuffle at row-group granularity
@@ -23,10 +24,9 @@
 //! stores it), so readers get the exact Arrow types back. Files are written under a hidden
 //! `.partial` name and renamed into place.
 //!
-//! The columns are written through the parquet crate's column writers straight from the flat
-//! instance buffers: values, and definition/repetition levels made from the list lengths (the
-//! files are byte-identical to what its Arrow writer makes from Arrow arrays, without building
-//! those). Rows are gathered in the shuffled order with the next rows prefetched.
+//! The column chunks are encoded by [`crate::parquet_chunks`] straight from the flat instance
+//! buffers, gathered a row group at a time in the shuffled order (the next rows prefetched);
+//! the parquet crate writes the page headers and the footer.
 
 use std::fs::File;
 use std::path::Path;
@@ -34,13 +34,12 @@ use std::sync::Arc;
 
 use arrow_schema::{DataType, Field, Schema};
 use parquet::arrow::{ArrowSchemaConverter, add_encoded_arrow_schema_to_metadata};
-use parquet::basic::{Compression, Encoding, ZstdLevel};
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
-use parquet::file::writer::{SerializedFileWriter, SerializedRowGroupWriter};
-use parquet::schema::types::ColumnPath;
+use parquet::file::writer::SerializedFileWriter;
 
 use crate::instances::{InstanceRef, Instances};
+use crate::parquet_chunks::{ChunkEncoder, ColumnValues};
 
 /// Name of the file layout, stored in the metadata under `bertkit.layout`.
 pub const LAYOUT: &str = "bertkit-records-v1";
@@ -68,7 +67,7 @@ pub fn arrow_schema() -> Schema {
     ])
 }
 
-/// How far ahead [`ColumnBuffer::list_of`] prefetches.
+/// How far ahead [`RowGroupColumns::gather`] prefetches.
 const PREFETCH_ROWS_AHEAD: usize = 6;
 
 /// Hints the CPU to fetch the first cache lines of `items` (no effect on the result).
@@ -91,72 +90,45 @@ fn prefetch<T>(items: &[T]) {
     let _ = items;
 }
 
-/// One column of a row group, as the column writer takes it: values, and for list columns the
-/// definition and repetition levels (a non-empty list's values have definition level 1 and
-/// repetition level 0 for the first, 1 for the rest; an empty list is one level pair (0, 0)).
+/// A row group's columns, gathered from its rows (reused from group to group).
 #[derive(Default)]
-struct ColumnBuffer {
-    values: Vec<i32>,
-    definition: Vec<i16>,
-    repetition: Vec<i16>,
+struct RowGroupColumns {
+    input_ids: Vec<u32>,
+    seq_lens: Vec<u32>,
+    first_segment_lens: Vec<u32>,
+    masked_lm_positions: Vec<u32>,
+    masked_lm_ids: Vec<u32>,
+    masked_lm_lens: Vec<u32>,
+    next_sentence_labels: Vec<u32>,
 }
 
-impl ColumnBuffer {
-    fn clear(&mut self) {
-        self.values.clear();
-        self.definition.clear();
-        self.repetition.clear();
-    }
-
-    /// Levels of a list of `len` values (the values are appended by the caller).
-    fn list_levels(&mut self, len: usize) {
-        if len == 0 {
-            self.definition.push(0);
-            self.repetition.push(0);
-            return;
-        }
-        let start = self.definition.len();
-        self.definition.resize(start + len, 1);
-        self.repetition.resize(start + len, 1);
-        self.repetition[start] = 0;
-    }
-
-    fn list_of<'a, T: Copy + 'a>(
-        &mut self,
-        rows: &[InstanceRef<'a>],
-        field: impl Fn(&InstanceRef<'a>) -> &'a [T],
-        convert: impl Fn(T) -> i32,
-    ) {
-        self.clear();
+impl RowGroupColumns {
+    fn gather(&mut self, rows: &[InstanceRef<'_>]) {
+        self.input_ids.clear();
+        self.seq_lens.clear();
+        self.first_segment_lens.clear();
+        self.masked_lm_positions.clear();
+        self.masked_lm_ids.clear();
+        self.masked_lm_lens.clear();
+        self.next_sentence_labels.clear();
         for (k, row) in rows.iter().enumerate() {
             // Rows come in shuffled order from all over memory: ask for a row a few ahead.
             if let Some(ahead) = rows.get(k + PREFETCH_ROWS_AHEAD) {
-                prefetch(field(ahead));
+                prefetch(ahead.input_ids);
+                prefetch(ahead.masked_lm_positions);
+                prefetch(ahead.masked_lm_ids);
             }
-            let items = field(row);
-            self.values.extend(items.iter().map(|&v| convert(v)));
-            self.list_levels(items.len());
+            self.input_ids.extend_from_slice(row.input_ids);
+            self.seq_lens.push(row.input_ids.len() as u32);
+            self.first_segment_lens.push(row.first_segment_len as u32);
+            self.masked_lm_positions
+                .extend_from_slice(row.masked_lm_positions);
+            self.masked_lm_ids.extend_from_slice(row.masked_lm_ids);
+            self.masked_lm_lens
+                .push(row.masked_lm_positions.len() as u32);
+            self.next_sentence_labels
+                .push(u32::from(row.is_random_next));
         }
-    }
-
-    /// Writes the buffer as the row group's next column.
-    fn write<W: std::io::Write + Send>(
-        &self,
-        group: &mut SerializedRowGroupWriter<'_, W>,
-        list: bool,
-    ) -> parquet::errors::Result<()> {
-        let mut column = group.next_column()?.ok_or_else(|| {
-            parquet::errors::ParquetError::General("more columns than the schema".into())
-        })?;
-        let (definition, repetition) = if list {
-            (Some(&self.definition[..]), Some(&self.repetition[..]))
-        } else {
-            (None, None)
-        };
-        column
-            .typed::<parquet::data_type::Int32Type>()
-            .write_batch(&self.values, definition, repetition)?;
-        column.close()
     }
 }
 
@@ -164,34 +136,37 @@ impl ColumnBuffer {
 fn write_row_group<W: std::io::Write + Send>(
     writer: &mut SerializedFileWriter<W>,
     rows: &[InstanceRef<'_>],
-    buffer: &mut ColumnBuffer,
+    columns: &mut RowGroupColumns,
+    encoder: &mut ChunkEncoder,
 ) -> parquet::errors::Result<()> {
+    columns.gather(rows);
+    let schema = writer.schema_descr().clone();
     let mut group = writer.next_row_group()?;
-    buffer.list_of(rows, |r| r.input_ids, |v| v as i32);
-    buffer.write(&mut group, true)?;
-    // segment_ids: zeros for each row's first segment, then ones.
-    buffer.clear();
-    for row in rows {
-        let start = buffer.values.len();
-        buffer.values.resize(start + row.first_segment_len, 0);
-        buffer.values.resize(start + row.input_ids.len(), 1);
-        buffer.list_levels(row.input_ids.len());
+    let n = rows.len();
+    let c = &*columns;
+    let values = [
+        ColumnValues::IntLists {
+            values: &c.input_ids,
+            lengths: &c.seq_lens,
+        },
+        ColumnValues::ZeroOneLists {
+            lengths: &c.seq_lens,
+            zeros: &c.first_segment_lens,
+        },
+        ColumnValues::IntLists {
+            values: &c.masked_lm_positions,
+            lengths: &c.masked_lm_lens,
+        },
+        ColumnValues::IntLists {
+            values: &c.masked_lm_ids,
+            lengths: &c.masked_lm_lens,
+        },
+        ColumnValues::Ints(&c.next_sentence_labels),
+        ColumnValues::Ints(&c.seq_lens),
+    ];
+    for (i, column) in values.into_iter().enumerate() {
+        encoder.append(&mut group, &schema.column(i), n, column)?;
     }
-    buffer.write(&mut group, true)?;
-    buffer.list_of(rows, |r| r.masked_lm_positions, |v| v as i32);
-    buffer.write(&mut group, true)?;
-    buffer.list_of(rows, |r| r.masked_lm_ids, |v| v as i32);
-    buffer.write(&mut group, true)?;
-    buffer.clear();
-    buffer
-        .values
-        .extend(rows.iter().map(|r| r.is_random_next as i32));
-    buffer.write(&mut group, false)?;
-    buffer.clear();
-    buffer
-        .values
-        .extend(rows.iter().map(|r| r.input_ids.len() as i32));
-    buffer.write(&mut group, false)?;
     group.close()?;
     Ok(())
 }
@@ -213,18 +188,9 @@ pub fn write_instances(
             .iter()
             .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
     );
+    // The column chunks are encoded by `parquet_chunks`: the properties only carry the
+    // metadata (and the writer's defaults for what it still writes: the footer).
     let mut props = WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
-        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
-        // Ids are high-cardinality: dictionary pages cost time and zstd does better alone.
-        .set_dictionary_enabled(false)
-        .set_encoding(Encoding::BYTE_STREAM_SPLIT)
-        // Runs of 0 and 1: plain values compress as well and skip the byte split.
-        .set_column_encoding(
-            ColumnPath::from(vec!["segment_ids".into(), "list".into(), "item".into()]),
-            Encoding::PLAIN,
-        )
-        .set_statistics_enabled(parquet::file::properties::EnabledStatistics::None)
         .set_key_value_metadata(Some(kv))
         .build();
     // The Arrow schema goes in the metadata, as Arrow's own writer puts it, so that readers get
@@ -236,7 +202,8 @@ pub fn write_instances(
     let mut writer =
         SerializedFileWriter::new(file, parquet_schema.root_schema_ptr(), Arc::new(props))?;
     let mut rows = Vec::with_capacity(ROW_GROUP_ROWS);
-    let mut buffer = ColumnBuffer::default();
+    let mut columns = RowGroupColumns::default();
+    let mut encoder = ChunkEncoder::new()?;
     let mut all = instances.iter();
     loop {
         rows.clear();
@@ -244,7 +211,7 @@ pub fn write_instances(
         if rows.is_empty() {
             break;
         }
-        write_row_group(&mut writer, &rows, &mut buffer)?;
+        write_row_group(&mut writer, &rows, &mut columns, &mut encoder)?;
     }
     let file = writer
         .into_inner()?

@@ -8,7 +8,10 @@ use bertkit_records::reader::RecordsFile;
 fn instance(i: usize) -> TrainingInstance {
     let n = 5 + i % 50;
     TrainingInstance {
-        input_ids: (0..n).map(|j| (i * 7 + j) as u32 % 30522).collect(),
+        // Ids past 2^16 (multilingual vocabularies) and 2^24 use every byte stream.
+        input_ids: (0..n)
+            .map(|j| ((i * 7 + j) * 4099) as u32 % 200_003)
+            .collect(),
         first_segment_len: n / 2 + 1,
         is_random_next: i.is_multiple_of(3),
         // Every seventh instance has no masks: an empty list is written and read back.
@@ -20,7 +23,7 @@ fn instance(i: usize) -> TrainingInstance {
         masked_lm_ids: if i.is_multiple_of(7) {
             vec![]
         } else {
-            vec![i as u32, 2 * i as u32]
+            vec![i as u32, 9001 * i as u32]
         },
     }
 }
