@@ -2,7 +2,8 @@
 //!
 //! Turns shards of formatted text into BERT pre-training data:
 //! - [`tokenizer`]: WordPiece tokenization identical to Google's `FullTokenizer`, with a
-//!   [`wordpiece`] splitting straight to ids and a [`word_cache`] for bulk work;
+//!   [`wordpiece`] splitting straight to ids, and for bulk work a [`word_cache`] and an
+//!   [`ascii_scan`] of lines;
 //! - [`vocab`]: training a WordPiece vocabulary on a domain corpus;
 //! - [`corpus`]: tokenized documents in flat buffers;
 //! - [`pyrandom`], [`draws`] and [`instances`]: masked-LM / next-sentence instances exactly as
@@ -13,6 +14,7 @@
 //! - [`reader`]: memory-mapped reading of the Parquet files, a row group at a time (the
 //!   trainer's input).
 
+pub mod ascii_scan;
 pub mod corpus;
 pub mod draws;
 pub mod instances;

@@ -26,7 +26,8 @@ use std::path::Path;
 use unicode_general_category::{GeneralCategory, get_general_category};
 use unicode_normalization::UnicodeNormalization;
 
-use crate::word_cache::{PACKED_WORD_BYTES, WordCache, pack_padded};
+use crate::ascii_scan::{AsciiToken, LineScan};
+use crate::word_cache::{PACKED_WORD_BYTES, WordCache, ascii_lowercase_packed, pack_ascii};
 use crate::wordpiece::WordPieceVocab;
 
 /// Why a vocabulary could not be used.
@@ -55,7 +56,11 @@ pub enum VocabError {
 #[derive(Default)]
 pub struct TokenizerCache {
     words: WordCache,
-    line: Vec<u8>,
+    scan: LineScan,
+    /// An ASCII line with controls, cleaned.
+    cleaned: Vec<u8>,
+    /// A word too long for a packed key, lower-cased.
+    long_word: Vec<u8>,
     buffers: BasicBuffers,
 }
 
@@ -66,36 +71,6 @@ thread_local! {
     /// Each thread's cache, with the id of the tokenizer that filled it.
     static THREAD_CACHE: std::cell::RefCell<(u64, TokenizerCache)> = std::cell::RefCell::new((u64::MAX, TokenizerCache::default()));
 }
-
-/// How the ASCII fast path sees a byte of cleaned text.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum AsciiClass {
-    /// Part of a word: letters and digits.
-    Word,
-    /// Splits words: the space (tabs and line breaks are spaces after cleaning).
-    Space,
-    /// ASCII punctuation: a token of its own.
-    Punctuation,
-}
-
-const fn ascii_classes() -> [AsciiClass; 128] {
-    let mut classes = [AsciiClass::Word; 128];
-    let mut b = 0;
-    while b < 128 {
-        let c = b as u8;
-        classes[b] = if c == b' ' {
-            AsciiClass::Space
-        } else if c.is_ascii_punctuation() {
-            AsciiClass::Punctuation
-        } else {
-            AsciiClass::Word
-        };
-        b += 1;
-    }
-    classes
-}
-
-const ASCII_CLASSES: [AsciiClass; 128] = ascii_classes();
 
 pub use crate::wordpiece::MAX_INPUT_CHARS_PER_WORD;
 
@@ -196,8 +171,23 @@ impl FullTokenizer {
 
     /// [`FullTokenizer::tokenize_ids_cached`], appending to `ids`.
     pub fn extend_ids_cached(&self, text: &str, cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
-        if text.is_ascii() {
+        if cache.scan.scan(text.as_bytes()) {
             self.ascii_ids(text.as_bytes(), cache, ids);
+            return;
+        }
+        if text.is_ascii() {
+            // _clean_text: tabs and line breaks become spaces, other controls are dropped.
+            let mut line = std::mem::take(&mut cache.cleaned);
+            line.clear();
+            line.extend(text.as_bytes().iter().filter_map(|&b| match b {
+                b'\t' | b'\n' | b'\r' => Some(b' '),
+                0..=0x1F | 0x7F => None,
+                _ => Some(b),
+            }));
+            let clean = cache.scan.scan(&line);
+            debug_assert!(clean);
+            self.ascii_ids(&line, cache, ids);
+            cache.cleaned = line;
             return;
         }
         let mut buffers = std::mem::take(&mut cache.buffers);
@@ -211,50 +201,35 @@ impl FullTokenizer {
         cache.buffers = buffers;
     }
 
-    /// The ASCII fast path of [`FullTokenizer::tokenize_ids_cached`].
+    /// The ASCII fast path of [`FullTokenizer::tokenize_ids_cached`], for a `text` of printable
+    /// ASCII just scanned into `cache.scan`. Words are lower-cased as their keys are made
+    /// (accent stripping changes nothing in ASCII); only words longer than a key, and words
+    /// not in the cache, need their lower-cased bytes.
     fn ascii_ids(&self, text: &[u8], cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
-        // _clean_text: tabs and line breaks become spaces, other controls are dropped; then
-        // lower-casing (accent stripping changes nothing in ASCII).
-        let mut line = std::mem::take(&mut cache.line);
-        line.clear();
-        if text.iter().any(|&b| b < 0x20 || b == 0x7F) {
-            line.extend(text.iter().filter_map(|&b| match b {
-                b'\t' | b'\n' | b'\r' => Some(b' '),
-                0..=0x1F | 0x7F => None,
-                _ => Some(b),
-            }));
-        } else {
-            line.extend_from_slice(text);
-        }
-        if self.lower_case {
-            line.make_ascii_lowercase();
-        }
-        let len = line.len();
-        // Room for one 16-byte load at any word start.
-        line.extend_from_slice(&[0; PACKED_WORD_BYTES]);
-        let mut i = 0;
-        while i < len {
-            let b = line[i];
-            match ASCII_CLASSES[b as usize] {
-                AsciiClass::Space => i += 1,
-                AsciiClass::Punctuation => {
-                    ids.push(self.ascii_punctuation[b as usize]);
-                    i += 1;
+        let lower_case = self.lower_case;
+        let long = &mut cache.long_word;
+        let words = &mut cache.words;
+        cache.scan.for_each_token(|token| match token {
+            AsciiToken::Punctuation(at) => ids.push(self.ascii_punctuation[text[at] as usize]),
+            AsciiToken::Word(start, end) if end - start <= PACKED_WORD_BYTES => {
+                let mut key = pack_ascii(text, start, end);
+                if lower_case {
+                    key = ascii_lowercase_packed(key);
                 }
-                AsciiClass::Word => {
-                    let start = i;
-                    while i < len && ASCII_CLASSES[line[i] as usize] == AsciiClass::Word {
-                        i += 1;
-                    }
-                    let key =
-                        (i - start <= PACKED_WORD_BYTES).then(|| pack_padded(&line, start, i));
-                    cache.words.extend_ids(&line[start..i], key, ids, |w, out| {
-                        self.word_bytes_ids(w, out)
-                    });
-                }
+                let bytes = key.to_le_bytes();
+                words.extend_ids(&bytes[..end - start], Some(key), ids, |w, out| {
+                    self.word_bytes_ids(w, out)
+                });
             }
-        }
-        cache.line = line;
+            AsciiToken::Word(start, end) => {
+                long.clear();
+                long.extend_from_slice(&text[start..end]);
+                if lower_case {
+                    long.make_ascii_lowercase();
+                }
+                words.extend_ids(long, None, ids, |w, out| self.word_bytes_ids(w, out));
+            }
+        });
     }
 
     /// [`FullTokenizer::extend_ids_cached`] with the calling thread's cache, which lives as long
