@@ -75,20 +75,6 @@ impl Corpus {
         }
     }
 
-    /// Appends the documents of `other` (taking its buffers when this corpus is empty).
-    pub fn append(&mut self, other: Corpus) {
-        if self.is_empty() {
-            *self = other;
-            return;
-        }
-        let (ids, sentences) = (self.ids.len(), self.sentence_ends.len());
-        self.ids.extend_from_slice(&other.ids);
-        self.sentence_ends
-            .extend(other.sentence_ends.iter().map(|e| e + ids));
-        self.document_ends
-            .extend(other.document_ends.iter().map(|e| e + sentences));
-    }
-
     /// A corpus of documents given as lists of sentences.
     pub fn from_documents<D, S>(documents: D) -> Self
     where
@@ -147,7 +133,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn documents_round_trip_and_append() {
+    fn documents_round_trip() {
         let docs = vec![
             vec![vec![1, 2], vec![], vec![3]],
             vec![vec![]],
@@ -163,9 +149,5 @@ mod tests {
         );
         assert_eq!(corpus.document(0).tokens(), 3);
         assert_eq!(corpus.document(1).sentence(0), [4, 5, 6]);
-        let mut both = Corpus::default();
-        both.append(corpus.clone());
-        both.append(corpus.clone());
-        assert_eq!(both.to_documents(), [expected.clone(), expected].concat());
     }
 }

@@ -113,59 +113,93 @@ pub fn read_tokenized(
     path: &Path,
     tokenizer: &FullTokenizer,
 ) -> Result<(Corpus, bertkit_stage_io::InputFile), RecordsError> {
+    let mut corpus = Corpus::default();
+    let fingerprint = read_tokenized_into(path, tokenizer, &mut corpus)?;
+    Ok((corpus, fingerprint))
+}
+
+/// Bytes of text per parallel tokenization task.
+const TOKENIZE_CHUNK_BYTES: usize = 256 << 10;
+
+/// [`read_tokenized`], appending the documents to `corpus`.
+///
+/// The input is read whole (the shard's tokens are held anyway, and take about as much memory
+/// as its text), cut at line starts into chunks of about [`TOKENIZE_CHUNK_BYTES`], and the
+/// chunks tokenized in parallel: a book is one document of thousands of lines.
+pub fn read_tokenized_into(
+    path: &Path,
+    tokenizer: &FullTokenizer,
+    corpus: &mut Corpus,
+) -> Result<bertkit_stage_io::InputFile, RecordsError> {
     let mut fingerprint =
         bertkit_stage_io::InputFile::stat(path).map_err(|e| bertkit_shard::ShardError::Io {
             path: path.into(),
             source: e,
         })?;
-    let mut reader = bertkit_shard::documents::DocumentReader::open(path)?;
-    let mut texts = Vec::new();
-    while let Some(doc) = reader.next_document()? {
-        texts.push(String::from_utf8(doc.text).expect("the reader checked UTF-8"));
+    let (text, sha256) = bertkit_shard::documents::DocumentReader::open(path)?.read_text()?;
+    fingerprint.sha256 = sha256;
+    let mut chunks = Vec::with_capacity(text.len() / TOKENIZE_CHUNK_BYTES + 1);
+    let mut rest = text.as_str();
+    while rest.len() > TOKENIZE_CHUNK_BYTES {
+        let cut = rest.as_bytes()[TOKENIZE_CHUNK_BYTES..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .map_or(rest.len(), |i| TOKENIZE_CHUNK_BYTES + i + 1);
+        let (chunk, after) = rest.split_at(cut);
+        chunks.push(chunk);
+        rest = after;
     }
-    fingerprint.sha256 = reader.finish()?;
-    // Tokenize lines in parallel chunks (a book is one document, but thousands of lines), each
-    // chunk into one buffer with the (document, end) of every line, then regroup them into
-    // documents.
-    let lines: Vec<(usize, &str)> = texts
-        .iter()
-        .enumerate()
-        .flat_map(|(d, text)| text.lines().map(move |line| (d, line)))
-        .collect();
-    /// A chunk of lines: all their ids, and the (document, end in `ids`) of each line.
-    struct TokenizedLines {
+    chunks.push(rest);
+    /// A chunk's sentences: all their ids, each one's end in them, and the number of
+    /// sentences before each blank line (document boundary).
+    #[derive(Default)]
+    struct TokenizedChunk {
         ids: Vec<u32>,
-        ends: Vec<(usize, usize)>,
+        ends: Vec<usize>,
+        breaks: Vec<usize>,
     }
-    let tokenized: Vec<TokenizedLines> = lines
-        .par_chunks(1024)
+    let tokenized: Vec<TokenizedChunk> = chunks
+        .par_iter()
         .map(|chunk| {
-            let mut ids = Vec::new();
-            let ends = chunk
-                .iter()
-                .map(|&(d, line)| {
-                    tokenizer.extend_ids_thread_cached(line, &mut ids);
-                    (d, ids.len())
-                })
-                .collect();
-            TokenizedLines { ids, ends }
+            let mut out = TokenizedChunk {
+                // About one token per four bytes of English text.
+                ids: Vec::with_capacity(chunk.len() / 4),
+                ..TokenizedChunk::default()
+            };
+            for line in bertkit_shard::documents::lines(chunk) {
+                match line {
+                    Some(line) => {
+                        tokenizer.extend_ids_thread_cached(line, &mut out.ids);
+                        // A sentence that tokenizes to nothing is dropped.
+                        if out.ids.len() > out.ends.last().copied().unwrap_or(0) {
+                            out.ends.push(out.ids.len());
+                        }
+                    }
+                    None => out.breaks.push(out.ends.len()),
+                }
+            }
+            out
         })
         .collect();
-    let mut corpus = Corpus::default();
-    let mut document = 0;
-    for TokenizedLines { ids, ends } in &tokenized {
+    drop(text);
+    // Documents start at the file's start.
+    corpus.end_document();
+    for chunk in &tokenized {
+        let mut breaks = chunk.breaks.iter().peekable();
         let mut start = 0;
-        for &(d, end) in ends {
-            if d != document {
+        for (sentence, &end) in chunk.ends.iter().enumerate() {
+            while breaks.next_if(|&&b| b <= sentence).is_some() {
                 corpus.end_document();
-                document = d;
             }
-            corpus.push_sentence(&ids[start..end]);
+            corpus.push_sentence(&chunk.ids[start..end]);
             start = end;
+        }
+        if breaks.next().is_some() {
+            corpus.end_document();
         }
     }
     corpus.end_document();
-    Ok((corpus, fingerprint))
+    Ok(fingerprint)
 }
 
 fn metadata(
@@ -323,9 +357,7 @@ pub fn records_to_file(
     let mut documents = Corpus::default();
     let mut fingerprints = Vec::new();
     for path in &files {
-        let (corpus, fingerprint) = read_tokenized(path, &vocab.tokenizer)?;
-        documents.append(corpus);
-        fingerprints.push(fingerprint);
+        fingerprints.push(read_tokenized_into(path, &vocab.tokenizer, &mut documents)?);
     }
     if documents.is_empty() {
         return Err(RecordsError::Usage("the inputs hold no document".into()));
@@ -443,4 +475,78 @@ fn stem(path: &Path) -> String {
         .or_else(|| name.strip_suffix(".txt"))
         .unwrap_or(&name)
         .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reading whole and tokenizing in chunks gives the documents that reading document by
+    /// document gives, with documents and blank-line runs across chunk edges, CRLF, and lines
+    /// that tokenize to nothing.
+    #[test]
+    fn chunked_reading_equals_reading_document_by_document() {
+        let dir = tempfile::tempdir().unwrap();
+        let vocab_path = dir.path().join("vocab.txt");
+        let mut vocab = String::from("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n.\n");
+        for c in 'a'..='z' {
+            vocab.push_str(&format!("{c}\n##{c}\n"));
+        }
+        std::fs::write(&vocab_path, vocab).unwrap();
+        let tokenizer = FullTokenizer::from_vocab_file(&vocab_path, true).unwrap();
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        // The first chunk ends just after a blank line.
+        let mut text = "ab ".repeat(TOKENIZE_CHUNK_BYTES / 3);
+        text.truncate(TOKENIZE_CHUNK_BYTES - 1);
+        text.push_str("\n\n");
+        while text.len() < 3 * TOKENIZE_CHUNK_BYTES + 1000 {
+            match next(20) {
+                0 => text.push('\n'),
+                1 => text.push_str(" \t\r\n"),
+                2 => text.push_str("\u{1}\n"),
+                3 => text.push_str("Crlf line.\r\n"),
+                // Long documents: some span whole chunks.
+                _ => {
+                    let bound = if next(50) == 0 { 20_000 } else { 30 };
+                    for _ in 0..1 + next(bound) {
+                        text.push_str(["Word ", "two words. ", "x", "Ab cd."][next(4) as usize]);
+                    }
+                    text.push('\n');
+                }
+            }
+        }
+        let path = dir.path().join("shard.txt");
+        std::fs::write(&path, &text).unwrap();
+
+        let (corpus, fingerprint) = read_tokenized(&path, &tokenizer).unwrap();
+        let mut reader = bertkit_shard::documents::DocumentReader::open(&path).unwrap();
+        let mut documents = Vec::new();
+        while let Some(doc) = reader.next_document().unwrap() {
+            let doc = String::from_utf8(doc.text).unwrap();
+            documents.push(
+                doc.lines()
+                    .map(|line| tokenizer.tokenize_ids(line))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let expected = Corpus::from_documents(documents);
+        assert!(expected.len() > 50, "{} documents", expected.len());
+        assert_eq!(corpus, expected);
+        assert_eq!(fingerprint.sha256, reader.finish().unwrap());
+
+        // Appending a second file starts a new document.
+        let mut both = corpus.clone();
+        read_tokenized_into(&path, &tokenizer, &mut both).unwrap();
+        assert_eq!(both.len(), 2 * corpus.len());
+        assert_eq!(
+            both.to_documents(),
+            [corpus.to_documents(), corpus.to_documents()].concat()
+        );
+    }
 }

@@ -51,6 +51,33 @@ impl Lines {
     }
 }
 
+/// A line without its line break (a trailing `\r` or `\n`, any number of them).
+fn trim_line_end(mut line: &[u8]) -> &[u8] {
+    while let Some((last, rest)) = line.split_last() {
+        if *last == b'\n' || *last == b'\r' {
+            line = rest;
+        } else {
+            break;
+        }
+    }
+    line
+}
+
+/// Whether a line is blank (empty or only ASCII whitespace): a document boundary.
+pub fn is_blank(line: &[u8]) -> bool {
+    line.iter().all(u8::is_ascii_whitespace)
+}
+
+/// The lines of a text read whole ([`DocumentReader::read_text`]), line breaks removed:
+/// `Some(sentence)`, or `None` for a blank line (a document boundary), as
+/// [`DocumentReader::next_document`] reads them.
+pub fn lines(text: &str) -> impl Iterator<Item = Option<&str>> + '_ {
+    text.split_terminator('\n').map(|line| {
+        let line = line.trim_end_matches(['\r', '\n']);
+        (!is_blank(line.as_bytes())).then_some(line)
+    })
+}
+
 /// The first four bytes of a zstd frame.
 const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
 
@@ -96,14 +123,7 @@ impl DocumentReader {
             self.line_number += 1;
             let line_offset = self.offset;
             self.offset += n as u64;
-            let mut line = self.buf.as_slice();
-            while let Some((last, rest)) = line.split_last() {
-                if *last == b'\n' || *last == b'\r' {
-                    line = rest;
-                } else {
-                    break;
-                }
-            }
+            let line = trim_line_end(self.buf.as_slice());
             if std::str::from_utf8(line).is_err() {
                 return Err(ShardError::InvalidUtf8 {
                     path: self.path.clone(),
@@ -111,7 +131,7 @@ impl DocumentReader {
                     offset: line_offset,
                 });
             }
-            if line.iter().all(u8::is_ascii_whitespace) {
+            if is_blank(line) {
                 if doc.sentences > 0 {
                     return Ok(Some(doc));
                 }
@@ -121,6 +141,33 @@ impl DocumentReader {
             doc.text.push(b'\n');
             doc.sentences += 1;
         }
+    }
+
+    /// Reads the rest of the input at once: its decoded text, checked to be UTF-8 (the error
+    /// names the first bad line), and the SHA-256 of the file's (compressed) bytes. For callers
+    /// that hold a whole shard anyway: one read and one UTF-8 check instead of a copy per line;
+    /// [`lines`] then walks it as [`DocumentReader::next_document`] would.
+    pub fn read_text(mut self) -> Result<(String, String), ShardError> {
+        let mut bytes = Vec::new();
+        self.lines
+            .reader()
+            .read_to_end(&mut bytes)
+            .map_err(|e| ShardError::io(&self.path, e))?;
+        let text = match String::from_utf8(bytes) {
+            Ok(text) => text,
+            Err(e) => {
+                let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+                let line_start = valid.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+                let newlines = valid.iter().filter(|&&b| b == b'\n').count() as u64;
+                return Err(ShardError::InvalidUtf8 {
+                    path: self.path.clone(),
+                    line: self.line_number + newlines + 1,
+                    offset: self.offset + line_start as u64,
+                });
+            }
+        };
+        let sha256 = self.finish()?;
+        Ok((text, sha256))
     }
 
     /// Reads to the end of the file and returns the SHA-256 of its (compressed) bytes.
@@ -165,6 +212,57 @@ mod tests {
                 std::fs::read(path).unwrap(),
             ));
             assert_eq!(sha, expected);
+            // Read whole, then split into lines: the same documents and the same hash.
+            let (whole, sha_whole) = DocumentReader::open(path).unwrap().read_text().unwrap();
+            assert_eq!(sha_whole, expected);
+            assert_eq!(documents_of_lines(&whole), docs);
+        }
+    }
+
+    /// Documents made from [`lines`], as `next_document` makes them.
+    fn documents_of_lines(text: &str) -> Vec<Document> {
+        let mut docs = Vec::new();
+        let mut doc = Document {
+            text: Vec::new(),
+            sentences: 0,
+        };
+        for line in lines(text).chain([None]) {
+            match line {
+                Some(line) => {
+                    doc.text.extend_from_slice(line.as_bytes());
+                    doc.text.push(b'\n');
+                    doc.sentences += 1;
+                }
+                None if doc.sentences > 0 => docs.push(std::mem::replace(
+                    &mut doc,
+                    Document {
+                        text: Vec::new(),
+                        sentences: 0,
+                    },
+                )),
+                None => {}
+            }
+        }
+        docs
+    }
+
+    #[test]
+    fn whole_text_lines_equal_streamed_documents() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.txt");
+        let texts: [&[u8]; 6] = [
+            b"",
+            b"one line without a break",
+            b"a\r\r\n\t \n\nb\n\r\nc\n",
+            b"\n\n\n",
+            b"x\n \x0b\ny\n",
+            "caf\u{e9}\n\u{a0}\nna\u{ef}ve\n".as_bytes(),
+        ];
+        for text in texts {
+            std::fs::write(&path, text).unwrap();
+            let streamed = read_all(&path);
+            let (whole, _) = DocumentReader::open(&path).unwrap().read_text().unwrap();
+            assert_eq!(documents_of_lines(&whole), streamed, "{text:?}");
         }
     }
 
@@ -188,5 +286,20 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("bad.txt: line 4"));
+        let err = DocumentReader::open(&path)
+            .unwrap()
+            .read_text()
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ShardError::InvalidUtf8 {
+                    line: 4,
+                    offset: 13,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }
