@@ -57,6 +57,13 @@ impl Corpus {
         }
     }
 
+    /// Reserves room for `tokens`, `sentences` and `documents` more.
+    pub fn reserve(&mut self, tokens: usize, sentences: usize, documents: usize) {
+        self.ids.reserve_exact(tokens);
+        self.sentence_ends.reserve_exact(sentences);
+        self.document_ends.reserve_exact(documents);
+    }
+
     /// Appends a sentence to the document being built (see [`Corpus::end_document`]); empty
     /// sentences are dropped, as Google's script drops them.
     pub fn push_sentence(&mut self, ids: &[u32]) {

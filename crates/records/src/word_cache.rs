@@ -27,7 +27,6 @@ struct Entry {
 }
 
 /// Words to WordPiece ids (see the module documentation).
-#[derive(Default)]
 pub struct WordCache {
     packed: ahash::AHashMap<u128, Entry>,
     long: ahash::AHashMap<Box<[u8]>, Entry>,
@@ -69,6 +68,21 @@ pub fn ascii_lowercase_packed(key: u128) -> u128 {
     let past_z = key + ONES * u128::from(0x80 - b'Z' - 1);
     let upper = at_least_a & !past_z & (ONES * 0x80);
     key | (upper >> 2)
+}
+
+/// Words a new cache has room for: a shard's distinct words are tens of thousands, and
+/// growing the table by doubling rehashes it into fresh pages each time (2 MiB at most; pages
+/// are only touched as words arrive).
+const INITIAL_WORDS: usize = 1 << 15;
+
+impl Default for WordCache {
+    fn default() -> Self {
+        WordCache {
+            packed: ahash::AHashMap::with_capacity(INITIAL_WORDS),
+            long: ahash::AHashMap::default(),
+            arena: Vec::new(),
+        }
+    }
 }
 
 impl WordCache {

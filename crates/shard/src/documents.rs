@@ -27,6 +27,8 @@ pub struct DocumentReader {
     line_number: u64,
     offset: u64,
     buf: Vec<u8>,
+    /// The file's size when it is plain text.
+    plain_size: Option<u64>,
 }
 
 /// The decoded text of an input, with the hashing reader underneath.
@@ -88,7 +90,13 @@ impl DocumentReader {
         let mut magic = [0u8; 4];
         let n = file.read(&mut magic).map_err(|e| ShardError::io(path, e))?;
         let hashing = HashingReader::new(File::open(path).map_err(|e| ShardError::io(path, e))?);
-        let lines = if n == 4 && magic == ZSTD_MAGIC {
+        let zstd = n == 4 && magic == ZSTD_MAGIC;
+        let plain_size = if zstd {
+            None
+        } else {
+            file.metadata().ok().map(|m| m.len())
+        };
+        let lines = if zstd {
             let decoder =
                 zstd::stream::read::Decoder::new(hashing).map_err(|e| ShardError::io(path, e))?;
             Lines::Zstd(BufReader::with_capacity(1 << 20, decoder))
@@ -101,6 +109,7 @@ impl DocumentReader {
             line_number: 0,
             offset: 0,
             buf: Vec::new(),
+            plain_size,
         })
     }
 
@@ -148,7 +157,9 @@ impl DocumentReader {
     /// that hold a whole shard anyway: one read and one UTF-8 check instead of a copy per line;
     /// [`lines`] then walks it as [`DocumentReader::next_document`] would.
     pub fn read_text(mut self) -> Result<(String, String), ShardError> {
-        let mut bytes = Vec::new();
+        // A plain file's text is its size: read into room for exactly that (growing by
+        // doubling would copy it into fresh pages several times).
+        let mut bytes = Vec::with_capacity(self.plain_size.map_or(0, |n| n as usize + 1));
         self.lines
             .reader()
             .read_to_end(&mut bytes)
