@@ -47,6 +47,11 @@ impl Corpus {
         self.ids.len()
     }
 
+    /// Every sentence's ids, one after the other.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
     /// Document `i`.
     pub fn document(&self, i: usize) -> DocumentRef<'_> {
         let sentences = span(&self.document_ends, i);
@@ -125,7 +130,19 @@ impl<'a> DocumentRef<'a> {
 
     /// Sentence `i` of the document.
     pub fn sentence(&self, i: usize) -> &'a [u32] {
-        &self.corpus.ids[span(&self.corpus.sentence_ends, self.first + i)]
+        &self.corpus.ids[self.sentence_range(i)]
+    }
+
+    /// Where sentence `i` of the document is in [`Corpus::ids`].
+    pub fn sentence_range(&self, i: usize) -> std::ops::Range<usize> {
+        span(&self.corpus.sentence_ends, self.first + i)
+    }
+
+    /// Where sentences `first..end` of the document are in [`Corpus::ids`] (they are
+    /// contiguous there).
+    pub fn sentences_range(&self, first: usize, end: usize) -> std::ops::Range<usize> {
+        debug_assert!(first < end && end <= self.len());
+        self.sentence_range(first).start..self.sentence_range(end - 1).end
     }
 
     /// Tokens in the document.
@@ -156,5 +173,10 @@ mod tests {
         );
         assert_eq!(corpus.document(0).tokens(), 3);
         assert_eq!(corpus.document(1).sentence(0), [4, 5, 6]);
+        assert_eq!(corpus.document(0).sentences_range(0, 2), 0..3);
+        assert_eq!(
+            corpus.ids()[corpus.document(1).sentence_range(0)],
+            [4, 5, 6]
+        );
     }
 }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use rayon::prelude::*;
 
-use crate::corpus::{Corpus, DocumentRef, span};
+use crate::corpus::{Corpus, DocumentRef};
 use crate::draws::{Draws, FastRng};
 use crate::pyrandom::PyRandom;
 use crate::tokenizer::FullTokenizer;
@@ -150,17 +150,36 @@ impl InstanceRef<'_> {
     }
 }
 
-/// Instances stored column by column in flat buffers: a handful of allocations for any number
-/// of instances, instead of five per instance.
+/// Instances stored column by column in flat buffers, without their tokens: segments A and B
+/// are ranges of a token source (the corpus), and the masks say what replaces the tokens at
+/// the masked positions. An instance takes about 40 bytes plus 12 per mask instead of 4 per
+/// token (a third of the memory at phase 1), and making one copies nothing but its masks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct InstanceColumns {
-    input_ids: Vec<u32>,
-    input_ends: Vec<usize>,
+    /// Start and length of segment A, then of segment B, in the token source.
+    segments: Vec<[u32; 4]>,
     first_segment_lens: Vec<u32>,
     is_random_next: Vec<bool>,
+    masked_ends: Vec<u32>,
     masked_positions: Vec<u32>,
+    /// The source's ids at the masked positions.
     masked_ids: Vec<u32>,
-    masked_ends: Vec<usize>,
+    /// The ids the instance holds there (`[MASK]`, the same id, or a random word).
+    masked_values: Vec<u32>,
+    tokens: usize,
+}
+
+/// A masked instance's fields other than its input ids (see [`Instances::append_input_ids`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceFields<'a> {
+    /// Tokens of segment 0 (`[CLS]`, A and the first `[SEP]`); the rest are segment 1.
+    pub first_segment_len: usize,
+    /// Whether B came from another document.
+    pub is_random_next: bool,
+    /// Masked positions, ascending.
+    pub masked_lm_positions: &'a [u32],
+    /// The original ids at those positions.
+    pub masked_lm_ids: &'a [u32],
 }
 
 impl InstanceColumns {
@@ -170,92 +189,134 @@ impl InstanceColumns {
     fn for_document(document: DocumentRef<'_>, options: &InstanceOptions) -> Self {
         let tokens = document.tokens();
         let target = (options.max_seq_length.saturating_sub(3)).max(1);
-        // Random-next B segments come from other documents: allow up to twice the text.
-        let instances = 2 * tokens / target + 2;
+        let instances = tokens / target + 2;
         let masked = instances * options.max_predictions_per_seq;
         InstanceColumns {
-            input_ids: Vec::with_capacity(2 * tokens + 3 * instances),
-            input_ends: Vec::with_capacity(instances),
+            segments: Vec::with_capacity(instances),
             first_segment_lens: Vec::with_capacity(instances),
             is_random_next: Vec::with_capacity(instances),
+            masked_ends: Vec::with_capacity(instances),
             masked_positions: Vec::with_capacity(masked),
             masked_ids: Vec::with_capacity(masked),
-            masked_ends: Vec::with_capacity(instances),
+            masked_values: Vec::with_capacity(masked),
+            tokens: 0,
         }
     }
 
     /// Instances held.
     pub fn len(&self) -> usize {
-        self.input_ends.len()
+        self.segments.len()
     }
 
     /// Whether there is none.
     pub fn is_empty(&self) -> bool {
-        self.input_ends.is_empty()
+        self.segments.is_empty()
     }
 
-    /// Tokens in all instances.
-    pub fn tokens(&self) -> usize {
-        self.input_ids.len()
-    }
-
-    /// Instance `i` (in the order pushed).
-    pub fn get(&self, i: usize) -> InstanceRef<'_> {
-        let masked = span(&self.masked_ends, i);
-        InstanceRef {
-            input_ids: &self.input_ids[span(&self.input_ends, i)],
-            first_segment_len: self.first_segment_lens[i] as usize,
-            is_random_next: self.is_random_next[i],
-            masked_lm_positions: &self.masked_positions[masked.clone()],
-            masked_lm_ids: &self.masked_ids[masked],
-        }
-    }
-
-    /// Appends a copy of `instance`.
-    pub fn push(&mut self, instance: InstanceRef<'_>) {
-        self.input_ids.extend_from_slice(instance.input_ids);
-        self.masked_positions
-            .extend_from_slice(instance.masked_lm_positions);
-        self.masked_ids.extend_from_slice(instance.masked_lm_ids);
-        self.end_instance(instance.first_segment_len, instance.is_random_next);
-    }
-
-    /// Closes the instance whose ids and masks were appended to the buffers since the last one.
-    fn end_instance(&mut self, first_segment_len: usize, is_random_next: bool) {
-        self.input_ends.push(self.input_ids.len());
-        self.masked_ends.push(self.masked_positions.len());
+    /// Closes the instance whose masks were appended since the last one.
+    fn end_instance(
+        &mut self,
+        segments: [std::ops::Range<usize>; 2],
+        first_segment_len: usize,
+        is_random_next: bool,
+        tokens: usize,
+    ) {
+        let [a, b] = segments;
+        self.segments
+            .push([a.start, a.len(), b.start, b.len()].map(|v| v as u32));
         self.first_segment_lens.push(first_segment_len as u32);
         self.is_random_next.push(is_random_next);
+        self.masked_ends.push(self.masked_positions.len() as u32);
+        self.tokens += tokens;
+    }
+
+    fn masks(&self, i: usize) -> std::ops::Range<usize> {
+        let start = if i == 0 { 0 } else { self.masked_ends[i - 1] };
+        start as usize..self.masked_ends[i] as usize
     }
 }
 
 /// A run's instances: generated in chunks (one per document and pass in the parallel mode),
-/// listed in their final, shuffled order.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Instances {
+/// listed in their final, shuffled order, with the token source their segments point into.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instances<'a> {
+    source: std::borrow::Cow<'a, [u32]>,
+    /// `[CLS]` and `[SEP]` around the segments (`[CLS] A [SEP] B [SEP]`), or nothing (owned
+    /// instances, whose segment A is the whole sequence).
+    framing: Option<(u32, u32)>,
     chunks: Vec<InstanceColumns>,
     /// (chunk, index in chunk) of each instance, in order.
     order: Vec<(u32, u32)>,
 }
 
-impl Instances {
-    /// Chunks' instances in chunk order (not shuffled).
-    pub fn from_chunks(chunks: Vec<InstanceColumns>) -> Self {
+/// Hints the CPU to fetch the first cache lines of `items` (no effect on the result).
+#[inline]
+pub(crate) fn prefetch<T>(items: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let start = items.as_ptr() as *const i8;
+        let bytes = std::mem::size_of_val(items);
+        let mut offset = 0;
+        while offset < bytes.min(256) {
+            // SAFETY: a prefetch is a hint: it never faults, even on an invalid address, and
+            // `start + offset` stays inside `items`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset)) };
+            offset += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = items;
+}
+
+impl<'a> Instances<'a> {
+    /// Chunks' instances in chunk order (not shuffled), with segments in `corpus` framed by
+    /// `[CLS]` and `[SEP]`.
+    fn from_chunks(corpus: &'a Corpus, vocab: &VocabIds, chunks: Vec<InstanceColumns>) -> Self {
         let order = chunks
             .iter()
             .enumerate()
             .flat_map(|(c, chunk)| (0..chunk.len() as u32).map(move |i| (c as u32, i)))
             .collect();
-        Instances { chunks, order }
+        Instances {
+            source: std::borrow::Cow::Borrowed(corpus.ids()),
+            framing: Some((vocab.cls, vocab.sep)),
+            chunks,
+            order,
+        }
     }
 
     /// Owned instances, in order.
-    pub fn from_owned(instances: &[TrainingInstance]) -> Self {
+    pub fn from_owned(instances: &[TrainingInstance]) -> Instances<'static> {
+        let mut source = Vec::new();
         let mut columns = InstanceColumns::default();
         for instance in instances {
-            columns.push(instance.as_ref());
+            let start = source.len();
+            source.extend_from_slice(&instance.input_ids);
+            columns
+                .masked_positions
+                .extend(&instance.masked_lm_positions);
+            columns.masked_ids.extend(&instance.masked_lm_ids);
+            // The input ids are the masked ones already: the values are what they hold.
+            columns.masked_values.extend(
+                instance
+                    .masked_lm_positions
+                    .iter()
+                    .map(|&p| instance.input_ids[p as usize]),
+            );
+            columns.end_instance(
+                [start..source.len(), source.len()..source.len()],
+                instance.first_segment_len,
+                instance.is_random_next,
+                instance.input_ids.len(),
+            );
         }
-        Self::from_chunks(vec![columns])
+        Instances {
+            source: std::borrow::Cow::Owned(source),
+            framing: None,
+            order: (0..columns.len() as u32).map(|i| (0, i)).collect(),
+            chunks: vec![columns],
+        }
     }
 
     /// Instances held.
@@ -270,14 +331,77 @@ impl Instances {
 
     /// Tokens in all instances.
     pub fn tokens(&self) -> usize {
-        self.chunks.iter().map(InstanceColumns::tokens).sum()
+        self.chunks.iter().map(|c| c.tokens).sum()
     }
 
-    /// The instances in order.
-    pub fn iter(&self) -> impl ExactSizeIterator<Item = InstanceRef<'_>> + '_ {
-        self.order
-            .iter()
-            .map(|&(c, i)| self.chunks[c as usize].get(i as usize))
+    /// Appends the input ids of instance `k` (in order) to `ids`; returns its other fields.
+    #[inline]
+    pub fn append_input_ids(&self, k: usize, ids: &mut Vec<u32>) -> InstanceFields<'_> {
+        let (c, i) = self.order[k];
+        let chunk = &self.chunks[c as usize];
+        let i = i as usize;
+        let [a_start, a_len, b_start, b_len] = chunk.segments[i].map(|v| v as usize);
+        let start = ids.len();
+        if let Some((cls, _)) = self.framing {
+            ids.push(cls);
+        }
+        ids.extend_from_slice(&self.source[a_start..a_start + a_len]);
+        if let Some((_, sep)) = self.framing {
+            ids.push(sep);
+        }
+        ids.extend_from_slice(&self.source[b_start..b_start + b_len]);
+        if let Some((_, sep)) = self.framing {
+            ids.push(sep);
+        }
+        let masks = chunk.masks(i);
+        let positions = &chunk.masked_positions[masks.clone()];
+        for (&p, &value) in positions.iter().zip(&chunk.masked_values[masks.clone()]) {
+            ids[start + p as usize] = value;
+        }
+        InstanceFields {
+            first_segment_len: chunk.first_segment_lens[i] as usize,
+            is_random_next: chunk.is_random_next[i],
+            masked_lm_positions: positions,
+            masked_lm_ids: &chunk.masked_ids[masks],
+        }
+    }
+
+    /// Hints the CPU to fetch what [`Instances::append_input_ids`] will read for instance `k`.
+    #[inline]
+    pub fn prefetch(&self, k: usize) {
+        let (c, i) = self.order[k];
+        let chunk = &self.chunks[c as usize];
+        let i = i as usize;
+        let [a_start, a_len, b_start, b_len] = chunk.segments[i].map(|v| v as usize);
+        prefetch(&self.source[a_start..a_start + a_len]);
+        prefetch(&self.source[b_start..b_start + b_len]);
+        let masks = chunk.masks(i);
+        prefetch(&chunk.masked_positions[masks.clone()]);
+        prefetch(&chunk.masked_values[masks.clone()]);
+        prefetch(&chunk.masked_ids[masks]);
+    }
+
+    /// Calls `f` with each instance, in order.
+    pub fn for_each(&self, mut f: impl FnMut(InstanceRef<'_>)) {
+        let mut ids = Vec::new();
+        for k in 0..self.len() {
+            ids.clear();
+            let fields = self.append_input_ids(k, &mut ids);
+            f(InstanceRef {
+                input_ids: &ids,
+                first_segment_len: fields.first_segment_len,
+                is_random_next: fields.is_random_next,
+                masked_lm_positions: fields.masked_lm_positions,
+                masked_lm_ids: fields.masked_lm_ids,
+            });
+        }
+    }
+
+    /// Every instance, owned, in order.
+    pub fn to_vec(&self) -> Vec<TrainingInstance> {
+        let mut all = Vec::with_capacity(self.len());
+        self.for_each(|instance| all.push(instance.to_owned()));
+        all
     }
 
     /// Shuffles the order with `rng` (the draws of shuffling a list of this length).
@@ -324,22 +448,22 @@ impl VocabIds {
 
 /// `create_training_instances` after reading: shuffles the documents, makes `dupe_factor`
 /// passes, and shuffles the instances, all with CPython's generator seeded with `options.seed`.
-pub fn create_instances_google(
-    corpus: &Corpus,
+pub fn create_instances_google<'a>(
+    corpus: &'a Corpus,
     vocab: &VocabIds,
     options: &InstanceOptions,
-) -> Instances {
+) -> Instances<'a> {
     create_instances_google_with(corpus, vocab, options, &mut PyRandom::new(options.seed))
 }
 
 /// [`create_instances_google`] with a given generator (whose word count then tells how many
 /// random words the run drew).
-pub fn create_instances_google_with(
-    corpus: &Corpus,
+pub fn create_instances_google_with<'a>(
+    corpus: &'a Corpus,
     vocab: &VocabIds,
     options: &InstanceOptions,
     rng: &mut PyRandom,
-) -> Instances {
+) -> Instances<'a> {
     let documents = ShuffledDocuments::new(corpus, rng);
     let mut columns = InstanceColumns::default();
     let mut scratch = Scratch::default();
@@ -356,7 +480,7 @@ pub fn create_instances_google_with(
             );
         }
     }
-    let mut instances = Instances::from_chunks(vec![columns]);
+    let mut instances = Instances::from_chunks(corpus, vocab, vec![columns]);
     instances.shuffle(rng);
     instances
 }
@@ -370,7 +494,11 @@ pub fn create_instances_google_with(
 /// more cheaply than the script makes them: masked positions are drawn directly (or from a lazy
 /// shuffle with whole-word masking) instead of shuffling every candidate, and truncation coins
 /// come 64 to a random word.
-pub fn create_instances(corpus: &Corpus, vocab: &VocabIds, options: &InstanceOptions) -> Instances {
+pub fn create_instances<'a>(
+    corpus: &'a Corpus,
+    vocab: &VocabIds,
+    options: &InstanceOptions,
+) -> Instances<'a> {
     let mut rng = FastRng::new(options.seed);
     let documents = ShuffledDocuments::new(corpus, &mut rng);
     let jobs: Vec<(usize, usize)> = (0..options.dupe_factor)
@@ -387,7 +515,7 @@ pub fn create_instances(corpus: &Corpus, vocab: &VocabIds, options: &InstanceOpt
             out
         })
         .collect();
-    let mut instances = Instances::from_chunks(chunks);
+    let mut instances = Instances::from_chunks(corpus, vocab, chunks);
     instances.shuffle(&mut rng);
     instances
 }
@@ -395,26 +523,18 @@ pub fn create_instances(corpus: &Corpus, vocab: &VocabIds, options: &InstanceOpt
 /// Buffers reused from one instance to the next.
 #[derive(Default)]
 struct Scratch {
+    /// The instance being masked: `[CLS] A [SEP] B [SEP]`.
+    ids: Vec<u32>,
+    mask: MaskScratch,
+}
+
+/// Buffers of [`mask_tokens`].
+#[derive(Default)]
+struct MaskScratch {
     positions: Vec<u32>,
     candidates: Vec<(u32, u32)>,
     masked_bits: Vec<u64>,
     originals: Vec<u32>,
-}
-
-/// Appends tokens `range` of the concatenation of `parts`.
-fn extend_from_parts(out: &mut Vec<u32>, parts: &[&[u32]], range: std::ops::Range<usize>) {
-    let mut offset = 0;
-    for part in parts {
-        let (start, end) = (offset, offset + part.len());
-        offset = end;
-        if end <= range.start {
-            continue;
-        }
-        if start >= range.end {
-            break;
-        }
-        out.extend_from_slice(&part[range.start.max(start) - start..range.end.min(end) - start]);
-    }
 }
 
 /// A corpus's documents in a shuffled order.
@@ -450,77 +570,87 @@ fn instances_from_document<R: Draws>(
     out: &mut InstanceColumns,
     scratch: &mut Scratch,
 ) {
+    let source = documents.corpus.ids();
     let document = documents.get(document_index);
     let max_num_tokens = options.max_seq_length - 3;
     let mut target_seq_length = max_num_tokens;
     if rng.random() < options.short_seq_prob {
         target_seq_length = rng.randint(2, max_num_tokens);
     }
-    // Segments A and B are lists of sentences, copied once, after truncation, into `out`.
-    let mut chunk: Vec<&[u32]> = Vec::new();
-    let mut parts_b: Vec<&[u32]> = Vec::new();
+    // The current chunk: sentences `chunk_start..chunk_start + chunk_len` of the document.
+    // Sentences are contiguous in the corpus, so segments A and B are token ranges of it.
+    let mut chunk_start = 0;
+    let mut chunk_len = 0;
     let mut length = 0;
     let mut i = 0usize;
     while i < document.len() {
-        let segment = document.sentence(i);
-        chunk.push(segment);
-        length += segment.len();
+        if chunk_len == 0 {
+            chunk_start = i;
+        }
+        chunk_len += 1;
+        length += document.sentence_range(i).len();
         if i == document.len() - 1 || length >= target_seq_length {
-            if !chunk.is_empty() {
-                let a_end = if chunk.len() >= 2 {
-                    rng.randint(1, chunk.len() - 1)
-                } else {
-                    1
-                };
-                let a_len: usize = chunk[..a_end].iter().map(|s| s.len()).sum();
-                parts_b.clear();
-                let mut b_len = 0;
-                let is_random_next = chunk.len() == 1 || rng.random() < 0.5;
-                if is_random_next {
-                    let target_b_length = target_seq_length.saturating_sub(a_len);
-                    let mut random_index = document_index;
-                    for _ in 0..10 {
-                        random_index = rng.randint(0, documents.len() - 1);
-                        if random_index != document_index {
-                            break;
-                        }
+            let a_end = if chunk_len >= 2 {
+                rng.randint(1, chunk_len - 1)
+            } else {
+                1
+            };
+            let a_range = document.sentences_range(chunk_start, chunk_start + a_end);
+            let is_random_next = chunk_len == 1 || rng.random() < 0.5;
+            let b_range = if is_random_next {
+                let target_b_length = target_seq_length.saturating_sub(a_range.len());
+                let mut random_index = document_index;
+                for _ in 0..10 {
+                    random_index = rng.randint(0, documents.len() - 1);
+                    if random_index != document_index {
+                        break;
                     }
-                    let random_document = documents.get(random_index);
-                    let start = rng.randint(0, random_document.len() - 1);
-                    for s in start..random_document.len() {
-                        let segment = random_document.sentence(s);
-                        parts_b.push(segment);
-                        b_len += segment.len();
-                        if b_len >= target_b_length {
-                            break;
-                        }
-                    }
-                    // Put the unused segments back.
-                    i -= chunk.len() - a_end;
-                } else {
-                    parts_b.extend_from_slice(&chunk[a_end..]);
-                    b_len = parts_b.iter().map(|s| s.len()).sum();
                 }
-                let (a, b) = truncate_seq_pair(a_len, b_len, max_num_tokens, rng);
-                let start = out.input_ids.len();
-                out.input_ids.push(vocab.cls);
-                extend_from_parts(&mut out.input_ids, &chunk[..a_end], a);
-                out.input_ids.push(vocab.sep);
-                let first_segment_len = out.input_ids.len() - start;
-                extend_from_parts(&mut out.input_ids, &parts_b, b);
-                out.input_ids.push(vocab.sep);
-                mask_tokens(
-                    &mut out.input_ids[start..],
-                    options,
-                    vocab,
-                    rng,
-                    scratch,
-                    &mut out.masked_positions,
-                    &mut out.masked_ids,
-                );
-                out.end_instance(first_segment_len, is_random_next);
-            }
-            chunk.clear();
+                let random_document = documents.get(random_index);
+                let start = rng.randint(0, random_document.len() - 1);
+                let mut end = start;
+                let mut b_len = 0;
+                while end < random_document.len() {
+                    b_len += random_document.sentence_range(end).len();
+                    end += 1;
+                    if b_len >= target_b_length {
+                        break;
+                    }
+                }
+                // Put the unused segments back.
+                i -= chunk_len - a_end;
+                random_document.sentences_range(start, end)
+            } else {
+                document.sentences_range(chunk_start + a_end, chunk_start + chunk_len)
+            };
+            let (a, b) = truncate_seq_pair(a_range.len(), b_range.len(), max_num_tokens, rng);
+            let a = a_range.start + a.start..a_range.start + a.end;
+            let b = b_range.start + b.start..b_range.start + b.end;
+            let ids = &mut scratch.ids;
+            ids.clear();
+            ids.push(vocab.cls);
+            ids.extend_from_slice(&source[a.clone()]);
+            ids.push(vocab.sep);
+            let first_segment_len = ids.len();
+            ids.extend_from_slice(&source[b.clone()]);
+            ids.push(vocab.sep);
+            let first_mask = out.masked_positions.len();
+            mask_tokens(
+                ids,
+                options,
+                vocab,
+                rng,
+                &mut scratch.mask,
+                &mut out.masked_positions,
+                &mut out.masked_ids,
+            );
+            out.masked_values.extend(
+                out.masked_positions[first_mask..]
+                    .iter()
+                    .map(|&p| ids[p as usize]),
+            );
+            out.end_instance([a, b], first_segment_len, is_random_next, ids.len());
+            chunk_len = 0;
             length = 0;
         }
         i += 1;
@@ -560,11 +690,11 @@ fn mask_tokens<R: Draws>(
     options: &InstanceOptions,
     vocab: &VocabIds,
     rng: &mut R,
-    scratch: &mut Scratch,
+    scratch: &mut MaskScratch,
     masked_positions: &mut Vec<u32>,
     masked_ids: &mut Vec<u32>,
 ) {
-    let Scratch {
+    let MaskScratch {
         positions,
         candidates,
         masked_bits,

@@ -38,7 +38,7 @@ use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 
-use crate::instances::{InstanceRef, Instances};
+use crate::instances::Instances;
 use crate::parquet_chunks::{ChunkEncoder, ColumnValues};
 
 /// Name of the file layout, stored in the metadata under `bertkit.layout`.
@@ -70,26 +70,6 @@ pub fn arrow_schema() -> Schema {
 /// How far ahead [`RowGroupColumns::gather`] prefetches.
 const PREFETCH_ROWS_AHEAD: usize = 6;
 
-/// Hints the CPU to fetch the first cache lines of `items` (no effect on the result).
-#[inline]
-fn prefetch<T>(items: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let start = items.as_ptr() as *const i8;
-        let bytes = std::mem::size_of_val(items);
-        let mut offset = 0;
-        while offset < bytes.min(256) {
-            // SAFETY: a prefetch is a hint: it never faults, even on an invalid address, and
-            // `start + offset` stays inside `items`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset)) };
-            offset += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = items;
-}
-
 /// A row group's columns, gathered from its rows (reused from group to group).
 #[derive(Default)]
 struct RowGroupColumns {
@@ -103,7 +83,7 @@ struct RowGroupColumns {
 }
 
 impl RowGroupColumns {
-    fn gather(&mut self, rows: &[InstanceRef<'_>]) {
+    fn gather(&mut self, instances: &Instances<'_>, rows: std::ops::Range<usize>) {
         self.input_ids.clear();
         self.seq_lens.clear();
         self.first_segment_lens.clear();
@@ -111,15 +91,14 @@ impl RowGroupColumns {
         self.masked_lm_ids.clear();
         self.masked_lm_lens.clear();
         self.next_sentence_labels.clear();
-        for (k, row) in rows.iter().enumerate() {
+        for k in rows.clone() {
             // Rows come in shuffled order from all over memory: ask for a row a few ahead.
-            if let Some(ahead) = rows.get(k + PREFETCH_ROWS_AHEAD) {
-                prefetch(ahead.input_ids);
-                prefetch(ahead.masked_lm_positions);
-                prefetch(ahead.masked_lm_ids);
+            if k + PREFETCH_ROWS_AHEAD < rows.end {
+                instances.prefetch(k + PREFETCH_ROWS_AHEAD);
             }
-            self.input_ids.extend_from_slice(row.input_ids);
-            self.seq_lens.push(row.input_ids.len() as u32);
+            let start = self.input_ids.len();
+            let row = instances.append_input_ids(k, &mut self.input_ids);
+            self.seq_lens.push((self.input_ids.len() - start) as u32);
             self.first_segment_lens.push(row.first_segment_len as u32);
             self.masked_lm_positions
                 .extend_from_slice(row.masked_lm_positions);
@@ -135,11 +114,12 @@ impl RowGroupColumns {
 /// Writes one row group: the six columns in schema order.
 fn write_row_group<W: std::io::Write + Send>(
     writer: &mut SerializedFileWriter<W>,
-    rows: &[InstanceRef<'_>],
+    instances: &Instances<'_>,
+    rows: std::ops::Range<usize>,
     columns: &mut RowGroupColumns,
     encoder: &mut ChunkEncoder,
 ) -> parquet::errors::Result<()> {
-    columns.gather(rows);
+    columns.gather(instances, rows.clone());
     let schema = writer.schema_descr().clone();
     let mut group = writer.next_row_group()?;
     let n = rows.len();
@@ -201,17 +181,11 @@ pub fn write_instances(
     let file = std::io::BufWriter::with_capacity(1 << 20, File::create(&partial)?);
     let mut writer =
         SerializedFileWriter::new(file, parquet_schema.root_schema_ptr(), Arc::new(props))?;
-    let mut rows = Vec::with_capacity(ROW_GROUP_ROWS);
     let mut columns = RowGroupColumns::default();
     let mut encoder = ChunkEncoder::new()?;
-    let mut all = instances.iter();
-    loop {
-        rows.clear();
-        rows.extend(all.by_ref().take(ROW_GROUP_ROWS));
-        if rows.is_empty() {
-            break;
-        }
-        write_row_group(&mut writer, &rows, &mut columns, &mut encoder)?;
+    for start in (0..instances.len()).step_by(ROW_GROUP_ROWS) {
+        let rows = start..(start + ROW_GROUP_ROWS).min(instances.len());
+        write_row_group(&mut writer, instances, rows, &mut columns, &mut encoder)?;
     }
     let file = writer
         .into_inner()?

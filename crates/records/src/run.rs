@@ -266,10 +266,10 @@ fn write_outputs(
     })?;
     if let Some(path) = jsonl {
         let mut text = String::new();
-        for i in instances.iter() {
+        instances.for_each(|i| {
             text.push_str(&i.to_reference_json(tokenizer).to_string());
             text.push('\n');
-        }
+        });
         bertkit_stage_io::write_atomically(path, text.as_bytes()).map_err(|e| {
             RecordsError::Write {
                 path: path.into(),
@@ -281,7 +281,7 @@ fn write_outputs(
 }
 
 /// Instances in the run's mode: the reference script's exact algorithm, or the parallel default.
-fn generate(corpus: &Corpus, vocab: &VocabIds, options: &RecordsOptions) -> Instances {
+fn generate<'a>(corpus: &'a Corpus, vocab: &VocabIds, options: &RecordsOptions) -> Instances<'a> {
     match options.compat {
         Compat::Google => create_instances_google(corpus, vocab, &options.instances),
         Compat::None => create_instances(corpus, vocab, &options.instances),

@@ -44,8 +44,8 @@ fn check(reference_dir: &str, words_drawn: u64) {
         params["num_instances"].as_u64().unwrap() as usize
     );
     assert_eq!(instances.len(), expected.len());
-    for (n, (got, want)) in instances.iter().zip(&expected).enumerate() {
-        let got_json = got.to_reference_json(&tokenizer);
+    for (n, (got, want)) in instances.to_vec().iter().zip(&expected).enumerate() {
+        let got_json = got.as_ref().to_reference_json(&tokenizer);
         for key in [
             "tokens",
             "segment_ids",
