@@ -78,7 +78,6 @@ pub use crate::wordpiece::MAX_INPUT_CHARS_PER_WORD;
 pub struct FullTokenizer {
     id: u64,
     lower_case: bool,
-    inverse: Vec<String>,
     wordpiece: WordPieceVocab,
     /// The id of each ASCII punctuation character as a word (itself, or `[UNK]`).
     ascii_punctuation: [u32; 128],
@@ -92,28 +91,22 @@ impl FullTokenizer {
             path: path.into(),
             source: e,
         })?;
-        let inverse: Vec<String> = text.lines().map(|l| l.trim().to_string()).collect();
-        let unk =
-            inverse
-                .iter()
-                .rposition(|t| t == "[UNK]")
-                .ok_or_else(|| VocabError::Missing {
-                    path: path.into(),
-                    token: "[UNK]",
-                })?;
+        let unk = text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| l.trim() == "[UNK]")
+            .last()
+            .ok_or_else(|| VocabError::Missing {
+                path: path.into(),
+                token: "[UNK]",
+            })?
+            .0;
         // Inserted in file order, so a repeated token keeps its last id.
-        let wordpiece = WordPieceVocab::new(
-            inverse
-                .iter()
-                .enumerate()
-                .map(|(id, t)| (t.as_str(), id as u32)),
-            unk as u32,
-        );
+        let wordpiece = WordPieceVocab::new(text.lines().map(str::trim), unk as u32);
         let id = NEXT_TOKENIZER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tokenizer = FullTokenizer {
             id,
             lower_case,
-            inverse,
             wordpiece,
             ascii_punctuation: [0; 128],
         };
@@ -128,7 +121,7 @@ impl FullTokenizer {
 
     /// The vocabulary size.
     pub fn vocab_size(&self) -> usize {
-        self.inverse.len()
+        self.wordpiece.len()
     }
 
     /// The id of a token, if it is in the vocabulary.
@@ -138,14 +131,19 @@ impl FullTokenizer {
 
     /// The token of an id, if in range.
     pub fn id_to_token(&self, id: u32) -> Option<&str> {
-        self.inverse.get(id as usize).map(String::as_str)
+        self.wordpiece.token(id)
     }
 
     /// WordPiece tokens of `text`.
     pub fn tokenize(&self, text: &str) -> Vec<String> {
         self.tokenize_ids(text)
             .into_iter()
-            .map(|id| self.inverse[id as usize].clone())
+            .map(|id| {
+                self.wordpiece
+                    .token(id)
+                    .expect("an id of the vocabulary")
+                    .to_string()
+            })
             .collect()
     }
 
@@ -258,13 +256,13 @@ impl FullTokenizer {
     /// first line, with the id of its last line (what `load_vocab`'s dict gives). For a
     /// vocabulary without repeated lines this is `0..vocab_size`.
     pub fn vocab_word_ids(&self) -> Vec<u32> {
-        if self.wordpiece.len() == self.inverse.len() {
-            return (0..self.inverse.len() as u32).collect();
+        let ids = 0..self.wordpiece.len() as u32;
+        if self.wordpiece.distinct_tokens() == self.wordpiece.len() {
+            return ids.collect();
         }
         let mut seen = ahash::AHashSet::new();
-        self.inverse
-            .iter()
-            .filter(|t| seen.insert(t.as_str()))
+        ids.map(|id| self.wordpiece.token(id).expect("an id of the vocabulary"))
+            .filter(|t| seen.insert(*t))
             .map(|t| self.wordpiece.id(t).expect("a vocabulary token"))
             .collect()
     }

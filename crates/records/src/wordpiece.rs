@@ -8,18 +8,25 @@
 //! Continuation pieces are kept in their own map without the `##`, so no prefixed string is
 //! built per try, and a try never starts longer than the longest piece of the vocabulary.
 
-use ahash::AHashMap;
+use hashbrown::HashTable;
 
 /// Longest word WordPiece tries to split; longer words become `[UNK]`.
 pub const MAX_INPUT_CHARS_PER_WORD: usize = 200;
 
-/// A vocabulary prepared for WordPiece.
+/// A vocabulary prepared for WordPiece: every token's text in one buffer, and two hash tables
+/// of ids keyed by that text (a few allocations for any vocabulary, where a map of owned
+/// strings makes one per token).
 #[derive(Debug, Clone)]
 pub struct WordPieceVocab {
-    /// Every token of the vocabulary (a piece at the start of a word is looked up here).
-    tokens: AHashMap<Box<str>, u32>,
-    /// Tokens that start with `##`, without it.
-    continuations: AHashMap<Box<str>, u32>,
+    /// Every token, in id order, one after the other.
+    text: String,
+    /// End of each id's token in `text`.
+    ends: Vec<u32>,
+    /// Ids by their token (a repeated token: its last id).
+    tokens: HashTable<u32>,
+    /// Ids of the tokens that start with `##`, by their text without it.
+    continuations: HashTable<u32>,
+    hasher: ahash::RandomState,
     /// The id of `[UNK]`.
     unk: u32,
     /// Byte length of the longest token.
@@ -28,43 +35,100 @@ pub struct WordPieceVocab {
     longest_continuation: usize,
 }
 
+/// Bytes a continuation's text skips: `##`.
+const CONTINUATION_PREFIX: usize = 2;
+
+/// The token of `id` in the arena.
+fn token_text<'a>(text: &'a str, ends: &[u32], id: u32) -> &'a str {
+    let id = id as usize;
+    let start = if id == 0 { 0 } else { ends[id - 1] as usize };
+    &text[start..ends[id] as usize]
+}
+
 impl WordPieceVocab {
-    /// From (token, id) pairs and the id of `[UNK]`.
-    pub fn new<'a>(tokens: impl IntoIterator<Item = (&'a str, u32)>, unk: u32) -> Self {
+    /// From the tokens in id order (the lines of a `vocab.txt`) and the id of `[UNK]`.
+    pub fn new<'a>(tokens: impl IntoIterator<Item = &'a str>, unk: u32) -> Self {
         let tokens = tokens.into_iter();
         // Sized up front: a BERT vocabulary is 30,000 tokens, a quarter of them `##` pieces.
         let size = tokens.size_hint().0;
         let mut vocab = WordPieceVocab {
-            tokens: AHashMap::with_capacity(size),
-            continuations: AHashMap::with_capacity(size / 3),
+            text: String::with_capacity(8 * size),
+            ends: Vec::with_capacity(size),
+            tokens: HashTable::with_capacity(size),
+            continuations: HashTable::with_capacity(size / 3),
+            // Fixed keys: the tables only hold the vocabulary, never untrusted input.
+            hasher: ahash::RandomState::with_seeds(1, 2, 3, 4),
             unk,
             longest_token: 0,
             longest_continuation: 0,
         };
-        for (token, id) in tokens {
+        for token in tokens {
+            let id = vocab.ends.len() as u32;
+            vocab.text.push_str(token);
+            vocab.ends.push(vocab.text.len() as u32);
             vocab.longest_token = vocab.longest_token.max(token.len());
-            vocab.tokens.insert(token.into(), id);
+            let hash = vocab.hasher.hash_one(token);
+            let (text, ends) = (&vocab.text, &vocab.ends);
+            match vocab.tokens.entry(
+                hash,
+                |&other| token_text(text, ends, other) == token,
+                |&other| vocab.hasher.hash_one(token_text(text, ends, other)),
+            ) {
+                hashbrown::hash_table::Entry::Occupied(mut entry) => *entry.get_mut() = id,
+                hashbrown::hash_table::Entry::Vacant(entry) => {
+                    entry.insert(id);
+                }
+            }
             if let Some(rest) = token.strip_prefix("##") {
                 vocab.longest_continuation = vocab.longest_continuation.max(rest.len());
-                vocab.continuations.insert(rest.into(), id);
+                let hash = vocab.hasher.hash_one(rest);
+                let continuation = |other| &token_text(text, ends, other)[CONTINUATION_PREFIX..];
+                match vocab.continuations.entry(
+                    hash,
+                    |&other| continuation(other) == rest,
+                    |&other| vocab.hasher.hash_one(continuation(other)),
+                ) {
+                    hashbrown::hash_table::Entry::Occupied(mut entry) => *entry.get_mut() = id,
+                    hashbrown::hash_table::Entry::Vacant(entry) => {
+                        entry.insert(id);
+                    }
+                }
             }
         }
         vocab
     }
 
-    /// The id of a token.
+    /// The id of a token (a repeated token: its last id).
     pub fn id(&self, token: &str) -> Option<u32> {
-        self.tokens.get(token).copied()
+        self.find(&self.tokens, token, 0)
     }
 
-    /// Distinct tokens.
+    fn find(&self, table: &HashTable<u32>, piece: &str, skip: usize) -> Option<u32> {
+        table
+            .find(self.hasher.hash_one(piece), |&id| {
+                token_text(&self.text, &self.ends, id).get(skip..) == Some(piece)
+            })
+            .copied()
+    }
+
+    /// The token of an id.
+    pub fn token(&self, id: u32) -> Option<&str> {
+        (id < self.ends.len() as u32).then(|| token_text(&self.text, &self.ends, id))
+    }
+
+    /// Ids (lines of the vocabulary, repeated tokens included).
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.ends.len()
     }
 
     /// Whether the vocabulary is empty.
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.ends.is_empty()
+    }
+
+    /// Distinct tokens.
+    pub fn distinct_tokens(&self) -> usize {
+        self.tokens.len()
     }
 
     /// The id of `[UNK]`.
@@ -83,10 +147,14 @@ impl WordPieceVocab {
         let first = out.len();
         let mut start = 0;
         while start < word.len() {
-            let (pieces, longest) = if start == 0 {
-                (&self.tokens, self.longest_token)
+            let (pieces, skip, longest) = if start == 0 {
+                (&self.tokens, 0, self.longest_token)
             } else {
-                (&self.continuations, self.longest_continuation)
+                (
+                    &self.continuations,
+                    CONTINUATION_PREFIX,
+                    self.longest_continuation,
+                )
             };
             let mut end = word.len().min(start + longest);
             while !word.is_char_boundary(end) {
@@ -98,7 +166,7 @@ impl WordPieceVocab {
                     out.push(self.unk);
                     return;
                 }
-                if let Some(&id) = pieces.get(&word[start..end]) {
+                if let Some(id) = self.find(pieces, &word[start..end], skip) {
                     out.push(id);
                     start = end;
                     break;
@@ -120,7 +188,7 @@ mod tests {
         let tokens = [
             "[UNK]", "un", "##aff", "##able", "a", "##b", "##é", "é", "##",
         ];
-        WordPieceVocab::new(tokens.iter().enumerate().map(|(i, t)| (*t, i as u32)), 0)
+        WordPieceVocab::new(tokens, 0)
     }
 
     #[test]

@@ -56,13 +56,8 @@ fn wordpiece_splits_words_as_the_tokenizers_crate_does() {
         .map(|l| l.trim().to_string())
         .collect();
     let unk = lines.iter().position(|t| t == "[UNK]").unwrap() as u32;
-    let ours = bertkit_records::wordpiece::WordPieceVocab::new(
-        lines
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.as_str(), i as u32)),
-        unk,
-    );
+    let ours =
+        bertkit_records::wordpiece::WordPieceVocab::new(lines.iter().map(String::as_str), unk);
     let model = WordPiece::from_file(vocab_path.to_str().unwrap())
         .unk_token("[UNK]".into())
         .max_input_chars_per_word(200)
