@@ -169,34 +169,52 @@ impl FullTokenizer {
 
     /// [`FullTokenizer::tokenize_ids_cached`], appending to `ids`.
     pub fn extend_ids_cached(&self, text: &str, cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
+        if self.ascii_line_ids(text, cache, ids) {
+            return;
+        }
+        // A line with other characters: ASCII spaces, tabs and line breaks split it whatever
+        // their neighbours (cleaning makes them spaces, and every rule after that works within
+        // what spaces delimit), so each run between them is tokenized on its own: ASCII runs
+        // by the fast path, the others by the general rules.
+        let mut buffers = std::mem::take(&mut cache.buffers);
+        for run in text.split([' ', '\t', '\n', '\r']) {
+            if run.is_empty() || self.ascii_line_ids(run, cache, ids) {
+                continue;
+            }
+            for_each_basic_token(run, self.lower_case, &mut buffers, &mut |word| {
+                cache
+                    .words
+                    .extend_ids(word.as_bytes(), None, ids, |w, out| {
+                        self.word_bytes_ids(w, out)
+                    });
+            });
+        }
+        cache.buffers = buffers;
+    }
+
+    /// The ids of an ASCII `text` (appended to `ids`); `false`, with nothing appended, when
+    /// `text` is not ASCII.
+    fn ascii_line_ids(&self, text: &str, cache: &mut TokenizerCache, ids: &mut Vec<u32>) -> bool {
         if cache.scan.scan(text.as_bytes()) {
             self.ascii_ids(text.as_bytes(), cache, ids);
-            return;
+            return true;
         }
-        if text.is_ascii() {
-            // _clean_text: tabs and line breaks become spaces, other controls are dropped.
-            let mut line = std::mem::take(&mut cache.cleaned);
-            line.clear();
-            line.extend(text.as_bytes().iter().filter_map(|&b| match b {
-                b'\t' | b'\n' | b'\r' => Some(b' '),
-                0..=0x1F | 0x7F => None,
-                _ => Some(b),
-            }));
-            let clean = cache.scan.scan(&line);
-            debug_assert!(clean);
-            self.ascii_ids(&line, cache, ids);
-            cache.cleaned = line;
-            return;
+        if !text.is_ascii() {
+            return false;
         }
-        let mut buffers = std::mem::take(&mut cache.buffers);
-        for_each_basic_token(text, self.lower_case, &mut buffers, &mut |word| {
-            cache
-                .words
-                .extend_ids(word.as_bytes(), None, ids, |w, out| {
-                    self.word_bytes_ids(w, out)
-                });
-        });
-        cache.buffers = buffers;
+        // _clean_text: tabs and line breaks become spaces, other controls are dropped.
+        let mut line = std::mem::take(&mut cache.cleaned);
+        line.clear();
+        line.extend(text.as_bytes().iter().filter_map(|&b| match b {
+            b'\t' | b'\n' | b'\r' => Some(b' '),
+            0..=0x1F | 0x7F => None,
+            _ => Some(b),
+        }));
+        let clean = cache.scan.scan(&line);
+        debug_assert!(clean);
+        self.ascii_ids(&line, cache, ids);
+        cache.cleaned = line;
+        true
     }
 
     /// The ASCII fast path of [`FullTokenizer::tokenize_ids_cached`], for a `text` of printable
@@ -475,7 +493,7 @@ mod tests {
         std::fs::write(&path, vocab).unwrap();
         let alphabet: Vec<char> = (0u8..128)
             .map(char::from)
-            .chain("aAbBcC   éÉ\u{a0}\u{2028}中–".chars())
+            .chain("aAbBcC   éÉ\u{a0}\u{2028}中–ΣΑ\u{301}\u{200b}\u{fffd}İ’\u{3000}".chars())
             .collect();
         let mut state = 0x1234_5678_9ABC_DEF0u64;
         for lower_case in [true, false] {
@@ -499,8 +517,11 @@ mod tests {
                     "{text:?}"
                 );
             }
-            // Words longer than the packed key and than WordPiece's limit.
+            // Words longer than the packed key and than WordPiece's limit; a final sigma decided
+            // by what follows the ASCII punctuation after it; ASCII words beside others.
             for text in [
+                "ΑΣ.Β ΑΣ. aΣ'b aΣ,b",
+                "café au lait\u{a0}x naïve—ok",
                 "abcabcabcabcabcabcabc x",
                 &"ab".repeat(101),
                 &"a".repeat(200),
