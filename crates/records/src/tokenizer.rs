@@ -91,18 +91,16 @@ impl FullTokenizer {
             path: path.into(),
             source: e,
         })?;
-        let unk = text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| l.trim() == "[UNK]")
-            .last()
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        let unk = lines
+            .iter()
+            .rposition(|&t| t == "[UNK]")
             .ok_or_else(|| VocabError::Missing {
                 path: path.into(),
                 token: "[UNK]",
-            })?
-            .0;
+            })?;
         // Inserted in file order, so a repeated token keeps its last id.
-        let wordpiece = WordPieceVocab::new(text.lines().map(str::trim), unk as u32);
+        let wordpiece = WordPieceVocab::new(lines.iter().copied(), unk as u32);
         let id = NEXT_TOKENIZER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tokenizer = FullTokenizer {
             id,
