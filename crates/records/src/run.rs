@@ -122,22 +122,41 @@ pub fn read_tokenized(
 const TOKENIZE_CHUNK_BYTES: usize = 256 << 10;
 
 /// [`read_tokenized`], appending the documents to `corpus`.
-///
-/// The input is read whole (the shard's tokens are held anyway, and take about as much memory
-/// as its text), cut at line starts into chunks of about [`TOKENIZE_CHUNK_BYTES`], and the
-/// chunks tokenized in parallel: a book is one document of thousands of lines.
 pub fn read_tokenized_into(
     path: &Path,
     tokenizer: &FullTokenizer,
     corpus: &mut Corpus,
 ) -> Result<bertkit_stage_io::InputFile, RecordsError> {
+    let (chunks, fingerprint) = tokenize_file(path, tokenizer, &mut String::new())?;
+    append_chunks(corpus, vec![chunks]);
+    Ok(fingerprint)
+}
+
+/// A chunk of a file's lines, tokenized: all their sentences' ids, each sentence's end in
+/// them, and the number of sentences before each blank line (document boundary).
+#[derive(Default)]
+struct TokenizedChunk {
+    ids: Vec<u32>,
+    ends: Vec<usize>,
+    breaks: Vec<usize>,
+}
+
+/// Reads a file whole into `text` (its buffer reused from file to file), cuts it at line
+/// starts into chunks of about [`TOKENIZE_CHUNK_BYTES`] and tokenizes the chunks in parallel
+/// (a book is one document of thousands of lines). The shard's tokens are held anyway, and
+/// take about as much memory as its text.
+fn tokenize_file(
+    path: &Path,
+    tokenizer: &FullTokenizer,
+    text: &mut String,
+) -> Result<(Vec<TokenizedChunk>, bertkit_stage_io::InputFile), RecordsError> {
     let mut fingerprint =
         bertkit_stage_io::InputFile::stat(path).map_err(|e| bertkit_shard::ShardError::Io {
             path: path.into(),
             source: e,
         })?;
-    let (text, sha256) = bertkit_shard::documents::DocumentReader::open(path)?.read_text()?;
-    fingerprint.sha256 = sha256;
+    fingerprint.sha256 =
+        bertkit_shard::documents::DocumentReader::open(path)?.read_text_into(text)?;
     let mut chunks = Vec::with_capacity(text.len() / TOKENIZE_CHUNK_BYTES + 1);
     let mut rest = text.as_str();
     while rest.len() > TOKENIZE_CHUNK_BYTES {
@@ -150,15 +169,7 @@ pub fn read_tokenized_into(
         rest = after;
     }
     chunks.push(rest);
-    /// A chunk's sentences: all their ids, each one's end in them, and the number of
-    /// sentences before each blank line (document boundary).
-    #[derive(Default)]
-    struct TokenizedChunk {
-        ids: Vec<u32>,
-        ends: Vec<usize>,
-        breaks: Vec<usize>,
-    }
-    let tokenized: Vec<TokenizedChunk> = chunks
+    let tokenized = chunks
         .par_iter()
         .map(|chunk| {
             let mut out = TokenizedChunk {
@@ -181,32 +192,38 @@ pub fn read_tokenized_into(
             out
         })
         .collect();
-    drop(text);
-    // Room for all, so the corpus does not grow by doubling (each growth copies into fresh
-    // pages, and page faults are a large share of this stage's time).
+    Ok((tokenized, fingerprint))
+}
+
+/// Appends the documents of tokenized files (each file's chunks in order) to `corpus`; each
+/// file starts a new document.
+fn append_chunks(corpus: &mut Corpus, files: Vec<Vec<TokenizedChunk>>) {
+    // Room for all at once, so the corpus does not grow by doubling (each growth copies into
+    // fresh pages, and page faults are a large share of this stage's time).
+    let chunks = || files.iter().flatten();
     corpus.reserve(
-        tokenized.iter().map(|c| c.ids.len()).sum(),
-        tokenized.iter().map(|c| c.ends.len()).sum(),
-        tokenized.iter().map(|c| c.breaks.len() + 1).sum(),
+        chunks().map(|c| c.ids.len()).sum(),
+        chunks().map(|c| c.ends.len()).sum(),
+        chunks().map(|c| c.breaks.len() + 1).sum(),
     );
-    // Documents start at the file's start.
-    corpus.end_document();
-    for chunk in tokenized {
-        let mut breaks = chunk.breaks.iter().peekable();
-        let mut start = 0;
-        for (sentence, &end) in chunk.ends.iter().enumerate() {
-            while breaks.next_if(|&&b| b <= sentence).is_some() {
+    for file in files {
+        corpus.end_document();
+        for chunk in file {
+            let mut breaks = chunk.breaks.iter().peekable();
+            let mut start = 0;
+            for (sentence, &end) in chunk.ends.iter().enumerate() {
+                while breaks.next_if(|&&b| b <= sentence).is_some() {
+                    corpus.end_document();
+                }
+                corpus.push_sentence(&chunk.ids[start..end]);
+                start = end;
+            }
+            if breaks.next().is_some() {
                 corpus.end_document();
             }
-            corpus.push_sentence(&chunk.ids[start..end]);
-            start = end;
-        }
-        if breaks.next().is_some() {
-            corpus.end_document();
         }
     }
     corpus.end_document();
-    Ok(fingerprint)
 }
 
 fn metadata(
@@ -361,11 +378,17 @@ pub fn records_to_file(
     let vocab = Vocabulary::load(vocab, options.lower_case)?;
     let files = bertkit_shard::expand_inputs(inputs)?;
     let clock = std::time::Instant::now();
-    let mut documents = Corpus::default();
-    let mut fingerprints = Vec::new();
+    let mut text = String::new();
+    let mut tokenized = Vec::with_capacity(files.len());
+    let mut fingerprints = Vec::with_capacity(files.len());
     for path in &files {
-        fingerprints.push(read_tokenized_into(path, &vocab.tokenizer, &mut documents)?);
+        let (chunks, fingerprint) = tokenize_file(path, &vocab.tokenizer, &mut text)?;
+        tokenized.push(chunks);
+        fingerprints.push(fingerprint);
     }
+    drop(text);
+    let mut documents = Corpus::default();
+    append_chunks(&mut documents, tokenized);
     if documents.is_empty() {
         return Err(RecordsError::Usage("the inputs hold no document".into()));
     }

@@ -156,15 +156,25 @@ impl DocumentReader {
     /// names the first bad line), and the SHA-256 of the file's (compressed) bytes. For callers
     /// that hold a whole shard anyway: one read and one UTF-8 check instead of a copy per line;
     /// [`lines`] then walks it as [`DocumentReader::next_document`] would.
-    pub fn read_text(mut self) -> Result<(String, String), ShardError> {
+    pub fn read_text(self) -> Result<(String, String), ShardError> {
+        let mut text = String::new();
+        let sha256 = self.read_text_into(&mut text)?;
+        Ok((text, sha256))
+    }
+
+    /// [`DocumentReader::read_text`] into `text` (replacing what it held, reusing its buffer:
+    /// a caller reading several files touches fresh memory once); returns the SHA-256.
+    pub fn read_text_into(mut self, text: &mut String) -> Result<String, ShardError> {
+        let mut bytes = std::mem::take(text).into_bytes();
+        bytes.clear();
         // A plain file's text is its size: read into room for exactly that (growing by
         // doubling would copy it into fresh pages several times).
-        let mut bytes = Vec::with_capacity(self.plain_size.map_or(0, |n| n as usize + 1));
+        bytes.reserve(self.plain_size.map_or(0, |n| n as usize + 1));
         self.lines
             .reader()
             .read_to_end(&mut bytes)
             .map_err(|e| ShardError::io(&self.path, e))?;
-        let text = match String::from_utf8(bytes) {
+        *text = match String::from_utf8(bytes) {
             Ok(text) => text,
             Err(e) => {
                 let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
@@ -177,8 +187,7 @@ impl DocumentReader {
                 });
             }
         };
-        let sha256 = self.finish()?;
-        Ok((text, sha256))
+        self.finish()
     }
 
     /// Reads to the end of the file and returns the SHA-256 of its (compressed) bytes.
