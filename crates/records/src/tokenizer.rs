@@ -27,7 +27,9 @@ use unicode_general_category::{GeneralCategory, get_general_category};
 use unicode_normalization::UnicodeNormalization;
 
 use crate::ascii_scan::{AsciiToken, LineScan};
-use crate::word_cache::{PACKED_WORD_BYTES, WordCache, ascii_lowercase_packed, pack_ascii};
+use crate::word_cache::{
+    PACKED_WORD_BYTES, WordCache, ascii_lowercase_packed, key_hash, pack_ascii,
+};
 use crate::wordpiece::WordPieceVocab;
 
 /// Why a vocabulary could not be used.
@@ -61,7 +63,20 @@ pub struct TokenizerCache {
     cleaned: Vec<u8>,
     /// A word too long for a packed key, lower-cased.
     long_word: Vec<u8>,
+    /// A line's tokens between finding them and looking them up.
+    pending: Vec<PendingToken>,
     buffers: BasicBuffers,
+}
+
+/// A token of an ASCII line, found and not yet looked up.
+#[derive(Clone, Copy)]
+enum PendingToken {
+    /// Punctuation: its id.
+    Id(u32),
+    /// A word with a packed key (lower-cased when the tokenizer is) and the key's hash.
+    Packed { key: u128, hash: u64, len: usize },
+    /// A longer word, at these bytes of the line.
+    Long(usize, usize),
 }
 
 /// Gives every tokenizer a distinct id, so a thread's cache is never used with another one.
@@ -221,29 +236,54 @@ impl FullTokenizer {
     /// not in the cache, need their lower-cased bytes.
     fn ascii_ids(&self, text: &[u8], cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
         let lower_case = self.lower_case;
-        let long = &mut cache.long_word;
-        let words = &mut cache.words;
+        // First the line's tokens, asking for each word's cache slot as it is found; then the
+        // lookups, whose memory loads have had the time to overlap.
+        let pending = &mut cache.pending;
+        pending.clear();
+        let words = &cache.words;
         cache.scan.for_each_token(|token| match token {
-            AsciiToken::Punctuation(at) => ids.push(self.ascii_punctuation[text[at] as usize]),
+            AsciiToken::Punctuation(at) => {
+                pending.push(PendingToken::Id(self.ascii_punctuation[text[at] as usize]))
+            }
             AsciiToken::Word(start, end) if end - start <= PACKED_WORD_BYTES => {
                 let mut key = pack_ascii(text, start, end);
                 if lower_case {
                     key = ascii_lowercase_packed(key);
                 }
-                let bytes = key.to_le_bytes();
-                words.extend_ids(&bytes[..end - start], Some(key), ids, |w, out| {
-                    self.word_bytes_ids(w, out)
+                let hash = key_hash(key);
+                words.prefetch(hash);
+                pending.push(PendingToken::Packed {
+                    key,
+                    hash,
+                    len: end - start,
                 });
             }
-            AsciiToken::Word(start, end) => {
-                long.clear();
-                long.extend_from_slice(&text[start..end]);
-                if lower_case {
-                    long.make_ascii_lowercase();
-                }
-                words.extend_ids(long, None, ids, |w, out| self.word_bytes_ids(w, out));
-            }
+            AsciiToken::Word(start, end) => pending.push(PendingToken::Long(start, end)),
         });
+        for &token in pending.iter() {
+            match token {
+                PendingToken::Id(id) => ids.push(id),
+                PendingToken::Packed { key, hash, len } => {
+                    let bytes = key.to_le_bytes();
+                    cache
+                        .words
+                        .extend_ids_packed(&bytes[..len], key, hash, ids, |w, out| {
+                            self.word_bytes_ids(w, out)
+                        });
+                }
+                PendingToken::Long(start, end) => {
+                    let long = &mut cache.long_word;
+                    long.clear();
+                    long.extend_from_slice(&text[start..end]);
+                    if lower_case {
+                        long.make_ascii_lowercase();
+                    }
+                    cache
+                        .words
+                        .extend_ids(long, None, ids, |w, out| self.word_bytes_ids(w, out));
+                }
+            }
+        }
     }
 
     /// [`FullTokenizer::extend_ids_cached`] with the calling thread's cache, which lives as long

@@ -5,9 +5,15 @@
 //! `u128`: no word holds a NUL (cleaning drops it), so zero padding is unambiguous, and a lookup
 //! hashes and compares one integer instead of a string. Longer words are keyed by their text.
 //! An entry holds up to [`INLINE_IDS`] ids itself (all but a few words in practice), so a hit
-//! reads nothing but the table; longer id lists live in one shared arena. (An open-addressing table of 16-byte slots for words of up to 12 bytes was
-//! measured 20% slower than this on the bench input.) The cache is emptied when it holds
-//! [`WORD_CACHE_ENTRIES`] words, which bounds its memory (about 10 MB).
+//! reads nothing but the table; longer id lists live in one shared arena.
+//!
+//! Packed words live in an open-addressing table of 32-byte slots (key and entry, linear
+//! probing, at most 3/4 full) whose slot for a key is known from its hash alone, so a caller
+//! with a line's words at hand can [`WordCache::prefetch`] their slots before looking them up:
+//! a shard's tens of thousands of distinct words outgrow the L2 cache, and the lookups of rare
+//! words then wait on memory one after another unless their loads overlap. The cache is
+//! emptied when it holds [`WORD_CACHE_ENTRIES`] words, which bounds its memory (16 MiB of
+//! slots at most).
 
 /// Words a [`WordCache`] holds before it is emptied.
 pub const WORD_CACHE_ENTRIES: usize = 1 << 18;
@@ -26,9 +32,96 @@ struct Entry {
     len: u32,
 }
 
+/// A slot of [`PackedTable`]: key 0 (no word packs to it) marks an empty slot.
+#[derive(Clone, Copy)]
+struct Slot {
+    key: u128,
+    entry: Entry,
+}
+
+/// Packed words to entries: open addressing with linear probing (see the module documentation).
+struct PackedTable {
+    slots: Vec<Slot>,
+    len: usize,
+}
+
+/// The hash of a packed word: a folded 128-bit multiply of its halves, mixed with constants.
+#[inline]
+pub fn key_hash(key: u128) -> u64 {
+    let product = u128::from((key as u64) ^ 0x243F_6A88_85A3_08D3)
+        * u128::from(((key >> 64) as u64) ^ 0x1319_8A2E_0370_7344);
+    let folded = (product as u64) ^ ((product >> 64) as u64);
+    folded.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl PackedTable {
+    /// Room for `words` (a power of two of slots, at most 3/4 full).
+    fn with_room(words: usize) -> Self {
+        let slots = (words * 4 / 3 + 1).next_power_of_two();
+        PackedTable {
+            slots: vec![
+                Slot {
+                    key: 0,
+                    entry: Entry {
+                        ids: [0; INLINE_IDS],
+                        len: 0
+                    }
+                };
+                slots
+            ],
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn index(&self, hash: u64) -> usize {
+        // The high bits: the multiply leaves them best mixed.
+        (hash >> (64 - self.slots.len().trailing_zeros())) as usize
+    }
+
+    #[inline]
+    fn prefetch(&self, hash: u64) {
+        crate::instances::prefetch(&self.slots[self.index(hash)..self.index(hash) + 1]);
+    }
+
+    #[inline]
+    fn get(&self, key: u128, hash: u64) -> Option<&Entry> {
+        let mask = self.slots.len() - 1;
+        let mut i = self.index(hash);
+        loop {
+            let slot = &self.slots[i];
+            if slot.key == key {
+                return Some(&slot.entry);
+            }
+            if slot.key == 0 {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Inserts a key that is not in the table.
+    fn insert(&mut self, key: u128, hash: u64, entry: Entry) {
+        if (self.len + 1) * 4 > self.slots.len() * 3 {
+            let mut bigger = PackedTable::with_room(2 * self.slots.len());
+            for slot in self.slots.iter().filter(|s| s.key != 0) {
+                bigger.insert(slot.key, key_hash(slot.key), slot.entry);
+            }
+            *self = bigger;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.index(hash);
+        while self.slots[i].key != 0 {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = Slot { key, entry };
+        self.len += 1;
+    }
+}
+
 /// Words to WordPiece ids (see the module documentation).
 pub struct WordCache {
-    packed: ahash::AHashMap<u128, Entry>,
+    packed: PackedTable,
     long: ahash::AHashMap<Box<[u8]>, Entry>,
     /// Id lists longer than [`INLINE_IDS`].
     arena: Vec<u32>,
@@ -78,7 +171,7 @@ const INITIAL_WORDS: usize = 1 << 15;
 impl Default for WordCache {
     fn default() -> Self {
         WordCache {
-            packed: ahash::AHashMap::with_capacity(INITIAL_WORDS),
+            packed: PackedTable::with_room(INITIAL_WORDS),
             long: ahash::AHashMap::default(),
             arena: Vec::new(),
         }
@@ -88,12 +181,18 @@ impl Default for WordCache {
 impl WordCache {
     /// Words held.
     pub fn len(&self) -> usize {
-        self.packed.len() + self.long.len()
+        self.packed.len + self.long.len()
     }
 
     /// Whether the cache is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Asks the CPU to fetch the slot of a packed word with this [`key_hash`].
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        self.packed.prefetch(hash);
     }
 
     /// Appends the ids of `word` to `out`: from the cache, or from `split` (which appends the
@@ -108,22 +207,61 @@ impl WordCache {
         split: impl FnOnce(&[u8], &mut Vec<u32>),
     ) {
         let key = key.or_else(|| (word.len() <= PACKED_WORD_BYTES).then(|| pack(word)));
-        let found = match key {
-            Some(k) => self.packed.get(&k),
-            None => self.long.get(word),
-        };
-        if let Some(entry) = found {
-            let len = entry.len as usize;
-            if len == 1 {
-                out.push(entry.ids[0]);
-            } else if len <= INLINE_IDS {
-                out.extend_from_slice(&entry.ids[..len]);
-            } else {
-                let start = entry.ids[0] as usize;
-                out.extend_from_slice(&self.arena[start..start + len]);
+        match key {
+            // (Only an empty word packs to 0, the empty slot's mark: it goes by its text.)
+            Some(key) if key != 0 => self.extend_ids_packed(word, key, key_hash(key), out, split),
+            _ => {
+                if let Some(entry) = self.long.get(word) {
+                    self.push_entry(entry, out);
+                    return;
+                }
+                let entry = self.split_entry(word, out, split);
+                self.long.insert(word.into(), entry);
             }
+        }
+    }
+
+    /// [`WordCache::extend_ids`] of a word of at most [`PACKED_WORD_BYTES`] bytes, given its
+    /// packed `key` and that key's [`key_hash`].
+    #[inline]
+    pub fn extend_ids_packed(
+        &mut self,
+        word: &[u8],
+        key: u128,
+        hash: u64,
+        out: &mut Vec<u32>,
+        split: impl FnOnce(&[u8], &mut Vec<u32>),
+    ) {
+        debug_assert!(key != 0 && key == pack(word) && hash == key_hash(key));
+        if let Some(entry) = self.packed.get(key, hash) {
+            self.push_entry(entry, out);
             return;
         }
+        let entry = self.split_entry(word, out, split);
+        self.packed.insert(key, hash, entry);
+    }
+
+    #[inline]
+    fn push_entry(&self, entry: &Entry, out: &mut Vec<u32>) {
+        let len = entry.len as usize;
+        if len == 1 {
+            out.push(entry.ids[0]);
+        } else if len <= INLINE_IDS {
+            out.extend_from_slice(&entry.ids[..len]);
+        } else {
+            let start = entry.ids[0] as usize;
+            out.extend_from_slice(&self.arena[start..start + len]);
+        }
+    }
+
+    /// Splits a word not in the cache (appending its ids to `out`) and makes its entry,
+    /// emptying the cache first when it is full.
+    fn split_entry(
+        &mut self,
+        word: &[u8],
+        out: &mut Vec<u32>,
+        split: impl FnOnce(&[u8], &mut Vec<u32>),
+    ) -> Entry {
         let first = out.len();
         split(word, out);
         if self.len() >= WORD_CACHE_ENTRIES {
@@ -140,10 +278,7 @@ impl WordCache {
             entry.ids[0] = self.arena.len() as u32;
             self.arena.extend_from_slice(ids);
         }
-        match key {
-            Some(k) => self.packed.insert(k, entry),
-            None => self.long.insert(word.into(), entry),
-        };
+        entry
     }
 }
 
@@ -219,6 +354,18 @@ mod tests {
                 5, 7, 5, 7, 26, 7, 26, 7, 3, 3, 12, 7, 8, 9, 10, 12, 7, 8, 9, 10, 13, 7, 13, 7
             ]
         );
+        // Past the table's first room: every word is still found after it grows.
+        let mut cache = WordCache::default();
+        let words = |i: u32| (i + 1).to_le_bytes();
+        for i in 0..100_000u32 {
+            cache.extend_ids(&words(i), None, &mut Vec::new(), |_, o| o.push(i));
+        }
+        assert_eq!(cache.len(), 100_000);
+        let mut out = Vec::new();
+        for i in 0..100_000u32 {
+            cache.extend_ids(&words(i), None, &mut out, |_, _| panic!("split again"));
+        }
+        assert_eq!(out, (0..100_000).collect::<Vec<u32>>());
         for i in 0..WORD_CACHE_ENTRIES as u32 + 10 {
             cache.extend_ids(&i.to_le_bytes(), None, &mut Vec::new(), |_, o| o.push(i));
         }
