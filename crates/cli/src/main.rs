@@ -25,7 +25,9 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 ///   4 KiB on the next step (SQuAD fine-tuning of MiniLM: 60 s -> 31 s for 3 steps);
 /// - no transparent huge pages: mimalloc asks for them on its arenas, and each first touch of
 ///   an arena page then zeroes 2 MiB (`bertkit records` spent a third of its time there;
-///   1.29 s -> 1.05 s without, training unchanged within noise).
+///   1.29 s -> 1.05 s without, training unchanged within noise). Since the records stage
+///   touches less memory, huge pages make its small runs faster (fewer faults) but double its
+///   peak RSS and stall it in compaction on larger inputs (BENCHMARKS.md), so they stay off.
 ///
 /// `MIMALLOC_PURGE_DELAY` in the environment still wins over the first; `BERTKIT_THP=1` keeps
 /// huge pages.
