@@ -293,33 +293,25 @@ mod tests {
         std::fs::write(&path, b"ok\nstill ok\n\nbad \xff here\n").unwrap();
         let mut r = DocumentReader::open(&path).unwrap();
         r.next_document().unwrap();
-        let err = r.next_document().unwrap_err();
-        assert!(
-            matches!(
-                err,
-                ShardError::InvalidUtf8 {
-                    line: 4,
-                    offset: 13,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert!(err.to_string().contains("bad.txt: line 4"));
-        let err = DocumentReader::open(&path)
+        let streamed = r.next_document().unwrap_err();
+        assert!(streamed.to_string().contains("bad.txt: line 4"));
+        // Read whole, the same line and offset.
+        let whole = DocumentReader::open(&path)
             .unwrap()
             .read_text()
             .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                ShardError::InvalidUtf8 {
-                    line: 4,
-                    offset: 13,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        for err in [streamed, whole] {
+            assert!(
+                matches!(
+                    err,
+                    ShardError::InvalidUtf8 {
+                        line: 4,
+                        offset: 13,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
     }
 }
