@@ -156,17 +156,29 @@ impl InstanceRef<'_> {
 /// token (a third of the memory at phase 1), and making one copies nothing but its masks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct InstanceColumns {
-    /// Start and length of segment A, then of segment B, in the token source.
-    segments: Vec<[u32; 4]>,
-    first_segment_lens: Vec<u32>,
-    is_random_next: Vec<bool>,
-    masked_ends: Vec<u32>,
+    /// Each instance's fields other than its masks, together: the writer reads instances in
+    /// shuffled order, and one cache line per instance is one miss instead of one per field.
+    fields: Vec<InstanceMeta>,
     masked_positions: Vec<u32>,
     /// The source's ids at the masked positions.
     masked_ids: Vec<u32>,
     /// The ids the instance holds there (`[MASK]`, the same id, or a random word).
     masked_values: Vec<u32>,
     tokens: usize,
+}
+
+/// What [`InstanceColumns`] keeps of an instance besides its masks: 32 bytes, aligned so that
+/// none straddles two cache lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(align(32))]
+struct InstanceMeta {
+    /// Start and length of segment A, then of segment B, in the token source.
+    segments: [u32; 4],
+    first_segment_len: u32,
+    /// Where its masks start in the mask columns.
+    masks_start: u32,
+    masks_len: u32,
+    is_random_next: bool,
 }
 
 /// A masked instance's fields other than its input ids (see [`Instances::append_input_ids`]).
@@ -192,10 +204,7 @@ impl InstanceColumns {
         let instances = tokens / target + 2;
         let masked = instances * options.max_predictions_per_seq;
         InstanceColumns {
-            segments: Vec::with_capacity(instances),
-            first_segment_lens: Vec::with_capacity(instances),
-            is_random_next: Vec::with_capacity(instances),
-            masked_ends: Vec::with_capacity(instances),
+            fields: Vec::with_capacity(instances),
             masked_positions: Vec::with_capacity(masked),
             masked_ids: Vec::with_capacity(masked),
             masked_values: Vec::with_capacity(masked),
@@ -205,12 +214,12 @@ impl InstanceColumns {
 
     /// Instances held.
     pub fn len(&self) -> usize {
-        self.segments.len()
+        self.fields.len()
     }
 
     /// Whether there is none.
     pub fn is_empty(&self) -> bool {
-        self.segments.is_empty()
+        self.fields.is_empty()
     }
 
     /// Closes the instance whose masks were appended since the last one.
@@ -222,17 +231,18 @@ impl InstanceColumns {
         tokens: usize,
     ) {
         let [a, b] = segments;
-        self.segments
-            .push([a.start, a.len(), b.start, b.len()].map(|v| v as u32));
-        self.first_segment_lens.push(first_segment_len as u32);
-        self.is_random_next.push(is_random_next);
-        self.masked_ends.push(self.masked_positions.len() as u32);
+        let masks_start = self
+            .fields
+            .last()
+            .map_or(0, |f| f.masks_start as usize + f.masks_len as usize);
+        self.fields.push(InstanceMeta {
+            segments: [a.start, a.len(), b.start, b.len()].map(|v| v as u32),
+            first_segment_len: first_segment_len as u32,
+            masks_start: masks_start as u32,
+            masks_len: (self.masked_positions.len() - masks_start) as u32,
+            is_random_next,
+        });
         self.tokens += tokens;
-    }
-
-    fn masks(&self, i: usize) -> std::ops::Range<usize> {
-        let start = if i == 0 { 0 } else { self.masked_ends[i - 1] };
-        start as usize..self.masked_ends[i] as usize
     }
 }
 
@@ -339,8 +349,8 @@ impl<'a> Instances<'a> {
     pub fn append_input_ids(&self, k: usize, ids: &mut Vec<u32>) -> InstanceFields<'_> {
         let (c, i) = self.order[k];
         let chunk = &self.chunks[c as usize];
-        let i = i as usize;
-        let [a_start, a_len, b_start, b_len] = chunk.segments[i].map(|v| v as usize);
+        let meta = chunk.fields[i as usize];
+        let [a_start, a_len, b_start, b_len] = meta.segments.map(|v| v as usize);
         let start = ids.len();
         if let Some((cls, _)) = self.framing {
             ids.push(cls);
@@ -353,29 +363,38 @@ impl<'a> Instances<'a> {
         if let Some((_, sep)) = self.framing {
             ids.push(sep);
         }
-        let masks = chunk.masks(i);
+        let masks = meta.masks_start as usize..meta.masks_start as usize + meta.masks_len as usize;
         let positions = &chunk.masked_positions[masks.clone()];
         for (&p, &value) in positions.iter().zip(&chunk.masked_values[masks.clone()]) {
             ids[start + p as usize] = value;
         }
         InstanceFields {
-            first_segment_len: chunk.first_segment_lens[i] as usize,
-            is_random_next: chunk.is_random_next[i],
+            first_segment_len: meta.first_segment_len as usize,
+            is_random_next: meta.is_random_next,
             masked_lm_positions: positions,
             masked_lm_ids: &chunk.masked_ids[masks],
         }
     }
 
-    /// Hints the CPU to fetch what [`Instances::append_input_ids`] will read for instance `k`.
+    /// Hints the CPU to fetch instance `k`'s fields (ahead of [`Instances::prefetch_data`]).
     #[inline]
-    pub fn prefetch(&self, k: usize) {
+    pub fn prefetch_fields(&self, k: usize) {
+        let (c, i) = self.order[k];
+        let fields = &self.chunks[c as usize].fields;
+        prefetch(&fields[i as usize..i as usize + 1]);
+    }
+
+    /// Hints the CPU to fetch the tokens and masks [`Instances::append_input_ids`] will read
+    /// for instance `k` (reading its fields: fetch those first).
+    #[inline]
+    pub fn prefetch_data(&self, k: usize) {
         let (c, i) = self.order[k];
         let chunk = &self.chunks[c as usize];
-        let i = i as usize;
-        let [a_start, a_len, b_start, b_len] = chunk.segments[i].map(|v| v as usize);
+        let meta = &chunk.fields[i as usize];
+        let [a_start, a_len, b_start, b_len] = meta.segments.map(|v| v as usize);
         prefetch(&self.source[a_start..a_start + a_len]);
         prefetch(&self.source[b_start..b_start + b_len]);
-        let masks = chunk.masks(i);
+        let masks = meta.masks_start as usize..meta.masks_start as usize + meta.masks_len as usize;
         prefetch(&chunk.masked_positions[masks.clone()]);
         prefetch(&chunk.masked_values[masks.clone()]);
         prefetch(&chunk.masked_ids[masks]);

@@ -92,9 +92,13 @@ impl RowGroupColumns {
         self.masked_lm_lens.clear();
         self.next_sentence_labels.clear();
         for k in rows.clone() {
-            // Rows come in shuffled order from all over memory: ask for a row a few ahead.
+            // Rows come in shuffled order from all over memory: ask for a row's fields well
+            // ahead, and for its tokens and masks (found through its fields) a few rows ahead.
+            if k + 2 * PREFETCH_ROWS_AHEAD < rows.end {
+                instances.prefetch_fields(k + 2 * PREFETCH_ROWS_AHEAD);
+            }
             if k + PREFETCH_ROWS_AHEAD < rows.end {
-                instances.prefetch(k + PREFETCH_ROWS_AHEAD);
+                instances.prefetch_data(k + PREFETCH_ROWS_AHEAD);
             }
             let start = self.input_ids.len();
             let row = instances.append_input_ids(k, &mut self.input_ids);
