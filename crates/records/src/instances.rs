@@ -22,6 +22,7 @@ use rayon::prelude::*;
 
 use crate::corpus::{Corpus, DocumentRef};
 use crate::draws::{Draws, FastRng};
+use crate::prefetch::prefetch;
 use crate::pyrandom::PyRandom;
 use crate::tokenizer::FullTokenizer;
 
@@ -257,26 +258,6 @@ pub struct Instances<'a> {
     chunks: Vec<InstanceColumns>,
     /// (chunk, index in chunk) of each instance, in order.
     order: Vec<(u32, u32)>,
-}
-
-/// Hints the CPU to fetch the first cache lines of `items` (no effect on the result).
-#[inline]
-pub(crate) fn prefetch<T>(items: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let start = items.as_ptr() as *const i8;
-        let bytes = std::mem::size_of_val(items);
-        let mut offset = 0;
-        while offset < bytes.min(256) {
-            // SAFETY: a prefetch is a hint: it never faults, even on an invalid address, and
-            // `start + offset` stays inside `items`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset)) };
-            offset += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = items;
 }
 
 impl<'a> Instances<'a> {

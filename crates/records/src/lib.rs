@@ -11,6 +11,7 @@
 //!   draws), or the same algorithm in parallel over documents;
 //! - [`parquet_file`] (with [`parquet_chunks`], its column encoding) and [`run`]: the Parquet
 //!   output and the stage's file and folder modes;
+//! - [`prefetch`]: the memory hint the writer and the word cache use;
 //! - [`reader`]: memory-mapped reading of the Parquet files, a row group at a time (the
 //!   trainer's input).
 
@@ -20,6 +21,7 @@ pub mod draws;
 pub mod instances;
 pub mod parquet_chunks;
 pub mod parquet_file;
+pub mod prefetch;
 pub mod pyrandom;
 pub mod reader;
 pub mod run;

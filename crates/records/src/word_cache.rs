@@ -81,7 +81,7 @@ impl PackedTable {
 
     #[inline]
     fn prefetch(&self, hash: u64) {
-        crate::instances::prefetch(&self.slots[self.index(hash)..self.index(hash) + 1]);
+        crate::prefetch::prefetch(&self.slots[self.index(hash)..self.index(hash) + 1]);
     }
 
     #[inline]
