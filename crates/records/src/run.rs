@@ -98,14 +98,6 @@ pub struct StepSeconds {
     pub write: f64,
 }
 
-fn hash_file(path: &Path) -> Result<String, RecordsError> {
-    let bytes = std::fs::read(path).map_err(|e| bertkit_shard::ShardError::Io {
-        path: path.into(),
-        source: e,
-    })?;
-    Ok(bertkit_stage_io::hex(&Sha256::digest(&bytes)))
-}
-
 /// Reads documents (one sentence per line, blank lines between documents; `.txt` or
 /// `.txt.zst`) and tokenizes them; sentences that tokenize to nothing are dropped, as Google's
 /// script drops them. Returns the documents and the input's fingerprint.
@@ -314,7 +306,16 @@ struct Vocabulary {
 
 impl Vocabulary {
     fn load(path: &Path, lower_case: bool) -> Result<Self, RecordsError> {
-        let tokenizer = FullTokenizer::from_vocab_file(path, lower_case)?;
+        // Read once: hashed as bytes, then parsed.
+        let io_error = |source| crate::tokenizer::VocabError::Io {
+            path: path.into(),
+            source,
+        };
+        let bytes = std::fs::read(path).map_err(io_error)?;
+        let sha256 = bertkit_stage_io::hex(&Sha256::digest(&bytes));
+        let text = String::from_utf8(bytes)
+            .map_err(|e| io_error(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+        let tokenizer = FullTokenizer::from_vocab_text(path, &text, lower_case)?;
         let ids = VocabIds::new(&tokenizer).ok_or_else(|| {
             RecordsError::Usage(format!(
                 "{}: the vocabulary lacks [CLS], [SEP] or [MASK]",
@@ -324,7 +325,7 @@ impl Vocabulary {
         Ok(Vocabulary {
             tokenizer,
             ids,
-            sha256: hash_file(path)?,
+            sha256,
         })
     }
 }
@@ -526,9 +527,7 @@ mod tests {
         let tokenizer = FullTokenizer::from_vocab_file(&vocab_path, true).unwrap();
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = move |n: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
+            state = crate::draws::splitmix64(state);
             state % n
         };
         // The first chunk ends just after a blank line.

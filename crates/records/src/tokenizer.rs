@@ -106,6 +106,12 @@ impl FullTokenizer {
             path: path.into(),
             source: e,
         })?;
+        Self::from_vocab_text(path, &text, lower_case)
+    }
+
+    /// [`FullTokenizer::from_vocab_file`] of a file's text already read (`path` names it in
+    /// errors).
+    pub fn from_vocab_text(path: &Path, text: &str, lower_case: bool) -> Result<Self, VocabError> {
         let lines: Vec<&str> = text.lines().map(str::trim).collect();
         let unk = lines
             .iter()

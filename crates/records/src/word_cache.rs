@@ -18,8 +18,7 @@
 /// Words a [`WordCache`] holds before it is emptied.
 pub const WORD_CACHE_ENTRIES: usize = 1 << 18;
 
-/// Longest word kept under a packed key, and the bytes [`pack_padded`] loads at once (a
-/// caller's buffer needs this much room after a word).
+/// Longest word kept under a packed key, and the bytes [`pack_ascii`] loads at once.
 pub const PACKED_WORD_BYTES: usize = 16;
 
 /// Ids an entry holds itself.
