@@ -28,6 +28,16 @@ pub trait Draws {
         self.random() < 0.5
     }
 
+    /// How many of `n` fair coins come up heads.
+    fn heads(&mut self, n: usize) -> usize {
+        (0..n).filter(|_| self.coin()).count()
+    }
+
+    /// A seed for another generator (53 random bits here; 64 where the generator has them).
+    fn seed(&mut self) -> u64 {
+        (self.random() * (1u64 << 53) as f64) as u64
+    }
+
     /// Visits the items of `x` in a uniformly random order until `visit` returns false
     /// (`visit` gets the generator for draws of its own). This shuffles all of `x` first, as
     /// the reference script does.
@@ -137,6 +147,34 @@ impl Draws for FastRng {
             }
         }
         a + (m >> 64) as usize
+    }
+
+    /// Whole random words at a time, then the coins left over (so that coins and heads share
+    /// one supply of bits).
+    fn heads(&mut self, n: usize) -> usize {
+        let mut heads = 0;
+        let mut left = n;
+        while left >= 64 {
+            heads += self.next_u64().count_ones() as usize;
+            left -= 64;
+        }
+        if left > self.coins_left as usize {
+            heads += self.coins.count_ones() as usize;
+            left -= self.coins_left as usize;
+            self.coins = self.next_u64();
+            self.coins_left = 64;
+        }
+        if left > 0 {
+            let taken = self.coins & (u64::MAX >> (64 - left));
+            heads += taken.count_ones() as usize;
+            self.coins = self.coins.checked_shr(left as u32).unwrap_or(0);
+            self.coins_left -= left as u32;
+        }
+        heads
+    }
+
+    fn seed(&mut self) -> u64 {
+        self.next_u64()
     }
 
     fn coin(&mut self) -> bool {

@@ -152,9 +152,10 @@ impl InstanceRef<'_> {
 }
 
 /// Instances stored column by column in flat buffers, without their tokens: segments A and B
-/// are ranges of a token source (the corpus), and the masks say what replaces the tokens at
-/// the masked positions. An instance takes about 40 bytes plus 12 per mask instead of 4 per
-/// token (a third of the memory at phase 1), and making one copies nothing but its masks.
+/// are ranges of a token source (the corpus). Masks are either stored (what replaces the
+/// tokens at the masked positions: 12 bytes per mask) or, in the default mode, drawn when the
+/// instance is read, from a seed kept with it. An instance takes 32 bytes (plus its stored
+/// masks) instead of 4 per token, and making one copies nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct InstanceColumns {
     /// Each instance's fields other than its masks, together: the writer reads instances in
@@ -165,51 +166,60 @@ pub struct InstanceColumns {
     masked_ids: Vec<u32>,
     /// The ids the instance holds there (`[MASK]`, the same id, or a random word).
     masked_values: Vec<u32>,
+    /// Stored masks that belong to an instance already (the rest are the next one's).
+    claimed_masks: usize,
     tokens: usize,
 }
 
-/// What [`InstanceColumns`] keeps of an instance besides its masks: 32 bytes, aligned so that
-/// none straddles two cache lines.
+/// What [`InstanceColumns`] keeps of an instance: 32 bytes, aligned so that none straddles
+/// two cache lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(align(32))]
 struct InstanceMeta {
     /// Start and length of segment A, then of segment B, in the token source.
     segments: [u32; 4],
     first_segment_len: u32,
-    /// Where its masks start in the mask columns.
-    masks_start: u32,
-    masks_len: u32,
+    /// Stored masks: where they start in the mask columns, and how many. Drawn masks: the
+    /// seed of the instance's generator, low half first.
+    masks: [u32; 2],
     is_random_next: bool,
 }
 
-/// A masked instance's fields other than its input ids (see [`Instances::append_input_ids`]).
+impl InstanceMeta {
+    fn stored_masks(&self) -> std::ops::Range<usize> {
+        let [start, len] = self.masks.map(|v| v as usize);
+        start..start + len
+    }
+
+    fn mask_seed(&self) -> u64 {
+        u64::from(self.masks[0]) | u64::from(self.masks[1]) << 32
+    }
+}
+
+/// An instance's fields other than its input ids and masks (see [`Instances::append_row`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct InstanceFields<'a> {
+pub struct RowFields {
     /// Tokens of segment 0 (`[CLS]`, A and the first `[SEP]`); the rest are segment 1.
     pub first_segment_len: usize,
     /// Whether B came from another document.
     pub is_random_next: bool,
-    /// Masked positions, ascending.
-    pub masked_lm_positions: &'a [u32],
-    /// The original ids at those positions.
-    pub masked_lm_ids: &'a [u32],
+}
+
+/// Buffers [`Instances::append_row`] reuses from one row to the next.
+#[derive(Default)]
+pub struct RowScratch {
+    mask: MaskScratch,
 }
 
 impl InstanceColumns {
-    /// Empty columns with room for what one pass over `document` makes, so that the buffers
-    /// rarely grow (growing a large buffer copies it into freshly faulted pages). Pages of
-    /// room that stays unused are never touched.
+    /// Empty columns with room for the instances one pass over `document` makes (with masks
+    /// drawn when read), so that the buffer rarely grows (growing a large buffer copies it
+    /// into freshly faulted pages). Pages of room that stays unused are never touched.
     fn for_document(document: DocumentRef<'_>, options: &InstanceOptions) -> Self {
-        let tokens = document.tokens();
         let target = (options.max_seq_length.saturating_sub(3)).max(1);
-        let instances = tokens / target + 2;
-        let masked = instances * options.max_predictions_per_seq;
         InstanceColumns {
-            fields: Vec::with_capacity(instances),
-            masked_positions: Vec::with_capacity(masked),
-            masked_ids: Vec::with_capacity(masked),
-            masked_values: Vec::with_capacity(masked),
-            tokens: 0,
+            fields: Vec::with_capacity(document.tokens() / target + 2),
+            ..InstanceColumns::default()
         }
     }
 
@@ -223,24 +233,29 @@ impl InstanceColumns {
         self.fields.is_empty()
     }
 
-    /// Closes the instance whose masks were appended since the last one.
+    /// Adds an instance: with the masks appended since the last one (`mask_seed` `None`), or
+    /// with masks to be drawn from `mask_seed` when it is read.
     fn end_instance(
         &mut self,
         segments: [std::ops::Range<usize>; 2],
         first_segment_len: usize,
         is_random_next: bool,
         tokens: usize,
+        mask_seed: Option<u64>,
     ) {
         let [a, b] = segments;
-        let masks_start = self
-            .fields
-            .last()
-            .map_or(0, |f| f.masks_start as usize + f.masks_len as usize);
+        let masks = match mask_seed {
+            Some(seed) => [seed as u32, (seed >> 32) as u32],
+            None => {
+                let start = self.claimed_masks;
+                self.claimed_masks = self.masked_positions.len();
+                [start as u32, (self.claimed_masks - start) as u32]
+            }
+        };
         self.fields.push(InstanceMeta {
             segments: [a.start, a.len(), b.start, b.len()].map(|v| v as u32),
             first_segment_len: first_segment_len as u32,
-            masks_start: masks_start as u32,
-            masks_len: (self.masked_positions.len() - masks_start) as u32,
+            masks,
             is_random_next,
         });
         self.tokens += tokens;
@@ -249,7 +264,7 @@ impl InstanceColumns {
 
 /// A run's instances: generated in chunks (one per document and pass in the parallel mode),
 /// listed in their final, shuffled order, with the token source their segments point into.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Instances<'a> {
     source: std::borrow::Cow<'a, [u32]>,
     /// `[CLS]` and `[SEP]` around the segments (`[CLS] A [SEP] B [SEP]`), or nothing (owned
@@ -258,12 +273,31 @@ pub struct Instances<'a> {
     chunks: Vec<InstanceColumns>,
     /// (chunk, index in chunk) of each instance, in order.
     order: Vec<(u32, u32)>,
+    masks: Masks<'a>,
+}
+
+/// Where an [`Instances`]' masks come from.
+#[derive(Debug, Clone)]
+enum Masks<'a> {
+    /// Stored in the chunks.
+    Stored,
+    /// Drawn when an instance is read, by a [`FastRng`] seeded with its seed: the same masks
+    /// each time, and none kept in memory meanwhile.
+    Drawn {
+        vocab: &'a VocabIds,
+        options: InstanceOptions,
+    },
 }
 
 impl<'a> Instances<'a> {
     /// Chunks' instances in chunk order (not shuffled), with segments in `corpus` framed by
-    /// `[CLS]` and `[SEP]`.
-    fn from_chunks(corpus: &'a Corpus, vocab: &VocabIds, chunks: Vec<InstanceColumns>) -> Self {
+    /// `[CLS]` and `[SEP]`, and `masks` stored or drawn.
+    fn from_chunks(
+        corpus: &'a Corpus,
+        vocab: &VocabIds,
+        chunks: Vec<InstanceColumns>,
+        masks: Masks<'a>,
+    ) -> Self {
         let order = chunks
             .iter()
             .enumerate()
@@ -274,6 +308,7 @@ impl<'a> Instances<'a> {
             framing: Some((vocab.cls, vocab.sep)),
             chunks,
             order,
+            masks,
         }
     }
 
@@ -300,6 +335,7 @@ impl<'a> Instances<'a> {
                 instance.first_segment_len,
                 instance.is_random_next,
                 instance.input_ids.len(),
+                None,
             );
         }
         Instances {
@@ -307,6 +343,7 @@ impl<'a> Instances<'a> {
             framing: None,
             order: (0..columns.len() as u32).map(|i| (0, i)).collect(),
             chunks: vec![columns],
+            masks: Masks::Stored,
         }
     }
 
@@ -325,9 +362,18 @@ impl<'a> Instances<'a> {
         self.chunks.iter().map(|c| c.tokens).sum()
     }
 
-    /// Appends the input ids of instance `k` (in order) to `ids`; returns its other fields.
+    /// Appends instance `k` (in order): its input ids to `ids`, its masked positions
+    /// (ascending) to `masked_positions` and the original ids there to `masked_ids`; returns
+    /// its other fields.
     #[inline]
-    pub fn append_input_ids(&self, k: usize, ids: &mut Vec<u32>) -> InstanceFields<'_> {
+    pub fn append_row(
+        &self,
+        k: usize,
+        ids: &mut Vec<u32>,
+        masked_positions: &mut Vec<u32>,
+        masked_ids: &mut Vec<u32>,
+        scratch: &mut RowScratch,
+    ) -> RowFields {
         let (c, i) = self.order[k];
         let chunk = &self.chunks[c as usize];
         let meta = chunk.fields[i as usize];
@@ -344,16 +390,29 @@ impl<'a> Instances<'a> {
         if let Some((_, sep)) = self.framing {
             ids.push(sep);
         }
-        let masks = meta.masks_start as usize..meta.masks_start as usize + meta.masks_len as usize;
-        let positions = &chunk.masked_positions[masks.clone()];
-        for (&p, &value) in positions.iter().zip(&chunk.masked_values[masks.clone()]) {
-            ids[start + p as usize] = value;
+        match &self.masks {
+            Masks::Stored => {
+                let masks = meta.stored_masks();
+                let positions = &chunk.masked_positions[masks.clone()];
+                for (&p, &value) in positions.iter().zip(&chunk.masked_values[masks.clone()]) {
+                    ids[start + p as usize] = value;
+                }
+                masked_positions.extend_from_slice(positions);
+                masked_ids.extend_from_slice(&chunk.masked_ids[masks]);
+            }
+            Masks::Drawn { vocab, options } => mask_tokens(
+                &mut ids[start..],
+                options,
+                vocab,
+                &mut FastRng::new(meta.mask_seed()),
+                &mut scratch.mask,
+                masked_positions,
+                masked_ids,
+            ),
         }
-        InstanceFields {
+        RowFields {
             first_segment_len: meta.first_segment_len as usize,
             is_random_next: meta.is_random_next,
-            masked_lm_positions: positions,
-            masked_lm_ids: &chunk.masked_ids[masks],
         }
     }
 
@@ -365,7 +424,7 @@ impl<'a> Instances<'a> {
         prefetch(&fields[i as usize..i as usize + 1]);
     }
 
-    /// Hints the CPU to fetch the tokens and masks [`Instances::append_input_ids`] will read
+    /// Hints the CPU to fetch the tokens and stored masks [`Instances::append_row`] will read
     /// for instance `k` (reading its fields: fetch those first).
     #[inline]
     pub fn prefetch_data(&self, k: usize) {
@@ -375,24 +434,30 @@ impl<'a> Instances<'a> {
         let [a_start, a_len, b_start, b_len] = meta.segments.map(|v| v as usize);
         prefetch(&self.source[a_start..a_start + a_len]);
         prefetch(&self.source[b_start..b_start + b_len]);
-        let masks = meta.masks_start as usize..meta.masks_start as usize + meta.masks_len as usize;
-        prefetch(&chunk.masked_positions[masks.clone()]);
-        prefetch(&chunk.masked_values[masks.clone()]);
-        prefetch(&chunk.masked_ids[masks]);
+        if let Masks::Stored = self.masks {
+            let masks = meta.stored_masks();
+            prefetch(&chunk.masked_positions[masks.clone()]);
+            prefetch(&chunk.masked_values[masks.clone()]);
+            prefetch(&chunk.masked_ids[masks]);
+        }
     }
 
     /// Calls `f` with each instance, in order.
     pub fn for_each(&self, mut f: impl FnMut(InstanceRef<'_>)) {
-        let mut ids = Vec::new();
+        let (mut ids, mut positions, mut masked_ids) = (Vec::new(), Vec::new(), Vec::new());
+        let mut scratch = RowScratch::default();
         for k in 0..self.len() {
             ids.clear();
-            let fields = self.append_input_ids(k, &mut ids);
+            positions.clear();
+            masked_ids.clear();
+            let fields =
+                self.append_row(k, &mut ids, &mut positions, &mut masked_ids, &mut scratch);
             f(InstanceRef {
                 input_ids: &ids,
                 first_segment_len: fields.first_segment_len,
                 is_random_next: fields.is_random_next,
-                masked_lm_positions: fields.masked_lm_positions,
-                masked_lm_ids: fields.masked_lm_ids,
+                masked_lm_positions: &positions,
+                masked_lm_ids: &masked_ids,
             });
         }
     }
@@ -480,7 +545,7 @@ pub fn create_instances_google_with<'a>(
             );
         }
     }
-    let mut instances = Instances::from_chunks(corpus, vocab, vec![columns]);
+    let mut instances = Instances::from_chunks(corpus, vocab, vec![columns], Masks::Stored);
     instances.shuffle(rng);
     instances
 }
@@ -491,12 +556,14 @@ pub fn create_instances_google_with<'a>(
 /// not on the thread count. The statistics (mask rate, 80/10/10, random-next share, lengths) are
 /// those of the algorithm; the instances are not the reference script's (use
 /// [`create_instances_google`] for that). Draws that only need the same distribution are made
-/// more cheaply than the script makes them: masked positions are drawn directly (or from a lazy
-/// shuffle with whole-word masking) instead of shuffling every candidate, and truncation coins
-/// come 64 to a random word.
+/// more cheaply than the script makes them: each instance's masks are drawn when it is read
+/// (written), from a generator seeded by its document's stream, so no mask is kept in memory
+/// meanwhile; masked positions are drawn directly (or from a lazy shuffle with whole-word
+/// masking) instead of shuffling every candidate; truncation draws how many tokens each end
+/// loses at once instead of a coin per token.
 pub fn create_instances<'a>(
     corpus: &'a Corpus,
-    vocab: &VocabIds,
+    vocab: &'a VocabIds,
     options: &InstanceOptions,
 ) -> Instances<'a> {
     let mut rng = FastRng::new(options.seed);
@@ -515,7 +582,11 @@ pub fn create_instances<'a>(
             out
         })
         .collect();
-    let mut instances = Instances::from_chunks(corpus, vocab, chunks);
+    let masks = Masks::Drawn {
+        vocab,
+        options: options.clone(),
+    };
+    let mut instances = Instances::from_chunks(corpus, vocab, chunks, masks);
     instances.shuffle(&mut rng);
     instances
 }
@@ -626,30 +697,37 @@ fn instances_from_document<R: Draws>(
             let (a, b) = truncate_seq_pair(a_range.len(), b_range.len(), max_num_tokens, rng);
             let a = a_range.start + a.start..a_range.start + a.end;
             let b = b_range.start + b.start..b_range.start + b.end;
-            let ids = &mut scratch.ids;
-            ids.clear();
-            ids.push(vocab.cls);
-            ids.extend_from_slice(&source[a.clone()]);
-            ids.push(vocab.sep);
-            let first_segment_len = ids.len();
-            ids.extend_from_slice(&source[b.clone()]);
-            ids.push(vocab.sep);
-            let first_mask = out.masked_positions.len();
-            mask_tokens(
-                ids,
-                options,
-                vocab,
-                rng,
-                &mut scratch.mask,
-                &mut out.masked_positions,
-                &mut out.masked_ids,
-            );
-            out.masked_values.extend(
-                out.masked_positions[first_mask..]
-                    .iter()
-                    .map(|&p| ids[p as usize]),
-            );
-            out.end_instance([a, b], first_segment_len, is_random_next, ids.len());
+            let first_segment_len = a.len() + 2;
+            let len = a.len() + b.len() + 3;
+            let mask_seed = if R::REPLAYS_SCRIPT {
+                // The script masks here, between this pair's draws and the next one's.
+                let ids = &mut scratch.ids;
+                ids.clear();
+                ids.push(vocab.cls);
+                ids.extend_from_slice(&source[a.clone()]);
+                ids.push(vocab.sep);
+                ids.extend_from_slice(&source[b.clone()]);
+                ids.push(vocab.sep);
+                let first_mask = out.masked_positions.len();
+                mask_tokens(
+                    ids,
+                    options,
+                    vocab,
+                    rng,
+                    &mut scratch.mask,
+                    &mut out.masked_positions,
+                    &mut out.masked_ids,
+                );
+                out.masked_values.extend(
+                    out.masked_positions[first_mask..]
+                        .iter()
+                        .map(|&p| ids[p as usize]),
+                );
+                None
+            } else {
+                Some(rng.seed())
+            };
+            out.end_instance([a, b], first_segment_len, is_random_next, len, mask_seed);
             chunk_len = 0;
             length = 0;
         }
@@ -658,7 +736,9 @@ fn instances_from_document<R: Draws>(
 }
 
 /// Truncates the longer list (B on a tie) at a random end, one token at a time; returns the
-/// ranges of A and B that are left.
+/// ranges of A and B that are left. Unless the script's draws are replayed, how many tokens
+/// each list loses is worked out first and the number taken from its front drawn at once (the
+/// count of heads in as many coins): the same distribution.
 fn truncate_seq_pair<R: Draws>(
     a_len: usize,
     b_len: usize,
@@ -666,6 +746,15 @@ fn truncate_seq_pair<R: Draws>(
     rng: &mut R,
 ) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
     let (mut a, mut b) = (0..a_len, 0..b_len);
+    if !R::REPLAYS_SCRIPT {
+        let (a_lost, b_lost) = truncated_tokens(a_len, b_len, max_num_tokens);
+        let a_front = rng.heads(a_lost);
+        let b_front = rng.heads(b_lost);
+        return (
+            a_front..a_len - (a_lost - a_front),
+            b_front..b_len - (b_lost - b_front),
+        );
+    }
     while a.len() + b.len() > max_num_tokens {
         let longer = if a.len() > b.len() { &mut a } else { &mut b };
         if rng.coin() {
@@ -675,6 +764,16 @@ fn truncate_seq_pair<R: Draws>(
         }
     }
     (a, b)
+}
+
+/// How many tokens [`truncate_seq_pair`] takes from A and from B: from the longer one until
+/// both are as long (B on a tie), then from B and A in turn.
+fn truncated_tokens(a_len: usize, b_len: usize, max_num_tokens: usize) -> (usize, usize) {
+    let excess = (a_len + b_len).saturating_sub(max_num_tokens);
+    let a_first = excess.min(a_len.saturating_sub(b_len));
+    let b_first = excess.min(b_len.saturating_sub(a_len));
+    let in_turn = excess - a_first - b_first;
+    (a_first + in_turn / 2, b_first + in_turn.div_ceil(2))
 }
 
 /// The positions of `ids` that may be masked: all but `[CLS]` and `[SEP]`.
@@ -789,5 +888,138 @@ fn mask_tokens<R: Draws>(
             masked_ids.push(originals[position]);
             bits &= bits - 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::draws::splitmix64;
+
+    /// The script's loop, counting the tokens taken from each list.
+    fn truncated_one_by_one(a_len: usize, b_len: usize, max_num_tokens: usize) -> (usize, usize) {
+        let (mut a, mut b) = (a_len, b_len);
+        while a + b > max_num_tokens {
+            if a > b {
+                a -= 1;
+            } else {
+                b -= 1;
+            }
+        }
+        (a_len - a, b_len - b)
+    }
+
+    #[test]
+    fn truncation_counts_are_the_token_by_token_loops() {
+        for a in 0..45 {
+            for b in 0..45 {
+                for max in 0..70 {
+                    assert_eq!(
+                        truncated_tokens(a, b, max),
+                        truncated_one_by_one(a, b, max),
+                        "a {a}, b {b}, max {max}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn default_truncation_takes_fronts_binomially() {
+        // B loses 100 tokens (A none): the front share is Binomial(100, 1/2).
+        let mut rng = FastRng::new(5);
+        let n = 20_000;
+        let (mut sum, mut squares) = (0.0, 0.0);
+        for _ in 0..n {
+            let (a, b) = truncate_seq_pair(3, 200, 103, &mut rng);
+            assert_eq!((a, b.len()), (0..3, 100));
+            let front = b.start as f64;
+            sum += front;
+            squares += front * front;
+        }
+        let mean = sum / n as f64;
+        let variance = squares / n as f64 - mean * mean;
+        assert!((mean - 50.0).abs() < 0.2, "mean {mean}");
+        assert!((22.5..27.5).contains(&variance), "variance {variance}");
+    }
+
+    #[test]
+    fn heads_are_fair_for_every_count() {
+        let mut rng = FastRng::new(11);
+        for n in [0, 1, 2, 63, 64, 65, 127, 130] {
+            let draws = 20_000;
+            let total: usize = (0..draws)
+                .map(|i| {
+                    // Interleaved with single coins, so that leftover bits are used too.
+                    if i % 3 == 0 {
+                        rng.coin();
+                    }
+                    let h = rng.heads(n);
+                    assert!(h <= n);
+                    h
+                })
+                .sum();
+            let mean = total as f64 / draws as f64;
+            assert!(
+                (mean - n as f64 / 2.0).abs() < 0.05 * n as f64 + 0.01,
+                "n {n}: {mean}"
+            );
+        }
+    }
+
+    #[test]
+    fn drawn_masks_are_the_same_on_every_read_and_well_formed() {
+        // 40 documents of 3 to 12 sentences of 5 to 40 ids (none of them [CLS] or [SEP]).
+        let mut x = 1;
+        let mut next = |n: u64| {
+            x += 1;
+            splitmix64(x) % n
+        };
+        let documents: Vec<Vec<Vec<u32>>> = (0..40)
+            .map(|_| {
+                (0..3 + next(10))
+                    .map(|_| {
+                        (0..5 + next(36))
+                            .map(|_| 1000 + next(5000) as u32)
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let corpus = Corpus::from_documents(documents);
+        let vocab = VocabIds {
+            cls: 101,
+            sep: 102,
+            mask: 103,
+            words: (1000..6000).collect(),
+            continuation: vec![false; 6000],
+        };
+        let options = InstanceOptions {
+            dupe_factor: 3,
+            ..InstanceOptions::phase1()
+        };
+        let instances = create_instances(&corpus, &vocab, &options);
+        let first = instances.to_vec();
+        assert_eq!(first, instances.to_vec());
+        assert!(first.len() > 100, "{} instances", first.len());
+        let mut masked = 0;
+        for i in &first {
+            let len = i.input_ids.len();
+            let expected = ((len as f64 * 0.15).round_ties_even() as usize).clamp(1, 20);
+            assert_eq!(i.masked_lm_positions.len(), expected);
+            assert!(i.masked_lm_positions.windows(2).all(|w| w[0] < w[1]));
+            for (&p, &original) in i.masked_lm_positions.iter().zip(&i.masked_lm_ids) {
+                let p = p as usize;
+                assert!(p != 0 && p != i.first_segment_len - 1 && p != len - 1);
+                assert!((1000..6000).contains(&original));
+                let now = i.input_ids[p];
+                assert!(now == 103 || (1000..6000).contains(&now));
+            }
+            masked += expected;
+        }
+        assert_eq!(
+            masked,
+            first.iter().map(|i| i.masked_lm_ids.len()).sum::<usize>()
+        );
     }
 }

@@ -38,7 +38,7 @@ use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 
-use crate::instances::Instances;
+use crate::instances::{Instances, RowScratch};
 use crate::parquet_chunks::{ChunkEncoder, ColumnValues};
 
 /// Name of the file layout, stored in the metadata under `bertkit.layout`.
@@ -80,6 +80,7 @@ struct RowGroupColumns {
     masked_lm_ids: Vec<u32>,
     masked_lm_lens: Vec<u32>,
     next_sentence_labels: Vec<u32>,
+    scratch: RowScratch,
 }
 
 impl RowGroupColumns {
@@ -101,14 +102,18 @@ impl RowGroupColumns {
                 instances.prefetch_data(k + PREFETCH_ROWS_AHEAD);
             }
             let start = self.input_ids.len();
-            let row = instances.append_input_ids(k, &mut self.input_ids);
+            let masks_start = self.masked_lm_positions.len();
+            let row = instances.append_row(
+                k,
+                &mut self.input_ids,
+                &mut self.masked_lm_positions,
+                &mut self.masked_lm_ids,
+                &mut self.scratch,
+            );
             self.seq_lens.push((self.input_ids.len() - start) as u32);
             self.first_segment_lens.push(row.first_segment_len as u32);
-            self.masked_lm_positions
-                .extend_from_slice(row.masked_lm_positions);
-            self.masked_lm_ids.extend_from_slice(row.masked_lm_ids);
             self.masked_lm_lens
-                .push(row.masked_lm_positions.len() as u32);
+                .push((self.masked_lm_positions.len() - masks_start) as u32);
             self.next_sentence_labels
                 .push(u32::from(row.is_random_next));
         }
@@ -132,6 +137,7 @@ fn write_row_group<W: std::io::Write + Send>(
         ColumnValues::IntLists {
             values: &c.input_ids,
             lengths: &c.seq_lens,
+            token_ids: true,
         },
         ColumnValues::ZeroOneLists {
             lengths: &c.seq_lens,
@@ -140,10 +146,12 @@ fn write_row_group<W: std::io::Write + Send>(
         ColumnValues::IntLists {
             values: &c.masked_lm_positions,
             lengths: &c.masked_lm_lens,
+            token_ids: false,
         },
         ColumnValues::IntLists {
             values: &c.masked_lm_ids,
             lengths: &c.masked_lm_lens,
+            token_ids: false,
         },
         ColumnValues::Ints(&c.next_sentence_labels),
         ColumnValues::Ints(&c.seq_lens),

@@ -290,7 +290,11 @@ fn write_outputs(
 }
 
 /// Instances in the run's mode: the reference script's exact algorithm, or the parallel default.
-fn generate<'a>(corpus: &'a Corpus, vocab: &VocabIds, options: &RecordsOptions) -> Instances<'a> {
+fn generate<'a>(
+    corpus: &'a Corpus,
+    vocab: &'a VocabIds,
+    options: &RecordsOptions,
+) -> Instances<'a> {
     match options.compat {
         Compat::Google => create_instances_google(corpus, vocab, &options.instances),
         Compat::None => create_instances(corpus, vocab, &options.instances),
