@@ -488,6 +488,10 @@ pub struct VocabIds {
     pub words: Vec<u32>,
     /// Whether each id's token starts with `##`.
     pub continuation: Vec<bool>,
+    /// Whether `words[k]` is `k` (a vocabulary without repeated tokens): then a random word is
+    /// its index, without a look-up at a random place of `words` (a cache miss, once per
+    /// random-word mask).
+    words_are_ids: bool,
 }
 
 impl VocabIds {
@@ -505,9 +509,20 @@ impl VocabIds {
             cls: tokenizer.token_to_id("[CLS]")?,
             sep: tokenizer.token_to_id("[SEP]")?,
             mask: tokenizer.token_to_id("[MASK]")?,
+            words_are_ids: words.iter().enumerate().all(|(k, &w)| w as usize == k),
             words,
             continuation,
         })
+    }
+
+    /// `vocab_words[k]`.
+    #[inline]
+    fn word(&self, k: usize) -> u32 {
+        if self.words_are_ids {
+            k as u32
+        } else {
+            self.words[k]
+        }
     }
 }
 
@@ -818,7 +833,7 @@ fn mask_tokens<R: Draws>(
             } else if rng.random() < 0.5 {
                 ids[index]
             } else {
-                vocab.words[rng.randint(0, vocab.words.len() - 1)]
+                vocab.word(rng.randint(0, vocab.words.len() - 1))
             };
             bits[index / 64] |= 1 << (index % 64);
         };
@@ -993,6 +1008,7 @@ mod tests {
             mask: 103,
             words: (1000..6000).collect(),
             continuation: vec![false; 6000],
+            words_are_ids: false,
         };
         let options = InstanceOptions {
             dupe_factor: 3,
