@@ -147,10 +147,11 @@ fn tokenize_file(
             path: path.into(),
             source: e,
         })?;
-    fingerprint.sha256 =
-        bertkit_shard::documents::DocumentReader::open(path)?.read_text_into(text)?;
+    let (whole, sha256) = bertkit_shard::documents::DocumentReader::open(path)?.whole_text(text)?;
+    fingerprint.sha256 = sha256;
+    let text = whole.as_str();
     let mut chunks = Vec::with_capacity(text.len() / TOKENIZE_CHUNK_BYTES + 1);
-    let mut rest = text.as_str();
+    let mut rest = text;
     while rest.len() > TOKENIZE_CHUNK_BYTES {
         let cut = rest.as_bytes()[TOKENIZE_CHUNK_BYTES..]
             .iter()
