@@ -83,8 +83,10 @@ enum PendingToken {
 static NEXT_TOKENIZER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 thread_local! {
-    /// Each thread's cache, with the id of the tokenizer that filled it.
-    static THREAD_CACHE: std::cell::RefCell<(u64, TokenizerCache)> = std::cell::RefCell::new((u64::MAX, TokenizerCache::default()));
+    /// Each thread's cache, with the id of the tokenizer that filled it (none until the thread
+    /// first tokenizes: a cache's table is 2 MiB of memory to touch).
+    static THREAD_CACHE: std::cell::RefCell<Option<(u64, TokenizerCache)>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 pub use crate::wordpiece::MAX_INPUT_CHARS_PER_WORD;
@@ -297,10 +299,11 @@ impl FullTokenizer {
     pub fn extend_ids_thread_cached(&self, text: &str, ids: &mut Vec<u32>) {
         THREAD_CACHE.with(|cell| {
             let mut cell = cell.borrow_mut();
-            if cell.0 != self.id {
-                *cell = (self.id, TokenizerCache::default());
-            }
-            self.extend_ids_cached(text, &mut cell.1, ids)
+            let cache = match &mut *cell {
+                Some((id, cache)) if *id == self.id => cache,
+                other => &mut other.insert((self.id, TokenizerCache::default())).1,
+            };
+            self.extend_ids_cached(text, cache, ids)
         })
     }
 
