@@ -67,6 +67,12 @@ pub fn arrow_schema() -> Schema {
     ])
 }
 
+thread_local! {
+    /// Each thread's row-group buffers and chunk encoder, kept between the files it writes.
+    static WRITER_BUFFERS: std::cell::Cell<Option<(RowGroupColumns, ChunkEncoder)>> =
+        const { std::cell::Cell::new(None) };
+}
+
 /// How far ahead [`RowGroupColumns::gather`] prefetches.
 const PREFETCH_ROWS_AHEAD: usize = 6;
 
@@ -193,12 +199,17 @@ pub fn write_instances(
     let file = std::io::BufWriter::with_capacity(1 << 20, File::create(&partial)?);
     let mut writer =
         SerializedFileWriter::new(file, parquet_schema.root_schema_ptr(), Arc::new(props))?;
-    let mut columns = RowGroupColumns::default();
-    let mut encoder = ChunkEncoder::new()?;
+    // The thread's buffers and zstd contexts from its last file, if any (a folder's shards
+    // are written one after the other by each thread: memory touched once, contexts set up once).
+    let (mut columns, mut encoder) = match WRITER_BUFFERS.take() {
+        Some(buffers) => buffers,
+        None => (RowGroupColumns::default(), ChunkEncoder::new()?),
+    };
     for start in (0..instances.len()).step_by(ROW_GROUP_ROWS) {
         let rows = start..(start + ROW_GROUP_ROWS).min(instances.len());
         write_row_group(&mut writer, instances, rows, &mut columns, &mut encoder)?;
     }
+    WRITER_BUFFERS.set(Some((columns, encoder)));
     let file = writer
         .into_inner()?
         .into_inner()
