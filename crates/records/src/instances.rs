@@ -983,6 +983,74 @@ mod tests {
     }
 
     #[test]
+    fn default_whole_word_masks_take_whole_words() {
+        // Ids 1000..5000 start words, 5000..6000 are `##` pieces.
+        let mut x = 7;
+        let mut next = |n: u64| {
+            x += 1;
+            splitmix64(x) % n
+        };
+        let documents: Vec<Vec<Vec<u32>>> = (0..30)
+            .map(|_| {
+                (0..3 + next(8))
+                    .map(|_| {
+                        (0..5 + next(36))
+                            .map(|_| 1000 + next(5000) as u32)
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let corpus = Corpus::from_documents(documents);
+        let mut continuation = vec![false; 6000];
+        continuation[5000..].fill(true);
+        let vocab = VocabIds {
+            cls: 101,
+            sep: 102,
+            mask: 103,
+            words: (1000..6000).collect(),
+            continuation,
+            words_are_ids: false,
+        };
+        let options = InstanceOptions {
+            dupe_factor: 2,
+            whole_word_mask: true,
+            ..InstanceOptions::phase1()
+        };
+        let instances = create_instances(&corpus, &vocab, &options).to_vec();
+        assert!(instances.len() > 50);
+        let (mut masked, mut tokens) = (0, 0);
+        for i in &instances {
+            let mut original = i.input_ids.clone();
+            for (&p, &id) in i.masked_lm_positions.iter().zip(&i.masked_lm_ids) {
+                original[p as usize] = id;
+            }
+            // Groups: a candidate (not [CLS]/[SEP]) with the `##` candidates after it.
+            let candidates: Vec<usize> = (0..original.len())
+                .filter(|&p| original[p] != 101 && original[p] != 102)
+                .collect();
+            let mut groups: Vec<Vec<usize>> = Vec::new();
+            for &p in &candidates {
+                match groups.last_mut() {
+                    Some(g) if original[p] >= 5000 => g.push(p),
+                    _ => groups.push(vec![p]),
+                }
+            }
+            let is_masked = |p: usize| i.masked_lm_positions.contains(&(p as u32));
+            for g in &groups {
+                let n = g.iter().filter(|&&p| is_masked(p)).count();
+                assert!(n == 0 || n == g.len(), "a group partly masked: {g:?}");
+            }
+            let cap = ((original.len() as f64 * 0.15).round_ties_even() as usize).clamp(1, 20);
+            assert!(i.masked_lm_positions.len() <= cap);
+            masked += i.masked_lm_positions.len();
+            tokens += original.len();
+        }
+        let rate = masked as f64 / tokens as f64;
+        assert!((0.12..0.155).contains(&rate), "mask rate {rate}");
+    }
+
+    #[test]
     fn drawn_masks_are_the_same_on_every_read_and_well_formed() {
         // 40 documents of 3 to 12 sentences of 5 to 40 ids (none of them [CLS] or [SEP]).
         let mut x = 1;
