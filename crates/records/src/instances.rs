@@ -982,17 +982,17 @@ mod tests {
         }
     }
 
-    #[test]
-    fn default_whole_word_masks_take_whole_words() {
-        // Ids 1000..5000 start words, 5000..6000 are `##` pieces.
-        let mut x = 7;
+    /// `documents` documents of 3 to `2 + max_sentences` sentences of 5 to 40 ids in
+    /// 1000..6000 (none of them [CLS] or [SEP]), drawn from `seed`.
+    fn random_corpus(seed: u64, documents: usize, max_sentences: u64) -> Corpus {
+        let mut x = seed;
         let mut next = |n: u64| {
             x += 1;
             splitmix64(x) % n
         };
-        let documents: Vec<Vec<Vec<u32>>> = (0..30)
+        let documents: Vec<Vec<Vec<u32>>> = (0..documents)
             .map(|_| {
-                (0..3 + next(8))
+                (0..3 + next(max_sentences))
                     .map(|_| {
                         (0..5 + next(36))
                             .map(|_| 1000 + next(5000) as u32)
@@ -1001,17 +1001,29 @@ mod tests {
                     .collect()
             })
             .collect();
-        let corpus = Corpus::from_documents(documents);
+        Corpus::from_documents(documents)
+    }
+
+    /// Special tokens 101 to 103 and words 1000..6000, those from `first_continuation` on
+    /// being `##` pieces.
+    fn test_vocab(first_continuation: usize) -> VocabIds {
         let mut continuation = vec![false; 6000];
-        continuation[5000..].fill(true);
-        let vocab = VocabIds {
+        continuation[first_continuation..].fill(true);
+        VocabIds {
             cls: 101,
             sep: 102,
             mask: 103,
             words: (1000..6000).collect(),
             continuation,
             words_are_ids: false,
-        };
+        }
+    }
+
+    #[test]
+    fn default_whole_word_masks_take_whole_words() {
+        // Ids 1000..5000 start words, 5000..6000 are `##` pieces.
+        let corpus = random_corpus(7, 30, 8);
+        let vocab = test_vocab(5000);
         let options = InstanceOptions {
             dupe_factor: 2,
             whole_word_mask: true,
@@ -1052,32 +1064,8 @@ mod tests {
 
     #[test]
     fn drawn_masks_are_the_same_on_every_read_and_well_formed() {
-        // 40 documents of 3 to 12 sentences of 5 to 40 ids (none of them [CLS] or [SEP]).
-        let mut x = 1;
-        let mut next = |n: u64| {
-            x += 1;
-            splitmix64(x) % n
-        };
-        let documents: Vec<Vec<Vec<u32>>> = (0..40)
-            .map(|_| {
-                (0..3 + next(10))
-                    .map(|_| {
-                        (0..5 + next(36))
-                            .map(|_| 1000 + next(5000) as u32)
-                            .collect()
-                    })
-                    .collect()
-            })
-            .collect();
-        let corpus = Corpus::from_documents(documents);
-        let vocab = VocabIds {
-            cls: 101,
-            sep: 102,
-            mask: 103,
-            words: (1000..6000).collect(),
-            continuation: vec![false; 6000],
-            words_are_ids: false,
-        };
+        let corpus = random_corpus(1, 40, 10);
+        let vocab = test_vocab(6000);
         let options = InstanceOptions {
             dupe_factor: 3,
             ..InstanceOptions::phase1()
