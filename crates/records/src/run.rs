@@ -545,6 +545,8 @@ mod tests {
                 1 => text.push_str(" \t\r\n"),
                 2 => text.push_str("\u{1}\n"),
                 3 => text.push_str("Crlf line.\r\n"),
+                // A line that is not ASCII (the general path, between ASCII lines).
+                4 => text.push_str("Caf\u{e9} na\u{ef}ve, xxxxxxxxxxxxxxxxxxxx.\n"),
                 // Long documents: some span whole chunks.
                 _ => {
                     let bound = if next(50) == 0 { 20_000 } else { 30 };
