@@ -215,6 +215,23 @@ pub enum ColumnValues<'a> {
     Ints(&'a [u32]),
 }
 
+/// A column chunk encoded by [`ChunkEncoder::encode`]: its pages (with headers), and what the
+/// row group writer records of it.
+pub struct EncodedChunk {
+    bytes: Bytes,
+    close: ColumnCloseResult,
+}
+
+impl EncodedChunk {
+    /// Appends the chunk to `group` as its next column.
+    pub fn append_to<W: std::io::Write + Send>(
+        self,
+        group: &mut SerializedRowGroupWriter<'_, W>,
+    ) -> Result<()> {
+        group.append_column(&self.bytes, self.close)
+    }
+}
+
 /// Encodes and compresses column chunks, reusing its buffers and zstd contexts.
 pub struct ChunkEncoder {
     compressor: zstd::bulk::Compressor<'static>,
@@ -270,6 +287,18 @@ impl ChunkEncoder {
         rows: usize,
         column: ColumnValues<'_>,
     ) -> Result<()> {
+        let chunk = self.encode(descr, rows, column)?;
+        chunk.append_to(group)
+    }
+
+    /// Encodes `column` as a column chunk of `rows` rows, to be appended to a row group later
+    /// (row groups can so be encoded in parallel and written in order).
+    pub fn encode(
+        &mut self,
+        descr: &ColumnDescPtr,
+        rows: usize,
+        column: ColumnValues<'_>,
+    ) -> Result<EncodedChunk> {
         let mut pages = Vec::with_capacity(2);
         self.page.clear();
         let (num_values, encodings) = match column {
@@ -339,10 +368,9 @@ impl ChunkEncoder {
             .set_dictionary_page_offset((specs.len() > 1).then_some(specs[0].offset as i64))
             .build()?;
         let bytes_written = chunk.bytes_written() as u64;
-        let chunk = Bytes::from(chunk.into_inner()?);
-        group.append_column(
-            &chunk,
-            ColumnCloseResult {
+        Ok(EncodedChunk {
+            bytes: Bytes::from(chunk.into_inner()?),
+            close: ColumnCloseResult {
                 bytes_written,
                 rows_written: rows as u64,
                 metadata,
@@ -350,7 +378,7 @@ impl ChunkEncoder {
                 column_index: None,
                 offset_index: None,
             },
-        )
+        })
     }
 
     fn data_page(

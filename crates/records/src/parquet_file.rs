@@ -25,8 +25,10 @@
 //! `.partial` name and renamed into place.
 //!
 //! The column chunks are encoded by [`crate::parquet_chunks`] straight from the flat instance
-//! buffers, gathered a row group at a time in the shuffled order (the next rows prefetched);
-//! the parquet crate writes the page headers and the footer.
+//! buffers, gathered a row group at a time in the shuffled order (the next rows prefetched).
+//! Row groups are encoded in parallel, a few per thread at a time, and written in order, so
+//! the output does not depend on the thread count; the parquet crate writes the page headers
+//! and the footer.
 
 use std::fs::File;
 use std::path::Path;
@@ -39,7 +41,10 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 
 use crate::instances::{Instances, RowScratch};
-use crate::parquet_chunks::{ChunkEncoder, ColumnValues};
+use parquet::schema::types::SchemaDescriptor;
+use rayon::prelude::*;
+
+use crate::parquet_chunks::{ChunkEncoder, ColumnValues, EncodedChunk};
 
 /// Name of the file layout, stored in the metadata under `bertkit.layout`.
 pub const LAYOUT: &str = "bertkit-records-v1";
@@ -68,7 +73,8 @@ pub fn arrow_schema() -> Schema {
 }
 
 thread_local! {
-    /// Each thread's row-group buffers and chunk encoder, kept between the files it writes.
+    /// Each thread's row-group buffers and chunk encoder, kept between the row groups and
+    /// files it encodes.
     static WRITER_BUFFERS: std::cell::Cell<Option<(RowGroupColumns, ChunkEncoder)>> =
         const { std::cell::Cell::new(None) };
 }
@@ -126,17 +132,15 @@ impl RowGroupColumns {
     }
 }
 
-/// Writes one row group: the six columns in schema order.
-fn write_row_group<W: std::io::Write + Send>(
-    writer: &mut SerializedFileWriter<W>,
+/// Encodes one row group: the six column chunks in schema order.
+fn encode_row_group(
+    schema: &SchemaDescriptor,
     instances: &Instances<'_>,
     rows: std::ops::Range<usize>,
     columns: &mut RowGroupColumns,
     encoder: &mut ChunkEncoder,
-) -> parquet::errors::Result<()> {
+) -> parquet::errors::Result<Vec<EncodedChunk>> {
     columns.gather(instances, rows.clone());
-    let schema = writer.schema_descr().clone();
-    let mut group = writer.next_row_group()?;
     let n = rows.len();
     let c = &*columns;
     let values = [
@@ -162,12 +166,33 @@ fn write_row_group<W: std::io::Write + Send>(
         ColumnValues::Ints(&c.next_sentence_labels),
         ColumnValues::Ints(&c.seq_lens),
     ];
-    for (i, column) in values.into_iter().enumerate() {
-        encoder.append(&mut group, &schema.column(i), n, column)?;
-    }
-    group.close()?;
-    Ok(())
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(i, column)| encoder.encode(&schema.column(i), n, column))
+        .collect()
 }
+
+/// [`encode_row_group`] with the calling thread's buffers and chunk encoder, kept between the
+/// row groups and files it encodes (memory touched once, zstd contexts set up once).
+fn encode_row_group_with_thread_buffers(
+    schema: &SchemaDescriptor,
+    instances: &Instances<'_>,
+    rows: std::ops::Range<usize>,
+) -> parquet::errors::Result<Vec<EncodedChunk>> {
+    let (mut columns, mut encoder) = match WRITER_BUFFERS.take() {
+        Some(buffers) => buffers,
+        None => (RowGroupColumns::default(), ChunkEncoder::new()?),
+    };
+    let encoded = encode_row_group(schema, instances, rows, &mut columns, &mut encoder);
+    WRITER_BUFFERS.set(Some((columns, encoder)));
+    encoded
+}
+
+/// Row groups encoded at once, in parallel, before they are written in order: a few per
+/// thread, so that threads are kept busy while the encoded groups waiting to be written stay
+/// a bounded amount of memory (a row group is about 1 MiB of ids at phase 1).
+const ROW_GROUPS_IN_FLIGHT_PER_THREAD: usize = 2;
 
 /// Writes instances to `path` atomically, with `metadata` (key, value) pairs added to the
 /// layout name and the instance count.
@@ -199,17 +224,34 @@ pub fn write_instances(
     let file = std::io::BufWriter::with_capacity(1 << 20, File::create(&partial)?);
     let mut writer =
         SerializedFileWriter::new(file, parquet_schema.root_schema_ptr(), Arc::new(props))?;
-    // The thread's buffers and zstd contexts from its last file, if any (a folder's shards
-    // are written one after the other by each thread: memory touched once, contexts set up once).
-    let (mut columns, mut encoder) = match WRITER_BUFFERS.take() {
-        Some(buffers) => buffers,
-        None => (RowGroupColumns::default(), ChunkEncoder::new()?),
-    };
-    for start in (0..instances.len()).step_by(ROW_GROUP_ROWS) {
-        let rows = start..(start + ROW_GROUP_ROWS).min(instances.len());
-        write_row_group(&mut writer, instances, rows, &mut columns, &mut encoder)?;
+    // Row groups are encoded in parallel, a batch at a time, and written in order.
+    let schema = writer.schema_descr().clone();
+    let groups: Vec<std::ops::Range<usize>> = (0..instances.len())
+        .step_by(ROW_GROUP_ROWS)
+        .map(|start| start..(start + ROW_GROUP_ROWS).min(instances.len()))
+        .collect();
+    let batch = ROW_GROUPS_IN_FLIGHT_PER_THREAD * rayon::current_num_threads();
+    for groups in groups.chunks(batch.max(1)) {
+        let encoded: Vec<_> = if groups.len() == 1 {
+            vec![encode_row_group_with_thread_buffers(
+                &schema,
+                instances,
+                groups[0].clone(),
+            )]
+        } else {
+            groups
+                .par_iter()
+                .map(|rows| encode_row_group_with_thread_buffers(&schema, instances, rows.clone()))
+                .collect()
+        };
+        for chunks in encoded {
+            let mut group = writer.next_row_group()?;
+            for chunk in chunks? {
+                chunk.append_to(&mut group)?;
+            }
+            group.close()?;
+        }
     }
-    WRITER_BUFFERS.set(Some((columns, encoder)));
     let file = writer
         .into_inner()?
         .into_inner()
