@@ -279,18 +279,6 @@ impl ChunkEncoder {
         ))
     }
 
-    /// Encodes `column` as the row group's next column chunk (`rows` rows).
-    pub fn append<W: std::io::Write + Send>(
-        &mut self,
-        group: &mut SerializedRowGroupWriter<'_, W>,
-        descr: &ColumnDescPtr,
-        rows: usize,
-        column: ColumnValues<'_>,
-    ) -> Result<()> {
-        let chunk = self.encode(descr, rows, column)?;
-        chunk.append_to(group)
-    }
-
     /// Encodes `column` as a column chunk of `rows` rows, to be appended to a row group later
     /// (row groups can so be encoded in parallel and written in order).
     pub fn encode(

@@ -40,10 +40,10 @@ use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 
-use crate::instances::{Instances, RowScratch};
 use parquet::schema::types::SchemaDescriptor;
 use rayon::prelude::*;
 
+use crate::instances::{Instances, RowScratch};
 use crate::parquet_chunks::{ChunkEncoder, ColumnValues, EncodedChunk};
 
 /// Name of the file layout, stored in the metadata under `bertkit.layout`.
@@ -224,26 +224,20 @@ pub fn write_instances(
     let file = std::io::BufWriter::with_capacity(1 << 20, File::create(&partial)?);
     let mut writer =
         SerializedFileWriter::new(file, parquet_schema.root_schema_ptr(), Arc::new(props))?;
-    // Row groups are encoded in parallel, a batch at a time, and written in order.
-    let schema = writer.schema_descr().clone();
+    // Row groups are encoded in parallel (on the thread pool, whose threads keep their
+    // buffers), a batch at a time, and written in order.
     let groups: Vec<std::ops::Range<usize>> = (0..instances.len())
         .step_by(ROW_GROUP_ROWS)
         .map(|start| start..(start + ROW_GROUP_ROWS).min(instances.len()))
         .collect();
     let batch = ROW_GROUPS_IN_FLIGHT_PER_THREAD * rayon::current_num_threads();
     for groups in groups.chunks(batch.max(1)) {
-        let encoded: Vec<_> = if groups.len() == 1 {
-            vec![encode_row_group_with_thread_buffers(
-                &schema,
-                instances,
-                groups[0].clone(),
-            )]
-        } else {
-            groups
-                .par_iter()
-                .map(|rows| encode_row_group_with_thread_buffers(&schema, instances, rows.clone()))
-                .collect()
-        };
+        let encoded: Vec<_> = groups
+            .par_iter()
+            .map(|rows| {
+                encode_row_group_with_thread_buffers(&parquet_schema, instances, rows.clone())
+            })
+            .collect();
         for chunks in encoded {
             let mut group = writer.next_row_group()?;
             for chunk in chunks? {
