@@ -167,7 +167,8 @@ impl Draws for FastRng {
         if left > 0 {
             let taken = self.coins & (u64::MAX >> (64 - left));
             heads += taken.count_ones() as usize;
-            self.coins = self.coins.checked_shr(left as u32).unwrap_or(0);
+            // `left` is below 64 here: whole words were counted above.
+            self.coins >>= left;
             self.coins_left -= left as u32;
         }
         heads

@@ -133,7 +133,8 @@ struct TokenizedChunk {
     breaks: Vec<usize>,
 }
 
-/// Reads a file whole into `text` (its buffer reused from file to file), cuts it at line
+/// Takes a file whole (a plain file memory-mapped, a compressed one read into `text`, whose
+/// buffer is reused from file to file), cuts it at line
 /// starts into chunks of about [`TOKENIZE_CHUNK_BYTES`] and tokenizes the chunks in parallel
 /// (a book is one document of thousands of lines). The shard's tokens are held anyway, and
 /// take about as much memory as its text.
