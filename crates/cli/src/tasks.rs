@@ -105,9 +105,9 @@ pub struct FinetuneGlueArgs {
     /// Model folder: config.json, model.safetensors, vocab.txt.
     #[arg(long)]
     model: PathBuf,
-    /// The task folder (default: $BERTKIT_SHARED_DATA/glue/<TASK>).
+    /// The task folder in the GLUE layout (train.tsv, dev.tsv), e.g. glue_data/MRPC.
     #[arg(long)]
-    data: Option<PathBuf>,
+    data: PathBuf,
     /// Where the fine-tuned model goes.
     #[arg(long, short)]
     output: Option<PathBuf>,
@@ -231,9 +231,9 @@ pub struct PredictGlueArgs {
     /// A fine-tuned classifier folder (bertkit finetune glue --output).
     #[arg(long)]
     model: PathBuf,
-    /// A labelled task file (dev.tsv; default: the task's dev file in the shared data).
+    /// A labelled task file, e.g. glue_data/MRPC/dev.tsv.
     #[arg(long)]
-    data: Option<PathBuf>,
+    data: PathBuf,
     /// Where the `index<TAB>prediction` rows go.
     #[arg(long, short)]
     output: Option<PathBuf>,
@@ -333,10 +333,7 @@ pub fn finetune(command: FinetuneCommand) -> Result<()> {
 
 fn finetune_glue(args: FinetuneGlueArgs) -> Result<()> {
     let task = Task::parse(&args.task)?;
-    let data = match args.data {
-        Some(d) => d,
-        None => bertkit_shared_data::shared_data_path(format!("glue/{}", task.folder()))?,
-    };
+    let data = args.data;
     let options = bertkit_tasks::glue::finetune::FinetuneOptions {
         task,
         model: args.model,
@@ -469,14 +466,7 @@ fn predict_squad(args: PredictSquadArgs) -> Result<()> {
 
 fn predict_glue(args: PredictGlueArgs) -> Result<()> {
     let task = Task::parse(&args.task)?;
-    let data = match args.data {
-        Some(d) => d,
-        None => bertkit_shared_data::shared_data_path(format!(
-            "glue/{}/{}",
-            task.folder(),
-            task.dev_file()
-        ))?,
-    };
+    let data = args.data;
     let evaluation = bertkit_tasks::glue::finetune::predict_file(
         &bertkit_tasks::glue::finetune::GluePredictOptions {
             task,

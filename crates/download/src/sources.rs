@@ -49,6 +49,7 @@ use crate::{Algorithm, Checksum, DownloadError, FetchOptions, Outcome, Progress,
 
 /// A published checksum file.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChecksumFile {
     /// Where it is published.
     pub url: String,
@@ -60,6 +61,7 @@ pub struct ChecksumFile {
 
 /// One registry entry.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SourceEntry {
     /// The set it belongs to.
     pub set: String,
@@ -85,6 +87,7 @@ pub struct SourceEntry {
 
 /// The registry.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Registry {
     /// Every entry, in file order.
     pub source: Vec<SourceEntry>,

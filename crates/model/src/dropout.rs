@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::rng::splitmix64 as splitmix;
+use bertkit_rng::splitmix64 as splitmix;
 
 /// Where training-mode dropout masks come from.
 #[derive(Debug)]

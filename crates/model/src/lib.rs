@@ -17,7 +17,6 @@
 //!   candle ops that all have a backward pass.
 //! - [`params`]: checkpoint names (with or without `bert.`, `gamma`/`beta`), initialisation of
 //!   what a checkpoint lacks, and saving in the transformers layout.
-//! - [`rng`]: the seeded mixing function (splitmix64) and shuffle the training code draws from.
 //! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
 //!
 //! Dropout is on in [`Mode::Train`] forward passes, with reproducible masks from a
@@ -29,7 +28,6 @@ pub mod dropout;
 pub mod kernels;
 pub mod loss;
 pub mod params;
-pub mod rng;
 
 use std::path::PathBuf;
 

@@ -72,7 +72,7 @@ pub struct ParamBuilder {
     dtype: DType,
     device: Device,
     std: f64,
-    rng: u64,
+    rng: bertkit_rng::SplitMix64,
     frozen: Option<BTreeMap<String, Tensor>>,
 }
 
@@ -94,7 +94,7 @@ impl ParamBuilder {
             dtype,
             device: device.clone(),
             std: initializer_range,
-            rng: seed ^ 0x9E37_79B9_7F4A_7C15,
+            rng: bertkit_rng::SplitMix64::new(seed ^ bertkit_rng::SPLITMIX_INCREMENT),
             frozen: None,
         }
     }
@@ -127,9 +127,7 @@ impl ParamBuilder {
     }
 
     fn next_u64(&mut self) -> u64 {
-        let out = crate::rng::splitmix64(self.rng);
-        self.rng = self.rng.wrapping_add(crate::rng::SPLITMIX_INCREMENT);
-        out
+        self.rng.next_u64()
     }
 
     fn uniform(&mut self) -> f64 {

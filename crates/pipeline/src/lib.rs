@@ -37,6 +37,7 @@ use crate::merge::MergePoints;
 
 /// The `[download]` table.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DownloadConfig {
     /// Source sets of `pipelines/sources.toml` to fetch.
     pub sets: Vec<String>,
@@ -47,6 +48,7 @@ pub struct DownloadConfig {
 
 /// The `[format]` table: inputs relative to `<output>/raw`.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FormatConfig {
     /// Wikipedia dumps.
     #[serde(default)]
@@ -58,6 +60,7 @@ pub struct FormatConfig {
 
 /// The `[shard]` table.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ShardConfig {
     /// Train shards.
     pub num_train_shards: usize,
@@ -75,6 +78,7 @@ pub struct ShardConfig {
 
 /// The `[records]` table.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RecordsConfig {
     /// Vocabulary, relative to `<output>/raw`.
     pub vocab: String,
@@ -88,6 +92,7 @@ pub struct RecordsConfig {
 
 /// A pipeline config.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PipelineConfig {
     /// Output root (relative paths are relative to the current directory).
     pub output: PathBuf,

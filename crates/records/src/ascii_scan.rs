@@ -186,7 +186,7 @@ mod tests {
         let mut scan = LineScan::default();
         let mut state = 0x2545_F491_4F6C_DD1Du64;
         let mut next = move || {
-            state = crate::draws::splitmix64(state);
+            state = bertkit_rng::splitmix64(state);
             state
         };
         let alphabet: Vec<u8> = (0x20..0x7F).collect();

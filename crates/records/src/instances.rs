@@ -21,10 +21,13 @@ use serde::{Deserialize, Serialize};
 use rayon::prelude::*;
 
 use crate::corpus::{Corpus, DocumentRef};
-use crate::draws::{Draws, FastRng};
+use crate::draws::Draws;
+pub use crate::masking::VocabIds;
+use crate::masking::{MaskOptions, MaskScratch, draw_masks, mask_tokens};
 use crate::prefetch::prefetch;
 use crate::pyrandom::PyRandom;
 use crate::tokenizer::FullTokenizer;
+use bertkit_rng::FastRng;
 
 /// The knobs of `create_pretraining_data.py`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,6 +59,15 @@ impl InstanceOptions {
             dupe_factor: 5,
             whole_word_mask: false,
             seed: 12345,
+        }
+    }
+
+    /// The masking part of the options.
+    pub fn masking(&self) -> MaskOptions {
+        MaskOptions {
+            prob: self.masked_lm_prob,
+            max_predictions: self.max_predictions_per_seq,
+            whole_word: self.whole_word_mask,
         }
     }
 
@@ -285,7 +297,7 @@ enum Masks<'a> {
     /// each time, and none kept in memory meanwhile.
     Drawn {
         vocab: &'a VocabIds,
-        options: InstanceOptions,
+        options: MaskOptions,
     },
 }
 
@@ -400,11 +412,11 @@ impl<'a> Instances<'a> {
                 masked_positions.extend_from_slice(positions);
                 masked_ids.extend_from_slice(&chunk.masked_ids[masks]);
             }
-            Masks::Drawn { vocab, options } => mask_tokens(
+            Masks::Drawn { vocab, options } => draw_masks(
                 &mut ids[start..],
                 options,
                 vocab,
-                &mut FastRng::new(meta.mask_seed()),
+                meta.mask_seed(),
                 &mut scratch.mask,
                 masked_positions,
                 masked_ids,
@@ -472,57 +484,6 @@ impl<'a> Instances<'a> {
     /// Shuffles the order with `rng` (the draws of shuffling a list of this length).
     fn shuffle<R: Draws>(&mut self, rng: &mut R) {
         rng.shuffle(&mut self.order);
-    }
-}
-
-/// What instance generation needs to know of the vocabulary.
-#[derive(Debug, Clone)]
-pub struct VocabIds {
-    /// `[CLS]`.
-    pub cls: u32,
-    /// `[SEP]`.
-    pub sep: u32,
-    /// `[MASK]`.
-    pub mask: u32,
-    /// The reference script's `vocab_words` (distinct tokens in file order) as ids.
-    pub words: Vec<u32>,
-    /// Whether each id's token starts with `##`.
-    pub continuation: Vec<bool>,
-    /// Whether `words[k]` is `k` (a vocabulary without repeated tokens): then a random word is
-    /// its index, without a look-up at a random place of `words` (a cache miss, once per
-    /// random-word mask).
-    words_are_ids: bool,
-}
-
-impl VocabIds {
-    /// From a tokenizer's vocabulary; `None` if `[CLS]`, `[SEP]` or `[MASK]` is missing.
-    pub fn new(tokenizer: &FullTokenizer) -> Option<Self> {
-        let words = tokenizer.vocab_word_ids();
-        let continuation = (0..tokenizer.vocab_size() as u32)
-            .map(|i| {
-                tokenizer
-                    .id_to_token(i)
-                    .is_some_and(|t| t.starts_with("##"))
-            })
-            .collect();
-        Some(VocabIds {
-            cls: tokenizer.token_to_id("[CLS]")?,
-            sep: tokenizer.token_to_id("[SEP]")?,
-            mask: tokenizer.token_to_id("[MASK]")?,
-            words_are_ids: words.iter().enumerate().all(|(k, &w)| w as usize == k),
-            words,
-            continuation,
-        })
-    }
-
-    /// `vocab_words[k]`.
-    #[inline]
-    fn word(&self, k: usize) -> u32 {
-        if self.words_are_ids {
-            k as u32
-        } else {
-            self.words[k]
-        }
     }
 }
 
@@ -599,7 +560,7 @@ pub fn create_instances<'a>(
         .collect();
     let masks = Masks::Drawn {
         vocab,
-        options: options.clone(),
+        options: options.masking(),
     };
     let mut instances = Instances::from_chunks(corpus, vocab, chunks, masks);
     instances.shuffle(&mut rng);
@@ -612,15 +573,6 @@ struct Scratch {
     /// The instance being masked: `[CLS] A [SEP] B [SEP]`.
     ids: Vec<u32>,
     mask: MaskScratch,
-}
-
-/// Buffers of [`mask_tokens`].
-#[derive(Default)]
-struct MaskScratch {
-    positions: Vec<u32>,
-    candidates: Vec<(u32, u32)>,
-    masked_bits: Vec<u64>,
-    originals: Vec<u32>,
 }
 
 /// A corpus's documents in a shuffled order.
@@ -726,7 +678,7 @@ fn instances_from_document<R: Draws>(
                 let first_mask = out.masked_positions.len();
                 mask_tokens(
                     ids,
-                    options,
+                    &options.masking(),
                     vocab,
                     rng,
                     &mut scratch.mask,
@@ -791,125 +743,10 @@ fn truncated_tokens(a_len: usize, b_len: usize, max_num_tokens: usize) -> (usize
     (a_first + in_turn / 2, b_first + in_turn.div_ceil(2))
 }
 
-/// The positions of `ids` that may be masked: all but `[CLS]` and `[SEP]`.
-fn list_candidates(ids: &[u32], positions: &mut Vec<u32>, is_special: &impl Fn(u32) -> bool) {
-    positions.clear();
-    positions.extend((0..ids.len() as u32).filter(|&i| !is_special(ids[i as usize])));
-}
-
-/// `create_masked_lm_predictions`, in place: appends the masked positions (ascending) and the
-/// original ids there.
-fn mask_tokens<R: Draws>(
-    ids: &mut [u32],
-    options: &InstanceOptions,
-    vocab: &VocabIds,
-    rng: &mut R,
-    scratch: &mut MaskScratch,
-    masked_positions: &mut Vec<u32>,
-    masked_ids: &mut Vec<u32>,
-) {
-    let MaskScratch {
-        positions,
-        candidates,
-        masked_bits,
-        originals,
-    } = scratch;
-    let num_to_predict = options
-        .max_predictions_per_seq
-        .min(1.max((ids.len() as f64 * options.masked_lm_prob).round_ties_even() as usize));
-    // Which positions are masked (a bit each, read back in ascending order: no sort), and the
-    // original ids there.
-    masked_bits.clear();
-    masked_bits.resize(ids.len().div_ceil(64), 0);
-    originals.resize(ids.len(), 0);
-    let mut masked = 0;
-    let is_masked = |bits: &[u64], index: usize| bits[index / 64] & (1 << (index % 64)) != 0;
-    let mask =
-        |rng: &mut R, ids: &mut [u32], bits: &mut [u64], originals: &mut [u32], index: u32| {
-            let index = index as usize;
-            originals[index] = ids[index];
-            ids[index] = if rng.random() < 0.8 {
-                vocab.mask
-            } else if rng.random() < 0.5 {
-                ids[index]
-            } else {
-                vocab.word(rng.randint(0, vocab.words.len() - 1))
-            };
-            bits[index / 64] |= 1 << (index % 64);
-        };
-    let is_special = |id: u32| id == vocab.cls || id == vocab.sep;
-    let candidate_count = ids.len() - ids.iter().filter(|&&id| is_special(id)).count();
-    if !R::REPLAYS_SCRIPT && !options.whole_word_mask && 2 * num_to_predict <= candidate_count {
-        // Single positions, not the script's draws: a uniformly random set of positions,
-        // drawn directly (a drawn special or already masked position is drawn again) instead
-        // of listing and shuffling every candidate. At most half the candidates are masked,
-        // so a draw is kept with probability at least 1/2.
-        while masked < num_to_predict {
-            let index = rng.randint(0, ids.len() - 1);
-            if is_masked(masked_bits, index) || is_special(ids[index]) {
-                continue;
-            }
-            mask(rng, ids, masked_bits, originals, index as u32);
-            masked += 1;
-        }
-    } else if options.whole_word_mask {
-        // Candidate groups as (start, length) runs of `positions`: a `##` piece joins the
-        // group before it. Shuffling the groups draws what shuffling the script's list of
-        // lists draws.
-        list_candidates(ids, positions, &is_special);
-        candidates.clear();
-        for (k, &i) in positions.iter().enumerate() {
-            let continuation = vocab
-                .continuation
-                .get(ids[i as usize] as usize)
-                .copied()
-                .unwrap_or(false);
-            match candidates.last_mut() {
-                Some(last) if continuation => last.1 += 1,
-                _ => candidates.push((k as u32, 1)),
-            }
-        }
-        rng.visit_shuffled(candidates, |rng, (start, len)| {
-            if masked >= num_to_predict {
-                return false;
-            }
-            if masked + len as usize > num_to_predict {
-                return true;
-            }
-            // Groups are disjoint, so none is ever already covered.
-            for &index in &positions[start as usize..(start + len) as usize] {
-                mask(rng, ids, masked_bits, originals, index);
-                masked += 1;
-            }
-            true
-        });
-    } else {
-        // Every position is a group of its own.
-        list_candidates(ids, positions, &is_special);
-        rng.visit_shuffled(positions, |rng, index| {
-            if masked >= num_to_predict {
-                return false;
-            }
-            mask(rng, ids, masked_bits, originals, index);
-            masked += 1;
-            true
-        });
-    }
-    for (word_index, &word) in masked_bits.iter().enumerate() {
-        let mut bits = word;
-        while bits != 0 {
-            let position = word_index * 64 + bits.trailing_zeros() as usize;
-            masked_positions.push(position as u32);
-            masked_ids.push(originals[position]);
-            bits &= bits - 1;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::draws::splitmix64;
+    use bertkit_rng::splitmix64;
 
     /// The script's loop, counting the tokens taken from each list.
     fn truncated_one_by_one(a_len: usize, b_len: usize, max_num_tokens: usize) -> (usize, usize) {

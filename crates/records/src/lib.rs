@@ -9,6 +9,7 @@
 //! - [`pyrandom`], [`draws`] and [`instances`]: masked-LM / next-sentence instances exactly as
 //!   Google's `create_pretraining_data.py` makes them (same instances, same order, same random
 //!   draws), or the same algorithm in parallel over documents;
+//! - [`masking`]: the one masked-LM masking (also the trainer's dynamic masking);
 //! - [`parquet_file`] (with [`parquet_chunks`], its column encoding) and [`run`]: the Parquet
 //!   output and the stage's file and folder modes;
 //! - [`prefetch`]: the memory hint the writer and the word cache use;
@@ -19,6 +20,7 @@ pub mod ascii_scan;
 pub mod corpus;
 pub mod draws;
 pub mod instances;
+pub mod masking;
 pub mod parquet_chunks;
 pub mod parquet_file;
 pub mod prefetch;

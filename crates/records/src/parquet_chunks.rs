@@ -428,7 +428,7 @@ mod tests {
         // Lengths around the vector width, values with every byte set and a high one late.
         for n in [15, 16, 17, 33, 100] {
             let mut values: Vec<u32> = (0..n as u64)
-                .map(|i| crate::draws::splitmix64(i) as u32 & 0xffff)
+                .map(|i| bertkit_rng::splitmix64(i) as u32 & 0xffff)
                 .collect();
             for high in [false, true] {
                 if high {

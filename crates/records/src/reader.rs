@@ -13,7 +13,14 @@ use parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
 };
 
+use crate::masking::VocabIds;
 use crate::run::RecordsError;
+use crate::tokenizer::FullTokenizer;
+
+/// The metadata key under which every records file keeps the text of the vocabulary it was made
+/// with (`vocab.txt`, one token per line): its ids, special tokens and size travel with the
+/// records.
+pub const VOCAB_KEY: &str = "bertkit.vocab";
 
 /// One pre-training instance as stored (unpadded).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +105,31 @@ impl RecordsFile {
             .find(|k| k.key == key)?
             .value
             .clone()
+    }
+
+    /// The vocabulary the file was made with, as masking needs it (special ids, words, `##`
+    /// pieces), and its SHA-256.
+    pub fn vocabulary(&self) -> Result<(VocabIds, String), RecordsError> {
+        let text = self.metadata_value(VOCAB_KEY).ok_or_else(|| {
+            read_err(
+                &self.path,
+                format!(
+                    "no vocabulary in the metadata ({VOCAB_KEY}): made by an older `bertkit \
+                     records`; run it again to add it"
+                ),
+            )
+        })?;
+        let sha256 = self
+            .metadata_value("bertkit.vocab_sha256")
+            .unwrap_or_default();
+        let tokenizer = FullTokenizer::from_vocab_text(&self.path, &text, true)?;
+        let ids = VocabIds::new(&tokenizer).ok_or_else(|| {
+            read_err(
+                &self.path,
+                "the stored vocabulary lacks [CLS], [SEP] or [MASK]",
+            )
+        })?;
+        Ok((ids, sha256))
     }
 
     /// Decodes row group `index`.

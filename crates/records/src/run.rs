@@ -222,7 +222,7 @@ fn append_chunks(corpus: &mut Corpus, files: Vec<Vec<TokenizedChunk>>) {
 
 fn metadata(
     options: &RecordsOptions,
-    vocab_sha256: &str,
+    vocab: &Vocabulary,
     inputs: &[bertkit_stage_io::InputFile],
 ) -> Vec<(String, String)> {
     vec![
@@ -230,7 +230,8 @@ fn metadata(
             "bertkit.parameters".into(),
             serde_json::to_string(options).expect("options serialise"),
         ),
-        ("bertkit.vocab_sha256".into(), vocab_sha256.into()),
+        ("bertkit.vocab_sha256".into(), vocab.sha256.clone()),
+        (crate::reader::VOCAB_KEY.into(), vocab.text.clone()),
         (
             "bertkit.inputs".into(),
             serde_json::to_string(inputs).expect("inputs serialise"),
@@ -259,6 +260,7 @@ fn is_current(
                     .as_str(),
             )
         && get("bertkit.vocab_sha256") == Some(vocab_sha256)
+        && get(crate::reader::VOCAB_KEY).is_some()
         && recorded.is_some_and(|r| bertkit_stage_io::same_inputs(&r, inputs))
 }
 
@@ -308,6 +310,8 @@ struct Vocabulary {
     tokenizer: FullTokenizer,
     ids: VocabIds,
     sha256: String,
+    /// The file's text, stored in every output's metadata so the records name their vocabulary.
+    text: String,
 }
 
 impl Vocabulary {
@@ -332,6 +336,7 @@ impl Vocabulary {
             tokenizer,
             ids,
             sha256,
+            text,
         })
     }
 }
@@ -360,7 +365,7 @@ fn instances_to_file(
         jsonl,
         &instances,
         &vocab.tokenizer,
-        &metadata(options, &vocab.sha256, inputs),
+        &metadata(options, vocab, inputs),
     )?;
     seconds.write = clock.elapsed().as_secs_f64();
     Ok(FileSummary {
@@ -533,7 +538,7 @@ mod tests {
         let tokenizer = FullTokenizer::from_vocab_file(&vocab_path, true).unwrap();
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = move |n: u64| {
-            state = crate::draws::splitmix64(state);
+            state = bertkit_rng::splitmix64(state);
             state % n
         };
         // The first chunk ends just after a blank line.

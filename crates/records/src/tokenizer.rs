@@ -550,7 +550,7 @@ mod tests {
                 let len = n % 40;
                 let text: String = (0..len)
                     .map(|_| {
-                        state = crate::draws::splitmix64(state);
+                        state = bertkit_rng::splitmix64(state);
                         // Mostly letters and spaces, so words repeat and hit the cache.
                         match state % 4 {
                             0 | 1 => ['a', 'b', 'c', ' '][(state >> 8) as usize % 4],

@@ -113,7 +113,7 @@ fn file_mode_equals_the_reference_script_and_pyarrow_reads_it() {
             assert_eq!(a[key], b[key], "{key}");
         }
     }
-    // pyarrow (installed by .ci/run) reads the file with the documented schema and metadata.
+    // pyarrow (`make test` installs it; BERTKIT_PYTHON names the Python that has it) reads the file with the documented schema and metadata.
     let script = r#"
 import sys, json, pyarrow.parquet as pq
 f = pq.ParquetFile(sys.argv[1])
@@ -128,7 +128,8 @@ assert t.column("masked_lm_ids").to_pylist() == [r["masked_lm_ids"] for r in ref
 assert t.column("next_sentence_label").to_pylist() == [int(r["is_random_next"]) for r in ref]
 print(t.num_rows)
 "#;
-    let run = std::process::Command::new("python3")
+    let python = std::env::var("BERTKIT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let run = std::process::Command::new(&python)
         .args([
             "-c",
             script,
@@ -138,10 +139,11 @@ print(t.num_rows)
                 .unwrap(),
         ])
         .output()
-        .expect("python3 runs");
+        .unwrap_or_else(|e| panic!("{python} does not run: {e}"));
     assert!(
         run.status.success(),
-        "pyarrow check failed (is pyarrow installed? .ci/run installs it):\n{}",
+        "pyarrow check failed with {python} (is pyarrow >= 16 installed? `make test` installs it \
+         and sets BERTKIT_PYTHON):\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
     assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), "38");

@@ -148,12 +148,9 @@ mod tests {
     fn test_share_and_balance() {
         let mut b = Balancer::new(4, 2, 0.1);
         let mut loads = [[0u64; 4], [0u64; 4]];
-        let mut state = 12345u64;
+        let mut sizes = bertkit_rng::SplitMix64::new(12345);
         for _ in 0..10_000 {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let s = 1 + (state >> 33) % 200;
+            let s = 1 + sizes.next_u64() % 200;
             let p = b.place(s, s * 120);
             loads[(p.split == Split::Test) as usize][p.shard] += s;
         }

@@ -31,15 +31,9 @@ pub struct Keyed {
     pub doc: Document,
 }
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
 /// The shuffle key of the document at `ordinal` for `seed`.
 pub fn shuffle_key(seed: u64, ordinal: u64) -> u64 {
+    use bertkit_rng::splitmix64;
     splitmix64(splitmix64(seed) ^ splitmix64(ordinal))
 }
 

@@ -83,14 +83,9 @@ pub fn bench(
     let mut rows = Vec::new();
     for &seq in &seqs {
         for &batch in &batches {
-            let mut state = (seq * 31 + batch) as u64;
+            let mut draws = bertkit_rng::SplitMix64::new((seq * 31 + batch) as u64);
             let ids: Vec<u32> = (0..seq * batch)
-                .map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    (1000 + (state >> 33) % (vocab - 1000)) as u32
-                })
+                .map(|_| (1000 + draws.next_u64() % (vocab - 1000)) as u32)
                 .collect();
             let ids = Tensor::from_vec(ids, (batch, seq), device).map_err(err)?;
             let inputs = Inputs::new(&loaded.config, &ids, None, None).map_err(err)?;

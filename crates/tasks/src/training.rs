@@ -98,11 +98,9 @@ impl TrainLog {
 /// A seeded permutation of `0..n` (one splitmix64 stream from `key`).
 pub fn shuffled(n: usize, key: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
-    let mut s = key;
+    let mut stream = bertkit_rng::SplitMix64::new(key);
     for i in (1..n).rev() {
-        let z = bertkit_model::rng::splitmix64(s);
-        s = s.wrapping_add(bertkit_model::rng::SPLITMIX_INCREMENT);
-        order.swap(i, (z % (i as u64 + 1)) as usize);
+        order.swap(i, (stream.next_u64() % (i as u64 + 1)) as usize);
     }
     order
 }

@@ -39,6 +39,7 @@ use crate::schedule::Schedule;
 
 /// `[model]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// `base`, `large` or `tiny` (with the bert-base-uncased vocabulary size unless
     /// `vocab_size` is given).
@@ -57,6 +58,7 @@ pub struct ModelSection {
 
 /// `[data]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DataSection {
     /// Records files or folders.
     pub records: Vec<PathBuf>,
@@ -70,8 +72,9 @@ pub struct DataSection {
     /// Shuffle seed.
     #[serde(default)]
     pub seed: u64,
-    /// Re-mask at load time (`[data.dynamic_masking]`, with `prob`, `mask_token_id`, … or
-    /// `{}` for BERT's defaults) instead of the records' static masks.
+    /// Re-mask at load time (`[data.dynamic_masking]`, with `prob` and `whole_word`, or empty
+    /// for 15% single tokens) instead of the records' static masks. The special ids and words
+    /// come from the vocabulary stored in the records.
     #[serde(default)]
     pub dynamic_masking: Option<crate::data::DynamicMasking>,
 }
@@ -82,6 +85,7 @@ fn default_pad() -> usize {
 
 /// `[train]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TrainSection {
     /// Sequences per optimiser step over all ranks.
     pub global_batch: usize,
@@ -129,6 +133,7 @@ fn default_max_skipped() -> u64 {
 
 /// A whole pre-training config.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PretrainConfig {
     /// Run folder.
     pub output: PathBuf,

@@ -19,8 +19,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
-use bertkit_model::rng::{shuffle, splitmix64 as splitmix};
+use bertkit_records::masking::{MaskOptions, MaskScratch, VocabIds, draw_masks};
 use bertkit_records::reader::{Record, RecordsFile};
+use bertkit_rng::{shuffle, splitmix64 as splitmix};
 use bertkit_stage_io::Ranks;
 use serde::{Deserialize, Serialize};
 
@@ -57,81 +58,50 @@ pub struct DataOptions {
 /// Masking at load time (RoBERTa / LDDL style): every epoch sees new masks.
 ///
 /// The stored masks are undone first (the original ids are put back at the masked
-/// positions), then `prob` of the positions other than `[CLS]` and `[SEP]` (at least one, at
-/// most `max_predictions`) are chosen: 80% become `[MASK]`, 10% a random id, 10% stay. The
-/// draws depend only on the seed, the epoch and the row's place, so runs and resumes repeat.
+/// positions), then new ones are drawn by the records stage's own masking
+/// ([`bertkit_records::masking`]: the same 80/10/10, rounding and cap), with the special ids and
+/// words of the vocabulary stored in the records files. The draws depend only on the seed, the
+/// epoch and the row's place, so runs and resumes repeat.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DynamicMasking {
-    /// Share of positions to predict.
+    /// Share of positions to predict (capped by `max_predictions`).
     #[serde(default = "default_mask_prob")]
     pub prob: f64,
-    /// The `[MASK]` id (103 in BERT's vocabularies).
-    #[serde(default = "default_mask_id")]
-    pub mask_token_id: u32,
-    /// The `[CLS]` id (101).
-    #[serde(default = "default_cls_id")]
-    pub cls_token_id: u32,
-    /// The `[SEP]` id (102).
-    #[serde(default = "default_sep_id")]
-    pub sep_token_id: u32,
-    /// Random replacements are drawn below this id (the vocabulary size).
-    #[serde(default = "default_vocab")]
-    pub vocab_size: u32,
+    /// Mask whole words (a `##` piece goes with the word it continues).
+    #[serde(default)]
+    pub whole_word: bool,
 }
 
 fn default_mask_prob() -> f64 {
     0.15
 }
-fn default_mask_id() -> u32 {
-    103
-}
-fn default_cls_id() -> u32 {
-    101
-}
-fn default_sep_id() -> u32 {
-    102
-}
-fn default_vocab() -> u32 {
-    30522
+
+/// Dynamic masking with what it needs: the records' vocabulary and reused buffers.
+struct Remasker {
+    options: MaskOptions,
+    vocab: VocabIds,
 }
 
-impl DynamicMasking {
+impl Remasker {
     /// Re-masks `record` with draws from `key`.
-    pub fn apply(&self, record: &mut Record, max_predictions: usize, key: u64) {
+    fn apply(&self, record: &mut Record, key: u64, scratch: &mut MaskScratch) {
         for (&p, &id) in record.masked_lm_positions.iter().zip(&record.masked_lm_ids) {
             if let Some(slot) = record.input_ids.get_mut(p as usize) {
                 *slot = id;
             }
         }
-        let mut candidates: Vec<u32> = (0..record.input_ids.len() as u32)
-            .filter(|&i| {
-                let id = record.input_ids[i as usize];
-                id != self.cls_token_id && id != self.sep_token_id
-            })
-            .collect();
-        shuffle(&mut candidates, key);
-        let wanted = ((record.input_ids.len() as f64 * self.prob).round() as usize)
-            .clamp(1, max_predictions)
-            .min(candidates.len());
-        let mut chosen: Vec<u32> = candidates[..wanted].to_vec();
-        chosen.sort_unstable();
-        let mut state = splitmix(key ^ 0x5EED);
-        record.masked_lm_ids = chosen
-            .iter()
-            .map(|&p| record.input_ids[p as usize])
-            .collect();
-        for &p in &chosen {
-            state = splitmix(state);
-            let roll = state % 10;
-            let slot = &mut record.input_ids[p as usize];
-            if roll < 8 {
-                *slot = self.mask_token_id;
-            } else if roll == 8 {
-                state = splitmix(state);
-                *slot = (state % u64::from(self.vocab_size)) as u32;
-            }
-        }
-        record.masked_lm_positions = chosen;
+        record.masked_lm_positions.clear();
+        record.masked_lm_ids.clear();
+        draw_masks(
+            &mut record.input_ids,
+            &self.options,
+            &self.vocab,
+            key,
+            scratch,
+            &mut record.masked_lm_positions,
+            &mut record.masked_lm_ids,
+        );
     }
 }
 
@@ -216,12 +186,44 @@ impl Batch {
     }
 }
 
+/// The vocabulary stored in `files`, which must all hold the same one (by SHA-256); `None`
+/// when none holds one (records from before vocabularies were stored).
+fn shared_vocabulary(files: &[RecordsFile]) -> Result<Option<VocabIds>, TrainError> {
+    let Some(first) = files.first() else {
+        return Ok(None);
+    };
+    if first
+        .metadata_value(bertkit_records::reader::VOCAB_KEY)
+        .is_none()
+    {
+        return Ok(None);
+    }
+    let (vocab, sha256) = first.vocabulary()?;
+    for file in &files[1..] {
+        let other = file
+            .metadata_value("bertkit.vocab_sha256")
+            .unwrap_or_default();
+        if other != sha256 {
+            return Err(TrainError::Data(format!(
+                "{} was made with another vocabulary than {} (SHA-256 {other} against {sha256}): \
+                 a run reads records of one vocabulary",
+                file.path().display(),
+                first.path().display()
+            )));
+        }
+    }
+    Ok(Some(vocab))
+}
+
 /// The records files of a run and their row groups.
 pub struct Dataset {
     files: Vec<RecordsFile>,
     /// (file, row group, rows), in file order.
     units: Vec<(usize, usize, usize)>,
     options: DataOptions,
+    /// The vocabulary stored in the records (all files agree), when they carry one.
+    vocab: Option<VocabIds>,
+    remasker: Option<Remasker>,
 }
 
 impl Dataset {
@@ -245,16 +247,34 @@ impl Dataset {
         let mut files = Vec::new();
         let mut units = Vec::new();
         for (f, path) in paths.iter().enumerate() {
-            let file = RecordsFile::open(path).map_err(|e| TrainError::Data(e.to_string()))?;
+            let file = RecordsFile::open(path)?;
             for (g, rows) in file.row_group_rows().into_iter().enumerate() {
                 units.push((f, g, rows));
             }
             files.push(file);
         }
+        let vocab = shared_vocabulary(&files)?;
+        let remasker = match &options.dynamic_masking {
+            None => None,
+            Some(masking) => Some(Remasker {
+                options: MaskOptions {
+                    prob: masking.prob,
+                    max_predictions: options.max_predictions,
+                    whole_word: masking.whole_word,
+                },
+                vocab: match &vocab {
+                    Some(v) => v.clone(),
+                    // The first file's error says which file and why.
+                    None => files[0].vocabulary()?.0,
+                },
+            }),
+        };
         let dataset = Dataset {
             files,
             units,
             options,
+            vocab,
+            remasker,
         };
         if dataset.batches_per_epoch() == 0 {
             return Err(TrainError::Data(format!(
@@ -265,6 +285,11 @@ impl Dataset {
             )));
         }
         Ok(dataset)
+    }
+
+    /// The vocabulary the records were made with (stored in every file), if they carry one.
+    pub fn vocabulary(&self) -> Option<&VocabIds> {
+        self.vocab.as_ref()
     }
 
     /// The files, in order.
@@ -307,18 +332,13 @@ impl Dataset {
 
     fn unit_rows(&self, epoch: u64, unit: usize) -> Result<Vec<Record>, TrainError> {
         let (f, g, _) = self.units[unit];
-        let mut rows = self.files[f]
-            .read_row_group(g)
-            .map_err(|e| TrainError::Data(e.to_string()))?;
+        let mut rows = self.files[f].read_row_group(g)?;
         let key = splitmix(self.options.seed ^ splitmix(epoch ^ splitmix(unit as u64 + 1)));
         shuffle(&mut rows, key);
-        if let Some(masking) = &self.options.dynamic_masking {
+        if let Some(remasker) = &self.remasker {
+            let mut scratch = MaskScratch::default();
             for (i, row) in rows.iter_mut().enumerate() {
-                masking.apply(
-                    row,
-                    self.options.max_predictions,
-                    splitmix(key ^ splitmix(i as u64 + 7)),
-                );
+                remasker.apply(row, splitmix(key ^ splitmix(i as u64 + 7)), &mut scratch);
             }
         }
         Ok(rows)
@@ -463,37 +483,60 @@ mod tests {
         assert_eq!(b.tokens, 6);
     }
 
+    /// A vocabulary laid out as `bertkit vocab` writes one: `[PAD] [UNK] [CLS] [SEP] [MASK]`
+    /// at 0..5, not BERT's 0, 100, 101, 102, 103; then 55 words.
+    fn trained_layout_vocab() -> VocabIds {
+        let mut text = String::from("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n");
+        for w in 5..60 {
+            text.push_str(&format!("w{w}\n"));
+        }
+        let tokenizer =
+            bertkit_records::FullTokenizer::from_vocab_text(Path::new("vocab.txt"), &text, true)
+                .unwrap();
+        VocabIds::new(&tokenizer).unwrap()
+    }
+
     #[test]
     fn dynamic_masking_undoes_the_stored_masks_and_draws_new_ones() {
-        let original: Vec<u32> = (0..40).map(|i| 1000 + i).collect();
-        let mut ids = original.clone();
-        ids[0] = 101;
-        ids[39] = 102;
+        let vocab = trained_layout_vocab();
+        assert_eq!(
+            (vocab.cls, vocab.sep, vocab.mask, vocab.size()),
+            (2, 3, 4, 60)
+        );
+        let mut ids: Vec<u32> = (0..40).map(|i| 10 + i).collect();
+        ids[0] = 2;
+        ids[20] = 3;
+        ids[39] = 3;
         let mut stored = ids.clone();
-        stored[5] = 103;
+        stored[5] = 4;
         let record = Record {
             input_ids: stored,
             segment_ids: vec![0; 40],
             masked_lm_positions: vec![5],
-            masked_lm_ids: vec![1005],
+            masked_lm_ids: vec![15],
             next_sentence_label: 0,
         };
-        let m = DynamicMasking {
-            prob: 0.15,
-            mask_token_id: 103,
-            cls_token_id: 101,
-            sep_token_id: 102,
-            vocab_size: 30522,
+        let m = Remasker {
+            options: MaskOptions {
+                prob: 0.15,
+                max_predictions: 20,
+                whole_word: false,
+            },
+            vocab,
         };
+        let mut scratch = MaskScratch::default();
         let mut a = record.clone();
-        m.apply(&mut a, 20, 1);
+        m.apply(&mut a, 1, &mut scratch);
         let mut b = record.clone();
-        m.apply(&mut b, 20, 2);
+        m.apply(&mut b, 2, &mut scratch);
+        // round(40 × 0.15) = 6 positions.
         assert_eq!(a.masked_lm_positions.len(), 6);
         assert_ne!(a.masked_lm_positions, b.masked_lm_positions);
         for r in [&a, &b] {
             assert!(r.masked_lm_positions.windows(2).all(|w| w[0] < w[1]));
-            assert!(!r.masked_lm_positions.contains(&0) && !r.masked_lm_positions.contains(&39));
+            for special in [0, 20, 39] {
+                assert!(!r.masked_lm_positions.contains(&special), "{special}");
+            }
             // Putting the labels back gives the unmasked sequence.
             let mut restored = r.input_ids.clone();
             for (&p, &id) in r.masked_lm_positions.iter().zip(&r.masked_lm_ids) {
@@ -502,22 +545,25 @@ mod tests {
             assert_eq!(restored, ids);
         }
         let mut again = record.clone();
-        m.apply(&mut again, 20, 1);
+        m.apply(&mut again, 1, &mut scratch);
         assert_eq!(again, a);
-        // The 80/10/10 split over many draws.
-        let (mut masked, mut total) = (0, 0);
-        for key in 0..400 {
+        // The 80/10/10 split over many draws, with this vocabulary's [MASK] and words.
+        let (mut masked, mut kept, mut total) = (0, 0, 0);
+        for key in 0..1000 {
             let mut r = record.clone();
-            m.apply(&mut r, 20, key);
-            masked += r
-                .masked_lm_positions
-                .iter()
-                .filter(|&&p| r.input_ids[p as usize] == 103)
-                .count();
-            total += r.masked_lm_positions.len();
+            m.apply(&mut r, key, &mut scratch);
+            for (&p, &label) in r.masked_lm_positions.iter().zip(&r.masked_lm_ids) {
+                let seen = r.input_ids[p as usize];
+                assert!(seen < 60 && seen != 103, "{seen}");
+                masked += usize::from(seen == 4);
+                kept += usize::from(seen == label);
+                total += 1;
+            }
         }
-        let share = masked as f64 / total as f64;
-        assert!((share - 0.8).abs() < 0.03, "{share}");
+        let share = |n: usize| n as f64 / total as f64;
+        assert!((share(masked) - 0.8).abs() < 0.02, "{}", share(masked));
+        // Kept: 10%, plus a random word that happens to be the original (1 in 60 of 10%).
+        assert!((share(kept) - 0.1017).abs() < 0.015, "{}", share(kept));
     }
 
     #[test]

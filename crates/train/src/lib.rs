@@ -40,6 +40,9 @@ pub enum TrainError {
     /// The loss or gradients stopped being finite.
     #[error("diverged: {0}")]
     Diverged(String),
+    /// A records file could not be read.
+    #[error("data: {0}")]
+    Records(#[from] bertkit_records::run::RecordsError),
     /// The model refused.
     #[error(transparent)]
     Model(#[from] bertkit_model::ModelError),

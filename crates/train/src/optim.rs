@@ -33,6 +33,7 @@ pub enum Rule {
 
 /// Optimiser hyper-parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct OptimizerConfig {
     /// The rule.
     pub rule: Rule,

@@ -21,6 +21,7 @@ pub enum Decay {
 
 /// A warmup + decay schedule.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Schedule {
     /// Peak learning rate.
     pub lr: f64,

@@ -270,12 +270,19 @@ impl Trainer {
                 seed: config.data.seed,
                 ranks: options.ranks,
                 prefetch: 4,
-                dynamic_masking: config.data.dynamic_masking.clone().map(|mut m| {
-                    m.vocab_size = model.config.vocab_size as u32;
-                    m
-                }),
+                dynamic_masking: config.data.dynamic_masking.clone(),
             },
         )?);
+        if let Some(vocab) = dataset.vocabulary()
+            && vocab.size() > model.config.vocab_size
+        {
+            return Err(TrainError::Data(format!(
+                "the records' vocabulary has {} tokens, more than the model's vocab_size {}: \
+                 set [model] vocab_size (or use a config.json) to match the vocabulary",
+                vocab.size(),
+                model.config.vocab_size
+            )));
+        }
         let dropout =
             DropoutSource::new(config.train.seed ^ 0xD50F_0000 ^ options.ranks.rank as u64);
         let mut scaler =

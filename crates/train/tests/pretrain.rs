@@ -16,10 +16,21 @@ use bertkit_train::trainer::{RunOptions, Trainer, checkpoints};
 
 /// Records (sequence length 64, 10 predictions) from the first 1500 lines of Emma.
 fn records(dir: &Path) -> PathBuf {
+    records_with_vocab(dir, &require("minilm/vocab.txt"))
+}
+
+/// The first 1500 lines of Emma, as formatted text.
+fn emma(dir: &Path) -> PathBuf {
     let text = std::fs::read_to_string(require("gutenberg/austen-emma.txt")).unwrap();
     let cut: String = text.lines().take(1500).map(|l| format!("{l}\n")).collect();
     let input = dir.join("emma.txt");
     std::fs::write(&input, cut).unwrap();
+    input
+}
+
+/// Records of Emma's first 1500 lines made with `vocab`.
+fn records_with_vocab(dir: &Path, vocab: &Path) -> PathBuf {
+    let input = emma(dir);
     let out = dir.join("emma.parquet");
     let options = RecordsOptions {
         instances: InstanceOptions {
@@ -31,8 +42,7 @@ fn records(dir: &Path) -> PathBuf {
         lower_case: true,
         compat: Compat::None,
     };
-    let summary =
-        records_to_file(&[input], &require("minilm/vocab.txt"), &out, None, &options).unwrap();
+    let summary = records_to_file(&[input], vocab, &out, None, &options).unwrap();
     assert!(summary.instances > 300, "{}", summary.instances);
     out
 }
@@ -388,6 +398,62 @@ fn dynamic_masking_draws_new_masks_over_the_same_sequences() {
     assert_ne!(x.masked_positions, y.masked_positions);
     let run = b.run(&mut |_| {}).unwrap();
     assert!(run.metrics.iter().all(|m| m.loss.is_finite()));
+}
+
+/// With a vocabulary trained on the corpus (`[CLS] [SEP] [MASK]` at 2, 3, 4, not BERT's 101,
+/// 102, 103, and far fewer than 30522 tokens), dynamic masking takes its ids from the
+/// vocabulary stored in the records.
+#[test]
+fn dynamic_masking_uses_the_records_vocabulary() {
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = dir.path().join("vocab.txt");
+    let size =
+        bertkit_records::vocab::train_vocab(&[emma(dir.path())], 2000, true, &vocab).unwrap();
+    assert!(size <= 2000, "{size}");
+    let records = records_with_vocab(dir.path(), &vocab);
+    let mut c = config(&records, &dir.path().join("run"));
+    c.data.dynamic_masking = Some(toml::from_str("").unwrap());
+    let trainer = Trainer::new(c, RunOptions::default()).unwrap();
+    let (mut masked, mut total) = (0, 0);
+    let mut stream = trainer.dataset().stream(Cursor::default());
+    for _ in 0..10 {
+        let batch = stream.next_batch().unwrap();
+        for r in unpad(&batch) {
+            assert_eq!(r.input_ids[0], 2, "[CLS] of the trained vocabulary");
+            for (&p, &label) in r.masked_lm_positions.iter().zip(&r.masked_lm_ids) {
+                assert!(label != 2 && label != 3, "a special token was masked");
+                let seen = r.input_ids[p as usize];
+                assert!((seen as usize) < size, "id {seen} beyond the vocabulary");
+                masked += usize::from(seen == 4);
+                total += 1;
+            }
+        }
+    }
+    let share = masked as f64 / total as f64;
+    assert!(
+        (share - 0.8).abs() < 0.05,
+        "{share} of {total} masks are [MASK] = 4"
+    );
+    // A model whose embedding table is smaller than the records' vocabulary is refused.
+    let mut small = config(&records, &dir.path().join("small"));
+    small.model.vocab_size = Some(size - 1);
+    let err = Trainer::new(small, RunOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("more than the model's vocab_size"), "{err}");
+}
+
+/// Unknown keys in a config are named, not reported as a missing field.
+#[test]
+fn config_typos_are_named() {
+    let err = toml::from_str::<PretrainConfig>(
+        "output = \"x\"\n[data]\nrecords = [\"r\"]\nmicro_bach = 8\nmax_predictions = 20\n",
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("micro_bach"), "{err}");
 }
 
 #[test]
