@@ -752,7 +752,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Split(c) => tasks::split(c)?,
         Command::Bench(BenchCommand::Inference(args)) => bench_inference(args)?,
         Command::Vocab(args) => {
-            let n = bertkit_records::vocab::train_vocab(
+            let n = bertkit_tokenizer::vocab::train_vocab(
                 &args.input,
                 args.size,
                 !args.cased,
@@ -838,7 +838,7 @@ fn shard(args: ShardArgs) -> Result<(), bertkit_shard::ShardError> {
 /// Reads stdin in batches, tokenizes each batch in parallel, writes JSONL in input order.
 fn tokenize(args: TokenizeArgs) -> Result<(), Box<dyn std::error::Error>> {
     use std::io::{BufRead, BufWriter};
-    let tokenizer = bertkit_records::FullTokenizer::from_vocab_file(&args.vocab, !args.cased)?;
+    let tokenizer = bertkit_tokenizer::FullTokenizer::from_vocab_file(&args.vocab, !args.cased)?;
     let stdin = std::io::stdin().lock();
     let mut out = BufWriter::new(std::io::stdout().lock());
     let mut lines = stdin.split(b'\n');

@@ -121,12 +121,21 @@ pub enum PipelineError {
     /// The config is unreadable or inconsistent.
     #[error("{0}")]
     Config(String),
-    /// A step failed.
-    #[error("step {step}: {message}")]
+    /// A step's stage failed.
+    #[error("step {step}: {source}")]
     Step {
         /// The step.
         step: String,
-        /// Its error.
+        /// The stage's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The ranks could not meet after a step.
+    #[error("step {step}: {message}")]
+    Merge {
+        /// The step.
+        step: String,
+        /// What went wrong, and where.
         message: String,
     },
 }
@@ -186,10 +195,12 @@ fn fingerprint(config: &PipelineConfig, mirror: Option<&str>, ranks: Ranks) -> S
     format!("{:016x}", h.finish())
 }
 
-fn step_err(step: &str) -> impl Fn(String) -> PipelineError + '_ {
-    move |message| PipelineError::Step {
+fn step_err<E: std::error::Error + Send + Sync + 'static>(
+    step: &str,
+) -> impl Fn(E) -> PipelineError + '_ {
+    move |e| PipelineError::Step {
         step: step.into(),
-        message,
+        source: Box::new(e),
     }
 }
 
@@ -237,7 +248,7 @@ pub fn run(
             },
             &bertkit_download::Silent,
         )
-        .map_err(|e| step_err(&step)(e.to_string()))?;
+        .map_err(step_err(&step))?;
         let fetched = done
             .iter()
             .filter(|(_, o)| !matches!(o, bertkit_download::Outcome::AlreadyPresent { .. }))
@@ -289,7 +300,7 @@ pub fn run(
             &Default::default(),
             &bertkit_format::Silent,
         )
-        .map_err(|e| step_err("format wiki")(e.to_string()))?;
+        .map_err(step_err("format wiki"))?;
         emit(format_step("wiki", outcome, started), &mut reports);
     }
     if !config.format.wiki.is_empty() {
@@ -305,7 +316,7 @@ pub fn run(
             &Default::default(),
             &bertkit_format::Silent,
         )
-        .map_err(|e| step_err("format books")(e.to_string()))?;
+        .map_err(step_err("format books"))?;
         emit(format_step("books", outcome, started), &mut reports);
     }
     if !config.format.books.is_empty() {
@@ -340,8 +351,8 @@ pub fn run(
         world_size: ranks.world_size,
         ..Default::default()
     };
-    let outcome = bertkit_shard::shard(&formatted, &shards, &options, &|_| {})
-        .map_err(|e| step_err("shard")(e.to_string()))?;
+    let outcome =
+        bertkit_shard::shard(&formatted, &shards, &options, &|_| {}).map_err(step_err("shard"))?;
     let m = outcome.manifest();
     emit(
         StepReport {
@@ -363,8 +374,8 @@ pub fn run(
     // Records, per phase, from this rank's train shards.
     let vocab = raw.join(&config.records.vocab);
     let train_shards = ranks.share(
-        bertkit_shard::expand_inputs(&[shards.join("train")])
-            .map_err(|e| step_err("records")(e.to_string()))?,
+        bertkit_stage_io::text::expand_text_inputs(&[shards.join("train")])
+            .map_err(step_err("records"))?,
     );
     for &phase in &config.records.phases {
         let step = format!("records phase {phase}");
@@ -393,7 +404,7 @@ pub fn run(
         }
         let summaries =
             bertkit_records::run::records_to_dir(&train_shards, &vocab, &out, &options, &|_| {})
-                .map_err(|e| step_err(&step)(e.to_string()))?;
+                .map_err(step_err(&step))?;
         let written: Vec<_> = summaries.iter().filter(|s| !s.skipped).collect();
         emit(
             StepReport {

@@ -58,7 +58,7 @@ impl MergePoints {
         let mine = self.marker(step, self.ranks.rank);
         std::fs::create_dir_all(&self.dir)
             .and_then(|()| bertkit_stage_io::write_atomically(&mine, self.fingerprint.as_bytes()))
-            .map_err(|e| PipelineError::Step {
+            .map_err(|e| PipelineError::Merge {
                 step: step.into(),
                 message: format!("{}: {e}", mine.display()),
             })?;
@@ -77,7 +77,7 @@ impl MergePoints {
                 return Ok(());
             }
             if started.elapsed() >= self.timeout {
-                return Err(PipelineError::Step {
+                return Err(PipelineError::Merge {
                     step: step.into(),
                     message: format!(
                         "{}: gave up after {:.0} s waiting for rank(s) {missing:?} to finish it \

@@ -24,10 +24,10 @@ use crate::corpus::{Corpus, DocumentRef};
 use crate::draws::Draws;
 pub use crate::masking::VocabIds;
 use crate::masking::{MaskOptions, MaskScratch, draw_masks, mask_tokens};
-use crate::prefetch::prefetch;
 use crate::pyrandom::PyRandom;
-use crate::tokenizer::FullTokenizer;
 use bertkit_rng::FastRng;
+use bertkit_stage_io::prefetch::prefetch;
+use bertkit_tokenizer::FullTokenizer;
 
 /// The knobs of `create_pretraining_data.py`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

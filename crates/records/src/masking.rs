@@ -14,7 +14,7 @@ use bertkit_rng::FastRng;
 use serde::{Deserialize, Serialize};
 
 use crate::draws::Draws;
-use crate::tokenizer::FullTokenizer;
+use bertkit_tokenizer::FullTokenizer;
 
 /// How many positions are masked, and which may be.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -15,7 +15,7 @@ use parquet::arrow::arrow_reader::{
 
 use crate::masking::VocabIds;
 use crate::run::RecordsError;
-use crate::tokenizer::FullTokenizer;
+use bertkit_tokenizer::FullTokenizer;
 
 /// The metadata key under which every records file keeps the text of the vocabulary it was made
 /// with (`vocab.txt`, one token per line): its ids, special tokens and size travel with the

@@ -24,7 +24,7 @@ use crate::corpus::Corpus;
 use crate::instances::{
     InstanceOptions, Instances, VocabIds, create_instances, create_instances_google,
 };
-use crate::tokenizer::FullTokenizer;
+use bertkit_tokenizer::FullTokenizer;
 
 /// How seeds are given to shards in directory mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,12 +50,20 @@ pub struct RecordsOptions {
 /// Why a records run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RecordsError {
-    /// Reading an input failed.
+    /// Reading an input failed (unreadable, or a line not UTF-8).
     #[error(transparent)]
-    Read(#[from] bertkit_shard::ShardError),
+    Read(#[from] bertkit_stage_io::text::TextError),
+    /// An input could not be looked at.
+    #[error("{path}: {source}")]
+    Input {
+        /// The input.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
     /// The vocabulary is unusable.
     #[error(transparent)]
-    Vocab(#[from] crate::tokenizer::VocabError),
+    Vocab(#[from] bertkit_tokenizer::VocabError),
     /// Writing an output failed.
     #[error("{path}: {message}")]
     Write {
@@ -144,11 +152,11 @@ fn tokenize_file(
     text: &mut String,
 ) -> Result<(Vec<TokenizedChunk>, bertkit_stage_io::InputFile), RecordsError> {
     let mut fingerprint =
-        bertkit_stage_io::InputFile::stat(path).map_err(|e| bertkit_shard::ShardError::Io {
+        bertkit_stage_io::InputFile::stat(path).map_err(|source| RecordsError::Input {
             path: path.into(),
-            source: e,
+            source,
         })?;
-    let (whole, sha256) = bertkit_shard::documents::DocumentReader::open(path)?.whole_text(text)?;
+    let (whole, sha256) = bertkit_stage_io::text::DocumentReader::open(path)?.whole_text(text)?;
     fingerprint.sha256 = sha256;
     let text = whole.as_str();
     let mut chunks = Vec::with_capacity(text.len() / TOKENIZE_CHUNK_BYTES + 1);
@@ -171,10 +179,10 @@ fn tokenize_file(
                 ids: Vec::with_capacity(chunk.len() / 4),
                 ..TokenizedChunk::default()
             };
-            for line in bertkit_shard::documents::lines(chunk) {
+            for line in bertkit_stage_io::text::lines(chunk) {
                 match line {
                     Some(line) => {
-                        tokenizer.extend_ids_thread_cached(line, &mut out.ids);
+                        tokenizer.extend_ids(line, &mut out.ids);
                         // A sentence that tokenizes to nothing is dropped.
                         if out.ids.len() > out.ends.last().copied().unwrap_or(0) {
                             out.ends.push(out.ids.len());
@@ -317,7 +325,7 @@ struct Vocabulary {
 impl Vocabulary {
     fn load(path: &Path, lower_case: bool) -> Result<Self, RecordsError> {
         // Read once: hashed as bytes, then parsed.
-        let io_error = |source| crate::tokenizer::VocabError::Io {
+        let io_error = |source| bertkit_tokenizer::VocabError::Io {
             path: path.into(),
             source,
         };
@@ -388,7 +396,7 @@ pub fn records_to_file(
     options: &RecordsOptions,
 ) -> Result<FileSummary, RecordsError> {
     let vocab = Vocabulary::load(vocab, options.lower_case)?;
-    let files = bertkit_shard::expand_inputs(inputs)?;
+    let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     let clock = std::time::Instant::now();
     let mut text = String::new();
     let mut tokenized = Vec::with_capacity(files.len());
@@ -439,7 +447,7 @@ pub fn records_to_dir(
     progress: &(dyn Fn(&FileSummary) + Sync),
 ) -> Result<Vec<FileSummary>, RecordsError> {
     let vocab = Vocabulary::load(vocab, options.lower_case)?;
-    let files = bertkit_shard::expand_inputs(inputs)?;
+    let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     std::fs::create_dir_all(output_dir).map_err(|e| RecordsError::Write {
         path: output_dir.into(),
         message: e.to_string(),
@@ -461,12 +469,11 @@ pub fn records_to_dir(
             let mut shard_options = options.clone();
             shard_options.instances.seed =
                 shard_seed(options.instances.seed, &name, options.compat);
-            let stat = bertkit_stage_io::InputFile::stat(path).map_err(|e| {
-                bertkit_shard::ShardError::Io {
+            let stat =
+                bertkit_stage_io::InputFile::stat(path).map_err(|source| RecordsError::Input {
                     path: path.clone(),
-                    source: e,
-                }
-            })?;
+                    source,
+                })?;
             if is_current(
                 &output,
                 &shard_options,
@@ -567,7 +574,7 @@ mod tests {
         std::fs::write(&path, &text).unwrap();
 
         let (corpus, fingerprint) = read_tokenized(&path, &tokenizer).unwrap();
-        let mut reader = bertkit_shard::documents::DocumentReader::open(&path).unwrap();
+        let mut reader = bertkit_stage_io::text::DocumentReader::open(&path).unwrap();
         let mut documents = Vec::new();
         while let Some(doc) = reader.next_document().unwrap() {
             let doc = String::from_utf8(doc.text).unwrap();

@@ -1,10 +1,10 @@
 //! `create_pretraining_data.py` compatibility: on `bert/sample_text.txt` with the reference's
 //! flags and seed, the instances equal the reference script's, one for one, in order.
 
-use bertkit_records::FullTokenizer;
 use bertkit_records::instances::{InstanceOptions, VocabIds, create_instances_google_with};
 use bertkit_records::pyrandom::PyRandom;
 use bertkit_shared_data::require;
+use bertkit_tokenizer::FullTokenizer;
 
 fn check(reference_dir: &str, words_drawn: u64) {
     let params: serde_json::Value = serde_json::from_str(

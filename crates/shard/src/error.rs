@@ -13,18 +13,9 @@ pub enum ShardError {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// A line of an input is not UTF-8.
-    #[error(
-        "{path}: line {line} (byte offset {offset} of the decompressed text) is not valid UTF-8"
-    )]
-    InvalidUtf8 {
-        /// The input.
-        path: PathBuf,
-        /// 1-based line number.
-        line: u64,
-        /// Byte offset of the line's start in the (decompressed) text.
-        offset: u64,
-    },
+    /// An input could not be read as formatted text (unreadable, or a line not UTF-8).
+    #[error(transparent)]
+    Input(#[from] bertkit_stage_io::text::TextError),
     /// Bad arguments or an empty corpus.
     #[error("{0}")]
     Usage(String),

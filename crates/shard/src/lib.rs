@@ -57,7 +57,6 @@
 //! removes before it starts.
 
 pub mod balance;
-pub mod documents;
 pub mod error;
 pub mod manifest;
 pub mod output;
@@ -158,21 +157,6 @@ impl ShardOutcome {
     }
 }
 
-/// Expands directories into their `.txt` and `.txt.zst` files (sorted, hidden files skipped);
-/// files are kept as given.
-pub fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, ShardError> {
-    let files = bertkit_stage_io::expand_inputs(inputs, |name| {
-        name.ends_with(".txt") || name.ends_with(".txt.zst")
-    })
-    .map_err(|(path, e)| ShardError::io(path, e))?;
-    if files.is_empty() {
-        return Err(ShardError::Usage(
-            "no input files: give .txt or .txt.zst files or folders holding them".into(),
-        ));
-    }
-    Ok(files)
-}
-
 fn validate(options: &ShardOptions) -> Result<(), ShardError> {
     let usage = |m: &str| Err(ShardError::Usage(m.into()));
     if options.num_train_shards == 0 {
@@ -211,7 +195,7 @@ pub fn shard(
 ) -> Result<ShardOutcome, ShardError> {
     let started = Instant::now();
     validate(options)?;
-    let files = expand_inputs(inputs)?;
+    let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     let mut input_files = files
         .iter()
         .map(|p| InputFile::stat(p).map_err(|e| ShardError::io(p, e)))
@@ -254,7 +238,7 @@ pub fn shard(
             path.display(),
             documents
         ));
-        let mut reader = documents::DocumentReader::open(path)?;
+        let mut reader = bertkit_stage_io::text::DocumentReader::open(path)?;
         while let Some(doc) = reader.next_document()? {
             sentences += u64::from(doc.sentences);
             bytes += doc.text.len() as u64 + 1;

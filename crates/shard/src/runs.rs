@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
-use crate::documents::Document;
 use crate::error::ShardError;
+use bertkit_stage_io::text::Document;
 
 /// Runs merged at once.
 pub const FAN_IN: usize = 64;

@@ -1,6 +1,7 @@
 //! The shard stage on the formatted enwiki chunk and Gutenberg books from the shared data
 //! folder, and on that corpus scaled up.
 
+use bertkit_stage_io::text::TextError;
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -96,7 +97,7 @@ fn all_output_documents(out: &Path, manifest: &ShardManifest) -> Vec<String> {
 }
 
 fn input_documents(inputs: &[PathBuf]) -> Vec<String> {
-    let mut docs: Vec<String> = bertkit_shard::expand_inputs(inputs)
+    let mut docs: Vec<String> = bertkit_stage_io::text::expand_text_inputs(inputs)
         .unwrap()
         .iter()
         .flat_map(|p| documents_of(&read_shard(p)))
@@ -402,7 +403,10 @@ fn bad_input_is_a_clear_error() {
     )
     .unwrap_err();
     assert!(
-        matches!(err, ShardError::InvalidUtf8 { line: 3, .. }),
+        matches!(
+            err,
+            ShardError::Input(TextError::InvalidUtf8 { line: 3, .. })
+        ),
         "{err}"
     );
     assert!(err.to_string().contains("bad.txt: line 3"), "{err}");

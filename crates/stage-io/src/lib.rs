@@ -7,12 +7,17 @@
 //! - [`InputFile`]: an input's fingerprint, and whether a file is still the one fingerprinted;
 //! - [`HashingReader`]: a reader that hashes (SHA-256) and counts what passes through it;
 //! - [`write_atomically`]: write a file whole or not at all;
+//! - [`prefetch`]: a memory hint for scattered reads (hash tables, shuffled rows);
+//! - [`text`]: reading formatted text (one sentence per line, blank lines between documents,
+//!   plain or zstd), as the shard and records stages take it;
 //! - [`expand_inputs`]: files as given, folders as their matching files in sorted order;
 //! - [`hex`]: lower-case hex of a digest;
 //! - [`Ranks`]: this process's share of the work in a multi-process run (`RANK`/`WORLD_SIZE`,
 //!   Slurm and Open MPI variables).
 
+pub mod prefetch;
 mod ranks;
+pub mod text;
 pub use ranks::{RANK_VARIABLES, Ranks};
 
 use std::cell::Cell;

@@ -5,11 +5,6 @@ use candle_core::{Device, Tensor};
 
 use crate::TaskError;
 
-/// Model-side failures, as task errors.
-pub(crate) fn model_err(e: impl std::fmt::Display) -> TaskError {
-    TaskError::Model(e.to_string())
-}
-
 /// Pads `(ids, segments)` pairs to the longest with id 0, segment 0 and attention mask 0, and
 /// returns the checked inputs and the `[batch, longest]` attention mask (1 = token).
 pub fn pad(
@@ -30,8 +25,8 @@ pub fn pad(
         segs.extend(s.iter().copied().chain(std::iter::repeat_n(0, padding)));
         mask.extend(std::iter::repeat_n(1u32, i.len()).chain(std::iter::repeat_n(0, padding)));
     }
-    let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, longest), device).map_err(model_err);
+    let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, longest), device);
     let mask = t(mask)?;
-    let inputs = Inputs::new(config, &t(ids)?, Some(&t(segs)?), Some(&mask)).map_err(model_err)?;
+    let inputs = Inputs::new(config, &t(ids)?, Some(&t(segs)?), Some(&mask))?;
     Ok((inputs, mask))
 }

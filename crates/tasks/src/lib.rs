@@ -44,9 +44,18 @@ pub enum TaskError {
         /// What is wrong, and where.
         message: String,
     },
-    /// The model or a tensor operation failed.
+    /// The model refused (a bad checkpoint, a shape, an input).
     #[error("model: {0}")]
-    Model(String),
+    Model(#[from] bertkit_model::ModelError),
+    /// A tensor operation failed.
+    #[error("model: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The training step or optimiser failed (a non-finite loss, a bad setting).
+    #[error(transparent)]
+    Train(#[from] bertkit_train::TrainError),
+    /// A model folder's vocabulary is unusable.
+    #[error(transparent)]
+    Vocab(#[from] bertkit_tokenizer::VocabError),
     /// Settings that cannot work.
     #[error("settings: {0}")]
     Settings(String),

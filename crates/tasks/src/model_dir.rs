@@ -4,19 +4,17 @@
 use std::path::Path;
 
 use bertkit_model::bert::{BertArchitecture, Loaded, save};
-use bertkit_records::FullTokenizer;
+use bertkit_tokenizer::FullTokenizer;
 use candle_core::DType;
 
 use crate::TaskError;
-use crate::batch::model_err;
 
 /// The folder's `vocab.txt` as Google's tokenizer.
 pub fn load_tokenizer(model: &Path, lower_case: bool) -> Result<FullTokenizer, TaskError> {
-    let vocab = model.join("vocab.txt");
-    FullTokenizer::from_vocab_file(&vocab, lower_case).map_err(|e| TaskError::Format {
-        path: vocab,
-        message: e.to_string(),
-    })
+    Ok(FullTokenizer::from_vocab_file(
+        &model.join("vocab.txt"),
+        lower_case,
+    )?)
 }
 
 /// Saves a fine-tuned `model` to `output` (f32 weights) with the `vocab.txt` of the folder it
@@ -26,7 +24,7 @@ pub fn save_finetuned<M: BertArchitecture>(
     started_from: &Path,
     output: &Path,
 ) -> Result<(), TaskError> {
-    save(model, output, DType::F32).map_err(model_err)?;
+    save(model, output, DType::F32)?;
     let copy = output.join("vocab.txt");
     std::fs::copy(started_from.join("vocab.txt"), &copy).map_err(|e| TaskError::Io {
         path: copy,

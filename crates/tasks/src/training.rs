@@ -7,16 +7,17 @@
 //! global-norm clipping at 1.0) keeps f32 master weights, so the model may run in bf16 or
 //! fp16; fp16 scales the loss dynamically and skips steps whose gradients overflow. The
 //! learning rate warms up linearly over `warmup` of the steps and then decays linearly to 0.
+//! The step itself (accumulation, loss scaling, update) is pre-training's:
+//! [`bertkit_train::step`].
 
 use bertkit_model::{DropoutSource, Mode, ParamStore};
 use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
 use bertkit_train::scaler::LossScaler;
 use bertkit_train::schedule::{Decay, Schedule};
+use bertkit_train::step::{Local, Step};
 use candle_core::{DType, Tensor};
-use std::collections::BTreeMap;
 
 use crate::TaskError;
-use crate::batch::model_err;
 
 /// Fine-tuning hyper-parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -135,18 +136,16 @@ pub fn train(
         decay: Decay::Linear,
         power: 1.0,
     };
-    schedule.validate().map_err(model_err)?;
+    schedule.validate()?;
     let mut optimizer = Optimizer::new(
         OptimizerConfig {
             rule: Rule::Adamw,
             ..OptimizerConfig::lamb()
         },
         params.vars(),
-    )
-    .map_err(model_err)?;
+    )?;
     let fp16 = params.vars().values().any(|v| v.dtype() == DType::F16);
     let mut scaler = fp16.then(|| LossScaler::new(50));
-    let master = optimizer.master_dtype();
     let dropout = DropoutSource::new(settings.seed);
     let started = std::time::Instant::now();
     let mut log = TrainLog {
@@ -156,9 +155,9 @@ pub fn train(
         seconds: 0.0,
     };
     let mut order = Vec::new();
-    for step in 0..steps {
-        let epoch = step / steps_per_epoch;
-        let within = step % steps_per_epoch;
+    for step_index in 0..steps {
+        let epoch = step_index / steps_per_epoch;
+        let within = step_index % steps_per_epoch;
         if within == 0 {
             order = shuffled(
                 examples,
@@ -167,60 +166,32 @@ pub fn train(
         }
         let batch = &order[within * settings.batch..((within + 1) * settings.batch).min(examples)];
         let micro = batch.len().div_ceil(settings.accumulation);
-        let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut step = Step::begin(params.vars(), &optimizer, scaler.as_ref());
         let mut step_loss = 0f64;
         for part in batch.chunks(micro) {
+            // Each micro-batch's mean loss, weighted by its share of the batch: the gradients
+            // add up to the batch mean's.
             let weight = part.len() as f64 / batch.len() as f64;
-            let loss = loss_of(part, Mode::Train(&dropout))?;
-            step_loss += weight
-                * loss
-                    .to_dtype(DType::F64)
-                    .and_then(|l| l.to_scalar::<f64>())
-                    .map_err(model_err)?;
-            let g = (loss * (weight * scale))
-                .and_then(|l| l.backward())
-                .map_err(model_err)?;
-            for (name, var) in params.vars() {
-                let Some(g) = g.get(var.as_tensor()) else {
-                    continue;
-                };
-                let g = g.to_dtype(master).map_err(model_err)?;
-                let sum = match grads.remove(name) {
-                    Some(acc) => (acc + g).map_err(model_err)?,
-                    None => g,
-                };
-                grads.insert(name.clone(), sum);
-            }
+            let loss = (loss_of(part, Mode::Train(&dropout))? * weight)?;
+            step_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            step.backward(&loss)?;
         }
-        if scale != 1.0 {
-            for g in grads.values_mut() {
-                *g = (&*g / scale).map_err(model_err)?;
-            }
-        }
-        let apply = match &mut scaler {
-            Some(s) => {
-                let finite = Optimizer::global_norm(&grads)
-                    .map_err(model_err)?
-                    .is_finite();
-                s.update(finite, step as u64 + 1).map_err(model_err)?
-            }
-            None => true,
-        };
-        if apply {
-            optimizer
-                .step(&grads, schedule.lr_at(step as u64))
-                .map_err(model_err)?;
-        } else {
-            log.skipped += 1;
-        }
+        let lr = schedule.lr_at(step_index as u64);
+        let outcome = step.finish(
+            &Local,
+            &mut optimizer,
+            scaler.as_mut(),
+            lr,
+            step_index as u64 + 1,
+            step_loss,
+        )?;
+        log.skipped += usize::from(!outcome.applied);
         log.losses.push(step_loss);
         log.steps += 1;
-        if (step + 1) % 20 == 0 || step + 1 == steps {
+        if (step_index + 1) % 20 == 0 || step_index + 1 == steps {
             progress(&format!(
-                "step {}/{steps} loss {step_loss:.4} lr {:.2e} ({:.1} s)",
-                step + 1,
-                schedule.lr_at(step as u64),
+                "step {}/{steps} loss {step_loss:.4} lr {lr:.2e} ({:.1} s)",
+                step_index + 1,
                 started.elapsed().as_secs_f64()
             ));
         }

@@ -7,11 +7,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use bertkit_records::FullTokenizer;
 use bertkit_shared_data::require;
 use bertkit_stage_io::hex;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::features::{FeatureOptions, build_features, read_examples};
+use bertkit_tokenizer::FullTokenizer;
 use sha2::{Digest, Sha256};
 
 fn digests(data: &str, training: bool, version_2: bool) -> Vec<String> {

@@ -6,13 +6,13 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use bertkit_records::FullTokenizer;
 use bertkit_shared_data::require;
 use bertkit_stage_io::hex;
 use bertkit_tasks::pyfloat::repr;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::features::{FeatureOptions, build_features, read_examples};
 use bertkit_tasks::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
+use bertkit_tokenizer::FullTokenizer;
 use sha2::{Digest, Sha256};
 
 fn logit(feature: usize, position: usize, salt: usize) -> f32 {

@@ -491,7 +491,7 @@ mod tests {
             text.push_str(&format!("w{w}\n"));
         }
         let tokenizer =
-            bertkit_records::FullTokenizer::from_vocab_text(Path::new("vocab.txt"), &text, true)
+            bertkit_tokenizer::FullTokenizer::from_vocab_text(Path::new("vocab.txt"), &text, true)
                 .unwrap();
         VocabIds::new(&tokenizer).unwrap()
     }

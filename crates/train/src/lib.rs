@@ -8,6 +8,8 @@
 //! - [`optim`]: LAMB and AdamW with f32 master weights, gradient clipping, decoupled weight decay.
 //! - [`schedule`]: warmup + polynomial (NVIDIA's PolyWarmUp) or linear decay.
 //! - [`scaler`]: dynamic loss scaling for fp16.
+//! - [`step`]: one optimiser step (accumulation, loss scaling, the data-parallel reducer, the
+//!   update), shared by pre-training and fine-tuning.
 //! - [`plan`]: the largest micro-batch per sequence length for a device's memory (estimate).
 //! - [`plot`]: training curves from `metrics.jsonl` as SVG.
 //! - [`config`]: the run config (`pipelines/pretrain-phase1.toml`, …).
@@ -21,6 +23,7 @@ pub mod plan;
 pub mod plot;
 pub mod scaler;
 pub mod schedule;
+pub mod step;
 pub mod trainer;
 
 use std::path::PathBuf;

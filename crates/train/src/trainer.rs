@@ -31,6 +31,7 @@ use crate::config::PretrainConfig;
 use crate::data::{Batch, Cursor, DataOptions, Dataset};
 use crate::optim::Optimizer;
 use crate::scaler::LossScaler;
+use crate::step::{GradientReducer, Local, Step};
 use crate::{TrainError, io_err};
 
 /// One optimiser step's figures (a line of `metrics.jsonl`).
@@ -80,28 +81,6 @@ pub struct RunState {
     pub scaler: Option<LossScaler>,
     /// The config the run was started with.
     pub config: PretrainConfig,
-}
-
-/// Combines the gradients of data-parallel ranks. One process needs nothing ([`Local`]); a
-/// multi-GPU reducer (NCCL all-reduce of the mean) plugs in here without touching the loop.
-pub trait GradientReducer: Send + Sync {
-    /// Replaces every gradient by its mean over the ranks.
-    fn all_reduce_mean(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError>;
-    /// Ranks taking part.
-    fn world_size(&self) -> usize;
-}
-
-/// The single-process reducer.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Local;
-
-impl GradientReducer for Local {
-    fn all_reduce_mean(&self, _grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError> {
-        Ok(())
-    }
-    fn world_size(&self) -> usize {
-        1
-    }
 }
 
 /// Overrides from the command line.
@@ -201,6 +180,115 @@ struct Sums {
     nsp_hits: f64,
 }
 
+impl Sums {
+    /// Adds the right predictions of a micro-batch (masked tokens weighted by their slot's
+    /// weight; next-sentence labels).
+    fn add_hits(
+        &mut self,
+        out: &bertkit_model::PreTrainingOutput,
+        d: &DeviceBatch,
+    ) -> Result<(), TrainError> {
+        let predicted = out
+            .mlm_logits
+            .argmax(2)?
+            .flatten_all()?
+            .to_dtype(DType::U32)?;
+        let right = predicted
+            .eq(&d.labels.flatten_all()?)?
+            .to_dtype(DType::F32)?;
+        self.mlm_hits += f64::from(
+            (right * d.weights.flatten_all()?)?
+                .sum_all()?
+                .to_scalar::<f32>()?,
+        );
+        let nsp_pred = out.nsp_logits.argmax(1)?.to_dtype(DType::U32)?;
+        self.nsp_hits += f64::from(
+            nsp_pred
+                .eq(&d.nsp)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?,
+        );
+        Ok(())
+    }
+
+    /// Sums over the step to means: per masked token and per sequence.
+    fn normalise(&mut self, counts: StepCounts) {
+        self.mlm /= counts.masked;
+        self.nsp /= counts.sequences;
+        self.mlm_hits /= counts.masked;
+        self.nsp_hits /= counts.sequences;
+    }
+}
+
+/// What one optimiser step's losses are normalised by: its masked tokens (at least a tiny
+/// positive number, for a step without any) and its sequences.
+#[derive(Debug, Clone, Copy)]
+struct StepCounts {
+    masked: f64,
+    sequences: f64,
+}
+
+impl StepCounts {
+    fn of(batches: &[Batch]) -> Self {
+        let masked: f64 = batches
+            .iter()
+            .map(|b| b.masked_weights.iter().map(|&w| f64::from(w)).sum::<f64>())
+            .sum();
+        StepCounts {
+            masked: masked.max(1e-5),
+            sequences: batches.iter().map(|b| b.size as f64).sum(),
+        }
+    }
+}
+
+/// A micro-batch's share of the step's pre-training loss: its masked-LM cross-entropy summed
+/// over real slots, over the step's masked tokens, plus its next-sentence cross-entropy over
+/// the step's sequences. The two sums are added to `sums`.
+fn objective(
+    out: &bertkit_model::PreTrainingOutput,
+    d: &DeviceBatch,
+    counts: StepCounts,
+    sums: &mut Sums,
+) -> Result<Tensor, TrainError> {
+    let (bs, p, v) = out.mlm_logits.dims3()?;
+    let logits = out.mlm_logits.reshape((bs * p, v))?;
+    let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
+    let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
+    let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
+    let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;
+    sums.mlm += mlm_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    sums.nsp += nsp_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    Ok(((mlm_sum / counts.masked)? + (nsp_sum / counts.sequences)?)?)
+}
+
+/// Reads a checkpoint folder written at `step`: restores the optimiser's moments and f32
+/// master weights, and returns the saved run state.
+fn restore_checkpoint(
+    dir: &Path,
+    step: u64,
+    optimizer: &mut Optimizer,
+    device: &Device,
+) -> Result<RunState, TrainError> {
+    let checkpoint_err = |file: &str, e: &dyn std::fmt::Display| {
+        TrainError::Checkpoint(format!("{}: {e}", dir.join(file).display()))
+    };
+    let state_path = dir.join("state.json");
+    let saved: RunState =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).map_err(io_err(&state_path))?)
+            .map_err(|e| checkpoint_err("state.json", &e))?;
+    let moments = candle_core::safetensors::load(dir.join("optimizer.safetensors"), device)
+        .map_err(|e| checkpoint_err("optimizer.safetensors", &e))?;
+    let masters: HashMap<String, Tensor> =
+        candle_core::safetensors::load(dir.join("model.safetensors"), device)
+            .map_err(|e| checkpoint_err("model.safetensors", &e))?
+            .into_iter()
+            .filter_map(|(k, v)| bertkit_model::params::canonical_name(&k).map(|k| (k, v)))
+            .collect();
+    optimizer.restore(&moments, &masters, step)?;
+    Ok(saved)
+}
+
 /// A pre-training run.
 pub struct Trainer {
     config: PretrainConfig,
@@ -295,27 +383,7 @@ impl Trainer {
             config: config.clone(),
         };
         if let Some((step, dir)) = &resume_from {
-            let saved: RunState = serde_json::from_str(
-                &std::fs::read_to_string(dir.join("state.json"))
-                    .map_err(io_err(&dir.join("state.json")))?,
-            )
-            .map_err(|e| {
-                TrainError::Checkpoint(format!("{}: {e}", dir.join("state.json").display()))
-            })?;
-            let moments =
-                candle_core::safetensors::load(dir.join("optimizer.safetensors"), &device)
-                    .map_err(|e| {
-                        TrainError::Checkpoint(format!(
-                            "{}: {e}",
-                            dir.join("optimizer.safetensors").display()
-                        ))
-                    })?;
-            let masters: HashMap<String, Tensor> =
-                candle_core::safetensors::load(dir.join("model.safetensors"), &device)?
-                    .into_iter()
-                    .filter_map(|(k, v)| bertkit_model::params::canonical_name(&k).map(|k| (k, v)))
-                    .collect();
-            optimizer.restore(&moments, &masters, *step)?;
+            let saved = restore_checkpoint(dir, *step, &mut optimizer, &device)?;
             dropout.set_position(saved.dropout_position);
             scaler = saved.scaler.clone();
             state = RunState {
@@ -359,134 +427,87 @@ impl Trainer {
         self.state.step
     }
 
-    /// Gradients of one optimiser step's batches, normalised as one batch, plus the loss sums.
-    fn gradients(
-        &self,
-        batches: &[Batch],
-        loss_scale: f64,
-    ) -> Result<(BTreeMap<String, Tensor>, Sums), TrainError> {
-        let masked: f64 = batches
-            .iter()
-            .map(|b| b.masked_weights.iter().map(|&w| f64::from(w)).sum::<f64>())
-            .sum();
-        let sequences: f64 = batches.iter().map(|b| b.size as f64).sum();
-        let master = self.optimizer.master_dtype();
-        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+    /// Forward and backward passes over one optimiser step's micro-batches, their losses
+    /// normalised as one batch of all of them; returns the step (gradients accumulated) and
+    /// the loss and accuracy figures.
+    fn accumulate(&self, batches: &[Batch]) -> Result<(Step, Sums), TrainError> {
+        let counts = StepCounts::of(batches);
+        let mut step = Step::begin(
+            self.model.params.vars(),
+            &self.optimizer,
+            self.scaler.as_ref(),
+        );
         let mut sums = Sums::default();
-        let mut add = |g: &candle_core::backprop::GradStore| -> Result<(), TrainError> {
-            for (name, var) in self.model.params.vars() {
-                if let Some(t) = g.get(var.as_tensor()) {
-                    let t = t.to_dtype(master)?;
-                    let t = if loss_scale != 1.0 {
-                        (t / loss_scale)?
-                    } else {
-                        t
-                    };
-                    let entry = grads.remove(name);
-                    grads.insert(
-                        name.clone(),
-                        match entry {
-                            Some(acc) => (acc + t)?,
-                            None => t,
-                        },
-                    );
-                }
-            }
-            Ok(())
-        };
-        let objective = |out: &bertkit_model::PreTrainingOutput,
-                         d: &DeviceBatch|
-         -> Result<(Tensor, Tensor, Tensor), TrainError> {
-            let (bs, p, v) = out.mlm_logits.dims3()?;
-            let logits = out.mlm_logits.reshape((bs * p, v))?;
-            let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
-            let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
-            let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
-            let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;
-            let objective =
-                ((mlm_sum.clone() / masked.max(1e-5))? + (nsp_sum.clone() / sequences)?)?;
-            let objective = if loss_scale != 1.0 {
-                (objective * loss_scale)?
-            } else {
-                objective
-            };
-            Ok((objective, mlm_sum, nsp_sum))
-        };
-        let every = self.config.train.activation_checkpointing;
         for b in batches {
             let d = to_device(b, &self.model.config, &self.device)?;
-            let mode = Mode::Train(&self.dropout);
-            let (out, mlm_sum, nsp_sum) = if every == 0 {
-                let out = self.model.model.forward(&d.inputs, &d.positions, mode)?;
-                let (objective, mlm_sum, nsp_sum) = objective(&out, &d)?;
-                add(&objective.backward()?)?;
-                (out, mlm_sum, nsp_sum)
-            } else {
-                // Activation checkpointing: keep only each segment's input, recompute the
-                // segment in backward (replaying its dropout masks), and chain the gradient
-                // through the segments by hand.
-                let bert = &self.model.model.bert;
-                let layers = bert.num_layers();
-                let embedded = bert.embed(&d.inputs, mode)?;
-                let mut segments = Vec::new();
-                let mut x = embedded.detach();
-                for start in (0..layers).step_by(every) {
-                    let range = start..(start + every).min(layers);
-                    segments.push((x.clone(), self.dropout.position(), range.clone()));
-                    x = bert.encode(&x, &d.inputs, range, mode)?.detach();
+            let out = match self.config.train.activation_checkpointing {
+                0 => self.forward_backward(&d, counts, &mut step, &mut sums)?,
+                every => {
+                    self.forward_backward_checkpointed(&d, every, counts, &mut step, &mut sums)?
                 }
-                let end = self.dropout.position();
-                let top = candle_core::Var::from_tensor(&x)?;
-                let out = self.model.model.heads(top.as_tensor(), &d.positions)?;
-                let (objective, mlm_sum, nsp_sum) = objective(&out, &d)?;
-                let g = objective.backward()?;
-                add(&g)?;
-                let mut upstream = g.get(top.as_tensor()).cloned().ok_or_else(|| {
-                    TrainError::Checkpoint("no gradient reached the encoder output".into())
-                })?;
-                for (input, position, range) in segments.into_iter().rev() {
-                    self.dropout.set_position(position);
-                    let input = candle_core::Var::from_tensor(&input)?;
-                    let y = bert.encode(input.as_tensor(), &d.inputs, range, mode)?;
-                    let g = (y * &upstream)?.sum_all()?.backward()?;
-                    add(&g)?;
-                    upstream = g.get(input.as_tensor()).cloned().ok_or_else(|| {
-                        TrainError::Checkpoint("no gradient reached a segment input".into())
-                    })?;
-                }
-                add(&(embedded * &upstream)?.sum_all()?.backward()?)?;
-                self.dropout.set_position(end);
-                (out, mlm_sum, nsp_sum)
             };
-            sums.mlm += mlm_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            sums.nsp += nsp_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let predicted = out
-                .mlm_logits
-                .argmax(2)?
-                .flatten_all()?
-                .to_dtype(DType::U32)?;
-            let right = predicted
-                .eq(&d.labels.flatten_all()?)?
-                .to_dtype(DType::F32)?;
-            sums.mlm_hits += f64::from(
-                (right * d.weights.flatten_all()?)?
-                    .sum_all()?
-                    .to_scalar::<f32>()?,
-            );
-            let nsp_pred = out.nsp_logits.argmax(1)?.to_dtype(DType::U32)?;
-            sums.nsp_hits += f64::from(
-                nsp_pred
-                    .eq(&d.nsp)?
-                    .to_dtype(DType::F32)?
-                    .sum_all()?
-                    .to_scalar::<f32>()?,
-            );
+            sums.add_hits(&out, &d)?;
         }
-        sums.mlm /= masked.max(1e-5);
-        sums.nsp /= sequences;
-        sums.mlm_hits /= masked.max(1e-5);
-        sums.nsp_hits /= sequences;
-        Ok((grads, sums))
+        sums.normalise(counts);
+        Ok((step, sums))
+    }
+
+    /// One micro-batch, every activation kept for backward.
+    fn forward_backward(
+        &self,
+        d: &DeviceBatch,
+        counts: StepCounts,
+        step: &mut Step,
+        sums: &mut Sums,
+    ) -> Result<bertkit_model::PreTrainingOutput, TrainError> {
+        let mode = Mode::Train(&self.dropout);
+        let out = self.model.model.forward(&d.inputs, &d.positions, mode)?;
+        step.backward(&objective(&out, d, counts, sums)?)?;
+        Ok(out)
+    }
+
+    /// One micro-batch with activation checkpointing: only each `every`-layer segment's input
+    /// is kept; backward recomputes the segment (replaying its dropout masks) and chains the
+    /// gradient through the segments by hand.
+    fn forward_backward_checkpointed(
+        &self,
+        d: &DeviceBatch,
+        every: usize,
+        counts: StepCounts,
+        step: &mut Step,
+        sums: &mut Sums,
+    ) -> Result<bertkit_model::PreTrainingOutput, TrainError> {
+        let mode = Mode::Train(&self.dropout);
+        let bert = &self.model.model.bert;
+        let layers = bert.num_layers();
+        let embedded = bert.embed(&d.inputs, mode)?;
+        let mut segments = Vec::new();
+        let mut x = embedded.detach();
+        for start in (0..layers).step_by(every) {
+            let range = start..(start + every).min(layers);
+            segments.push((x.clone(), self.dropout.position(), range.clone()));
+            x = bert.encode(&x, &d.inputs, range, mode)?.detach();
+        }
+        let end = self.dropout.position();
+        let top = candle_core::Var::from_tensor(&x)?;
+        let out = self.model.model.heads(top.as_tensor(), &d.positions)?;
+        let g = step.backward(&objective(&out, d, counts, sums)?)?;
+        let mut upstream = g.get(top.as_tensor()).cloned().ok_or_else(|| {
+            TrainError::Checkpoint("no gradient reached the encoder output".into())
+        })?;
+        for (input, position, range) in segments.into_iter().rev() {
+            self.dropout.set_position(position);
+            let input = candle_core::Var::from_tensor(&input)?;
+            let y = bert.encode(input.as_tensor(), &d.inputs, range, mode)?;
+            let g = (y * &upstream)?.sum_all()?.backward()?;
+            step.accumulate(&g)?;
+            upstream = g.get(input.as_tensor()).cloned().ok_or_else(|| {
+                TrainError::Checkpoint("no gradient reached a segment input".into())
+            })?;
+        }
+        step.accumulate(&(embedded * &upstream)?.sum_all()?.backward()?)?;
+        self.dropout.set_position(end);
+        Ok(out)
     }
 
     /// Gradients of one step's worth of `batches` at the current weights (no update): for tests
@@ -495,33 +516,22 @@ impl Trainer {
         &self,
         batches: &[Batch],
     ) -> Result<BTreeMap<String, Tensor>, TrainError> {
-        Ok(self.gradients(batches, 1.0)?.0)
+        Ok(self.accumulate(batches)?.0.into_gradients())
     }
 
     /// Applies one optimiser step on `batches` (normally `accumulation` micro-batches).
     pub fn train_step(&mut self, batches: &[Batch]) -> Result<StepMetrics, TrainError> {
         let started = Instant::now();
-        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        let (mut grads, sums) = self.gradients(batches, scale)?;
-        self.reducer.all_reduce_mean(&mut grads)?;
+        let (step, sums) = self.accumulate(batches)?;
         let lr = self.config.schedule.lr_at(self.state.step);
-        let grad_norm = Optimizer::global_norm(&grads)?;
-        let apply = match &mut self.scaler {
-            Some(s) => s.update(grad_norm.is_finite(), self.state.step + 1)?,
-            None => {
-                if !grad_norm.is_finite() || !(sums.mlm + sums.nsp).is_finite() {
-                    return Err(TrainError::Diverged(format!(
-                        "step {}: loss {} and gradient norm {grad_norm} are not finite",
-                        self.state.step + 1,
-                        sums.mlm + sums.nsp
-                    )));
-                }
-                true
-            }
-        };
-        if apply {
-            self.optimizer.step(&grads, lr)?;
-        }
+        let outcome = step.finish(
+            self.reducer.as_ref(),
+            &mut self.optimizer,
+            self.scaler.as_mut(),
+            lr,
+            self.state.step + 1,
+            sums.mlm + sums.nsp,
+        )?;
         self.state.step += 1;
         self.state.dropout_position = self.dropout.position();
         self.state.scaler = self.scaler.clone();
@@ -541,9 +551,9 @@ impl Trainer {
             mlm_accuracy: sums.mlm_hits,
             nsp_accuracy: sums.nsp_hits,
             lr,
-            grad_norm,
-            loss_scale: scale,
-            skipped: !apply,
+            grad_norm: outcome.grad_norm,
+            loss_scale: outcome.loss_scale,
+            skipped: !outcome.applied,
             seq_per_s: sequences as f64 / seconds,
             tokens_per_s: tokens as f64 / seconds,
             tflops,

@@ -408,7 +408,7 @@ fn dynamic_masking_uses_the_records_vocabulary() {
     let dir = tempfile::tempdir().unwrap();
     let vocab = dir.path().join("vocab.txt");
     let size =
-        bertkit_records::vocab::train_vocab(&[emma(dir.path())], 2000, true, &vocab).unwrap();
+        bertkit_tokenizer::vocab::train_vocab(&[emma(dir.path())], 2000, true, &vocab).unwrap();
     assert!(size <= 2000, "{size}");
     let records = records_with_vocab(dir.path(), &vocab);
     let mut c = config(&records, &dir.path().join("run"));

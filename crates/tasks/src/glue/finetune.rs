@@ -12,10 +12,9 @@ use std::path::{Path, PathBuf};
 
 use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with};
 use bertkit_model::{Inputs, Mode, loss};
-use bertkit_records::FullTokenizer;
+use bertkit_tokenizer::FullTokenizer;
 use candle_core::{DType, Device, Tensor};
 
-use crate::batch::model_err;
 use crate::model_dir::{load_tokenizer, save_finetuned};
 use crate::training::{TrainSettings, train};
 
@@ -155,7 +154,7 @@ fn batch_tensors(
         .collect();
     let (inputs, _) = crate::batch::pad(&seqs, config, device)?;
     let labels: Vec<u32> = batch.iter().map(|e| e.label as u32).collect();
-    let labels = Tensor::from_vec(labels, batch.len(), device).map_err(model_err)?;
+    let labels = Tensor::from_vec(labels, batch.len(), device)?;
     Ok((inputs, labels))
 }
 
@@ -172,20 +171,13 @@ pub fn evaluate(
     for chunk in examples.chunks(batch.max(1)) {
         let refs: Vec<&Encoded> = chunk.iter().collect();
         let (inputs, labels) = batch_tensors(&refs, &model.config, device)?;
-        let logits = model
-            .model
-            .forward(&inputs, Mode::Eval)
-            .map_err(model_err)?;
-        let nll = loss::nll_per_row(&logits, &labels).map_err(model_err)?;
+        let logits = model.model.forward(&inputs, Mode::Eval)?;
+        let nll = loss::nll_per_row(&logits, &labels)?;
         loss_sum += nll
             .to_dtype(DType::F64)
             .and_then(|t| t.sum_all())
-            .and_then(|t| t.to_scalar::<f64>())
-            .map_err(model_err)?;
-        let p: Vec<u32> = logits
-            .argmax(1)
-            .and_then(|t| t.to_vec1())
-            .map_err(model_err)?;
+            .and_then(|t| t.to_scalar::<f64>())?;
+        let p: Vec<u32> = logits.argmax(1).and_then(|t| t.to_vec1())?;
         predictions.extend(p.into_iter().map(|x| x as usize));
     }
     let labels: Vec<usize> = examples.iter().map(|e| e.label).collect();
@@ -231,8 +223,7 @@ pub fn finetune(
                     .collect(),
             );
         },
-    )
-    .map_err(model_err)?;
+    )?;
     let log = train(
         &model.params,
         train_set.len(),
@@ -240,8 +231,8 @@ pub fn finetune(
         &mut |indices, mode| {
             let refs: Vec<&Encoded> = indices.iter().map(|&i| &train_set[i]).collect();
             let (inputs, labels) = batch_tensors(&refs, &model.config, &options.device)?;
-            let logits = model.model.forward(&inputs, mode).map_err(model_err)?;
-            loss::cross_entropy(&logits, &labels).map_err(model_err)
+            let logits = model.model.forward(&inputs, mode)?;
+            Ok(loss::cross_entropy(&logits, &labels)?)
         },
         progress,
     )?;
@@ -294,8 +285,7 @@ pub fn predict_file(options: &GluePredictOptions) -> Result<Evaluation, crate::T
         model_dir,
         DType::F32,
         &options.device,
-    )
-    .map_err(model_err)?;
+    )?;
     if !model.params.initialised.is_empty() || model.config.num_labels() != task.labels().len() {
         return Err(crate::TaskError::Format {
             path: model_dir.into(),

@@ -17,7 +17,7 @@
 //!
 //! Features are kept unpadded; batches pad to their longest feature.
 
-use bertkit_records::FullTokenizer;
+use bertkit_tokenizer::FullTokenizer;
 
 use crate::TaskError;
 use crate::squad::data::Dataset;

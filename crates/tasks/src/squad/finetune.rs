@@ -18,11 +18,11 @@ use std::time::Instant;
 
 use bertkit_model::bert::{BertForQuestionAnswering, Loaded, load_frozen, load_with};
 use bertkit_model::{Mode, loss};
-use bertkit_records::FullTokenizer;
+use bertkit_tokenizer::FullTokenizer;
 use candle_core::{DType, Device, Tensor};
 
 use crate::TaskError;
-use crate::batch::{model_err, pad};
+use crate::batch::pad;
 use crate::model_dir::{load_tokenizer, save_finetuned};
 use crate::squad::data::Dataset;
 use crate::squad::features::{Examples, Feature, FeatureOptions, build_features, read_examples};
@@ -46,14 +46,9 @@ pub fn feature_logits(
     for (b, chunk) in order.chunks(batch.max(1)).enumerate() {
         let seqs: Vec<(&[u32], &[u32])> = chunk.iter().map(|&i| features[i].sequence()).collect();
         let (inputs, _) = pad(&seqs, &model.config, device)?;
-        let (start, end) = model
-            .model
-            .forward(&inputs, Mode::Eval)
-            .map_err(model_err)?;
+        let (start, end) = model.model.forward(&inputs, Mode::Eval)?;
         let rows = |t: Tensor| -> Result<Vec<Vec<f32>>, TaskError> {
-            t.to_dtype(DType::F32)
-                .and_then(|t| t.to_vec2::<f32>())
-                .map_err(model_err)
+            Ok(t.to_dtype(DType::F32)?.to_vec2::<f32>()?)
         };
         let (start, end) = (rows(start)?, rows(end)?);
         for ((&i, s), e) in chunk.iter().zip(start).zip(end) {
@@ -224,7 +219,7 @@ pub fn load_for_prediction(
     dtype: DType,
     device: &Device,
 ) -> Result<Loaded<BertForQuestionAnswering>, TaskError> {
-    let model = load_frozen::<BertForQuestionAnswering>(dir, dtype, device).map_err(model_err)?;
+    let model = load_frozen::<BertForQuestionAnswering>(dir, dtype, device)?;
     if !model.params.initialised.is_empty() {
         return Err(TaskError::Format {
             path: dir.into(),
@@ -291,8 +286,7 @@ pub fn finetune(
         device,
         options.settings.seed,
         &|_| {},
-    )
-    .map_err(model_err)?;
+    )?;
     let log = train(
         &model.params,
         features.len(),
@@ -303,12 +297,12 @@ pub fn finetune(
             let (inputs, mask) = pad(&seqs, &model.config, device)?;
             let positions = |pick: fn(&Feature) -> usize| {
                 let v: Vec<u32> = indices.iter().map(|&i| pick(&features[i]) as u32).collect();
-                Tensor::from_vec(v, indices.len(), device).map_err(model_err)
+                Tensor::from_vec(v, indices.len(), device)
             };
             let starts = positions(|f| f.start_position)?;
             let ends = positions(|f| f.end_position)?;
-            let (start, end) = model.model.forward(&inputs, mode).map_err(model_err)?;
-            qa_loss(&start, &end, &mask, &starts, &ends).map_err(model_err)
+            let (start, end) = model.model.forward(&inputs, mode)?;
+            Ok(qa_loss(&start, &end, &mask, &starts, &ends)?)
         },
         progress,
     )?;

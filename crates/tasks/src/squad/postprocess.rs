@@ -16,8 +16,8 @@
 
 use std::collections::HashSet;
 
-use bertkit_records::FullTokenizer;
-use bertkit_records::tokenizer::basic_tokenize;
+use bertkit_tokenizer::FullTokenizer;
+use bertkit_tokenizer::basic_tokenize;
 
 use crate::squad::features::{Examples, Feature};
 

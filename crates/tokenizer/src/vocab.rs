@@ -1,7 +1,7 @@
 //! Training a WordPiece vocabulary on a domain corpus, with the `tokenizers` crate's
 //! `WordPieceTrainer`.
 //!
-//! Words come from the same basic tokenizer as [`crate::tokenizer`] (cleaning, lower-casing and
+//! Words come from the same basic tokenizer as [`crate::FullTokenizer`] (cleaning, lower-casing and
 //! accent stripping for uncased, punctuation split), so the vocabulary fits the tokenizer that
 //! will use it. The inputs are formatted text or shards (`.txt` / `.txt.zst`, files or
 //! folders), read on a separate thread and streamed to the trainer one document at a time. Memory
@@ -15,7 +15,7 @@ use std::sync::mpsc::sync_channel;
 use tokenizers::models::wordpiece::{WordPiece, WordPieceTrainer};
 use tokenizers::{AddedToken, Model, Trainer};
 
-use crate::tokenizer::basic_tokenize;
+use crate::full::basic_tokenize;
 
 /// The special tokens a BERT vocabulary starts with, in order.
 pub const SPECIAL_TOKENS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
@@ -25,7 +25,7 @@ pub const SPECIAL_TOKENS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MAS
 pub enum VocabTrainError {
     /// Reading the corpus failed.
     #[error(transparent)]
-    Read(#[from] bertkit_shard::ShardError),
+    Read(#[from] bertkit_stage_io::text::TextError),
     /// Writing the vocabulary failed.
     #[error("{path}: {source}")]
     Write {
@@ -47,11 +47,11 @@ pub fn train_vocab(
     lower_case: bool,
     output: &Path,
 ) -> Result<usize, VocabTrainError> {
-    let files = bertkit_shard::expand_inputs(inputs)?;
-    let (tx, rx) = sync_channel::<Result<String, bertkit_shard::ShardError>>(256);
+    let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
+    let (tx, rx) = sync_channel::<Result<String, bertkit_stage_io::text::TextError>>(256);
     let reader = std::thread::spawn(move || {
         for path in files {
-            let mut docs = match bertkit_shard::documents::DocumentReader::open(&path) {
+            let mut docs = match bertkit_stage_io::text::DocumentReader::open(&path) {
                 Ok(d) => d,
                 Err(e) => return tx.send(Err(e)).ok(),
             };

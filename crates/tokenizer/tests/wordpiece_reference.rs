@@ -1,8 +1,8 @@
 //! Every line of the reference file (Google's `FullTokenizer` on 3,031 lines of real text:
 //! BERT's sample text, Emma, SQuAD questions) must tokenize identically.
 
-use bertkit_records::FullTokenizer;
 use bertkit_shared_data::require;
+use bertkit_tokenizer::FullTokenizer;
 
 #[test]
 fn all_reference_lines_match_googles_full_tokenizer() {
@@ -11,7 +11,6 @@ fn all_reference_lines_match_googles_full_tokenizer() {
     let reference =
         std::fs::read_to_string(require("reference/wordpiece_reference.jsonl")).unwrap();
     let mut lines = 0;
-    let mut cache = bertkit_records::tokenizer::TokenizerCache::default();
     let mut mismatches = Vec::new();
     for line in reference.lines() {
         let case: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -19,14 +18,16 @@ fn all_reference_lines_match_googles_full_tokenizer() {
         let expected: Vec<String> = serde_json::from_value(case["tokens"].clone()).unwrap();
         let expected_ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
         let tokens = tokenizer.tokenize(text);
-        // The id paths (plain and cached) agree with the token path.
+        // The id paths (plain, and the bulk path with its cache) agree with the token path.
         assert_eq!(tokenizer.tokenize_ids(text), expected_ids, "{text:?}");
-        assert_eq!(
-            tokenizer.tokenize_ids_cached(text, &mut cache),
-            expected_ids,
-            "{text:?}"
-        );
-        if tokens != expected || tokenizer.convert_tokens_to_ids(&tokens) != expected_ids {
+        let mut bulk = Vec::new();
+        tokenizer.extend_ids(text, &mut bulk);
+        assert_eq!(bulk, expected_ids, "{text:?}");
+        let ids: Vec<u32> = tokens
+            .iter()
+            .map(|t| tokenizer.token_to_id(t).unwrap_or(u32::MAX))
+            .collect();
+        if tokens != expected || ids != expected_ids {
             mismatches.push(format!(
                 "{text:?}\n  got      {tokens:?}\n  expected {expected:?}"
             ));
@@ -44,7 +45,8 @@ fn all_reference_lines_match_googles_full_tokenizer() {
 
 /// bertkit's WordPiece splits every word of the reference texts, and made-up words with
 /// unknown pieces, accents and more than 200 characters, as the `tokenizers` crate's WordPiece
-/// model does (the same greedy longest-match algorithm).
+/// model does (the same greedy longest-match algorithm). A word the basic tokenizer has made
+/// is one word again for a cased tokenizer, so its ids are its WordPiece split.
 #[test]
 fn wordpiece_splits_words_as_the_tokenizers_crate_does() {
     use tokenizers::Model;
@@ -56,8 +58,7 @@ fn wordpiece_splits_words_as_the_tokenizers_crate_does() {
         .map(|l| l.trim().to_string())
         .collect();
     let unk = lines.iter().position(|t| t == "[UNK]").unwrap() as u32;
-    let ours =
-        bertkit_records::wordpiece::WordPieceVocab::new(lines.iter().map(String::as_str), unk);
+    let ours = FullTokenizer::from_vocab_file(&vocab_path, false).unwrap();
     let model = WordPiece::from_file(vocab_path.to_str().unwrap())
         .unk_token("[UNK]".into())
         .max_input_chars_per_word(200)
@@ -69,7 +70,7 @@ fn wordpiece_splits_words_as_the_tokenizers_crate_does() {
     for line in reference.lines() {
         let case: serde_json::Value = serde_json::from_str(line).unwrap();
         for cased in [true, false] {
-            words.extend(bertkit_records::tokenizer::basic_tokenize(
+            words.extend(bertkit_tokenizer::basic_tokenize(
                 case["text"].as_str().unwrap(),
                 cased,
             ));
@@ -90,8 +91,6 @@ fn wordpiece_splits_words_as_the_tokenizers_crate_does() {
             Ok(pieces) => pieces.into_iter().map(|t| t.id).collect(),
             Err(_) => vec![unk],
         };
-        let mut ids = Vec::new();
-        ours.split(word, &mut ids);
-        assert_eq!(ids, expected, "{word:?}");
+        assert_eq!(ours.tokenize_ids(word), expected, "{word:?}");
     }
 }

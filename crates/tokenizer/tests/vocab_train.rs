@@ -1,8 +1,8 @@
 //! Training a vocabulary on real text, then tokenizing with it.
 
-use bertkit_records::FullTokenizer;
-use bertkit_records::vocab::{SPECIAL_TOKENS, train_vocab};
 use bertkit_shared_data::require;
+use bertkit_tokenizer::FullTokenizer;
+use bertkit_tokenizer::vocab::{SPECIAL_TOKENS, train_vocab};
 
 #[test]
 fn trained_vocabulary_has_bert_layout_and_tokenizes_its_corpus() {

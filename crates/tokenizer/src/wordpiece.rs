@@ -121,11 +121,6 @@ impl WordPieceVocab {
         self.ends.len()
     }
 
-    /// Whether the vocabulary is empty.
-    pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
-    }
-
     /// Distinct tokens.
     pub fn distinct_tokens(&self) -> usize {
         self.tokens.len()

@@ -12,7 +12,7 @@
 //!    and drop combining marks (Mn);
 //! 4. split off every punctuation character: ASCII 33–47, 58–64, 91–96, 123–126 and every
 //!    Unicode P* character;
-//! 5. WordPiece ([`crate::wordpiece`], straight to ids): greedy longest match with `##`
+//! 5. WordPiece (straight to ids): greedy longest match with `##`
 //!    continuations; a word of more than 200 characters, or one with a piece not in the
 //!    vocabulary, becomes `[UNK]`. (Tests check it against the `tokenizers` crate's WordPiece
 //!    model as well as against Google's output.)
@@ -54,9 +54,9 @@ pub enum VocabError {
 }
 
 /// What bulk tokenization keeps between texts: the [`WordCache`] and reusable buffers (see
-/// [`FullTokenizer::tokenize_ids_cached`]).
+/// [`FullTokenizer::extend_ids`]).
 #[derive(Default)]
-pub struct TokenizerCache {
+struct TokenizerCache {
     words: WordCache,
     scan: LineScan,
     /// An ASCII line with controls, cleaned.
@@ -182,14 +182,15 @@ impl FullTokenizer {
     /// bounds its memory). A text made of ASCII only takes a fast path over bytes: cleaning,
     /// lower-casing, splitting on spaces and punctuation give the same words as the general
     /// rules there, and punctuation ids come from a table.
-    pub fn tokenize_ids_cached(&self, text: &str, cache: &mut TokenizerCache) -> Vec<u32> {
+    #[cfg(test)]
+    fn tokenize_ids_cached(&self, text: &str, cache: &mut TokenizerCache) -> Vec<u32> {
         let mut ids = Vec::new();
         self.extend_ids_cached(text, cache, &mut ids);
         ids
     }
 
-    /// [`FullTokenizer::tokenize_ids_cached`], appending to `ids`.
-    pub fn extend_ids_cached(&self, text: &str, cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
+    /// The ids of `text` through `cache`, appended to `ids`.
+    fn extend_ids_cached(&self, text: &str, cache: &mut TokenizerCache, ids: &mut Vec<u32>) {
         if self.ascii_line_ids(text, cache, ids) {
             return;
         }
@@ -238,7 +239,7 @@ impl FullTokenizer {
         true
     }
 
-    /// The ASCII fast path of [`FullTokenizer::tokenize_ids_cached`], for a `text` of printable
+    /// The ASCII fast path of `extend_ids_cached`, for a `text` of printable
     /// ASCII just scanned into `cache.scan`. Words are lower-cased as their keys are made
     /// (accent stripping changes nothing in ASCII); only words longer than a key, and words
     /// not in the cache, need their lower-cased bytes.
@@ -294,9 +295,11 @@ impl FullTokenizer {
         }
     }
 
-    /// [`FullTokenizer::extend_ids_cached`] with the calling thread's cache, which lives as long
-    /// as the thread (rayon's workers keep theirs across files and shards).
-    pub fn extend_ids_thread_cached(&self, text: &str, ids: &mut Vec<u32>) {
+    /// Appends the ids of `text` (those of [`FullTokenizer::tokenize_ids`]) to `ids`, for bulk
+    /// work: through the calling thread's cache of word pieces, which lives as long as the
+    /// thread (rayon's workers keep theirs across files and shards), and the fast path over
+    /// ASCII text (see `extend_ids_cached`).
+    pub fn extend_ids(&self, text: &str, ids: &mut Vec<u32>) {
         THREAD_CACHE.with(|cell| {
             let mut cell = cell.borrow_mut();
             let cache = match &mut *cell {

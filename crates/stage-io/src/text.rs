@@ -1,4 +1,5 @@
-//! Reading documents from formatted text: one sentence per line, documents separated by one or
+//! Reading documents from formatted text, the hand-off format of the format, shard and records
+//! stages: one sentence per line, documents separated by one or
 //! more blank lines (a line that is empty or only whitespace). Plain `.txt` or zstd-compressed
 //! `.txt.zst` (recognised by the zstd magic number, not the name). Trailing `\r` is removed, so
 //! CRLF files read like LF files. A line that is not UTF-8 is an error naming the file and line.
@@ -7,9 +8,77 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
-use bertkit_stage_io::HashingReader;
+use crate::HashingReader;
 
-use crate::error::ShardError;
+/// Why formatted text could not be read.
+#[derive(Debug)]
+pub enum TextError {
+    /// Reading a file failed.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A line is not UTF-8.
+    InvalidUtf8 {
+        /// The input.
+        path: PathBuf,
+        /// 1-based line number.
+        line: u64,
+        /// Byte offset of the line's start in the (decompressed) text.
+        offset: u64,
+    },
+    /// No input file was found.
+    NoInputs,
+}
+
+impl std::fmt::Display for TextError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TextError::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            TextError::InvalidUtf8 { path, line, offset } => write!(
+                f,
+                "{}: line {line} (byte offset {offset} of the decompressed text) is not valid UTF-8",
+                path.display()
+            ),
+            TextError::NoInputs => {
+                f.write_str("no input files: give .txt or .txt.zst files or folders holding them")
+            }
+        }
+    }
+}
+
+impl std::error::Error for TextError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TextError::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+impl TextError {
+    fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        TextError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Expands folders into their `.txt` and `.txt.zst` files (sorted, hidden files skipped);
+/// files are kept as given. No file at all is an error.
+pub fn expand_text_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, TextError> {
+    let files = crate::expand_inputs(inputs, |name| {
+        name.ends_with(".txt") || name.ends_with(".txt.zst")
+    })
+    .map_err(|(path, e)| TextError::io(path, e))?;
+    if files.is_empty() {
+        return Err(TextError::NoInputs);
+    }
+    Ok(files)
+}
 
 /// One document: its sentences, each followed by `\n`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,11 +176,11 @@ const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
 
 impl DocumentReader {
     /// Opens an input (plain or zstd).
-    pub fn open(path: &Path) -> Result<Self, ShardError> {
-        let mut file = File::open(path).map_err(|e| ShardError::io(path, e))?;
+    pub fn open(path: &Path) -> Result<Self, TextError> {
+        let mut file = File::open(path).map_err(|e| TextError::io(path, e))?;
         let mut magic = [0u8; 4];
-        let n = file.read(&mut magic).map_err(|e| ShardError::io(path, e))?;
-        let hashing = HashingReader::new(File::open(path).map_err(|e| ShardError::io(path, e))?);
+        let n = file.read(&mut magic).map_err(|e| TextError::io(path, e))?;
+        let hashing = HashingReader::new(File::open(path).map_err(|e| TextError::io(path, e))?);
         let zstd = n == 4 && magic == ZSTD_MAGIC;
         let plain_size = if zstd {
             None
@@ -120,7 +189,7 @@ impl DocumentReader {
         };
         let lines = if zstd {
             let decoder =
-                zstd::stream::read::Decoder::new(hashing).map_err(|e| ShardError::io(path, e))?;
+                zstd::stream::read::Decoder::new(hashing).map_err(|e| TextError::io(path, e))?;
             Lines::Zstd(BufReader::with_capacity(1 << 20, decoder))
         } else {
             Lines::Plain(BufReader::with_capacity(1 << 20, hashing))
@@ -136,7 +205,7 @@ impl DocumentReader {
     }
 
     /// The next document, or `None` at the end of the file.
-    pub fn next_document(&mut self) -> Result<Option<Document>, ShardError> {
+    pub fn next_document(&mut self) -> Result<Option<Document>, TextError> {
         let mut doc = Document {
             text: Vec::new(),
             sentences: 0,
@@ -147,7 +216,7 @@ impl DocumentReader {
                 .lines
                 .reader()
                 .read_until(b'\n', &mut self.buf)
-                .map_err(|e| ShardError::io(&self.path, e))?;
+                .map_err(|e| TextError::io(&self.path, e))?;
             if n == 0 {
                 return Ok((doc.sentences > 0).then_some(doc));
             }
@@ -156,7 +225,7 @@ impl DocumentReader {
             self.offset += n as u64;
             let line = trim_line_end(self.buf.as_slice());
             if std::str::from_utf8(line).is_err() {
-                return Err(ShardError::InvalidUtf8 {
+                return Err(TextError::InvalidUtf8 {
                     path: self.path.clone(),
                     line: self.line_number,
                     offset: line_offset,
@@ -178,7 +247,7 @@ impl DocumentReader {
     /// names the first bad line), and the SHA-256 of the file's (compressed) bytes. For callers
     /// that hold a whole shard anyway: one read and one UTF-8 check instead of a copy per line;
     /// [`lines`] then walks it as [`DocumentReader::next_document`] would.
-    pub fn read_text(self) -> Result<(String, String), ShardError> {
+    pub fn read_text(self) -> Result<(String, String), TextError> {
         let mut text = String::new();
         let sha256 = self.read_text_into(&mut text)?;
         Ok((text, sha256))
@@ -186,7 +255,7 @@ impl DocumentReader {
 
     /// [`DocumentReader::read_text`] into `text` (replacing what it held, reusing its buffer:
     /// a caller reading several files touches fresh memory once); returns the SHA-256.
-    pub fn read_text_into(mut self, text: &mut String) -> Result<String, ShardError> {
+    pub fn read_text_into(mut self, text: &mut String) -> Result<String, TextError> {
         let mut bytes = std::mem::take(text).into_bytes();
         bytes.clear();
         // A plain file's text is its size: read into room for exactly that (growing by
@@ -195,7 +264,7 @@ impl DocumentReader {
         self.lines
             .reader()
             .read_to_end(&mut bytes)
-            .map_err(|e| ShardError::io(&self.path, e))?;
+            .map_err(|e| TextError::io(&self.path, e))?;
         *text = match String::from_utf8(bytes) {
             Ok(text) => text,
             Err(e) => return Err(self.utf8_error(&e.as_bytes()[..e.utf8_error().valid_up_to()])),
@@ -205,10 +274,10 @@ impl DocumentReader {
 
     /// The error for text that is valid UTF-8 up to the end of `valid` (read from where the
     /// reader stands): it names the line and the offset where that line starts.
-    fn utf8_error(&self, valid: &[u8]) -> ShardError {
+    fn utf8_error(&self, valid: &[u8]) -> TextError {
         let line_start = valid.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
         let newlines = valid.iter().filter(|&&b| b == b'\n').count() as u64;
-        ShardError::InvalidUtf8 {
+        TextError::InvalidUtf8 {
             path: self.path.clone(),
             line: self.line_number + newlines + 1,
             offset: self.offset + line_start as u64,
@@ -223,13 +292,13 @@ impl DocumentReader {
     ///
     /// The map assumes the file does not change while it is in use (as with any input of a
     /// running stage): a file truncated meanwhile can stop the process.
-    pub fn whole_text(self, buffer: &mut String) -> Result<(WholeText<'_>, String), ShardError> {
+    pub fn whole_text(self, buffer: &mut String) -> Result<(WholeText<'_>, String), TextError> {
         if self.plain_size.is_some_and(|n| n > 0) && self.line_number == 0 {
-            let file = File::open(&self.path).map_err(|e| ShardError::io(&self.path, e))?;
+            let file = File::open(&self.path).map_err(|e| TextError::io(&self.path, e))?;
             // SAFETY: the map is read-only, and the caller's inputs are not written while the
             // stage runs (see above).
             let map =
-                unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ShardError::io(&self.path, e))?;
+                unsafe { memmap2::Mmap::map(&file) }.map_err(|e| TextError::io(&self.path, e))?;
             // A SIMD check first (several times faster); std's finds where a bad text goes bad.
             if simdutf8::basic::from_utf8(&map).is_err() {
                 let valid_up_to =
@@ -237,7 +306,7 @@ impl DocumentReader {
                 return Err(self.utf8_error(&map[..valid_up_to]));
             }
             use sha2::Digest;
-            let sha256 = bertkit_stage_io::hex(&sha2::Sha256::digest(&map[..]));
+            let sha256 = crate::hex(&sha2::Sha256::digest(&map[..]));
             return Ok((WholeText(WholeTextInner::Mapped(map)), sha256));
         }
         let sha256 = self.read_text_into(buffer)?;
@@ -245,11 +314,11 @@ impl DocumentReader {
     }
 
     /// Reads to the end of the file and returns the SHA-256 of its (compressed) bytes.
-    pub fn finish(self) -> Result<String, ShardError> {
+    pub fn finish(self) -> Result<String, TextError> {
         self.lines
             .into_hashing()
             .finish()
-            .map_err(|e| ShardError::io(&self.path, e))
+            .map_err(|e| TextError::io(&self.path, e))
     }
 }
 
@@ -282,7 +351,7 @@ mod tests {
             let mut r = DocumentReader::open(path).unwrap();
             while r.next_document().unwrap().is_some() {}
             let sha = r.finish().unwrap();
-            let expected = bertkit_stage_io::hex(&<sha2::Sha256 as sha2::Digest>::digest(
+            let expected = crate::hex(&<sha2::Sha256 as sha2::Digest>::digest(
                 std::fs::read(path).unwrap(),
             ));
             assert_eq!(sha, expected);
@@ -378,7 +447,7 @@ mod tests {
             assert!(
                 matches!(
                     err,
-                    ShardError::InvalidUtf8 {
+                    TextError::InvalidUtf8 {
                         line: 4,
                         offset: 13,
                         ..

@@ -80,7 +80,7 @@ impl PackedTable {
 
     #[inline]
     fn prefetch(&self, hash: u64) {
-        crate::prefetch::prefetch(&self.slots[self.index(hash)..self.index(hash) + 1]);
+        bertkit_stage_io::prefetch::prefetch(&self.slots[self.index(hash)..self.index(hash) + 1]);
     }
 
     #[inline]
@@ -181,11 +181,6 @@ impl WordCache {
     /// Words held.
     pub fn len(&self) -> usize {
         self.packed.len + self.long.len()
-    }
-
-    /// Whether the cache is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Asks the CPU to fetch the slot of a packed word with this [`key_hash`].

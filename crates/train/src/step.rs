@@ -1,0 +1,163 @@
+//! One optimiser step, shared by pre-training ([`crate::trainer`]) and fine-tuning (the tasks
+//! crate): gradient accumulation over micro-batches, loss scaling, the reduction across
+//! data-parallel ranks, the finiteness checks and the optimiser update.
+//!
+//! A step is used in three moves:
+//! 1. [`Step::begin`] takes the loss scale of the run's fp16 [`LossScaler`] (1 otherwise);
+//! 2. [`Step::backward`] once per micro-batch: the caller's loss (already normalised so that the
+//!    micro-batches' losses add up to the step's loss) is multiplied by the loss scale, and its
+//!    gradients are divided by it again and added up in the optimiser's master dtype (f32).
+//!    Activation checkpointing runs further backward passes from the returned gradients and
+//!    adds them with [`Step::accumulate`];
+//! 3. [`Step::finish`] has the [`GradientReducer`] replace each gradient by its mean over the
+//!    ranks, measures the global norm, lets the scaler skip an overflowing fp16 step (or stops
+//!    a run whose loss or gradients are not finite) and applies the optimiser.
+
+use std::collections::BTreeMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+
+use crate::TrainError;
+use crate::optim::Optimizer;
+use crate::scaler::LossScaler;
+
+/// Combines the gradients of data-parallel ranks. One process needs nothing ([`Local`]); an
+/// all-reduce of the mean over MPI or NCCL plugs in here, for pre-training and fine-tuning at
+/// once.
+pub trait GradientReducer: Send + Sync {
+    /// Replaces every gradient by its mean over the ranks.
+    fn all_reduce_mean(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError>;
+    /// Ranks taking part.
+    fn world_size(&self) -> usize;
+}
+
+/// The single-process reducer.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Local;
+
+impl GradientReducer for Local {
+    fn all_reduce_mean(&self, _grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+        Ok(())
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+}
+
+/// One optimiser step's gradients, being accumulated.
+pub struct Step {
+    /// The trainable parameters (cheap handles on the same storage).
+    vars: BTreeMap<String, Var>,
+    master: DType,
+    loss_scale: f64,
+    grads: BTreeMap<String, Tensor>,
+}
+
+/// What [`Step::finish`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Global gradient norm (after the reduction, before clipping).
+    pub grad_norm: f64,
+    /// The loss scale the step used (1 unless fp16).
+    pub loss_scale: f64,
+    /// Whether the optimiser applied the step (false: an fp16 overflow, skipped).
+    pub applied: bool,
+}
+
+impl Step {
+    /// Starts a step on the trainable `vars` (their names as the optimiser knows them).
+    pub fn begin(
+        vars: &BTreeMap<String, Var>,
+        optimizer: &Optimizer,
+        scaler: Option<&LossScaler>,
+    ) -> Self {
+        Step {
+            vars: vars.clone(),
+            master: optimizer.master_dtype(),
+            loss_scale: scaler.map_or(1.0, |s| s.scale),
+            grads: BTreeMap::new(),
+        }
+    }
+
+    /// The loss scale of this step.
+    pub fn loss_scale(&self) -> f64 {
+        self.loss_scale
+    }
+
+    /// Back-propagates `loss` (a scalar: this micro-batch's share of the step's loss) times the
+    /// loss scale, and adds the trainable parameters' gradients. Returns the whole gradient
+    /// store (scaled), for callers that go on back-propagating by hand.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore, TrainError> {
+        let store = if self.loss_scale != 1.0 {
+            (loss * self.loss_scale)?.backward()?
+        } else {
+            loss.backward()?
+        };
+        self.accumulate(&store)?;
+        Ok(store)
+    }
+
+    /// Adds the trainable parameters' gradients in `store` (computed from the scaled loss).
+    pub fn accumulate(&mut self, store: &GradStore) -> Result<(), TrainError> {
+        for (name, var) in &self.vars {
+            let Some(g) = store.get(var.as_tensor()) else {
+                continue;
+            };
+            let g = g.to_dtype(self.master)?;
+            let g = if self.loss_scale != 1.0 {
+                (g / self.loss_scale)?
+            } else {
+                g
+            };
+            let sum = match self.grads.remove(name) {
+                Some(acc) => (acc + g)?,
+                None => g,
+            };
+            self.grads.insert(name.clone(), sum);
+        }
+        Ok(())
+    }
+
+    /// The gradients so far (unscaled, in the master dtype), without stepping.
+    pub fn into_gradients(self) -> BTreeMap<String, Tensor> {
+        self.grads
+    }
+
+    /// Ends the step: reduces the gradients over the ranks, checks them and applies the
+    /// optimiser at learning rate `lr`. `step` (from 1) and `loss` (the step's loss) name the
+    /// step in a divergence message. With fp16 the scaler decides whether the step is applied
+    /// (and stops a run that keeps overflowing); otherwise a non-finite loss or gradient stops
+    /// the run.
+    pub fn finish(
+        mut self,
+        reducer: &dyn GradientReducer,
+        optimizer: &mut Optimizer,
+        scaler: Option<&mut LossScaler>,
+        lr: f64,
+        step: u64,
+        loss: f64,
+    ) -> Result<StepOutcome, TrainError> {
+        reducer.all_reduce_mean(&mut self.grads)?;
+        let grad_norm = Optimizer::global_norm(&self.grads)?;
+        let applied = match scaler {
+            Some(s) => s.update(grad_norm.is_finite(), step)?,
+            None => {
+                if !grad_norm.is_finite() || !loss.is_finite() {
+                    return Err(TrainError::Diverged(format!(
+                        "step {step}: loss {loss} and gradient norm {grad_norm} are not finite"
+                    )));
+                }
+                true
+            }
+        };
+        if applied {
+            optimizer.step(&self.grads, lr)?;
+        }
+        Ok(StepOutcome {
+            grad_norm,
+            loss_scale: self.loss_scale,
+            applied,
+        })
+    }
+}
