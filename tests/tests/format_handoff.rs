@@ -4,10 +4,11 @@
 use std::fs;
 use std::path::Path;
 
+use bertkit_format::FormatManifest;
 use bertkit_format::books::{BookOptions, format_books};
 use bertkit_format::wiki::{WikiOptions, format_wiki};
-use bertkit_format::{FormatManifest, Silent};
 use bertkit_shared_data::require;
+use bertkit_stage_io::stage::Silent;
 use sha2::{Digest, Sha256};
 
 fn check_against_files(dir: &Path, manifest: &FormatManifest) {
@@ -72,9 +73,9 @@ fn wiki_and_books_outputs_match_their_manifests() {
         &Silent,
     )
     .unwrap();
-    assert!(wiki.manifest().outputs.len() >= 3);
-    assert_eq!(wiki.manifest().counts["pages_seen"], 211);
-    check_against_files(&wiki_dir, wiki.manifest());
+    assert!(wiki.summary().outputs.len() >= 3);
+    assert_eq!(wiki.summary().counts["pages_seen"], 211);
+    check_against_files(&wiki_dir, wiki.summary());
 
     let books_dir = dir.path().join("books");
     let books = format_books(
@@ -84,5 +85,5 @@ fn wiki_and_books_outputs_match_their_manifests() {
         &Silent,
     )
     .unwrap();
-    check_against_files(&books_dir, books.manifest());
+    check_against_files(&books_dir, books.summary());
 }

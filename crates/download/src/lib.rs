@@ -28,6 +28,7 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use bertkit_stage_io::stage::{Event, Progress, Reporter};
 use sha2::Digest;
 
 /// A checksum algorithm publishers use.
@@ -210,9 +211,9 @@ impl Default for FetchOptions {
     }
 }
 
-/// What happened.
+/// How a file came to be at its destination.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Fetched {
     /// Downloaded over HTTP.
     Downloaded {
         /// File size.
@@ -234,22 +235,16 @@ pub enum Outcome {
     },
 }
 
-/// Receives progress. All methods default to doing nothing.
-pub trait Progress: Sync {
-    /// A transfer starts: `done` bytes already present, `total` if known.
-    fn start(&self, _name: &str, _done: u64, _total: Option<u64>) {}
-    /// `done` bytes are present now.
-    fn advance(&self, _done: u64) {}
-    /// A transient failure; another attempt follows after `wait`.
-    fn retry(&self, _message: &str, _wait: Duration) {}
-    /// The transfer ended.
-    fn finish(&self) {}
+impl Fetched {
+    /// The file's size.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Fetched::Downloaded { bytes, .. }
+            | Fetched::Copied { bytes }
+            | Fetched::AlreadyPresent { bytes } => *bytes,
+        }
+    }
 }
-
-/// Ignores progress.
-pub struct Silent;
-
-impl Progress for Silent {}
 
 /// `source` fetched from `mirror` instead: a mirror is a local directory or a base URL holding
 /// the same relative paths. `relative` is the path under the mirror (for example
@@ -272,14 +267,14 @@ pub fn fetch(
     dest: &Path,
     checksum: Option<&Checksum>,
     options: &FetchOptions,
-    progress: &dyn Progress,
-) -> Result<Outcome, DownloadError> {
+    reporter: &dyn Reporter,
+) -> Result<Fetched, DownloadError> {
     if dest.is_file() {
         let bytes = fs::metadata(dest).map_err(io_err(dest))?.len();
         match checksum {
-            None => return Ok(Outcome::AlreadyPresent { bytes }),
+            None => return Ok(Fetched::AlreadyPresent { bytes }),
             Some(c) if c.digest_of(dest).map_err(io_err(dest))? == c.hex => {
-                return Ok(Outcome::AlreadyPresent { bytes });
+                return Ok(Fetched::AlreadyPresent { bytes });
             }
             // A file that does not match is fetched again (and replaced only if the new one does).
             Some(_) => {}
@@ -290,11 +285,11 @@ pub fn fetch(
     }
     let partial = bertkit_stage_io::partial_path(dest);
     let outcome = if source.starts_with("http://") || source.starts_with("https://") {
-        http_fetch(source, &partial, options, progress)?
+        http_fetch(source, &partial, options, reporter)?
     } else {
         let path = PathBuf::from(source.strip_prefix("file://").unwrap_or(source));
         let bytes = fs::copy(&path, &partial).map_err(io_err(&path))?;
-        Outcome::Copied { bytes }
+        Fetched::Copied { bytes }
     };
     if let Some(c) = checksum {
         let actual = c.digest_of(&partial).map_err(io_err(&partial))?;
@@ -338,8 +333,8 @@ fn http_fetch(
     url: &str,
     partial: &Path,
     options: &FetchOptions,
-    progress: &dyn Progress,
-) -> Result<Outcome, DownloadError> {
+    reporter: &dyn Reporter,
+) -> Result<Fetched, DownloadError> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_connect(Some(options.connect_timeout))
@@ -352,11 +347,15 @@ fn http_fetch(
     let mut jitter = JitterSource::new(url);
     loop {
         attempts += 1;
-        match attempt(&agent, url, partial, progress)? {
+        match attempt(&agent, url, partial, reporter)? {
             Attempt::Done => {
-                progress.finish();
                 let bytes = fs::metadata(partial).map_err(io_err(partial))?.len();
-                return Ok(Outcome::Downloaded {
+                reporter.report(&Event::Finished {
+                    task: url,
+                    summary: &format!("{bytes} bytes"),
+                    up_to_date: false,
+                });
+                return Ok(Fetched::Downloaded {
                     bytes,
                     resumed_from,
                     attempts,
@@ -364,7 +363,6 @@ fn http_fetch(
             }
             Attempt::Transient(last) => {
                 if attempts > options.retries {
-                    progress.finish();
                     return Err(DownloadError::RetriesExhausted {
                         url: url.into(),
                         attempts,
@@ -376,14 +374,12 @@ fn http_fetch(
                     .saturating_mul(1u32 << (attempts - 1).min(16));
                 let base = exp.min(options.max_backoff);
                 let wait = base + base.mul_f64(0.5 * jitter.next());
-                progress.retry(
-                    &format!(
-                        "{url}: {last}; retrying (attempt {} of {})",
-                        attempts + 1,
-                        options.retries + 1
-                    ),
-                    wait,
-                );
+                reporter.report(&Event::Warning(&format!(
+                    "{url}: {last}; retrying in {:.1} s (attempt {} of {})",
+                    wait.as_secs_f64(),
+                    attempts + 1,
+                    options.retries + 1
+                )));
                 std::thread::sleep(wait);
             }
         }
@@ -395,7 +391,7 @@ fn attempt(
     agent: &ureq::Agent,
     url: &str,
     partial: &Path,
-    progress: &dyn Progress,
+    reporter: &dyn Reporter,
 ) -> Result<Attempt, DownloadError> {
     let have = fs::metadata(partial).map(|m| m.len()).unwrap_or(0);
     let mut request = agent.get(url);
@@ -454,7 +450,16 @@ fn attempt(
     }
     .map_err(io_err(partial))?;
     let mut done = if append { have } else { 0 };
-    progress.start(url, done, total);
+    let report = |done: u64| {
+        reporter.report(&Event::Progress(&Progress {
+            task: url,
+            done,
+            total,
+            unit: "bytes",
+            detail: "",
+        }))
+    };
+    report(done);
     let mut reader = response.body_mut().as_reader();
     let mut buf = vec![0u8; 256 << 10];
     loop {
@@ -471,7 +476,7 @@ fn attempt(
         };
         file.write_all(&buf[..n]).map_err(io_err(partial))?;
         done += n as u64;
-        progress.advance(done);
+        report(done);
     }
     file.flush().map_err(io_err(partial))?;
     if let Some(t) = total

@@ -15,7 +15,9 @@ use std::path::PathBuf;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{Checksum, DownloadError, FetchOptions, Outcome, Progress, fetch};
+use bertkit_stage_io::stage::Reporter;
+
+use crate::{Checksum, DownloadError, FetchOptions, Fetched, fetch};
 
 /// One file to fetch.
 #[derive(Debug, Clone)]
@@ -110,8 +112,8 @@ pub fn fetch_all(
     jobs: &[Job],
     queue: &QueueOptions,
     options: &FetchOptions,
-    progress: &dyn Progress,
-) -> Vec<Result<Outcome, DownloadError>> {
+    reporter: &dyn Reporter,
+) -> Vec<Result<Fetched, DownloadError>> {
     let gate = HostGate {
         per_host: queue.per_host.max(1),
         min_interval: queue.min_interval,
@@ -119,7 +121,7 @@ pub fn fetch_all(
         freed: Condvar::new(),
     };
     let next = Mutex::new(0usize);
-    let results: Vec<Mutex<Option<Result<Outcome, DownloadError>>>> =
+    let results: Vec<Mutex<Option<Result<Fetched, DownloadError>>>> =
         jobs.iter().map(|_| Mutex::new(None)).collect();
     let workers = queue.jobs.clamp(1, jobs.len().max(1));
     std::thread::scope(|scope| {
@@ -141,7 +143,7 @@ pub fn fetch_all(
                             &job.dest,
                             job.checksum.as_ref(),
                             options,
-                            progress,
+                            reporter,
                         )
                     } else {
                         let host = host.unwrap_or_default();
@@ -151,7 +153,7 @@ pub fn fetch_all(
                             &job.dest,
                             job.checksum.as_ref(),
                             options,
-                            progress,
+                            reporter,
                         );
                         gate.leave(host);
                         r

@@ -45,7 +45,9 @@ use serde::Deserialize;
 use bertkit_stage_io::Ranks;
 
 use crate::queue::{Job, QueueOptions, fetch_all};
-use crate::{Algorithm, Checksum, DownloadError, FetchOptions, Outcome, Progress, fetch, mirrored};
+use bertkit_stage_io::stage::{Outcome, Reporter};
+
+use crate::{Algorithm, Checksum, DownloadError, FetchOptions, Fetched, fetch, mirrored};
 
 /// A published checksum file.
 #[derive(Debug, Clone, Deserialize)]
@@ -242,7 +244,7 @@ pub fn plan_set(
     output: &Path,
     mirror: Option<&str>,
     options: &SetOptions,
-    progress: &dyn Progress,
+    reporter: &dyn Reporter,
 ) -> Result<Vec<Job>, DownloadError> {
     let entries: Vec<&SourceEntry> = registry.source.iter().filter(|s| s.set == set).collect();
     if entries.is_empty() {
@@ -276,7 +278,7 @@ pub fn plan_set(
                 let name = crate::queue::host_of(&list).unwrap_or("list").to_string();
                 let dest = aux_dest(output, &format!(".lists/{set}-{name}.txt"), options.ranks);
                 let _ = std::fs::remove_file(&dest);
-                fetch(&list, &dest, None, &options.fetch, progress)?;
+                fetch(&list, &dest, None, &options.fetch, reporter)?;
                 read(&dest)?
             } else {
                 read(Path::new(list.strip_prefix("file://").unwrap_or(&list)))?
@@ -329,7 +331,7 @@ pub fn plan_set(
                     &sums_dest,
                     None,
                     &options.fetch,
-                    progress,
+                    reporter,
                 )?;
                 let sums = read(&sums_dest)?;
                 let name = Path::new(&path)
@@ -364,12 +366,12 @@ pub fn download_set(
     output: &Path,
     mirror: Option<&str>,
     options: &SetOptions,
-    progress: &dyn Progress,
-) -> Result<Vec<(String, Outcome)>, DownloadError> {
+    reporter: &dyn Reporter,
+) -> Result<Outcome<Vec<(String, Fetched)>>, DownloadError> {
     let jobs = options.ranks.share(plan_set(
-        registry, set, vars, output, mirror, options, progress,
+        registry, set, vars, output, mirror, options, reporter,
     )?);
-    let results = fetch_all(&jobs, &options.queue, &options.fetch, progress);
+    let results = fetch_all(&jobs, &options.queue, &options.fetch, reporter);
     let mut done = Vec::new();
     let mut failed = Vec::new();
     for (job, result) in jobs.iter().zip(results) {
@@ -386,5 +388,14 @@ pub fn download_set(
             errors: failed,
         });
     }
-    Ok(done)
+    Ok(
+        if done
+            .iter()
+            .all(|(_, f)| matches!(f, Fetched::AlreadyPresent { .. }))
+        {
+            Outcome::UpToDate(done)
+        } else {
+            Outcome::Ran(done)
+        },
+    )
 }

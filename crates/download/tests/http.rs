@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bertkit_download::{
-    Algorithm, Checksum, DownloadError, FetchOptions, Outcome, Silent, fetch, mirrored,
+    Algorithm, Checksum, DownloadError, FetchOptions, Fetched, fetch, mirrored,
 };
 
 /// How the server answers `/file`.
@@ -177,12 +177,19 @@ fn a_dropped_connection_resumes_with_a_range_request() {
     );
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("file.bin");
-    let outcome = fetch(&server.url, &dest, Some(&sha256(&data)), &quick(), &Silent).unwrap();
+    let outcome = fetch(
+        &server.url,
+        &dest,
+        Some(&sha256(&data)),
+        &quick(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), data);
     assert!(
         matches!(
             outcome,
-            Outcome::Downloaded {
+            Fetched::Downloaded {
                 attempts: 2,
                 resumed_from: 0,
                 bytes: 1_000_000
@@ -211,10 +218,17 @@ fn a_partial_file_from_a_crash_is_continued() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("file.bin");
     std::fs::write(bertkit_stage_io::partial_path(&dest), &data[..200_000]).unwrap();
-    let outcome = fetch(&server.url, &dest, Some(&sha256(&data)), &quick(), &Silent).unwrap();
+    let outcome = fetch(
+        &server.url,
+        &dest,
+        Some(&sha256(&data)),
+        &quick(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap();
     assert_eq!(
         outcome,
-        Outcome::Downloaded {
+        Fetched::Downloaded {
             bytes: 500_000,
             resumed_from: 200_000,
             attempts: 1
@@ -240,7 +254,14 @@ fn a_server_that_ignores_ranges_restarts_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("file.bin");
     std::fs::write(bertkit_stage_io::partial_path(&dest), &data[..40_000]).unwrap();
-    fetch(&server.url, &dest, Some(&sha256(&data)), &quick(), &Silent).unwrap();
+    fetch(
+        &server.url,
+        &dest,
+        Some(&sha256(&data)),
+        &quick(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), data);
 }
 
@@ -260,11 +281,11 @@ fn transient_errors_are_retried_up_to_the_limit() {
         &dir.path().join("ok.bin"),
         None,
         &quick(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap();
     assert!(
-        matches!(outcome, Outcome::Downloaded { attempts: 3, .. }),
+        matches!(outcome, Fetched::Downloaded { attempts: 3, .. }),
         "{outcome:?}"
     );
     assert_eq!(server.ranges.lock().unwrap().len(), 3);
@@ -285,7 +306,7 @@ fn transient_errors_are_retried_up_to_the_limit() {
         &dir.path().join("busy.bin"),
         None,
         &options,
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     assert!(
@@ -312,7 +333,7 @@ fn not_found_fails_at_once_with_a_clear_message() {
         &dir.path().join("missing.bin"),
         None,
         &quick(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     assert!(
@@ -338,7 +359,14 @@ fn a_bad_checksum_never_leaves_a_file() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("file.bin");
     let wrong = sha256(b"something else");
-    let err = fetch(&server.url, &dest, Some(&wrong), &quick(), &Silent).unwrap_err();
+    let err = fetch(
+        &server.url,
+        &dest,
+        Some(&wrong),
+        &quick(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap_err();
     assert!(
         matches!(err, DownloadError::ChecksumMismatch { .. }),
         "{err}"
@@ -357,9 +385,23 @@ fn a_complete_file_is_not_fetched_again() {
     let server = serve(data.clone(), Behaviour::default());
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("file.bin");
-    fetch(&server.url, &dest, Some(&sha256(&data)), &quick(), &Silent).unwrap();
-    let again = fetch(&server.url, &dest, Some(&sha256(&data)), &quick(), &Silent).unwrap();
-    assert_eq!(again, Outcome::AlreadyPresent { bytes: 20_000 });
+    fetch(
+        &server.url,
+        &dest,
+        Some(&sha256(&data)),
+        &quick(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap();
+    let again = fetch(
+        &server.url,
+        &dest,
+        Some(&sha256(&data)),
+        &quick(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap();
+    assert_eq!(again, Fetched::AlreadyPresent { bytes: 20_000 });
     assert_eq!(server.ranges.lock().unwrap().len(), 1);
 }
 
@@ -373,18 +415,32 @@ fn local_paths_file_urls_and_mirrors_are_sources_too() {
     let source = mirrored(mirror.to_str().unwrap(), "squad/dev.json");
     let out = dir.path().join("out/dev.json");
     assert_eq!(
-        fetch(&source, &out, Some(&sha256(&data)), &quick(), &Silent).unwrap(),
-        Outcome::Copied { bytes: 3_000 }
+        fetch(
+            &source,
+            &out,
+            Some(&sha256(&data)),
+            &quick(),
+            &bertkit_stage_io::stage::Silent
+        )
+        .unwrap(),
+        Fetched::Copied { bytes: 3_000 }
     );
     let out2 = dir.path().join("out/dev2.json");
-    fetch(&format!("file://{source}"), &out2, None, &quick(), &Silent).unwrap();
+    fetch(
+        &format!("file://{source}"),
+        &out2,
+        None,
+        &quick(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap();
     assert_eq!(std::fs::read(&out2).unwrap(), data);
     let err = fetch(
         &mirrored(mirror.to_str().unwrap(), "nope.json"),
         &dir.path().join("x"),
         None,
         &quick(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     assert!(err.to_string().contains("nope.json"), "{err}");

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use bertkit_download::sources::{Registry, SetOptions, download_set, lookup_checksum};
-use bertkit_download::{Algorithm, Outcome, Silent};
+use bertkit_download::{Algorithm, Fetched};
 use bertkit_shared_data::{repo_root, shared_data_dir};
 
 fn registry() -> Registry {
@@ -47,13 +47,15 @@ fn the_demo_set_downloads_from_the_shared_data_mirror_with_verified_checksums() 
         dir.path(),
         mirror.to_str(),
         &SetOptions::default(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap();
+    assert!(!done.is_up_to_date());
+    let done = done.into_summary();
     assert_eq!(done.len(), 10);
     for (path, outcome) in &done {
         assert!(
-            matches!(outcome, Outcome::Copied { .. }),
+            matches!(outcome, Fetched::Copied { .. }),
             "{path}: {outcome:?}"
         );
         assert_eq!(
@@ -69,13 +71,15 @@ fn the_demo_set_downloads_from_the_shared_data_mirror_with_verified_checksums() 
         dir.path(),
         mirror.to_str(),
         &SetOptions::default(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap();
+    assert!(again.is_up_to_date(), "nothing to fetch the second time");
+    let again = again.into_summary();
     assert!(
         again
             .iter()
-            .all(|(_, o)| matches!(o, Outcome::AlreadyPresent { .. }))
+            .all(|(_, o)| matches!(o, Fetched::AlreadyPresent { .. }))
     );
     // Without a mirror, mirror-only entries say so before anything is fetched from the network.
     let dir2 = tempfile::tempdir().unwrap();
@@ -93,7 +97,7 @@ fn the_demo_set_downloads_from_the_shared_data_mirror_with_verified_checksums() 
         dir2.path(),
         None,
         &SetOptions::default(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     assert!(
@@ -134,9 +138,10 @@ fn checksum_files_and_templates() {
         &out,
         mirror.to_str(),
         &SetOptions::default(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap();
+    let done = done.into_summary();
     assert_eq!(done.len(), 2);
     assert!(
         out.join("wikipedia/enwiki-20240101-pages-articles-multistream.xml.bz2")
@@ -157,7 +162,7 @@ fn checksum_files_and_templates() {
         &out2,
         mirror.to_str(),
         &SetOptions::default(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     assert!(err.to_string().contains("checksum mismatch"), "{err}");
@@ -176,7 +181,7 @@ fn checksum_files_and_templates() {
         &out,
         mirror.to_str(),
         &SetOptions::default(),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     assert!(err.to_string().contains("--var repo="), "{err}");

@@ -13,7 +13,7 @@ use bertkit_download::queue::QueueOptions;
 use bertkit_download::sources::{
     Registry, SetOptions, download_set, name_from_url, parse_url_list,
 };
-use bertkit_download::{DownloadError, FetchOptions, Outcome, Silent};
+use bertkit_download::{DownloadError, FetchOptions, Fetched};
 use bertkit_stage_io::Ranks;
 
 struct BookServer {
@@ -135,7 +135,7 @@ fn a_url_list_downloads_politely_keeps_going_past_a_403_and_reruns_only_what_fai
         &out,
         None,
         &options(Ranks::single()),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     let DownloadError::Incomplete {
@@ -188,14 +188,16 @@ fn a_url_list_downloads_politely_keeps_going_past_a_403_and_reruns_only_what_fai
         &out,
         None,
         &options(Ranks::single()),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap();
+    assert!(again.is_up_to_date(), "nothing to fetch the second time");
+    let again = again.into_summary();
     assert_eq!(again.len(), 8);
     assert!(
         again
             .iter()
-            .all(|(_, o)| matches!(o, Outcome::AlreadyPresent { .. }))
+            .all(|(_, o)| matches!(o, Fetched::AlreadyPresent { .. }))
     );
     assert_eq!(server.starts.lock().unwrap().len(), 9);
 }
@@ -221,12 +223,13 @@ fn ranks_fetch_disjoint_shares_that_cover_the_list() {
             &out,
             None,
             &options(ranks),
-            &Silent,
+            &bertkit_stage_io::stage::Silent,
         )
         .unwrap();
+        let done = done.into_summary();
         assert!(
             done.iter()
-                .all(|(_, o)| matches!(o, Outcome::Downloaded { .. }))
+                .all(|(_, o)| matches!(o, Fetched::Downloaded { .. }))
         );
         seen.extend(done.into_iter().map(|(p, _)| p));
     }
@@ -274,7 +277,7 @@ fn two_urls_with_one_name_are_refused() {
         dir.path(),
         None,
         &options(Ranks::single()),
-        &Silent,
+        &bertkit_stage_io::stage::Silent,
     )
     .unwrap_err();
     assert!(

@@ -28,7 +28,10 @@ use sha2::{Digest, Sha256};
 
 use crate::error::FormatError;
 use crate::output::{Document, hex};
-use crate::progress::{Observer, Progress, RunOutcome};
+use bertkit_stage_io::stage::{Outcome, Reporter};
+
+use crate::manifest::FormatManifest;
+use crate::progress::Snapshot;
 use crate::run::Run;
 use crate::sentences::split_sentences;
 use crate::spacing::normalise_spacing;
@@ -119,8 +122,8 @@ pub fn format_books(
     inputs: &[PathBuf],
     output_dir: &Path,
     options: &BookOptions,
-    observer: &dyn Observer,
-) -> Result<RunOutcome, FormatError> {
+    reporter: &dyn Reporter,
+) -> Result<Outcome<FormatManifest>, FormatError> {
     let files = expand_inputs(inputs)?;
     let parameters = serde_json::to_value(options).expect("options serialise");
     let mut run = match Run::begin(
@@ -132,7 +135,7 @@ pub fn format_books(
         options.max_bytes,
     )? {
         Ok(run) => run,
-        Err(up_to_date) => return Ok(RunOutcome::UpToDate(up_to_date)),
+        Err(up_to_date) => return Ok(Outcome::UpToDate(up_to_date)),
     };
     let mut counts = BookCounts::default();
     let per_batch = run.threads.max(1);
@@ -155,13 +158,13 @@ pub fn format_books(
             run.inputs[index].sha256 = sha;
             if c.latin1_fallbacks > 0 {
                 run.warn(
-                    observer,
+                    reporter,
                     format!("{}: not UTF-8; read as Latin-1", files[index].display()),
                 );
             }
             if c.empty_books_skipped > 0 {
                 run.warn(
-                    observer,
+                    reporter,
                     format!(
                         "{}: no text left after cleaning; skipped",
                         files[index].display()
@@ -171,7 +174,7 @@ pub fn format_books(
             run.writer.write(&doc)?;
             counts.add(&c);
         }
-        observer.progress(&Progress {
+        Snapshot {
             input: ((batch_index + 1) * per_batch).min(files.len()) - 1,
             inputs: files.len(),
             items: counts.books_seen,
@@ -179,8 +182,8 @@ pub fn format_books(
             documents: counts.books_written,
             input_bytes: counts.input_bytes,
             output_bytes: counts.bytes,
-            elapsed: run.elapsed(),
-        });
+        }
+        .report(reporter);
     }
     run.finish(counts)
 }

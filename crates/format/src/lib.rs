@@ -37,7 +37,7 @@ pub mod books;
 pub mod error;
 pub mod manifest;
 pub mod output;
-pub mod progress;
+mod progress;
 mod run;
 pub mod sentences;
 pub mod spacing;
@@ -46,7 +46,6 @@ pub mod wiki;
 pub use error::FormatError;
 pub use manifest::FormatManifest;
 pub use output::{Document, ShardedTextWriter};
-pub use progress::{Observer, Progress, RunOutcome, Silent};
 
 /// Default largest output file: 100 MB.
 pub const DEFAULT_MAX_BYTES: u64 = 100_000_000;

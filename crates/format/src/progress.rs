@@ -1,12 +1,10 @@
-//! Progress and warnings, reported to whoever runs a stage (the CLI prints them to stderr).
+//! A format run's progress as the stages' shared events ([`bertkit_stage_io::stage`]).
 
-use std::time::Duration;
+use bertkit_stage_io::stage::{Event, Progress, Reporter};
 
-use crate::manifest::FormatManifest;
-
-/// A snapshot of a run's progress.
+/// A snapshot of a run's counts, reported as the progress of input `input` of `inputs`.
 #[derive(Debug, Clone, Copy)]
-pub struct Progress {
+pub(crate) struct Snapshot {
     /// Index of the input being read.
     pub input: usize,
     /// Number of inputs.
@@ -21,39 +19,25 @@ pub struct Progress {
     pub input_bytes: u64,
     /// Text bytes written.
     pub output_bytes: u64,
-    /// Time since the run started.
-    pub elapsed: Duration,
 }
 
-/// Receives progress, notes and warnings. All methods default to doing nothing.
-pub trait Observer: Sync {
-    /// Called after each batch of work.
-    fn progress(&self, _progress: &Progress) {}
-    /// A note on what the run is doing.
-    fn message(&self, _message: &str) {}
-    /// A skipped item or other recoverable problem (also counted in the manifest).
-    fn warning(&self, _warning: &str) {}
-}
-
-/// An observer that ignores everything.
-pub struct Silent;
-
-impl Observer for Silent {}
-
-/// How a run ended.
-#[derive(Debug, Clone)]
-pub enum RunOutcome {
-    /// The work was done; here is its manifest.
-    Completed(FormatManifest),
-    /// The output was already up to date; here is the manifest found.
-    UpToDate(FormatManifest),
-}
-
-impl RunOutcome {
-    /// The manifest, either way.
-    pub fn manifest(&self) -> &FormatManifest {
-        match self {
-            RunOutcome::Completed(m) | RunOutcome::UpToDate(m) => m,
-        }
+impl Snapshot {
+    /// Reports the snapshot: input bytes are the progress, the other counts its detail.
+    pub fn report(&self, reporter: &dyn Reporter) {
+        let task = format!("input {}/{}", self.input + 1, self.inputs);
+        let detail = format!(
+            "{} {} read, {} documents written, {:.1} MB out",
+            self.items,
+            self.unit,
+            self.documents,
+            self.output_bytes as f64 / 1e6
+        );
+        reporter.report(&Event::Progress(&Progress {
+            task: &task,
+            done: self.input_bytes,
+            total: None,
+            unit: "bytes",
+            detail: &detail,
+        }));
     }
 }

@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::error::FormatError;
 use crate::manifest::{FormatManifest, InputFile, MAX_RECORDED_WARNINGS, stat_input};
 use crate::output::ShardedTextWriter;
-use crate::progress::{Observer, RunOutcome};
+use bertkit_stage_io::stage::{Event, Outcome, Reporter};
 
 /// A run that has work to do.
 pub(crate) struct Run {
@@ -78,21 +78,16 @@ impl Run {
         }))
     }
 
-    /// Time since the run started.
-    pub fn elapsed(&self) -> std::time::Duration {
-        self.started.elapsed()
-    }
-
     /// Reports a warning and keeps the first [`MAX_RECORDED_WARNINGS`] for the manifest.
-    pub fn warn(&mut self, observer: &dyn Observer, warning: String) {
-        observer.warning(&warning);
+    pub fn warn(&mut self, reporter: &dyn Reporter, warning: String) {
+        reporter.report(&Event::Warning(&warning));
         if self.warnings.len() < MAX_RECORDED_WARNINGS {
             self.warnings.push(warning);
         }
     }
 
     /// Renames the files into place and writes the manifest.
-    pub fn finish(self, counts: impl Serialize) -> Result<RunOutcome, FormatError> {
+    pub fn finish(self, counts: impl Serialize) -> Result<Outcome<FormatManifest>, FormatError> {
         let elapsed = self.started.elapsed().as_secs_f64();
         let outputs = self.writer.commit()?;
         let manifest = FormatManifest::new(
@@ -105,6 +100,6 @@ impl Run {
             elapsed,
         );
         manifest.write(&self.output_dir)?;
-        Ok(RunOutcome::Completed(manifest))
+        Ok(Outcome::Ran(manifest))
     }
 }

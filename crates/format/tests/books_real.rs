@@ -3,7 +3,9 @@
 use std::fs;
 
 use bertkit_format::books::{BookCounts, BookOptions, format_books};
-use bertkit_format::{RunOutcome, Silent};
+
+use bertkit_stage_io::stage::{Outcome, Silent};
+
 use bertkit_shared_data::require;
 
 #[test]
@@ -16,7 +18,7 @@ fn three_gutenberg_books_become_three_clean_documents() {
         &Silent,
     )
     .unwrap();
-    let RunOutcome::Completed(manifest) = &outcome else {
+    let Outcome::Ran(manifest) = &outcome else {
         panic!("fresh run")
     };
     let counts: BookCounts = serde_json::from_value(manifest.counts.clone()).unwrap();
@@ -67,7 +69,7 @@ fn rerun_is_a_no_op() {
     let dir = tempfile::tempdir().unwrap();
     let input = [require("gutenberg/chesterton-thursday.txt")];
     let first = format_books(&input, dir.path(), &BookOptions::default(), &Silent).unwrap();
-    assert!(matches!(first, RunOutcome::Completed(_)));
+    assert!(matches!(first, Outcome::Ran(_)));
     let again = format_books(&input, dir.path(), &BookOptions::default(), &Silent).unwrap();
-    assert!(matches!(again, RunOutcome::UpToDate(_)));
+    assert!(matches!(again, Outcome::UpToDate(_)));
 }

@@ -5,7 +5,10 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use bertkit_format::wiki::{WikiCounts, WikiOptions, format_wiki};
-use bertkit_format::{FormatError, RunOutcome, Silent};
+use bertkit_format::{FormatError, FormatManifest};
+use bertkit_stage_io::stage::{Outcome, Silent};
+
+type RunOutcome = Outcome<FormatManifest>;
 use bertkit_shared_data::require;
 
 const ENWIKI: &str =
@@ -25,13 +28,13 @@ fn run(inputs: &[PathBuf], out: &Path, options: &WikiOptions) -> Result<RunOutco
 }
 
 fn counts(outcome: &RunOutcome) -> WikiCounts {
-    serde_json::from_value(outcome.manifest().counts.clone()).unwrap()
+    serde_json::from_value(outcome.summary().counts.clone()).unwrap()
 }
 
 /// All output text of a run, files concatenated in order.
 fn output_text(out: &Path, outcome: &RunOutcome) -> String {
     outcome
-        .manifest()
+        .summary()
         .outputs
         .iter()
         .map(|f| fs::read_to_string(out.join(&f.file)).unwrap())
@@ -246,7 +249,7 @@ fn multistream_plain_and_single_stream_give_identical_output_at_any_thread_count
             "{name} differs from the single-stream run"
         );
         assert_eq!(counts(&outcome), counts(&reference), "{name} counts differ");
-        assert_eq!(outcome.manifest().outputs, reference.manifest().outputs);
+        assert_eq!(outcome.summary().outputs, reference.summary().outputs);
     }
 }
 
@@ -327,7 +330,7 @@ fn invalid_utf8_page_is_a_counted_skip_or_a_strict_error() {
     assert_eq!(c.invalid_utf8_pages_skipped, 1);
     assert_eq!(c.errors, 1);
     assert_eq!(c.articles_written, 96);
-    let warning = &outcome.manifest().warnings[0];
+    let warning = &outcome.summary().warnings[0];
     assert!(
         warning.contains("'Anarchism'") && warning.contains(&format!("offset {}", at + 3)),
         "{warning}"
@@ -374,14 +377,14 @@ fn rerun_is_a_no_op_and_changes_rebuild() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("o");
     let first = run(&[require(TABLES)], &out, &WikiOptions::default()).unwrap();
-    assert!(matches!(first, RunOutcome::Completed(_)));
+    assert!(matches!(first, Outcome::Ran(_)));
     let second = run(&[require(TABLES)], &out, &WikiOptions::default()).unwrap();
-    assert!(matches!(second, RunOutcome::UpToDate(_)));
+    assert!(matches!(second, Outcome::UpToDate(_)));
     // A deleted output or changed options rebuild.
     fs::remove_file(out.join("wiki_00000.txt")).unwrap();
     assert!(matches!(
         run(&[require(TABLES)], &out, &WikiOptions::default()).unwrap(),
-        RunOutcome::Completed(_)
+        Outcome::Ran(_)
     ));
     let options = WikiOptions {
         clean: bertkit_format::wiki::CleanOptions { keep_lists: true },
@@ -389,7 +392,7 @@ fn rerun_is_a_no_op_and_changes_rebuild() {
     };
     assert!(matches!(
         run(&[require(TABLES)], &out, &options).unwrap(),
-        RunOutcome::Completed(_)
+        Outcome::Ran(_)
     ));
 }
 
@@ -408,7 +411,7 @@ fn max_bytes_splits_at_document_boundaries() {
         ..Default::default()
     };
     let split = run(&[require(ENWIKI)], &out, &options).unwrap();
-    let files = &split.manifest().outputs;
+    let files = &split.summary().outputs;
     assert!(files.len() >= 9, "{} files", files.len());
     for f in files {
         let text = fs::read_to_string(out.join(&f.file)).unwrap();

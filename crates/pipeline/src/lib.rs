@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bertkit_stage_io::Ranks;
+use bertkit_stage_io::stage::{Event, Outcome, Reporter};
 use serde::Deserialize;
 
 use crate::merge::MergePoints;
@@ -153,15 +154,6 @@ pub struct StepReport {
     pub seconds: f64,
 }
 
-/// What the runner tells its caller as it goes.
-#[derive(Debug)]
-pub enum Event<'a> {
-    /// A step ended.
-    Step(&'a StepReport),
-    /// This rank waits at a merge point for others.
-    Waiting(&'a str),
-}
-
 /// How to run.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -205,15 +197,17 @@ fn step_err<E: std::error::Error + Send + Sync + 'static>(
 }
 
 /// Runs this rank's part of the pipeline. `registry` is the source registry; `mirror`, if
-/// given, replaces every download URL. `report` hears of each step this rank ran and of waits.
-/// Returns the reports of this rank's steps.
+/// given, replaces every download URL. `reporter` hears of each step this rank finished
+/// ([`Event::Finished`], named by the step), of waits at merge points, and of the stages'
+/// progress and warnings. Returns the reports of this rank's steps: up to date when every one
+/// of them was.
 pub fn run(
     config: &PipelineConfig,
     registry: &bertkit_download::sources::Registry,
     mirror: Option<&str>,
     options: &RunOptions,
-    report: &mut dyn FnMut(Event),
-) -> Result<Vec<StepReport>, PipelineError> {
+    reporter: &dyn Reporter,
+) -> Result<Outcome<Vec<StepReport>>, PipelineError> {
     let root = &config.output;
     let raw = root.join("raw");
     let ranks = options.ranks;
@@ -224,12 +218,22 @@ pub fn run(
         options.wait_timeout,
     );
     let mut reports = Vec::new();
-    let report = std::cell::RefCell::new(report);
     let emit = |r: StepReport, reports: &mut Vec<StepReport>| {
-        (report.borrow_mut())(Event::Step(&r));
+        reporter.report(&Event::Finished {
+            task: &r.step,
+            summary: &format!("{} ({:.1} s)", r.summary, r.seconds),
+            up_to_date: r.up_to_date,
+        });
         reports.push(r);
     };
-    let arrive = |step: &str| merge.arrive(step, &mut |m| (report.borrow_mut())(Event::Waiting(m)));
+    let arrive = |step: &str| merge.arrive(step, &mut |m| reporter.report(&Event::Message(m)));
+    // The stages' progress and warnings reach the caller; their own notes and per-file lines
+    // give way to one line per step.
+    let stage_reporter = |e: &Event<'_>| {
+        if matches!(e, Event::Progress(_) | Event::Warning(_)) {
+            reporter.report(e)
+        }
+    };
 
     // Download.
     for set in &config.download.sets {
@@ -246,17 +250,19 @@ pub fn run(
                 queue: options.queue.clone(),
                 ranks,
             },
-            &bertkit_download::Silent,
+            &stage_reporter,
         )
         .map_err(step_err(&step))?;
+        let up_to_date = done.is_up_to_date();
+        let done = done.into_summary();
         let fetched = done
             .iter()
-            .filter(|(_, o)| !matches!(o, bertkit_download::Outcome::AlreadyPresent { .. }))
+            .filter(|(_, f)| !matches!(f, bertkit_download::Fetched::AlreadyPresent { .. }))
             .count();
         emit(
             StepReport {
                 step,
-                up_to_date: fetched == 0,
+                up_to_date,
                 summary: format!("{} files, {fetched} fetched", done.len()),
                 seconds: started.elapsed().as_secs_f64(),
             },
@@ -267,24 +273,25 @@ pub fn run(
 
     // Format: the wiki and books jobs, dealt to ranks.
     let mut formatted = Vec::new();
-    let format_step = |kind: &str, outcome: bertkit_format::RunOutcome, started: Instant| {
-        let m = outcome.manifest();
-        let written = m
-            .counts
-            .get("articles_written")
-            .or_else(|| m.counts.get("books_written"));
-        StepReport {
-            step: format!("format {kind}"),
-            up_to_date: matches!(outcome, bertkit_format::RunOutcome::UpToDate(_)),
-            summary: format!(
-                "{} documents, {} sentences, {} bytes",
-                written.and_then(|v| v.as_u64()).unwrap_or(0),
-                m.counts["sentences"],
-                m.counts["bytes"]
-            ),
-            seconds: started.elapsed().as_secs_f64(),
-        }
-    };
+    let format_step =
+        |kind: &str, outcome: Outcome<bertkit_format::FormatManifest>, started: Instant| {
+            let m = outcome.summary();
+            let written = m
+                .counts
+                .get("articles_written")
+                .or_else(|| m.counts.get("books_written"));
+            StepReport {
+                step: format!("format {kind}"),
+                up_to_date: outcome.is_up_to_date(),
+                summary: format!(
+                    "{} documents, {} sentences, {} bytes",
+                    written.and_then(|v| v.as_u64()).unwrap_or(0),
+                    m.counts["sentences"],
+                    m.counts["bytes"]
+                ),
+                seconds: started.elapsed().as_secs_f64(),
+            }
+        };
     let mut format_jobs = 0;
     let mut owns_next = || {
         format_jobs += 1;
@@ -294,13 +301,9 @@ pub fn run(
         let started = Instant::now();
         let inputs: Vec<PathBuf> = config.format.wiki.iter().map(|p| raw.join(p)).collect();
         let out = root.join("formatted/wiki");
-        let outcome = bertkit_format::wiki::format_wiki(
-            &inputs,
-            &out,
-            &Default::default(),
-            &bertkit_format::Silent,
-        )
-        .map_err(step_err("format wiki"))?;
+        let outcome =
+            bertkit_format::wiki::format_wiki(&inputs, &out, &Default::default(), &stage_reporter)
+                .map_err(step_err("format wiki"))?;
         emit(format_step("wiki", outcome, started), &mut reports);
     }
     if !config.format.wiki.is_empty() {
@@ -314,7 +317,7 @@ pub fn run(
             &inputs,
             &out,
             &Default::default(),
-            &bertkit_format::Silent,
+            &stage_reporter,
         )
         .map_err(step_err("format books"))?;
         emit(format_step("books", outcome, started), &mut reports);
@@ -339,7 +342,9 @@ pub fn run(
         test_fraction: s.test_fraction,
         seed: s.seed,
         compression: match s.compress.as_deref() {
-            Some("zstd") => bertkit_shard::Compression::Zstd { level: 3 },
+            Some("zstd") => bertkit_shard::Compression::Zstd {
+                level: bertkit_shard::DEFAULT_ZSTD_LEVEL,
+            },
             None => bertkit_shard::Compression::None,
             Some(other) => {
                 return Err(PipelineError::Config(format!(
@@ -351,13 +356,13 @@ pub fn run(
         world_size: ranks.world_size,
         ..Default::default()
     };
-    let outcome =
-        bertkit_shard::shard(&formatted, &shards, &options, &|_| {}).map_err(step_err("shard"))?;
-    let m = outcome.manifest();
+    let outcome = bertkit_shard::shard(&formatted, &shards, &options, &stage_reporter)
+        .map_err(step_err("shard"))?;
+    let m = outcome.summary();
     emit(
         StepReport {
             step: "shard".into(),
-            up_to_date: matches!(outcome, bertkit_shard::ShardOutcome::UpToDate(_)),
+            up_to_date: outcome.is_up_to_date(),
             summary: format!(
                 "{} documents into {} shards, test fraction {:.4}, train imbalance {:.2}%",
                 m.totals.documents,
@@ -379,15 +384,8 @@ pub fn run(
     );
     for &phase in &config.records.phases {
         let step = format!("records phase {phase}");
-        let preset = match phase {
-            1 => bertkit_records::instances::InstanceOptions::phase1(),
-            2 => bertkit_records::instances::InstanceOptions::phase2(),
-            other => {
-                return Err(PipelineError::Config(format!(
-                    "[records] phases: no phase {other}"
-                )));
-            }
-        };
+        let preset = bertkit_records::instances::InstanceOptions::phase(phase)
+            .ok_or_else(|| PipelineError::Config(format!("[records] phases: no phase {phase}")))?;
         let options = bertkit_records::run::RecordsOptions {
             instances: bertkit_records::instances::InstanceOptions {
                 dupe_factor: config.records.dupe_factor,
@@ -402,9 +400,15 @@ pub fn run(
         if train_shards.is_empty() {
             continue;
         }
-        let summaries =
-            bertkit_records::run::records_to_dir(&train_shards, &vocab, &out, &options, &|_| {})
-                .map_err(step_err(&step))?;
+        let summaries = bertkit_records::run::records_to_dir(
+            &train_shards,
+            &vocab,
+            &out,
+            &options,
+            &stage_reporter,
+        )
+        .map_err(step_err(&step))?;
+        let summaries = summaries.into_summary();
         let written: Vec<_> = summaries.iter().filter(|s| !s.skipped).collect();
         emit(
             StepReport {
@@ -422,5 +426,9 @@ pub fn run(
         );
     }
     arrive("done")?;
-    Ok(reports)
+    Ok(if reports.iter().all(|r| r.up_to_date) {
+        Outcome::UpToDate(reports)
+    } else {
+        Outcome::Ran(reports)
+    })
 }

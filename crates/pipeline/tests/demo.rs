@@ -3,6 +3,7 @@
 
 use bertkit_pipeline::{PipelineConfig, RunOptions, run};
 use bertkit_shared_data::{repo_root, shared_data_dir};
+use bertkit_stage_io::stage::Silent;
 
 #[test]
 fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
@@ -19,9 +20,11 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
         &registry,
         mirror.to_str(),
         &RunOptions::default(),
-        &mut |_| {},
+        &Silent,
     )
     .unwrap();
+    assert!(!first.is_up_to_date());
+    let first = first.into_summary();
     let steps: Vec<&str> = first.iter().map(|r| r.step.as_str()).collect();
     assert_eq!(
         steps,
@@ -61,9 +64,11 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
         &registry,
         mirror.to_str(),
         &RunOptions::default(),
-        &mut |_| {},
+        &Silent,
     )
     .unwrap();
+    assert!(second.is_up_to_date());
+    let second = second.into_summary();
     assert!(second.iter().all(|r| r.up_to_date), "{second:?}");
 }
 

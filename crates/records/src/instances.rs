@@ -62,6 +62,15 @@ impl InstanceOptions {
         }
     }
 
+    /// The preset of pre-training phase `phase` (1 or 2), if there is one.
+    pub fn phase(phase: u8) -> Option<Self> {
+        match phase {
+            1 => Some(Self::phase1()),
+            2 => Some(Self::phase2()),
+            _ => None,
+        }
+    }
+
     /// The masking part of the options.
     pub fn masking(&self) -> MaskOptions {
         MaskOptions {

@@ -16,6 +16,7 @@
 
 use std::path::{Path, PathBuf};
 
+use bertkit_stage_io::stage::{Event, Outcome, Reporter};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -75,6 +76,29 @@ pub enum RecordsError {
     /// Bad arguments or an input without documents.
     #[error("{0}")]
     Usage(String),
+}
+
+impl FileSummary {
+    /// Tells `reporter` the file is finished: what it holds and where the time went.
+    pub fn report(&self, reporter: &dyn Reporter) {
+        let summary = if self.skipped {
+            "up to date, skipped".to_string()
+        } else {
+            format!(
+                "{} instances from {} documents (tokenize {:.3} s, instances {:.3} s, write {:.3} s)",
+                self.instances,
+                self.documents,
+                self.seconds.tokenize,
+                self.seconds.instances,
+                self.seconds.write
+            )
+        };
+        reporter.report(&Event::Finished {
+            task: &self.output.display().to_string(),
+            summary: &summary,
+            up_to_date: self.skipped,
+        });
+    }
 }
 
 /// What one output file holds.
@@ -387,14 +411,15 @@ fn instances_to_file(
 }
 
 /// File mode: all inputs as one corpus into one Parquet file (and optionally a JSONL file with
-/// the reference script's instance fields).
+/// the reference script's instance fields). The file is always written: a single output is
+/// what a comparison with the reference script asks for.
 pub fn records_to_file(
     inputs: &[PathBuf],
     vocab: &Path,
     output: &Path,
     jsonl: Option<&Path>,
     options: &RecordsOptions,
-) -> Result<FileSummary, RecordsError> {
+) -> Result<Outcome<FileSummary>, RecordsError> {
     let vocab = Vocabulary::load(vocab, options.lower_case)?;
     let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     let clock = std::time::Instant::now();
@@ -412,7 +437,7 @@ pub fn records_to_file(
     if documents.is_empty() {
         return Err(RecordsError::Usage("the inputs hold no document".into()));
     }
-    instances_to_file(
+    let summary = instances_to_file(
         &documents,
         clock.elapsed().as_secs_f64(),
         &vocab,
@@ -420,7 +445,8 @@ pub fn records_to_file(
         output,
         jsonl,
         &fingerprints,
-    )
+    )?;
+    Ok(Outcome::Ran(summary))
 }
 
 /// The seed of one shard in directory mode.
@@ -444,8 +470,8 @@ pub fn records_to_dir(
     vocab: &Path,
     output_dir: &Path,
     options: &RecordsOptions,
-    progress: &(dyn Fn(&FileSummary) + Sync),
-) -> Result<Vec<FileSummary>, RecordsError> {
+    reporter: &dyn Reporter,
+) -> Result<Outcome<Vec<FileSummary>>, RecordsError> {
     let vocab = Vocabulary::load(vocab, options.lower_case)?;
     let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     std::fs::create_dir_all(output_dir).map_err(|e| RecordsError::Write {
@@ -461,7 +487,7 @@ pub fn records_to_dir(
             )));
         }
     }
-    files
+    let summaries = files
         .par_iter()
         .map(|path| {
             let name = stem(path);
@@ -488,7 +514,7 @@ pub fn records_to_dir(
                     skipped: true,
                     seconds: StepSeconds::default(),
                 };
-                progress(&summary);
+                summary.report(reporter);
                 return Ok(summary);
             }
             let clock = std::time::Instant::now();
@@ -508,10 +534,15 @@ pub fn records_to_dir(
                 None,
                 std::slice::from_ref(&fingerprint),
             )?;
-            progress(&summary);
+            summary.report(reporter);
             Ok(summary)
         })
-        .collect()
+        .collect::<Result<Vec<_>, RecordsError>>()?;
+    Ok(if summaries.iter().all(|s| s.skipped) {
+        Outcome::UpToDate(summaries)
+    } else {
+        Outcome::Ran(summaries)
+    })
 }
 
 /// A shard's name without `.txt` / `.txt.zst`.

@@ -9,6 +9,7 @@ use arrow_array::types::{Int8Type, Int32Type};
 use bertkit_records::instances::InstanceOptions;
 use bertkit_records::run::{Compat, RecordsOptions, records_to_dir, records_to_file};
 use bertkit_shared_data::require;
+use bertkit_stage_io::stage::Silent;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 /// (input_ids, masked_lm_positions, masked_lm_ids, next_sentence_label, seq_len) per row.
@@ -76,7 +77,8 @@ fn file_mode_equals_the_reference_script_and_pyarrow_reads_it() {
         Some(&jsonl),
         &reference_options(),
     )
-    .unwrap();
+    .unwrap()
+    .into_summary();
     assert_eq!(summary.instances, 38);
     let reference: Vec<serde_json::Value> =
         std::fs::read_to_string(require("reference/cpd_sample_text_msl128/instances.jsonl"))
@@ -182,14 +184,14 @@ fn shards() -> PathBuf {
             )],
             &wiki,
             &Default::default(),
-            &bertkit_format::Silent,
+            &bertkit_stage_io::stage::Silent,
         )
         .unwrap();
         bertkit_format::books::format_books(
             &[require("gutenberg")],
             &books,
             &Default::default(),
-            &bertkit_format::Silent,
+            &bertkit_stage_io::stage::Silent,
         )
         .unwrap();
         let out = root.join("shards");
@@ -198,7 +200,13 @@ fn shards() -> PathBuf {
             seed: 3,
             ..Default::default()
         };
-        bertkit_shard::shard(&[wiki, books], &out, &options, &|_| {}).unwrap();
+        bertkit_shard::shard(
+            &[wiki, books],
+            &out,
+            &options,
+            &bertkit_stage_io::stage::Silent,
+        )
+        .unwrap();
         out.join("train")
     })
     .clone()
@@ -233,13 +241,15 @@ fn directory_mode_is_parallel_deterministic_restartable_and_has_the_algorithms_s
                     &vocab,
                     out,
                     &options,
-                    &|_| {},
+                    &Silent,
                 )
             })
             .unwrap()
     };
     let one = run_with(1, &tmp.path().join("one"));
-    let four = run_with(4, &tmp.path().join("four"));
+    assert!(!one.is_up_to_date());
+    let one = one.into_summary();
+    let four = run_with(4, &tmp.path().join("four")).into_summary();
     assert_eq!(one.len(), 4);
     for (a, b) in one.iter().zip(&four) {
         assert_eq!(
@@ -252,7 +262,8 @@ fn directory_mode_is_parallel_deterministic_restartable_and_has_the_algorithms_s
     }
     // A second run finds every output complete.
     let again = run_with(2, &tmp.path().join("one"));
-    assert!(again.iter().all(|s| s.skipped));
+    assert!(again.is_up_to_date());
+    assert!(again.into_summary().iter().all(|s| s.skipped));
 
     // Statistics of the algorithm over all instances.
     let mask_id = 103;
@@ -340,7 +351,8 @@ fn default_file_mode_is_parallel_and_deterministic_whatever_the_thread_count() {
             .build()
             .unwrap()
             .install(|| records_to_file(std::slice::from_ref(&shards), &vocab, &out, None, options))
-            .unwrap();
+            .unwrap()
+            .into_summary();
         (sha(&out), summary.instances)
     };
     let (one, n_one) = run(1, "one.parquet", &default);

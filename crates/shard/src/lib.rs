@@ -66,12 +66,16 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use bertkit_stage_io::InputFile;
+use bertkit_stage_io::stage::{Event, Outcome, Reporter};
 use serde::{Deserialize, Serialize};
 
 pub use balance::Split;
 pub use error::ShardError;
 pub use manifest::{ShardFile, ShardManifest, Totals};
 pub use output::Compression;
+
+/// The zstd level of compressed shards unless asked otherwise (zstd's own default).
+pub const DEFAULT_ZSTD_LEVEL: i32 = 3;
 
 /// Bytes of new shuffled documents placed together (largest first). Part of the algorithm, so a
 /// constant: memory settings never change the output.
@@ -139,24 +143,6 @@ impl Default for ShardOptions {
     }
 }
 
-/// How a run ended.
-#[derive(Debug, Clone)]
-pub enum ShardOutcome {
-    /// The shards were written; here is the manifest.
-    Completed(ShardManifest),
-    /// The output was already up to date; here is the manifest found.
-    UpToDate(ShardManifest),
-}
-
-impl ShardOutcome {
-    /// The manifest, either way.
-    pub fn manifest(&self) -> &ShardManifest {
-        match self {
-            ShardOutcome::Completed(m) | ShardOutcome::UpToDate(m) => m,
-        }
-    }
-}
-
 fn validate(options: &ShardOptions) -> Result<(), ShardError> {
     let usage = |m: &str| Err(ShardError::Usage(m.into()));
     if options.num_train_shards == 0 {
@@ -186,13 +172,13 @@ fn validate(options: &ShardOptions) -> Result<(), ShardError> {
 
 /// Shards `inputs` (files or folders of formatted text) into `output_dir`.
 ///
-/// `progress` receives a line now and then.
+/// `reporter` hears what the run is doing now and then.
 pub fn shard(
     inputs: &[PathBuf],
     output_dir: &Path,
     options: &ShardOptions,
-    progress: &dyn Fn(&str),
-) -> Result<ShardOutcome, ShardError> {
+    reporter: &dyn Reporter,
+) -> Result<Outcome<ShardManifest>, ShardError> {
     let started = Instant::now();
     validate(options)?;
     let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
@@ -205,7 +191,7 @@ pub fn shard(
     if let Some(existing) = ShardManifest::read(&manifest_path)
         && existing.is_up_to_date(output_dir, &input_files, &parameters)
     {
-        return Ok(ShardOutcome::UpToDate(existing));
+        return Ok(Outcome::UpToDate(existing));
     }
     std::fs::create_dir_all(output_dir).map_err(|e| ShardError::io(output_dir, e))?;
     match std::fs::remove_file(&manifest_path) {
@@ -233,11 +219,11 @@ pub fn shard(
     let mut runs = runs::RunWriter::new(&tmp, options.run_bytes, &pool);
     let (mut documents, mut sentences, mut bytes) = (0u64, 0u64, 0u64);
     for (i, path) in files.iter().enumerate() {
-        progress(&format!(
+        reporter.report(&Event::Message(&format!(
             "reading {} ({} documents so far)",
             path.display(),
             documents
-        ));
+        )));
         let mut reader = bertkit_stage_io::text::DocumentReader::open(path)?;
         while let Some(doc) = reader.next_document()? {
             sentences += u64::from(doc.sentences);
@@ -261,10 +247,10 @@ pub fn shard(
                 .join(", ")
         )));
     }
-    progress(&format!(
+    reporter.report(&Event::Message(&format!(
         "shuffling {documents} documents ({:.1} MB)",
         bytes as f64 / 1e6
-    ));
+    )));
     let shuffled = runs.finish()?;
 
     // 2 and 3. Assign in shuffled order and write.
@@ -320,7 +306,7 @@ pub fn shard(
         Ok(())
     })?;
     place_window(&mut window, 0)?;
-    progress("writing shards");
+    reporter.report(&Event::Message("writing shards"));
     let records = shards.commit(&pool)?;
     std::fs::remove_dir_all(&tmp).map_err(|e| ShardError::io(&tmp, e))?;
 
@@ -347,5 +333,5 @@ pub fn shard(
         elapsed_seconds: started.elapsed().as_secs_f64(),
     };
     manifest.write(&manifest_path)?;
-    Ok(ShardOutcome::Completed(manifest))
+    Ok(Outcome::Ran(manifest))
 }

@@ -1,15 +1,14 @@
 //! The shard stage on the formatted enwiki chunk and Gutenberg books from the shared data
 //! folder, and on that corpus scaled up.
 
+use bertkit_stage_io::stage::{Outcome, Silent};
 use bertkit_stage_io::text::TextError;
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use bertkit_shard::{
-    Compression, ShardError, ShardManifest, ShardOptions, ShardOutcome, Split, shard,
-};
+use bertkit_shard::{Compression, ShardError, ShardManifest, ShardOptions, Split, shard};
 use bertkit_shared_data::require;
 
 /// Formats the real fixtures once per test binary (the format stage skips work already done).
@@ -25,14 +24,14 @@ fn formatted() -> &'static (PathBuf, PathBuf) {
             )],
             &wiki,
             &Default::default(),
-            &bertkit_format::Silent,
+            &bertkit_stage_io::stage::Silent,
         )
         .unwrap();
         bertkit_format::books::format_books(
             &[require("gutenberg")],
             &books,
             &Default::default(),
-            &bertkit_format::Silent,
+            &bertkit_stage_io::stage::Silent,
         )
         .unwrap();
         (wiki, books)
@@ -116,8 +115,12 @@ fn options(train: usize, test: usize, fraction: f64) -> ShardOptions {
     }
 }
 
-fn run(inputs: &[PathBuf], out: &Path, options: &ShardOptions) -> Result<ShardOutcome, ShardError> {
-    shard(inputs, out, options, &|_| {})
+fn run(
+    inputs: &[PathBuf],
+    out: &Path,
+    options: &ShardOptions,
+) -> Result<Outcome<ShardManifest>, ShardError> {
+    shard(inputs, out, options, &Silent)
 }
 
 #[test]
@@ -126,7 +129,7 @@ fn every_document_lands_once_test_fraction_holds_and_shards_are_shuffled() {
     let inputs = vec![wiki.clone(), books.clone()];
     let dir = tempfile::tempdir().unwrap();
     let outcome = run(&inputs, dir.path(), &options(3, 1, 0.1)).unwrap();
-    let m = outcome.manifest();
+    let m = outcome.summary();
     assert_eq!(
         all_output_documents(dir.path(), m),
         input_documents(&inputs),
@@ -181,7 +184,7 @@ fn scaled_fixture_is_balanced_within_two_percent_and_mixes_sources() {
     };
     let m = run(std::slice::from_ref(&input), dir.path(), &opts)
         .unwrap()
-        .manifest()
+        .summary()
         .clone();
     assert_eq!(m.totals.documents, 1600);
     assert!(m.totals.train_sentence_imbalance <= 0.02, "{:?}", m.totals);
@@ -213,7 +216,7 @@ fn output_depends_on_seed_only_not_on_threads_or_memory() {
     let hashes = |dir: &str, o: ShardOptions| -> Vec<Option<String>> {
         let m = run(std::slice::from_ref(&input), &tmp.path().join(dir), &o)
             .unwrap()
-            .manifest()
+            .summary()
             .clone();
         m.shards.iter().map(|s| s.sha256.clone()).collect()
     };
@@ -261,12 +264,7 @@ fn zstd_output_round_trips_and_reads_back_as_input() {
         ..options(2, 1, 0.2)
     };
     let packed = run(&inputs, &tmp.path().join("zstd"), &zstd_opts).unwrap();
-    for (p, z) in plain
-        .manifest()
-        .shards
-        .iter()
-        .zip(&packed.manifest().shards)
-    {
+    for (p, z) in plain.summary().shards.iter().zip(&packed.summary().shards) {
         assert!(z.file.ends_with(".txt.zst"));
         assert_eq!(p.content_sha256, z.content_sha256, "same text, compressed");
         assert_eq!(p.sha256, z.content_sha256);
@@ -284,7 +282,7 @@ fn zstd_output_round_trips_and_reads_back_as_input() {
     )
     .unwrap();
     assert_eq!(
-        all_output_documents(&tmp.path().join("again"), again.manifest()),
+        all_output_documents(&tmp.path().join("again"), again.summary()),
         input_documents(&inputs)
     );
 }
@@ -309,7 +307,7 @@ fn ranks_together_write_exactly_the_single_run() {
         };
         let m = run(std::slice::from_ref(&input), &dist, &o)
             .unwrap()
-            .manifest()
+            .summary()
             .clone();
         assert!(dist.join(ShardManifest::file_name(rank, 3)).is_file());
         written.extend(
@@ -321,7 +319,7 @@ fn ranks_together_write_exactly_the_single_run() {
     }
     written.sort();
     let mut expected: Vec<_> = single
-        .manifest()
+        .summary()
         .shards
         .iter()
         .map(|s| (s.file.clone(), s.sha256.clone()))
@@ -340,14 +338,14 @@ fn rerun_is_a_no_op_and_changes_rebuild_without_stale_shards() {
     let dir = tempfile::tempdir().unwrap();
     assert!(matches!(
         run(&inputs, dir.path(), &options(4, 1, 0.1)).unwrap(),
-        ShardOutcome::Completed(_)
+        Outcome::Ran(_)
     ));
     assert!(matches!(
         run(&inputs, dir.path(), &options(4, 1, 0.1)).unwrap(),
-        ShardOutcome::UpToDate(_)
+        Outcome::UpToDate(_)
     ));
     let fewer = run(&inputs, dir.path(), &options(2, 1, 0.1)).unwrap();
-    assert!(matches!(fewer, ShardOutcome::Completed(_)));
+    assert!(matches!(fewer, Outcome::Ran(_)));
     assert!(
         !dir.path().join("train/shard_00003.txt").exists(),
         "stale shard left"
@@ -382,7 +380,7 @@ fn rerun_is_a_no_op_and_changes_rebuild_without_stale_shards() {
     }
     assert_eq!(
         fewer
-            .manifest()
+            .summary()
             .shards
             .iter()
             .filter(|s| s.split == Split::Test)

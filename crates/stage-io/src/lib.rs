@@ -7,6 +7,8 @@
 //! - [`InputFile`]: an input's fingerprint, and whether a file is still the one fingerprinted;
 //! - [`HashingReader`]: a reader that hashes (SHA-256) and counts what passes through it;
 //! - [`write_atomically`]: write a file whole or not at all;
+//! - [`stage`]: the one way a stage runs: progress [`stage::Event`]s to a [`stage::Reporter`],
+//!   and an [`stage::Outcome`] (ran, or up to date) with the stage's summary;
 //! - [`prefetch`]: a memory hint for scattered reads (hash tables, shuffled rows);
 //! - [`text`]: reading formatted text (one sentence per line, blank lines between documents,
 //!   plain or zstd), as the shard and records stages take it;
@@ -17,6 +19,7 @@
 
 pub mod prefetch;
 mod ranks;
+pub mod stage;
 pub mod text;
 pub use ranks::{RANK_VARIABLES, Ranks};
 

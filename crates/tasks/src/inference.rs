@@ -5,6 +5,9 @@
 //! (no padding). The model is loaded frozen (fused LayerNorm and softmax) unless `composed`
 //! asks for the training path's differentiable ops. Reported: sequences per second at the median latency, and latency
 //! percentiles.
+//!
+//! [`forward_file`] runs a model folder on the token ids of a safetensors file and writes the
+//! hidden states as transformers names them (`bertkit forward`).
 
 use std::path::Path;
 use std::time::Instant;
@@ -28,13 +31,6 @@ pub struct BenchRow {
     pub sequences_per_s: f64,
     /// Latency percentiles, milliseconds: p50, p90, p99.
     pub latency_ms: [f64; 3],
-}
-
-fn err(e: impl std::fmt::Display) -> TaskError {
-    TaskError::Format {
-        path: "<model>".into(),
-        message: e.to_string(),
-    }
 }
 
 /// The `q` quantile (nearest rank) of sorted `values`.
@@ -75,9 +71,9 @@ pub fn bench(
     // Frozen parameters let the kernels use fused inference ops; `composed` measures the
     // differentiable ops training uses instead.
     let loaded = if composed {
-        bertkit_model::bert::load::<BertModel>(dir, dtype, device, 0).map_err(err)?
+        bertkit_model::bert::load::<BertModel>(dir, dtype, device, 0)?
     } else {
-        load_frozen::<BertModel>(dir, dtype, device).map_err(err)?
+        load_frozen::<BertModel>(dir, dtype, device)?
     };
     let vocab = loaded.config.vocab_size as u64;
     let mut rows = Vec::new();
@@ -87,21 +83,17 @@ pub fn bench(
             let ids: Vec<u32> = (0..seq * batch)
                 .map(|_| (1000 + draws.next_u64() % (vocab - 1000)) as u32)
                 .collect();
-            let ids = Tensor::from_vec(ids, (batch, seq), device).map_err(err)?;
-            let inputs = Inputs::new(&loaded.config, &ids, None, None).map_err(err)?;
+            let ids = Tensor::from_vec(ids, (batch, seq), device)?;
+            let inputs = Inputs::new(&loaded.config, &ids, None, None)?;
             let run = || -> Result<f64, TaskError> {
                 let t = Instant::now();
-                let out = loaded
-                    .model
-                    .forward(&inputs, Mode::Eval, false)
-                    .map_err(err)?;
+                let out = loaded.model.forward(&inputs, Mode::Eval, false)?;
                 // Reading one value waits for the device to finish.
                 out.last_hidden_state
                     .flatten_all()
                     .and_then(|t| t.get(0))
                     .and_then(|t| t.to_dtype(DType::F32))
-                    .and_then(|t| t.to_scalar::<f32>())
-                    .map_err(err)?;
+                    .and_then(|t| t.to_scalar::<f32>())?;
                 Ok(t.elapsed().as_secs_f64())
             };
             run()?;
@@ -129,6 +121,78 @@ pub fn bench(
         }
     }
     Ok(rows)
+}
+
+/// What [`forward_file`] wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForwardSummary {
+    /// Tensors written: `last_hidden_state`, `pooler_output`, `hidden_states.0…N`.
+    pub tensors: usize,
+    /// Sequences in the input.
+    pub batch: usize,
+    /// Their length.
+    pub seq: usize,
+    /// Encoder layers of the model.
+    pub layers: usize,
+    /// Parameters the model folder lacked (initialised at random).
+    pub initialised: Vec<String>,
+}
+
+/// Runs the model folder `model` on `input` (a safetensors file with `input_ids` and
+/// optionally `token_type_ids` and `attention_mask`, all `[batch, seq]`) and writes
+/// `last_hidden_state`, `pooler_output` and `hidden_states.0…N` in f32 to `output`
+/// (atomically).
+pub fn forward_file(
+    model: &Path,
+    input: &Path,
+    output: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<ForwardSummary, TaskError> {
+    let loaded = load_frozen::<BertModel>(model, dtype, device)?;
+    let bad_input = |message: String| TaskError::Format {
+        path: input.to_path_buf(),
+        message,
+    };
+    let inputs =
+        candle_core::safetensors::load(input, device).map_err(|e| bad_input(e.to_string()))?;
+    let input_ids = inputs
+        .get("input_ids")
+        .ok_or_else(|| bad_input("no input_ids tensor".into()))?;
+    let model_inputs = Inputs::new(
+        &loaded.config,
+        input_ids,
+        inputs.get("token_type_ids"),
+        inputs.get("attention_mask"),
+    )
+    .map_err(|e| bad_input(e.to_string()))?;
+    let out = loaded.model.forward(&model_inputs, Mode::Eval, true)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+    let mut tensors = std::collections::HashMap::new();
+    tensors.insert(
+        "last_hidden_state".to_string(),
+        f32(&out.last_hidden_state)?,
+    );
+    if let Some(p) = &out.pooler_output {
+        tensors.insert("pooler_output".to_string(), f32(p)?);
+    }
+    for (i, h) in out.hidden_states.iter().enumerate() {
+        tensors.insert(format!("hidden_states.{i}"), f32(h)?);
+    }
+    let partial = bertkit_stage_io::partial_path(output);
+    candle_core::safetensors::save(&tensors, &partial)?;
+    std::fs::rename(&partial, output).map_err(|source| TaskError::Io {
+        path: output.to_path_buf(),
+        source,
+    })?;
+    let (batch, seq) = input_ids.dims2()?;
+    Ok(ForwardSummary {
+        tensors: tensors.len(),
+        batch,
+        seq,
+        layers: loaded.config.num_hidden_layers,
+        initialised: loaded.params.initialised.clone(),
+    })
 }
 
 #[cfg(test)]

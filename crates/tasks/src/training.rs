@@ -39,6 +39,28 @@ pub struct TrainSettings {
 }
 
 impl TrainSettings {
+    /// GLUE's recipe (`run_classifier.py`): 3 epochs at 2e-5, 32 examples per step, 10% warmup.
+    pub fn glue() -> Self {
+        TrainSettings {
+            epochs: 3.0,
+            lr: 2e-5,
+            batch: 32,
+            accumulation: 1,
+            warmup: 0.1,
+            seed: 42,
+            max_steps: None,
+        }
+    }
+
+    /// SQuAD's recipe (`run_squad.py`): 2 epochs at 3e-5, 32 examples per step, 10% warmup.
+    pub fn squad() -> Self {
+        TrainSettings {
+            epochs: 2.0,
+            lr: 3e-5,
+            ..Self::glue()
+        }
+    }
+
     /// Checks the settings.
     pub fn validate(&self) -> Result<(), TaskError> {
         let bad = |m: String| Err(TaskError::Settings(m));

@@ -10,6 +10,7 @@
 //! - [`FullTokenizer::extend_ids`]: the same ids for bulk work, through a per-thread cache of
 //!   word pieces and a fast path over ASCII lines (tested equal to the rules above);
 //! - [`basic_tokenize`]: the basic tokenizer alone (SQuAD's answer mapping needs it);
+//! - [`jsonl::tokenize_lines`]: a stream of lines to JSON Lines (`bertkit tokenize`);
 //! - [`vocab::train_vocab`]: a WordPiece vocabulary trained on a corpus, in BERT's layout.
 //!
 //! The fast paths (the WordPiece table, the word cache, the ASCII line scanner) are private
@@ -19,6 +20,7 @@
 
 mod ascii_scan;
 mod full;
+pub mod jsonl;
 pub mod vocab;
 mod word_cache;
 mod wordpiece;

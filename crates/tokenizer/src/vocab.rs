@@ -17,6 +17,10 @@ use tokenizers::{AddedToken, Model, Trainer};
 
 use crate::full::basic_tokenize;
 
+/// The size of BERT's English vocabularies (bert-base-uncased and the others), special tokens
+/// included: the default size of a trained vocabulary.
+pub const BERT_VOCAB_SIZE: usize = 30522;
+
 /// The special tokens a BERT vocabulary starts with, in order.
 pub const SPECIAL_TOKENS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
 

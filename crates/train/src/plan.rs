@@ -133,6 +133,19 @@ pub fn plan(
     }
 }
 
+impl Plan {
+    /// The micro-batch to run and the accumulation steps for a recipe's `global_batch`: the
+    /// largest power of two that fits (powers of two divide the recipes' global batches
+    /// exactly), and the micro-batches per step. `None` when not even one sequence fits.
+    pub fn recipe(&self, global_batch: usize) -> Option<(usize, usize)> {
+        if self.micro_batch == 0 {
+            return None;
+        }
+        let micro = 1usize << self.micro_batch.ilog2();
+        Some((micro, global_batch.div_ceil(micro)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,9 +180,14 @@ mod tests {
             "{}",
             p12.state_bytes / gib
         );
-        assert_eq!(
-            plan(&c, 128, 20, Precision::F32, false, 4.0 * gib).micro_batch,
-            0
-        );
+        let none = plan(&c, 128, 20, Precision::F32, false, 4.0 * gib);
+        assert_eq!(none.micro_batch, 0);
+        assert_eq!(none.recipe(65536), None);
+        let fits = Plan {
+            micro_batch: 100,
+            ..none
+        };
+        assert_eq!(fits.recipe(65536), Some((64, 1024)));
+        assert_eq!(fits.recipe(100), Some((64, 2)));
     }
 }

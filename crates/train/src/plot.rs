@@ -99,6 +99,25 @@ pub fn svg(rows: &[serde_json::Value]) -> Result<String, TrainError> {
     Ok(out)
 }
 
+/// Plots the `metrics.jsonl` at `metrics` into the SVG file `output` (written atomically);
+/// returns the number of steps plotted. A line that is not JSON is an error naming the file
+/// and line.
+pub fn plot_file(metrics: &std::path::Path, output: &std::path::Path) -> Result<usize, TrainError> {
+    let text = std::fs::read_to_string(metrics).map_err(crate::io_err(metrics))?;
+    let rows = text
+        .lines()
+        .enumerate()
+        .map(|(i, line)| {
+            serde_json::from_str(line).map_err(|e| {
+                TrainError::Data(format!("{}: line {}: {e}", metrics.display(), i + 1))
+            })
+        })
+        .collect::<Result<Vec<serde_json::Value>, _>>()?;
+    let svg = svg(&rows)?;
+    bertkit_stage_io::write_atomically(output, svg.as_bytes()).map_err(crate::io_err(output))?;
+    Ok(rows.len())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -42,7 +42,9 @@ fn records_with_vocab(dir: &Path, vocab: &Path) -> PathBuf {
         lower_case: true,
         compat: Compat::None,
     };
-    let summary = records_to_file(&[input], vocab, &out, None, &options).unwrap();
+    let summary = records_to_file(&[input], vocab, &out, None, &options)
+        .unwrap()
+        .into_summary();
     assert!(summary.instances > 300, "{}", summary.instances);
     out
 }

@@ -19,7 +19,10 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::FormatError;
-use crate::progress::{Observer, Progress, RunOutcome};
+use bertkit_stage_io::stage::{Event, Outcome, Reporter};
+
+use crate::manifest::FormatManifest;
+use crate::progress::Snapshot;
 use crate::run::Run;
 pub use markup::CleanOptions;
 pub use pages::WikiCounts;
@@ -63,14 +66,14 @@ impl Default for WikiOptions {
 /// Formats Wikipedia dumps (`.xml`, `.xml.bz2`, multistream `.xml.bz2`, in any mix) into
 /// `output_dir/wiki_NNNNN.txt` and `output_dir/wiki.manifest.json`.
 ///
-/// Skips the work (returning [`RunOutcome::UpToDate`]) when the manifest there records the same
+/// Skips the work (returning [`Outcome::UpToDate`]) when the manifest there records the same
 /// inputs and options and its files are in place.
 pub fn format_wiki(
     inputs: &[PathBuf],
     output_dir: &Path,
     options: &WikiOptions,
-    observer: &dyn Observer,
-) -> Result<RunOutcome, FormatError> {
+    reporter: &dyn Reporter,
+) -> Result<Outcome<FormatManifest>, FormatError> {
     if inputs.is_empty() {
         return Err(FormatError::Usage("no input dump given".into()));
     }
@@ -88,16 +91,16 @@ pub fn format_wiki(
         options.max_bytes,
     )? {
         Ok(run) => run,
-        Err(up_to_date) => return Ok(RunOutcome::UpToDate(up_to_date)),
+        Err(up_to_date) => return Ok(Outcome::UpToDate(up_to_date)),
     };
     let mut counts = WikiCounts::default();
     let batch = run.threads * 2;
     for (index, (path, kind)) in inputs.iter().zip(&kinds).enumerate() {
-        observer.message(&format!(
+        reporter.report(&Event::Message(&format!(
             "reading {} ({})",
             path.display(),
             kind_name(*kind)
-        ));
+        )));
         let (tx, rx) = sync_channel(batch * 2);
         let producer = {
             let (path, kind, pool, segment_bytes) =
@@ -155,11 +158,11 @@ pub fn format_wiki(
                     run.writer.write(doc)?;
                 }
                 for w in outcome.warnings {
-                    run.warn(observer, w);
+                    run.warn(reporter, w);
                 }
                 counts.add(&outcome.counts);
             }
-            observer.progress(&Progress {
+            Snapshot {
                 input: index,
                 inputs: inputs.len(),
                 items: counts.pages_seen,
@@ -167,8 +170,8 @@ pub fn format_wiki(
                 documents: counts.articles_written,
                 input_bytes: counts.xml_bytes,
                 output_bytes: counts.bytes,
-                elapsed: run.elapsed(),
-            });
+            }
+            .report(reporter);
         }
         let _ = producer.join();
         let (sha256, xml_bytes) = done.expect("loop ends on Done");

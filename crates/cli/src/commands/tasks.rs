@@ -1,0 +1,258 @@
+//! The task commands: `evaluate`, `finetune`, `predict` and `split` (SQuAD and GLUE).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use bertkit_tasks::glue::data::Task;
+use bertkit_tasks::squad::data::Dataset;
+use bertkit_tasks::squad::finetune as squad;
+use bertkit_tasks::training::TrainSettings;
+
+use crate::flags::tasks::*;
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+pub(crate) fn evaluate(command: EvaluateCommand) -> Result<()> {
+    let EvaluateCommand::Squad(args) = command;
+    let dataset = Dataset::load(&args.data)?;
+    let predictions = bertkit_tasks::squad::eval::read_predictions(&args.predictions)?;
+    let scores = score_squad(
+        &dataset,
+        &predictions,
+        args.version_2,
+        args.na_prob_file.as_deref(),
+        args.na_prob_thresh,
+    )?;
+    println!("{scores}");
+    Ok(())
+}
+
+/// The official script's output for `predictions`: v2.0 when asked or when the data file says
+/// so (with no-answer probabilities from `na_prob_file`), else v1.1.
+fn score_squad(
+    dataset: &Dataset,
+    predictions: &HashMap<String, String>,
+    version_2: bool,
+    na_prob_file: Option<&Path>,
+    na_prob_thresh: f64,
+) -> Result<String> {
+    if version_2 || dataset.version.starts_with("v2") || dataset.version.starts_with('2') {
+        let na_probs = match na_prob_file {
+            Some(path) => Some(bertkit_tasks::squad::eval_v2::read_na_probs(path)?),
+            None => None,
+        };
+        let scores = bertkit_tasks::squad::eval_v2::evaluate_v2(
+            dataset,
+            predictions,
+            na_probs.as_deref(),
+            na_prob_thresh,
+        );
+        for id in &scores.unanswered {
+            eprintln!("Missing prediction for {id} (scored 0)");
+        }
+        return Ok(scores.to_json());
+    }
+    if dataset.version != "1.1" {
+        eprintln!(
+            "Evaluation expects v-1.1, but got dataset with v-{}",
+            dataset.version
+        );
+    }
+    let scores = bertkit_tasks::squad::eval::evaluate(dataset, predictions);
+    for id in &scores.unanswered {
+        eprintln!("Unanswered question {id} will receive score 0.");
+    }
+    Ok(scores.to_json())
+}
+
+pub(crate) fn finetune(command: FinetuneCommand) -> Result<()> {
+    match command {
+        FinetuneCommand::Glue(args) => finetune_glue(args),
+        FinetuneCommand::Squad(args) => finetune_squad(args),
+    }
+}
+
+fn finetune_glue(args: FinetuneGlueArgs) -> Result<()> {
+    let task = Task::parse(&args.task)?;
+    let data = args.data;
+    let options = bertkit_tasks::glue::finetune::FinetuneOptions {
+        task,
+        model: args.model,
+        data,
+        output: args.output.clone(),
+        settings: args.train.settings(TrainSettings::glue()),
+        max_seq_length: args.max_seq_length,
+        lower_case: !args.train.cased,
+        dtype: bertkit_model::parse_dtype(&args.train.dtype)?,
+        device: bertkit_model::parse_device(&args.train.device)?,
+    };
+    let report =
+        bertkit_tasks::glue::finetune::finetune(&options, &mut |line| eprintln!("{line}"))?;
+    let metrics: Vec<String> = report
+        .dev
+        .metrics
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.4}"))
+        .collect();
+    println!(
+        "{}: {} steps on {} examples in {:.1} s (train loss {:.4} -> {:.4}); dev ({} examples): loss {:.4}, {}",
+        task.folder(),
+        report.steps,
+        report.train_examples,
+        report.seconds,
+        report.train_loss.0,
+        report.train_loss.1,
+        report.dev.examples,
+        report.dev.loss,
+        metrics.join(", ")
+    );
+    if let Some(out) = args.output {
+        println!("model: {}", out.display());
+    }
+    Ok(())
+}
+
+fn finetune_squad(args: FinetuneSquadArgs) -> Result<()> {
+    let lower_case = !args.train_flags.cased;
+    let device = bertkit_model::parse_device(&args.train_flags.device)?;
+    let options = squad::SquadFinetuneOptions {
+        model: args.model.clone(),
+        train: Dataset::load(&args.train)?,
+        output: args.output.clone(),
+        settings: args.train_flags.settings(TrainSettings::squad()),
+        predict: args.squad.options(lower_case, device.clone()),
+        dtype: bertkit_model::parse_dtype(&args.train_flags.dtype)?,
+    };
+    let report = squad::finetune(&options, &mut |line| eprintln!("{line}"))?;
+    let (first, last) = report.log.first_and_last_tenth();
+    println!(
+        "squad: {} steps on {} windows ({} questions, {} skipped) in {:.1} s (train loss {first:.4} -> {last:.4}{})",
+        report.log.steps,
+        report.train_features,
+        report.train_examples,
+        report.skipped,
+        report.log.seconds,
+        if report.log.skipped > 0 {
+            format!(", {} fp16 steps skipped", report.log.skipped)
+        } else {
+            String::new()
+        }
+    );
+    println!("model: {}", args.output.display());
+    if let Some(dev) = &args.dev {
+        predict_squad(PredictSquadArgs {
+            model: args.output.clone(),
+            data: dev.clone(),
+            output: args.output.join("predictions"),
+            evaluate: true,
+            cased: args.train_flags.cased,
+            dtype: "f32".into(),
+            device: args.train_flags.device.clone(),
+            squad: args.squad,
+        })?;
+    }
+    Ok(())
+}
+
+pub(crate) fn predict(command: PredictCommand) -> Result<()> {
+    match command {
+        PredictCommand::Squad(args) => predict_squad(args),
+        PredictCommand::Glue(args) => predict_glue(args),
+    }
+}
+
+fn predict_squad(args: PredictSquadArgs) -> Result<()> {
+    let device = bertkit_model::parse_device(&args.device)?;
+    let dtype = bertkit_model::parse_dtype(&args.dtype)?;
+    let model = squad::load_for_prediction(&args.model, dtype, &device)?;
+    let tokenizer = bertkit_tasks::model_dir::load_tokenizer(&args.model, !args.cased)?;
+    let dataset = Dataset::load(&args.data)?;
+    let options = args.squad.options(!args.cased, device);
+    let report = squad::predict_dataset(
+        &model,
+        &tokenizer,
+        &dataset,
+        &options,
+        Some(&args.output),
+        &mut |line| eprintln!("{line}"),
+    )?;
+    println!(
+        "predicted {} questions ({} windows) in {:.1} s ({:.1} windows/s)",
+        report.examples,
+        report.features,
+        report.model_seconds,
+        report.features as f64 / report.model_seconds.max(1e-9)
+    );
+    for f in &report.files {
+        println!("wrote {}", f.display());
+    }
+    if args.evaluate {
+        let predictions: HashMap<String, String> = report
+            .predictions
+            .iter()
+            .map(|p| (p.id.clone(), p.text.clone()))
+            .collect();
+        let null_odds = args.output.join("null_odds.json");
+        let scores = score_squad(
+            &dataset,
+            &predictions,
+            args.squad.version_2,
+            args.squad.version_2.then_some(null_odds.as_path()),
+            1.0,
+        )?;
+        println!("{scores}");
+    }
+    Ok(())
+}
+
+fn predict_glue(args: PredictGlueArgs) -> Result<()> {
+    let task = Task::parse(&args.task)?;
+    let data = args.data;
+    let evaluation = bertkit_tasks::glue::finetune::predict_file(
+        &bertkit_tasks::glue::finetune::GluePredictOptions {
+            task,
+            model: args.model,
+            data: data.clone(),
+            output: args.output.clone(),
+            max_seq_length: args.max_seq_length,
+            lower_case: !args.cased,
+            batch: args.batch,
+            device: bertkit_model::parse_device(&args.device)?,
+        },
+    )?;
+    let metrics: Vec<String> = evaluation
+        .metrics
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.4}"))
+        .collect();
+    println!(
+        "{}: {} examples of {}: loss {:.4}, {}",
+        task.folder(),
+        evaluation.examples,
+        data.display(),
+        evaluation.loss,
+        metrics.join(", ")
+    );
+    if let Some(out) = args.output {
+        println!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+pub(crate) fn split(command: SplitCommand) -> Result<()> {
+    let SplitCommand::Squad(args) = command;
+    let dataset = Dataset::load(&args.input)?;
+    let (train, dev) = dataset.split_articles(args.train_articles)?;
+    std::fs::create_dir_all(&args.output).map_err(|e| format!("{}: {e}", args.output.display()))?;
+    for (name, part) in [("train.json", &train), ("dev.json", &dev)] {
+        let path = args.output.join(name);
+        part.save(&path)?;
+        println!(
+            "{}: {} articles, {} questions",
+            path.display(),
+            part.data.len(),
+            part.question_count()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,187 @@
+//! The model and training commands: `forward`, `pretrain`, `plot`, `plan`, `bench inference`.
+
+use std::time::Instant;
+
+use crate::flags::train::*;
+use crate::render::TrainProgress;
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+pub(crate) fn forward(args: ForwardArgs) -> Result<()> {
+    let dtype = bertkit_model::parse_dtype(&args.dtype)?;
+    let device = bertkit_model::parse_device(&args.device)?;
+    let started = Instant::now();
+    let done = bertkit_tasks::inference::forward_file(
+        &args.model,
+        &args.input,
+        &args.output,
+        dtype,
+        &device,
+    )?;
+    if !done.initialised.is_empty() {
+        eprintln!(
+            "warning: {} has no {}; initialised at random",
+            args.model.display(),
+            done.initialised.join(", ")
+        );
+    }
+    println!(
+        "{}: {} tensors for {} sequence(s) of {} ({}, {:?}, {} layers, {:.2} s)",
+        args.output.display(),
+        done.tensors,
+        done.batch,
+        done.seq,
+        args.dtype,
+        device.location(),
+        done.layers,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
+    let mut config = bertkit_train::config::PretrainConfig::load(&args.config)?;
+    if let Some(data) = args.data {
+        config.data.records = vec![data];
+    }
+    if let Some(output) = args.output {
+        config.output = output;
+    }
+    if let Some(device) = args.device {
+        config.train.device = device;
+    }
+    let options = bertkit_train::trainer::RunOptions {
+        max_steps: args.max_steps,
+        resume: args.resume,
+        ranks: args.ranks.ranks()?,
+    };
+    let mut trainer = bertkit_train::trainer::Trainer::new(config.clone(), options)?;
+    let last = args
+        .max_steps
+        .unwrap_or(config.schedule.total_steps)
+        .min(config.schedule.total_steps);
+    println!(
+        "pretrain {}: {:.1} M parameters, {} sequences in {} file(s), micro-batch {} x {} accumulation = {} per step, steps {}..{} of {}, {} on {}",
+        config.output.display(),
+        trainer.model().params.count() as f64 / 1e6,
+        trainer.dataset().sequences(),
+        trainer.dataset().paths().len(),
+        config.data.micro_batch,
+        trainer.accumulation(),
+        config.train.global_batch,
+        trainer.step(),
+        last,
+        config.schedule.total_steps,
+        config.train.precision,
+        config.train.device
+    );
+    let mut progress = TrainProgress::new(trainer.step(), last);
+    let started = Instant::now();
+    let summary = trainer.run(&mut |m| progress.step(m))?;
+    progress.finish();
+    let loss = |m: Option<&bertkit_train::trainer::StepMetrics>| {
+        m.map_or("-".into(), |m| format!("{:.4}", m.loss))
+    };
+    println!(
+        "steps {}..{} in {:.1} s; loss {} -> {}; metrics in {}",
+        summary.started_at,
+        summary.step,
+        started.elapsed().as_secs_f64(),
+        loss(summary.metrics.first()),
+        loss(summary.metrics.last()),
+        config.output.join("metrics.jsonl").display()
+    );
+    if let Some(c) = summary.checkpoint {
+        println!("checkpoint: {}", c.display());
+    }
+    Ok(())
+}
+
+pub(crate) fn plot(args: PlotArgs) -> Result<()> {
+    let steps = bertkit_train::plot::plot_file(&args.metrics, &args.output)?;
+    println!("{}: {steps} steps plotted", args.output.display());
+    Ok(())
+}
+
+pub(crate) fn plan(args: PlanArgs) -> Result<()> {
+    let config = match args.config.as_str() {
+        "base" => bertkit_model::BertConfig::base(),
+        "large" => bertkit_model::BertConfig::large(),
+        path => bertkit_model::BertConfig::load(std::path::Path::new(path))?,
+    };
+    let memory = bertkit_train::plan::parse_bytes(&args.gpu_mem)?;
+    let precision = bertkit_train::plan::Precision::parse(&args.precision)?;
+    println!(
+        "{} layers, hidden {}, {:.1} M parameters; {} GPU memory, {}, activation checkpointing {}",
+        config.num_hidden_layers,
+        config.hidden_size,
+        bertkit_train::plan::parameters(&config) as f64 / 1e6,
+        args.gpu_mem,
+        args.precision,
+        if args.checkpointing { "on" } else { "off" }
+    );
+    println!(
+        "{:>6} {:>10} {:>12} {:>12} {:>14} {:>14} {:>12}",
+        "seq", "fits", "micro-batch", "state GiB", "act GiB/seq", "global batch", "accumulate"
+    );
+    // A list shorter than --seq repeats its last value.
+    let nth =
+        |list: &[usize], i: usize, default: usize| *list.get(i).or(list.last()).unwrap_or(&default);
+    for (i, &seq) in args.seq.iter().enumerate() {
+        let global = nth(&args.global_batch, i, 256);
+        let p = bertkit_train::plan::plan(
+            &config,
+            seq,
+            nth(&args.predictions, i, 20),
+            precision,
+            args.checkpointing,
+            memory,
+        );
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        let (micro, accumulate) = match p.recipe(global) {
+            Some((micro, accumulate)) => (micro, accumulate.to_string()),
+            None => (0, "-".to_string()),
+        };
+        println!(
+            "{seq:>6} {:>10} {micro:>12} {:>12.2} {:>14.3} {global:>14} {accumulate:>12}",
+            p.micro_batch,
+            gib(p.state_bytes),
+            gib(p.activation_bytes_per_sequence),
+        );
+    }
+    println!(
+        "(an analytic estimate: weights, gradients, optimiser state, activations, 10% reserve; not yet calibrated on a GPU)"
+    );
+    Ok(())
+}
+
+pub(crate) fn bench(command: BenchCommand) -> Result<()> {
+    let BenchCommand::Inference(args) = command;
+    let dtype = bertkit_model::parse_dtype(&args.dtype)?;
+    let device = bertkit_model::parse_device(&args.device)?;
+    println!("{} ({}, {})", args.model.display(), args.dtype, args.device);
+    println!(
+        "{:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9}",
+        "seq", "batch", "runs", "seq/s", "p50 ms", "p90 ms", "p99 ms"
+    );
+    let settings = bertkit_tasks::inference::BenchSettings {
+        seqs: args.seq.clone(),
+        batches: args.batch.clone(),
+        dtype,
+        min_seconds: args.seconds,
+        composed: args.composed,
+    };
+    bertkit_tasks::inference::bench(&args.model, &settings, &device, &mut |r| {
+        println!(
+            "{:>6} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>9.2}",
+            r.seq,
+            r.batch,
+            r.runs,
+            r.sequences_per_s,
+            r.latency_ms[0],
+            r.latency_ms[1],
+            r.latency_ms[2]
+        )
+    })?;
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! Flags of the model and training commands: `pretrain`, `plot`, `plan`, `forward`, `bench`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use super::RankArgs;
+
+#[derive(Args)]
+pub(crate) struct PretrainArgs {
+    /// The run config (pipelines/pretrain-phase1.toml, pipelines/tiny.toml, …).
+    #[arg(long)]
+    pub(crate) config: PathBuf,
+    /// Records (.parquet files or folders) instead of the config's.
+    #[arg(long)]
+    pub(crate) data: Option<PathBuf>,
+    /// Run folder instead of the config's.
+    #[arg(long)]
+    pub(crate) output: Option<PathBuf>,
+    /// Stop after this many optimiser steps (the schedule still spans the config's).
+    #[arg(long)]
+    pub(crate) max_steps: Option<u64>,
+    /// Continue from the newest checkpoint of the run folder.
+    #[arg(long)]
+    pub(crate) resume: bool,
+    /// Device instead of the config's: cpu, cuda, cuda:N.
+    #[arg(long)]
+    pub(crate) device: Option<String>,
+    #[command(flatten)]
+    pub(crate) ranks: RankArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct PlotArgs {
+    /// A run's metrics.jsonl.
+    pub(crate) metrics: PathBuf,
+    /// The SVG file to write.
+    #[arg(long, short)]
+    pub(crate) output: PathBuf,
+}
+
+#[derive(Args)]
+pub(crate) struct PlanArgs {
+    /// A transformers config.json, or base / large.
+    #[arg(long)]
+    pub(crate) config: String,
+    /// Sequence lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    pub(crate) seq: Vec<usize>,
+    /// GPU memory, e.g. 12GiB, 16GiB, 80GB.
+    #[arg(long)]
+    pub(crate) gpu_mem: String,
+    /// f32, bf16 or fp16.
+    #[arg(long, default_value = "bf16")]
+    pub(crate) precision: String,
+    /// Activation checkpointing (keep one layer input per layer, recompute the rest).
+    #[arg(long)]
+    pub(crate) checkpointing: bool,
+    /// Global batch per sequence length, comma-separated (NVIDIA's recipe: 65536,32768).
+    #[arg(long, value_delimiter = ',', default_value = "65536,32768")]
+    pub(crate) global_batch: Vec<usize>,
+    /// Masked-LM predictions per sequence length, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "20,80")]
+    pub(crate) predictions: Vec<usize>,
+}
+
+#[derive(Args)]
+pub(crate) struct ForwardArgs {
+    /// Model directory: config.json and model.safetensors (transformers layout).
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// Safetensors file with int64 `input_ids`, and optionally `attention_mask` and
+    /// `token_type_ids`, all [batch, seq].
+    #[arg(long)]
+    pub(crate) input: PathBuf,
+    /// Output safetensors: `last_hidden_state`, `pooler_output` and `hidden_states.0…N` (f32).
+    #[arg(long, short)]
+    pub(crate) output: PathBuf,
+    /// Weights and activations: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+    /// cpu, or cuda / cuda:N with a CUDA build.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Forward-pass throughput and latency of a model folder.
+    Inference(BenchInferenceArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct BenchInferenceArgs {
+    /// Model folder (config.json + model.safetensors).
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// Sequence lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,384")]
+    pub(crate) seq: Vec<usize>,
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub(crate) batch: Vec<usize>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Timed seconds per setting (at least five passes).
+    #[arg(long, default_value_t = 3.0)]
+    pub(crate) seconds: f64,
+    /// Use the training path's differentiable (composed) ops instead of the fused inference ops.
+    #[arg(long)]
+    pub(crate) composed: bool,
+}
