@@ -13,7 +13,7 @@
 use bertkit_rng::FastRng;
 use serde::{Deserialize, Serialize};
 
-use crate::draws::Draws;
+use crate::draws::{Draws, PositionScratch};
 use bertkit_tokenizer::FullTokenizer;
 
 /// How many positions are masked, and which may be.
@@ -111,6 +111,7 @@ impl VocabIds {
 pub struct MaskScratch {
     positions: Vec<u32>,
     candidates: Vec<(u32, u32)>,
+    single: PositionScratch,
     masked_bits: Vec<u64>,
     originals: Vec<u32>,
 }
@@ -135,6 +136,7 @@ pub(crate) fn mask_tokens<R: Draws>(
     let MaskScratch {
         positions,
         candidates,
+        single,
         masked_bits,
         originals,
     } = scratch;
@@ -147,7 +149,6 @@ pub(crate) fn mask_tokens<R: Draws>(
     masked_bits.resize(ids.len().div_ceil(64), 0);
     originals.resize(ids.len(), 0);
     let mut masked = 0;
-    let is_masked = |bits: &[u64], index: usize| bits[index / 64] & (1 << (index % 64)) != 0;
     let mask =
         |rng: &mut R, ids: &mut [u32], bits: &mut [u64], originals: &mut [u32], index: u32| {
             let index = index as usize;
@@ -163,20 +164,7 @@ pub(crate) fn mask_tokens<R: Draws>(
         };
     let is_special = |id: u32| id == vocab.cls || id == vocab.sep;
     let candidate_count = ids.len() - ids.iter().filter(|&&id| is_special(id)).count();
-    if !R::REPLAYS_SCRIPT && !options.whole_word && 2 * num_to_predict <= candidate_count {
-        // Single positions, not the script's draws: a uniformly random set of positions,
-        // drawn directly (a drawn special or already masked position is drawn again) instead
-        // of listing and shuffling every candidate. At most half the candidates are masked,
-        // so a draw is kept with probability at least 1/2.
-        while masked < num_to_predict {
-            let index = rng.randint(0, ids.len() - 1);
-            if is_masked(masked_bits, index) || is_special(ids[index]) {
-                continue;
-            }
-            mask(rng, ids, masked_bits, originals, index as u32);
-            masked += 1;
-        }
-    } else if options.whole_word {
+    if options.whole_word {
         // Candidate groups as (start, length) runs of `positions`: a `##` piece joins the
         // group before it. Shuffling the groups draws what shuffling the script's list of
         // lists draws.
@@ -209,15 +197,14 @@ pub(crate) fn mask_tokens<R: Draws>(
         });
     } else {
         // Every position is a group of its own.
-        list_candidates(ids, positions, &is_special);
-        rng.visit_shuffled(positions, |rng, index| {
-            if masked >= num_to_predict {
-                return false;
-            }
-            mask(rng, ids, masked_bits, originals, index);
-            masked += 1;
-            true
-        });
+        rng.visit_positions(
+            ids,
+            |id| !is_special(id),
+            candidate_count,
+            num_to_predict,
+            single,
+            |rng, ids, index| mask(rng, ids, masked_bits, originals, index),
+        );
     }
     for (word_index, &word) in masked_bits.iter().enumerate() {
         let mut bits = word;
