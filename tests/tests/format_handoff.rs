@@ -7,9 +7,9 @@ use std::path::Path;
 use bertkit_format::FormatManifest;
 use bertkit_format::books::{BookOptions, format_books};
 use bertkit_format::wiki::{WikiOptions, format_wiki};
-use bertkit_shared_data::require;
 use bertkit_stage_io::stage::Silent;
-use sha2::{Digest, Sha256};
+use bertkit_test_support::require;
+use bertkit_test_support::sha256_hex;
 
 fn check_against_files(dir: &Path, manifest: &FormatManifest) {
     assert!(!manifest.outputs.is_empty());
@@ -18,10 +18,7 @@ fn check_against_files(dir: &Path, manifest: &FormatManifest) {
     let (mut documents, mut sentences, mut bytes) = (0, 0, 0);
     for f in &manifest.outputs {
         let raw = fs::read(dir.join(&f.file)).unwrap();
-        let sha: String = Sha256::digest(&raw)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let sha = sha256_hex(&raw);
         assert_eq!(sha, f.sha256, "{}", f.file);
         assert_eq!(raw.len() as u64, f.bytes, "{}", f.file);
         let text = String::from_utf8(raw).expect("output is UTF-8");
@@ -45,10 +42,7 @@ fn check_against_files(dir: &Path, manifest: &FormatManifest) {
     assert_eq!(counts["bytes"].as_u64(), Some(bytes));
     for input in &manifest.inputs {
         let raw = fs::read(&input.path).unwrap();
-        let sha: String = Sha256::digest(&raw)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let sha = sha256_hex(&raw);
         assert_eq!(sha, input.sha256, "{}", input.path);
         assert_eq!(raw.len() as u64, input.bytes);
     }

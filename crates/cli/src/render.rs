@@ -50,11 +50,15 @@ impl StageRenderer {
     fn progress(&self, p: &Progress<'_>) {
         let mut tasks = self.tasks.lock().unwrap();
         let task = tasks.entry(p.task.to_string()).or_insert_with(|| {
-            if !self.terminal {
-                let size = p
-                    .total
-                    .map_or(String::new(), |t| format!(" of {}", amount(t, p.unit)));
-                eprintln!("{}: started{size}", p.task);
+            // A task of known size (a download) says so when it starts; others only log as
+            // they go.
+            if let (false, Some(total)) = (self.terminal, p.total) {
+                eprintln!(
+                    "{}: {} of {}",
+                    p.task,
+                    amount(p.done, p.unit),
+                    amount(total, p.unit)
+                );
             }
             Task {
                 bar: self.terminal.then(|| self.bar(p)),

@@ -1,27 +1,14 @@
 //! The `bertkit` binary end to end: arguments, summaries, exit codes and error messages.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
+
+use crate::util::{bertkit, path, text};
 
 const ENWIKI: &str =
     "wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2";
-
-fn bertkit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bertkit"))
-        .args(args)
-        .output()
-        .expect("bertkit runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 #[test]
 fn format_wiki_prints_where_output_went_and_rerun_is_a_no_op() {

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 
 #[test]
 fn evaluate_squad_prints_the_official_line() {

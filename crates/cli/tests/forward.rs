@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 use candle_core::{DType, Device, Tensor};
 
 #[test]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
-use bertkit_shared_data::{repo_root, shared_data_dir};
+use bertkit_test_support::{repo_root, shared_data_dir};
 
 /// A copy of pipelines/demo.toml writing under `output`.
 fn demo_config(dir: &Path, output: &Path) -> PathBuf {

@@ -2,30 +2,9 @@
 //! run folder holds metrics.jsonl and checkpoints/step-N/; `bertkit plot` draws the curves and
 //! `bertkit plan` prints a table.
 
-use std::path::Path;
-use std::process::{Command, Output};
+use bertkit_test_support::{repo_root, require};
 
-use bertkit_shared_data::{repo_root, require};
-
-fn bertkit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bertkit"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(out: Output) -> String {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
+use crate::util::{bertkit, ok, path as p};
 
 #[test]
 fn pretrain_writes_metrics_and_checkpoints_and_resumes() {

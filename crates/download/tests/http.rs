@@ -140,12 +140,7 @@ fn body(len: usize) -> Vec<u8> {
 }
 
 fn sha256(bytes: &[u8]) -> Checksum {
-    use sha2::Digest;
-    Checksum::new(
-        Algorithm::Sha256,
-        &bertkit_stage_io::hex(&sha2::Sha256::digest(bytes)),
-    )
-    .unwrap()
+    Checksum::new(Algorithm::Sha256, &bertkit_test_support::sha256_hex(bytes)).unwrap()
 }
 
 fn quick() -> FetchOptions {

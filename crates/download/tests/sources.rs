@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use bertkit_download::sources::{Registry, SetOptions, download_set, lookup_checksum};
 use bertkit_download::{Algorithm, Fetched};
-use bertkit_shared_data::{repo_root, shared_data_dir};
+use bertkit_test_support::{repo_root, shared_data_dir};
 
 fn registry() -> Registry {
     Registry::load(&repo_root().join("pipelines/sources.toml")).unwrap()

@@ -6,7 +6,7 @@ use bertkit_format::books::{BookCounts, BookOptions, format_books};
 
 use bertkit_stage_io::stage::{Outcome, Silent};
 
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 
 #[test]
 fn three_gutenberg_books_become_three_clean_documents() {

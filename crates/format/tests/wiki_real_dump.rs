@@ -9,7 +9,7 @@ use bertkit_format::{FormatError, FormatManifest};
 use bertkit_stage_io::stage::{Outcome, Silent};
 
 type RunOutcome = Outcome<FormatManifest>;
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 
 const ENWIKI: &str =
     "wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2";
@@ -431,7 +431,7 @@ fn max_bytes_splits_at_document_boundaries() {
     // The manifest follows the published schema's required fields.
     let schema: serde_json::Value = serde_json::from_str(
         &fs::read_to_string(
-            bertkit_shared_data::repo_root().join("schemas/format-manifest.schema.json"),
+            bertkit_test_support::repo_root().join("schemas/format-manifest.schema.json"),
         )
         .unwrap(),
     )

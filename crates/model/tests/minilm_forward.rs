@@ -4,7 +4,7 @@
 
 use bertkit_model::bert::{BertModel, load, load_frozen};
 use bertkit_model::{Inputs, Mode, ModelError};
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 use candle_core::{DType, Device, Tensor};
 
 struct Reference {

@@ -8,7 +8,7 @@ use bertkit_model::bert::{
     load, save,
 };
 use bertkit_model::{BertConfig, DropoutSource, Inputs, Mode, ModelError};
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 use candle_core::{DType, Device, Tensor};
 
 fn copy_minilm(dir: &std::path::Path) {

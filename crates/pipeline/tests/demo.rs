@@ -2,8 +2,8 @@
 //! second run finds every step up to date.
 
 use bertkit_pipeline::{PipelineConfig, RunOptions, run};
-use bertkit_shared_data::{repo_root, shared_data_dir};
 use bertkit_stage_io::stage::Silent;
+use bertkit_test_support::{repo_root, shared_data_dir};
 
 #[test]
 fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {

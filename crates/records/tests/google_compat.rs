@@ -3,7 +3,7 @@
 
 use bertkit_records::instances::{InstanceOptions, VocabIds, create_instances_google_with};
 use bertkit_records::pyrandom::PyRandom;
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 use bertkit_tokenizer::FullTokenizer;
 
 fn check(reference_dir: &str, words_drawn: u64) {

@@ -8,8 +8,8 @@ use arrow_array::cast::AsArray;
 use arrow_array::types::{Int8Type, Int32Type};
 use bertkit_records::instances::InstanceOptions;
 use bertkit_records::run::{Compat, RecordsOptions, records_to_dir, records_to_file};
-use bertkit_shared_data::require;
 use bertkit_stage_io::stage::Silent;
+use bertkit_test_support::require;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 /// (input_ids, masked_lm_positions, masked_lm_ids, next_sentence_label, seq_len) per row.
@@ -153,7 +153,7 @@ print(t.num_rows)
     // The published schema lists exactly the written columns, with their Arrow types.
     let published: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(
-            bertkit_shared_data::repo_root().join("schemas/records.schema.json"),
+            bertkit_test_support::repo_root().join("schemas/records.schema.json"),
         )
         .unwrap(),
     )
@@ -213,8 +213,7 @@ fn shards() -> PathBuf {
 }
 
 fn sha(path: &Path) -> String {
-    use sha2::Digest;
-    bertkit_stage_io::hex(&sha2::Sha256::digest(std::fs::read(path).unwrap()))
+    bertkit_test_support::sha256_file(path)
 }
 
 #[test]

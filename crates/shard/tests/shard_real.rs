@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use bertkit_shard::{Compression, ShardError, ShardManifest, ShardOptions, Split, shard};
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 
 /// Formats the real fixtures once per test binary (the format stage skips work already done).
 fn formatted() -> &'static (PathBuf, PathBuf) {
@@ -358,7 +358,7 @@ fn rerun_is_a_no_op_and_changes_rebuild_without_stale_shards() {
     // The manifest follows the published schema's required fields.
     let schema: serde_json::Value = serde_json::from_str(
         &fs::read_to_string(
-            bertkit_shared_data::repo_root().join("schemas/shard-manifest.schema.json"),
+            bertkit_test_support::repo_root().join("schemas/shard-manifest.schema.json"),
         )
         .unwrap(),
     )

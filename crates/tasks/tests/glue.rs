@@ -1,12 +1,12 @@
 //! GLUE on the real task files (shared data): readers, encoding, and a short fine-tuning run of
 //! the real MiniLM checkpoint on MRPC.
 
-use bertkit_shared_data::require;
 use bertkit_tasks::glue::data::{Example, Task, read};
 use bertkit_tasks::glue::finetune::{
     FinetuneOptions, GluePredictOptions, encode, finetune, predict_file,
 };
 use bertkit_tasks::training::TrainSettings;
+use bertkit_test_support::require;
 use bertkit_tokenizer::FullTokenizer;
 
 #[test]

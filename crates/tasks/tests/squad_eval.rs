@@ -3,9 +3,9 @@
 
 use std::collections::HashMap;
 
-use bertkit_shared_data::require;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::eval::evaluate;
+use bertkit_test_support::require;
 
 fn predictions(name: &str) -> HashMap<String, String> {
     serde_json::from_str(

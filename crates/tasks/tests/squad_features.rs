@@ -7,12 +7,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use bertkit_shared_data::require;
-use bertkit_stage_io::hex;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::features::{FeatureOptions, build_features, read_examples};
+use bertkit_test_support::{require, sha256_hex};
 use bertkit_tokenizer::FullTokenizer;
-use sha2::{Digest, Sha256};
 
 fn digests(data: &str, training: bool, version_2: bool) -> Vec<String> {
     let dataset = Dataset::load(&require(data)).unwrap();
@@ -54,7 +52,7 @@ fn digests(data: &str, training: bool, version_2: bool) -> Vec<String> {
             format!("{} {}", f.start_position, f.end_position),
         ]
         .join("|");
-        let digest = hex(&Sha256::digest(canon.as_bytes()));
+        let digest = sha256_hex(canon.as_bytes());
         let line = format!(
             "{id} {} {} {}\n",
             f.window,
@@ -72,7 +70,7 @@ fn digests(data: &str, training: bool, version_2: bool) -> Vec<String> {
     }
     groups
         .iter()
-        .map(|(a, n, lines)| format!("{a} {n} {}", hex(&Sha256::digest(lines.as_bytes()))))
+        .map(|(a, n, lines)| format!("{a} {n} {}", sha256_hex(lines.as_bytes())))
         .collect()
 }
 

@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 
 use bertkit_model::bert::{BertForQuestionAnswering, load};
-use bertkit_shared_data::require;
 use bertkit_tasks::model_dir::load_tokenizer;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::features::FeatureOptions;
@@ -14,6 +13,7 @@ use bertkit_tasks::squad::finetune::{
 };
 use bertkit_tasks::squad::postprocess::PostprocessOptions;
 use bertkit_tasks::training::TrainSettings;
+use bertkit_test_support::require;
 use candle_core::{DType, Device, Tensor};
 
 fn small_split() -> (Dataset, Dataset) {

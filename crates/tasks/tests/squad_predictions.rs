@@ -6,14 +6,12 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use bertkit_shared_data::require;
-use bertkit_stage_io::hex;
 use bertkit_tasks::pyfloat::repr;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::features::{FeatureOptions, build_features, read_examples};
 use bertkit_tasks::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
+use bertkit_test_support::{require, sha256_hex};
 use bertkit_tokenizer::FullTokenizer;
-use sha2::{Digest, Sha256};
 
 fn logit(feature: usize, position: usize, salt: usize) -> f32 {
     (((feature * 1_000_003 + position * 7919 + salt) % 2001) as f64 - 1000.0) as f32 / 64.0
@@ -90,7 +88,7 @@ fn check(predictions: &[Prediction], dir: &str, version_2: bool) {
             "{} {} {}",
             p.id,
             p.n_best.len(),
-            &hex(&Sha256::digest(canon.as_bytes()))[..16]
+            &sha256_hex(canon.as_bytes())[..16]
         );
         assert_eq!(ours, line, "n-best of {}: {:?}", p.id, p.n_best);
     }

@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use bertkit_shared_data::require;
 use bertkit_tasks::squad::data::Dataset;
 use bertkit_tasks::squad::eval_v2::evaluate_v2;
+use bertkit_test_support::require;
 
 fn expected(name: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,6 +1,6 @@
 //! Training a vocabulary on real text, then tokenizing with it.
 
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 use bertkit_tokenizer::FullTokenizer;
 use bertkit_tokenizer::vocab::{SPECIAL_TOKENS, train_vocab};
 

@@ -1,7 +1,7 @@
 //! Every line of the reference file (Google's `FullTokenizer` on 3,031 lines of real text:
 //! BERT's sample text, Emma, SQuAD questions) must tokenize identically.
 
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 use bertkit_tokenizer::FullTokenizer;
 
 #[test]

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use bertkit_records::instances::InstanceOptions;
 use bertkit_records::reader::Record;
 use bertkit_records::run::{Compat, RecordsOptions, records_to_file};
-use bertkit_shared_data::require;
+use bertkit_test_support::require;
 use bertkit_train::config::{DataSection, ModelSection, PretrainConfig, TrainSection};
 use bertkit_train::data::{Batch, Cursor};
 use bertkit_train::optim::OptimizerConfig;

@@ -1,6 +1,12 @@
-//! Locating bertkit's shared data folder.
+//! # bertkit-test-support: what the tests share
 //!
-//! Tests, benchmarks and `make demo` read real data (a Wikipedia dump chunk, Gutenberg books,
+//! A dev-dependency of every crate's tests, never of a shipped crate:
+//! - the shared data folder ([`require`], [`shared_data_dir`], [`repo_root`]);
+//! - digests of outputs ([`sha256_hex`], [`sha256_file`]).
+//!
+//! ## The shared data folder
+//!
+//! Tests and benchmarks read real data (a Wikipedia dump chunk, Gutenberg books,
 //! SQuAD, GLUE, a pre-trained BERT and reference outputs) from one folder that lives beside the
 //! repository and is never committed into it. This crate is the single place that decides where
 //! that folder is:
@@ -57,7 +63,7 @@ impl std::error::Error for MissingSharedData {}
 /// Found from this crate's own source location at build time, so it does not depend on the
 /// current directory a test or binary runs in.
 pub fn repo_root() -> PathBuf {
-    // crates/shared-data -> crates -> repo root
+    // crates/test-support -> crates -> repo root
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
         .nth(2)
@@ -114,6 +120,23 @@ pub fn require(relative: impl AsRef<Path>) -> PathBuf {
     }
 }
 
+/// SHA-256 of `bytes`, in lower-case hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    bertkit_stage_io::hex(&sha2::Sha256::digest(bytes))
+}
+
+/// SHA-256 of a file's contents, in lower-case hex; panics naming the file if it cannot be
+/// read.
+#[track_caller]
+pub fn sha256_file(path: impl AsRef<Path>) -> String {
+    let path = path.as_ref();
+    match std::fs::read(path) {
+        Ok(bytes) => sha256_hex(&bytes),
+        Err(e) => panic!("{}: {e}", path.display()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +153,14 @@ mod tests {
         assert!(msg.contains("/nowhere/data"), "{msg}");
         let err = MissingSharedData { file: None, ..err };
         assert!(err.to_string().contains(ENV_VAR));
+    }
+
+    #[test]
+    fn digests_are_sha256() {
+        assert_eq!(
+            sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 
     #[test]

@@ -1,0 +1,9 @@
+//! The integration tests of The `bertkit` binary end to end: one test binary (less linking and disk than one
+//! per file), a module per subject.
+
+mod cli;
+mod evaluate;
+mod forward;
+mod pipeline;
+mod pretrain;
+mod util;

@@ -1,0 +1,28 @@
+//! What the binary's tests share: running `bertkit`, reading its output.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// Runs the `bertkit` binary with `args`.
+pub fn bertkit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(args)
+        .output()
+        .expect("bertkit runs")
+}
+
+/// Output bytes as text.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The stdout of a run that must have succeeded (else its stderr is the failure).
+pub fn ok(out: Output) -> String {
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    text(&out.stdout)
+}
+
+/// A path as an argument.
+pub fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}

@@ -1,0 +1,6 @@
+//! The integration tests of `bertkit-model` on real data: one test binary (less linking and disk than one
+//! per file), a module per subject.
+
+mod gradients;
+mod minilm_forward;
+mod weights;

@@ -1,0 +1,4 @@
+//! The integration tests of `bertkit-pipeline` on real data: one test binary (less linking and disk than one
+//! per file), a module per subject.
+
+mod demo;
