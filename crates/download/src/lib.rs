@@ -20,6 +20,8 @@
 //! Requests carry a `User-Agent` naming bertkit. Many files at once go through [`queue`]:
 //! a few in flight, at most two per host, spaced out, so public servers are not hammered.
 
+#![deny(missing_docs)]
+
 pub mod queue;
 pub mod sources;
 

@@ -33,6 +33,8 @@
 //!   the decompressed XML otherwise). A page whose bytes are not UTF-8 is skipped and counted
 //!   (or is an error with `strict`); malformed markup never stops a run (see [`wiki::markup`]).
 
+#![deny(missing_docs)]
+
 pub mod books;
 pub mod error;
 pub mod manifest;

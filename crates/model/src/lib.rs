@@ -22,6 +22,8 @@
 //! Dropout is on in [`Mode::Train`] forward passes, with reproducible masks from a
 //! [`DropoutSource`] ([`dropout`]), and off in [`Mode::Eval`].
 
+#![deny(missing_docs)]
+
 pub mod bert;
 pub mod config;
 pub mod dropout;

@@ -24,6 +24,8 @@
 //! The files are byte-identical to a single-process run (the shard manifests are written per
 //! rank, `shard.manifest.rank-R-of-W.json`).
 
+#![deny(missing_docs)]
+
 pub mod merge;
 
 use std::collections::HashMap;

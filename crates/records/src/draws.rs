@@ -34,11 +34,6 @@ pub trait Draws {
         self.random() < 0.5
     }
 
-    /// How many of `n` fair coins come up heads.
-    fn heads(&mut self, n: usize) -> usize {
-        (0..n).filter(|_| self.coin()).count()
-    }
-
     /// Where a new instance's masks come from: `None` when they are drawn now, from this
     /// generator, between the instance's draws and the next one's (the script's order); else
     /// the seed of the generator that draws them when the instance is written.
@@ -171,10 +166,6 @@ impl Draws for FastRng {
 
     fn randint(&mut self, a: usize, b: usize) -> usize {
         FastRng::randint(self, a, b)
-    }
-
-    fn heads(&mut self, n: usize) -> usize {
-        FastRng::heads(self, n)
     }
 
     fn deferred_mask_seed(&mut self) -> Option<u64> {

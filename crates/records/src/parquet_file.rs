@@ -24,7 +24,7 @@
 //! stores it), so readers get the exact Arrow types back. Files are written under a hidden
 //! `.partial` name and renamed into place.
 //!
-//! The column chunks are encoded by [`crate::parquet_chunks`] straight from the flat instance
+//! The column chunks are encoded by a private module (`parquet_chunks`) straight from the flat instance
 //! buffers, gathered a row group at a time in the shuffled order (the next rows prefetched).
 //! Row groups are encoded in parallel, a few per thread at a time, and written in order, so
 //! the output does not depend on the thread count; the parquet crate writes the page headers

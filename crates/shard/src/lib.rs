@@ -56,6 +56,8 @@
 //! killed leaves only hidden `.partial` files and the temporary folder, which the next run
 //! removes before it starts.
 
+#![deny(missing_docs)]
+
 pub mod balance;
 pub mod error;
 pub mod manifest;

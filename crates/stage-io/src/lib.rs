@@ -17,6 +17,8 @@
 //! - [`Ranks`]: this process's share of the work in a multi-process run (`RANK`/`WORLD_SIZE`,
 //!   Slurm and Open MPI variables).
 
+#![deny(missing_docs)]
+
 pub mod prefetch;
 mod ranks;
 pub mod stage;

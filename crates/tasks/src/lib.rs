@@ -15,6 +15,8 @@
 //! - [`inference`]: forward-pass throughput and latency (`bertkit bench inference`);
 //! - [`pyfloat`]: floats printed as Python's `json.dumps` prints them.
 
+#![deny(missing_docs)]
+
 pub mod batch;
 pub mod glue;
 pub mod inference;

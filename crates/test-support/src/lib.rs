@@ -17,6 +17,8 @@
 //! A missing folder or file is reported with the path that was tried and how to fix it, never
 //! with a bare "No such file or directory".
 
+#![deny(missing_docs)]
+
 use std::fmt;
 use std::path::{Path, PathBuf};
 

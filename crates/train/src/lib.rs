@@ -16,6 +16,8 @@
 //! - [`trainer`]: the loop — gradient accumulation, mixed precision, metrics, atomic
 //!   checkpoints and exact resume.
 
+#![deny(missing_docs)]
+
 pub mod config;
 pub mod data;
 pub mod optim;

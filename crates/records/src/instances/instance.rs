@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use bertkit_tokenizer::FullTokenizer;
 
 /// One training instance, as the reference script's `TrainingInstance`, in vocabulary ids
-/// (owned; runs keep instances in [`InstanceColumns`] and hand out [`InstanceRef`]s).
+/// (owned; runs keep instances in [`super::InstanceColumns`] and hand out [`InstanceRef`]s).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrainingInstance {
     /// `[CLS] A [SEP] B [SEP]`, after masking.

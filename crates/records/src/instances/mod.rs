@@ -4,7 +4,7 @@
 //! ([`PyRandom`]) and makes the script's random calls in the script's order. The reference data's
 //! `REFERENCE.md` lists that order and its traps: `randint(1, 1)` still draws, the
 //! short-circuited `random()` for one-segment chunks, round-half-to-even for the number of
-//! predictions, a tie in `truncate_seq_pair` truncating B ([`Draws::truncate_pair`]), and whole-word groups that cross
+//! predictions, a tie in `truncate_seq_pair` truncating B (the draws trait's `truncate_pair`), and whole-word groups that cross
 //! `[SEP]`.
 //!
 //! The algorithm: documents are shuffled; for each of `dupe_factor` passes and each document,
