@@ -123,6 +123,8 @@ t = f.read()
 meta = {k.decode(): v.decode() for k, v in f.metadata.metadata.items()}
 assert meta["bertkit.layout"] == "bertkit-records-v1", meta
 assert json.loads(meta["bertkit.parameters"])["instances"]["max_seq_length"] == 128
+vocab = meta["bertkit.vocab"].splitlines()
+assert len(vocab) == 30522 and vocab[101:104] == ["[CLS]", "[SEP]", "[MASK]"], vocab[:5]
 assert str(t.schema.field("input_ids").type) == "list<item: int32 not null>", t.schema
 ref = [json.loads(l) for l in open(sys.argv[2])]
 assert t.column("input_ids").to_pylist() == [r["input_ids"] for r in ref]
@@ -169,6 +171,22 @@ print(t.num_rows)
         published["arrow_schema"]["row_group_rows"],
         bertkit_records::parquet_file::ROW_GROUP_ROWS
     );
+    // ... and exactly the written metadata keys (besides the Arrow schema Arrow's readers use).
+    let mut written: Vec<String> = bertkit_records::parquet_file::read_metadata(&out)
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k != "ARROW:schema")
+        .collect();
+    let mut documented: Vec<String> = published["metadata"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    written.sort();
+    documented.sort();
+    assert_eq!(written, documented);
 }
 
 /// The real fixtures, formatted and sharded by the earlier stages, once per test binary.
