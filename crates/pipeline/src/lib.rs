@@ -343,17 +343,11 @@ pub fn run(
         num_test_shards: s.num_test_shards,
         test_fraction: s.test_fraction,
         seed: s.seed,
-        compression: match s.compress.as_deref() {
-            Some("zstd") => bertkit_shard::Compression::Zstd {
-                level: bertkit_shard::DEFAULT_ZSTD_LEVEL,
-            },
-            None => bertkit_shard::Compression::None,
-            Some(other) => {
-                return Err(PipelineError::Config(format!(
-                    "[shard] compress = {other:?}: only \"zstd\""
-                )));
-            }
-        },
+        compression: bertkit_shard::Compression::from_name(
+            s.compress.as_deref(),
+            bertkit_shard::DEFAULT_ZSTD_LEVEL,
+        )
+        .map_err(|e| PipelineError::Config(format!("[shard] compress: {e}")))?,
         rank: ranks.rank,
         world_size: ranks.world_size,
         ..Default::default()

@@ -31,6 +31,17 @@ pub enum Compression {
 }
 
 impl Compression {
+    /// The compression named `name` (`None` for plain text, `"zstd"`) at zstd `level`.
+    pub fn from_name(name: Option<&str>, level: i32) -> Result<Self, ShardError> {
+        match name {
+            None => Ok(Compression::None),
+            Some("zstd") => Ok(Compression::Zstd { level }),
+            Some(other) => Err(ShardError::Usage(format!(
+                "compression {other:?}: only \"zstd\" (or none)"
+            ))),
+        }
+    }
+
     fn extension(&self) -> &'static str {
         match self {
             Compression::None => "txt",

@@ -7,7 +7,7 @@ use std::time::Instant;
 use bertkit_format::FormatManifest;
 use bertkit_records::instances::InstanceOptions;
 use bertkit_records::run::{Compat, RecordsOptions};
-use bertkit_stage_io::stage::Outcome;
+use bertkit_stage_io::stage::{Outcome, Reporter};
 
 use crate::flags::data::*;
 use crate::render::StageRenderer;
@@ -27,32 +27,34 @@ pub(crate) fn format(command: FormatCommand) -> Result<()> {
                 strict: args.strict,
                 ..Default::default()
             };
-            let renderer = StageRenderer::new(args.common.quiet);
-            let outcome = bertkit_format::wiki::format_wiki(
-                &args.input,
-                &args.common.output,
-                &options,
-                &renderer,
-            )?;
-            drop(renderer);
-            print_format_summary(&outcome, &args.common.output);
+            run_format(&args.common, |output, reporter| {
+                bertkit_format::wiki::format_wiki(&args.input, output, &options, reporter)
+            })
         }
         FormatCommand::Books(args) => {
             let options = bertkit_format::books::BookOptions {
                 max_bytes: args.common.max_bytes,
                 threads: args.common.threads,
             };
-            let renderer = StageRenderer::new(args.common.quiet);
-            let outcome = bertkit_format::books::format_books(
-                &args.input,
-                &args.common.output,
-                &options,
-                &renderer,
-            )?;
-            drop(renderer);
-            print_format_summary(&outcome, &args.common.output);
+            run_format(&args.common, |output, reporter| {
+                bertkit_format::books::format_books(&args.input, output, &options, reporter)
+            })
         }
     }
+}
+
+/// Runs a format stage with its progress on stderr, then prints its summary.
+fn run_format(
+    common: &CommonArgs,
+    stage: impl FnOnce(
+        &Path,
+        &dyn Reporter,
+    ) -> std::result::Result<Outcome<FormatManifest>, bertkit_format::FormatError>,
+) -> Result<()> {
+    let renderer = StageRenderer::new(common.quiet);
+    let outcome = stage(&common.output, &renderer)?;
+    drop(renderer);
+    print_format_summary(&outcome, &common.output);
     Ok(())
 }
 
@@ -95,12 +97,10 @@ pub(crate) fn shard(args: ShardArgs) -> Result<()> {
         num_test_shards: args.num_test_shards,
         test_fraction: args.test_fraction,
         seed: args.seed,
-        compression: match args.compress.as_deref() {
-            Some("zstd") => bertkit_shard::Compression::Zstd {
-                level: args.zstd_level,
-            },
-            _ => bertkit_shard::Compression::None,
-        },
+        compression: bertkit_shard::Compression::from_name(
+            args.compress.as_deref(),
+            args.zstd_level,
+        )?,
         rank: ranks.rank,
         world_size: ranks.world_size,
         threads: args.threads,
