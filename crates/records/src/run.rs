@@ -66,12 +66,13 @@ pub enum RecordsError {
     #[error(transparent)]
     Vocab(#[from] bertkit_tokenizer::VocabError),
     /// Writing an output failed.
-    #[error("{path}: {message}")]
+    #[error("{path}: {source}")]
     Write {
         /// The output.
         path: PathBuf,
         /// What went wrong.
-        message: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// Bad arguments or an input without documents.
     #[error("{0}")]
@@ -306,7 +307,7 @@ fn write_outputs(
     crate::parquet_file::write_instances(output, instances, metadata).map_err(|e| {
         RecordsError::Write {
             path: output.into(),
-            message: e.to_string(),
+            source: e.into(),
         }
     })?;
     if let Some(path) = jsonl {
@@ -318,7 +319,7 @@ fn write_outputs(
         bertkit_stage_io::write_atomically(path, text.as_bytes()).map_err(|e| {
             RecordsError::Write {
                 path: path.into(),
-                message: e.to_string(),
+                source: e.into(),
             }
         })?;
     }
@@ -476,7 +477,7 @@ pub fn records_to_dir(
     let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     std::fs::create_dir_all(output_dir).map_err(|e| RecordsError::Write {
         path: output_dir.into(),
-        message: e.to_string(),
+        source: e.into(),
     })?;
     let mut names = std::collections::HashSet::new();
     for f in &files {

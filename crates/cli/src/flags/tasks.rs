@@ -110,7 +110,7 @@ pub(crate) struct FinetuneGlueArgs {
     #[arg(long, short)]
     pub(crate) output: Option<PathBuf>,
     /// Longest encoded sequence.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = bertkit_tasks::glue::finetune::DEFAULT_MAX_SEQ_LENGTH)]
     pub(crate) max_seq_length: usize,
     #[command(flatten)]
     pub(crate) train: TrainFlags,
@@ -141,7 +141,7 @@ pub(crate) struct SquadFlags {
     #[arg(long, default_value_t = PostprocessOptions::default().null_score_diff_threshold)]
     pub(crate) null_score_diff_threshold: f64,
     /// Windows per forward pass when predicting.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = bertkit_tasks::squad::finetune::DEFAULT_PREDICT_BATCH)]
     pub(crate) predict_batch: usize,
 }
 
@@ -237,10 +237,10 @@ pub(crate) struct PredictGlueArgs {
     #[arg(long, short)]
     pub(crate) output: Option<PathBuf>,
     /// Longest encoded sequence.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = bertkit_tasks::glue::finetune::DEFAULT_MAX_SEQ_LENGTH)]
     pub(crate) max_seq_length: usize,
     /// Sequences per forward pass.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = bertkit_tasks::glue::finetune::DEFAULT_PREDICT_BATCH)]
     pub(crate) batch: usize,
     /// Cased vocabulary.
     #[arg(long)]
@@ -263,7 +263,7 @@ pub(crate) struct SplitSquadArgs {
     #[arg(long)]
     pub(crate) input: PathBuf,
     /// Articles in the first (training) part.
-    #[arg(long, default_value_t = 38)]
+    #[arg(long, default_value_t = bertkit_tasks::squad::data::Dataset::OFFLINE_TRAIN_ARTICLES)]
     pub(crate) train_articles: usize,
     /// Folder for train.json and dev.json.
     #[arg(long, short)]

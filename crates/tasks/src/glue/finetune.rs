@@ -92,6 +92,12 @@ fn encode_file(
         })
 }
 
+/// The longest encoded GLUE sequence unless asked otherwise (`run_classifier.py`'s).
+pub const DEFAULT_MAX_SEQ_LENGTH: usize = 128;
+
+/// Sequences per forward pass when predicting, unless asked otherwise.
+pub const DEFAULT_PREDICT_BATCH: usize = 64;
+
 /// Fine-tuning settings (defaults: BERT's GLUE recipe).
 #[derive(Debug, Clone)]
 pub struct FinetuneOptions {

@@ -73,6 +73,10 @@ impl Dataset {
         })
     }
 
+    /// Articles of SQuAD v1.1 dev in the training half of the documented offline split (8,582
+    /// questions; the last 10 articles, 1,988 questions, are the evaluation half).
+    pub const OFFLINE_TRAIN_ARTICLES: usize = 38;
+
     /// Splits off the first `train_articles` articles (for offline runs on a dev set only:
     /// train on the head, evaluate on the tail). Both halves keep the version.
     pub fn split_articles(&self, train_articles: usize) -> Result<(Dataset, Dataset), TaskError> {

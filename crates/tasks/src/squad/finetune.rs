@@ -72,6 +72,9 @@ pub fn feature_logits(
         .collect())
 }
 
+/// Windows per forward pass when predicting, unless asked otherwise.
+pub const DEFAULT_PREDICT_BATCH: usize = 32;
+
 /// Prediction settings.
 #[derive(Debug, Clone)]
 pub struct PredictOptions {
