@@ -93,20 +93,25 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-bench/.venv/bin/python:
+# The benchmarks' Python: WikiExtractor (the format peer), six (Google's tokenization.py imports
+# it) and pyarrow (the records bench checks the Parquet it times).
+BENCH_PYTHON := bench/.venv/bin/python
+BENCH_DEPS := bench/.venv/.installed-wikiextractor-six-pyarrow
+$(BENCH_DEPS):
 	python3 -m venv bench/.venv
-	bench/.venv/bin/pip install --quiet wikiextractor==3.1.0
+	$(BENCH_PYTHON) -m pip install --quiet --disable-pip-version-check wikiextractor==3.1.0 six "pyarrow>=16"
+	touch $@
 
-bench-format: build bench/.venv/bin/python
-	python3 bench/format_wiki.py --bertkit $(BERTKIT) --chunk "$(MIRROR)/$(ENWIKI_CHUNK)"
+bench-format: build $(BENCH_DEPS)
+	$(BENCH_PYTHON) bench/format_wiki.py --bertkit $(BERTKIT) --chunk "$(MIRROR)/$(ENWIKI_CHUNK)"
 
 bench-shard: build
 	@test -x /usr/bin/time || { apt-get update -qq && apt-get install -y -qq time; }
 	python3 bench/shard_scaling.py --bertkit $(BERTKIT) --shared "$(MIRROR)"
 
-bench-records: build
+bench-records: build $(BENCH_DEPS)
 	@test -n "$(GOOGLE_BERT)" || { echo "error: set GOOGLE_BERT to a google-research/bert checkout (the peer)" >&2; exit 1; }
-	python3 bench/records_throughput.py --bertkit $(BERTKIT) --shared "$(MIRROR)" --google-bert "$(GOOGLE_BERT)"
+	$(BENCH_PYTHON) bench/records_throughput.py --bertkit $(BERTKIT) --shared "$(MIRROR)" --google-bert "$(GOOGLE_BERT)"
 
 clean:
 	$(CARGO) clean
