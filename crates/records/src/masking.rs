@@ -50,7 +50,7 @@ pub fn draw_masks(
     );
 }
 
-/// What instance generation needs to know of the vocabulary.
+/// What masking (and instance generation) needs to know of the vocabulary.
 #[derive(Debug, Clone)]
 pub struct VocabIds {
     /// `[CLS]`.
