@@ -79,3 +79,17 @@ fn the_full_data_config_parses() {
     assert_eq!(config.records.phases, vec![1, 2]);
     assert_eq!(config.download.vars["date"], "20240101");
 }
+
+/// A misspelt key is named, with the file, rather than reported as a missing one.
+#[test]
+fn a_config_typo_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(repo_root().join("pipelines/demo.toml"))
+        .unwrap()
+        .replace("num_train_shards", "num_train_shard");
+    let path = dir.path().join("typo.toml");
+    std::fs::write(&path, text).unwrap();
+    let err = PipelineConfig::load(&path).unwrap_err().to_string();
+    assert!(err.contains("typo.toml"), "{err}");
+    assert!(err.contains("unknown field `num_train_shard`"), "{err}");
+}
