@@ -161,3 +161,140 @@ impl Step {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TrainError;
+    use crate::optim::{OptimizerConfig, Rule};
+    use candle_core::Device;
+
+    fn setup() -> (BTreeMap<String, Var>, Optimizer) {
+        let mut vars = BTreeMap::new();
+        vars.insert(
+            "encoder.weight".to_string(),
+            Var::from_tensor(&Tensor::new(&[1f32, -2., 3.], &Device::Cpu).unwrap()).unwrap(),
+        );
+        let config = OptimizerConfig {
+            rule: Rule::Adamw,
+            ..OptimizerConfig::lamb()
+        };
+        let optimizer = Optimizer::new(config, &vars).unwrap();
+        (vars, optimizer)
+    }
+
+    fn weights(vars: &BTreeMap<String, Var>) -> Vec<f32> {
+        vars["encoder.weight"].as_tensor().to_vec1::<f32>().unwrap()
+    }
+
+    /// A loss whose gradient is `factor` times the weights (`factor / 2 · Σ w²`).
+    fn loss(vars: &BTreeMap<String, Var>, factor: f64) -> Tensor {
+        let w = vars["encoder.weight"].as_tensor();
+        ((w * w).unwrap().sum_all().unwrap() * (factor / 2.0)).unwrap()
+    }
+
+    /// fp16 overflow: an infinite gradient leaves the weights unchanged, counts the skip and
+    /// halves the scale; a finite step then applies; `max_skipped_in_row` overflows in a row
+    /// stop the run with its message.
+    #[test]
+    fn an_overflowing_step_is_skipped_and_a_streak_of_them_stops_the_run() {
+        let (vars, mut optimizer) = setup();
+        let mut scaler = LossScaler::new(3);
+        let start = weights(&vars);
+        let mut step = Step::begin(&vars, &optimizer, Some(&scaler));
+        assert_eq!(step.loss_scale(), 65536.0);
+        step.backward(&loss(&vars, f64::INFINITY)).unwrap();
+        let outcome = step
+            .finish(
+                &Local,
+                &mut optimizer,
+                Some(&mut scaler),
+                1e-2,
+                1,
+                f64::INFINITY,
+            )
+            .unwrap();
+        assert!(!outcome.applied);
+        assert!(!outcome.grad_norm.is_finite());
+        assert_eq!(outcome.loss_scale, 65536.0);
+        assert_eq!(
+            weights(&vars),
+            start,
+            "a skipped step must not move the weights"
+        );
+        assert_eq!(
+            (scaler.scale, scaler.skipped, scaler.skipped_in_row),
+            (32768.0, 1, 1)
+        );
+
+        // A finite step at the halved scale applies, with the gradients unscaled: the norm is
+        // that of the weights themselves (factor 1).
+        let mut step = Step::begin(&vars, &optimizer, Some(&scaler));
+        step.backward(&loss(&vars, 1.0)).unwrap();
+        let outcome = step
+            .finish(&Local, &mut optimizer, Some(&mut scaler), 1e-2, 2, 7.0)
+            .unwrap();
+        assert!(outcome.applied);
+        assert!(
+            (outcome.grad_norm - 14f64.sqrt()).abs() < 1e-6,
+            "{}",
+            outcome.grad_norm
+        );
+        assert_ne!(weights(&vars), start);
+        assert_eq!(scaler.skipped_in_row, 0);
+
+        let mut result = Ok(outcome);
+        for n in 3..=5 {
+            let mut step = Step::begin(&vars, &optimizer, Some(&scaler));
+            step.backward(&loss(&vars, f64::INFINITY)).unwrap();
+            result = step.finish(&Local, &mut optimizer, Some(&mut scaler), 1e-2, n, 1.0);
+            if result.is_err() {
+                break;
+            }
+        }
+        match result {
+            Err(TrainError::Diverged(message)) => {
+                assert!(message.contains("3 steps in a row"), "{message}");
+                assert!(message.contains("step 5"), "{message}");
+            }
+            other => panic!("expected the run to stop, got {other:?}"),
+        }
+        assert_eq!((scaler.skipped, scaler.scale), (4, 4096.0));
+    }
+
+    /// Without a scaler (f32, bf16) a non-finite loss or gradient stops the run at once.
+    #[test]
+    fn a_non_finite_step_without_a_scaler_stops_the_run() {
+        let (vars, mut optimizer) = setup();
+        let start = weights(&vars);
+        let mut step = Step::begin(&vars, &optimizer, None);
+        step.backward(&loss(&vars, f64::NAN)).unwrap();
+        let err = step
+            .finish(&Local, &mut optimizer, None, 1e-2, 1, f64::NAN)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("step 1") && err.contains("not finite"),
+            "{err}"
+        );
+        assert_eq!(weights(&vars), start);
+    }
+
+    /// Micro-batches add up: two halves of a loss give the gradient of the whole.
+    #[test]
+    fn micro_batches_accumulate() {
+        let (vars, optimizer) = setup();
+        let mut halves = Step::begin(&vars, &optimizer, None);
+        halves.backward(&loss(&vars, 0.5)).unwrap();
+        halves.backward(&loss(&vars, 0.5)).unwrap();
+        let mut whole = Step::begin(&vars, &optimizer, None);
+        whole.backward(&loss(&vars, 1.0)).unwrap();
+        let g = |s: Step| {
+            s.into_gradients()["encoder.weight"]
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(g(halves), vec![1.0, -2.0, 3.0]);
+        assert_eq!(g(whole), vec![1.0, -2.0, 3.0]);
+    }
+}
