@@ -403,6 +403,81 @@ mod tests {
         }
     }
 
+    /// Both rules written out by hand with their moments, over several steps: gradients that
+    /// change sign and size (some steps clipped, some not) and a learning rate that changes.
+    #[test]
+    fn lamb_and_adamw_over_several_steps_by_hand() {
+        let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-6);
+        let gradient = |step: usize, base: &[f64]| -> Vec<f64> {
+            let scale = [2.0, -0.3, 0.7, -1.5, 0.05, 3.0][step];
+            base.iter().map(|g| g * scale).collect()
+        };
+        let base_w = [0.3, -0.4, 1.2];
+        let base_b = [0.5, -0.1];
+        for rule in [Rule::Lamb, Rule::Adamw] {
+            let v = vars();
+            let config = OptimizerConfig {
+                rule,
+                ..OptimizerConfig::lamb()
+            };
+            let mut opt = Optimizer::new(config, &v).unwrap();
+            // The reference: (weights, m, v, decay) per parameter.
+            let mut reference = [
+                (vec![0.5, -1.0, 2.0], vec![0.0; 3], vec![0.0; 3], 0.01),
+                (vec![0.1, 0.2], vec![0.0; 2], vec![0.0; 2], 0.0),
+            ];
+            for step in 0..6 {
+                let (gw, gb) = (gradient(step, &base_w), gradient(step, &base_b));
+                let mut g = BTreeMap::new();
+                g.insert(
+                    "layer.weight".to_string(),
+                    Tensor::new(gw.as_slice(), &Device::Cpu).unwrap(),
+                );
+                g.insert(
+                    "layer.bias".to_string(),
+                    Tensor::new(gb.as_slice(), &Device::Cpu).unwrap(),
+                );
+                let lr = 0.01 * (step + 1) as f64 / 3.0;
+                opt.step(&g, lr).unwrap();
+
+                let norm = gw.iter().chain(&gb).map(|x| x * x).sum::<f64>().sqrt();
+                let clip = if norm > 1.0 { 1.0 / norm } else { 1.0 };
+                let t = (step + 1) as i32;
+                for ((w, m, vv, decay), grad) in reference.iter_mut().zip([&gw, &gb]) {
+                    let mut u = Vec::new();
+                    for i in 0..w.len() {
+                        let g = grad[i] * clip;
+                        m[i] = b1 * m[i] + (1.0 - b1) * g;
+                        vv[i] = b2 * vv[i] + (1.0 - b2) * g * g;
+                        let m_hat = m[i] / (1.0 - b1.powi(t));
+                        let v_hat = vv[i] / (1.0 - b2.powi(t));
+                        u.push(m_hat / (v_hat.sqrt() + eps) + *decay * w[i]);
+                    }
+                    let ratio = if rule == Rule::Lamb && *decay > 0.0 {
+                        let wn = w.iter().map(|x| x * x).sum::<f64>().sqrt();
+                        let un = u.iter().map(|x| x * x).sum::<f64>().sqrt();
+                        wn / un
+                    } else {
+                        1.0
+                    };
+                    for i in 0..w.len() {
+                        w[i] -= lr * ratio * u[i];
+                    }
+                }
+                for (name, (want, ..)) in ["layer.weight", "layer.bias"].iter().zip(&reference) {
+                    for (got, want) in values(&v[*name]).iter().zip(want) {
+                        assert!(
+                            (got - want).abs() < 1e-12,
+                            "{rule:?} step {} {name}: {got} vs {want}",
+                            step + 1
+                        );
+                    }
+                }
+            }
+            assert_eq!(opt.steps(), 6);
+        }
+    }
+
     #[test]
     fn weight_decay_skips_biases_and_layer_norm() {
         assert!(decays("encoder.layer.0.attention.self.query.weight"));
