@@ -117,8 +117,9 @@ fn check_path(dtype: DType, hidden_tol: f32, pooler_tol: f32, frozen: bool) -> (
 }
 
 #[test]
-fn f32_matches_transformers_within_1e_4() {
-    check(DType::F32, 1e-4, 1e-4);
+fn f32_matches_transformers_within_2e_5() {
+    // Measured 3.9e-6 (README); 2e-5 leaves room for summation order, not for a wrong op.
+    check(DType::F32, 2e-5, 2e-5);
     // A real comparison: the reference states are far from zero.
     let r = reference();
     let magnitude = r.tensors["last_hidden_state"]
