@@ -44,6 +44,15 @@ fn output_text(out: &Path, outcome: &RunOutcome) -> String {
 /// Splits XML into bzip2 streams of `pages_per_stream` pages, as Wikipedia's multistream
 /// dumps are built: the header alone first, then runs of whole pages, the footer with the last.
 fn multistream(xml: &[u8], pages_per_stream: usize) -> Vec<u8> {
+    multistream_with_starts(xml, pages_per_stream).0
+}
+
+/// Where each stream of [`multistream`]'s output starts, in compressed bytes.
+fn stream_starts(xml: &[u8], pages_per_stream: usize) -> Vec<usize> {
+    multistream_with_starts(xml, pages_per_stream).1
+}
+
+fn multistream_with_starts(xml: &[u8], pages_per_stream: usize) -> (Vec<u8>, Vec<usize>) {
     let text = std::str::from_utf8(xml).unwrap();
     let starts: Vec<usize> = text.match_indices("<page>").map(|(i, _)| i).collect();
     let mut cuts = vec![0, starts[0]];
@@ -55,12 +64,14 @@ fn multistream(xml: &[u8], pages_per_stream: usize) -> Vec<u8> {
     );
     cuts.push(xml.len());
     let mut out = Vec::new();
+    let mut starts = Vec::new();
     for w in cuts.windows(2) {
         let mut enc = bzip2::write::BzEncoder::new(Vec::new(), bzip2::Compression::new(9));
         enc.write_all(&xml[w[0]..w[1]]).unwrap();
+        starts.push(out.len());
         out.extend(enc.finish().unwrap());
     }
-    out
+    (out, starts)
 }
 
 #[test]
@@ -262,7 +273,11 @@ fn truncated_bz2_is_an_error_with_offset_and_leaves_no_output() {
     let out = tmp.path().join("out");
     let err = run(std::slice::from_ref(&cut), &out, &WikiOptions::default()).unwrap_err();
     let msg = err.to_string();
-    assert!(matches!(err, FormatError::Bzip2 { .. }), "{msg}");
+    // A single stream cut short ends where the file does: the offset is the cut.
+    assert!(
+        matches!(err, FormatError::Bzip2 { offset, .. } if offset == (bytes.len() / 2) as u64),
+        "{msg}"
+    );
     assert!(
         msg.contains("cut.xml.bz2") && msg.contains("offset"),
         "{msg}"
@@ -278,9 +293,15 @@ fn truncated_bz2_is_an_error_with_offset_and_leaves_no_output() {
     let cut = tmp.path().join("cut-multistream.xml.bz2");
     fs::write(&cut, &multi[..multi.len() * 2 / 3]).unwrap();
     let err = run(&[cut], &out, &WikiOptions::default()).unwrap_err();
+    // Multistream: the offset is the start of the stream the cut falls in. (Tried: reporting
+    // the stream's offset + 1 fails here; `offset > 0` did not.)
+    let cut_at = multi.len() * 2 / 3;
+    let starts = stream_starts(&enwiki_xml(), 10);
+    let failing = *starts.iter().filter(|&&s| s < cut_at).max().unwrap();
+    assert!(failing > 0);
     assert!(
-        matches!(err, FormatError::Bzip2 { offset, .. } if offset > 0),
-        "{err}"
+        matches!(err, FormatError::Bzip2 { offset, .. } if offset == failing as u64),
+        "{err} (the stream starts at {failing})"
     );
     assert!(err.to_string().contains("cut-multistream.xml.bz2"));
 }
@@ -293,7 +314,15 @@ fn truncated_xml_is_an_error_with_offset() {
     let path = tmp.path().join("cut.xml");
     fs::write(&path, &xml[..xml.len() / 2]).unwrap();
     let err = run(&[path], &tmp.path().join("o1"), &WikiOptions::default()).unwrap_err();
-    assert!(matches!(err, FormatError::Xml { .. }), "{err}");
+    // The cut falls inside a page's <text>: the offset is that unclosed start tag's.
+    let open_tag = xml[..xml.len() / 2]
+        .windows(5)
+        .rposition(|w| w == b"<text")
+        .unwrap();
+    assert!(
+        matches!(err, FormatError::Xml { offset, .. } if offset == open_tag as u64),
+        "{err} (the <text> tag is at {open_tag})"
+    );
     assert!(
         err.to_string().contains("cut.xml") && err.to_string().contains("offset"),
         "{err}"
