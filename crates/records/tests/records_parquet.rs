@@ -127,9 +127,21 @@ vocab = meta["bertkit.vocab"].splitlines()
 assert len(vocab) == 30522 and vocab[101:104] == ["[CLS]", "[SEP]", "[MASK]"], vocab[:5]
 assert str(t.schema.field("input_ids").type) == "list<item: int32 not null>", t.schema
 ref = [json.loads(l) for l in open(sys.argv[2])]
-assert t.column("input_ids").to_pylist() == [r["input_ids"] for r in ref]
-assert t.column("masked_lm_ids").to_pylist() == [r["masked_lm_ids"] for r in ref]
-assert t.column("next_sentence_label").to_pylist() == [int(r["is_random_next"]) for r in ref]
+# Every column, with the type the schema documents, against the reference script's instances
+# (tried: segment ids written one short fail here; they were not checked before).
+published = {f["name"]: f["type"] for f in json.load(open(sys.argv[3]))["arrow_schema"]["fields"]}
+assert {n: str(t.schema.field(n).type) for n in t.column_names} == published, t.schema
+expected = {
+    "input_ids": [r["input_ids"] for r in ref],
+    "segment_ids": [r["segment_ids"] for r in ref],
+    "masked_lm_positions": [r["masked_lm_positions"] for r in ref],
+    "masked_lm_ids": [r["masked_lm_ids"] for r in ref],
+    "next_sentence_label": [int(r["is_random_next"]) for r in ref],
+    "seq_len": [len(r["input_ids"]) for r in ref],
+}
+assert sorted(expected) == sorted(t.column_names), t.column_names
+for name, values in expected.items():
+    assert t.column(name).to_pylist() == values, name
 print(t.num_rows)
 "#;
     let python = std::env::var("BERTKIT_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -139,6 +151,10 @@ print(t.num_rows)
             script,
             out.to_str().unwrap(),
             require("reference/cpd_sample_text_msl128/instances.jsonl")
+                .to_str()
+                .unwrap(),
+            bertkit_test_support::repo_root()
+                .join("schemas/records.schema.json")
                 .to_str()
                 .unwrap(),
         ])
