@@ -48,15 +48,40 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
         "{}",
         first[3].summary
     );
-    for phase in [1, 2] {
+    // Each phase's sequences: at most its length (and most of them near it), framed by [CLS]
+    // and [SEP], with exactly round(15% of the tokens) masks (at least 1, at most the cap).
+    // (Tried: phase 2 made with phase 1's preset fails here; a file-exists check did not.)
+    for (phase, max_len, max_masks) in [(1, 128, 20), (2, 512, 80)] {
+        let (mut rows, mut long) = (0, 0);
         for shard in 0..4 {
-            assert!(
-                config
-                    .output
-                    .join(format!("records/phase{phase}/shard_{shard:05}.parquet"))
-                    .is_file()
-            );
+            let path = config
+                .output
+                .join(format!("records/phase{phase}/shard_{shard:05}.parquet"));
+            let file = bertkit_records::reader::RecordsFile::open(&path).unwrap();
+            for group in 0..file.row_group_rows().len() {
+                for r in file.read_row_group(group).unwrap() {
+                    let len = r.input_ids.len();
+                    assert!(len <= max_len, "phase {phase}: {len} tokens");
+                    assert_eq!((r.input_ids[0], r.input_ids[len - 1]), (101, 102));
+                    let wanted =
+                        ((len as f64 * 0.15).round_ties_even() as usize).clamp(1, max_masks);
+                    assert_eq!(
+                        r.masked_lm_positions.len(),
+                        wanted,
+                        "phase {phase}, {len} tokens"
+                    );
+                    assert_eq!(r.masked_lm_ids.len(), wanted);
+                    rows += 1;
+                    long += usize::from(len > max_len * 9 / 10);
+                }
+            }
         }
+        // The target length is the maximum except for short_seq_prob (10%) of instances and
+        // documents' ends.
+        assert!(
+            long * 2 > rows,
+            "phase {phase}: {long} of {rows} near {max_len}"
+        );
     }
 
     let second = run(
