@@ -238,6 +238,33 @@ fn killed_run_leaves_nothing_that_looks_finished() {
         .collect();
     assert!(names.iter().all(|n| !n.ends_with(".partial")), "{names:?}");
     assert!(names.contains(&"wiki.manifest.json".to_string()));
+    // The rerun's files are an uninterrupted run's, byte for byte. (Tried: a rerun that keeps
+    // the killed run's partial files and appends to them passes the checks above and fails
+    // this one.)
+    let clean = dir.path().join("clean");
+    let mut clean_args = args;
+    clean_args[5] = path(&clean);
+    assert!(bertkit(&clean_args).status.success());
+    let texts = |dir: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+            .map(|p| {
+                let bytes = std::fs::read(&p).unwrap();
+                (p.file_name().unwrap().to_string_lossy().into_owned(), bytes)
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let (rerun_files, clean_files) = (texts(&out), texts(&clean));
+    assert!(rerun_files.len() > 1, "{}", rerun_files.len());
+    assert!(
+        rerun_files == clean_files,
+        "the rerun's text differs from a clean run's"
+    );
 }
 
 /// A formatted corpus for the shard tests: the Gutenberg books formatted by the CLI.
