@@ -183,4 +183,16 @@ fn bad_inputs_are_clear_errors() {
             .to_string()
             .contains("-1")
     );
+
+    // A row whose attention mask hides every position would softmax over nothing. (Tried:
+    // without the check this fails.)
+    let two = Tensor::new(&[[101i64, 2000, 102], [101, 2001, 102]], &Device::Cpu).unwrap();
+    let mask = Tensor::new(&[[1i64, 1, 1], [0, 0, 0]], &Device::Cpu).unwrap();
+    let err = Inputs::new(c, &two, None, Some(&mask)).unwrap_err();
+    assert!(matches!(err, ModelError::Input(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains("attention_mask row 1 masks every position"),
+        "{err}"
+    );
 }
