@@ -2,6 +2,7 @@
 //! per file), a module per subject.
 
 mod cli;
+mod commands;
 mod evaluate;
 mod forward;
 mod pipeline;

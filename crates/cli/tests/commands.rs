@@ -1,0 +1,126 @@
+//! The commands no other test runs through the binary: `vocab`, `download url`, `finetune glue`
+//! and `predict glue`, each once, on real data, checking what they print and write. (Tried: a
+//! fine-tuned folder saved without its vocab.txt fails the last one.)
+
+use bertkit_test_support::{require, sha256_file};
+
+use crate::util::{bertkit, ok, path, text};
+
+#[test]
+fn vocab_writes_a_bert_layout_vocabulary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("vocab.txt");
+    let book = require("gutenberg/austen-emma.txt");
+    let stdout = ok(bertkit(&[
+        "vocab",
+        "--input",
+        path(&book),
+        "--size",
+        "600",
+        "--output",
+        path(&out),
+    ]));
+    let lines: Vec<String> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert!(
+        stdout.contains(&format!("({} tokens)", lines.len())),
+        "{stdout}"
+    );
+    assert!(lines.len() <= 600 && lines.len() > 300, "{}", lines.len());
+    assert_eq!(&lines[..5], ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]);
+}
+
+#[test]
+fn download_url_copies_verifies_and_reruns_as_a_no_op() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = require("squad/dev-v1.1.json");
+    let sha = sha256_file(&source);
+    let dest = dir.path().join("squad/dev.json");
+    let args = [
+        "download",
+        "url",
+        path(&source),
+        "-o",
+        path(&dest),
+        "--sha256",
+        &sha,
+    ];
+    let first = ok(bertkit(&args));
+    assert!(
+        first.starts_with("copied ") && first.contains("checksum verified"),
+        "{first}"
+    );
+    assert_eq!(sha256_file(&dest), sha);
+    let again = ok(bertkit(&args));
+    assert!(again.contains("already complete"), "{again}");
+    // A wrong checksum fails, names the file, and leaves nothing behind.
+    let bad = dir.path().join("bad.json");
+    let zeros = "0".repeat(64);
+    let run = bertkit(&[
+        "download",
+        "url",
+        path(&source),
+        "-o",
+        path(&bad),
+        "--sha256",
+        &zeros,
+    ]);
+    assert!(!run.status.success());
+    assert!(
+        text(&run.stderr).contains("dev-v1.1.json"),
+        "{}",
+        text(&run.stderr)
+    );
+    assert!(!bad.exists());
+}
+
+#[test]
+fn finetune_glue_then_predict_glue_with_the_saved_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("mrpc");
+    let stdout = ok(bertkit(&[
+        "finetune",
+        "glue",
+        "--task",
+        "mrpc",
+        "--model",
+        path(&require("minilm")),
+        "--data",
+        path(&require("glue/MRPC")),
+        "-o",
+        path(&model),
+        "--max-steps",
+        "2",
+        "--max-seq-length",
+        "64",
+    ]));
+    assert!(stdout.contains("accuracy"), "{stdout}");
+    for file in ["config.json", "model.safetensors", "vocab.txt"] {
+        assert!(model.join(file).is_file(), "{file}");
+    }
+    let rows = dir.path().join("dev.tsv");
+    let stdout = ok(bertkit(&[
+        "predict",
+        "glue",
+        "--task",
+        "mrpc",
+        "--model",
+        path(&model),
+        "--data",
+        path(&require("glue/MRPC/dev.tsv")),
+        "-o",
+        path(&rows),
+        "--max-seq-length",
+        "64",
+    ]));
+    assert!(stdout.contains("accuracy"), "{stdout}");
+    let written = std::fs::read_to_string(&rows).unwrap();
+    assert_eq!(written.lines().count(), 409);
+    assert!(
+        written.starts_with("index\tprediction\n0\t"),
+        "{written:.40}"
+    );
+}
