@@ -21,17 +21,26 @@ fn records(dir: &Path) -> PathBuf {
 
 /// The first 1500 lines of Emma, as formatted text.
 fn emma(dir: &Path) -> PathBuf {
+    emma_lines(dir, 1500)
+}
+
+/// The first `lines` lines of Emma, as formatted text.
+fn emma_lines(dir: &Path, lines: usize) -> PathBuf {
     let text = std::fs::read_to_string(require("gutenberg/austen-emma.txt")).unwrap();
-    let cut: String = text.lines().take(1500).map(|l| format!("{l}\n")).collect();
-    let input = dir.join("emma.txt");
+    let cut: String = text.lines().take(lines).map(|l| format!("{l}\n")).collect();
+    let input = dir.join(format!("emma-{lines}.txt"));
     std::fs::write(&input, cut).unwrap();
     input
 }
 
 /// Records of Emma's first 1500 lines made with `vocab`.
 fn records_with_vocab(dir: &Path, vocab: &Path) -> PathBuf {
-    let input = emma(dir);
-    let out = dir.join("emma.parquet");
+    records_of(emma(dir), vocab, 300)
+}
+
+/// Records (sequence length 64, 10 predictions, 2 passes) of `input`, at least `at_least`.
+fn records_of(input: PathBuf, vocab: &Path, at_least: usize) -> PathBuf {
+    let out = input.with_extension("parquet");
     let options = RecordsOptions {
         instances: InstanceOptions {
             max_seq_length: 64,
@@ -45,7 +54,7 @@ fn records_with_vocab(dir: &Path, vocab: &Path) -> PathBuf {
     let summary = records_to_file(&[input], vocab, &out, None, &options)
         .unwrap()
         .into_summary();
-    assert!(summary.instances > 300, "{}", summary.instances);
+    assert!(summary.instances > at_least, "{}", summary.instances);
     out
 }
 
@@ -324,6 +333,103 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         .map(|(s, _)| s)
         .collect();
     assert_eq!(kept, vec![6, 12]);
+}
+
+/// Resume in fp16 (the loss scaler's state), with dynamic masking (draws keyed by epoch and
+/// row), from a checkpoint mid-epoch into the next epoch: the same steps and weights as an
+/// uninterrupted run. (Tried: a resume that ignores the saved dropout position, or the saved
+/// loss scale, fails here.)
+#[test]
+fn an_fp16_run_with_dynamic_masking_resumes_exactly_across_an_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    // A small corpus, so that a few steps go round more than one epoch.
+    let records = records_of(
+        emma_lines(dir.path(), 200),
+        &require("minilm/vocab.txt"),
+        40,
+    );
+    let mut straight = config(&records, &dir.path().join("straight"));
+    straight.train.precision = "fp16".into();
+    straight.data.dynamic_masking = Some(toml::from_str("").unwrap());
+    straight.data.micro_batch = 8;
+    straight.train.global_batch = 16;
+    straight.schedule.total_steps = 10;
+    straight.train.checkpoint_every = 4;
+    let mut resumed = straight.clone();
+    resumed.output = dir.path().join("resumed");
+
+    let full_trainer = Trainer::new(straight, RunOptions::default()).unwrap();
+    let per_epoch = full_trainer.dataset().batches_per_epoch();
+    // Steps 1-6 stay in the first epoch; the rest cross into the next.
+    assert!(
+        (13..=30).contains(&per_epoch),
+        "{per_epoch} batches per epoch"
+    );
+    let mut full_trainer = full_trainer;
+    let full = full_trainer.run(&mut |_| {}).unwrap();
+
+    let first = Trainer::new(
+        resumed.clone(),
+        RunOptions {
+            max_steps: Some(4),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .run(&mut |_| {})
+    .unwrap();
+    // A copy of the run as it stood, whose saved loss scale is then edited as an overflow
+    // would have left it: resuming must take the scale from the checkpoint.
+    let edited = dir.path().join("edited");
+    let checkpoint = edited.join("checkpoints/step-4");
+    std::fs::create_dir_all(&checkpoint).unwrap();
+    for entry in std::fs::read_dir(resumed.output.join("checkpoints/step-4")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), checkpoint.join(entry.file_name())).unwrap();
+    }
+    let state_path = checkpoint.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
+    assert_eq!(state["scaler"]["scale"], 65536.0);
+    state["scaler"]["scale"] = 32768.0.into();
+    std::fs::write(&state_path, state.to_string()).unwrap();
+    let mut edited_config = resumed.clone();
+    edited_config.output = edited;
+    let after_edit = Trainer::new(
+        edited_config,
+        RunOptions {
+            resume: true,
+            max_steps: Some(5),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .run(&mut |_| {})
+    .unwrap();
+    assert_eq!(after_edit.metrics[0].loss_scale, 32768.0);
+
+    let second = Trainer::new(
+        resumed.clone(),
+        RunOptions {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .run(&mut |_| {})
+    .unwrap();
+    assert_eq!(second.started_at, 4);
+    let figures = |m: &[bertkit_train::trainer::StepMetrics]| {
+        m.iter()
+            .map(|m| (m.step, m.loss, m.grad_norm, m.loss_scale, m.skipped))
+            .collect::<Vec<_>>()
+    };
+    let mut joined = figures(&first.metrics);
+    joined.extend(figures(&second.metrics));
+    assert_eq!(joined, figures(&full.metrics));
+    let a = std::fs::read(full.checkpoint.unwrap().join("model.safetensors")).unwrap();
+    let b = std::fs::read(second.checkpoint.unwrap().join("model.safetensors")).unwrap();
+    assert!(a == b, "final weights differ");
 }
 
 #[test]
