@@ -12,7 +12,7 @@ use bertkit_train::config::{DataSection, ModelSection, PretrainConfig, TrainSect
 use bertkit_train::data::{Batch, Cursor};
 use bertkit_train::optim::OptimizerConfig;
 use bertkit_train::schedule::{Decay, Schedule};
-use bertkit_train::trainer::{RunOptions, Trainer, checkpoints};
+use bertkit_train::trainer::{RunOptions, RunSummary, StepMetrics, Trainer, checkpoints};
 
 /// Records (sequence length 64, 10 predictions) from the first 1500 lines of Emma.
 fn records(dir: &Path) -> PathBuf {
@@ -56,6 +56,21 @@ fn records_of(input: PathBuf, vocab: &Path, at_least: usize) -> PathBuf {
         .into_summary();
     assert!(summary.instances > at_least, "{}", summary.instances);
     out
+}
+
+/// What a run's steps are compared by: step, loss, gradient norm, loss scale, skipped.
+fn figures(m: &[StepMetrics]) -> Vec<(u64, f64, f64, f64, bool)> {
+    m.iter()
+        .map(|m| (m.step, m.loss, m.grad_norm, m.loss_scale, m.skipped))
+        .collect()
+}
+
+/// A run from `config` with `options`, to its last step.
+fn run_to_end(config: PretrainConfig, options: RunOptions) -> RunSummary {
+    Trainer::new(config, options)
+        .unwrap()
+        .run(&mut |_| {})
+        .unwrap()
 }
 
 fn config(records: &Path, output: &Path) -> PretrainConfig {
@@ -279,48 +294,34 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     let mut resumed = straight.clone();
     resumed.output = dir.path().join("resumed");
 
-    let full = Trainer::new(straight.clone(), RunOptions::default())
-        .unwrap()
-        .run(&mut |_| {})
-        .unwrap();
+    let full = run_to_end(straight.clone(), RunOptions::default());
 
     // Stop after the checkpoint at step 6, as a killed run would have; a half-written
     // checkpoint of step 9 is left behind.
-    let first = Trainer::new(
+    let first = run_to_end(
         resumed.clone(),
         RunOptions {
             max_steps: Some(6),
             ..Default::default()
         },
-    )
-    .unwrap()
-    .run(&mut |_| {})
-    .unwrap();
+    );
     assert_eq!(first.step, 6);
     std::fs::create_dir_all(resumed.output.join("checkpoints/.step-9.partial")).unwrap();
     let mut metrics = std::fs::read_to_string(resumed.output.join("metrics.jsonl")).unwrap();
     metrics.push_str("{\"step\": 7, \"loss\": 1.0}\n");
     std::fs::write(resumed.output.join("metrics.jsonl"), metrics).unwrap();
 
-    let second = Trainer::new(
+    let second = run_to_end(
         resumed.clone(),
         RunOptions {
             resume: true,
             ..Default::default()
         },
-    )
-    .unwrap()
-    .run(&mut |_| {})
-    .unwrap();
+    );
     assert_eq!(second.started_at, 6);
-    let losses = |m: &[bertkit_train::trainer::StepMetrics]| {
-        m.iter()
-            .map(|m| (m.step, m.loss, m.grad_norm))
-            .collect::<Vec<_>>()
-    };
-    let mut joined = losses(&first.metrics);
-    joined.extend(losses(&second.metrics));
-    assert_eq!(joined, losses(&full.metrics), "losses differ");
+    let mut joined = figures(&first.metrics);
+    joined.extend(figures(&second.metrics));
+    assert_eq!(joined, figures(&full.metrics), "losses differ");
     let a = std::fs::read(full.checkpoint.unwrap().join("model.safetensors")).unwrap();
     let b = std::fs::read(second.checkpoint.unwrap().join("model.safetensors")).unwrap();
     assert!(a == b, "final weights differ");
@@ -368,16 +369,13 @@ fn an_fp16_run_with_dynamic_masking_resumes_exactly_across_an_epoch() {
     let mut full_trainer = full_trainer;
     let full = full_trainer.run(&mut |_| {}).unwrap();
 
-    let first = Trainer::new(
+    let first = run_to_end(
         resumed.clone(),
         RunOptions {
             max_steps: Some(4),
             ..Default::default()
         },
-    )
-    .unwrap()
-    .run(&mut |_| {})
-    .unwrap();
+    );
     // A copy of the run as it stood, whose saved loss scale is then edited as an overflow
     // would have left it: resuming must take the scale from the checkpoint.
     let edited = dir.path().join("edited");
@@ -395,35 +393,24 @@ fn an_fp16_run_with_dynamic_masking_resumes_exactly_across_an_epoch() {
     std::fs::write(&state_path, state.to_string()).unwrap();
     let mut edited_config = resumed.clone();
     edited_config.output = edited;
-    let after_edit = Trainer::new(
+    let after_edit = run_to_end(
         edited_config,
         RunOptions {
             resume: true,
             max_steps: Some(5),
             ..Default::default()
         },
-    )
-    .unwrap()
-    .run(&mut |_| {})
-    .unwrap();
+    );
     assert_eq!(after_edit.metrics[0].loss_scale, 32768.0);
 
-    let second = Trainer::new(
+    let second = run_to_end(
         resumed.clone(),
         RunOptions {
             resume: true,
             ..Default::default()
         },
-    )
-    .unwrap()
-    .run(&mut |_| {})
-    .unwrap();
+    );
     assert_eq!(second.started_at, 4);
-    let figures = |m: &[bertkit_train::trainer::StepMetrics]| {
-        m.iter()
-            .map(|m| (m.step, m.loss, m.grad_norm, m.loss_scale, m.skipped))
-            .collect::<Vec<_>>()
-    };
     let mut joined = figures(&first.metrics);
     joined.extend(figures(&second.metrics));
     assert_eq!(joined, figures(&full.metrics));
