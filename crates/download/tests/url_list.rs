@@ -39,11 +39,13 @@ fn serve_books() -> BookServer {
     std::thread::spawn(move || {
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
-            let (in_flight, most, st) = (in_flight.clone(), most.clone(), st.clone());
+            // The start is taken as the connection is accepted, not in the thread that serves
+            // it: a thread's start-up delay would otherwise shift the measured gaps.
+            st.lock().unwrap().push(Instant::now());
+            let (in_flight, most) = (in_flight.clone(), most.clone());
             std::thread::spawn(move || {
                 let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
                 most.fetch_max(now, Ordering::SeqCst);
-                st.lock().unwrap().push(Instant::now());
                 let mut reader = BufReader::new(stream.try_clone().unwrap());
                 let mut request = String::new();
                 let _ = reader.read_line(&mut request);
