@@ -114,33 +114,137 @@ pub struct Inputs {
     pub mask_bias: Tensor,
 }
 
-fn as_u32_checked(t: &Tensor, name: &str, limit: usize, what: &str) -> Result<Tensor, ModelError> {
-    let t = match t.dtype() {
-        DType::U32 | DType::I64 | DType::U8 => t.clone(),
+/// Host-side row-major integers: every value below `limit`, or an error naming the first one
+/// that is not by its row and position (`width` values per row).
+fn check_below(
+    values: &[u32],
+    width: usize,
+    limit: usize,
+    name: &str,
+    what: &str,
+) -> Result<(), ModelError> {
+    match values.iter().position(|&v| v as usize >= limit) {
+        None => Ok(()),
+        Some(i) => Err(ModelError::Input(format!(
+            "{name} row {} position {} holds {}, outside 0..{limit} ({what})",
+            i / width,
+            i % width,
+            values[i]
+        ))),
+    }
+}
+
+/// A tensor's integers on the host, for checking (`u8`, `u32` or `i64`; a negative value is an
+/// error naming its place).
+fn host_integers(t: &Tensor, name: &str) -> Result<Vec<u32>, ModelError> {
+    let width = t.dims().last().copied().unwrap_or(1).max(1);
+    let values: Vec<i64> = match t.dtype() {
+        DType::U32 | DType::I64 | DType::U8 => t.to_dtype(DType::I64)?.flatten_all()?.to_vec1()?,
         other => {
             return Err(ModelError::Input(format!(
                 "{name} must hold integers (u32 or i64), not {other:?}"
             )));
         }
     };
-    let as_i64 = t.to_dtype(DType::I64)?;
-    let (min, max) = (
-        as_i64.flatten_all()?.min(0)?.to_scalar::<i64>()?,
-        as_i64.flatten_all()?.max(0)?.to_scalar::<i64>()?,
-    );
-    if min < 0 || max as u64 >= limit as u64 {
-        let bad = if min < 0 { min } else { max };
-        return Err(ModelError::Input(format!(
-            "{name} holds {bad}, outside 0..{limit} ({what})"
-        )));
-    }
-    Ok(t.to_dtype(DType::U32)?)
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            u32::try_from(v).map_err(|_| {
+                ModelError::Input(format!(
+                    "{name} row {} position {} holds {v}, below 0",
+                    i / width,
+                    i % width
+                ))
+            })
+        })
+        .collect()
 }
 
 impl Inputs {
-    /// Checks shapes and values against `config`: ids below the vocabulary size, segments below
-    /// `type_vocab_size`, at most `max_position_embeddings` positions, and the three tensors of
-    /// one `[batch, seq]` shape. `token_type_ids` defaults to zeros, `attention_mask` to ones.
+    /// Checks `[batch, seq]` inputs held on the host (row-major) against `config` and uploads
+    /// them to `device`: ids below the vocabulary size, segments below `type_vocab_size`, a
+    /// mask of 0s and 1s with at least one 1 per row, at most `max_position_embeddings`
+    /// positions. `token_type_ids` defaults to zeros, `attention_mask` to ones. Every check
+    /// runs here, before anything reaches the device: an out-of-range id on CUDA would be a
+    /// device-side assert that kills the context, not an error.
+    pub fn from_host(
+        config: &BertConfig,
+        (batch, seq): (usize, usize),
+        input_ids: &[u32],
+        token_type_ids: Option<&[u32]>,
+        attention_mask: Option<&[u32]>,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        if seq > config.max_position_embeddings {
+            return Err(ModelError::Input(format!(
+                "sequence length {seq} exceeds max_position_embeddings {}",
+                config.max_position_embeddings
+            )));
+        }
+        if seq == 0 || batch == 0 {
+            return Err(ModelError::Input("empty input_ids".into()));
+        }
+        for (name, values) in [
+            ("input_ids", Some(input_ids)),
+            ("token_type_ids", token_type_ids),
+            ("attention_mask", attention_mask),
+        ] {
+            if let Some(values) = values
+                && values.len() != batch * seq
+            {
+                return Err(ModelError::Input(format!(
+                    "{name} holds {} values, [batch, seq] = [{batch}, {seq}] needs {}",
+                    values.len(),
+                    batch * seq
+                )));
+            }
+        }
+        check_below(input_ids, seq, config.vocab_size, "input_ids", "vocab_size")?;
+        if let Some(types) = token_type_ids {
+            check_below(
+                types,
+                seq,
+                config.type_vocab_size,
+                "token_type_ids",
+                "type_vocab_size",
+            )?;
+        }
+        if let Some(mask) = attention_mask {
+            check_below(
+                mask,
+                seq,
+                2,
+                "attention_mask",
+                "1 for a token, 0 for padding",
+            )?;
+            if let Some(row) = mask.chunks(seq).position(|row| !row.contains(&1)) {
+                return Err(ModelError::Input(format!(
+                    "attention_mask row {row} masks every position"
+                )));
+            }
+        }
+        let shape = (batch, seq);
+        let ids = Tensor::from_slice(input_ids, shape, device)?;
+        let token_type_ids = match token_type_ids {
+            Some(t) => Tensor::from_slice(t, shape, device)?,
+            None => ids.zeros_like()?,
+        };
+        let mask = match attention_mask {
+            Some(m) => Tensor::from_slice(m, shape, device)?.to_dtype(DType::F32)?,
+            None => Tensor::ones(shape, DType::F32, device)?,
+        };
+        let mask_bias = ((1.0 - mask)? * MASK_BIAS)?.reshape((batch, 1, 1, seq))?;
+        Ok(Inputs {
+            input_ids: ids,
+            token_type_ids,
+            mask_bias,
+        })
+    }
+
+    /// As [`Inputs::from_host`], from `[batch, seq]` tensors of integers (`u32`, `i64`; a mask
+    /// may also be a float tensor of 0s and 1s). The tensors are read back to the host to be
+    /// checked: on a GPU, build inputs from host data with [`Inputs::from_host`] instead.
     pub fn new(
         config: &BertConfig,
         input_ids: &Tensor,
@@ -153,15 +257,6 @@ impl Inputs {
                 input_ids.dims()
             ))
         })?;
-        if seq > config.max_position_embeddings {
-            return Err(ModelError::Input(format!(
-                "sequence length {seq} exceeds max_position_embeddings {}",
-                config.max_position_embeddings
-            )));
-        }
-        if seq == 0 || batch == 0 {
-            return Err(ModelError::Input("empty input_ids".into()));
-        }
         for (name, t) in [
             ("token_type_ids", token_type_ids),
             ("attention_mask", attention_mask),
@@ -176,32 +271,85 @@ impl Inputs {
                 )));
             }
         }
-        let input_ids = as_u32_checked(input_ids, "input_ids", config.vocab_size, "vocab_size")?;
-        let token_type_ids = match token_type_ids {
-            Some(t) => as_u32_checked(
-                t,
-                "token_type_ids",
-                config.type_vocab_size,
-                "type_vocab_size",
-            )?,
-            None => input_ids.zeros_like()?,
-        };
+        let ids = host_integers(input_ids, "input_ids")?;
+        let types = token_type_ids
+            .map(|t| host_integers(t, "token_type_ids"))
+            .transpose()?;
         let mask = match attention_mask {
-            Some(m) => m.to_dtype(DType::F32)?,
-            None => Tensor::ones((batch, seq), DType::F32, input_ids.device())?,
+            Some(m) if m.dtype().is_float() => {
+                let values: Vec<f64> = m.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+                let integers = values
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| {
+                        if v == 0.0 || v == 1.0 {
+                            Ok(v as u32)
+                        } else {
+                            Err(ModelError::Input(format!(
+                                "attention_mask row {} position {} holds {v}, not 0 or 1",
+                                i / seq,
+                                i % seq
+                            )))
+                        }
+                    })
+                    .collect::<Result<Vec<u32>, _>>()?;
+                Some(integers)
+            }
+            Some(m) => Some(host_integers(m, "attention_mask")?),
+            None => None,
         };
-        let tokens_per_row = mask.sum(1)?.to_vec1::<f32>()?;
-        if let Some(row) = tokens_per_row.iter().position(|&n| n < 0.5) {
+        Self::from_host(
+            config,
+            (batch, seq),
+            &ids,
+            types.as_deref(),
+            mask.as_deref(),
+            input_ids.device(),
+        )
+    }
+}
+
+/// Masked-LM prediction positions, `[batch, predictions]` u32, checked on the host to lie
+/// inside the sequence (a position past it would be a device-side assert on CUDA).
+#[derive(Debug, Clone)]
+pub struct MaskedPositions {
+    positions: Tensor,
+    /// The sequence length the positions were checked against.
+    seq: usize,
+}
+
+impl MaskedPositions {
+    /// Checks `positions` (row-major `[batch, predictions]`) against the sequence length `seq`
+    /// and uploads them.
+    pub fn from_host(
+        (batch, predictions): (usize, usize),
+        positions: &[u32],
+        seq: usize,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        if positions.len() != batch * predictions {
             return Err(ModelError::Input(format!(
-                "attention_mask row {row} masks every position"
+                "masked positions hold {} values, [batch, predictions] = [{batch}, {predictions}] needs {}",
+                positions.len(),
+                batch * predictions
             )));
         }
-        let mask_bias = ((1.0 - mask)? * MASK_BIAS)?.reshape((batch, 1, 1, seq))?;
-        Ok(Inputs {
-            input_ids,
-            token_type_ids,
-            mask_bias,
+        check_below(
+            positions,
+            predictions.max(1),
+            seq,
+            "masked positions",
+            "the sequence length",
+        )?;
+        Ok(MaskedPositions {
+            positions: Tensor::from_slice(positions, (batch, predictions), device)?,
+            seq,
         })
+    }
+
+    /// The positions, `[batch, predictions]`.
+    pub fn tensor(&self) -> &Tensor {
+        &self.positions
     }
 }
 
@@ -527,7 +675,7 @@ impl BertForPreTraining {
     pub fn forward(
         &self,
         inputs: &Inputs,
-        masked_positions: &Tensor,
+        masked_positions: &MaskedPositions,
         mode: Mode,
     ) -> Result<PreTrainingOutput, ModelError> {
         let out = self.bert.forward(inputs, mode, false)?;
@@ -538,19 +686,15 @@ impl BertForPreTraining {
     pub fn heads(
         &self,
         x: &Tensor,
-        masked_positions: &Tensor,
+        masked_positions: &MaskedPositions,
     ) -> Result<PreTrainingOutput, ModelError> {
         let (batch, seq, hidden) = x.dims3()?;
-        let (pb, predictions) = masked_positions.dims2()?;
-        if pb != batch {
+        let positions = masked_positions.tensor();
+        let (pb, predictions) = positions.dims2()?;
+        if pb != batch || masked_positions.seq > seq {
             return Err(ModelError::Input(format!(
-                "masked_positions has {pb} rows, the batch has {batch}"
-            )));
-        }
-        let positions = masked_positions.to_dtype(DType::U32)?;
-        if predictions > 0 && positions.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize >= seq {
-            return Err(ModelError::Input(format!(
-                "a masked position is outside the sequence of {seq}"
+                "masked positions for {pb} rows of {} positions, the batch is {batch} rows of {seq}",
+                masked_positions.seq
             )));
         }
         let offsets = Tensor::arange(0u32, batch as u32, x.device())?

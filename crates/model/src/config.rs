@@ -80,6 +80,15 @@ impl BertConfig {
         Self::sized(1024, 24, 16, 4096)
     }
 
+    /// `base`, `large`, or the transformers `config.json` at that path.
+    pub fn named(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "base" => Ok(Self::base()),
+            "large" => Ok(Self::large()),
+            path => Self::load(Path::new(path)),
+        }
+    }
+
     /// A tiny model for tests: 2 layers, width 32, a vocabulary of `vocab_size`.
     pub fn tiny(vocab_size: usize) -> Self {
         BertConfig {

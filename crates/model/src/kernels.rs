@@ -7,10 +7,12 @@
 //! `softmax_last_dim`, `layer_norm`, `rms_norm` and `candle_nn::LayerNorm` have no backward and
 //! would silently stop gradients; they are not used where gradients are tracked.) When no input
 //! of LayerNorm or softmax tracks gradients (a frozen inference model, see
-//! [`crate::params::ParamBuilder::frozen`]), those fused candle ops are used: they are faster
-//! and need no intermediates. In half precision, LayerNorm and softmax are computed in f32 and
-//! cast back.
+//! [`crate::params::ParamBuilder::frozen`]), those fused candle ops are used, on every device
+//! alike: they are faster and need no intermediates ([`fused_calls_on_this_thread`] counts
+//! them, so a test can tell which path ran). In half precision, LayerNorm and softmax are
+//! computed in f32 and cast back, on either path; f64 (tests) always takes the composed one.
 
+use std::cell::Cell;
 use std::fmt::Debug;
 
 use candle_core::{D, DType, Result, Tensor};
@@ -50,6 +52,29 @@ pub trait Kernels: Send + Sync + Debug {
     }
 }
 
+thread_local! {
+    static FUSED_CALLS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many LayerNorm and softmax calls on this thread took candle's fused (no-backward) ops.
+/// The model's forward pass runs its kernels on the calling thread, so a test can compare the
+/// count before and after a forward pass.
+pub fn fused_calls_on_this_thread() -> u64 {
+    FUSED_CALLS.with(Cell::get)
+}
+
+/// Whether the fused ops may replace the composed ones: nothing among `inputs` tracks
+/// gradients, and the dtype is one candle's fused kernels take (not f64).
+fn may_fuse(inputs: &[&Tensor]) -> bool {
+    let fuse = inputs
+        .iter()
+        .all(|t| !t.track_op() && t.dtype() != DType::F64);
+    if fuse {
+        FUSED_CALLS.with(|c| c.set(c.get() + 1));
+    }
+    fuse
+}
+
 /// Differentiable kernels composed of candle primitives (CPU and CUDA).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Composed;
@@ -66,6 +91,16 @@ impl Kernels for Composed {
         } else {
             x.clone()
         };
+        if may_fuse(&[&x, weight, bias]) {
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            let normed = candle_nn::ops::layer_norm(
+                &x.contiguous()?,
+                &f32(weight)?,
+                &f32(bias)?,
+                eps as f32,
+            )?;
+            return normed.to_dtype(dtype);
+        }
         let mean = x.mean_keepdim(D::Minus1)?;
         let centred = x.broadcast_sub(&mean)?;
         let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
@@ -87,6 +122,9 @@ impl Kernels for Composed {
         } else {
             x.clone()
         };
+        if may_fuse(&[&x]) {
+            return candle_nn::ops::softmax_last_dim(&x.contiguous()?)?.to_dtype(dtype);
+        }
         // Subtracting the (constant) row maximum changes nothing mathematically; detached, it
         // adds no term to the gradient.
         let max = x.max_keepdim(D::Minus1)?.detach();

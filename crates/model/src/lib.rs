@@ -35,7 +35,7 @@ use std::path::PathBuf;
 
 pub use bert::{
     BertArchitecture, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
-    BertModel, BertOutput, Inputs, Loaded, Mode, PreTrainingOutput,
+    BertModel, BertOutput, Inputs, Loaded, MaskedPositions, Mode, PreTrainingOutput,
 };
 pub use config::BertConfig;
 pub use dropout::DropoutSource;

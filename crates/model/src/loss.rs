@@ -1,6 +1,27 @@
 //! The pre-training losses, from differentiable ops (computed in f32 whatever the model dtype).
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{D, DType, Device, Result, Tensor};
+
+use crate::ModelError;
+
+/// Class labels for [`nll_per_row`] and friends, checked on the host to lie in `0..classes`
+/// and uploaded as a `[rows]` u32 tensor. On CUDA an out-of-range label would be a
+/// device-side assert in the gather, which kills the context; here it is an error naming the
+/// label's place (`name[i]`).
+pub fn labels(
+    values: &[u32],
+    classes: usize,
+    name: &str,
+    device: &Device,
+) -> std::result::Result<Tensor, ModelError> {
+    if let Some(i) = values.iter().position(|&v| v as usize >= classes) {
+        return Err(ModelError::Input(format!(
+            "{name}[{i}] is {}, outside 0..{classes}",
+            values[i]
+        )));
+    }
+    Ok(Tensor::from_slice(values, values.len(), device)?)
+}
 
 /// `log(softmax(x))` over the last dimension; the row maximum is detached (it cancels out).
 pub fn log_softmax(x: &Tensor) -> Result<Tensor> {

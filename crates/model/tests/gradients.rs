@@ -4,7 +4,7 @@
 
 use bertkit_model::bert::{BertForPreTraining, init};
 use bertkit_model::kernels::{Composed, Kernels};
-use bertkit_model::{BertConfig, DropoutSource, Inputs, Mode, loss};
+use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, Mode, loss};
 use candle_core::{DType, Device, Tensor, Var};
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -59,7 +59,8 @@ fn a_pretraining_loss_reaches_every_parameter() {
     )
     .unwrap();
     let inputs = Inputs::new(&config, &ids, Some(&types), Some(&mask)).unwrap();
-    let positions = Tensor::new(&[[1u32, 6, 0], [2, 4, 8], [1, 5, 7]], &Device::Cpu).unwrap();
+    let positions =
+        MaskedPositions::from_host((3, 3), &[1, 6, 0, 2, 4, 8, 1, 5, 7], 10, &Device::Cpu).unwrap();
     let labels = Tensor::new(&[[11u32, 22, 0], [32, 34, 42], [51, 55, 57]], &Device::Cpu).unwrap();
     let weights = Tensor::new(&[[1f32, 1., 0.], [1., 1., 1.], [1., 1., 1.]], &Device::Cpu).unwrap();
     let nsp_labels = Tensor::new(&[0u32, 1, 0], &Device::Cpu).unwrap();

@@ -3,7 +3,8 @@
 //! unpadded positions, in f32 (1e-4), bf16 and f16 (documented tolerances).
 
 use bertkit_model::bert::{BertModel, load, load_frozen};
-use bertkit_model::{Inputs, Mode, ModelError};
+use bertkit_model::kernels::fused_calls_on_this_thread;
+use bertkit_model::{BertConfig, Inputs, MaskedPositions, Mode, ModelError, loss};
 use bertkit_test_support::require;
 use candle_core::{DType, Device, Tensor};
 
@@ -69,7 +70,15 @@ fn run(dtype: DType, frozen: bool) -> (Reference, bertkit_model::BertOutput) {
         Some(&r.attention_mask),
     )
     .unwrap();
+    let fused_before = fused_calls_on_this_thread();
     let out = loaded.model.forward(&inputs, Mode::Eval, true).unwrap();
+    // The fused LayerNorm and softmax run exactly when nothing tracks gradients: every one of
+    // a frozen model's (embeddings' LayerNorm, then two LayerNorms and a softmax per layer), none
+    // of a trainable model's. (Tried: with the selection never fusing, as before this check
+    // existed, the frozen count is 0 and this fails.)
+    let layers = loaded.config.num_hidden_layers as u64;
+    let expected = if frozen { 1 + 3 * layers } else { 0 };
+    assert_eq!(fused_calls_on_this_thread() - fused_before, expected);
     (r, out)
 }
 
@@ -153,7 +162,8 @@ fn bad_inputs_are_clear_errors() {
     let err = Inputs::new(c, &ids, None, None).unwrap_err();
     assert!(matches!(err, ModelError::Input(_)));
     assert!(
-        err.to_string().contains("30522") && err.to_string().contains("vocab_size"),
+        err.to_string()
+            .contains("input_ids row 0 position 1 holds 30522, outside 0..30522 (vocab_size)"),
         "{err}"
     );
 
@@ -174,14 +184,22 @@ fn bad_inputs_are_clear_errors() {
 
     let types = Tensor::new(&[[0i64, 2, 0]], &Device::Cpu).unwrap();
     let err = Inputs::new(c, &ids, Some(&types), None).unwrap_err();
-    assert!(err.to_string().contains("token_type_ids holds 2"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("token_type_ids row 0 position 1 holds 2"),
+        "{err}"
+    );
 
     let neg = Tensor::new(&[[101i64, -1, 102]], &Device::Cpu).unwrap();
+    let err = Inputs::new(c, &neg, None, None).unwrap_err().to_string();
+    assert!(err.contains("input_ids row 0 position 1 holds -1"), "{err}");
+    let half = Tensor::new(&[[1f32, 0.5, 1.]], &Device::Cpu).unwrap();
+    let err = Inputs::new(c, &ids, None, Some(&half))
+        .unwrap_err()
+        .to_string();
     assert!(
-        Inputs::new(c, &neg, None, None)
-            .unwrap_err()
-            .to_string()
-            .contains("-1")
+        err.contains("attention_mask row 0 position 1 holds 0.5, not 0 or 1"),
+        "{err}"
     );
 
     // A row whose attention mask hides every position would softmax over nothing. (Tried:
@@ -194,5 +212,64 @@ fn bad_inputs_are_clear_errors() {
         err.to_string()
             .contains("attention_mask row 1 masks every position"),
         "{err}"
+    );
+}
+
+/// What reaches the device is checked on the host first (on CUDA an out-of-range index is a
+/// device-side assert that kills the context): host inputs, masked positions, class labels.
+#[test]
+fn host_inputs_positions_and_labels_are_checked_before_upload() {
+    let c = BertConfig::tiny(50);
+    let cpu = &Device::Cpu;
+    let err = Inputs::from_host(&c, (2, 3), &[2, 7, 3, 2, 50, 3], None, None, cpu).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("input_ids row 1 position 1 holds 50, outside 0..50"),
+        "{err}"
+    );
+    let err = Inputs::from_host(&c, (2, 3), &[2, 7, 3, 2], None, None, cpu).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("input_ids holds 4 values, [batch, seq] = [2, 3] needs 6"),
+        "{err}"
+    );
+    let ok = Inputs::from_host(
+        &c,
+        (1, 3),
+        &[2, 7, 3],
+        Some(&[0, 0, 1]),
+        Some(&[1, 1, 0]),
+        cpu,
+    )
+    .unwrap();
+    assert_eq!(
+        ok.mask_bias
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
+        vec![0.0, 0.0, -10_000.0]
+    );
+
+    let err = MaskedPositions::from_host((2, 2), &[1, 2, 0, 3], 3, cpu).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("masked positions row 1 position 1 holds 3, outside 0..3"),
+        "{err}"
+    );
+    assert!(MaskedPositions::from_host((2, 2), &[1, 2, 0, 2], 3, cpu).is_ok());
+
+    let err = loss::labels(&[0, 1, 2], 2, "next_sentence_labels", cpu).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("next_sentence_labels[2] is 2, outside 0..2"),
+        "{err}"
+    );
+    assert_eq!(
+        loss::labels(&[0, 1, 1], 2, "labels", cpu)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap(),
+        vec![0, 1, 1]
     );
 }

@@ -153,8 +153,13 @@ impl RecordsFile {
         for batch in reader {
             let batch =
                 batch.map_err(|e| read_err(&self.path, format!("row group {index}: {e}")))?;
-            decode(&batch, &mut out)
-                .map_err(|m| read_err(&self.path, format!("row group {index}: {m}")))?;
+            let first_row = out.len();
+            decode(&batch, &mut out).map_err(|(row, m)| {
+                read_err(
+                    &self.path,
+                    format!("row group {index} row {}: {m}", first_row + row),
+                )
+            })?;
         }
         Ok(out)
     }
@@ -167,33 +172,137 @@ fn column<'a, T: 'static>(batch: &'a RecordBatch, name: &str) -> Result<&'a T, S
         .ok_or_else(|| format!("column {name} is missing or of the wrong type"))
 }
 
-fn decode(batch: &RecordBatch, out: &mut Vec<Record>) -> Result<(), String> {
-    let ids = column::<ListArray>(batch, "input_ids")?;
-    let segments = column::<ListArray>(batch, "segment_ids")?;
-    let positions = column::<ListArray>(batch, "masked_lm_positions")?;
-    let masked = column::<ListArray>(batch, "masked_lm_ids")?;
-    let labels = column::<Int8Array>(batch, "next_sentence_label")?;
-    let i32s = |list: &ListArray, row: usize| -> Result<Vec<u32>, String> {
+/// Decodes a batch of rows, checking each row's shape: as many segment ids as tokens, segments
+/// and next-sentence labels 0 or 1, no negative id, as many masked ids as positions, positions
+/// inside the sequence. An error carries the row's index in the batch (0 for a batch-wide one).
+fn decode(batch: &RecordBatch, out: &mut Vec<Record>) -> Result<(), (usize, String)> {
+    let whole = |m: String| (0, m);
+    let ids = column::<ListArray>(batch, "input_ids").map_err(whole)?;
+    let segments = column::<ListArray>(batch, "segment_ids").map_err(whole)?;
+    let positions = column::<ListArray>(batch, "masked_lm_positions").map_err(whole)?;
+    let masked = column::<ListArray>(batch, "masked_lm_ids").map_err(whole)?;
+    let labels = column::<Int8Array>(batch, "next_sentence_label").map_err(whole)?;
+    let i32s = |list: &ListArray, row: usize, name: &str| -> Result<Vec<u32>, String> {
         let v = list.value(row);
         let v = v
             .as_any()
             .downcast_ref::<Int32Array>()
-            .ok_or("a list of the wrong type")?;
-        Ok(v.values().iter().map(|&x| x as u32).collect())
+            .ok_or(format!("{name} is a list of the wrong type"))?;
+        v.values()
+            .iter()
+            .map(|&x| u32::try_from(x).map_err(|_| format!("{name} holds {x}")))
+            .collect()
     };
     for row in 0..batch.num_rows() {
+        let at = |m: String| (row, m);
         let seg = segments.value(row);
         let seg = seg
             .as_any()
             .downcast_ref::<Int8Array>()
-            .ok_or("segment_ids of the wrong type")?;
-        out.push(Record {
-            input_ids: i32s(ids, row)?,
+            .ok_or_else(|| at("segment_ids of the wrong type".into()))?;
+        let record = Record {
+            input_ids: i32s(ids, row, "input_ids").map_err(at)?,
             segment_ids: seg.values().iter().map(|&x| x as u8).collect(),
-            masked_lm_positions: i32s(positions, row)?,
-            masked_lm_ids: i32s(masked, row)?,
+            masked_lm_positions: i32s(positions, row, "masked_lm_positions").map_err(at)?,
+            masked_lm_ids: i32s(masked, row, "masked_lm_ids").map_err(at)?,
             next_sentence_label: labels.value(row) as u8,
-        });
+        };
+        check_row(&record).map_err(at)?;
+        out.push(record);
     }
     Ok(())
+}
+
+/// What a row must be for the trainer to use it (see [`decode`]).
+fn check_row(r: &Record) -> Result<(), String> {
+    let tokens = r.input_ids.len();
+    if tokens == 0 {
+        return Err("an empty sequence".into());
+    }
+    if r.segment_ids.len() != tokens {
+        return Err(format!(
+            "{} segment ids for {tokens} tokens",
+            r.segment_ids.len()
+        ));
+    }
+    if let Some(s) = r.segment_ids.iter().find(|&&s| s > 1) {
+        return Err(format!("segment_ids holds {}, not 0 or 1", *s as i8));
+    }
+    if r.next_sentence_label > 1 {
+        return Err(format!(
+            "next_sentence_label is {}, not 0 or 1",
+            r.next_sentence_label as i8
+        ));
+    }
+    if r.masked_lm_ids.len() != r.masked_lm_positions.len() {
+        return Err(format!(
+            "{} masked ids for {} masked positions",
+            r.masked_lm_ids.len(),
+            r.masked_lm_positions.len()
+        ));
+    }
+    if let Some(p) = r
+        .masked_lm_positions
+        .iter()
+        .find(|&&p| p as usize >= tokens)
+    {
+        return Err(format!(
+            "masked position {p} is outside the sequence of {tokens} tokens"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn good() -> Record {
+        Record {
+            input_ids: vec![2, 7, 4, 3, 9, 3],
+            segment_ids: vec![0, 0, 0, 0, 1, 1],
+            masked_lm_positions: vec![1, 4],
+            masked_lm_ids: vec![8, 9],
+            next_sentence_label: 1,
+        }
+    }
+
+    /// Each way a hostile file's row can be malformed is named (the file and row are added by
+    /// the caller); a well-formed row passes.
+    #[test]
+    fn malformed_rows_are_refused_with_what_is_wrong() {
+        assert_eq!(check_row(&good()), Ok(()));
+        type Spoil = fn(&mut Record);
+        let cases: [(Spoil, &str); 7] = [
+            (|r| r.input_ids.clear(), "an empty sequence"),
+            (
+                |r| {
+                    r.segment_ids.pop();
+                },
+                "5 segment ids for 6 tokens",
+            ),
+            (|r| r.segment_ids[4] = 2, "segment_ids holds 2, not 0 or 1"),
+            (
+                |r| r.segment_ids[4] = 255,
+                "segment_ids holds -1, not 0 or 1",
+            ),
+            (
+                |r| r.next_sentence_label = 2,
+                "next_sentence_label is 2, not 0 or 1",
+            ),
+            (
+                |r| r.masked_lm_ids.push(3),
+                "3 masked ids for 2 masked positions",
+            ),
+            (
+                |r| r.masked_lm_positions[1] = 6,
+                "masked position 6 is outside the sequence of 6 tokens",
+            ),
+        ];
+        for (spoil, message) in cases {
+            let mut r = good();
+            spoil(&mut r);
+            assert_eq!(check_row(&r), Err(message.to_string()));
+        }
+    }
 }

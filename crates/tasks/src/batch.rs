@@ -25,8 +25,13 @@ pub fn pad(
         segs.extend(s.iter().copied().chain(std::iter::repeat_n(0, padding)));
         mask.extend(std::iter::repeat_n(1u32, i.len()).chain(std::iter::repeat_n(0, padding)));
     }
-    let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, longest), device);
-    let mask = t(mask)?;
-    let inputs = Inputs::new(config, &t(ids)?, Some(&t(segs)?), Some(&mask))?;
-    Ok((inputs, mask))
+    let inputs = Inputs::from_host(
+        config,
+        (rows, longest),
+        &ids,
+        Some(&segs),
+        Some(&mask),
+        device,
+    )?;
+    Ok((inputs, Tensor::from_vec(mask, (rows, longest), device)?))
 }

@@ -83,8 +83,7 @@ pub fn bench(
             let ids: Vec<u32> = (0..seq * batch)
                 .map(|_| (1000 + draws.next_u64() % (vocab - 1000)) as u32)
                 .collect();
-            let ids = Tensor::from_vec(ids, (batch, seq), device)?;
-            let inputs = Inputs::new(&loaded.config, &ids, None, None)?;
+            let inputs = Inputs::from_host(&loaded.config, (batch, seq), &ids, None, None, device)?;
             let run = || -> Result<f64, TaskError> {
                 let t = Instant::now();
                 let out = loaded.model.forward(&inputs, Mode::Eval, false)?;

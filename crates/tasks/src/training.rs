@@ -189,13 +189,11 @@ pub fn train(
         let batch = &order[within * settings.batch..((within + 1) * settings.batch).min(examples)];
         let micro = batch.len().div_ceil(settings.accumulation);
         let mut step = Step::begin(params.vars(), &optimizer, scaler.as_ref());
-        let mut step_loss = 0f64;
         for part in batch.chunks(micro) {
             // Each micro-batch's mean loss, weighted by its share of the batch: the gradients
             // add up to the batch mean's.
             let weight = part.len() as f64 / batch.len() as f64;
             let loss = (loss_of(part, Mode::Train(&dropout))? * weight)?;
-            step_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             step.backward(&loss)?;
         }
         let lr = schedule.lr_at(step_index as u64);
@@ -205,8 +203,8 @@ pub fn train(
             scaler.as_mut(),
             lr,
             step_index as u64 + 1,
-            step_loss,
         )?;
+        let step_loss = outcome.loss;
         log.skipped += usize::from(!outcome.applied);
         log.losses.push(step_loss);
         log.steps += 1;

@@ -53,6 +53,10 @@ pub struct DataOptions {
     pub prefetch: usize,
     /// Re-mask every sequence at load time instead of using the records' static masks.
     pub dynamic_masking: Option<DynamicMasking>,
+    /// Token ids must be below this (the model's vocabulary size): a row holding one that is
+    /// not is an error naming its file and row, found on the host before anything reaches the
+    /// device.
+    pub vocab_size: Option<usize>,
 }
 
 /// Masking at load time (RoBERTa / LDDL style): every epoch sees new masks.
@@ -333,6 +337,9 @@ impl Dataset {
     fn unit_rows(&self, epoch: u64, unit: usize) -> Result<Vec<Record>, TrainError> {
         let (f, g, _) = self.units[unit];
         let mut rows = self.files[f].read_row_group(g)?;
+        if let Some(limit) = self.options.vocab_size {
+            self.check_ids(&rows, f, g, limit)?;
+        }
         let key = splitmix(self.options.seed ^ splitmix(epoch ^ splitmix(unit as u64 + 1)));
         shuffle(&mut rows, key);
         if let Some(remasker) = &self.remasker {
@@ -342,6 +349,31 @@ impl Dataset {
             }
         }
         Ok(rows)
+    }
+
+    /// Every token id and masked-LM label of a row group's `rows` below `limit`.
+    fn check_ids(
+        &self,
+        rows: &[Record],
+        f: usize,
+        g: usize,
+        limit: usize,
+    ) -> Result<(), TrainError> {
+        for (i, r) in rows.iter().enumerate() {
+            for (column, ids) in [
+                ("input_ids", &r.input_ids),
+                ("masked_lm_ids", &r.masked_lm_ids),
+            ] {
+                if let Some(id) = ids.iter().find(|&&id| id as usize >= limit) {
+                    return Err(TrainError::Data(format!(
+                        "{}: row group {g} row {i}: {column} holds {id}, outside the model's \
+                         vocabulary of {limit}",
+                        self.files[f].path().display()
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The batches from `cursor` on, forever (epoch after epoch), decoded on a background

@@ -9,9 +9,10 @@
 //!    gradients are divided by it again and added up in the optimiser's master dtype (f32).
 //!    Activation checkpointing runs further backward passes from the returned gradients and
 //!    adds them with [`Step::accumulate`];
-//! 3. [`Step::finish`] has the [`GradientReducer`] replace each gradient by its mean over the
-//!    ranks, measures the global norm, lets the scaler skip an overflowing fp16 step (or stops
-//!    a run whose loss or gradients are not finite) and applies the optimiser.
+//! 3. [`Step::finish`] flattens the gradients into one bucket, has the [`GradientReducer`]
+//!    replace it by its mean over the ranks, measures the global norm, lets the scaler skip an
+//!    overflowing fp16 step (or stops a run whose loss or gradients are not finite) and
+//!    applies the optimiser.
 
 use std::collections::BTreeMap;
 
@@ -26,8 +27,9 @@ use crate::scaler::LossScaler;
 /// all-reduce of the mean over MPI or NCCL plugs in here, for pre-training and fine-tuning at
 /// once.
 pub trait GradientReducer: Send + Sync {
-    /// Replaces every gradient by its mean over the ranks.
-    fn all_reduce_mean(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError>;
+    /// Replaces the flat gradient bucket (every parameter's gradient, one 1-D tensor in the
+    /// optimiser's layout, the same on every rank) by its mean over the ranks.
+    fn all_reduce_mean(&self, bucket: &mut Tensor) -> Result<(), TrainError>;
     /// Ranks taking part.
     fn world_size(&self) -> usize;
 }
@@ -37,7 +39,7 @@ pub trait GradientReducer: Send + Sync {
 pub struct Local;
 
 impl GradientReducer for Local {
-    fn all_reduce_mean(&self, _grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    fn all_reduce_mean(&self, _bucket: &mut Tensor) -> Result<(), TrainError> {
         Ok(())
     }
     fn world_size(&self) -> usize {
@@ -46,23 +48,43 @@ impl GradientReducer for Local {
 }
 
 /// One optimiser step's gradients, being accumulated.
+///
+/// Nothing is read back to the host until [`Step::finish`]: the loss of each micro-batch and
+/// the caller's figures ([`Step::track`]) are added up on the device and read in one transfer
+/// with the gradient norm. On CUDA that is the step's only wait for the device.
 pub struct Step {
     /// The trainable parameters (cheap handles on the same storage).
     vars: BTreeMap<String, Var>,
     master: DType,
     loss_scale: f64,
     grads: BTreeMap<String, Tensor>,
+    /// The step's loss so far (f64, on the device).
+    loss: Option<Tensor>,
+    /// The caller's figures so far (f64, on the device).
+    figures: Option<Tensor>,
 }
 
 /// What [`Step::finish`] did.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepOutcome {
+    /// The step's loss: the sum of the micro-batches' losses given to [`Step::backward`].
+    pub loss: f64,
+    /// The caller's figures ([`Step::track`]), summed over the micro-batches.
+    pub figures: Vec<f64>,
     /// Global gradient norm (after the reduction, before clipping).
     pub grad_norm: f64,
     /// The loss scale the step used (1 unless fp16).
     pub loss_scale: f64,
     /// Whether the optimiser applied the step (false: an fp16 overflow, skipped).
     pub applied: bool,
+}
+
+/// `sum + x`, starting from nothing.
+fn add_up(sum: Option<Tensor>, x: Tensor) -> Result<Tensor, TrainError> {
+    Ok(match sum {
+        Some(sum) => (sum + x)?,
+        None => x,
+    })
 }
 
 impl Step {
@@ -77,6 +99,8 @@ impl Step {
             master: optimizer.master_dtype(),
             loss_scale: scaler.map_or(1.0, |s| s.scale),
             grads: BTreeMap::new(),
+            loss: None,
+            figures: None,
         }
     }
 
@@ -89,6 +113,8 @@ impl Step {
     /// loss scale, and adds the trainable parameters' gradients. Returns the whole gradient
     /// store (scaled), for callers that go on back-propagating by hand.
     pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore, TrainError> {
+        let value = loss.detach().to_dtype(DType::F64)?.reshape(1)?;
+        self.loss = Some(add_up(self.loss.take(), value)?);
         let store = if self.loss_scale != 1.0 {
             (loss * self.loss_scale)?.backward()?
         } else {
@@ -96,6 +122,15 @@ impl Step {
         };
         self.accumulate(&store)?;
         Ok(store)
+    }
+
+    /// Adds a micro-batch's figures (a 1-D tensor of the same length each time: loss parts,
+    /// counts of right predictions, …) to the step's; [`Step::finish`] reads their sums back
+    /// with the gradient norm.
+    pub fn track(&mut self, figures: &Tensor) -> Result<(), TrainError> {
+        let value = figures.detach().to_dtype(DType::F64)?.flatten_all()?;
+        self.figures = Some(add_up(self.figures.take(), value)?);
+        Ok(())
     }
 
     /// Adds the trainable parameters' gradients in `store` (computed from the scaled loss).
@@ -110,10 +145,7 @@ impl Step {
             } else {
                 g
             };
-            let sum = match self.grads.remove(name) {
-                Some(acc) => (acc + g)?,
-                None => g,
-            };
+            let sum = add_up(self.grads.remove(name), g)?;
             self.grads.insert(name.clone(), sum);
         }
         Ok(())
@@ -124,22 +156,40 @@ impl Step {
         self.grads
     }
 
-    /// Ends the step: reduces the gradients over the ranks, checks them and applies the
-    /// optimiser at learning rate `lr`. `step` (from 1) and `loss` (the step's loss) name the
-    /// step in a divergence message. With fp16 the scaler decides whether the step is applied
-    /// (and stops a run that keeps overflowing); otherwise a non-finite loss or gradient stops
-    /// the run.
+    /// Ends the step: flattens the gradients into one bucket, has the reducer average it over
+    /// the ranks, measures the global norm, reads the norm, the loss and the tracked figures
+    /// back in one transfer, and applies the optimiser at learning rate `lr`. `step` (from 1)
+    /// names the step in a divergence message. With fp16 the scaler decides whether the step
+    /// is applied (and stops a run that keeps overflowing); otherwise a non-finite loss or
+    /// gradient stops the run.
     pub fn finish(
-        mut self,
+        self,
         reducer: &dyn GradientReducer,
         optimizer: &mut Optimizer,
         scaler: Option<&mut LossScaler>,
         lr: f64,
         step: u64,
-        loss: f64,
     ) -> Result<StepOutcome, TrainError> {
-        reducer.all_reduce_mean(&mut self.grads)?;
-        let grad_norm = Optimizer::global_norm(&self.grads)?;
+        let Step {
+            grads,
+            loss,
+            figures,
+            loss_scale,
+            ..
+        } = self;
+        let mut bucket = optimizer.flatten(&grads)?;
+        drop(grads);
+        reducer.all_reduce_mean(&mut bucket)?;
+        let squared_norm = optimizer.squared_norm(&bucket)?.reshape(1)?;
+        let loss = match loss {
+            Some(loss) => loss,
+            None => Tensor::zeros(1, DType::F64, bucket.device())?,
+        };
+        let mut read = vec![loss, squared_norm];
+        read.extend(figures);
+        // The step's one read-back.
+        let host = Tensor::cat(&read, 0)?.to_vec1::<f64>()?;
+        let (loss, grad_norm, figures) = (host[0], host[1].sqrt(), host[2..].to_vec());
         let applied = match scaler {
             Some(s) => s.update(grad_norm.is_finite(), step)?,
             None => {
@@ -152,11 +202,13 @@ impl Step {
             }
         };
         if applied {
-            optimizer.step(&self.grads, lr)?;
+            optimizer.step(&bucket, lr, optimizer.clip_factor(grad_norm))?;
         }
         Ok(StepOutcome {
+            loss,
+            figures,
             grad_norm,
-            loss_scale: self.loss_scale,
+            loss_scale,
             applied,
         })
     }
@@ -206,14 +258,7 @@ mod tests {
         assert_eq!(step.loss_scale(), 65536.0);
         step.backward(&loss(&vars, f64::INFINITY)).unwrap();
         let outcome = step
-            .finish(
-                &Local,
-                &mut optimizer,
-                Some(&mut scaler),
-                1e-2,
-                1,
-                f64::INFINITY,
-            )
+            .finish(&Local, &mut optimizer, Some(&mut scaler), 1e-2, 1)
             .unwrap();
         assert!(!outcome.applied);
         assert!(!outcome.grad_norm.is_finite());
@@ -233,7 +278,7 @@ mod tests {
         let mut step = Step::begin(&vars, &optimizer, Some(&scaler));
         step.backward(&loss(&vars, 1.0)).unwrap();
         let outcome = step
-            .finish(&Local, &mut optimizer, Some(&mut scaler), 1e-2, 2, 7.0)
+            .finish(&Local, &mut optimizer, Some(&mut scaler), 1e-2, 2)
             .unwrap();
         assert!(outcome.applied);
         assert!(
@@ -248,7 +293,7 @@ mod tests {
         for n in 3..=5 {
             let mut step = Step::begin(&vars, &optimizer, Some(&scaler));
             step.backward(&loss(&vars, f64::INFINITY)).unwrap();
-            result = step.finish(&Local, &mut optimizer, Some(&mut scaler), 1e-2, n, 1.0);
+            result = step.finish(&Local, &mut optimizer, Some(&mut scaler), 1e-2, n);
             if result.is_err() {
                 break;
             }
@@ -271,7 +316,7 @@ mod tests {
         let mut step = Step::begin(&vars, &optimizer, None);
         step.backward(&loss(&vars, f64::NAN)).unwrap();
         let err = step
-            .finish(&Local, &mut optimizer, None, 1e-2, 1, f64::NAN)
+            .finish(&Local, &mut optimizer, None, 1e-2, 1)
             .unwrap_err()
             .to_string();
         assert!(

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bertkit_model::bert::{BertForPreTraining, Loaded, init, load_with};
-use bertkit_model::{DropoutSource, Inputs, Mode, loss};
+use bertkit_model::{DropoutSource, Inputs, MaskedPositions, Mode, loss};
 use bertkit_stage_io::Ranks;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -146,7 +146,7 @@ fn init_dir(init: &Path) -> Result<PathBuf, TrainError> {
 /// Host batch → device tensors.
 struct DeviceBatch {
     inputs: Inputs,
-    positions: Tensor,
+    positions: MaskedPositions,
     labels: Tensor,
     weights: Tensor,
     nsp: Tensor,
@@ -157,67 +157,71 @@ fn to_device(
     config: &bertkit_model::BertConfig,
     device: &Device,
 ) -> Result<DeviceBatch, TrainError> {
-    let shape = (b.size, b.seq_len);
     let slots = (b.size, b.predictions);
-    let ids = Tensor::from_slice(&b.input_ids, shape, device)?;
-    let segments = Tensor::from_slice(&b.segment_ids, shape, device)?;
-    let mask = Tensor::from_slice(&b.attention_mask, shape, device)?;
+    // Every value is checked on the host (ids, segments, mask, positions, labels) before
+    // upload: on CUDA a bad index is a device-side assert, not an error.
     Ok(DeviceBatch {
-        inputs: Inputs::new(config, &ids, Some(&segments), Some(&mask))?,
-        positions: Tensor::from_slice(&b.masked_positions, slots, device)?,
-        labels: Tensor::from_slice(&b.masked_ids, slots, device)?,
+        inputs: Inputs::from_host(
+            config,
+            (b.size, b.seq_len),
+            &b.input_ids,
+            Some(&b.segment_ids),
+            Some(&b.attention_mask),
+            device,
+        )?,
+        positions: MaskedPositions::from_host(slots, &b.masked_positions, b.seq_len, device)?,
+        labels: loss::labels(&b.masked_ids, config.vocab_size, "masked_lm_ids", device)?,
         weights: Tensor::from_slice(&b.masked_weights, slots, device)?,
-        nsp: Tensor::from_slice(&b.nsp_labels, b.size, device)?,
+        nsp: loss::labels(&b.nsp_labels, 2, "next_sentence_labels", device)?,
     })
 }
 
-/// Sums of a micro-batch's losses and hits (not yet normalised).
-#[derive(Default)]
-struct Sums {
-    mlm: f64,
-    nsp: f64,
-    mlm_hits: f64,
-    nsp_hits: f64,
+/// The figures a step tracks on the device ([`Step::track`]), in this order: the masked-LM and
+/// next-sentence cross-entropy sums, and the right masked-LM (weighted by their slot's weight)
+/// and next-sentence predictions.
+const FIGURES: usize = 4;
+
+/// A micro-batch's right predictions (masked tokens weighted by their slot's weight;
+/// next-sentence labels), as a `[2]` f32 tensor on the device.
+fn hits(out: &bertkit_model::PreTrainingOutput, d: &DeviceBatch) -> Result<Tensor, TrainError> {
+    let predicted = out
+        .mlm_logits
+        .argmax(2)?
+        .flatten_all()?
+        .to_dtype(DType::U32)?;
+    let mlm = predicted
+        .eq(&d.labels.flatten_all()?)?
+        .to_dtype(DType::F32)?
+        .mul(&d.weights.flatten_all()?)?
+        .sum_all()?;
+    let nsp = out
+        .nsp_logits
+        .argmax(1)?
+        .to_dtype(DType::U32)?
+        .eq(&d.nsp)?
+        .to_dtype(DType::F32)?
+        .sum_all()?;
+    Ok(Tensor::stack(&[mlm, nsp], 0)?)
 }
 
-impl Sums {
-    /// Adds the right predictions of a micro-batch (masked tokens weighted by their slot's
-    /// weight; next-sentence labels).
-    fn add_hits(
-        &mut self,
-        out: &bertkit_model::PreTrainingOutput,
-        d: &DeviceBatch,
-    ) -> Result<(), TrainError> {
-        let predicted = out
-            .mlm_logits
-            .argmax(2)?
-            .flatten_all()?
-            .to_dtype(DType::U32)?;
-        let right = predicted
-            .eq(&d.labels.flatten_all()?)?
-            .to_dtype(DType::F32)?;
-        self.mlm_hits += f64::from(
-            (right * d.weights.flatten_all()?)?
-                .sum_all()?
-                .to_scalar::<f32>()?,
-        );
-        let nsp_pred = out.nsp_logits.argmax(1)?.to_dtype(DType::U32)?;
-        self.nsp_hits += f64::from(
-            nsp_pred
-                .eq(&d.nsp)?
-                .to_dtype(DType::F32)?
-                .sum_all()?
-                .to_scalar::<f32>()?,
-        );
-        Ok(())
-    }
+/// A step's losses and accuracies: means per masked token and per sequence.
+#[derive(Default)]
+struct Means {
+    mlm: f64,
+    nsp: f64,
+    mlm_accuracy: f64,
+    nsp_accuracy: f64,
+}
 
-    /// Sums over the step to means: per masked token and per sequence.
-    fn normalise(&mut self, counts: StepCounts) {
-        self.mlm /= counts.masked;
-        self.nsp /= counts.sequences;
-        self.mlm_hits /= counts.masked;
-        self.nsp_hits /= counts.sequences;
+impl Means {
+    /// From the step's tracked sums (see [`FIGURES`]).
+    fn of(sums: &[f64], counts: StepCounts) -> Self {
+        Means {
+            mlm: sums[0] / counts.masked,
+            nsp: sums[1] / counts.sequences,
+            mlm_accuracy: sums[2] / counts.masked,
+            nsp_accuracy: sums[3] / counts.sequences,
+        }
     }
 }
 
@@ -244,12 +248,12 @@ impl StepCounts {
 
 /// A micro-batch's share of the step's pre-training loss: its masked-LM cross-entropy summed
 /// over real slots, over the step's masked tokens, plus its next-sentence cross-entropy over
-/// the step's sequences. The two sums are added to `sums`.
+/// the step's sequences. The two sums and the right predictions are tracked by `step`.
 fn objective(
     out: &bertkit_model::PreTrainingOutput,
     d: &DeviceBatch,
     counts: StepCounts,
-    sums: &mut Sums,
+    step: &mut Step,
 ) -> Result<Tensor, TrainError> {
     let (bs, p, v) = out.mlm_logits.dims3()?;
     let logits = out.mlm_logits.reshape((bs * p, v))?;
@@ -257,8 +261,11 @@ fn objective(
     let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
     let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
     let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;
-    sums.mlm += mlm_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    sums.nsp += nsp_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let sums = Tensor::stack(&[&mlm_sum, &nsp_sum], 0)?.to_dtype(DType::F64)?;
+    step.track(&Tensor::cat(
+        &[sums, hits(out, d)?.to_dtype(DType::F64)?],
+        0,
+    )?)?;
     Ok(((mlm_sum / counts.masked)? + (nsp_sum / counts.sequences)?)?)
 }
 
@@ -359,6 +366,7 @@ impl Trainer {
                 ranks: options.ranks,
                 prefetch: 4,
                 dynamic_masking: config.data.dynamic_masking.clone(),
+                vocab_size: Some(model.config.vocab_size),
             },
         )?);
         if let Some(vocab) = dataset.vocabulary()
@@ -428,28 +436,22 @@ impl Trainer {
     }
 
     /// Forward and backward passes over one optimiser step's micro-batches, their losses
-    /// normalised as one batch of all of them; returns the step (gradients accumulated) and
-    /// the loss and accuracy figures.
-    fn accumulate(&self, batches: &[Batch]) -> Result<(Step, Sums), TrainError> {
-        let counts = StepCounts::of(batches);
+    /// normalised as one batch of all of them; returns the step (gradients accumulated, loss
+    /// and accuracy sums tracked).
+    fn accumulate(&self, batches: &[Batch], counts: StepCounts) -> Result<Step, TrainError> {
         let mut step = Step::begin(
             self.model.params.vars(),
             &self.optimizer,
             self.scaler.as_ref(),
         );
-        let mut sums = Sums::default();
         for b in batches {
             let d = to_device(b, &self.model.config, &self.device)?;
-            let out = match self.config.train.activation_checkpointing {
-                0 => self.forward_backward(&d, counts, &mut step, &mut sums)?,
-                every => {
-                    self.forward_backward_checkpointed(&d, every, counts, &mut step, &mut sums)?
-                }
-            };
-            sums.add_hits(&out, &d)?;
+            match self.config.train.activation_checkpointing {
+                0 => self.forward_backward(&d, counts, &mut step)?,
+                every => self.forward_backward_checkpointed(&d, every, counts, &mut step)?,
+            }
         }
-        sums.normalise(counts);
-        Ok((step, sums))
+        Ok(step)
     }
 
     /// One micro-batch, every activation kept for backward.
@@ -458,12 +460,12 @@ impl Trainer {
         d: &DeviceBatch,
         counts: StepCounts,
         step: &mut Step,
-        sums: &mut Sums,
-    ) -> Result<bertkit_model::PreTrainingOutput, TrainError> {
+    ) -> Result<(), TrainError> {
         let mode = Mode::Train(&self.dropout);
         let out = self.model.model.forward(&d.inputs, &d.positions, mode)?;
-        step.backward(&objective(&out, d, counts, sums)?)?;
-        Ok(out)
+        let loss = objective(&out, d, counts, step)?;
+        step.backward(&loss)?;
+        Ok(())
     }
 
     /// One micro-batch with activation checkpointing: only each `every`-layer segment's input
@@ -475,8 +477,7 @@ impl Trainer {
         every: usize,
         counts: StepCounts,
         step: &mut Step,
-        sums: &mut Sums,
-    ) -> Result<bertkit_model::PreTrainingOutput, TrainError> {
+    ) -> Result<(), TrainError> {
         let mode = Mode::Train(&self.dropout);
         let bert = &self.model.model.bert;
         let layers = bert.num_layers();
@@ -491,7 +492,8 @@ impl Trainer {
         let end = self.dropout.position();
         let top = candle_core::Var::from_tensor(&x)?;
         let out = self.model.model.heads(top.as_tensor(), &d.positions)?;
-        let g = step.backward(&objective(&out, d, counts, sums)?)?;
+        let loss = objective(&out, d, counts, step)?;
+        let g = step.backward(&loss)?;
         let mut upstream = g.get(top.as_tensor()).cloned().ok_or_else(|| {
             TrainError::Checkpoint("no gradient reached the encoder output".into())
         })?;
@@ -507,7 +509,7 @@ impl Trainer {
         }
         step.accumulate(&(embedded * &upstream)?.sum_all()?.backward()?)?;
         self.dropout.set_position(end);
-        Ok(out)
+        Ok(())
     }
 
     /// Gradients of one step's worth of `batches` at the current weights (no update): for tests
@@ -516,13 +518,16 @@ impl Trainer {
         &self,
         batches: &[Batch],
     ) -> Result<BTreeMap<String, Tensor>, TrainError> {
-        Ok(self.accumulate(batches)?.0.into_gradients())
+        Ok(self
+            .accumulate(batches, StepCounts::of(batches))?
+            .into_gradients())
     }
 
     /// Applies one optimiser step on `batches` (normally `accumulation` micro-batches).
     pub fn train_step(&mut self, batches: &[Batch]) -> Result<StepMetrics, TrainError> {
         let started = Instant::now();
-        let (step, sums) = self.accumulate(batches)?;
+        let counts = StepCounts::of(batches);
+        let step = self.accumulate(batches, counts)?;
         let lr = self.config.schedule.lr_at(self.state.step);
         let outcome = step.finish(
             self.reducer.as_ref(),
@@ -530,8 +535,9 @@ impl Trainer {
             self.scaler.as_mut(),
             lr,
             self.state.step + 1,
-            sums.mlm + sums.nsp,
         )?;
+        debug_assert_eq!(outcome.figures.len(), FIGURES);
+        let means = Means::of(&outcome.figures, counts);
         self.state.step += 1;
         self.state.dropout_position = self.dropout.position();
         self.state.scaler = self.scaler.clone();
@@ -545,11 +551,11 @@ impl Trainer {
         let tflops = self.flops_per_token * padded as f64 / seconds / 1e12;
         Ok(StepMetrics {
             step: self.state.step,
-            loss: sums.mlm + sums.nsp,
-            mlm_loss: sums.mlm,
-            nsp_loss: sums.nsp,
-            mlm_accuracy: sums.mlm_hits,
-            nsp_accuracy: sums.nsp_hits,
+            loss: outcome.loss,
+            mlm_loss: means.mlm,
+            nsp_loss: means.nsp,
+            mlm_accuracy: means.mlm_accuracy,
+            nsp_accuracy: means.nsp_accuracy,
             lr,
             grad_norm: outcome.grad_norm,
             loss_scale: outcome.loss_scale,

@@ -78,6 +78,7 @@ fn epochs_are_permutations_and_any_cursor_resumes_exactly() {
                 ranks: Ranks::single(),
                 prefetch: 2,
                 dynamic_masking: None,
+                vocab_size: Some(30522),
             },
         )
         .unwrap(),
@@ -129,4 +130,44 @@ fn epochs_are_permutations_and_any_cursor_resumes_exactly() {
             );
         }
     }
+}
+
+/// A token id at or above the model's vocabulary (a corrupt or mismatched records file) is an
+/// error naming the file, row group and row, found on the host before the batch is uploaded.
+#[test]
+fn ids_outside_the_models_vocabulary_name_their_file_and_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = book_records(dir.path(), "chesterton-thursday", 1);
+    let open = |vocab_size| {
+        Arc::new(
+            Dataset::open(
+                std::slice::from_ref(&file),
+                DataOptions {
+                    micro_batch: 4,
+                    pad_multiple: 8,
+                    max_predictions: 10,
+                    seed: 1,
+                    ranks: Ranks::single(),
+                    prefetch: 1,
+                    dynamic_masking: None,
+                    vocab_size: Some(vocab_size),
+                },
+            )
+            .unwrap(),
+        )
+    };
+    assert!(open(30522).stream(Cursor::default()).next_batch().is_ok());
+    // [CLS] is 101 in this vocabulary: every row holds it.
+    let err = open(101)
+        .stream(Cursor::default())
+        .next_batch()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&file.display().to_string()), "{err}");
+    assert!(
+        err.contains("row 0: input_ids holds")
+            && err.contains("outside the model's vocabulary of 101"),
+        "{err}"
+    );
+    assert!(err.contains("row group "), "{err}");
 }

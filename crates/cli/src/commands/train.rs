@@ -104,11 +104,7 @@ pub(crate) fn plot(args: PlotArgs) -> Result<()> {
 }
 
 pub(crate) fn plan(args: PlanArgs) -> Result<()> {
-    let config = match args.config.as_str() {
-        "base" => bertkit_model::BertConfig::base(),
-        "large" => bertkit_model::BertConfig::large(),
-        path => bertkit_model::BertConfig::load(std::path::Path::new(path))?,
-    };
+    let config = bertkit_model::BertConfig::named(&args.config)?;
     let memory = bertkit_train::plan::parse_bytes(&args.gpu_mem)?;
     let precision = bertkit_train::plan::Precision::parse(&args.precision)?;
     println!(
@@ -156,7 +152,44 @@ pub(crate) fn plan(args: PlanArgs) -> Result<()> {
 }
 
 pub(crate) fn bench(command: BenchCommand) -> Result<()> {
-    let BenchCommand::Inference(args) = command;
+    match command {
+        BenchCommand::Inference(args) => bench_inference(args),
+        BenchCommand::Optimizer(args) => bench_optimizer(args),
+    }
+}
+
+fn bench_optimizer(args: BenchOptimizerArgs) -> Result<()> {
+    let rule = match args.rule.as_str() {
+        "lamb" => bertkit_train::optim::Rule::Lamb,
+        "adamw" => bertkit_train::optim::Rule::Adamw,
+        other => return Err(format!("--rule {other:?}: expected lamb or adamw").into()),
+    };
+    let bench = bertkit_train::bench::OptimizerBench {
+        config: bertkit_model::BertConfig::named(&args.config)?,
+        rule,
+        dtype: bertkit_model::parse_dtype(&args.dtype)?,
+        steps: args.steps,
+    };
+    let device = bertkit_model::parse_device(&args.device)?;
+    let times = bertkit_train::bench::optimizer_steps(&bench, &device)?;
+    let mut sorted = times.seconds.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    println!(
+        "{} {:.1} M parameters, {} ({}, {}): {} steps, median {:.1} ms, least {:.1} ms",
+        args.config,
+        times.parameters as f64 / 1e6,
+        args.rule,
+        args.dtype,
+        args.device,
+        sorted.len(),
+        median * 1e3,
+        sorted[0] * 1e3
+    );
+    Ok(())
+}
+
+fn bench_inference(args: BenchInferenceArgs) -> Result<()> {
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
     let device = bertkit_model::parse_device(&args.device)?;
     println!("{} ({}, {})", args.model.display(), args.dtype, args.device);

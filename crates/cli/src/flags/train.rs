@@ -88,6 +88,27 @@ pub(crate) struct ForwardArgs {
 pub(crate) enum BenchCommand {
     /// Forward-pass throughput and latency of a model folder.
     Inference(BenchInferenceArgs),
+    /// The optimiser step alone (gradient norm and update) on a model of a given size.
+    Optimizer(BenchOptimizerArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct BenchOptimizerArgs {
+    /// base, large, or a transformers config.json.
+    #[arg(long, default_value = "base")]
+    pub(crate) config: String,
+    /// lamb or adamw.
+    #[arg(long, default_value = "lamb")]
+    pub(crate) rule: String,
+    /// The model's dtype: f32, bf16 or f16 (the optimiser's state is f32).
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Timed steps (after one untimed).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) steps: usize,
 }
 
 #[derive(Args)]

@@ -160,7 +160,7 @@ fn batch_tensors(
         .collect();
     let (inputs, _) = crate::batch::pad(&seqs, config, device)?;
     let labels: Vec<u32> = batch.iter().map(|e| e.label as u32).collect();
-    let labels = Tensor::from_vec(labels, batch.len(), device)?;
+    let labels = bertkit_model::loss::labels(&labels, config.num_labels(), "labels", device)?;
     Ok((inputs, labels))
 }
 

@@ -298,12 +298,13 @@ pub fn finetune(
             let seqs: Vec<(&[u32], &[u32])> =
                 indices.iter().map(|&i| features[i].sequence()).collect();
             let (inputs, mask) = pad(&seqs, &model.config, device)?;
-            let positions = |pick: fn(&Feature) -> usize| {
+            let window = mask.dim(1)?;
+            let positions = |pick: fn(&Feature) -> usize, name: &str| {
                 let v: Vec<u32> = indices.iter().map(|&i| pick(&features[i]) as u32).collect();
-                Tensor::from_vec(v, indices.len(), device)
+                loss::labels(&v, window, name, device)
             };
-            let starts = positions(|f| f.start_position)?;
-            let ends = positions(|f| f.end_position)?;
+            let starts = positions(|f| f.start_position, "start_positions")?;
+            let ends = positions(|f| f.end_position, "end_positions")?;
             let (start, end) = model.model.forward(&inputs, mode)?;
             Ok(qa_loss(&start, &end, &mask, &starts, &ends)?)
         },

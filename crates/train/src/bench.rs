@@ -1,0 +1,81 @@
+//! Timing the optimiser step alone: `bertkit bench optimizer`.
+//!
+//! A [`BertForPreTraining`] of the asked size gets fixed pseudo-random gradients (the same every
+//! step), and [`Step::finish`] (the reduction, the gradient norm, the finiteness check and the
+//! LAMB or AdamW update) is timed over a number of steps. The forward and backward passes are
+//! left out: what is measured is the part of a training step that does not depend on the batch.
+
+use std::time::Instant;
+
+use bertkit_model::BertConfig;
+use bertkit_model::bert::{BertForPreTraining, init};
+use candle_core::{DType, Device, Tensor};
+
+use crate::TrainError;
+use crate::optim::{Optimizer, OptimizerConfig, Rule};
+use crate::step::{Local, Step};
+
+/// What to time.
+#[derive(Debug, Clone)]
+pub struct OptimizerBench {
+    /// The model's shape.
+    pub config: BertConfig,
+    /// The update rule.
+    pub rule: Rule,
+    /// The model's dtype (the optimiser's state is f32 whatever it is).
+    pub dtype: DType,
+    /// Timed steps (one more runs first, untimed).
+    pub steps: usize,
+}
+
+/// The timings.
+#[derive(Debug, Clone)]
+pub struct OptimizerTimes {
+    /// Trainable parameters.
+    pub parameters: usize,
+    /// Seconds of each timed step.
+    pub seconds: Vec<f64>,
+}
+
+/// Times `bench.steps` optimiser steps on `device`.
+pub fn optimizer_steps(
+    bench: &OptimizerBench,
+    device: &Device,
+) -> Result<OptimizerTimes, TrainError> {
+    if bench.steps == 0 {
+        return Err(TrainError::Config(
+            "bench optimizer: at least one timed step".into(),
+        ));
+    }
+    let model = init::<BertForPreTraining>(&bench.config, bench.dtype, device, 7)?;
+    let vars = model.params.vars();
+    let config = OptimizerConfig {
+        rule: bench.rule,
+        ..OptimizerConfig::lamb()
+    };
+    let mut optimizer = Optimizer::new(config, vars)?;
+    // One linear loss per parameter, Σ c·w, whose gradient is the fixed tensor c.
+    let mut loss = Tensor::zeros((), bench.dtype, device)?;
+    for (i, var) in vars.values().enumerate() {
+        let c = Tensor::randn(0f32, 1e-3, var.shape(), device)?
+            .to_dtype(bench.dtype)?
+            .affine(1.0 + i as f64 * 1e-3, 0.0)?;
+        loss = (loss + (var.as_tensor() * c)?.sum_all()?)?;
+    }
+    let mut seconds = Vec::with_capacity(bench.steps);
+    for n in 0..=bench.steps {
+        let mut step = Step::begin(vars, &optimizer, None);
+        step.backward(&loss)?;
+        device.synchronize()?;
+        let started = Instant::now();
+        step.finish(&Local, &mut optimizer, None, 1e-4, n as u64 + 1)?;
+        device.synchronize()?;
+        if n > 0 {
+            seconds.push(started.elapsed().as_secs_f64());
+        }
+    }
+    Ok(OptimizerTimes {
+        parameters: vars.values().map(|v| v.elem_count()).sum(),
+        seconds,
+    })
+}
