@@ -366,17 +366,17 @@ impl Embeddings {
     fn build(c: &BertConfig, p: &mut ParamBuilder) -> Result<Self, ModelError> {
         let h = c.hidden_size;
         Ok(Embeddings {
-            word: p.get(
+            word: p.get_table(
                 "embeddings.word_embeddings.weight",
                 &[c.vocab_size, h],
                 Init::TruncatedNormal,
             )?,
-            position: p.get(
+            position: p.get_table(
                 "embeddings.position_embeddings.weight",
                 &[c.max_position_embeddings, h],
                 Init::TruncatedNormal,
             )?,
-            token_type: p.get(
+            token_type: p.get_table(
                 "embeddings.token_type_embeddings.weight",
                 &[c.type_vocab_size, h],
                 Init::TruncatedNormal,
@@ -398,8 +398,15 @@ impl Embeddings {
             .index_select(&inputs.token_type_ids.flatten_all()?, 0)?
             .reshape((batch, seq, h))?;
         let positions = self.position.narrow(0, 0, seq)?.unsqueeze(0)?;
+        // The tables are f32 (see `ParamBuilder::get_table`): the sum and its LayerNorm run in
+        // f32, and the result is cast to the compute dtype (the LayerNorm's), so the tables'
+        // gradients arrive and accumulate in f32.
         let x = (words + types)?.broadcast_add(&positions)?;
-        dropout(&self.norm.forward(k, &x)?, self.dropout, mode)
+        let x = self
+            .norm
+            .forward(k, &x)?
+            .to_dtype(self.norm.weight.dtype())?;
+        dropout(&x, self.dropout, mode)
     }
 }
 
@@ -539,7 +546,8 @@ impl BertModel {
         &self.config
     }
 
-    /// The word embedding matrix, `[vocab, hidden]` (the MLM decoder is tied to it).
+    /// The word embedding matrix, `[vocab, hidden]` (the MLM decoder is tied to it), in f32
+    /// whatever the compute dtype (f64 in an f64 model).
     pub fn word_embeddings(&self) -> &Tensor {
         &self.embeddings.word
     }
@@ -706,7 +714,7 @@ impl BertForPreTraining {
         let t = k.gelu(&self.transform.forward(&picked)?)?;
         let t = self.transform_norm.forward(k, &t)?;
         let logits = t
-            .matmul(&self.bert.word_embeddings().t()?)?
+            .matmul(&self.bert.word_embeddings().to_dtype(t.dtype())?.t()?)?
             .broadcast_add(&self.output_bias)?
             .reshape((batch, predictions, ()))?;
         let pooled = self

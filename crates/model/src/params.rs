@@ -154,6 +154,35 @@ impl ParamBuilder {
 
     /// The parameter `name` of `shape`: from the checkpoint if there, else initialised.
     pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor, ModelError> {
+        self.get_in(name, shape, init, self.dtype)
+    }
+
+    /// An embedding table: as [`ParamBuilder::get`], but kept in f32 (f64 in an f64 model)
+    /// whatever the compute dtype. Its gradient is a scatter-add of one row per token (candle's
+    /// `index_add`, summed serially in the table's dtype): `[CLS]`, `[SEP]` or segment 0 collect
+    /// ~10^4 terms a batch, far too many for bf16's 8 bits or fp16's range at a loss scale.
+    /// The model casts the looked-up rows to the compute dtype.
+    pub fn get_table(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+    ) -> Result<Tensor, ModelError> {
+        let dtype = if self.dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        self.get_in(name, shape, init, dtype)
+    }
+
+    fn get_in(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+        dtype: DType,
+    ) -> Result<Tensor, ModelError> {
         if let Some(var) = self.vars.get(name) {
             return Ok(var.as_tensor().clone());
         }
@@ -169,7 +198,7 @@ impl ParamBuilder {
                     )));
                 }
                 self.used.insert(name.to_string());
-                t.to_dtype(self.dtype)?.to_device(&self.device)?
+                t.to_dtype(dtype)?.to_device(&self.device)?
             }
             None => {
                 self.initialised.push(name.to_string());
@@ -179,7 +208,7 @@ impl ParamBuilder {
                     Init::Zeros => vec![0.0; n],
                     Init::Ones => vec![1.0; n],
                 };
-                Tensor::from_vec(values, shape, &self.device)?.to_dtype(self.dtype)?
+                Tensor::from_vec(values, shape, &self.device)?.to_dtype(dtype)?
             }
         };
         if let Some(frozen) = &mut self.frozen {

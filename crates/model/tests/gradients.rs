@@ -271,3 +271,73 @@ fn the_losses_match_finite_differences() {
         .unwrap();
     assert_eq!(a, b);
 }
+
+/// The embedding tables stay f32 in a bf16 model, so the gradient of a row that thousands of
+/// tokens look up (here one id at all 4096 positions of a batch, as `[CLS]` or "the") adds up
+/// in f32: it equals the f64 model's within half a bf16 step of the row's largest value.
+/// (Tried: with the tables in bf16, candle's `index_add` sums the 4096 terms serially in bf16
+/// and the row's gradient is off by far more; this fails.)
+#[test]
+fn a_bf16_models_embedding_gradients_add_up_in_f32() {
+    use bertkit_model::BertModel;
+    use bertkit_model::bert::{load, save};
+    let config = BertConfig::tiny(60);
+    let (batch, seq) = (64, 64);
+    let dir = tempfile::tempdir().unwrap();
+    // One set of weights both models hold exactly: bf16 values (tables f32), written as f32.
+    let made = init::<BertModel>(&config, DType::BF16, &Device::Cpu, 3).unwrap();
+    assert_eq!(made.model.word_embeddings().dtype(), DType::F32);
+    save(&made, dir.path(), DType::F32).unwrap();
+    // An upstream gradient exact in bf16.
+    let upstream: Vec<f64> = Tensor::new(values(batch * seq * 32, 9), &Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::BF16))
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1())
+        .unwrap();
+    let gradient = |dtype: DType| -> Vec<Vec<f64>> {
+        let loaded = load::<BertModel>(dir.path(), dtype, &Device::Cpu, 0).unwrap();
+        let ids = vec![7u32; batch * seq];
+        let inputs =
+            Inputs::from_host(&config, (batch, seq), &ids, None, None, &Device::Cpu).unwrap();
+        let out = loaded.model.embed(&inputs, Mode::Eval).unwrap();
+        assert_eq!(out.dtype(), dtype);
+        let c = Tensor::from_vec(upstream.clone(), (batch, seq, 32), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let grads = (out * c).unwrap().sum_all().unwrap().backward().unwrap();
+        let row = |name: &str, row: usize| -> Vec<f64> {
+            let var = loaded.params.get(name).unwrap();
+            grads
+                .get(var.as_tensor())
+                .unwrap()
+                .get(row)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        vec![
+            row("embeddings.word_embeddings.weight", 7),
+            row("embeddings.token_type_embeddings.weight", 0),
+            row("embeddings.position_embeddings.weight", 5),
+        ]
+    };
+    let (low, exact) = (gradient(DType::BF16), gradient(DType::F64));
+    for ((got, want), name) in low
+        .iter()
+        .zip(&exact)
+        .zip(["word 7", "segment 0", "position 5"])
+    {
+        let largest = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        assert!(largest > 0.0);
+        let tolerance = largest * 2f64.powi(-9);
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g - w).abs() <= tolerance,
+                "{name}: {g} vs {w} (tolerance {tolerance:.3e})"
+            );
+        }
+    }
+}
