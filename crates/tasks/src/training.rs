@@ -193,6 +193,7 @@ pub fn train(
             // Each micro-batch's mean loss, weighted by its share of the batch: the gradients
             // add up to the batch mean's.
             let weight = part.len() as f64 / batch.len() as f64;
+            dropout.mark();
             let loss = (loss_of(part, Mode::Train(&dropout))? * weight)?;
             step.backward(&loss)?;
         }

@@ -425,6 +425,11 @@ impl Trainer {
         &self.model
     }
 
+    /// Where the run's dropout masks come from.
+    pub fn dropout(&self) -> &DropoutSource {
+        &self.dropout
+    }
+
     /// Micro-batches per optimiser step.
     pub fn accumulation(&self) -> usize {
         self.accumulation
@@ -446,6 +451,9 @@ impl Trainer {
         );
         for b in batches {
             let d = to_device(b, &self.model.config, &self.device)?;
+            // Each micro-batch's masks start a dropout stream, so a run resumed at a step
+            // boundary draws them as the uninterrupted run did.
+            self.dropout.mark();
             match self.config.train.activation_checkpointing {
                 0 => self.forward_backward(&d, counts, &mut step)?,
                 every => self.forward_backward_checkpointed(&d, every, counts, &mut step)?,
@@ -486,7 +494,7 @@ impl Trainer {
         let mut x = embedded.detach();
         for start in (0..layers).step_by(every) {
             let range = start..(start + every).min(layers);
-            segments.push((x.clone(), self.dropout.position(), range.clone()));
+            segments.push((x.clone(), self.dropout.mark(), range.clone()));
             x = bert.encode(&x, &d.inputs, range, mode)?.detach();
         }
         let end = self.dropout.position();

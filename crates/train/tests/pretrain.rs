@@ -260,11 +260,20 @@ fn activation_checkpointing_gives_the_same_gradients() {
     let batch = [stream.next_batch().unwrap()];
     let reference = trainer.step_gradients(&batch).unwrap();
     assert_eq!(reference.len(), trainer.model().params.vars().len());
-    for every in [1, 2] {
+    // The tiny model's forward pass draws 7 masks (embeddings, then 3 per layer) in one
+    // dropout stream: on CUDA, one seeding of the device generator per micro-batch, not one
+    // per mask.
+    let drawn = |t: &Trainer| (t.dropout().position(), t.dropout().streams_started());
+    assert_eq!(drawn(&trainer), (7, 1));
+    // With checkpointing, each segment's forward pass and its replay start a stream: every
+    // layer, 1 + 2 + 2; every 2 layers, 1 + 1 + 1. The position ends where the forward
+    // pass left it.
+    for (every, streams) in [(1, 5), (2, 3)] {
         let mut c = plain.clone();
         c.train.activation_checkpointing = every;
         let t = Trainer::new(c, RunOptions::default()).unwrap();
         let grads = t.step_gradients(&batch).unwrap();
+        assert_eq!(drawn(&t), (7, streams), "every {every}");
         assert_eq!(grads.len(), reference.len());
         for (name, g) in &reference {
             let a = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
