@@ -68,7 +68,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 
 fn main() -> ExitCode {
     configure_allocator();
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    if cli.no_tf32 {
+        bertkit_model::set_tf32(false);
+    }
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

@@ -32,6 +32,7 @@ pub mod loss;
 pub mod params;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 pub use bert::{
     BertArchitecture, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
@@ -80,7 +81,22 @@ pub fn parse_dtype(name: &str) -> Result<candle_core::DType, ModelError> {
     }
 }
 
-/// Parses `cpu`, `cuda` or `cuda:N` and opens the device.
+/// Whether f32 matrix products on CUDA may use TF32 tensor cores (10-bit mantissa inputs,
+/// f32 accumulation), as NVIDIA's BERT recipes run; `bertkit --no-tf32` turns it off.
+pub const DEFAULT_TF32: bool = true;
+
+const TF32_UNSET: u8 = 2;
+static TF32: AtomicU8 = AtomicU8::new(TF32_UNSET);
+
+/// Allows (or forbids) TF32 in f32 matrix products on CUDA, for the whole process; without a
+/// call, opening a CUDA device applies [`DEFAULT_TF32`]. No effect on the CPU.
+pub fn set_tf32(on: bool) {
+    TF32.store(u8::from(on), Ordering::Relaxed);
+    candle_core::cuda::set_gemm_reduced_precision_f32(on);
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N` and opens the device. A CUDA device runs every op on one
+/// stream without per-allocation event tracking, with TF32 as [`set_tf32`] says.
 pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
     match name {
         "cpu" => Ok(candle_core::Device::Cpu),
@@ -91,11 +107,22 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
                     .map_err(|_| ModelError::Config(format!("device {cuda:?}: bad GPU index")))?,
                 None => 0,
             };
-            candle_core::Device::new_cuda(index).map_err(|e| {
+            let device = candle_core::Device::new_cuda(index).map_err(|e| {
                 ModelError::Config(format!(
                     "device {cuda}: {e} (CUDA needs a build with --features cuda)"
                 ))
-            })
+            })?;
+            #[cfg(feature = "cuda")]
+            if let candle_core::Device::Cuda(gpu) = &device {
+                // SAFETY: every tensor of ours lives on the device's one stream (candle's
+                // default), so cudarc's per-allocation events, which order uses across streams,
+                // have nothing to order; they cost an event record per use.
+                unsafe { gpu.disable_event_tracking() };
+            }
+            if TF32.load(Ordering::Relaxed) == TF32_UNSET {
+                set_tf32(DEFAULT_TF32);
+            }
+            Ok(device)
         }
         other => Err(ModelError::Config(format!(
             "device {other:?}: expected cpu, cuda or cuda:N"

@@ -14,6 +14,9 @@ pub(crate) mod train;
     about = "From raw Wikipedia and book dumps to a pre-trained BERT."
 )]
 pub(crate) struct Cli {
+    /// f32 matrix products on CUDA without TF32 (full f32 inputs; slower).
+    #[arg(long, global = true)]
+    pub(crate) no_tf32: bool,
     #[command(subcommand)]
     pub(crate) command: Command,
 }
