@@ -2,7 +2,8 @@
 #
 #   make demo [MIRROR=../shared/data]   build, then run the pipeline on small real data
 #   make data                           the full pipeline (pipelines/data.toml)
-#   make pretrain-phase1 / -phase2      NVIDIA's BERT-large recipe on the data (resumes if stopped)
+#   make pretrain-phase1 / -phase2      NVIDIA's BERT-large recipe on the data (resumes if stopped);
+#                                       on a GPU (CUDA build made here), or DEVICE=cpu MAX_STEPS=2
 #   make finetune-glue TASK=mrpc [MODEL=dir]  fine-tune (default: the shared MiniLM) and score dev
 #   make finetune-squad [MODEL=dir] [SQUAD_TRAIN=train.json SQUAD_DEV=dev.json] [SQUAD_FLAGS=…]
 #                                       fine-tune, predict and score SQuAD (offline: the split of
@@ -31,7 +32,7 @@ PYARROW_OK := import sys, pyarrow; sys.exit(int(pyarrow.__version__.split('.')[0
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
 PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
-.PHONY: all build demo data test lint $(PHONY_TRAIN) bench-format bench-shard bench-records clean
+.PHONY: all build build-train require-gpu demo data test lint $(PHONY_TRAIN) bench-format bench-shard bench-records clean
 
 all: build
 
@@ -45,11 +46,50 @@ demo: build
 	$(BERTKIT) pretrain --config pipelines/tiny.toml $(if $(wildcard out/demo/tiny-run/checkpoints/step-*),--resume)
 	$(BERTKIT) plot out/demo/tiny-run/metrics.jsonl -o out/demo/tiny-run/loss.svg
 
+# Training and fine-tuning run on a GPU where one is present: the binary is then built with
+# CUDA (into $(TARGET_DIR)/cuda, beside the CPU build). DEVICE=cpu runs the same recipe on the
+# CPU (with MAX_STEPS=N, a smoke test); FEATURES=cuda builds the CUDA binary anyway.
+HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+DEVICE ?= $(if $(HAVE_GPU),cuda,cpu)
+FEATURES ?= $(if $(filter cuda%,$(DEVICE)),cuda)
+MAX_STEPS ?=
+TRAIN_BERTKIT := $(if $(FEATURES),$(TARGET_DIR)/cuda/release/bertkit,$(BERTKIT))
+TRAIN_FLAGS := --device $(DEVICE) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS))
+# Pre-training overrides: DATA=records folder; on the CPU the recipe's batch (65536 sequences a
+# step, 256 or 32 at a time) would take hours a step and more memory than a CPU machine has, so
+# DEVICE=cpu runs 4 sequences a step, 2 at a time, unless MICRO_BATCH/GLOBAL_BATCH say.
+DATA ?=
+MICRO_BATCH ?= $(if $(filter cpu,$(DEVICE)),2)
+GLOBAL_BATCH ?= $(if $(filter cpu,$(DEVICE)),4)
+PRETRAIN_FLAGS := $(if $(DATA),--data $(DATA)) $(if $(MICRO_BATCH),--micro-batch $(MICRO_BATCH)) $(if $(GLOBAL_BATCH),--global-batch $(GLOBAL_BATCH))
+# The pre-training recipes are BERT-large on GPUs: without one, say what is missing rather than
+# start a months-long CPU run.
+define NO_GPU
+no NVIDIA GPU found (nvidia-smi -L lists none). The recipe needs one with its driver (for the
+CUDA 13.0 build: driver >= 580) and the CUDA 13.0 toolkit (nvcc) to build with. To try the
+same recipe on this machine's CPU: make $(MAKECMDGOALS) DEVICE=cpu MAX_STEPS=2 (DATA=out/demo/records/phase1
+after make demo, if make data has not run)
+endef
+define NO_NVCC
+the CUDA build needs nvcc 13.0 (the CUDA toolkit: NVIDIA's cuda-toolkit-13-0 package, with
+cuBLAS and cuRAND) on PATH, or CUDA_ROOT set to it; CUDA_COMPUTE_CAP=80 builds kernels that
+run on A100 and H100 alike. Or run on the CPU: make $(MAKECMDGOALS) DEVICE=cpu
+endef
+export NO_GPU NO_NVCC
+
+build-train:
+ifneq ($(FEATURES),)
+	@command -v nvcc >/dev/null 2>&1 || [ -x "$$CUDA_ROOT/bin/nvcc" ] || { echo "$$NO_NVCC" >&2; exit 1; }
+	CUDA_COMPUTE_CAP=$${CUDA_COMPUTE_CAP:-80} $(CARGO) build --release --locked --features $(FEATURES) --target-dir $(TARGET_DIR)/cuda
+else
+	$(CARGO) build --release --locked
+endif
+
 # Fine-tune a model folder on a GLUE task (MRPC, CoLA, SST-2, MNLI) from the shared data layout.
 TASK ?= mrpc
 MODEL ?= $(MIRROR)/minilm
-finetune-glue: build
-	$(BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o out/finetune/$(TASK)
+finetune-glue: build-train
+	$(TRAIN_BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o out/finetune/$(TASK) $(TRAIN_FLAGS)
 
 # Fine-tune on SQuAD, then predict and score the dev set (files in out/finetune/squad/predictions/).
 # Without SQUAD_TRAIN: the documented offline split of SQuAD v1.1 dev (train on its first 38
@@ -58,19 +98,19 @@ finetune-glue: build
 SQUAD_TRAIN ?=
 SQUAD_DEV ?=
 SQUAD_FLAGS ?=
-finetune-squad: build
+finetune-squad: build-train
 ifeq ($(SQUAD_TRAIN),)
-	$(BERTKIT) split squad --input "$(MIRROR)/squad/dev-v1.1.json" --train-articles 38 -o $(OUT)/squad-split
-	$(BERTKIT) finetune squad --model "$(MODEL)" --train $(OUT)/squad-split/train.json --dev $(OUT)/squad-split/dev.json -o $(OUT)/finetune/squad $(SQUAD_FLAGS)
+	$(TRAIN_BERTKIT) split squad --input "$(MIRROR)/squad/dev-v1.1.json" --train-articles 38 -o $(OUT)/squad-split
+	$(TRAIN_BERTKIT) finetune squad --model "$(MODEL)" --train $(OUT)/squad-split/train.json --dev $(OUT)/squad-split/dev.json -o $(OUT)/finetune/squad $(TRAIN_FLAGS) $(SQUAD_FLAGS)
 else
-	$(BERTKIT) finetune squad --model "$(MODEL)" --train "$(SQUAD_TRAIN)" $(if $(SQUAD_DEV),--dev "$(SQUAD_DEV)") -o $(OUT)/finetune/squad $(SQUAD_FLAGS)
+	$(TRAIN_BERTKIT) finetune squad --model "$(MODEL)" --train "$(SQUAD_TRAIN)" $(if $(SQUAD_DEV),--dev "$(SQUAD_DEV)") -o $(OUT)/finetune/squad $(TRAIN_FLAGS) $(SQUAD_FLAGS)
 endif
 
-pretrain-phase1: build
-	$(BERTKIT) pretrain --config pipelines/pretrain-phase1.toml $(if $(wildcard runs/phase1/checkpoints/step-*),--resume)
+require-gpu:
+	@[ -n "$(HAVE_GPU)" ] || [ "$(origin DEVICE)" != file ] || { echo "$$NO_GPU" >&2; exit 1; }
 
-pretrain-phase2: build
-	$(BERTKIT) pretrain --config pipelines/pretrain-phase2.toml $(if $(wildcard runs/phase2/checkpoints/step-*),--resume)
+pretrain-phase1 pretrain-phase2: pretrain-%: require-gpu build-train
+	$(TRAIN_BERTKIT) pretrain --config pipelines/pretrain-$*.toml $(TRAIN_FLAGS) $(PRETRAIN_FLAGS) $(if $(wildcard runs/$*/checkpoints/step-*),--resume)
 
 data: build
 	@echo "== the full data pipeline (pipelines/data.toml): downloads tens of GB"

@@ -6,15 +6,17 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+mod alloc;
 mod commands;
 mod flags;
 mod render;
 
 use flags::{Cli, Command};
 
-/// Tensor buffers are large and short-lived: see the workspace Cargo.toml.
+/// Tensor buffers are large and short-lived: mimalloc (see the workspace Cargo.toml), with a
+/// byte count `bench memory` turns on.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: alloc::Counting = alloc::Counting;
 
 /// mimalloc's `mi_option_purge_delay` (the 16th entry of `mi_option_e`, v2 and v3 alike).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;

@@ -1,9 +1,12 @@
-//! Timing the optimiser step alone: `bertkit bench optimizer`.
+//! Measuring the trainer: `bertkit bench optimizer` and `bertkit bench memory`.
 //!
-//! A [`BertForPreTraining`] of the asked size gets fixed pseudo-random gradients (the same every
+//! [`optimizer_steps`]: a [`BertForPreTraining`] of the asked size gets fixed pseudo-random gradients (the same every
 //! step), and [`Step::finish`] (the reduction, the gradient norm, the finiteness check and the
 //! LAMB or AdamW update) is timed over a number of steps. The forward and backward passes are
 //! left out: what is measured is the part of a training step that does not depend on the batch.
+//!
+//! [`training_steps`]: a few real optimiser steps of a run config, for the binary to count the
+//! bytes they hold (its allocator counts; this crate only runs the steps).
 
 use std::time::Instant;
 
@@ -76,6 +79,58 @@ pub fn optimizer_steps(
     }
     Ok(OptimizerTimes {
         parameters: vars.values().map(|v| v.elem_count()).sum(),
+        seconds,
+    })
+}
+
+/// What [`training_steps`] ran: the shapes whose memory was measured.
+#[derive(Debug, Clone)]
+pub struct TrainingSteps {
+    /// The model's configuration.
+    pub model: BertConfig,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per step.
+    pub accumulation: usize,
+    /// The longest padded sequence length of the batches run.
+    pub seq_len: usize,
+    /// Masked-LM slots per sequence.
+    pub predictions: usize,
+    /// Seconds of each step.
+    pub seconds: Vec<f64>,
+}
+
+/// Runs `steps` optimiser steps of the run `config` describes (its output folder is not
+/// written: no metrics, no checkpoints), for measuring what a step holds in memory.
+/// `ready` is called once the model and optimiser are built, before the first step.
+pub fn training_steps(
+    config: crate::config::PretrainConfig,
+    steps: usize,
+    ready: &mut dyn FnMut(),
+) -> Result<TrainingSteps, TrainError> {
+    if steps == 0 {
+        return Err(TrainError::Config("bench memory: at least one step".into()));
+    }
+    let mut trainer = crate::trainer::Trainer::new(config.clone(), Default::default())?;
+    ready();
+    let mut stream = trainer.dataset().stream(Default::default());
+    let mut seq_len = 0;
+    let mut seconds = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let batches = (0..trainer.accumulation())
+            .map(|_| stream.next_batch())
+            .collect::<Result<Vec<_>, _>>()?;
+        seq_len = batches.iter().map(|b| b.seq_len).fold(seq_len, usize::max);
+        let started = Instant::now();
+        trainer.train_step(&batches)?;
+        seconds.push(started.elapsed().as_secs_f64());
+    }
+    Ok(TrainingSteps {
+        model: trainer.model().config.clone(),
+        micro_batch: config.data.micro_batch,
+        accumulation: trainer.accumulation(),
+        seq_len,
+        predictions: config.data.max_predictions,
         seconds,
     })
 }

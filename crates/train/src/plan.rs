@@ -79,6 +79,105 @@ pub fn parameters(c: &BertConfig) -> usize {
     embeddings + c.num_hidden_layers * layer + heads
 }
 
+/// Parameters in the embedding tables (word, position, token type), kept in f32.
+pub fn table_parameters(c: &BertConfig) -> usize {
+    (c.vocab_size + c.max_position_embeddings + c.type_vocab_size) * c.hidden_size
+}
+
+/// One micro-batch's shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    /// Padded sequence length.
+    pub seq: usize,
+    /// Masked-LM slots per sequence.
+    pub predictions: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+}
+
+/// Predicted peak bytes of a training step, in three parts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    /// Held for the whole run: the weights (embedding tables in f32, the rest in the compute
+    /// dtype), the f32 master weights and both f32 moments.
+    pub state_bytes: f64,
+    /// The activations a micro-batch's forward pass keeps for backward.
+    pub activation_bytes: f64,
+    /// What exists at the step's peak besides state and activations: the gradients
+    /// (backward's, the f32 accumulator, the flat bucket) and the optimiser's temporaries.
+    pub transient_bytes: f64,
+}
+
+impl Prediction {
+    /// Peak bytes.
+    pub fn total(&self) -> f64 {
+        self.state_bytes + self.activation_bytes + self.transient_bytes
+    }
+}
+
+/// Bytes kept per sequence by one encoder layer: `s·h·HIDDEN + a·s²·SCORES`, by compute dtype
+/// (f32, then bf16/fp16), calibrated against `bertkit bench memory` (BENCHMARKS.md).
+const LAYER_HIDDEN: [f64; 2] = [80.0, 60.0];
+const LAYER_SCORES: [f64; 2] = [16.0, 14.0];
+/// Bytes per `s·h` the embedding stage keeps, by compute dtype.
+const EMBEDDING_HIDDEN: [f64; 2] = [16.0, 14.0];
+/// Bytes per `predictions·vocab` the masked-LM head keeps (f32 logits, log-softmax and their
+/// gradient).
+const HEAD_LOGITS: f64 = 12.0;
+/// The optimiser's temporaries: a few copies of its largest group (at most 2^25 elements).
+const OPTIMIZER_TEMPORARIES: f64 = 5.0 * 4.0 * (1u64 << 25) as f64;
+
+/// Predicts the peak bytes of a training step of `c` on micro-batches of `shape`, with
+/// activation checkpointing every `checkpointing` layers (0 = off).
+pub fn predict(
+    c: &BertConfig,
+    shape: &Shape,
+    precision: Precision,
+    checkpointing: usize,
+) -> Prediction {
+    let p = parameters(c) as f64;
+    let tables = table_parameters(c) as f64;
+    let b = precision.bytes();
+    let k = match precision {
+        Precision::F32 => 0,
+        Precision::Half => 1,
+    };
+    let state = 4.0 * tables + b * (p - tables) + 12.0 * p;
+    let (s, h, a) = (
+        shape.seq as f64,
+        c.hidden_size as f64,
+        c.num_attention_heads as f64,
+    );
+    let layer = s * h * LAYER_HIDDEN[k] + a * s * s * LAYER_SCORES[k];
+    let layers = c.num_hidden_layers as f64;
+    let encoder = match checkpointing {
+        0 => layers * layer,
+        every => {
+            let segment = every.min(c.num_hidden_layers) as f64;
+            // Each segment's input, and one segment recomputed in full during backward.
+            (layers / segment).ceil() * s * h * b + segment * layer
+        }
+    };
+    let embeddings = s * h * EMBEDDING_HIDDEN[k];
+    let head = shape.predictions as f64 * c.vocab_size as f64 * HEAD_LOGITS;
+    let activations = shape.micro_batch as f64 * (encoder + embeddings + head);
+    // At the end of backward: backward's parameter gradients (tables in f32, the rest in the
+    // compute dtype) and, in half precision, their f32 copies in the accumulator. At the
+    // update: the accumulator and the flat bucket (f32 each) and the optimiser's temporaries.
+    let backward_grads = 4.0 * tables + b * (p - tables) + if k == 1 { 4.0 * p } else { 0.0 };
+    let update = 8.0 * p + OPTIMIZER_TEMPORARIES;
+    let (activation_bytes, transient_bytes) = if activations + backward_grads > update {
+        (activations, backward_grads)
+    } else {
+        (0.0, update)
+    };
+    Prediction {
+        state_bytes: state,
+        activation_bytes,
+        transient_bytes,
+    }
+}
+
 /// The plan for one sequence length.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {

@@ -50,6 +50,12 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
     if let Some(device) = args.device {
         config.train.device = device;
     }
+    if let Some(micro) = args.micro_batch {
+        config.data.micro_batch = micro;
+    }
+    if let Some(global) = args.global_batch {
+        config.train.global_batch = global;
+    }
     let options = bertkit_train::trainer::RunOptions {
         max_steps: args.max_steps,
         resume: args.resume,
@@ -155,7 +161,97 @@ pub(crate) fn bench(command: BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Inference(args) => bench_inference(args),
         BenchCommand::Optimizer(args) => bench_optimizer(args),
+        BenchCommand::Memory(args) => bench_memory(args),
     }
+}
+
+fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
+    let mut config = bertkit_train::config::PretrainConfig::load(&args.config)?;
+    if let Some(data) = args.data {
+        config.data.records = vec![data];
+    }
+    if let Some(preset) = args.preset {
+        config.model.preset = Some(preset);
+        config.model.config = None;
+    }
+    if let Some(path) = args.model_config {
+        config.model.config = Some(path);
+        config.model.preset = None;
+    }
+    if let Some(predictions) = args.predictions {
+        config.data.max_predictions = predictions;
+    }
+    if let Some(micro) = args.micro_batch {
+        config.data.micro_batch = micro;
+    }
+    config.train.global_batch = config.data.micro_batch;
+    if let Some(precision) = args.precision {
+        config.train.precision = precision;
+    }
+    if let Some(every) = args.checkpointing {
+        config.train.activation_checkpointing = every;
+    }
+    if let Some(device) = args.device {
+        config.train.device = device;
+    }
+    config.validate(1)?;
+    crate::alloc::start_counting();
+    let mut state = 0;
+    let run = bertkit_train::bench::training_steps(config.clone(), args.steps, &mut || {
+        state = crate::alloc::peak_and_live().1;
+    })?;
+    let (peak, _) = crate::alloc::peak_and_live();
+    let predicted = bertkit_train::plan::predict(
+        &run.model,
+        &bertkit_train::plan::Shape {
+            seq: run.seq_len,
+            predictions: run.predictions,
+            micro_batch: run.micro_batch,
+        },
+        bertkit_train::plan::Precision::parse(&config.train.precision)?,
+        config.train.activation_checkpointing,
+    );
+    let seconds = run.seconds.iter().copied().fold(f64::INFINITY, f64::min);
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "layers": run.model.num_hidden_layers,
+                "hidden": run.model.hidden_size,
+                "seq": run.seq_len,
+                "predictions": run.predictions,
+                "micro_batch": run.micro_batch,
+                "precision": config.train.precision,
+                "checkpointing": config.train.activation_checkpointing,
+                "measured_peak_bytes": peak,
+                "measured_state_bytes": state,
+                "predicted_peak_bytes": predicted.total(),
+                "predicted": {
+                    "state_bytes": predicted.state_bytes,
+                    "activation_bytes": predicted.activation_bytes,
+                    "transient_bytes": predicted.transient_bytes,
+                },
+                "least_step_seconds": seconds,
+            })
+        );
+    } else {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        println!(
+            "{} layers x {}, seq {}, micro-batch {}, {}, checkpointing {}: peak {:.3} GiB measured ({:.3} GiB before the first step), {:.3} GiB predicted ({:+.1}%), least step {:.1} s",
+            run.model.num_hidden_layers,
+            run.model.hidden_size,
+            run.seq_len,
+            run.micro_batch,
+            config.train.precision,
+            config.train.activation_checkpointing,
+            gib(peak as f64),
+            gib(state as f64),
+            gib(predicted.total()),
+            (predicted.total() / peak as f64 - 1.0) * 100.0,
+            seconds
+        );
+    }
+    Ok(())
 }
 
 fn bench_optimizer(args: BenchOptimizerArgs) -> Result<()> {

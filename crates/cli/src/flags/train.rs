@@ -26,6 +26,13 @@ pub(crate) struct PretrainArgs {
     /// Device instead of the config's: cpu, cuda, cuda:N.
     #[arg(long)]
     pub(crate) device: Option<String>,
+    /// Sequences per micro-batch instead of the config's (accumulation follows).
+    #[arg(long)]
+    pub(crate) micro_batch: Option<usize>,
+    /// Sequences per optimiser step instead of the config's (a smoke test on a small machine;
+    /// not the recipe's batch).
+    #[arg(long)]
+    pub(crate) global_batch: Option<usize>,
     #[command(flatten)]
     pub(crate) ranks: RankArgs,
 }
@@ -90,6 +97,46 @@ pub(crate) enum BenchCommand {
     Inference(BenchInferenceArgs),
     /// The optimiser step alone (gradient norm and update) on a model of a given size.
     Optimizer(BenchOptimizerArgs),
+    /// Peak bytes a few real training steps hold (the allocator's count), beside `plan`'s
+    /// prediction for the same shapes.
+    Memory(BenchMemoryArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct BenchMemoryArgs {
+    /// The run config (pipelines/pretrain-phase1.toml, …); its output folder is not written.
+    #[arg(long)]
+    pub(crate) config: PathBuf,
+    /// Records instead of the config's.
+    #[arg(long)]
+    pub(crate) data: Option<PathBuf>,
+    /// Model preset instead of the config's: base, large or tiny.
+    #[arg(long)]
+    pub(crate) preset: Option<String>,
+    /// A transformers config.json instead of the config's model.
+    #[arg(long, conflicts_with = "preset")]
+    pub(crate) model_config: Option<PathBuf>,
+    /// Masked-LM slots per sequence instead of the config's.
+    #[arg(long)]
+    pub(crate) predictions: Option<usize>,
+    /// Sequences per micro-batch instead of the config's (one micro-batch per step).
+    #[arg(long)]
+    pub(crate) micro_batch: Option<usize>,
+    /// f32, bf16 or fp16 instead of the config's.
+    #[arg(long)]
+    pub(crate) precision: Option<String>,
+    /// Activation checkpointing every N layers instead of the config's (0 = off).
+    #[arg(long)]
+    pub(crate) checkpointing: Option<usize>,
+    /// Device instead of the config's.
+    #[arg(long)]
+    pub(crate) device: Option<String>,
+    /// Optimiser steps to run.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) steps: usize,
+    /// One JSON object instead of a line of text.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Args)]
