@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--phase2", required=True)
     ap.add_argument("--fit", action="store_true")
     ap.add_argument("--only", help="a model (base or large) to restrict the table to")
+    ap.add_argument("--precisions", default="f32,bf16,fp16", help="comma-separated")
     args = ap.parse_args()
     gib = 1024 ** 3
     if args.fit:
@@ -83,7 +84,7 @@ def main():
     print(f"{'model':<6} {'seq':>4} {'ckpt':>4} {'prec':>5} {'micro':>5} {'measured GiB':>12} "
           f"{'predicted GiB':>13} {'error':>7}")
     for model, seq, every, precision, micro in TABLE:
-        if args.only and model != args.only:
+        if (args.only and model != args.only) or precision not in args.precisions.split(","):
             continue
         r = measure(args, model, seq, every, precision, micro)
         m, p = r["measured_peak_bytes"] / gib, r["predicted_peak_bytes"] / gib

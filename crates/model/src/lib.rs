@@ -129,3 +129,25 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
         ))),
     }
 }
+
+/// Bytes free for tensors on `device`: the GPU's free memory (CUDA), or the memory Linux says
+/// is available (`MemAvailable` in /proc/meminfo) on the CPU. `None` where it cannot be told.
+pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
+    match device {
+        candle_core::Device::Cpu => {
+            let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        }
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(gpu) => gpu
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .ok()
+            .map(|(free, _total)| free as u64),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}

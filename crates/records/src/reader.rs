@@ -132,6 +132,16 @@ impl RecordsFile {
         Ok((ids, sha256))
     }
 
+    /// The `max_seq_length` the file was made with (from its `bertkit.parameters`), if it
+    /// says.
+    pub fn max_seq_length(&self) -> Option<usize> {
+        let parameters = self.metadata_value("bertkit.parameters")?;
+        let json: serde_json::Value = serde_json::from_str(&parameters).ok()?;
+        json["instances"]["max_seq_length"]
+            .as_u64()
+            .map(|n| n as usize)
+    }
+
     /// Decodes row group `index`.
     pub fn read_row_group(&self, index: usize) -> Result<Vec<Record>, RecordsError> {
         let groups = self.metadata.metadata().num_row_groups();

@@ -296,6 +296,17 @@ impl Dataset {
         self.vocab.as_ref()
     }
 
+    /// The longest sequence the records can hold: the largest `max_seq_length` their files
+    /// were made with (`None` when a file does not say).
+    pub fn max_seq_length(&self) -> Option<usize> {
+        self.files
+            .iter()
+            .map(|f| f.max_seq_length())
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .max()
+    }
+
     /// The files, in order.
     pub fn paths(&self) -> Vec<&Path> {
         self.files.iter().map(|f| f.path()).collect()

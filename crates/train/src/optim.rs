@@ -109,7 +109,7 @@ pub fn decays(name: &str) -> bool {
 
 /// Most elements one group holds, so that the update's temporaries stay small (128 MB in f32)
 /// whatever the model's size; a single larger parameter is a group of its own.
-const GROUP_ELEMENTS: usize = 1 << 25;
+pub const GROUP_ELEMENTS: usize = 1 << 25;
 
 /// Parameters of one shape and one weight-decay setting, kept as the rows of `[count, numel]`
 /// buffers: the master weights and both moments of a group are three tensors, its gradients a

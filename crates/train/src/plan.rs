@@ -1,14 +1,17 @@
-//! How large a micro-batch fits: an analytic account of device memory.
+//! How large a micro-batch fits: an account of a training step's peak memory, calibrated.
 //!
-//! Per parameter (bytes): the compute-dtype weight and gradient, the f32 master weight, the f32
-//! gradient accumulator and the two f32 moments: 24 in f32, 20 in bf16/fp16.
-//! Per sequence of length `s` and per layer, activations kept for backward follow Korthikanti
-//! et al. (2022): `s·h·(34 + 5·a·s/h)` bytes in 16-bit, doubled in f32, times 1.5 for what the
-//! composed (differentiable) softmax and LayerNorm keep in f32. With activation checkpointing a
-//! layer keeps only its input (`s·h` values) and one layer's full activations exist at a time.
-//! The masked-LM head keeps its `predictions × vocab` logits in f32 three times (logits,
-//! log-softmax, gradient). 10% of the memory is held back for the allocator and workspace.
-//! This is an estimate to be calibrated against GPU measurements.
+//! A step's peak is the run's state (the weights, the embedding tables in f32, the f32 master
+//! weights and both moments: 16 bytes a parameter in f32, about 14 in bf16/fp16) plus the larger
+//! of two moments: the end of a micro-batch's backward pass (its activations, which candle
+//! keeps for every tracked op, and the parameters' gradients) and the optimiser update (the f32
+//! gradient accumulator, the flat bucket and the update's temporaries). Activations per
+//! sequence are `layers · (s·h·α + a·s²·β) + s·h·γ + predictions·vocab·δ` bytes; with activation
+//! checkpointing every `k` layers, a segment input per segment plus one segment recomputed in
+//! full. The coefficients were fitted to `bertkit bench memory` (the binary's allocator
+//! counting the bytes real steps hold on the CPU: the same graph a GPU runs) and the
+//! prediction checked against it for BERT-base and -large, sequences of 128 and 512, with and
+//! without checkpointing, in f32, bf16 and fp16 (BENCHMARKS.md). [`plan`] keeps 10% of the
+//! memory back for the allocator's fragmentation and the libraries' workspaces.
 
 use bertkit_model::BertConfig;
 
@@ -117,15 +120,36 @@ impl Prediction {
 
 /// Bytes kept per sequence by one encoder layer: `s·h·HIDDEN + a·s²·SCORES`, by compute dtype
 /// (f32, then bf16/fp16), calibrated against `bertkit bench memory` (BENCHMARKS.md).
-const LAYER_HIDDEN: [f64; 2] = [80.0, 60.0];
-const LAYER_SCORES: [f64; 2] = [16.0, 14.0];
-/// Bytes per `s·h` the embedding stage keeps, by compute dtype.
-const EMBEDDING_HIDDEN: [f64; 2] = [16.0, 14.0];
-/// Bytes per `predictions·vocab` the masked-LM head keeps (f32 logits, log-softmax and their
-/// gradient).
-const HEAD_LOGITS: f64 = 12.0;
-/// The optimiser's temporaries: a few copies of its largest group (at most 2^25 elements).
-const OPTIMIZER_TEMPORARIES: f64 = 5.0 * 4.0 * (1u64 << 25) as f64;
+const LAYER_HIDDEN: [f64; 2] = [202.0, 126.0];
+const LAYER_SCORES: [f64; 2] = [57.0, 42.0];
+/// Bytes per `s·h` kept outside the layers (embeddings, pooler, heads), by compute dtype.
+const EMBEDDING_HIDDEN: [f64; 2] = [158.0, 51.0];
+/// Bytes per `predictions·vocab` the masked-LM head keeps (its f32 logits, their
+/// log-softmax's intermediates and gradients).
+const HEAD_LOGITS: f64 = 25.0;
+/// The optimiser's temporaries, in copies of its largest group (measured: 1.2–1.3).
+const OPTIMIZER_TEMPORARIES: f64 = 1.3;
+
+/// Elements of the optimiser's largest group (see [`crate::optim`]: parameters of one shape,
+/// at most [`crate::optim::GROUP_ELEMENTS`] elements a group unless one parameter is larger).
+fn largest_group(c: &BertConfig) -> f64 {
+    let (h, i, l) = (c.hidden_size, c.intermediate_size, c.num_hidden_layers);
+    // Shapes by count: [h, h] (query, key, value, output per layer; pooler; head transform),
+    // [i, h] and [h, i] (one each per layer), and the word embeddings.
+    [
+        (h * h, 4 * l + 2),
+        (i * h, l),
+        (h * i, l),
+        (c.vocab_size * h, 1),
+    ]
+    .iter()
+    .map(|&(numel, count)| {
+        let per_group = (crate::optim::GROUP_ELEMENTS / numel).max(1);
+        numel * count.min(per_group)
+    })
+    .max()
+    .unwrap_or(0) as f64
+}
 
 /// Predicts the peak bytes of a training step of `c` on micro-batches of `shape`, with
 /// activation checkpointing every `checkpointing` layers (0 = off).
@@ -165,7 +189,7 @@ pub fn predict(
     // compute dtype) and, in half precision, their f32 copies in the accumulator. At the
     // update: the accumulator and the flat bucket (f32 each) and the optimiser's temporaries.
     let backward_grads = 4.0 * tables + b * (p - tables) + if k == 1 { 4.0 * p } else { 0.0 };
-    let update = 8.0 * p + OPTIMIZER_TEMPORARIES;
+    let update = 8.0 * p + OPTIMIZER_TEMPORARIES * 4.0 * largest_group(c);
     let (activation_bytes, transient_bytes) = if activations + backward_grads > update {
         (activations, backward_grads)
     } else {
@@ -183,52 +207,59 @@ pub fn predict(
 pub struct Plan {
     /// Largest micro-batch that fits (0: not even one sequence).
     pub micro_batch: usize,
-    /// Weights, gradients and optimiser state.
-    pub state_bytes: f64,
-    /// Activations of one sequence.
-    pub activation_bytes_per_sequence: f64,
+    /// The predicted peak at that micro-batch (at one sequence when none fits).
+    pub prediction: Prediction,
 }
 
-/// Plans `seq`-long sequences with `predictions` masked slots in `memory` bytes.
+/// Share of the memory a plan fills; the rest is for fragmentation and workspaces.
+pub const USABLE: f64 = 0.9;
+
+/// The largest micro-batch of `seq`-long sequences with `predictions` masked slots whose
+/// predicted peak fits in [`USABLE`] of `memory` bytes.
 pub fn plan(
     c: &BertConfig,
     seq: usize,
     predictions: usize,
     precision: Precision,
-    checkpointing: bool,
+    checkpointing: usize,
     memory: f64,
 ) -> Plan {
-    let p = parameters(c) as f64;
-    let per_param = match precision {
-        Precision::F32 => 24.0,
-        Precision::Half => 20.0,
+    let at = |micro_batch| {
+        predict(
+            c,
+            &Shape {
+                seq,
+                predictions,
+                micro_batch,
+            },
+            precision,
+            checkpointing,
+        )
     };
-    let state = p * per_param;
-    let (s, h, a) = (
-        seq as f64,
-        c.hidden_size as f64,
-        c.num_attention_heads as f64,
-    );
-    let layer = s * h * (34.0 + 5.0 * a * s / h) * (precision.bytes() / 2.0) * 1.5;
-    let layers = c.num_hidden_layers as f64;
-    let encoder = if checkpointing {
-        layers * s * h * precision.bytes() + layer
-    } else {
-        layers * layer
-    };
-    let head = predictions as f64 * c.vocab_size as f64 * 4.0 * 3.0;
-    let embeddings = 4.0 * s * h * precision.bytes();
-    let per_sequence = encoder + head + embeddings;
-    let available = memory * 0.9 - state;
-    let micro_batch = if available <= 0.0 {
-        0
-    } else {
-        (available / per_sequence).floor() as usize
-    };
+    let fits = |micro_batch| at(micro_batch).total() <= USABLE * memory;
+    if !fits(1) {
+        return Plan {
+            micro_batch: 0,
+            prediction: at(1),
+        };
+    }
+    // The peak grows with the micro-batch: double, then bisect.
+    let (mut low, mut high) = (1, 2);
+    while fits(high) {
+        low = high;
+        high *= 2;
+    }
+    while high - low > 1 {
+        let mid = (low + high) / 2;
+        if fits(mid) {
+            low = mid;
+        } else {
+            high = mid;
+        }
+    }
     Plan {
-        micro_batch,
-        state_bytes: state,
-        activation_bytes_per_sequence: per_sequence,
+        micro_batch: low,
+        prediction: at(low),
     }
 }
 
@@ -265,21 +296,36 @@ mod tests {
     fn more_memory_checkpointing_and_shorter_sequences_fit_more() {
         let c = BertConfig::large();
         let gib = 1024f64.powi(3);
-        let p12 = plan(&c, 128, 20, Precision::Half, false, 12.0 * gib);
-        let p80 = plan(&c, 128, 20, Precision::Half, false, 80.0 * gib);
-        let ck = plan(&c, 128, 20, Precision::Half, true, 12.0 * gib);
-        let long = plan(&c, 512, 80, Precision::Half, false, 12.0 * gib);
+        let p12 = plan(&c, 128, 20, Precision::Half, 0, 12.0 * gib);
+        let p80 = plan(&c, 128, 20, Precision::Half, 0, 80.0 * gib);
+        let ck = plan(&c, 128, 20, Precision::Half, 1, 12.0 * gib);
+        let long = plan(&c, 512, 80, Precision::Half, 0, 80.0 * gib);
         assert!(p12.micro_batch > 0);
         assert!(p80.micro_batch > 5 * p12.micro_batch);
         assert!(ck.micro_batch > 2 * p12.micro_batch);
-        assert!(long.micro_batch < p12.micro_batch / 3);
-        // Optimiser state of BERT-large in mixed precision: about 6.3 GiB.
-        assert!(
-            (p12.state_bytes / gib - 6.26).abs() < 0.1,
-            "{}",
-            p12.state_bytes / gib
+        assert!(long.micro_batch < p80.micro_batch / 4);
+        // The largest micro-batch is the largest: one more does not fit.
+        for p in [&p12, &p80, &ck, &long] {
+            assert!(
+                p.prediction.total()
+                    <= USABLE * if p == &p12 || p == &ck { 12.0 } else { 80.0 } * gib
+            );
+        }
+        let one_more = predict(
+            &c,
+            &Shape {
+                seq: 128,
+                predictions: 20,
+                micro_batch: p80.micro_batch + 1,
+            },
+            Precision::Half,
+            0,
         );
-        let none = plan(&c, 128, 20, Precision::F32, false, 4.0 * gib);
+        assert!(one_more.total() > USABLE * 80.0 * gib);
+        // BERT-large's state in bf16: weights (tables f32), f32 master weights and moments.
+        let state = p12.prediction.state_bytes / gib;
+        assert!((state - 4.44).abs() < 0.02, "{state}");
+        let none = plan(&c, 128, 20, Precision::F32, 0, 4.0 * gib);
         assert_eq!(none.micro_batch, 0);
         assert_eq!(none.recipe(65536), None);
         let fits = Plan {

@@ -296,6 +296,63 @@ fn restore_checkpoint(
     Ok(saved)
 }
 
+/// Before the first step: the plan's predicted peak for this run against the device's free
+/// memory (after the model and optimiser are built, so free memory is counted without them and
+/// they are taken out of the prediction). A run that will not fit stops here with the numbers
+/// and the largest micro-batch that fits, not an out-of-memory error an hour in.
+fn check_memory(
+    config: &PretrainConfig,
+    model: &bertkit_model::BertConfig,
+    seq: usize,
+    free: u64,
+    accumulation: usize,
+) -> Result<(), TrainError> {
+    let precision = crate::plan::Precision::parse(&config.train.precision)?;
+    let every = config.train.activation_checkpointing;
+    let shape = crate::plan::Shape {
+        seq,
+        predictions: config.data.max_predictions,
+        micro_batch: config.data.micro_batch,
+    };
+    let predicted = crate::plan::predict(model, &shape, precision, every);
+    // The state is allocated already: what remains to fit is the rest of the peak.
+    let needed = predicted.total() - predicted.state_bytes;
+    if needed <= free as f64 {
+        return Ok(());
+    }
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let largest = crate::plan::plan(
+        model,
+        seq,
+        shape.predictions,
+        precision,
+        every,
+        free as f64 + predicted.state_bytes,
+    );
+    let suggestion = match largest.recipe(config.train.global_batch) {
+        Some((micro, steps)) => format!(
+            "[data] micro_batch = {micro} fits (accumulation {steps} for the global batch {})",
+            config.train.global_batch
+        ),
+        None => "not even one sequence fits".to_string(),
+    };
+    Err(TrainError::Config(format!(
+        "micro-batch {} of {seq}-token sequences (accumulation {accumulation}, {}, activation \
+         checkpointing {every}) needs about {:.1} GiB more at its peak than the {:.1} GiB free on \
+         {}: {suggestion}{}",
+        shape.micro_batch,
+        config.train.precision,
+        gib(needed),
+        gib(free as f64),
+        config.train.device,
+        if every == 0 {
+            "; or set [train] activation_checkpointing = 1"
+        } else {
+            ""
+        }
+    )))
+}
+
 /// A pre-training run.
 pub struct Trainer {
     config: PretrainConfig,
@@ -378,6 +435,14 @@ impl Trainer {
                 vocab.size(),
                 model.config.vocab_size
             )));
+        }
+        if let Some(free) = bertkit_model::free_memory(&device) {
+            // The longest sequence the records hold (the files say), else the model's limit.
+            let seq = dataset
+                .max_seq_length()
+                .unwrap_or(model.config.max_position_embeddings)
+                .min(model.config.max_position_embeddings);
+            check_memory(&config, &model.config, seq, free, accumulation)?;
         }
         let dropout =
             DropoutSource::new(config.train.seed ^ 0xD50F_0000 ^ options.ranks.rank as u64);
@@ -685,5 +750,35 @@ impl Trainer {
     /// The data set.
     pub fn dataset(&self) -> &Arc<Dataset> {
         &self.dataset
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run the plan says will not fit stops before the first step, with the numbers and the
+    /// micro-batch that would fit; one that fits passes.
+    #[test]
+    fn a_run_that_will_not_fit_is_refused_with_a_micro_batch_that_would() {
+        let recipe = bertkit_test_support::repo_root().join("pipelines/pretrain-phase1.toml");
+        let config = PretrainConfig::load(&recipe).unwrap();
+        let model = config.bert_config().unwrap();
+        let gib = 1u64 << 30;
+        // Phase 1 on an 80 GB GPU: its state (4.4 GiB) is allocated, ~42 GiB more to go.
+        assert!(check_memory(&config, &model, 128, 70 * gib, 1024).is_ok());
+        let err = check_memory(&config, &model, 128, 12 * gib, 1024)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("micro-batch 64 of 128-token sequences"),
+            "{err}"
+        );
+        assert!(err.contains("GiB free on cuda"), "{err}");
+        assert!(
+            err.contains("[data] micro_batch = 8 fits (accumulation 8192"),
+            "{err}"
+        );
+        assert!(err.contains("activation_checkpointing = 1"), "{err}");
     }
 }

@@ -588,3 +588,36 @@ fn bad_configs_are_refused_with_clear_messages() {
         .to_string();
     assert!(err.contains("nothing-here"), "{err}");
 }
+
+/// The shipped recipes fit one 80 GB GPU with 10% to spare, per the calibrated plan (phase 1 at
+/// sequences of 128, phase 2 at 512), and their batches divide as configured.
+#[test]
+fn the_shipped_recipes_fit_an_80_gb_gpu() {
+    use bertkit_train::plan::{Precision, Shape, USABLE, predict};
+    for (file, seq) in [("pretrain-phase1.toml", 128), ("pretrain-phase2.toml", 512)] {
+        let path = bertkit_test_support::repo_root()
+            .join("pipelines")
+            .join(file);
+        let recipe = PretrainConfig::load(&path).unwrap();
+        let peak = predict(
+            &recipe.bert_config().unwrap(),
+            &Shape {
+                seq,
+                predictions: recipe.data.max_predictions,
+                micro_batch: recipe.data.micro_batch,
+            },
+            Precision::parse(&recipe.train.precision).unwrap(),
+            recipe.train.activation_checkpointing,
+        )
+        .total();
+        assert!(
+            peak <= USABLE * 80e9,
+            "{file}: {:.1} GB predicted",
+            peak / 1e9
+        );
+        assert_eq!(
+            recipe.accumulation(1).unwrap() * recipe.data.micro_batch,
+            recipe.train.global_batch
+        );
+    }
+}

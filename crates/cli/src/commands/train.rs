@@ -110,50 +110,117 @@ pub(crate) fn plot(args: PlotArgs) -> Result<()> {
 }
 
 pub(crate) fn plan(args: PlanArgs) -> Result<()> {
-    let config = bertkit_model::BertConfig::named(&args.config)?;
-    let memory = bertkit_train::plan::parse_bytes(&args.gpu_mem)?;
-    let precision = bertkit_train::plan::Precision::parse(&args.precision)?;
-    println!(
-        "{} layers, hidden {}, {:.1} M parameters; {} GPU memory, {}, activation checkpointing {}",
-        config.num_hidden_layers,
-        config.hidden_size,
-        bertkit_train::plan::parameters(&config) as f64 / 1e6,
-        args.gpu_mem,
-        args.precision,
-        if args.checkpointing { "on" } else { "off" }
-    );
-    println!(
-        "{:>6} {:>10} {:>12} {:>12} {:>14} {:>14} {:>12}",
-        "seq", "fits", "micro-batch", "state GiB", "act GiB/seq", "global batch", "accumulate"
-    );
+    use bertkit_train::plan::{Precision, Shape, parse_bytes, plan, predict};
+    let memory = parse_bytes(&args.gpu_mem)?;
     // A list shorter than --seq repeats its last value.
     let nth =
         |list: &[usize], i: usize, default: usize| *list.get(i).or(list.last()).unwrap_or(&default);
-    for (i, &seq) in args.seq.iter().enumerate() {
-        let global = nth(&args.global_batch, i, 256);
-        let p = bertkit_train::plan::plan(
-            &config,
-            seq,
-            nth(&args.predictions, i, 20),
-            precision,
+    let recipe = match &args.recipe {
+        Some(path) => Some(bertkit_train::config::PretrainConfig::load(path)?),
+        None => None,
+    };
+    let (config, precision_name, every) = match &recipe {
+        Some(r) => (
+            r.bert_config()?,
+            r.train.precision.clone(),
+            r.train.activation_checkpointing,
+        ),
+        None => (
+            bertkit_model::BertConfig::named(&args.config)?,
+            args.precision.clone(),
             args.checkpointing,
-            memory,
-        );
-        let gib = |b: f64| b / (1u64 << 30) as f64;
-        let (micro, accumulate) = match p.recipe(global) {
-            Some((micro, accumulate)) => (micro, accumulate.to_string()),
-            None => (0, "-".to_string()),
-        };
+        ),
+    };
+    let precision = Precision::parse(&precision_name)?;
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    if !args.json {
         println!(
-            "{seq:>6} {:>10} {micro:>12} {:>12.2} {:>14.3} {global:>14} {accumulate:>12}",
-            p.micro_batch,
-            gib(p.state_bytes),
-            gib(p.activation_bytes_per_sequence),
+            "{} layers, hidden {}, {:.1} M parameters; {} of memory, {precision_name}, activation checkpointing {}",
+            config.num_hidden_layers,
+            config.hidden_size,
+            bertkit_train::plan::parameters(&config) as f64 / 1e6,
+            args.gpu_mem,
+            if every == 0 {
+                "off".to_string()
+            } else {
+                format!("every {every} layer(s)")
+            }
+        );
+        println!(
+            "{:>6} {:>10} {:>12} {:>12} {:>14} {:>12} {:>10}",
+            "seq", "fits", "micro-batch", "peak GiB", "global batch", "accumulate", "recipe"
         );
     }
-    println!(
-        "(an analytic estimate: weights, gradients, optimiser state, activations, 10% reserve; not yet calibrated on a GPU)"
-    );
+    for (i, &seq) in args.seq.iter().enumerate() {
+        let (predictions, global) = match &recipe {
+            Some(r) => (r.data.max_predictions, r.train.global_batch),
+            None => (
+                nth(&args.predictions, i, 20),
+                nth(&args.global_batch, i, 256),
+            ),
+        };
+        let largest = plan(&config, seq, predictions, precision, every, memory);
+        let (micro, accumulate) = match &recipe {
+            Some(r) => (
+                r.data.micro_batch,
+                Some(r.accumulation(1)?).filter(|_| r.data.micro_batch > 0),
+            ),
+            None => match largest.recipe(global) {
+                Some((micro, steps)) => (micro, Some(steps)),
+                None => (0, None),
+            },
+        };
+        let at = predict(
+            &config,
+            &Shape {
+                seq,
+                predictions,
+                micro_batch: micro.max(1),
+            },
+            precision,
+            every,
+        );
+        let fits = micro > 0 && at.total() <= bertkit_train::plan::USABLE * memory;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "seq": seq,
+                    "predictions": predictions,
+                    "precision": precision_name,
+                    "checkpointing": every,
+                    "memory_bytes": memory,
+                    "largest_micro_batch": largest.micro_batch,
+                    "micro_batch": micro,
+                    "accumulation": accumulate,
+                    "global_batch": global,
+                    "peak_bytes": at.total(),
+                    "state_bytes": at.state_bytes,
+                    "activation_bytes": at.activation_bytes,
+                    "transient_bytes": at.transient_bytes,
+                    "fits": fits,
+                })
+            );
+        } else {
+            println!(
+                "{seq:>6} {:>10} {micro:>12} {:>12.2} {global:>14} {:>12} {:>10}",
+                largest.micro_batch,
+                gib(at.total()),
+                accumulate.map_or("-".to_string(), |a| a.to_string()),
+                if recipe.is_some() {
+                    if fits { "fits" } else { "TOO BIG" }
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    if !args.json {
+        println!(
+            "(peak = the run's state + the larger of a micro-batch's activations with its gradients and the optimiser update; calibrated against measured training steps, see BENCHMARKS.md; {:.0}% of the memory is kept back)",
+            (1.0 - bertkit_train::plan::USABLE) * 100.0
+        );
+    }
     Ok(())
 }
 

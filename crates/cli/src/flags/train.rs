@@ -49,8 +49,12 @@ pub(crate) struct PlotArgs {
 #[derive(Args)]
 pub(crate) struct PlanArgs {
     /// A transformers config.json, or base / large.
-    #[arg(long)]
+    #[arg(long, default_value = "large", conflicts_with = "recipe")]
     pub(crate) config: String,
+    /// A run config (pipelines/pretrain-phase1.toml, …): its model, precision, checkpointing,
+    /// masked-LM slots, micro-batch and global batch, checked against the memory at --seq.
+    #[arg(long)]
+    pub(crate) recipe: Option<PathBuf>,
     /// Sequence lengths, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "128,512")]
     pub(crate) seq: Vec<usize>,
@@ -60,15 +64,19 @@ pub(crate) struct PlanArgs {
     /// f32, bf16 or fp16.
     #[arg(long, default_value = "bf16")]
     pub(crate) precision: String,
-    /// Activation checkpointing (keep one layer input per layer, recompute the rest).
-    #[arg(long)]
-    pub(crate) checkpointing: bool,
+    /// Activation checkpointing every N layers (the flag alone: every layer).
+    #[arg(long, num_args = 0..=1, default_value_t = 0, default_missing_value = "1")]
+    pub(crate) checkpointing: usize,
     /// Global batch per sequence length, comma-separated (NVIDIA's recipe: 65536,32768).
     #[arg(long, value_delimiter = ',', default_value = "65536,32768")]
     pub(crate) global_batch: Vec<usize>,
-    /// Masked-LM predictions per sequence length, comma-separated.
+    /// Masked-LM predictions per sequence length, comma-separated (0: no masked-LM head, as in
+    /// fine-tuning).
     #[arg(long, value_delimiter = ',', default_value = "20,80")]
     pub(crate) predictions: Vec<usize>,
+    /// One JSON object per sequence length instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Args)]
