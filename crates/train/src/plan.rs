@@ -24,6 +24,8 @@ pub enum Precision {
     F32,
     /// bf16 or fp16 compute with f32 master weights.
     Half,
+    /// f64 everywhere (tests): twice f32's bytes.
+    F64,
 }
 
 impl Precision {
@@ -32,6 +34,7 @@ impl Precision {
         match name {
             "f32" => Ok(Precision::F32),
             "bf16" | "fp16" | "f16" => Ok(Precision::Half),
+            "f64" => Ok(Precision::F64),
             other => Err(TrainError::Config(format!(
                 "precision {other:?}: expected f32, bf16 or fp16"
             ))),
@@ -42,6 +45,7 @@ impl Precision {
         match self {
             Precision::F32 => 4.0,
             Precision::Half => 2.0,
+            Precision::F64 => 8.0,
         }
     }
 }
@@ -159,13 +163,18 @@ pub fn predict(
     precision: Precision,
     checkpointing: usize,
 ) -> Prediction {
+    if precision == Precision::F64 {
+        let f32 = predict(c, shape, Precision::F32, checkpointing);
+        return Prediction {
+            state_bytes: 2.0 * f32.state_bytes,
+            activation_bytes: 2.0 * f32.activation_bytes,
+            transient_bytes: 2.0 * f32.transient_bytes,
+        };
+    }
     let p = parameters(c) as f64;
     let tables = table_parameters(c) as f64;
     let b = precision.bytes();
-    let k = match precision {
-        Precision::F32 => 0,
-        Precision::Half => 1,
-    };
+    let k = usize::from(precision == Precision::Half);
     let state = 4.0 * tables + b * (p - tables) + 12.0 * p;
     let (s, h, a) = (
         shape.seq as f64,
