@@ -2,5 +2,6 @@
 //! per file), a module per subject.
 
 mod gradients;
+mod heads;
 mod minilm_forward;
 mod weights;

@@ -2,7 +2,9 @@
 //!
 //! A dev-dependency of every crate's tests, never of a shipped crate:
 //! - the shared data folder ([`require`], [`shared_data_dir`], [`repo_root`]);
-//! - digests of outputs ([`sha256_hex`], [`sha256_file`]).
+//! - digests of outputs ([`sha256_hex`], [`sha256_file`]);
+//! - deterministic parameter values shared with the PyTorch scripts that make reference
+//!   fixtures ([`reference_value`], mirrored by `python/reference_weights.py`).
 //!
 //! ## The shared data folder
 //!
@@ -137,6 +139,90 @@ pub fn sha256_file(path: impl AsRef<Path>) -> String {
         Ok(bytes) => sha256_hex(&bytes),
         Err(e) => panic!("{}: {e}", path.display()),
     }
+}
+
+/// The parameter value tests and the PyTorch fixture scripts (`python/reference_weights.py`,
+/// which this mirrors) both put at flat `index` of the parameter `name` (bertkit's name):
+/// a 32-bit mix of `index` and a hash of `name` gives 16 bits `x`, `u = x / 65536 − ½`, then
+/// `1 + 0.2u` for LayerNorm weights and `0.1u` for everything else. Exact in binary up to one
+/// rounding, so both sides agree bit for bit.
+pub fn reference_value(name: &str, index: usize) -> f64 {
+    let hash = name
+        .bytes()
+        .fold(0u64, |h, b| (h * 31 + u64::from(b)) % 65521);
+    let mask = (1u64 << 32) - 1;
+    let mut x = (index as u64)
+        .wrapping_mul(2654435761)
+        .wrapping_add(hash * 40503)
+        & mask;
+    x ^= x >> 15;
+    x = x.wrapping_mul(2246822519) & mask;
+    x ^= x >> 13;
+    let u = (x >> 16) as f64 / 65536.0 - 0.5;
+    if name.ends_with("LayerNorm.weight") {
+        1.0 + 0.2 * u
+    } else {
+        0.1 * u
+    }
+}
+
+/// [`reference_value`] at every index of a parameter of `numel` elements, in row-major order.
+pub fn reference_values(name: &str, numel: usize) -> Vec<f64> {
+    (0..numel).map(|i| reference_value(name, i)).collect()
+}
+
+fn files_under(dir: &Path, base: &Path, out: &mut Vec<String>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files_under(&path, base, out);
+        } else {
+            out.push(
+                path.strip_prefix(base)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+        }
+    }
+}
+
+/// Checks that every folder under `root` (a crate's `tests/fixtures`) lists each of its files
+/// but the README with its SHA-256 (`sha256sum` lines) in its README's `## SHA-256` section,
+/// and nothing more, so that a changed fixture shows in review as a changed line. Returns the
+/// folders checked; panics naming the folder otherwise.
+pub fn check_fixture_digests(root: &Path) -> usize {
+    let mut folders = 0;
+    for entry in std::fs::read_dir(root).unwrap() {
+        let folder = entry.unwrap().path();
+        if !folder.is_dir() {
+            continue;
+        }
+        let readme = std::fs::read_to_string(folder.join("README.md"))
+            .unwrap_or_else(|e| panic!("{}/README.md: {e}", folder.display()));
+        let section = readme
+            .split("## SHA-256")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{}: no SHA-256 section", folder.display()));
+        let mut listed: Vec<(String, String)> = section
+            .lines()
+            .filter_map(|l| l.split_once("  "))
+            .filter(|(sha, _)| sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()))
+            .map(|(sha, file)| (file.to_string(), sha.to_string()))
+            .collect();
+        listed.sort();
+        let mut files = Vec::new();
+        files_under(&folder, &folder, &mut files);
+        files.retain(|f| f != "README.md" && !f.contains("__pycache__"));
+        files.sort();
+        let actual: Vec<(String, String)> = files
+            .iter()
+            .map(|f| (f.clone(), sha256_file(folder.join(f))))
+            .collect();
+        assert_eq!(listed, actual, "{}", folder.display());
+        folders += 1;
+    }
+    folders
 }
 
 #[cfg(test)]
