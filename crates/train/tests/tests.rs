@@ -4,3 +4,4 @@
 mod host_reads;
 mod loader;
 mod pretrain;
+mod trajectory;
