@@ -1,12 +1,13 @@
 //! The whole data pipeline as users run it (`bertkit pipeline`, the demo config, the shared data
-//! folder as a mirror): killed with SIGKILL again and again and re-run, it ends with the
+//! folder as a mirror): killed with SIGKILL as each step starts and re-run, it ends with the
 //! same files as an uninterrupted run; run as two processes (ranks, as srun starts them), it
 //! gives the same files as one.
 
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Instant;
 
 use bertkit_test_support::{repo_root, shared_data_dir};
 
@@ -43,6 +44,11 @@ fn pipeline(config: &Path, env: &[(&str, &str)]) -> Command {
         cmd.env(k, v);
     }
     cmd
+}
+
+/// A line of the pipeline's summary table: a step that finished or was up to date.
+fn is_step_line(line: &str) -> bool {
+    line.starts_with("  ") && (line.contains(" done ") || line.contains(" up to date "))
 }
 
 fn finish(child: Child) -> String {
@@ -115,33 +121,49 @@ fn assert_same_outputs(expected: &Path, actual: &Path) {
 }
 
 #[test]
-fn killed_at_any_moment_and_rerun_it_ends_with_the_files_of_an_uninterrupted_run() {
+fn killed_as_each_step_starts_and_rerun_it_ends_with_the_files_of_an_uninterrupted_run() {
     let dir = tempfile::tempdir().unwrap();
     let reference = dir.path().join("reference");
-    let started = Instant::now();
-    finish(
+    let steps = finish(
         pipeline(&demo_config(dir.path(), &reference), &[])
             .spawn()
             .unwrap(),
-    );
-    let full = started.elapsed();
+    )
+    .lines()
+    .filter(|l| is_step_line(l))
+    .count();
+    assert_eq!(steps, 6);
 
-    // SIGKILL every eighth of a full run's time: each run continues from what the last left,
-    // so the kills land at later and later steps, until a run finishes on its own.
+    // Run k is killed (SIGKILL) the moment its k-th step line appears, that is as step k + 1
+    // starts: each run continues from what the last one left, so the kills land in every step
+    // after the first, whatever the machine's speed.
     let killed = dir.path().join("killed");
     let config = demo_config(dir.path(), &killed);
     let mut kills = 0;
-    for _ in 0..40 {
+    for k in 1..steps {
         let mut child = pipeline(&config, &[]).spawn().unwrap();
-        std::thread::sleep(full / 8);
-        if child.try_wait().unwrap().is_some() {
-            break;
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut seen = Vec::new();
+        for line in stdout.lines() {
+            let line = line.unwrap();
+            if is_step_line(&line) {
+                seen.push(line);
+                if seen.len() == k {
+                    break;
+                }
+            }
         }
-        child.kill().unwrap(); // SIGKILL
-        let _ = child.wait();
-        kills += 1;
+        assert_eq!(seen.len(), k, "run {k} ended early: {seen:?}");
+        // Every step the last run finished is up to date; the one it was killed in is redone.
+        let redone = seen.iter().filter(|l| !l.contains("up to date")).count();
+        assert_eq!(redone, 1, "run {k}: {seen:?}");
+        child.kill().unwrap();
+        let status = child.wait().unwrap();
+        // A run whose last step ended between its line and the kill exits on its own; the
+        // steps left are many times slower than that moment, so in practice never.
+        kills += usize::from(status.signal() == Some(9));
     }
-    assert!(kills >= 3, "only {kills} runs were still going when killed");
+    assert!(kills >= steps - 2, "only {kills} runs were killed");
     let stdout = finish(pipeline(&config, &[]).spawn().unwrap());
     assert!(stdout.contains("pipeline"), "{stdout}");
     assert_same_outputs(&reference, &killed);
