@@ -51,9 +51,9 @@
 //! run. This divides the writing and compression, not the reading.
 //!
 //! ## Restarts
-//! Re-running with the same inputs (path, size, modification time) and parameters finds the
-//! manifest and its files and does nothing. Changed inputs or parameters rebuild. A run that is
-//! killed leaves only hidden `.partial` files and the temporary folder, which the next run
+//! Re-running with the same inputs (path and size, and modification time or else contents; see
+//! `bertkit_stage_io::InputFile::same_file_as`) and parameters finds the manifest and its
+//! files and does nothing. Changed inputs or parameters rebuild. A run that is killed leaves only hidden `.partial` files and the temporary folder, which the next run
 //! removes before it starts.
 
 #![deny(missing_docs)]

@@ -72,17 +72,34 @@ impl InputFile {
         })
     }
 
-    /// Whether `other` is the same file, unchanged (same path, size and modification time).
-    pub fn same_file_as(&self, other: &InputFile) -> bool {
-        self.path == other.path
-            && self.bytes == other.bytes
-            && self.modified_unix_ns == other.modified_unix_ns
+    /// Whether the file recorded as `self` (with its SHA-256, as a manifest keeps it) is
+    /// unchanged in `current` (as [`InputFile::stat`] finds it now): the same path and size,
+    /// and the same modification time or, when only the time moved (a file rewritten or
+    /// touched with the same bytes, as an upstream step that ran again leaves it), the same
+    /// SHA-256 of its bytes now. So a step runs again only when an input's contents changed;
+    /// a file is read for this only when its size matches and its time does not.
+    pub fn same_file_as(&self, current: &InputFile) -> bool {
+        if self.path != current.path || self.bytes != current.bytes {
+            return false;
+        }
+        if self.modified_unix_ns == current.modified_unix_ns {
+            return true;
+        }
+        !self.sha256.is_empty()
+            && sha256_of_file(Path::new(&current.path)).is_ok_and(|h| h == self.sha256)
     }
 }
 
-/// Whether two input lists are the same files, unchanged, in the same order.
-pub fn same_inputs(a: &[InputFile], b: &[InputFile]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same_file_as(y))
+/// The hex SHA-256 of a file's bytes, read in chunks.
+pub fn sha256_of_file(path: &Path) -> io::Result<String> {
+    let reader = HashingReader::new(io::BufReader::with_capacity(1 << 20, fs::File::open(path)?));
+    reader.finish()
+}
+
+/// Whether the `recorded` input list is the same files, unchanged, in the same order, as
+/// `current` (see [`InputFile::same_file_as`]).
+pub fn same_inputs(recorded: &[InputFile], current: &[InputFile]) -> bool {
+    recorded.len() == current.len() && recorded.iter().zip(current).all(|(r, c)| r.same_file_as(c))
 }
 
 /// A reader that hashes (SHA-256) and counts the bytes that pass through it. The count is
@@ -234,6 +251,21 @@ mod tests {
         write_atomically(&path, b"{ }").unwrap();
         let b = InputFile::stat(&path).unwrap();
         assert!(!a.same_file_as(&b));
+        // The same bytes written again (a new modification time): unchanged when the recorded
+        // input has its SHA-256, changed without it (nothing to compare the bytes with).
+        let recorded = InputFile {
+            sha256: sha256_of_file(&path).unwrap(),
+            ..b.clone()
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        write_atomically(&path, b"{ }").unwrap();
+        let rewritten = InputFile::stat(&path).unwrap();
+        assert_ne!(rewritten.modified_unix_ns, b.modified_unix_ns);
+        assert!(recorded.same_file_as(&rewritten));
+        assert!(!b.same_file_as(&rewritten));
+        // Other bytes of the same size: changed.
+        write_atomically(&path, b"[ ]").unwrap();
+        assert!(!recorded.same_file_as(&InputFile::stat(&path).unwrap()));
         assert!(InputFile::stat(dir.path()).is_err());
     }
 }
