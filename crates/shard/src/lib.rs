@@ -53,8 +53,9 @@
 //! ## Restarts
 //! Re-running with the same inputs (path and size, and modification time or else contents; see
 //! `bertkit_stage_io::InputFile::same_file_as`) and parameters finds the manifest and its
-//! files and does nothing. Changed inputs or parameters rebuild. A run that is killed leaves only hidden `.partial` files and the temporary folder, which the next run
-//! removes before it starts.
+//! files and does nothing. Changed inputs or parameters rebuild. A run that is killed leaves
+//! only hidden `.partial` files and the temporary folder, which the next run removes before it
+//! starts.
 
 #![deny(missing_docs)]
 
