@@ -5,6 +5,7 @@ mod cli;
 mod commands;
 mod evaluate;
 mod forward;
+mod memory;
 mod pipeline;
 mod pretrain;
 mod util;
