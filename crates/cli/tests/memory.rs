@@ -75,3 +75,54 @@ fn formatting_a_dump_stays_under_its_memory_bound_whatever_its_size() {
     eprintln!("format wiki peak RSS: {} MiB for 60 parts", peak / MIB);
     assert!(peak < 128 * MIB, "{} MiB", peak / MIB);
 }
+
+/// `bertkit records` (phase 1, dupe 10) over the folder `input` with `threads` rayon threads;
+/// returns the peak RSS.
+fn records_peak(input: &Path, out: &Path, threads: usize, dir: &Path) -> u64 {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bertkit"));
+    cmd.args(["records", "--dupe-factor", "10", "-i"])
+        .arg(input)
+        .arg("-o")
+        .arg(out)
+        .arg("--vocab")
+        .arg(require("minilm/vocab.txt"))
+        .env("RAYON_NUM_THREADS", threads.to_string());
+    let (status, peak, stderr) = run_measured(cmd, dir);
+    assert!(status.success(), "{stderr}");
+    peak
+}
+
+/// README: the records stage holds one shard at a time per thread (its text, 4 bytes per
+/// token, 32 bytes per instance), so a folder's peak is the thread count times a shard's,
+/// however many shards it has. Here 36 shards of 2.6 MB (the formatted enwiki chunk) with 2
+/// threads against one shard alone: at most twice the one shard's peak plus 24 MiB of
+/// allocator slack (measured 42–44 MB for one; 82–95 MB for 8 to 24 shards, varying with how
+/// the two threads' peaks overlap). (Tried: a copy of every shard's tokenized corpus kept to
+/// the end reaches 160 MiB and fails this.)
+#[test]
+fn records_of_a_folder_hold_one_shard_per_thread_whatever_the_shard_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let formatted = dir.path().join("formatted");
+    format_peak(&dump_links(dir.path(), 1), &formatted, dir.path());
+    let text = std::fs::read(formatted.join("wiki_00000.txt")).unwrap();
+    let (one, many) = (dir.path().join("one"), dir.path().join("many"));
+    std::fs::create_dir_all(&one).unwrap();
+    std::fs::create_dir_all(&many).unwrap();
+    std::fs::write(one.join("shard_00000.txt"), &text).unwrap();
+    for i in 0..36 {
+        std::fs::write(many.join(format!("shard_{i:05}.txt")), &text).unwrap();
+    }
+    let single = records_peak(&one, &dir.path().join("out-one"), 2, dir.path());
+    let folder = records_peak(&many, &dir.path().join("out-many"), 2, dir.path());
+    eprintln!(
+        "records peak RSS: {} MiB for one shard, {} MiB for 36 shards with 2 threads",
+        single / MIB,
+        folder / MIB
+    );
+    assert!(
+        folder < 2 * single + 24 * MIB,
+        "{} MiB for 36 shards, {} MiB for one",
+        folder / MIB,
+        single / MIB
+    );
+}
