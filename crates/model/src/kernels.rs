@@ -9,8 +9,10 @@
 //! of LayerNorm or softmax tracks gradients (a frozen inference model, see
 //! [`crate::params::ParamBuilder::frozen`]), those fused candle ops are used, on every device
 //! alike: they are faster and need no intermediates ([`fused_calls_on_this_thread`] counts
-//! them, so a test can tell which path ran). In half precision, LayerNorm and softmax are
-//! computed in f32 and cast back, on either path; f64 (tests) always takes the composed one.
+//! them, so a test can tell which path ran). On the CPU in f32, that path computes attention's
+//! scale, padding mask and softmax in one pass of our own (`masked_softmax`, vectorised
+//! exponentials) instead of three. In half precision, LayerNorm and softmax are computed in f32
+//! and cast back, on either path; f64 (tests) always takes the composed one.
 
 use std::cell::Cell;
 use std::fmt::Debug;
@@ -113,6 +115,37 @@ impl Kernels for Composed {
 
     fn gelu(&self, x: &Tensor) -> Result<Tensor> {
         x.gelu_erf()
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask_bias: &Tensor,
+        mode: Mode,
+        dropout: f64,
+    ) -> Result<Tensor> {
+        let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
+        let scores = q.matmul(&k.t()?)?;
+        // On the CPU in f32 without gradients: scale, mask and softmax in one pass (see
+        // `masked_softmax`); counted as the fused softmax it replaces.
+        let probs =
+            if scores.device().is_cpu() && scores.dtype() == DType::F32 && may_fuse(&[&scores]) {
+                let mask = mask_bias.to_dtype(DType::F32)?.contiguous()?;
+                scores.contiguous()?.apply_op2_no_bwd(
+                    &mask,
+                    &crate::masked_softmax::MaskedSoftmax {
+                        scale: scale as f32,
+                    },
+                )?
+            } else {
+                let mask = mask_bias.to_dtype(scores.dtype())?;
+                let scores = (scores * scale)?.broadcast_add(&mask)?;
+                self.softmax_last_dim(&scores)?
+            };
+        let probs = mode.dropout(&probs, dropout)?;
+        probs.matmul(v)
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {

@@ -29,6 +29,7 @@ pub mod config;
 pub mod dropout;
 pub mod kernels;
 pub mod loss;
+mod masked_softmax;
 pub mod params;
 
 // Linked for its `x86-v4` feature alone: candle's CPU matrix products then take gemm's
