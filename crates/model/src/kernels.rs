@@ -9,9 +9,9 @@
 //! of LayerNorm or softmax tracks gradients (a frozen inference model, see
 //! [`crate::params::ParamBuilder::frozen`]), those fused candle ops are used, on every device
 //! alike: they are faster and need no intermediates ([`fused_calls_on_this_thread`] counts
-//! them, so a test can tell which path ran). On the CPU in f32, that path computes attention's
-//! scale, padding mask and softmax in one pass of our own (`masked_softmax`, vectorised
-//! exponentials) instead of three. In half precision, LayerNorm and softmax are computed in f32
+//! them, so a test can tell which path ran). On the CPU in f32, that path also computes
+//! attention's scale, padding mask and softmax in one pass of our own instead of three, and
+//! GELU with a vectorised error function (`cpu_fused`). In half precision, LayerNorm and softmax are computed in f32
 //! and cast back, on either path; f64 (tests) always takes the composed one.
 
 use std::cell::Cell;
@@ -114,6 +114,12 @@ impl Kernels for Composed {
     }
 
     fn gelu(&self, x: &Tensor) -> Result<Tensor> {
+        // On the CPU in f32 without gradients: a vectorised error function (`cpu_fused`)
+        // instead of the C library's scalar one. (Not counted with the fused LayerNorm and
+        // softmax: candle has no fused GELU to stand in for.)
+        if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() {
+            return x.contiguous()?.apply_op1_no_bwd(&crate::cpu_fused::Gelu);
+        }
         x.gelu_erf()
     }
 
@@ -129,13 +135,13 @@ impl Kernels for Composed {
         let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
         let scores = q.matmul(&k.t()?)?;
         // On the CPU in f32 without gradients: scale, mask and softmax in one pass (see
-        // `masked_softmax`); counted as the fused softmax it replaces.
+        // `cpu_fused`); counted as the fused softmax it replaces.
         let probs =
             if scores.device().is_cpu() && scores.dtype() == DType::F32 && may_fuse(&[&scores]) {
                 let mask = mask_bias.to_dtype(DType::F32)?.contiguous()?;
                 scores.contiguous()?.apply_op2_no_bwd(
                     &mask,
-                    &crate::masked_softmax::MaskedSoftmax {
+                    &crate::cpu_fused::MaskedSoftmax {
                         scale: scale as f32,
                     },
                 )?

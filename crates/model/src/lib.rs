@@ -26,10 +26,10 @@
 
 pub mod bert;
 pub mod config;
+mod cpu_fused;
 pub mod dropout;
 pub mod kernels;
 pub mod loss;
-mod masked_softmax;
 pub mod params;
 
 // Linked for its `x86-v4` feature alone: candle's CPU matrix products then take gemm's
