@@ -3,9 +3,10 @@
 //!
 //! The manifest is written last, atomically, so its presence means the run completed. It records
 //! the inputs (path, size, modification time, SHA-256), the parameters, the output files with
-//! their counts and hashes, and the run's counts. A later run with the same inputs (same path,
-//! size and modification time) and parameters finds the manifest and its outputs in place and
-//! does nothing.
+//! their counts and hashes, and the run's counts. A later run with the same inputs (same path
+//! and size, and the same modification time or else the same SHA-256; see
+//! `bertkit_stage_io::InputFile::same_file_as`) and parameters finds the manifest and its
+//! outputs in place and does nothing.
 
 use std::fs;
 use std::path::{Path, PathBuf};

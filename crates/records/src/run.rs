@@ -12,7 +12,8 @@
 //!   Google's script on each shard gives (NVIDIA's recipe does that). By default the seed is
 //!   derived from `seed` and the shard's name, so shards draw independent masks. Either way the
 //!   output does not depend on the thread count. An output whose metadata records the same
-//!   input (path, size, modification time), vocabulary and parameters is skipped.
+//!   input (path and size, and modification time or else contents: see
+//!   `bertkit_stage_io::InputFile::same_file_as`), vocabulary and parameters is skipped.
 
 use std::path::{Path, PathBuf};
 
