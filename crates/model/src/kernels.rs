@@ -32,6 +32,12 @@ pub trait Kernels: Send + Sync + Debug {
     /// Softmax over the last dimension.
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor>;
 
+    /// Attention probabilities from raw scores `q·kᵀ` (`[batch, heads, q, k]`):
+    /// `softmax(scores · scale + mask_bias)` over the keys.
+    fn masked_softmax(&self, scores: &Tensor, mask_bias: &Tensor, scale: f64) -> Result<Tensor> {
+        composed_masked_softmax(self, scores, mask_bias, scale)
+    }
+
     /// Scaled dot-product attention. `q`, `k`, `v`: `[batch, heads, seq, head_size]`;
     /// `mask_bias`: `[batch, 1, 1, seq]`, 0 for tokens and a large negative number for padding;
     /// `dropout`: probability applied to the attention probabilities in training `mode`.
@@ -46,12 +52,21 @@ pub trait Kernels: Send + Sync + Debug {
         dropout: f64,
     ) -> Result<Tensor> {
         let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = scores.broadcast_add(&mask_bias.to_dtype(scores.dtype())?)?;
-        let probs = self.softmax_last_dim(&scores)?;
+        let probs = self.masked_softmax(&q.matmul(&k.t()?)?, mask_bias, scale)?;
         let probs = mode.dropout(&probs, dropout)?;
         probs.matmul(v)
     }
+}
+
+/// [`Kernels::masked_softmax`] from separate ops: scale, add the mask, `k`'s softmax.
+fn composed_masked_softmax<K: Kernels + ?Sized>(
+    k: &K,
+    scores: &Tensor,
+    mask_bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let mask = mask_bias.to_dtype(scores.dtype())?;
+    k.softmax_last_dim(&(scores * scale)?.broadcast_add(&mask)?)
 }
 
 thread_local! {
@@ -123,35 +138,17 @@ impl Kernels for Composed {
         x.gelu_erf()
     }
 
-    fn attention(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        mask_bias: &Tensor,
-        mode: Mode,
-        dropout: f64,
-    ) -> Result<Tensor> {
-        let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-        let scores = q.matmul(&k.t()?)?;
+    fn masked_softmax(&self, scores: &Tensor, mask_bias: &Tensor, scale: f64) -> Result<Tensor> {
         // On the CPU in f32 without gradients: scale, mask and softmax in one pass (see
         // `cpu_fused`); counted as the fused softmax it replaces.
-        let probs =
-            if scores.device().is_cpu() && scores.dtype() == DType::F32 && may_fuse(&[&scores]) {
-                let mask = mask_bias.to_dtype(DType::F32)?.contiguous()?;
-                scores.contiguous()?.apply_op2_no_bwd(
-                    &mask,
-                    &crate::cpu_fused::MaskedSoftmax {
-                        scale: scale as f32,
-                    },
-                )?
-            } else {
-                let mask = mask_bias.to_dtype(scores.dtype())?;
-                let scores = (scores * scale)?.broadcast_add(&mask)?;
-                self.softmax_last_dim(&scores)?
+        if scores.device().is_cpu() && scores.dtype() == DType::F32 && may_fuse(&[scores]) {
+            let mask = mask_bias.to_dtype(DType::F32)?.contiguous()?;
+            let op = crate::cpu_fused::MaskedSoftmax {
+                scale: scale as f32,
             };
-        let probs = mode.dropout(&probs, dropout)?;
-        probs.matmul(v)
+            return scores.contiguous()?.apply_op2_no_bwd(&mask, &op);
+        }
+        composed_masked_softmax(self, scores, mask_bias, scale)
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
