@@ -9,8 +9,9 @@ use bertkit_test_support::require;
 
 const MIB: u64 = 1 << 20;
 
-/// Runs `cmd` to its end; returns its exit status, its peak RSS in bytes and its stderr.
-fn run_measured(mut cmd: Command, dir: &Path) -> (ExitStatus, u64, String) {
+/// Runs `cmd` to its end, asserts it succeeded (showing its stderr otherwise) and returns its
+/// peak RSS in bytes.
+fn peak_rss(mut cmd: Command, dir: &Path) -> u64 {
     use std::os::unix::process::ExitStatusExt;
     let stderr_path = dir.join("stderr.txt");
     let child = cmd
@@ -26,13 +27,13 @@ fn run_measured(mut cmd: Command, dir: &Path) -> (ExitStatus, u64, String) {
     let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
     assert_eq!(reaped, pid, "wait4: {}", std::io::Error::last_os_error());
     drop(child);
-    let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+    assert!(
+        ExitStatus::from_raw(status).success(),
+        "{}",
+        std::fs::read_to_string(&stderr_path).unwrap_or_default()
+    );
     // ru_maxrss is in KiB on Linux.
-    (
-        ExitStatus::from_raw(status),
-        usage.ru_maxrss as u64 * 1024,
-        stderr,
-    )
+    usage.ru_maxrss as u64 * 1024
 }
 
 /// `n` links to the real enwiki chunk (1.7 MB of bzip2, 6.1 MB of XML each) under `dir`.
@@ -57,9 +58,7 @@ fn format_peak(inputs: &[PathBuf], out: &Path, dir: &Path) -> u64 {
         .arg(out)
         .arg("-i")
         .args(inputs);
-    let (status, peak, stderr) = run_measured(cmd, dir);
-    assert!(status.success(), "{stderr}");
-    peak
+    peak_rss(cmd, dir)
 }
 
 /// README: formatting holds a bounded number of ~1 MiB segments whatever the dump's size;
@@ -87,9 +86,7 @@ fn records_peak(input: &Path, out: &Path, threads: usize, dir: &Path) -> u64 {
         .arg("--vocab")
         .arg(require("minilm/vocab.txt"))
         .env("RAYON_NUM_THREADS", threads.to_string());
-    let (status, peak, stderr) = run_measured(cmd, dir);
-    assert!(status.success(), "{stderr}");
-    peak
+    peak_rss(cmd, dir)
 }
 
 /// README: the records stage holds one shard at a time per thread (its text, 4 bytes per
@@ -161,8 +158,7 @@ fn sharding_a_large_corpus_stays_under_its_memory_bound() {
     .arg(&corpus)
     .arg("-o")
     .arg(dir.path().join("shards"));
-    let (status, peak, stderr) = run_measured(cmd, dir.path());
-    assert!(status.success(), "{stderr}");
+    let peak = peak_rss(cmd, dir.path());
     eprintln!("shard peak RSS: {} MiB for 1 GB", peak / MIB);
     assert!(peak < 256 * MIB, "{} MiB", peak / MIB);
 }
