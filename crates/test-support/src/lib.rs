@@ -135,10 +135,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 #[track_caller]
 pub fn sha256_file(path: impl AsRef<Path>) -> String {
     let path = path.as_ref();
-    match std::fs::read(path) {
-        Ok(bytes) => sha256_hex(&bytes),
-        Err(e) => panic!("{}: {e}", path.display()),
-    }
+    bertkit_stage_io::sha256_of_file(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The parameter value tests and the PyTorch fixture scripts (`python/reference_weights.py`,
