@@ -3,6 +3,8 @@
 
 mod cli;
 mod commands;
+#[cfg(feature = "mpi")]
+mod distributed;
 mod evaluate;
 mod forward;
 mod memory;

@@ -14,6 +14,14 @@
 //! `(seed, n)` alone (splitmix64 of the seed, the mask number and the element index). Either
 //! way, rewinding to a marked position replays the same masks, and the stream bookkeeping is
 //! the same code on every device ([`DropoutSource::streams_started`] counts the streams).
+//!
+//! Training keys the masks by the optimiser step and by each sequence's place in the step's
+//! global batch ([`DropoutSource::start_batch`]), not by rank or micro-batch: on the CPU an
+//! element's draw is a function of `(seed, step, mask number in the pass, the row's place in
+//! the step, the element's index in each further dimension)`, so a step split over any number
+//! of ranks, micro-batches and padded lengths drops the same elements of the same sequences.
+//! On CUDA the stream of a micro-batch is seeded with its first row's place, so the masks are
+//! the same for every split that keeps the micro-batch size.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,11 +30,17 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use bertkit_rng::splitmix64 as splitmix;
 
+/// Mask numbers set aside for each optimiser step ([`DropoutSource::start_batch`]): far more
+/// than a step's passes draw (a forward pass draws 2–3 per layer).
+pub const MASKS_PER_STEP: u64 = 1 << 20;
+
 /// Where training-mode dropout masks come from.
 #[derive(Debug)]
 pub struct DropoutSource {
     seed: u64,
     position: AtomicU64,
+    /// The place of the current batch's first row in its step (see [`DropoutSource::start_batch`]).
+    first_row: AtomicU64,
     /// The mask number the current stream draws next (`None`: the next mask starts a stream).
     stream_next: Mutex<Option<u64>>,
     streams: AtomicU64,
@@ -38,6 +52,7 @@ impl DropoutSource {
         DropoutSource {
             seed,
             position: AtomicU64::new(0),
+            first_row: AtomicU64::new(0),
             stream_next: Mutex::new(None),
             streams: AtomicU64::new(0),
         }
@@ -61,6 +76,15 @@ impl DropoutSource {
         let position = self.position();
         self.set_position(position);
         position
+    }
+
+    /// Starts the masks of a micro-batch of optimiser step `step` (from 0) whose first row is
+    /// row `first_row` of the step's global batch: a new stream at the step's first mask
+    /// number. Masks drawn from here depend on the step, the pass's mask count and each row's
+    /// place in the step, never on how the step is split into ranks and micro-batches.
+    pub fn start_batch(&self, step: u64, first_row: u64) {
+        self.first_row.store(first_row, Ordering::SeqCst);
+        self.set_position(step * MASKS_PER_STEP);
     }
 
     /// Streams started so far: on CUDA, how many times the device generator was seeded.
@@ -91,26 +115,21 @@ impl DropoutSource {
         }
         let n = self.position.fetch_add(1, Ordering::SeqCst);
         let starts_stream = self.take(n);
+        let first_row = self.first_row.load(Ordering::SeqCst);
         let key = splitmix(self.seed ^ splitmix(n));
         let scale = 1.0 / (1.0 - p);
         let mask = match x.device() {
             Device::Cpu => {
-                // Keep an element when its 24-bit uniform is at least p.
-                let threshold = (p * (1u64 << 24) as f64) as u64;
-                let values: Vec<f32> = (0..x.elem_count() as u64)
-                    .map(|i| {
-                        if (splitmix(key.wrapping_add(i)) >> 40) >= threshold {
-                            scale as f32
-                        } else {
-                            0.0
-                        }
-                    })
+                let keep = cpu_keep_mask(x.dims(), key, first_row, p);
+                let values: Vec<f32> = keep
+                    .into_iter()
+                    .map(|k| if k { scale as f32 } else { 0.0 })
                     .collect();
                 Tensor::from_vec(values, x.shape(), &Device::Cpu)?
             }
             device => {
                 if starts_stream {
-                    device.set_seed(key)?;
+                    device.set_seed(splitmix(key ^ splitmix(first_row)))?;
                 }
                 let uniform = Tensor::rand(0f32, 1f32, x.shape(), device)?;
                 (uniform.ge(p)?.to_dtype(DType::F32)? * scale)?
@@ -118,6 +137,46 @@ impl DropoutSource {
         };
         x.mul(&mask.to_dtype(x.dtype())?)
     }
+}
+
+/// Which elements of a tensor of `dims` (rows first) mask `key` keeps at drop probability
+/// `p`, row `i` being row `first_row + i` of its step. An element keeps when its 24-bit
+/// uniform is at least `p`; the uniform hashes the row's place and the element's index in each
+/// further dimension separately, so it does not move when the batch is padded longer.
+fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<bool> {
+    let threshold = (p * (1u64 << 24) as f64) as u64;
+    let (rows, rest) = match dims.split_first() {
+        Some((&rows, rest)) => (rows, rest),
+        None => (1, &[][..]),
+    };
+    let (last, middle) = match rest.split_last() {
+        Some((&last, middle)) => (last, middle),
+        None => (1, &[][..]),
+    };
+    let lines: usize = middle.iter().product();
+    let mut keep = Vec::with_capacity(rows * lines * last);
+    let mut index = vec![0usize; middle.len()];
+    for row in 0..rows as u64 {
+        let row_key = splitmix(key ^ splitmix(first_row + row));
+        index.iter_mut().for_each(|i| *i = 0);
+        for _ in 0..lines {
+            let line_key = index
+                .iter()
+                .fold(row_key, |k, &i| splitmix(k ^ splitmix(i as u64 + 1)));
+            keep.extend(
+                (0..last as u64).map(|j| (splitmix(line_key.wrapping_add(j)) >> 40) >= threshold),
+            );
+            // The next index of the middle dimensions, last fastest.
+            for (i, &d) in index.iter_mut().zip(middle).rev() {
+                *i += 1;
+                if *i < d {
+                    break;
+                }
+                *i = 0;
+            }
+        }
+    }
+    keep
 }
 
 #[cfg(test)]
@@ -139,6 +198,36 @@ mod tests {
         assert!((kept - 0.9).abs() < 0.02, "{kept}");
         // Kept values are scaled so the expectation is unchanged.
         assert!((v(&a).iter().sum::<f32>() / 10_000.0 - 1.0).abs() < 0.03);
+    }
+
+    /// A batch's masks depend on each row's place in its step and the element's place in the
+    /// row, not on the batch's split or padded length: rows 2..4 of one batch of 4 are the
+    /// rows of a batch of 2 starting at row 2, and padding the last two dimensions longer
+    /// keeps the masks of the original elements. (Tried: keying rows by their index in the
+    /// batch, or elements by their flat index, fails it.)
+    #[test]
+    fn masks_follow_the_rows_place_in_the_step_not_the_split_or_padding() {
+        let d = DropoutSource::new(9);
+        let draw = |dims: &[usize], step: u64, first_row: u64| {
+            d.start_batch(step, first_row);
+            let x = Tensor::ones(dims, DType::F32, &Device::Cpu).unwrap();
+            d.apply(&x, 0.3).unwrap().to_vec3::<f32>().unwrap()
+        };
+        let whole = draw(&[4, 6, 5], 3, 0);
+        let half = draw(&[2, 6, 5], 3, 2);
+        assert_eq!(&whole[2..], &half[..]);
+        let padded = draw(&[2, 9, 7], 3, 2);
+        for (a, b) in half.iter().zip(&padded) {
+            for (ra, rb) in a.iter().zip(b) {
+                assert_eq!(ra[..], rb[..5]);
+            }
+        }
+        assert_ne!(
+            draw(&[4, 6, 5], 4, 0),
+            whole,
+            "another step draws other masks"
+        );
+        assert_eq!(d.position(), 4 * MASKS_PER_STEP + 1);
     }
 
     /// Masks drawn in order continue one stream; marking or rewinding starts the next.

@@ -9,12 +9,18 @@
 //! learning rate warms up linearly over `warmup` of the steps and then decays linearly to 0.
 //! The step itself (accumulation, loss scaling, update) is pre-training's:
 //! [`bertkit_train::step`].
+//!
+//! **Data parallel**: a step's batch is cut into `ranks × accumulation` micro-batches and rank
+//! `r` takes the `r`-th run of `accumulation` of them; the ranks' gradients are summed (each
+//! micro-batch's loss already carries its share of the whole batch) and every rank applies the
+//! same update. Dropout is keyed by the step and an example's place in the batch, so `N` ranks
+//! train exactly like one process with `N` times the accumulation.
 
 use bertkit_model::{DropoutSource, Mode, ParamStore};
 use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
 use bertkit_train::scaler::LossScaler;
 use bertkit_train::schedule::{Decay, Schedule};
-use bertkit_train::step::{Local, Step};
+use bertkit_train::step::{GradientReducer, Step};
 use candle_core::{DType, Tensor};
 
 use crate::TaskError;
@@ -131,17 +137,28 @@ pub fn shuffled(n: usize, key: u64) -> Vec<usize> {
 /// The mean loss (a scalar tensor) of the examples at some indices, in a mode.
 pub type LossFn<'a> = dyn FnMut(&[usize], Mode) -> Result<Tensor, TaskError> + 'a;
 
-/// Trains the parameters in `params` on `examples` examples. `loss_of(indices, mode)` returns
-/// the mean loss (a scalar) of those examples; `progress` hears which parameters the
-/// checkpoint lacked (initialised fresh), then a line every 20 steps.
+/// Trains the parameters in `params` on `examples` examples, this process being one of the
+/// `reducer`'s ranks. `loss_of(indices, mode)` returns the mean loss (a scalar) of those
+/// examples; `progress` hears which parameters the checkpoint lacked (initialised fresh), then
+/// a line every 20 steps.
 pub fn train(
     params: &ParamStore,
     examples: usize,
     settings: &TrainSettings,
+    reducer: &dyn GradientReducer,
     loss_of: &mut LossFn,
     progress: &mut dyn FnMut(&str),
 ) -> Result<TrainLog, TaskError> {
     settings.validate()?;
+    let ranks = reducer.ranks();
+    let parts = settings.accumulation * ranks.world_size;
+    if parts > settings.batch {
+        return Err(TaskError::Settings(format!(
+            "accumulation {} on {} rank(s) cuts a batch of {} into more micro-batches than it \
+             has examples",
+            settings.accumulation, ranks.world_size, settings.batch
+        )));
+    }
     if examples == 0 {
         return Err(TaskError::Settings("no training examples".into()));
     }
@@ -187,19 +204,25 @@ pub fn train(
             );
         }
         let batch = &order[within * settings.batch..((within + 1) * settings.batch).min(examples)];
-        let micro = batch.len().div_ceil(settings.accumulation);
+        let micro = batch.len().div_ceil(parts);
         let mut step = Step::begin(params.vars(), &optimizer, scaler.as_ref());
-        for part in batch.chunks(micro) {
+        let mine = ranks.rank * settings.accumulation;
+        for (c, part) in batch
+            .chunks(micro)
+            .enumerate()
+            .skip(mine)
+            .take(settings.accumulation)
+        {
             // Each micro-batch's mean loss, weighted by its share of the batch: the gradients
-            // add up to the batch mean's.
+            // add up (over micro-batches and ranks) to the batch mean's.
             let weight = part.len() as f64 / batch.len() as f64;
-            dropout.mark();
+            dropout.start_batch(step_index as u64, (c * micro) as u64);
             let loss = (loss_of(part, Mode::Train(&dropout))? * weight)?;
             step.backward(&loss)?;
         }
         let lr = schedule.lr_at(step_index as u64);
         let outcome = step.finish(
-            &Local,
+            reducer,
             &mut optimizer,
             scaler.as_mut(),
             lr,

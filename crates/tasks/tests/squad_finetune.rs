@@ -62,6 +62,7 @@ fn fine_tuning_moves_every_parameter_and_predictions_cover_every_question() {
         },
         predict: predict_options(),
         dtype: DType::F32,
+        reducer: std::rc::Rc::new(bertkit_train::step::Local),
     };
     let mut lines = Vec::new();
     let report = finetune(&options, &mut |l| lines.push(l.to_string())).unwrap();

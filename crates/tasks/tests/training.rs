@@ -55,6 +55,7 @@ fn run(m: &Loaded<BertForQuestionAnswering>, data: &[Example], accumulation: usi
         &m.params,
         data.len(),
         &settings,
+        &bertkit_train::step::Local,
         &mut |indices, mode: Mode| {
             let seqs: Vec<(&[u32], &[u32])> = indices
                 .iter()

@@ -3,18 +3,26 @@
 //! - **Units**: every row group of every file is a unit (2048 instances). Files are read
 //!   through memory maps ([`bertkit_records::reader`]), a row group at a time.
 //! - **Order**: each epoch shuffles the units with the seed and the epoch number, and the rows
-//!   of each unit with the seed, epoch and unit. Rank `r` of `w` takes units `i % w == r`; every
-//!   rank stops an epoch after the same number of batches (what the smallest share holds), so
-//!   data-parallel ranks stay in step.
-//! - **Batches**: `micro_batch` consecutive samples, padded to the longest sequence of the batch
+//!   of each unit with the seed, epoch and unit; the epoch's sequences are the units' rows in
+//!   that order, whatever the number of ranks.
+//! - **Steps**: optimiser step `k` of an epoch takes the `global_batch` sequences from
+//!   `k × global_batch` on. Rank `r` of `w` takes the `r`-th of `w` equal consecutive parts of
+//!   them and cuts its part into `micro_batch` consecutive sequences at a time. So every
+//!   factorisation of the global batch into ranks × accumulation × micro-batch trains on the
+//!   same sequences at each step, and with the same micro-batch size on the same micro-batches
+//!   (two ranks with one micro-batch each are one process with two). An epoch ends after the
+//!   last whole global batch.
+//! - **Batches**: `micro_batch` sequences, padded to the longest sequence of the batch
 //!   rounded up to `pad_multiple` (8 suits tensor cores; a larger multiple, such as 64 for phase
 //!   2, gives a few fixed shapes, like length bins); masked-LM slots padded to
-//!   `max_predictions` with weight 0.
-//! - **Cursor**: `(epoch, batches consumed in the epoch)` fixes the next batch exactly, so a
-//!   checkpoint stores it and a resumed run continues with the next unseen batch.
+//!   `max_predictions` with weight 0. Each batch knows its first sequence's place in its step
+//!   ([`Batch::step_offset`]), which keys its dropout masks.
+//! - **Cursor**: `(epoch, sequences of the epoch consumed)`, at a step boundary, fixes the next
+//!   step exactly for any number of ranks, so a checkpoint stores it and a run resumed on
+//!   another number of processes continues with the next unseen step.
 //! - **Prefetch**: [`BatchStream`] decodes and pads on a background thread, a few batches ahead.
 //!
-//! Host memory holds one decoded unit per batch being built and the prefetch queue.
+//! Host memory holds one decoded unit, the micro-batch being built and the prefetch queue.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -27,13 +35,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 
-/// Where the data stands: the next batch is batch `batch` of epoch `epoch`.
+/// Where the data stands: the next optimiser step starts at sequence `sequence` of epoch
+/// `epoch`'s order (a multiple of the global batch; the same on every rank).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Cursor {
     /// Epoch (pass over the data), from 0.
     pub epoch: u64,
-    /// Batches of this epoch already consumed (by this rank).
-    pub batch: u64,
+    /// Sequences of this epoch's order already consumed, by all ranks together.
+    pub sequence: u64,
 }
 
 /// How batches are made.
@@ -41,6 +50,8 @@ pub struct Cursor {
 pub struct DataOptions {
     /// Sequences per micro-batch.
     pub micro_batch: usize,
+    /// Sequences per optimiser step over all ranks: a multiple of `micro_batch` × ranks.
+    pub global_batch: usize,
     /// Pad sequence length up to a multiple of this.
     pub pad_multiple: usize,
     /// Masked-LM slots per sequence (20 in phase 1, 80 in phase 2).
@@ -134,16 +145,22 @@ pub struct Batch {
     pub nsp_labels: Vec<u32>,
     /// Real (unpadded) tokens in the batch.
     pub tokens: usize,
-    /// The cursor after this batch.
+    /// The place of the batch's first sequence in its optimiser step's global batch (rank
+    /// share and micro-batch included).
+    pub step_offset: usize,
+    /// Where the stream continues after this batch's step (the checkpoint's cursor once the
+    /// step is done).
     pub next: Cursor,
 }
 
 impl Batch {
-    /// Pads `records` into a batch.
+    /// Pads `records` into a batch whose first sequence is sequence `step_offset` of its
+    /// step, which is followed by `next`.
     pub fn pad(
         records: &[Record],
         pad_multiple: usize,
         max_predictions: usize,
+        step_offset: usize,
         next: Cursor,
     ) -> Batch {
         let longest = records.iter().map(|r| r.input_ids.len()).max().unwrap_or(1);
@@ -162,6 +179,7 @@ impl Batch {
             masked_weights: vec![0.0; size * max_predictions],
             nsp_labels: Vec::with_capacity(size),
             tokens: 0,
+            step_offset,
             next,
         };
         for (i, r) in records.iter().enumerate() {
@@ -233,8 +251,13 @@ pub struct Dataset {
 impl Dataset {
     /// Opens every `.parquet` file of `inputs` (files, or folders read in name order).
     pub fn open(inputs: &[PathBuf], options: DataOptions) -> Result<Self, TrainError> {
-        if options.micro_batch == 0 {
-            return Err(TrainError::Config("micro_batch must be at least 1".into()));
+        let per_round = options.micro_batch * options.ranks.world_size;
+        if options.micro_batch == 0 || !options.global_batch.is_multiple_of(per_round) {
+            return Err(TrainError::Config(format!(
+                "a global batch of {} sequences cannot be cut into micro-batches of {} on {} \
+                 rank(s): it must be a positive multiple of their product",
+                options.global_batch, options.micro_batch, options.ranks.world_size
+            )));
         }
         let paths = bertkit_stage_io::expand_inputs(inputs, |name| name.ends_with(".parquet"))
             .map_err(|(p, e)| TrainError::Data(format!("{}: {e}", p.display())))?;
@@ -280,12 +303,11 @@ impl Dataset {
             vocab,
             remasker,
         };
-        if dataset.batches_per_epoch() == 0 {
+        if dataset.steps_per_epoch() == 0 {
             return Err(TrainError::Data(format!(
-                "{} sequences in all cannot make one batch of {} per rank ({})",
-                dataset.units.iter().map(|u| u.2).sum::<usize>(),
-                dataset.options.micro_batch,
-                dataset.options.ranks
+                "{} sequences in all cannot make one global batch of {}",
+                dataset.sequences(),
+                dataset.options.global_batch
             )));
         }
         Ok(dataset)
@@ -317,32 +339,26 @@ impl Dataset {
         self.units.iter().map(|u| u.2).sum()
     }
 
-    /// This rank's units for `epoch`, in order.
-    fn epoch_units(&self, epoch: u64, rank: usize) -> Vec<usize> {
+    /// The units in `epoch`'s order (the same on every rank).
+    fn epoch_units(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.units.len()).collect();
         shuffle(&mut order, splitmix(self.options.seed ^ splitmix(epoch)));
-        let w = self.options.ranks.world_size;
         order
-            .into_iter()
-            .enumerate()
-            .filter(|(i, _)| i % w == rank)
-            .map(|(_, u)| u)
-            .collect()
     }
 
-    /// Batches per epoch (the same for every rank).
+    /// Optimiser steps per epoch: the whole global batches the sequences make.
+    pub fn steps_per_epoch(&self) -> u64 {
+        (self.sequences() / self.options.global_batch) as u64
+    }
+
+    /// Micro-batches per optimiser step on each rank.
+    pub fn accumulation(&self) -> usize {
+        self.options.global_batch / (self.options.micro_batch * self.options.ranks.world_size)
+    }
+
+    /// This rank's micro-batches per epoch.
     pub fn batches_per_epoch(&self) -> u64 {
-        (0..self.options.ranks.world_size)
-            .map(|r| {
-                let rows: usize = self
-                    .epoch_units(0, r)
-                    .iter()
-                    .map(|&u| self.units[u].2)
-                    .sum();
-                (rows / self.options.micro_batch) as u64
-            })
-            .min()
-            .unwrap_or(0)
+        self.steps_per_epoch() * self.accumulation() as u64
     }
 
     fn unit_rows(&self, epoch: u64, unit: usize) -> Result<Vec<Record>, TrainError> {
@@ -387,32 +403,34 @@ impl Dataset {
         Ok(())
     }
 
-    /// The batches from `cursor` on, forever (epoch after epoch), decoded on a background
-    /// thread.
+    /// This rank's batches from `cursor` (a step boundary) on, forever (epoch after epoch),
+    /// decoded on a background thread.
     pub fn stream(self: &std::sync::Arc<Self>, cursor: Cursor) -> BatchStream {
         let (tx, rx) = mpsc::sync_channel(self.options.prefetch.max(1));
         let data = self.clone();
         let handle = std::thread::spawn(move || {
+            let g = data.options.global_batch as u64;
+            if !cursor.sequence.is_multiple_of(g) {
+                let _ = tx.send(Err(TrainError::Data(format!(
+                    "cursor {cursor:?} is not at a step boundary of the global batch {g}"
+                ))));
+                return;
+            }
             let mut cursor = cursor;
             loop {
-                let per_epoch = data.batches_per_epoch();
-                if cursor.batch >= per_epoch {
-                    cursor = Cursor {
-                        epoch: cursor.epoch + 1,
-                        batch: 0,
-                    };
-                }
-                if let Err(e) = data.epoch_from(cursor, &tx) {
-                    let _ = tx.send(Err(e));
-                    return;
+                if cursor.sequence < data.steps_per_epoch() * g {
+                    if let Err(e) = data.epoch_from(cursor, &tx) {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                    if tx.send(Ok(None)).is_err() {
+                        return;
+                    }
                 }
                 cursor = Cursor {
                     epoch: cursor.epoch + 1,
-                    batch: 0,
+                    sequence: 0,
                 };
-                if tx.send(Ok(None)).is_err() {
-                    return;
-                }
             }
         });
         BatchStream {
@@ -421,47 +439,50 @@ impl Dataset {
         }
     }
 
-    /// Sends the batches of `cursor.epoch` from `cursor.batch` on; returns early when the
-    /// receiver is gone.
+    /// Sends this rank's batches of `cursor.epoch` from the step at `cursor.sequence` on;
+    /// returns early when the receiver is gone. Only the units holding this rank's sequences
+    /// are decoded, each once per epoch.
     fn epoch_from(
         &self,
         cursor: Cursor,
         tx: &mpsc::SyncSender<Result<Option<Batch>, TrainError>>,
     ) -> Result<(), TrainError> {
-        let b = self.options.micro_batch;
-        let per_epoch = self.batches_per_epoch();
-        let units = self.epoch_units(cursor.epoch, self.options.ranks.rank);
-        // Skip whole units before the first sample wanted, using the row counts alone.
-        let mut skip = cursor.batch as usize * b;
-        let mut first = 0;
-        while first < units.len() && skip >= self.units[units[first]].2 {
-            skip -= self.units[units[first]].2;
-            first += 1;
+        let (m, g) = (self.options.micro_batch, self.options.global_batch);
+        let share = g / self.options.ranks.world_size;
+        let order = self.epoch_units(cursor.epoch);
+        // Where each unit's rows start in the epoch's order.
+        let mut starts = Vec::with_capacity(order.len() + 1);
+        starts.push(0usize);
+        for &u in &order {
+            starts.push(starts.last().copied().unwrap_or(0) + self.units[u].2);
         }
-        let mut pending: Vec<Record> = Vec::with_capacity(b);
-        let mut batch_index = cursor.batch;
-        for (k, &unit) in units.iter().enumerate().skip(first) {
-            let rows = self.unit_rows(cursor.epoch, unit)?;
-            let start = if k == first { skip } else { 0 };
-            for record in rows.into_iter().skip(start) {
-                pending.push(record);
-                if pending.len() == b {
-                    batch_index += 1;
-                    let next = Cursor {
-                        epoch: cursor.epoch,
-                        batch: batch_index,
-                    };
+        let mut decoded: Option<(usize, Vec<Record>)> = None;
+        let mut pending: Vec<Record> = Vec::with_capacity(m);
+        for step in cursor.sequence / g as u64..self.steps_per_epoch() {
+            let step_start = step as usize * g;
+            let next = Cursor {
+                epoch: cursor.epoch,
+                sequence: (step + 1) * g as u64,
+            };
+            let first = self.options.ranks.rank * share;
+            for offset in first..first + share {
+                let place = step_start + offset;
+                let k = starts.partition_point(|&s| s <= place) - 1;
+                if decoded.as_ref().is_none_or(|(d, _)| *d != k) {
+                    decoded = Some((k, self.unit_rows(cursor.epoch, order[k])?));
+                }
+                let rows = &decoded.as_ref().expect("decoded above").1;
+                pending.push(rows[place - starts[k]].clone());
+                if pending.len() == m {
                     let batch = Batch::pad(
                         &pending,
                         self.options.pad_multiple,
                         self.options.max_predictions,
+                        offset + 1 - m,
                         next,
                     );
                     pending.clear();
                     if tx.send(Ok(Some(batch))).is_err() {
-                        return Ok(());
-                    }
-                    if batch_index >= per_epoch {
                         return Ok(());
                     }
                 }
@@ -515,6 +536,7 @@ mod tests {
             ],
             8,
             3,
+            0,
             Cursor::default(),
         );
         assert_eq!((b.size, b.seq_len, b.predictions), (2, 8, 3));

@@ -10,6 +10,8 @@
 //! - [`scaler`]: dynamic loss scaling for fp16.
 //! - [`step`]: one optimiser step (accumulation, loss scaling, the data-parallel reducer, the
 //!   update), shared by pre-training and fine-tuning.
+//! - [`distributed`]: the data-parallel world a launcher started (MPI with the `mpi` feature)
+//!   and its gradient reducer.
 //! - [`plan`]: the largest micro-batch per sequence length for a device's memory (estimate).
 //! - [`plot`]: training curves from `metrics.jsonl` as SVG.
 //! - [`bench`]: timing the optimiser step alone (`bertkit bench optimizer`).
@@ -22,6 +24,7 @@
 pub mod bench;
 pub mod config;
 pub mod data;
+pub mod distributed;
 pub mod optim;
 pub mod plan;
 pub mod plot;

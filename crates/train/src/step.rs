@@ -10,12 +10,20 @@
 //!    Activation checkpointing runs further backward passes from the returned gradients and
 //!    adds them with [`Step::accumulate`];
 //! 3. [`Step::finish`] flattens the gradients into one bucket, has the [`GradientReducer`]
-//!    replace it by its mean over the ranks, measures the global norm, lets the scaler skip an
+//!    replace it by its sum over the ranks, measures the global norm, lets the scaler skip an
 //!    overflowing fp16 step (or stops a run whose loss or gradients are not finite) and
 //!    applies the optimiser.
+//!
+//! With data-parallel ranks, each rank's micro-batch losses are normalised by the whole
+//! step's counts over all ranks (masked tokens, sequences), so the sum of the ranks'
+//! gradients is the gradient of the global batch, exactly as one process with all the
+//! micro-batches would compute it (the mean of per-rank means would weigh a token by how many
+//! masked tokens its rank happened to hold). Every rank then applies the same update to the
+//! same weights.
 
 use std::collections::BTreeMap;
 
+use bertkit_stage_io::Ranks;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
@@ -23,15 +31,20 @@ use crate::TrainError;
 use crate::optim::Optimizer;
 use crate::scaler::LossScaler;
 
-/// Combines the gradients of data-parallel ranks. One process needs nothing ([`Local`]); an
-/// all-reduce of the mean over MPI or NCCL plugs in here, for pre-training and fine-tuning at
-/// once.
-pub trait GradientReducer: Send + Sync {
+/// Combines the gradients of data-parallel ranks: one process needs nothing ([`Local`]);
+/// MPI's all-reduce ([`crate::distributed`]) plugs in here, for pre-training and fine-tuning
+/// at once. Collectives are called in the same order on every rank.
+pub trait GradientReducer: std::fmt::Debug {
     /// Replaces the flat gradient bucket (every parameter's gradient, one 1-D tensor in the
-    /// optimiser's layout, the same on every rank) by its mean over the ranks.
-    fn all_reduce_mean(&self, bucket: &mut Tensor) -> Result<(), TrainError>;
-    /// Ranks taking part.
-    fn world_size(&self) -> usize;
+    /// optimiser's layout, the same on every rank) by its sum over the ranks.
+    fn all_reduce_sum(&self, bucket: &mut Tensor) -> Result<(), TrainError>;
+    /// Replaces figures on the host (counts, loss sums) by their sums over the ranks.
+    fn all_reduce_sum_host(&self, values: &mut [f64]) -> Result<(), TrainError>;
+    /// This process's place and the number of ranks.
+    fn ranks(&self) -> Ranks;
+    /// Stops every rank at once after an error on this one (a rank that stopped alone would
+    /// leave the others waiting in a collective). One process: returns.
+    fn abort(&self, code: i32);
 }
 
 /// The single-process reducer.
@@ -39,12 +52,16 @@ pub trait GradientReducer: Send + Sync {
 pub struct Local;
 
 impl GradientReducer for Local {
-    fn all_reduce_mean(&self, _bucket: &mut Tensor) -> Result<(), TrainError> {
+    fn all_reduce_sum(&self, _bucket: &mut Tensor) -> Result<(), TrainError> {
         Ok(())
     }
-    fn world_size(&self) -> usize {
-        1
+    fn all_reduce_sum_host(&self, _values: &mut [f64]) -> Result<(), TrainError> {
+        Ok(())
     }
+    fn ranks(&self) -> Ranks {
+        Ranks::single()
+    }
+    fn abort(&self, _code: i32) {}
 }
 
 /// One optimiser step's gradients, being accumulated.
@@ -156,9 +173,10 @@ impl Step {
         self.grads
     }
 
-    /// Ends the step: flattens the gradients into one bucket, has the reducer average it over
-    /// the ranks, measures the global norm, reads the norm, the loss and the tracked figures
-    /// back in one transfer, and applies the optimiser at learning rate `lr`. `step` (from 1)
+    /// Ends the step: flattens the gradients into one bucket, has the reducer sum it over the
+    /// ranks, measures the global norm, reads the norm, the loss and the tracked figures back
+    /// in one transfer (then sums the loss and figures over the ranks), and applies the
+    /// optimiser at learning rate `lr`. `step` (from 1)
     /// names the step in a divergence message. With fp16 the scaler decides whether the step
     /// is applied (and stops a run that keeps overflowing); otherwise a non-finite loss or
     /// gradient stops the run.
@@ -179,7 +197,7 @@ impl Step {
         } = self;
         let mut bucket = optimizer.flatten(&grads)?;
         drop(grads);
-        reducer.all_reduce_mean(&mut bucket)?;
+        reducer.all_reduce_sum(&mut bucket)?;
         let squared_norm = optimizer.squared_norm(&bucket)?.reshape(1)?;
         let loss = match loss {
             Some(loss) => loss,
@@ -188,8 +206,10 @@ impl Step {
         let mut read = vec![loss, squared_norm];
         read.extend(figures);
         // The step's one read-back.
-        let host = Tensor::cat(&read, 0)?.to_vec1::<f64>()?;
-        let (loss, grad_norm, figures) = (host[0], host[1].sqrt(), host[2..].to_vec());
+        let mut host = Tensor::cat(&read, 0)?.to_vec1::<f64>()?;
+        let grad_norm = host.remove(1).sqrt();
+        reducer.all_reduce_sum_host(&mut host)?;
+        let (loss, figures) = (host[0], host[1..].to_vec());
         let applied = match scaler {
             Some(s) => s.update(grad_norm.is_finite(), step)?,
             None => {

@@ -10,20 +10,28 @@
 //! The run folder holds `metrics.jsonl` (one object per optimiser step) and
 //! `checkpoints/step-N/`: `config.json` + `model.safetensors` (the f32 master weights in the
 //! transformers layout, loadable by the model crate and transformers), `optimizer.safetensors`
-//! (moments) and `state.json` (step, data cursor, dropout position, loss scaler). A checkpoint
-//! is written into a hidden folder and renamed into place; the newest `keep_checkpoints` are
-//! kept. Resuming loads the newest and continues with the next unseen batch and the same
-//! dropout masks, so a resumed run reproduces an uninterrupted one exactly on the CPU.
+//! (moments) and `state.json` (step, data cursor, loss scaler). A checkpoint is written into a
+//! hidden folder and renamed into place; the newest `keep_checkpoints` are kept. Resuming loads
+//! the newest and continues with the next unseen step and the same dropout masks (keyed by the
+//! step), so a resumed run reproduces an uninterrupted one exactly on the CPU.
+//!
+//! **Data parallel**: with ranks ([`crate::distributed`]), each rank trains on its part of
+//! every step's global batch and the step's losses are normalised by the counts of the whole
+//! global batch; the ranks' gradients are summed, and every rank applies the same update.
+//! Sequences and dropout masks depend only on the step and a sequence's place in the global
+//! batch, so a run equals one on another number of ranks with the accumulation changed to
+//! match, and resumes on any number of ranks. Rank 0 alone writes `metrics.jsonl` and
+//! checkpoints; every rank resumes from the same checkpoint.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bertkit_model::bert::{BertForPreTraining, Loaded, init, load_with};
 use bertkit_model::{DropoutSource, Inputs, MaskedPositions, Mode, loss};
-use bertkit_stage_io::Ranks;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -73,10 +81,8 @@ pub struct StepMetrics {
 pub struct RunState {
     /// Optimiser steps done.
     pub step: u64,
-    /// The next batch.
+    /// The next step's data.
     pub cursor: Cursor,
-    /// Dropout masks drawn.
-    pub dropout_position: u64,
     /// fp16 loss scaler.
     pub scaler: Option<LossScaler>,
     /// The config the run was started with.
@@ -84,14 +90,24 @@ pub struct RunState {
 }
 
 /// Overrides from the command line.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RunOptions {
     /// Stop after this many optimiser steps (the schedule still spans `total_steps`).
     pub max_steps: Option<u64>,
     /// Continue from the newest checkpoint.
     pub resume: bool,
-    /// This process's share of the data.
-    pub ranks: Ranks,
+    /// The data-parallel world ([`crate::distributed::join`]); [`Local`] for one process.
+    pub reducer: Rc<dyn GradientReducer>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            max_steps: None,
+            resume: false,
+            reducer: Rc::new(Local),
+        }
+    }
 }
 
 /// What a run did.
@@ -366,24 +382,15 @@ pub struct Trainer {
     accumulation: usize,
     state: RunState,
     flops_per_token: f64,
-    reducer: Box<dyn GradientReducer>,
 }
 
 impl Trainer {
     /// Sets a run up: the model (fresh, from `[model] init`, or from the newest checkpoint
     /// when resuming), the data and the optimiser.
     pub fn new(config: PretrainConfig, options: RunOptions) -> Result<Self, TrainError> {
-        config.validate(options.ranks.world_size)?;
-        if options.ranks.world_size > 1 {
-            // Each rank would train its own copy on its share of the data: refuse rather than
-            // silently diverge.
-            return Err(TrainError::Config(format!(
-                "{}: data-parallel training needs a gradient reducer across ranks (NCCL), which \
-                 is not built yet; run one process (unset RANK/WORLD_SIZE)",
-                options.ranks
-            )));
-        }
-        let accumulation = config.accumulation(options.ranks.world_size)?;
+        let ranks = options.reducer.ranks();
+        config.validate(ranks.world_size)?;
+        let accumulation = config.accumulation(ranks.world_size)?;
         let device = bertkit_model::parse_device(&config.train.device)?;
         let dtype = bertkit_model::parse_dtype(&config.train.precision)?;
         let bert_config = config.bert_config()?;
@@ -417,10 +424,11 @@ impl Trainer {
             &config.data.records,
             DataOptions {
                 micro_batch: config.data.micro_batch,
+                global_batch: config.train.global_batch,
                 pad_multiple: config.data.pad_multiple,
                 max_predictions: config.data.max_predictions,
                 seed: config.data.seed,
-                ranks: options.ranks,
+                ranks,
                 prefetch: 4,
                 dynamic_masking: config.data.dynamic_masking.clone(),
                 vocab_size: Some(model.config.vocab_size),
@@ -444,20 +452,18 @@ impl Trainer {
                 .min(model.config.max_position_embeddings);
             check_memory(&config, &model.config, seq, free, accumulation)?;
         }
-        let dropout =
-            DropoutSource::new(config.train.seed ^ 0xD50F_0000 ^ options.ranks.rank as u64);
+        // The same source on every rank: masks are keyed by step and place in the global batch.
+        let dropout = DropoutSource::new(config.train.seed ^ 0xD50F_0000);
         let mut scaler =
             (dtype == DType::F16).then(|| LossScaler::new(config.train.max_skipped_steps));
         let mut state = RunState {
             step: 0,
             cursor: Cursor::default(),
-            dropout_position: 0,
             scaler: scaler.clone(),
             config: config.clone(),
         };
         if let Some((step, dir)) = &resume_from {
             let saved = restore_checkpoint(dir, *step, &mut optimizer, &device)?;
-            dropout.set_position(saved.dropout_position);
             scaler = saved.scaler.clone();
             state = RunState {
                 config: config.clone(),
@@ -481,7 +487,6 @@ impl Trainer {
             accumulation,
             state,
             flops_per_token,
-            reducer: Box::new(Local),
         })
     }
 
@@ -516,9 +521,11 @@ impl Trainer {
         );
         for b in batches {
             let d = to_device(b, &self.model.config, &self.device)?;
-            // Each micro-batch's masks start a dropout stream, so a run resumed at a step
-            // boundary draws them as the uninterrupted run did.
-            self.dropout.mark();
+            // Each micro-batch's masks start a dropout stream keyed by the step and the
+            // batch's place in it: a resumed run, or one split over other ranks, draws them as
+            // the uninterrupted one did.
+            self.dropout
+                .start_batch(self.state.step, b.step_offset as u64);
             match self.config.train.activation_checkpointing {
                 0 => self.forward_backward(&d, counts, &mut step)?,
                 every => self.forward_backward_checkpointed(&d, every, counts, &mut step)?,
@@ -596,14 +603,28 @@ impl Trainer {
             .into_gradients())
     }
 
-    /// Applies one optimiser step on `batches` (normally `accumulation` micro-batches).
+    /// Applies one optimiser step on `batches` (this rank's `accumulation` micro-batches).
     pub fn train_step(&mut self, batches: &[Batch]) -> Result<StepMetrics, TrainError> {
         let started = Instant::now();
-        let counts = StepCounts::of(batches);
+        let reducer = self.options.reducer.clone();
+        // The whole step's counts, over every rank: what each rank's losses are normalised by.
+        let local = StepCounts::of(batches);
+        let mut totals = [
+            local.masked,
+            local.sequences,
+            batches.iter().map(|b| b.tokens as f64).sum(),
+            batches.iter().map(|b| (b.size * b.seq_len) as f64).sum(),
+        ];
+        reducer.all_reduce_sum_host(&mut totals)?;
+        let [masked, sequences, tokens, padded] = totals;
+        let counts = StepCounts {
+            masked: masked.max(1e-5),
+            sequences,
+        };
         let step = self.accumulate(batches, counts)?;
         let lr = self.config.schedule.lr_at(self.state.step);
         let outcome = step.finish(
-            self.reducer.as_ref(),
+            reducer.as_ref(),
             &mut self.optimizer,
             self.scaler.as_mut(),
             lr,
@@ -612,16 +633,12 @@ impl Trainer {
         debug_assert_eq!(outcome.figures.len(), FIGURES);
         let means = Means::of(&outcome.figures, counts);
         self.state.step += 1;
-        self.state.dropout_position = self.dropout.position();
         self.state.scaler = self.scaler.clone();
         if let Some(last) = batches.last() {
             self.state.cursor = last.next;
         }
         let seconds = started.elapsed().as_secs_f64().max(1e-9);
-        let sequences: usize = batches.iter().map(|b| b.size).sum();
-        let tokens: usize = batches.iter().map(|b| b.tokens).sum();
-        let padded: usize = batches.iter().map(|b| b.size * b.seq_len).sum();
-        let tflops = self.flops_per_token * padded as f64 / seconds / 1e12;
+        let tflops = self.flops_per_token * padded / seconds / 1e12;
         Ok(StepMetrics {
             step: self.state.step,
             loss: outcome.loss,
@@ -633,8 +650,8 @@ impl Trainer {
             grad_norm: outcome.grad_norm,
             loss_scale: outcome.loss_scale,
             skipped: !outcome.applied,
-            seq_per_s: sequences as f64 / seconds,
-            tokens_per_s: tokens as f64 / seconds,
+            seq_per_s: sequences / seconds,
+            tokens_per_s: tokens / seconds,
             tflops,
             mfu: self.config.train.peak_tflops.map(|p| tflops / p),
         })
@@ -682,21 +699,11 @@ impl Trainer {
         Ok(dir)
     }
 
-    /// Runs to `total_steps` (or `max_steps`), appending to `metrics.jsonl` and calling
-    /// `progress` after each step; checkpoints every `checkpoint_every` steps and at the end.
-    pub fn run(
-        &mut self,
-        progress: &mut dyn FnMut(&StepMetrics),
-    ) -> Result<RunSummary, TrainError> {
-        let last = self
-            .options
-            .max_steps
-            .unwrap_or(self.config.schedule.total_steps)
-            .min(self.config.schedule.total_steps);
+    /// Opens `metrics.jsonl` for appending, without the lines past step `started_at` (written
+    /// by a run that did not checkpoint them).
+    fn open_metrics(&self, started_at: u64) -> Result<std::fs::File, TrainError> {
         std::fs::create_dir_all(&self.config.output).map_err(io_err(&self.config.output))?;
         let metrics_path = self.config.output.join("metrics.jsonl");
-        let started_at = self.state.step;
-        // Lines past the step resumed from were written by a run that did not checkpoint them.
         let kept: Vec<String> = std::fs::read_to_string(&metrics_path)
             .unwrap_or_default()
             .lines()
@@ -714,10 +721,33 @@ impl Trainer {
         }
         bertkit_stage_io::write_atomically(&metrics_path, text.as_bytes())
             .map_err(io_err(&metrics_path))?;
-        let mut metrics_file = std::fs::OpenOptions::new()
+        std::fs::OpenOptions::new()
             .append(true)
             .open(&metrics_path)
-            .map_err(io_err(&metrics_path))?;
+            .map_err(io_err(&metrics_path))
+    }
+
+    /// Runs to `total_steps` (or `max_steps`), calling `progress` after each step; rank 0
+    /// appends to `metrics.jsonl` and checkpoints every `checkpoint_every` steps and at the
+    /// end.
+    pub fn run(
+        &mut self,
+        progress: &mut dyn FnMut(&StepMetrics),
+    ) -> Result<RunSummary, TrainError> {
+        let last = self
+            .options
+            .max_steps
+            .unwrap_or(self.config.schedule.total_steps)
+            .min(self.config.schedule.total_steps);
+        let started_at = self.state.step;
+        // Rank 0 alone writes the run folder.
+        let writes = self.options.reducer.ranks().rank == 0;
+        let mut metrics_file = if writes {
+            Some(self.open_metrics(started_at)?)
+        } else {
+            None
+        };
+        let metrics_path = self.config.output.join("metrics.jsonl");
         let mut stream = self.dataset.stream(self.state.cursor);
         let mut metrics = Vec::new();
         let mut checkpoint = None;
@@ -726,15 +756,18 @@ impl Trainer {
                 .map(|_| stream.next_batch())
                 .collect::<Result<Vec<_>, _>>()?;
             let m = self.train_step(&batches)?;
-            let line = serde_json::to_string(&m).expect("metrics serialise");
-            writeln!(metrics_file, "{line}").map_err(io_err(&metrics_path))?;
+            if let Some(file) = &mut metrics_file {
+                let line = serde_json::to_string(&m).expect("metrics serialise");
+                writeln!(file, "{line}").map_err(io_err(&metrics_path))?;
+            }
             progress(&m);
             metrics.push(m);
-            if self
-                .state
-                .step
-                .is_multiple_of(self.config.train.checkpoint_every)
-                || self.state.step == last
+            if writes
+                && (self
+                    .state
+                    .step
+                    .is_multiple_of(self.config.train.checkpoint_every)
+                    || self.state.step == last)
             {
                 checkpoint = Some(self.save_checkpoint()?);
             }

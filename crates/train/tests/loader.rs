@@ -72,6 +72,7 @@ fn epochs_are_permutations_and_any_cursor_resumes_exactly() {
             &files,
             DataOptions {
                 micro_batch: 48,
+                global_batch: 48,
                 pad_multiple: 8,
                 max_predictions: 10,
                 seed: 7,
@@ -107,16 +108,23 @@ fn epochs_are_permutations_and_any_cursor_resumes_exactly() {
     let (a, b): (HashSet<_>, HashSet<_>) = (first.iter().collect(), second.iter().collect());
     assert!(a.intersection(&b).count() > total - 2 * 48);
     assert_ne!(first, second, "the second epoch repeats the first's order");
-    // The cursor counts the batches consumed in an epoch; the next epoch's first batch moves it.
+    // The cursor counts the sequences consumed in an epoch; the next epoch's first step moves
+    // it.
     let per = per_epoch as u64;
     assert_eq!(
         batches[per_epoch - 1].next,
         Cursor {
             epoch: 0,
-            batch: per
+            sequence: per * 48
         }
     );
-    assert_eq!(batches[per_epoch].next, Cursor { epoch: 1, batch: 1 });
+    assert_eq!(
+        batches[per_epoch].next,
+        Cursor {
+            epoch: 1,
+            sequence: 48
+        }
+    );
 
     // Resume mid-epoch, at the first epoch's last batch and at its end (across the boundary).
     for start in [5, per_epoch - 1, per_epoch] {
@@ -144,6 +152,7 @@ fn ids_outside_the_models_vocabulary_name_their_file_and_row() {
                 std::slice::from_ref(&file),
                 DataOptions {
                     micro_batch: 4,
+                    global_batch: 4,
                     pad_multiple: 8,
                     max_predictions: 10,
                     seed: 1,

@@ -208,7 +208,7 @@ fn four_micro_batches_of_8_update_like_one_batch_of_32() {
     let mut stream = a.dataset().stream(Cursor::default());
     let micro: Vec<Batch> = (0..4).map(|_| stream.next_batch().unwrap()).collect();
     let all: Vec<Record> = micro.iter().flat_map(unpad).collect();
-    let one = Batch::pad(&all, 8, 10, micro[3].next);
+    let one = Batch::pad(&all, 8, 10, 0, micro[3].next);
     assert_ne!(
         one.seq_len * 4,
         micro.iter().map(|m| m.seq_len).sum::<usize>() + 1

@@ -4,3 +4,26 @@ pub(crate) mod data;
 pub(crate) mod pipeline;
 pub(crate) mod tasks;
 pub(crate) mod train;
+
+use std::rc::Rc;
+
+use bertkit_stage_io::Ranks;
+use bertkit_train::step::GradientReducer;
+
+/// Runs `work` as this process's rank of the launcher's data-parallel world (one process: the
+/// local reducer). An error on one of several ranks is printed and stops every rank, which
+/// would otherwise wait for this one in their next all-reduce.
+pub(crate) fn as_rank<T>(
+    ranks: Ranks,
+    work: impl FnOnce(Rc<dyn GradientReducer>) -> Result<T, Box<dyn std::error::Error>>,
+) -> Result<T, Box<dyn std::error::Error>> {
+    let reducer = bertkit_train::distributed::join(ranks)?;
+    let result = work(reducer.clone());
+    if let Err(e) = &result
+        && ranks.world_size > 1
+    {
+        eprintln!("error: {ranks}: {e}; stopping every rank");
+        reducer.abort(1);
+    }
+    result
+}

@@ -5,8 +5,11 @@ use std::path::Path;
 
 use bertkit_tasks::glue::data::Task;
 use bertkit_tasks::squad::data::Dataset;
+use std::rc::Rc;
+
 use bertkit_tasks::squad::finetune as squad;
 use bertkit_tasks::training::TrainSettings;
+use bertkit_train::step::GradientReducer;
 
 use crate::flags::tasks::*;
 
@@ -73,8 +76,14 @@ pub(crate) fn finetune(command: FinetuneCommand) -> Result<()> {
 }
 
 fn finetune_glue(args: FinetuneGlueArgs) -> Result<()> {
+    let ranks = args.train.ranks.ranks()?;
+    super::as_rank(ranks, |reducer| finetune_glue_rank(args, reducer))
+}
+
+fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) -> Result<()> {
     let task = Task::parse(&args.task)?;
     let data = args.data;
+    let speaks = reducer.ranks().rank == 0;
     let options = bertkit_tasks::glue::finetune::FinetuneOptions {
         task,
         model: args.model,
@@ -85,9 +94,16 @@ fn finetune_glue(args: FinetuneGlueArgs) -> Result<()> {
         lower_case: !args.train.cased,
         dtype: bertkit_model::parse_dtype(&args.train.dtype)?,
         device: bertkit_model::parse_device(&args.train.device)?,
+        reducer,
     };
-    let report =
-        bertkit_tasks::glue::finetune::finetune(&options, &mut |line| eprintln!("{line}"))?;
+    let report = bertkit_tasks::glue::finetune::finetune(&options, &mut |line| {
+        if speaks {
+            eprintln!("{line}")
+        }
+    })?;
+    if !speaks {
+        return Ok(());
+    }
     let metrics: Vec<String> = report
         .dev
         .metrics
@@ -113,6 +129,12 @@ fn finetune_glue(args: FinetuneGlueArgs) -> Result<()> {
 }
 
 fn finetune_squad(args: FinetuneSquadArgs) -> Result<()> {
+    let ranks = args.train_flags.ranks.ranks()?;
+    super::as_rank(ranks, |reducer| finetune_squad_rank(args, reducer))
+}
+
+fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>) -> Result<()> {
+    let speaks = reducer.ranks().rank == 0;
     let lower_case = !args.train_flags.cased;
     let device = bertkit_model::parse_device(&args.train_flags.device)?;
     let options = squad::SquadFinetuneOptions {
@@ -122,8 +144,17 @@ fn finetune_squad(args: FinetuneSquadArgs) -> Result<()> {
         settings: args.train_flags.settings(TrainSettings::squad()),
         predict: args.squad.options(lower_case, device.clone()),
         dtype: bertkit_model::parse_dtype(&args.train_flags.dtype)?,
+        reducer,
     };
-    let report = squad::finetune(&options, &mut |line| eprintln!("{line}"))?;
+    let report = squad::finetune(&options, &mut |line| {
+        if speaks {
+            eprintln!("{line}")
+        }
+    })?;
+    if !speaks {
+        // Rank 0 saved the model and predicts the dev set.
+        return Ok(());
+    }
     let (first, last) = report.log.first_and_last_tenth();
     println!(
         "squad: {} steps on {} windows ({} questions, {} skipped) in {:.1} s (train loss {first:.4} -> {last:.4}{})",

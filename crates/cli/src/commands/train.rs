@@ -56,34 +56,61 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
     if let Some(global) = args.global_batch {
         config.train.global_batch = global;
     }
-    let options = bertkit_train::trainer::RunOptions {
-        max_steps: args.max_steps,
-        resume: args.resume,
-        ranks: args.ranks.ranks()?,
-    };
+    let (max_steps, resume) = (args.max_steps, args.resume);
+    super::as_rank(args.ranks.ranks()?, |reducer| {
+        let options = bertkit_train::trainer::RunOptions {
+            max_steps,
+            resume,
+            reducer,
+        };
+        run_pretraining(config, options, max_steps)
+    })
+}
+
+fn run_pretraining(
+    config: bertkit_train::config::PretrainConfig,
+    options: bertkit_train::trainer::RunOptions,
+    max_steps: Option<u64>,
+) -> Result<()> {
+    let ranks = options.reducer.ranks();
     let mut trainer = bertkit_train::trainer::Trainer::new(config.clone(), options)?;
-    let last = args
-        .max_steps
+    let last = max_steps
         .unwrap_or(config.schedule.total_steps)
         .min(config.schedule.total_steps);
-    println!(
-        "pretrain {}: {:.1} M parameters, {} sequences in {} file(s), micro-batch {} x {} accumulation = {} per step, steps {}..{} of {}, {} on {}",
-        config.output.display(),
-        trainer.model().params.count() as f64 / 1e6,
-        trainer.dataset().sequences(),
-        trainer.dataset().paths().len(),
-        config.data.micro_batch,
-        trainer.accumulation(),
-        config.train.global_batch,
-        trainer.step(),
-        last,
-        config.schedule.total_steps,
-        config.train.precision,
-        config.train.device
-    );
-    let mut progress = TrainProgress::new(trainer.step(), last);
+    // Rank 0 speaks for the run; the others train quietly.
+    let speaks = ranks.rank == 0;
+    if speaks {
+        println!(
+            "pretrain {}: {:.1} M parameters, {} sequences in {} file(s), micro-batch {} x {} accumulation{} = {} per step, steps {}..{} of {}, {} on {}",
+            config.output.display(),
+            trainer.model().params.count() as f64 / 1e6,
+            trainer.dataset().sequences(),
+            trainer.dataset().paths().len(),
+            config.data.micro_batch,
+            trainer.accumulation(),
+            if ranks.world_size > 1 {
+                format!(" x {} ranks (MPI)", ranks.world_size)
+            } else {
+                String::new()
+            },
+            config.train.global_batch,
+            trainer.step(),
+            last,
+            config.schedule.total_steps,
+            config.train.precision,
+            config.train.device
+        );
+    }
+    let mut progress = speaks.then(|| TrainProgress::new(trainer.step(), last));
     let started = Instant::now();
-    let summary = trainer.run(&mut |m| progress.step(m))?;
+    let summary = trainer.run(&mut |m| {
+        if let Some(p) = &mut progress {
+            p.step(m)
+        }
+    })?;
+    let Some(progress) = progress else {
+        return Ok(());
+    };
     progress.finish();
     let loss = |m: Option<&bertkit_train::trainer::StepMetrics>| {
         m.map_or("-".into(), |m| format!("{:.4}", m.loss))

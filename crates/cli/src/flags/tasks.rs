@@ -70,6 +70,8 @@ pub(crate) struct TrainFlags {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    #[command(flatten)]
+    pub(crate) ranks: super::RankArgs,
 }
 
 impl TrainFlags {

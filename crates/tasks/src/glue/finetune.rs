@@ -119,6 +119,9 @@ pub struct FinetuneOptions {
     pub dtype: DType,
     /// Device.
     pub device: Device,
+    /// The data-parallel world ([`bertkit_train::distributed::join`]; `Local` for one
+    /// process). Rank 0 alone saves the model.
+    pub reducer: std::rc::Rc<dyn bertkit_train::step::GradientReducer>,
 }
 
 /// Dev-set results.
@@ -234,6 +237,7 @@ pub fn finetune(
         &model.params,
         train_set.len(),
         &options.settings,
+        options.reducer.as_ref(),
         &mut |indices, mode| {
             let refs: Vec<&Encoded> = indices.iter().map(|&i| &train_set[i]).collect();
             let (inputs, labels) = batch_tensors(&refs, &model.config, &options.device)?;
@@ -243,7 +247,9 @@ pub fn finetune(
         progress,
     )?;
     let dev_eval = evaluate(task, &model, &dev, 64, &options.device)?;
-    if let Some(out) = &options.output {
+    if let Some(out) = &options.output
+        && options.reducer.ranks().rank == 0
+    {
         save_finetuned(&model, &options.model, out)?;
     }
     Ok(FinetuneReport {

@@ -251,6 +251,9 @@ pub struct SquadFinetuneOptions {
     pub predict: PredictOptions,
     /// Weights dtype (f32; bf16 or f16 on CUDA with f32 master weights).
     pub dtype: DType,
+    /// The data-parallel world ([`bertkit_train::distributed::join`]; `Local` for one
+    /// process). Rank 0 alone saves the model.
+    pub reducer: std::rc::Rc<dyn bertkit_train::step::GradientReducer>,
 }
 
 /// What fine-tuning did.
@@ -294,6 +297,7 @@ pub fn finetune(
         &model.params,
         features.len(),
         &options.settings,
+        options.reducer.as_ref(),
         &mut |indices, mode| {
             let seqs: Vec<(&[u32], &[u32])> =
                 indices.iter().map(|&i| features[i].sequence()).collect();
@@ -310,7 +314,9 @@ pub fn finetune(
         },
         progress,
     )?;
-    save_finetuned(&model, &options.model, &options.output)?;
+    if options.reducer.ranks().rank == 0 {
+        save_finetuned(&model, &options.model, &options.output)?;
+    }
     Ok(SquadFinetuneReport {
         train_examples: examples.examples.len(),
         skipped: examples.skipped.len(),
