@@ -8,7 +8,8 @@
 #   make finetune-squad [MODEL=dir] [SQUAD_TRAIN=train.json SQUAD_DEV=dev.json] [SQUAD_FLAGS=…]
 #                                       fine-tune, predict and score SQuAD (offline: the split of
 #                                       the mirror's dev-v1.1.json, first 38 articles / last 10)
-#   make test                           every test (what CI runs); installs pyarrow when missing
+#   make test                           every test (what CI runs); installs pyarrow, and OpenMPI
+#                                       for the data-parallel tests, when missing
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
 #   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
@@ -32,7 +33,7 @@ PYARROW_OK := import sys, pyarrow; sys.exit(int(pyarrow.__version__.split('.')[0
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
 PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
-.PHONY: all build build-train require-gpu demo data test lint $(PHONY_TRAIN) bench-format bench-shard bench-records clean
+.PHONY: all build build-train require-gpu demo data test lint mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records clean
 
 all: build
 
@@ -116,7 +117,19 @@ data: build
 	@echo "== the full data pipeline (pipelines/data.toml): downloads tens of GB"
 	$(BERTKIT) pipeline --config pipelines/data.toml
 
-test:
+# The data-parallel tests run ranks under mpirun: OpenMPI, and libclang for the `mpi` crate's
+# bindings, from the distribution's packages when missing (Debian/Ubuntu names).
+MPI_PACKAGES := openmpi-bin libopenmpi-dev libclang-dev
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+mpi-deps:
+	@if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1 \
+		|| ! { dpkg -s libclang-dev >/dev/null 2>&1 || command -v llvm-config >/dev/null 2>&1; }; then \
+		echo "== installing what the data-parallel tests need: $(MPI_PACKAGES)"; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(MPI_PACKAGES) >/dev/null || exit 1; \
+	fi
+
+test: mpi-deps
 	@py=python3; \
 	if ! $$py -c "$(PYARROW_OK)" >/dev/null 2>&1; then \
 		py="$(CURDIR)/$(TEST_VENV)/bin/python"; \
@@ -127,11 +140,12 @@ test:
 		fi; \
 	fi; \
 	echo "== cargo test (pyarrow from $$py)"; \
-	BERTKIT_PYTHON="$$py" $(CARGO) test --workspace --locked
+	BERTKIT_PYTHON="$$py" $(CARGO) test --workspace --locked --features bertkit/mpi
 
-lint:
+lint: mpi-deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --locked --features bertkit/mpi -- -D warnings
 
 # The benchmarks' Python: WikiExtractor (the format peer), six (Google's tokenization.py imports
 # it) and pyarrow (the records bench checks the Parquet it times).
