@@ -114,6 +114,7 @@ fn fine_tuning_moves_every_parameter_and_predictions_cover_every_question() {
         &eval,
         &predict_options(),
         Some(&pred_dir),
+        &bertkit_train::step::Local,
         &mut |_| {},
     )
     .unwrap();

@@ -7,6 +7,10 @@
 //!
 //! [`training_steps`]: a few real optimiser steps of a run config, for the binary to count the
 //! bytes they hold (its allocator counts; this crate only runs the steps).
+//!
+//! [`all_reduce`]: the data-parallel reduction of a gradient bucket the size of a model's
+//! parameters, as [`Step::finish`] runs it once per step (`bertkit bench allreduce`, under the
+//! launcher).
 
 use std::time::Instant;
 
@@ -16,7 +20,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::TrainError;
 use crate::optim::{Optimizer, OptimizerConfig, Rule};
-use crate::step::{Local, Step};
+use crate::step::{GradientReducer, Local, Step};
 
 /// What to time.
 #[derive(Debug, Clone)]
@@ -81,6 +85,46 @@ pub fn optimizer_steps(
         parameters: vars.values().map(|v| v.elem_count()).sum(),
         seconds,
     })
+}
+
+/// Times `repeats` sums of an f32 bucket of `elements` over the reducer's ranks (after one
+/// untimed), on `device`: seconds of each. Rank `r` contributes `r + 1` everywhere, and every
+/// result is checked against the sum it must be.
+pub fn all_reduce(
+    reducer: &dyn GradientReducer,
+    elements: usize,
+    repeats: usize,
+    device: &Device,
+) -> Result<Vec<f64>, TrainError> {
+    if repeats == 0 || elements == 0 {
+        return Err(TrainError::Config(
+            "bench allreduce: at least one repeat of a non-empty bucket".into(),
+        ));
+    }
+    let ranks = reducer.ranks();
+    let contribution = (ranks.rank + 1) as f64;
+    let expected = (ranks.world_size * (ranks.world_size + 1) / 2) as f32;
+    let mut seconds = Vec::with_capacity(repeats);
+    for n in 0..=repeats {
+        let mut bucket = (Tensor::ones(elements, DType::F32, device)? * contribution)?;
+        device.synchronize()?;
+        let started = Instant::now();
+        reducer.all_reduce_sum(&mut bucket)?;
+        device.synchronize()?;
+        let elapsed = started.elapsed().as_secs_f64();
+        let (least, most) = (bucket.min(0)?, bucket.max(0)?);
+        let (least, most) = (least.to_scalar::<f32>()?, most.to_scalar::<f32>()?);
+        if least != expected || most != expected {
+            return Err(TrainError::Config(format!(
+                "bench allreduce: the sum over {ranks} came out between {least} and {most}, not \
+                 {expected}"
+            )));
+        }
+        if n > 0 {
+            seconds.push(elapsed);
+        }
+    }
+    Ok(seconds)
 }
 
 /// What [`training_steps`] ran: the shapes whose memory was measured.

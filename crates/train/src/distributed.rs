@@ -48,7 +48,7 @@ mod mpi_world {
     use mpi::traits::{Communicator, CommunicatorCollectives, Equivalence};
 
     use bertkit_stage_io::Ranks;
-    use candle_core::{DType, Tensor};
+    use candle_core::{DType, Storage, Tensor, WithDType};
 
     use crate::TrainError;
     use crate::step::GradientReducer;
@@ -96,33 +96,45 @@ mod mpi_world {
             })
         }
 
-        fn sum_in_place<T: Equivalence + Copy + Default>(&self, values: &mut [T]) {
-            let mut received = vec![T::default(); values.len().min(CHUNK)];
-            for chunk in values.chunks_mut(CHUNK) {
-                let received = &mut received[..chunk.len()];
+        /// `send` summed over the ranks, into a new vector.
+        fn sum<T: Equivalence + Copy + Default>(&self, send: &[T]) -> Vec<T> {
+            let mut received = vec![T::default(); send.len()];
+            for (send, received) in send.chunks(CHUNK).zip(received.chunks_mut(CHUNK)) {
                 self.world
-                    .all_reduce_into(&*chunk, received, SystemOperation::sum());
-                chunk.copy_from_slice(received);
+                    .all_reduce_into(send, received, SystemOperation::sum());
             }
+            received
+        }
+
+        /// A bucket summed over the ranks: sent straight from a contiguous CPU tensor's
+        /// memory; other devices' buckets go through a host copy (without NCCL, a CUDA bucket
+        /// crosses PCIe twice).
+        fn sum_tensor<T: Equivalence + Copy + Default + WithDType>(
+            &self,
+            bucket: &Tensor,
+        ) -> Result<Tensor, TrainError> {
+            let n = bucket.elem_count();
+            let summed = {
+                let (storage, layout) = bucket.storage_and_layout();
+                match (&*storage, layout.contiguous_offsets()) {
+                    (Storage::Cpu(cpu), Some((start, end))) => {
+                        self.sum(&cpu.as_slice::<T>()?[start..end])
+                    }
+                    _ => {
+                        drop(storage);
+                        self.sum(&bucket.flatten_all()?.to_vec1::<T>()?)
+                    }
+                }
+            };
+            Ok(Tensor::from_vec(summed, n, bucket.device())?)
         }
     }
 
     impl GradientReducer for MpiReducer {
         fn all_reduce_sum(&self, bucket: &mut Tensor) -> Result<(), TrainError> {
-            let (device, n) = (bucket.device().clone(), bucket.elem_count());
-            // Through host memory: the CPU's tensors are there already; on CUDA (without
-            // NCCL) this costs two copies of the bucket over PCIe.
             *bucket = match bucket.dtype() {
-                DType::F32 => {
-                    let mut host = bucket.flatten_all()?.to_vec1::<f32>()?;
-                    self.sum_in_place(&mut host);
-                    Tensor::from_vec(host, n, &device)?
-                }
-                DType::F64 => {
-                    let mut host = bucket.flatten_all()?.to_vec1::<f64>()?;
-                    self.sum_in_place(&mut host);
-                    Tensor::from_vec(host, n, &device)?
-                }
+                DType::F32 => self.sum_tensor::<f32>(bucket)?,
+                DType::F64 => self.sum_tensor::<f64>(bucket)?,
                 other => {
                     return Err(TrainError::Config(format!(
                         "gradient bucket in {other:?}: the optimiser keeps f32 or f64 masters"
@@ -133,7 +145,8 @@ mod mpi_world {
         }
 
         fn all_reduce_sum_host(&self, values: &mut [f64]) -> Result<(), TrainError> {
-            self.sum_in_place(values);
+            let summed = self.sum(values);
+            values.copy_from_slice(&summed);
             Ok(())
         }
 

@@ -151,36 +151,38 @@ fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>
             eprintln!("{line}")
         }
     })?;
-    if !speaks {
-        // Rank 0 saved the model and predicts the dev set.
-        return Ok(());
-    }
     let (first, last) = report.log.first_and_last_tenth();
-    println!(
-        "squad: {} steps on {} windows ({} questions, {} skipped) in {:.1} s (train loss {first:.4} -> {last:.4}{})",
-        report.log.steps,
-        report.train_features,
-        report.train_examples,
-        report.skipped,
-        report.log.seconds,
-        if report.log.skipped > 0 {
-            format!(", {} fp16 steps skipped", report.log.skipped)
-        } else {
-            String::new()
-        }
-    );
-    println!("model: {}", args.output.display());
+    if speaks {
+        println!(
+            "squad: {} steps on {} windows ({} questions, {} skipped) in {:.1} s (train loss {first:.4} -> {last:.4}{})",
+            report.log.steps,
+            report.train_features,
+            report.train_examples,
+            report.skipped,
+            report.log.seconds,
+            if report.log.skipped > 0 {
+                format!(", {} fp16 steps skipped", report.log.skipped)
+            } else {
+                String::new()
+            }
+        );
+        println!("model: {}", args.output.display());
+    }
     if let Some(dev) = &args.dev {
-        predict_squad(PredictSquadArgs {
-            model: args.output.clone(),
-            data: dev.clone(),
-            output: args.output.join("predictions"),
-            evaluate: true,
-            cased: args.train_flags.cased,
-            dtype: "f32".into(),
-            device: args.train_flags.device.clone(),
-            squad: args.squad,
-        })?;
+        // Every rank predicts its share of the dev set; rank 0 writes and scores.
+        predict_squad_rank(
+            PredictSquadArgs {
+                model: args.output.clone(),
+                data: dev.clone(),
+                output: args.output.join("predictions"),
+                evaluate: true,
+                cased: args.train_flags.cased,
+                dtype: "f32".into(),
+                device: args.train_flags.device.clone(),
+                squad: args.squad,
+            },
+            options.reducer.as_ref(),
+        )?;
     }
     Ok(())
 }
@@ -193,6 +195,15 @@ pub(crate) fn predict(command: PredictCommand) -> Result<()> {
 }
 
 fn predict_squad(args: PredictSquadArgs) -> Result<()> {
+    super::as_rank(bertkit_stage_io::Ranks::from_env()?, |reducer| {
+        predict_squad_rank(args, reducer.as_ref())
+    })
+}
+
+/// `predict squad` as one of the reducer's ranks: the forward passes are shared out, rank 0
+/// writes the files and scores.
+fn predict_squad_rank(args: PredictSquadArgs, reducer: &dyn GradientReducer) -> Result<()> {
+    let speaks = reducer.ranks().rank == 0;
     let device = bertkit_model::parse_device(&args.device)?;
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
     let model = squad::load_for_prediction(&args.model, dtype, &device)?;
@@ -204,9 +215,17 @@ fn predict_squad(args: PredictSquadArgs) -> Result<()> {
         &tokenizer,
         &dataset,
         &options,
-        Some(&args.output),
-        &mut |line| eprintln!("{line}"),
+        speaks.then_some(args.output.as_path()),
+        reducer,
+        &mut |line| {
+            if speaks {
+                eprintln!("{line}")
+            }
+        },
     )?;
+    if !speaks {
+        return Ok(());
+    }
     println!(
         "predicted {} questions ({} windows) in {:.1} s ({:.1} windows/s)",
         report.examples,

@@ -256,7 +256,51 @@ pub(crate) fn bench(command: BenchCommand) -> Result<()> {
         BenchCommand::Inference(args) => bench_inference(args),
         BenchCommand::Optimizer(args) => bench_optimizer(args),
         BenchCommand::Memory(args) => bench_memory(args),
+        BenchCommand::Allreduce(args) => bench_allreduce(args),
     }
+}
+
+fn bench_allreduce(args: BenchAllreduceArgs) -> Result<()> {
+    let config = bertkit_model::BertConfig::named(&args.config)?;
+    let device = bertkit_model::parse_device(&args.device)?;
+    let elements = bertkit_train::plan::parameters(&config);
+    let ranks = args.ranks.ranks()?;
+    if ranks.world_size < 2 {
+        return Err(
+            "bench allreduce measures several ranks: start it with the launcher, \
+                    `mpirun -np 2 bertkit bench allreduce` (a build with --features mpi)"
+                .into(),
+        );
+    }
+    super::as_rank(ranks, |reducer| {
+        let seconds =
+            bertkit_train::bench::all_reduce(reducer.as_ref(), elements, args.repeats, &device)?;
+        if ranks.rank != 0 {
+            return Ok(());
+        }
+        let mut sorted = seconds.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        let bytes = elements as f64 * 4.0;
+        // NCCL's convention: the algorithm bandwidth is the bucket over the time; the bus
+        // bandwidth scales it by 2(n-1)/n, what each link carries in a ring all-reduce.
+        let algorithm = bytes / median / 1e9;
+        let n = ranks.world_size as f64;
+        println!(
+            "{} bucket: {} f32 ({:.0} MB) over {} ranks on {}: {} repeats, median {:.3} s, least {:.3} s; algorithm bandwidth {:.2} GB/s, bus bandwidth {:.2} GB/s",
+            args.config,
+            elements,
+            bytes / 1e6,
+            ranks.world_size,
+            args.device,
+            sorted.len(),
+            median,
+            sorted[0],
+            algorithm,
+            algorithm * 2.0 * (n - 1.0) / n
+        );
+        Ok(())
+    })
 }
 
 fn bench_memory(args: BenchMemoryArgs) -> Result<()> {

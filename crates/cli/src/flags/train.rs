@@ -108,6 +108,24 @@ pub(crate) enum BenchCommand {
     /// Peak bytes a few real training steps hold (the allocator's count), beside `plan`'s
     /// prediction for the same shapes.
     Memory(BenchMemoryArgs),
+    /// The data-parallel gradient all-reduce of a model-sized f32 bucket, run under the
+    /// launcher (`mpirun -np N bertkit bench allreduce`): time and bandwidth.
+    Allreduce(BenchAllreduceArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct BenchAllreduceArgs {
+    /// The bucket holds this model's parameters: base, large, or a transformers config.json.
+    #[arg(long, default_value = "base")]
+    pub(crate) config: String,
+    /// cpu, cuda or cuda:N (where the bucket lives).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Timed all-reduces (after one untimed).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) repeats: usize,
+    #[command(flatten)]
+    pub(crate) ranks: super::RankArgs,
 }
 
 #[derive(Args)]

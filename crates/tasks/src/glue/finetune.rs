@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with};
 use bertkit_model::{Inputs, Mode, loss};
 use bertkit_tokenizer::FullTokenizer;
+use bertkit_train::step::GradientReducer;
 use candle_core::{DType, Device, Tensor};
 
 use crate::model_dir::{load_tokenizer, save_finetuned};
@@ -174,21 +175,37 @@ pub fn evaluate(
     examples: &[Encoded],
     batch: usize,
     device: &Device,
+    reducer: &dyn GradientReducer,
 ) -> Result<Evaluation, crate::TaskError> {
-    let mut predictions = Vec::with_capacity(examples.len());
-    let mut loss_sum = 0f64;
-    for chunk in examples.chunks(batch.max(1)) {
+    // Batches are dealt to the ranks round-robin; each fills its batches' loss sums and
+    // predictions into its copy of one table and the sum over the ranks (each slot written
+    // by one rank, zeros elsewhere) is the whole table on every rank.
+    let chunks: Vec<&[Encoded]> = examples.chunks(batch.max(1)).collect();
+    let mut table = vec![0f64; chunks.len() + examples.len()];
+    let (loss_sums, predicted) = table.split_at_mut(chunks.len());
+    let ranks = reducer.ranks();
+    for (c, chunk) in chunks.iter().enumerate() {
+        if !ranks.owns(c) {
+            continue;
+        }
         let refs: Vec<&Encoded> = chunk.iter().collect();
         let (inputs, labels) = batch_tensors(&refs, &model.config, device)?;
         let logits = model.model.forward(&inputs, Mode::Eval)?;
         let nll = loss::nll_per_row(&logits, &labels)?;
-        loss_sum += nll
+        loss_sums[c] = nll
             .to_dtype(DType::F64)
             .and_then(|t| t.sum_all())
             .and_then(|t| t.to_scalar::<f64>())?;
         let p: Vec<u32> = logits.argmax(1).and_then(|t| t.to_vec1())?;
-        predictions.extend(p.into_iter().map(|x| x as usize));
+        let first = c * batch.max(1);
+        for (slot, p) in predicted[first..first + p.len()].iter_mut().zip(p) {
+            *slot = f64::from(p);
+        }
     }
+    reducer.all_reduce_sum_host(&mut table)?;
+    let (loss_sums, predicted) = table.split_at(chunks.len());
+    let loss_sum: f64 = loss_sums.iter().sum();
+    let predictions: Vec<usize> = predicted.iter().map(|&p| p as usize).collect();
     let labels: Vec<usize> = examples.iter().map(|e| e.label).collect();
     let mut m = vec![(
         "accuracy".to_string(),
@@ -246,7 +263,14 @@ pub fn finetune(
         },
         progress,
     )?;
-    let dev_eval = evaluate(task, &model, &dev, 64, &options.device)?;
+    let dev_eval = evaluate(
+        task,
+        &model,
+        &dev,
+        64,
+        &options.device,
+        options.reducer.as_ref(),
+    )?;
     if let Some(out) = &options.output
         && options.reducer.ranks().rank == 0
     {
@@ -314,7 +338,14 @@ pub fn predict_file(options: &GluePredictOptions) -> Result<Evaluation, crate::T
         });
     }
     let encoded = encode_file(task, &tokenizer, data, options.max_seq_length)?;
-    let evaluation = evaluate(task, &model, &encoded, options.batch, &options.device)?;
+    let evaluation = evaluate(
+        task,
+        &model,
+        &encoded,
+        options.batch,
+        &options.device,
+        &bertkit_train::step::Local,
+    )?;
     if let Some(out) = output {
         let mut text = String::from("index\tprediction\n");
         for (i, p) in evaluation.predictions.iter().enumerate() {

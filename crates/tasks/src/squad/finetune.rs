@@ -28,14 +28,17 @@ use crate::squad::data::Dataset;
 use crate::squad::features::{Examples, Feature, FeatureOptions, build_features, read_examples};
 use crate::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
 use crate::training::{TrainLog, TrainSettings, train};
+use bertkit_train::step::GradientReducer;
 
 /// Start/end logits of every feature (unpadded), `batch` features per forward pass, shortest
-/// first; `progress` hears a line every 20 batches.
+/// first, the batches shared out among the `reducer`'s ranks and the logits merged on every
+/// rank; `progress` hears a line every 20 batches.
 pub fn feature_logits(
     model: &Loaded<BertForQuestionAnswering>,
     features: &[Feature],
     batch: usize,
     device: &Device,
+    reducer: &dyn GradientReducer,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<FeatureLogits>, TaskError> {
     let mut order: Vec<usize> = (0..features.len()).collect();
@@ -43,7 +46,11 @@ pub fn feature_logits(
     let mut out: Vec<Option<FeatureLogits>> = vec![None; features.len()];
     let batches = order.len().div_ceil(batch.max(1));
     let started = Instant::now();
+    let ranks = reducer.ranks();
     for (b, chunk) in order.chunks(batch.max(1)).enumerate() {
+        if !ranks.owns(b) {
+            continue;
+        }
         let seqs: Vec<(&[u32], &[u32])> = chunk.iter().map(|&i| features[i].sequence()).collect();
         let (inputs, _) = pad(&seqs, &model.config, device)?;
         let (start, end) = model.model.forward(&inputs, Mode::Eval)?;
@@ -66,10 +73,47 @@ pub fn feature_logits(
             ));
         }
     }
+    if ranks.world_size > 1 {
+        merge_logits(&mut out, features, reducer)?;
+    }
     Ok(out
         .into_iter()
         .map(|l| l.expect("every feature was run"))
         .collect())
+}
+
+/// Every rank's logits in one table (start then end of each feature, in feature order; zeros
+/// where another rank ran the feature), summed over the ranks: the whole table on each.
+fn merge_logits(
+    out: &mut [Option<FeatureLogits>],
+    features: &[Feature],
+    reducer: &dyn GradientReducer,
+) -> Result<(), TaskError> {
+    let lengths: Vec<usize> = features.iter().map(|f| f.input_ids.len()).collect();
+    let mut table = vec![0f64; 2 * lengths.iter().sum::<usize>()];
+    let mut at = 0;
+    for (logits, &n) in out.iter().zip(&lengths) {
+        if let Some(l) = logits {
+            for (slot, &v) in table[at..at + 2 * n]
+                .iter_mut()
+                .zip(l.start.iter().chain(&l.end))
+            {
+                *slot = f64::from(v);
+            }
+        }
+        at += 2 * n;
+    }
+    reducer.all_reduce_sum_host(&mut table)?;
+    let mut at = 0;
+    for (logits, &n) in out.iter_mut().zip(&lengths) {
+        let row: Vec<f32> = table[at..at + 2 * n].iter().map(|&v| v as f32).collect();
+        *logits = Some(FeatureLogits {
+            start: row[..n].to_vec(),
+            end: row[n..].to_vec(),
+        });
+        at += 2 * n;
+    }
+    Ok(())
 }
 
 /// Windows per forward pass when predicting, unless asked otherwise.
@@ -177,13 +221,15 @@ pub fn write_predictions(
 }
 
 /// Predicts answers for every question of `dataset` with `model`, writing the prediction
-/// files into `output` when given.
+/// files into `output` when given. With several ranks the forward passes are shared out and
+/// every rank gets the whole result; give `output` on one rank.
 pub fn predict_dataset(
     model: &Loaded<BertForQuestionAnswering>,
     tokenizer: &FullTokenizer,
     dataset: &Dataset,
     options: &PredictOptions,
     output: Option<&Path>,
+    reducer: &dyn GradientReducer,
     progress: &mut dyn FnMut(&str),
 ) -> Result<PredictReport, TaskError> {
     let examples: Examples = read_examples(dataset, false, options.postprocess.version_2)?;
@@ -194,7 +240,14 @@ pub fn predict_dataset(
         features.len()
     ));
     let started = Instant::now();
-    let logits = feature_logits(model, &features, options.batch, &options.device, progress)?;
+    let logits = feature_logits(
+        model,
+        &features,
+        options.batch,
+        &options.device,
+        reducer,
+        progress,
+    )?;
     let model_seconds = started.elapsed().as_secs_f64();
     let predictions = predict(
         &examples,
@@ -317,6 +370,8 @@ pub fn finetune(
     if options.reducer.ranks().rank == 0 {
         save_finetuned(&model, &options.model, &options.output)?;
     }
+    // Every rank waits here until rank 0 has saved the model, which prediction loads next.
+    options.reducer.all_reduce_sum_host(&mut [0.0])?;
     Ok(SquadFinetuneReport {
         train_examples: examples.examples.len(),
         skipped: examples.skipped.len(),
