@@ -42,6 +42,11 @@ pub trait GradientReducer: std::fmt::Debug {
     fn all_reduce_sum_host(&self, values: &mut [f64]) -> Result<(), TrainError>;
     /// This process's place and the number of ranks.
     fn ranks(&self) -> Ranks;
+    /// The device this rank must compute on when the reducer is bound to one (NCCL: the GPU of
+    /// the rank's local rank, whose stream the collectives run on); `None`: the run's own.
+    fn device(&self) -> Option<candle_core::Device> {
+        None
+    }
     /// Stops every rank at once after an error on this one (a rank that stopped alone would
     /// leave the others waiting in a collective). One process: returns.
     fn abort(&self, code: i32);

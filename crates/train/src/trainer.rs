@@ -391,7 +391,10 @@ impl Trainer {
         let ranks = options.reducer.ranks();
         config.validate(ranks.world_size)?;
         let accumulation = config.accumulation(ranks.world_size)?;
-        let device = bertkit_model::parse_device(&config.train.device)?;
+        let device = match options.reducer.device() {
+            Some(device) => device,
+            None => bertkit_model::parse_device(&config.train.device)?,
+        };
         let dtype = bertkit_model::parse_dtype(&config.train.precision)?;
         let bert_config = config.bert_config()?;
         let resume_from = if options.resume {

@@ -10,14 +10,15 @@ use std::rc::Rc;
 use bertkit_stage_io::Ranks;
 use bertkit_train::step::GradientReducer;
 
-/// Runs `work` as this process's rank of the launcher's data-parallel world (one process: the
-/// local reducer). An error on one of several ranks is printed and stops every rank, which
-/// would otherwise wait for this one in their next all-reduce.
+/// Runs `work` as this process's rank of the launcher's data-parallel world for a run on
+/// `device` (one process: the local reducer). An error on one of several ranks is printed and
+/// stops every rank, which would otherwise wait for this one in their next all-reduce.
 pub(crate) fn as_rank<T>(
     ranks: Ranks,
+    device: &str,
     work: impl FnOnce(Rc<dyn GradientReducer>) -> Result<T, Box<dyn std::error::Error>>,
 ) -> Result<T, Box<dyn std::error::Error>> {
-    let reducer = bertkit_train::distributed::join(ranks)?;
+    let reducer = bertkit_train::distributed::join(ranks, device)?;
     let result = work(reducer.clone());
     if let Err(e) = &result
         && ranks.world_size > 1
@@ -26,4 +27,15 @@ pub(crate) fn as_rank<T>(
         reducer.abort(1);
     }
     result
+}
+
+/// The device a rank computes on: the reducer's (NCCL binds each rank to its GPU), else `name`.
+pub(crate) fn rank_device(
+    reducer: &dyn GradientReducer,
+    name: &str,
+) -> Result<candle_core::Device, bertkit_model::ModelError> {
+    match reducer.device() {
+        Some(device) => Ok(device),
+        None => bertkit_model::parse_device(name),
+    }
 }

@@ -77,7 +77,8 @@ pub(crate) fn finetune(command: FinetuneCommand) -> Result<()> {
 
 fn finetune_glue(args: FinetuneGlueArgs) -> Result<()> {
     let ranks = args.train.ranks.ranks()?;
-    super::as_rank(ranks, |reducer| finetune_glue_rank(args, reducer))
+    let device = args.train.device.clone();
+    super::as_rank(ranks, &device, |reducer| finetune_glue_rank(args, reducer))
 }
 
 fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) -> Result<()> {
@@ -93,7 +94,7 @@ fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) 
         max_seq_length: args.max_seq_length,
         lower_case: !args.train.cased,
         dtype: bertkit_model::parse_dtype(&args.train.dtype)?,
-        device: bertkit_model::parse_device(&args.train.device)?,
+        device: super::rank_device(reducer.as_ref(), &args.train.device)?,
         reducer,
     };
     let report = bertkit_tasks::glue::finetune::finetune(&options, &mut |line| {
@@ -130,13 +131,14 @@ fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) 
 
 fn finetune_squad(args: FinetuneSquadArgs) -> Result<()> {
     let ranks = args.train_flags.ranks.ranks()?;
-    super::as_rank(ranks, |reducer| finetune_squad_rank(args, reducer))
+    let device = args.train_flags.device.clone();
+    super::as_rank(ranks, &device, |reducer| finetune_squad_rank(args, reducer))
 }
 
 fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>) -> Result<()> {
     let speaks = reducer.ranks().rank == 0;
     let lower_case = !args.train_flags.cased;
-    let device = bertkit_model::parse_device(&args.train_flags.device)?;
+    let device = super::rank_device(reducer.as_ref(), &args.train_flags.device)?;
     let options = squad::SquadFinetuneOptions {
         model: args.model.clone(),
         train: Dataset::load(&args.train)?,
@@ -195,7 +197,8 @@ pub(crate) fn predict(command: PredictCommand) -> Result<()> {
 }
 
 fn predict_squad(args: PredictSquadArgs) -> Result<()> {
-    super::as_rank(bertkit_stage_io::Ranks::from_env()?, |reducer| {
+    let device = args.device.clone();
+    super::as_rank(bertkit_stage_io::Ranks::from_env()?, &device, |reducer| {
         predict_squad_rank(args, reducer.as_ref())
     })
 }
@@ -204,7 +207,7 @@ fn predict_squad(args: PredictSquadArgs) -> Result<()> {
 /// writes the files and scores.
 fn predict_squad_rank(args: PredictSquadArgs, reducer: &dyn GradientReducer) -> Result<()> {
     let speaks = reducer.ranks().rank == 0;
-    let device = bertkit_model::parse_device(&args.device)?;
+    let device = super::rank_device(reducer, &args.device)?;
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
     let model = squad::load_for_prediction(&args.model, dtype, &device)?;
     let tokenizer = bertkit_tasks::model_dir::load_tokenizer(&args.model, !args.cased)?;

@@ -57,7 +57,8 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
         config.train.global_batch = global;
     }
     let (max_steps, resume) = (args.max_steps, args.resume);
-    super::as_rank(args.ranks.ranks()?, |reducer| {
+    let device = config.train.device.clone();
+    super::as_rank(args.ranks.ranks()?, &device, |reducer| {
         let options = bertkit_train::trainer::RunOptions {
             max_steps,
             resume,
@@ -262,7 +263,6 @@ pub(crate) fn bench(command: BenchCommand) -> Result<()> {
 
 fn bench_allreduce(args: BenchAllreduceArgs) -> Result<()> {
     let config = bertkit_model::BertConfig::named(&args.config)?;
-    let device = bertkit_model::parse_device(&args.device)?;
     let elements = bertkit_train::plan::parameters(&config);
     let ranks = args.ranks.ranks()?;
     if ranks.world_size < 2 {
@@ -272,7 +272,8 @@ fn bench_allreduce(args: BenchAllreduceArgs) -> Result<()> {
                 .into(),
         );
     }
-    super::as_rank(ranks, |reducer| {
+    super::as_rank(ranks, &args.device, |reducer| {
+        let device = super::rank_device(reducer.as_ref(), &args.device)?;
         let seconds =
             bertkit_train::bench::all_reduce(reducer.as_ref(), elements, args.repeats, &device)?;
         if ranks.rank != 0 {
