@@ -316,9 +316,9 @@ mod mpi_world {
 
 #[cfg(feature = "nccl")]
 mod nccl_world {
+    use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
     use candle_core::cuda_backend::{CudaStorage, cudarc};
-    use candle_core::backend::BackendStorage;
     use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor};
 
     use bertkit_stage_io::Ranks;
