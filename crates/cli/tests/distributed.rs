@@ -435,3 +435,33 @@ fn squad_on_two_ranks_equals_one_process_with_twice_the_accumulation() {
         "fine-tuned weights differ by {diff} (relative)"
     );
 }
+
+/// A global batch the ranks cannot share (8 sequences, micro-batches of 8, 2 ranks) is refused
+/// by every rank before any work, with the numbers, and the launcher exits non-zero.
+#[test]
+fn a_global_batch_the_ranks_cannot_share_is_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    let config = config(dir.path(), &records, 20);
+    let run_dir = dir.path().join("run");
+    let out = run(mpirun(
+        2,
+        &[
+            "pretrain",
+            "--config",
+            p(&config),
+            "--output",
+            p(&run_dir),
+            "--global-batch",
+            "8",
+        ],
+        &[],
+    ));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("global_batch 8 is not a multiple of micro_batch 8 × 2 rank(s)"),
+        "{stderr}"
+    );
+    assert!(!run_dir.join("metrics.jsonl").exists());
+}
