@@ -29,7 +29,10 @@ fn mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Command {
     cmd.arg(env!("CARGO_BIN_EXE_bertkit"))
         .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // Containers often forbid the cross-process memory copy Open MPI tries first
+        // between local ranks; shared memory alone works everywhere.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
     cmd
 }
 
