@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bertkit_test_support::require;
 
-use crate::util::{bertkit, ok, path as p};
+use crate::util::{book_records, ok, path as p};
 
 /// `mpirun -np <ranks> bertkit <args>`, one compute thread per rank (the machine has two
 /// cores), `env` passed to every rank, allowed to run as root (CI's user).
@@ -53,25 +53,16 @@ fn run(mut cmd: Command) -> Output {
     cmd.output().expect("mpirun runs")
 }
 
-/// Phase-1-style records of a book's first 600 lines.
-fn records(dir: &Path) -> PathBuf {
-    let text = std::fs::read_to_string(require("gutenberg/chesterton-thursday.txt")).unwrap();
-    let input = dir.join("book.txt");
-    let lines: String = text.lines().take(600).map(|l| format!("{l}\n")).collect();
-    std::fs::write(&input, lines).unwrap();
-    let records = dir.join("records.parquet");
-    ok(bertkit(&[
-        "records",
-        "--input",
-        p(&input),
-        "--vocab",
-        p(&require("minilm/vocab.txt")),
-        "--output",
-        p(&records),
-        "--dupe-factor",
-        "1",
-    ]));
-    records
+/// The same command, `args(out, accumulation)`, on 1 process with accumulation 2 and on 2
+/// ranks with accumulation 1: each run's output folder and stdout.
+fn one_process_and_two_ranks(
+    dir: &Path,
+    args: impl Fn(&Path, &'static str) -> Vec<String>,
+) -> [(PathBuf, String); 2] {
+    let (one, two) = (dir.join("one"), dir.join("two"));
+    let one_out = ok(single(&strs(&args(&one, "2"))));
+    let two_out = ok(run(mpirun(2, &strs(&args(&two, "1")), &[])));
+    [(one, one_out), (two, two_out)]
 }
 
 /// A tiny BERT, LAMB, 16 sequences a step in micro-batches of 8, dropout on (the preset's 0.1).
@@ -177,7 +168,7 @@ fn assert_same_losses(a: &[(u64, f64, f64)], b: &[(u64, f64, f64)]) {
 #[test]
 fn two_ranks_train_like_one_process_with_twice_the_accumulation() {
     let dir = tempfile::tempdir().unwrap();
-    let records = records(dir.path());
+    let records = book_records(dir.path());
     let config = config(dir.path(), &records, 20);
     let args = |run: &Path, extra: &[&'static str]| -> Vec<String> {
         let mut a = vec![
@@ -258,10 +249,7 @@ fn mrpc_fine_tuning_on_two_ranks_equals_one_process_with_twice_the_accumulation(
         .map(|s| s.to_string())
         .collect()
     };
-    let one = dir.path().join("one");
-    let one_out = ok(single(&strs(&args(&one, "2"))));
-    let two = dir.path().join("two");
-    let two_out = ok(run(mpirun(2, &strs(&args(&two, "1")), &[])));
+    let [(one, one_out), (two, two_out)] = one_process_and_two_ranks(dir.path(), args);
     let accuracy = |out: &str| {
         out.split("accuracy ")
             .nth(1)
@@ -305,7 +293,7 @@ fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
 #[test]
 fn a_killed_rank_stops_the_run_within_a_minute() {
     let dir = tempfile::tempdir().unwrap();
-    let records = records(dir.path());
+    let records = book_records(dir.path());
     let config = config(dir.path(), &records, 100_000);
     let run_dir = dir.path().join("run");
     let marker = format!("{}-{}", std::process::id(), dir.path().display());
@@ -415,10 +403,7 @@ fn squad_on_two_ranks_equals_one_process_with_twice_the_accumulation() {
         .map(|s| s.to_string())
         .collect()
     };
-    let one = dir.path().join("one");
-    let one_out = ok(single(&strs(&args(&one, "2"))));
-    let two = dir.path().join("two");
-    let two_out = ok(run(mpirun(2, &strs(&args(&two, "1")), &[])));
+    let [(one, one_out), (two, two_out)] = one_process_and_two_ranks(dir.path(), args);
     let scores = |out: &str| {
         out.lines()
             .find(|l| l.contains("exact_match"))
@@ -444,7 +429,7 @@ fn squad_on_two_ranks_equals_one_process_with_twice_the_accumulation() {
 #[test]
 fn a_global_batch_the_ranks_cannot_share_is_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
-    let records = records(dir.path());
+    let records = book_records(dir.path());
     let config = config(dir.path(), &records, 20);
     let run_dir = dir.path().join("run");
     let out = run(mpirun(

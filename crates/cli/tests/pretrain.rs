@@ -2,35 +2,14 @@
 //! run folder holds metrics.jsonl and checkpoints/step-N/; `bertkit plot` draws the curves and
 //! `bertkit plan` prints a table.
 
-use bertkit_test_support::{repo_root, require};
+use bertkit_test_support::repo_root;
 
-use crate::util::{bertkit, ok, path as p};
+use crate::util::{bertkit, book_records, ok, path as p};
 
 #[test]
 fn pretrain_writes_metrics_and_checkpoints_and_resumes() {
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(require("gutenberg/chesterton-thursday.txt")).unwrap();
-    let input = dir.path().join("book.txt");
-    std::fs::write(
-        &input,
-        text.lines()
-            .take(600)
-            .map(|l| format!("{l}\n"))
-            .collect::<String>(),
-    )
-    .unwrap();
-    let records = dir.path().join("records.parquet");
-    ok(bertkit(&[
-        "records",
-        "--input",
-        p(&input),
-        "--vocab",
-        p(&require("minilm/vocab.txt")),
-        "--output",
-        p(&records),
-        "--dupe-factor",
-        "1",
-    ]));
+    let records = book_records(dir.path());
     // The shipped tiny config, pointed at these records and a temporary run folder.
     let config = repo_root().join("pipelines/tiny.toml");
     let run = dir.path().join("run");

@@ -26,3 +26,26 @@ pub fn ok(out: Output) -> String {
 pub fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
+
+/// Phase-1 records (dupe factor 1, the MiniLM vocabulary) of a book's first 600 lines, made
+/// by `bertkit records` in `dir`.
+pub fn book_records(dir: &Path) -> std::path::PathBuf {
+    use bertkit_test_support::require;
+    let text = std::fs::read_to_string(require("gutenberg/chesterton-thursday.txt")).unwrap();
+    let input = dir.join("book.txt");
+    let lines: String = text.lines().take(600).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&input, lines).unwrap();
+    let records = dir.join("records.parquet");
+    ok(bertkit(&[
+        "records",
+        "--input",
+        path(&input),
+        "--vocab",
+        path(&require("minilm/vocab.txt")),
+        "--output",
+        path(&records),
+        "--dupe-factor",
+        "1",
+    ]));
+    records
+}

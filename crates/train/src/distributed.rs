@@ -498,16 +498,17 @@ mod nccl_world {
 mod tests {
     use super::*;
 
+    /// A local address nothing listens on (the port the system just handed out).
+    fn free_address() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+    }
+
     /// Rank 0's bytes reach every rank through the TCP rendezvous, whichever rank comes
     /// first; a rank of another world size is refused by name.
     #[test]
     fn the_rendezvous_hands_rank_zeros_bytes_to_every_rank() {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let address = format!("127.0.0.1:{port}");
+        let address = free_address();
         let payload: Vec<u8> = (0..128).map(|i| (i * 7) as u8).collect();
         let threads: Vec<_> = (0..3)
             .rev()
@@ -528,12 +529,7 @@ mod tests {
             assert_eq!(t.join().unwrap().unwrap(), payload);
         }
 
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let address = format!("127.0.0.1:{port}");
+        let address = free_address();
         let root = {
             let address = address.clone();
             std::thread::spawn(move || {
