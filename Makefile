@@ -62,7 +62,7 @@ TRAIN_FLAGS := --device $(DEVICE) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS))
 DATA ?=
 MICRO_BATCH ?= $(if $(filter cpu,$(DEVICE)),2)
 GLOBAL_BATCH ?= $(if $(filter cpu,$(DEVICE)),4)
-PRETRAIN_FLAGS := $(if $(DATA),--data $(DATA)) $(if $(MICRO_BATCH),--micro-batch $(MICRO_BATCH)) $(if $(GLOBAL_BATCH),--global-batch $(GLOBAL_BATCH))
+PRETRAIN_FLAGS := $(if $(DATA),--data $(DATA) $(if $(wildcard $(DATA)-heldout),--eval-data $(DATA)-heldout,--no-eval)) $(if $(MICRO_BATCH),--micro-batch $(MICRO_BATCH)) $(if $(GLOBAL_BATCH),--global-batch $(GLOBAL_BATCH))
 # The pre-training recipes are BERT-large on GPUs: without one, say what is missing rather than
 # start a months-long CPU run.
 define NO_GPU

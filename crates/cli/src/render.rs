@@ -212,13 +212,25 @@ impl TrainProgress {
                 String::new()
             },
         );
+        let line = match &m.eval {
+            Some(e) => format!(
+                "{line}\n  held-out ({} sequences): loss {:.4} (mlm {:.4}, nsp {:.4}) acc {:.3}/{:.3}",
+                e.eval_sequences,
+                e.eval_loss,
+                e.eval_mlm_loss,
+                e.eval_nsp_loss,
+                e.eval_mlm_accuracy,
+                e.eval_nsp_accuracy
+            ),
+            None => line,
+        };
         self.bar.set_position(m.step);
         if self.terminal {
             self.bar.set_message(format!("loss {:.3}", m.loss));
-            if m.step.is_multiple_of(50) {
+            if m.step.is_multiple_of(50) || m.eval.is_some() {
                 self.bar.println(line);
             }
-        } else if self.logged_at.elapsed() >= LOG_EVERY || m.step == self.last {
+        } else if self.logged_at.elapsed() >= LOG_EVERY || m.step == self.last || m.eval.is_some() {
             eprintln!("{line}");
             self.logged_at = Instant::now();
         }

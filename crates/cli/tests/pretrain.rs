@@ -20,6 +20,8 @@ fn pretrain_writes_metrics_and_checkpoints_and_resumes() {
             p(&config),
             "--data",
             p(&records),
+            "--eval-data",
+            p(&records),
             "--output",
             p(&run),
             "--max-steps",

@@ -4,7 +4,8 @@
 //! config (`pipelines/data.toml`, `pipelines/demo.toml`). Outputs go under the config's
 //! `output` folder:
 //! `raw/` (downloads), `formatted/wiki/`, `formatted/books/`, `shards/`, `records/phase1/`,
-//! `records/phase2/`. Each step is the stage's own library call, with its own manifest and
+//! `records/phase2/`, and the held-out records pre-training evaluates on,
+//! `records/phase1-heldout/` and `records/phase2-heldout/` (from the first test shards). Each step is the stage's own library call, with its own manifest and
 //! no-op check, so a re-run skips every step whose inputs and parameters are unchanged. A run
 //! killed at any point finishes on the next run: every stage writes atomically and ignores its
 //! own leftovers. The runner reports what each step did and how long it took.
@@ -17,7 +18,8 @@
 //! - **format**: the wiki and books jobs are dealt to ranks 0 and 1 (mod W);
 //! - **shard**: every rank reads and shuffles the whole corpus and writes shards `g % W == R`
 //!   (see the shard crate);
-//! - **records**: train shard `i` (sorted by name) is rank `i % W`'s, per phase.
+//! - **records**: train shard `i` (sorted by name) is rank `i % W`'s, per phase; so is held-out
+//!   shard `i`.
 //!
 //! A [`merge::MergePoints`] barrier follows each step, since the next one reads what all ranks
 //! wrote; the last one (`done`) means the whole output is complete whichever rank exits first.
@@ -91,6 +93,15 @@ pub struct RecordsConfig {
     pub seed: u64,
     /// Which phases to make: 1 (128 / 20) and/or 2 (512 / 80).
     pub phases: Vec<u8>,
+    /// Held-out records for pre-training's evaluation, per phase, in
+    /// `records/phase{N}-heldout/`: made from the first this many test shards, with a dupe
+    /// factor of 1 (0: none).
+    #[serde(default = "default_heldout_shards")]
+    pub heldout_shards: usize,
+}
+
+fn default_heldout_shards() -> usize {
+    1
 }
 
 /// A pipeline config.
@@ -372,19 +383,38 @@ pub fn run(
     );
     arrive("shard")?;
 
-    // Records, per phase, from this rank's train shards.
+    // Records, per phase, from this rank's train shards, then the held-out records from its
+    // share of the first test shards.
     let vocab = raw.join(&config.records.vocab);
     let train_shards = ranks.share(
         bertkit_stage_io::text::expand_text_inputs(&[shards.join("train")])
             .map_err(step_err("records"))?,
     );
-    for &phase in &config.records.phases {
-        let step = format!("records phase {phase}");
+    let heldout_shards = ranks.share(
+        bertkit_stage_io::text::expand_text_inputs(&[shards.join("test")])
+            .map_err(step_err("records"))?
+            .into_iter()
+            .take(config.records.heldout_shards),
+    );
+    let jobs = [
+        ("", &train_shards, config.records.dupe_factor),
+        ("-heldout", &heldout_shards, 1),
+    ];
+    for ((suffix, inputs, dupe_factor), &phase) in jobs
+        .iter()
+        .flat_map(|job| config.records.phases.iter().map(move |p| (job, p)))
+    {
+        let (inputs, dupe_factor) = (*inputs, *dupe_factor);
+        let step = if suffix.is_empty() {
+            format!("records phase {phase}")
+        } else {
+            format!("records phase {phase} held-out")
+        };
         let preset = bertkit_records::instances::InstanceOptions::phase(phase)
             .ok_or_else(|| PipelineError::Config(format!("[records] phases: no phase {phase}")))?;
         let options = bertkit_records::run::RecordsOptions {
             instances: bertkit_records::instances::InstanceOptions {
-                dupe_factor: config.records.dupe_factor,
+                dupe_factor,
                 seed: config.records.seed,
                 ..preset
             },
@@ -392,18 +422,13 @@ pub fn run(
             compat: bertkit_records::run::Compat::None,
         };
         let started = Instant::now();
-        let out = root.join(format!("records/phase{phase}"));
-        if train_shards.is_empty() {
+        let out = root.join(format!("records/phase{phase}{suffix}"));
+        if inputs.is_empty() {
             continue;
         }
-        let summaries = bertkit_records::run::records_to_dir(
-            &train_shards,
-            &vocab,
-            &out,
-            &options,
-            &stage_reporter,
-        )
-        .map_err(step_err(&step))?;
+        let summaries =
+            bertkit_records::run::records_to_dir(inputs, &vocab, &out, &options, &stage_reporter)
+                .map_err(step_err(&step))?;
         let summaries = summaries.into_summary();
         let written: Vec<_> = summaries.iter().filter(|s| !s.skipped).collect();
         emit(

@@ -35,7 +35,9 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
             "format books",
             "shard",
             "records phase 1",
-            "records phase 2"
+            "records phase 2",
+            "records phase 1 held-out",
+            "records phase 2 held-out"
         ]
     );
     assert!(first.iter().all(|r| !r.up_to_date), "{first:?}");
@@ -85,6 +87,19 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
         );
     }
 
+    // The held-out records: the one test shard's, per phase, for pre-training's evaluation.
+    for phase in [1, 2] {
+        let dir = config.output.join(format!("records/phase{phase}-heldout"));
+        let files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".parquet"))
+            .collect();
+        assert_eq!(files, ["shard_00000.parquet"], "{}", dir.display());
+        let file = bertkit_records::reader::RecordsFile::open(&dir.join(&files[0])).unwrap();
+        assert!(file.row_group_rows().iter().sum::<usize>() > 50);
+    }
+
     let second = run(
         &config,
         &registry,
@@ -124,18 +139,23 @@ fn demo_pipeline_runs_every_step_and_reruns_as_a_no_op() {
             "format books",
             "shard",
             "records phase 1",
-            "records phase 2"
+            "records phase 2",
+            "records phase 1 held-out",
+            "records phase 2 held-out"
         ]
     );
     // Another shard seed: sharding and the records.
     config.shard.seed += 1;
-    assert_eq!(
-        rerun(&config),
-        ["shard", "records phase 1", "records phase 2"]
-    );
+    let records = [
+        "records phase 1",
+        "records phase 2",
+        "records phase 1 held-out",
+        "records phase 2 held-out",
+    ];
+    assert_eq!(rerun(&config), [&["shard"][..], &records[..]].concat());
     // Another records seed: the records alone.
     config.records.seed += 1;
-    assert_eq!(rerun(&config), ["records phase 1", "records phase 2"]);
+    assert_eq!(rerun(&config), records);
     // A book and the vocabulary rewritten with the same bytes (new modification times):
     // nothing runs, since steps compare contents when only the time moved. (Tried: with
     // inputs compared by modification time alone, as before, the book reruns its formatting

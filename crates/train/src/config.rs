@@ -26,6 +26,10 @@
 //! keep_checkpoints = 3
 //! seed = 42
 //! activation_checkpointing = 1        # recompute every layer in backward (0 = off)
+//! [eval]                              # optional: held-out evaluation
+//! records = ["out/data/records/phase1-heldout"]
+//! every = 500                         # steps (and at the last step)
+//! sequences = 10000                   # the first this many held-out sequences, stored masks
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -131,6 +135,44 @@ fn default_max_skipped() -> u64 {
     50
 }
 
+/// `[eval]`: held-out evaluation during pre-training. The same sequences each time (the
+/// first `sequences` of the records in a fixed order) with the masks the records store, so
+/// the figures of two evaluations differ only by what the model learnt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSection {
+    /// Held-out records files or folders (the pipeline's `records/phase1-heldout/`).
+    pub records: Vec<PathBuf>,
+    /// Evaluate after every this many optimiser steps, and after the run's last step.
+    #[serde(default = "default_eval_every")]
+    pub every: u64,
+    /// Sequences evaluated (whole batches of `micro_batch` per rank; fewer when the records
+    /// hold fewer).
+    #[serde(default = "default_eval_sequences")]
+    pub sequences: usize,
+    /// Sequences per forward pass (default: `[data] micro_batch`).
+    pub micro_batch: Option<usize>,
+}
+
+impl EvalSection {
+    /// Evaluation on `records` with the defaults.
+    pub fn new(records: Vec<PathBuf>) -> Self {
+        EvalSection {
+            records,
+            every: default_eval_every(),
+            sequences: default_eval_sequences(),
+            micro_batch: None,
+        }
+    }
+}
+
+fn default_eval_every() -> u64 {
+    1000
+}
+fn default_eval_sequences() -> usize {
+    10_000
+}
+
 /// A whole pre-training config.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -147,6 +189,9 @@ pub struct PretrainConfig {
     pub schedule: Schedule,
     /// Run settings.
     pub train: TrainSection,
+    /// Held-out evaluation (none without the section).
+    #[serde(default)]
+    pub eval: Option<EvalSection>,
 }
 
 impl PretrainConfig {
@@ -178,6 +223,16 @@ impl PretrainConfig {
         if self.train.checkpoint_every == 0 || self.train.keep_checkpoints == 0 {
             return Err(TrainError::Config(
                 "[train] checkpoint_every and keep_checkpoints must be at least 1".into(),
+            ));
+        }
+        if let Some(eval) = &self.eval
+            && (eval.records.is_empty()
+                || eval.every == 0
+                || eval.sequences == 0
+                || eval.micro_batch == Some(0))
+        {
+            return Err(TrainError::Config(
+                "[eval] needs records, and every, sequences and micro_batch of at least 1".into(),
             ));
         }
         if self.data.max_predictions == 0 || self.data.records.is_empty() {

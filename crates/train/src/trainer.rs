@@ -74,6 +74,26 @@ pub struct StepMetrics {
     /// Model FLOP utilisation, when the device's peak is configured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
+    /// The held-out evaluation after this step, when one ran (`[eval]`).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalMetrics>,
+}
+
+/// Held-out figures (`eval_*` in `metrics.jsonl`): the same sequences and masks every time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalMetrics {
+    /// `eval_mlm_loss + eval_nsp_loss`.
+    pub eval_loss: f64,
+    /// Masked-LM cross-entropy per masked token.
+    pub eval_mlm_loss: f64,
+    /// Next-sentence cross-entropy per sequence.
+    pub eval_nsp_loss: f64,
+    /// Share of masked tokens predicted right.
+    pub eval_mlm_accuracy: f64,
+    /// Share of next-sentence labels predicted right.
+    pub eval_nsp_accuracy: f64,
+    /// Sequences evaluated.
+    pub eval_sequences: u64,
 }
 
 /// Where a run stands, saved in `state.json`.
@@ -262,6 +282,24 @@ impl StepCounts {
     }
 }
 
+/// A micro-batch's masked-LM cross-entropy summed over real slots and next-sentence
+/// cross-entropy summed over sequences (scalars), and its figures in the order of
+/// [`FIGURES`] (an f64 `[4]` tensor on the device).
+fn loss_sums(
+    out: &bertkit_model::PreTrainingOutput,
+    d: &DeviceBatch,
+) -> Result<(Tensor, Tensor, Tensor), TrainError> {
+    let (bs, p, v) = out.mlm_logits.dims3()?;
+    let logits = out.mlm_logits.reshape((bs * p, v))?;
+    let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
+    let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
+    let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
+    let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;
+    let sums = Tensor::stack(&[&mlm_sum, &nsp_sum], 0)?.to_dtype(DType::F64)?;
+    let figures = Tensor::cat(&[sums, hits(out, d)?.to_dtype(DType::F64)?], 0)?;
+    Ok((mlm_sum, nsp_sum, figures))
+}
+
 /// A micro-batch's share of the step's pre-training loss: its masked-LM cross-entropy summed
 /// over real slots, over the step's masked tokens, plus its next-sentence cross-entropy over
 /// the step's sequences. The two sums and the right predictions are tracked by `step`.
@@ -271,17 +309,8 @@ fn objective(
     counts: StepCounts,
     step: &mut Step,
 ) -> Result<Tensor, TrainError> {
-    let (bs, p, v) = out.mlm_logits.dims3()?;
-    let logits = out.mlm_logits.reshape((bs * p, v))?;
-    let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
-    let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
-    let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
-    let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;
-    let sums = Tensor::stack(&[&mlm_sum, &nsp_sum], 0)?.to_dtype(DType::F64)?;
-    step.track(&Tensor::cat(
-        &[sums, hits(out, d)?.to_dtype(DType::F64)?],
-        0,
-    )?)?;
+    let (mlm_sum, nsp_sum, figures) = loss_sums(out, d)?;
+    step.track(&figures)?;
     Ok(((mlm_sum / counts.masked)? + (nsp_sum / counts.sequences)?)?)
 }
 
@@ -382,6 +411,8 @@ pub struct Trainer {
     accumulation: usize,
     state: RunState,
     flops_per_token: f64,
+    /// The held-out records and how many batches of them each evaluation runs.
+    eval: Option<(Arc<Dataset>, u64)>,
 }
 
 impl Trainer {
@@ -423,6 +454,30 @@ impl Trainer {
             }
         };
         let mut optimizer = Optimizer::new(config.optimizer.clone(), model.params.vars())?;
+        let eval = match &config.eval {
+            Some(e) => {
+                let micro = e.micro_batch.unwrap_or(config.data.micro_batch);
+                let set = Arc::new(Dataset::open(
+                    &e.records,
+                    DataOptions {
+                        micro_batch: micro,
+                        global_batch: micro * ranks.world_size,
+                        pad_multiple: config.data.pad_multiple,
+                        max_predictions: config.data.max_predictions,
+                        // One fixed order, whatever the run's seed.
+                        seed: 0,
+                        ranks,
+                        prefetch: 2,
+                        dynamic_masking: None,
+                        vocab_size: Some(model.config.vocab_size),
+                    },
+                )?);
+                let rounds = (e.sequences.div_ceil(micro * ranks.world_size) as u64)
+                    .min(set.steps_per_epoch());
+                Some((set, rounds))
+            }
+            None => None,
+        };
         let dataset = Arc::new(Dataset::open(
             &config.data.records,
             DataOptions {
@@ -490,6 +545,7 @@ impl Trainer {
             accumulation,
             state,
             flops_per_token,
+            eval,
         })
     }
 
@@ -595,6 +651,52 @@ impl Trainer {
         Ok(())
     }
 
+    /// The held-out figures at the current weights (`[eval]`; `None` without it): forward
+    /// passes without dropout over the same batches each time, shared out among the ranks and
+    /// summed over them.
+    pub fn evaluate(&self) -> Result<Option<EvalMetrics>, TrainError> {
+        let Some((set, rounds)) = &self.eval else {
+            return Ok(None);
+        };
+        let mut stream = set.stream(Cursor::default());
+        let mut figures: Option<Tensor> = None;
+        let (mut masked, mut sequences) = (0f64, 0f64);
+        for _ in 0..*rounds {
+            let b = stream.next_batch()?;
+            let counts = StepCounts::of(std::slice::from_ref(&b));
+            (masked, sequences) = (masked + counts.masked, sequences + counts.sequences);
+            let d = to_device(&b, &self.model.config, &self.device)?;
+            let out = self
+                .model
+                .model
+                .forward(&d.inputs, &d.positions, Mode::Eval)?;
+            let (_, _, f) = loss_sums(&out, &d)?;
+            figures = Some(match figures {
+                Some(sum) => (sum + f)?,
+                None => f,
+            });
+        }
+        let mut totals = match figures {
+            Some(f) => f.to_vec1::<f64>()?,
+            None => vec![0.0; FIGURES],
+        };
+        totals.extend([masked, sequences]);
+        self.options.reducer.all_reduce_sum_host(&mut totals)?;
+        let counts = StepCounts {
+            masked: totals[FIGURES].max(1e-5),
+            sequences: totals[FIGURES + 1].max(1.0),
+        };
+        let means = Means::of(&totals[..FIGURES], counts);
+        Ok(Some(EvalMetrics {
+            eval_loss: means.mlm + means.nsp,
+            eval_mlm_loss: means.mlm,
+            eval_nsp_loss: means.nsp,
+            eval_mlm_accuracy: means.mlm_accuracy,
+            eval_nsp_accuracy: means.nsp_accuracy,
+            eval_sequences: totals[FIGURES + 1] as u64,
+        }))
+    }
+
     /// Gradients of one step's worth of `batches` at the current weights (no update): for tests
     /// of accumulation equivalence.
     pub fn step_gradients(
@@ -657,6 +759,7 @@ impl Trainer {
             tokens_per_s: tokens / seconds,
             tflops,
             mfu: self.config.train.peak_tflops.map(|p| tflops / p),
+            eval: None,
         })
     }
 
@@ -758,7 +861,12 @@ impl Trainer {
             let batches = (0..self.accumulation)
                 .map(|_| stream.next_batch())
                 .collect::<Result<Vec<_>, _>>()?;
-            let m = self.train_step(&batches)?;
+            let mut m = self.train_step(&batches)?;
+            if let Some(e) = &self.config.eval
+                && (self.state.step.is_multiple_of(e.every) || self.state.step == last)
+            {
+                m.eval = self.evaluate()?;
+            }
             if let Some(file) = &mut metrics_file {
                 let line = serde_json::to_string(&m).expect("metrics serialise");
                 writeln!(file, "{line}").map_err(io_err(&metrics_path))?;

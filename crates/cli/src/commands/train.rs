@@ -44,6 +44,17 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
     if let Some(data) = args.data {
         config.data.records = vec![data];
     }
+    if let Some(records) = args.eval_data {
+        let mut eval = config
+            .eval
+            .take()
+            .unwrap_or_else(|| bertkit_train::config::EvalSection::new(Vec::new()));
+        eval.records = vec![records];
+        config.eval = Some(eval);
+    }
+    if args.no_eval {
+        config.eval = None;
+    }
     if let Some(output) = args.output {
         config.output = output;
     }
@@ -324,6 +335,8 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
         config.data.micro_batch = micro;
     }
     config.train.global_batch = config.data.micro_batch;
+    // Training steps alone: no held-out evaluation.
+    config.eval = None;
     if let Some(precision) = args.precision {
         config.train.precision = precision;
     }

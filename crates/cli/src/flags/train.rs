@@ -14,6 +14,13 @@ pub(crate) struct PretrainArgs {
     /// Records (.parquet files or folders) instead of the config's.
     #[arg(long)]
     pub(crate) data: Option<PathBuf>,
+    /// Held-out records instead of the config's `[eval] records` (with the config's other
+    /// `[eval]` settings, or every 1000 steps on 10,000 sequences).
+    #[arg(long, conflicts_with = "no_eval")]
+    pub(crate) eval_data: Option<PathBuf>,
+    /// No held-out evaluation, whatever the config's `[eval]` says.
+    #[arg(long)]
+    pub(crate) no_eval: bool,
     /// Run folder instead of the config's.
     #[arg(long)]
     pub(crate) output: Option<PathBuf>,
