@@ -8,8 +8,9 @@
 #   make finetune-squad [MODEL=dir] [SQUAD_TRAIN=train.json SQUAD_DEV=dev.json] [SQUAD_FLAGS=…]
 #                                       fine-tune, predict and score SQuAD (offline: the split of
 #                                       the mirror's dev-v1.1.json, first 38 articles / last 10)
-#   make test                           every test (what CI runs); installs pyarrow, and OpenMPI
-#                                       for the data-parallel tests, when missing
+#   make test                           every test (what CI runs); installs pyarrow and
+#                                       tensorboard, and OpenMPI for the data-parallel tests,
+#                                       when missing
 #   make lint                           rustfmt check and clippy
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
 #   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
@@ -26,10 +27,12 @@ TARGET_DIR ?= $(or $(shell $(CARGO) metadata --no-deps --format-version 1 2>/dev
 	| python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null),$(CARGO_TARGET_DIR),target)
 BERTKIT := $(TARGET_DIR)/release/bertkit
 # What the tests need beyond Rust: a Python with pyarrow >= 16 (a test reads the records stage's
-# Parquet files with it, as users will; the files use BYTE_STREAM_SPLIT for integers). The
-# system's python3 when it has it, else a virtual environment made here on first use.
+# Parquet files with it, as users will; the files use BYTE_STREAM_SPLIT for integers) and
+# tensorboard (a test reads the trainer's event files with TensorBoard's own reader). The
+# system's python3 when it has them, else a virtual environment made here on first use.
 TEST_VENV := .venv/test
-PYARROW_OK := import sys, pyarrow; sys.exit(int(pyarrow.__version__.split('.')[0]) < 16)
+TEST_PYTHON_PACKAGES := "pyarrow>=16" tensorboard
+PYTHON_OK := import sys, pyarrow, tensorboard; sys.exit(int(pyarrow.__version__.split('.')[0]) < 16)
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
 PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
@@ -131,15 +134,15 @@ mpi-deps:
 
 test: mpi-deps
 	@py=python3; \
-	if ! $$py -c "$(PYARROW_OK)" >/dev/null 2>&1; then \
+	if ! $$py -c "$(PYTHON_OK)" >/dev/null 2>&1; then \
 		py="$(CURDIR)/$(TEST_VENV)/bin/python"; \
-		if ! "$$py" -c "$(PYARROW_OK)" >/dev/null 2>&1; then \
-			echo "== installing what the tests need: pyarrow>=16 into $(TEST_VENV)"; \
+		if ! "$$py" -c "$(PYTHON_OK)" >/dev/null 2>&1; then \
+			echo "== installing what the tests need: $(TEST_PYTHON_PACKAGES) into $(TEST_VENV)"; \
 			python3 -m venv "$(TEST_VENV)" && \
-			"$$py" -m pip install --quiet --disable-pip-version-check "pyarrow>=16" || exit 1; \
+			"$$py" -m pip install --quiet --disable-pip-version-check $(TEST_PYTHON_PACKAGES) || exit 1; \
 		fi; \
 	fi; \
-	echo "== cargo test (pyarrow from $$py)"; \
+	echo "== cargo test (pyarrow and tensorboard from $$py)"; \
 	BERTKIT_PYTHON="$$py" $(CARGO) test --workspace --locked --features bertkit/mpi
 
 lint: mpi-deps

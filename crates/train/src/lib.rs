@@ -12,6 +12,7 @@
 //!   update), shared by pre-training and fine-tuning.
 //! - [`distributed`]: the data-parallel world a launcher started (MPI with the `mpi` feature)
 //!   and its gradient reducer.
+//! - [`events`]: TensorBoard event files (scalars) beside `metrics.jsonl`.
 //! - [`plan`]: the largest micro-batch per sequence length for a device's memory (estimate).
 //! - [`plot`]: training curves from `metrics.jsonl` as SVG.
 //! - [`bench`]: timing the optimiser step alone (`bertkit bench optimizer`).
@@ -25,6 +26,7 @@ pub mod bench;
 pub mod config;
 pub mod data;
 pub mod distributed;
+pub mod events;
 pub mod optim;
 pub mod plan;
 pub mod plot;

@@ -7,7 +7,8 @@
 //! (f32). In fp16 the loss is scaled before backward and the gradients unscaled; a step with
 //! non-finite gradients is skipped (see [`crate::scaler`]).
 //!
-//! The run folder holds `metrics.jsonl` (one object per optimiser step) and
+//! The run folder holds `metrics.jsonl` (one object per optimiser step), TensorBoard event
+//! files with the same figures ([`crate::events`]), and
 //! `checkpoints/step-N/`: `config.json` + `model.safetensors` (the f32 master weights in the
 //! transformers layout, loadable by the model crate and transformers), `optimizer.safetensors`
 //! (moments) and `state.json` (step, data cursor, loss scaler). A checkpoint is written into a
@@ -37,6 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::PretrainConfig;
 use crate::data::{Batch, Cursor, DataOptions, Dataset};
+use crate::events::EventWriter;
 use crate::optim::Optimizer;
 use crate::scaler::LossScaler;
 use crate::step::{GradientReducer, Local, Step};
@@ -77,6 +79,40 @@ pub struct StepMetrics {
     /// The held-out evaluation after this step, when one ran (`[eval]`).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalMetrics>,
+}
+
+impl StepMetrics {
+    /// The figures as TensorBoard scalars: `train/…`, `perf/…`, and `eval/…` after an
+    /// evaluation.
+    pub fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let mut v = vec![
+            ("train/loss", self.loss),
+            ("train/mlm_loss", self.mlm_loss),
+            ("train/nsp_loss", self.nsp_loss),
+            ("train/mlm_accuracy", self.mlm_accuracy),
+            ("train/nsp_accuracy", self.nsp_accuracy),
+            ("train/lr", self.lr),
+            ("train/grad_norm", self.grad_norm),
+            ("train/loss_scale", self.loss_scale),
+            ("train/skipped", f64::from(u8::from(self.skipped))),
+            ("perf/seq_per_s", self.seq_per_s),
+            ("perf/tokens_per_s", self.tokens_per_s),
+            ("perf/tflops", self.tflops),
+        ];
+        if let Some(mfu) = self.mfu {
+            v.push(("perf/mfu", mfu));
+        }
+        if let Some(e) = &self.eval {
+            v.extend([
+                ("eval/loss", e.eval_loss),
+                ("eval/mlm_loss", e.eval_mlm_loss),
+                ("eval/nsp_loss", e.eval_nsp_loss),
+                ("eval/mlm_accuracy", e.eval_mlm_accuracy),
+                ("eval/nsp_accuracy", e.eval_nsp_accuracy),
+            ]);
+        }
+        v
+    }
 }
 
 /// Held-out figures (`eval_*` in `metrics.jsonl`): the same sequences and masks every time.
@@ -848,10 +884,13 @@ impl Trainer {
         let started_at = self.state.step;
         // Rank 0 alone writes the run folder.
         let writes = self.options.reducer.ranks().rank == 0;
-        let mut metrics_file = if writes {
-            Some(self.open_metrics(started_at)?)
+        let (mut metrics_file, mut events) = if writes {
+            (
+                Some(self.open_metrics(started_at)?),
+                Some(EventWriter::create(&self.config.output, started_at)?),
+            )
         } else {
-            None
+            (None, None)
         };
         let metrics_path = self.config.output.join("metrics.jsonl");
         let mut stream = self.dataset.stream(self.state.cursor);
@@ -870,6 +909,9 @@ impl Trainer {
             if let Some(file) = &mut metrics_file {
                 let line = serde_json::to_string(&m).expect("metrics serialise");
                 writeln!(file, "{line}").map_err(io_err(&metrics_path))?;
+            }
+            if let Some(events) = &mut events {
+                events.scalars(m.step, &m.scalars())?;
             }
             progress(&m);
             metrics.push(m);

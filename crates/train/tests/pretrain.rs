@@ -58,6 +58,30 @@ fn records_of(input: PathBuf, vocab: &Path, at_least: usize) -> PathBuf {
     out
 }
 
+/// The scalars TensorBoard's own event reader finds in a run folder, by tag: (step, value).
+fn tensorboard_scalars(run: &Path) -> std::collections::HashMap<String, Vec<(u64, f64)>> {
+    const READ: &str = "import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+acc = EventAccumulator(sys.argv[1])
+acc.Reload()
+print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))
+";
+    // `make test` installs tensorboard beside pyarrow and names that Python.
+    let python = std::env::var("BERTKIT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(["-c", READ])
+        .arg(run)
+        .output()
+        .unwrap_or_else(|e| panic!("{python}: {e}"));
+    assert!(
+        out.status.success(),
+        "{python} with the tensorboard package (make test installs it and sets \
+         BERTKIT_PYTHON):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// What a run's steps are compared by: step, loss, gradient norm, loss scale, skipped.
 fn figures(m: &[StepMetrics]) -> Vec<(u64, f64, f64, f64, bool)> {
     m.iter()
@@ -369,6 +393,11 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     let mut metrics = std::fs::read_to_string(resumed.output.join("metrics.jsonl")).unwrap();
     metrics.push_str("{\"step\": 7, \"loss\": 1.0}\n");
     std::fs::write(resumed.output.join("metrics.jsonl"), metrics).unwrap();
+    // ... and a TensorBoard point of step 7 in an event file of its own.
+    bertkit_train::events::EventWriter::create(&resumed.output, 0)
+        .unwrap()
+        .scalars(7, &[("train/loss", 1.0)])
+        .unwrap();
 
     let second = run_to_end(
         resumed.clone(),
@@ -387,6 +416,34 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     // metrics.jsonl: 12 lines, the stray step-7 line of the interrupted run gone.
     let text = std::fs::read_to_string(resumed.output.join("metrics.jsonl")).unwrap();
     assert_eq!(text.lines().count(), 12);
+    // TensorBoard itself (its Python package's event reader) reads the event files: every
+    // step once, with the metrics' values, the stray step 7 dropped by the resumed run's
+    // session start. (Tried: a START at the checkpoint's step 6, or none, fails it.)
+    let scalars = tensorboard_scalars(&resumed.output);
+    let losses: Vec<(u64, f64)> = text
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect();
+    let read = &scalars["train/loss"];
+    assert_eq!(read.len(), 12, "{read:?}");
+    for ((step, value), (s, l)) in read.iter().zip(&losses) {
+        assert_eq!(step, s);
+        assert!(
+            (value - l).abs() <= 1e-6 * l.abs(),
+            "step {s}: {value} against {l}"
+        );
+    }
+    for tag in [
+        "train/lr",
+        "train/grad_norm",
+        "train/mlm_accuracy",
+        "perf/seq_per_s",
+    ] {
+        assert_eq!(scalars[tag].len(), 12, "{tag}");
+    }
     // Keep the newest two checkpoints.
     let kept: Vec<u64> = checkpoints(&resumed.output)
         .into_iter()
