@@ -17,11 +17,13 @@
 //! train exactly like one process with `N` times the accumulation.
 
 use bertkit_model::{DropoutSource, Mode, ParamStore};
+use bertkit_train::logs::RunLog;
 use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
 use bertkit_train::scaler::LossScaler;
 use bertkit_train::schedule::{Decay, Schedule};
 use bertkit_train::step::{GradientReducer, Step};
 use candle_core::{DType, Tensor};
+use std::path::Path;
 
 use crate::TaskError;
 
@@ -137,6 +139,51 @@ pub fn shuffled(n: usize, key: u64) -> Vec<usize> {
 /// The mean loss (a scalar tensor) of the examples at some indices, in a mode.
 pub type LossFn<'a> = dyn FnMut(&[usize], Mode) -> Result<Tensor, TaskError> + 'a;
 
+/// Dev-set figures to log after an epoch: `(name, value)`, logged as `dev_<name>`.
+pub type EpochEval<'a> = dyn FnMut() -> Result<Vec<(String, f64)>, TaskError> + 'a;
+
+/// What a run logs and where.
+pub struct Watch<'a> {
+    /// The folder that gets `metrics.jsonl` and TensorBoard event files (rank 0 writes;
+    /// `None`: nothing is written).
+    pub dir: Option<&'a Path>,
+    /// Called on every rank after each epoch's last step and after the run's last step; its
+    /// figures join that step's line (`None`: nothing is evaluated during training).
+    pub after_epoch: Option<&'a mut EpochEval<'a>>,
+}
+
+impl Watch<'_> {
+    /// Logs nothing, evaluates nothing.
+    pub fn none() -> Self {
+        Watch {
+            dir: None,
+            after_epoch: None,
+        }
+    }
+}
+
+/// One optimiser step's line of a fine-tuning run's `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StepLine {
+    /// Optimiser step, from 1.
+    pub step: u64,
+    /// Epoch (fractional: steps done over steps per epoch).
+    pub epoch: f64,
+    /// The step's mean training loss.
+    pub loss: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether the step was skipped (fp16 overflow).
+    pub skipped: bool,
+    /// Seconds since the run started.
+    pub seconds: f64,
+    /// Dev figures after an epoch, as `dev_<name>`.
+    #[serde(flatten)]
+    pub dev: std::collections::BTreeMap<String, f64>,
+}
+
 /// Trains the parameters in `params` on `examples` examples, this process being one of the
 /// `reducer`'s ranks. `loss_of(indices, mode)` returns the mean loss (a scalar) of those
 /// examples; `progress` hears which parameters the checkpoint lacked (initialised fresh), then
@@ -147,8 +194,13 @@ pub fn train(
     settings: &TrainSettings,
     reducer: &dyn GradientReducer,
     loss_of: &mut LossFn,
+    watch: Watch,
     progress: &mut dyn FnMut(&str),
 ) -> Result<TrainLog, TaskError> {
+    let Watch {
+        dir,
+        mut after_epoch,
+    } = watch;
     settings.validate()?;
     let ranks = reducer.ranks();
     let parts = settings.accumulation * ranks.world_size;
@@ -165,6 +217,10 @@ pub fn train(
     if !params.initialised.is_empty() {
         progress(&format!("initialised: {}", params.initialised.join(", ")));
     }
+    let mut run_log = match dir {
+        Some(dir) if ranks.rank == 0 => Some(RunLog::open(dir, 0)?),
+        _ => None,
+    };
     let steps_per_epoch = settings.steps_per_epoch(examples);
     let total = settings.total_steps(examples);
     let steps = settings.max_steps.map_or(total, |m| m.min(total));
@@ -232,6 +288,39 @@ pub fn train(
         log.skipped += usize::from(!outcome.applied);
         log.losses.push(step_loss);
         log.steps += 1;
+        let epoch_done = (step_index + 1) % steps_per_epoch == 0 || step_index + 1 == steps;
+        let dev = match &mut after_epoch {
+            Some(eval) if epoch_done => eval()?
+                .into_iter()
+                .map(|(k, v)| (format!("dev_{k}"), v))
+                .collect(),
+            _ => std::collections::BTreeMap::new(),
+        };
+        if let Some(run_log) = &mut run_log {
+            let line = StepLine {
+                step: step_index as u64 + 1,
+                epoch: (step_index + 1) as f64 / steps_per_epoch as f64,
+                loss: step_loss,
+                lr,
+                grad_norm: outcome.grad_norm,
+                skipped: !outcome.applied,
+                seconds: started.elapsed().as_secs_f64(),
+                dev,
+            };
+            let mut scalars = vec![
+                ("train/loss".to_string(), line.loss),
+                ("train/lr".to_string(), line.lr),
+                ("train/grad_norm".to_string(), line.grad_norm),
+                ("train/epoch".to_string(), line.epoch),
+            ];
+            scalars.extend(
+                line.dev
+                    .iter()
+                    .map(|(k, v)| (format!("dev/{}", &k[4..]), *v)),
+            );
+            let scalars: Vec<(&str, f64)> = scalars.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            run_log.write(line.step, &line, &scalars)?;
+        }
         if (step_index + 1) % 20 == 0 || step_index + 1 == steps {
             progress(&format!(
                 "step {}/{steps} loss {step_loss:.4} lr {lr:.2e} ({:.1} s)",

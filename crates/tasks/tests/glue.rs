@@ -145,6 +145,23 @@ fn minilm_fine_tunes_on_mrpc_briefly() {
     );
     assert!((f1 - f1_by_hand).abs() < 1e-12, "{f1} vs {f1_by_hand}");
     assert!(report.dev.loss.is_finite() && report.train_loss.0.is_finite());
+    // The output folder's logs: a metrics.jsonl line per step, the dev figures on the last
+    // (the run's end), and the same in TensorBoard's event files as TensorBoard reads them.
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(metrics.len(), 6);
+    assert!(metrics[4].get("dev_accuracy").is_none());
+    assert_eq!(metrics[5]["dev_accuracy"].as_f64(), Some(accuracy));
+    assert_eq!(metrics[5]["dev_f1"].as_f64(), Some(f1));
+    assert_eq!(metrics[5]["dev_loss"].as_f64(), Some(report.dev.loss));
+    let scalars = bertkit_test_support::tensorboard_scalars(&dir);
+    let steps = |tag: &str| scalars[tag].iter().map(|p| p.0).collect::<Vec<_>>();
+    assert_eq!(steps("train/loss"), [1, 2, 3, 4, 5, 6]);
+    assert_eq!(steps("dev/accuracy"), [6]);
+    assert!((scalars["dev/accuracy"][0].1 - accuracy).abs() < 1e-6);
     // Six steps lower the dev loss below the untrained model's (the same head, initialised
     // from the same seed, evaluated without a step). (Tried: the update's sign flipped raises
     // it and fails this.)

@@ -68,6 +68,7 @@ fn run(m: &Loaded<BertForQuestionAnswering>, data: &[Example], accumulation: usi
             let (s, e) = m.model.forward(&inputs, mode).unwrap();
             Ok(qa_loss(&s, &e, &mask, &starts, &ends).unwrap())
         },
+        bertkit_tasks::training::Watch::none(),
         &mut |_| {},
     )
     .unwrap()

@@ -12,7 +12,8 @@
 //!   update), shared by pre-training and fine-tuning.
 //! - [`distributed`]: the data-parallel world a launcher started (MPI with the `mpi` feature)
 //!   and its gradient reducer.
-//! - [`events`]: TensorBoard event files (scalars) beside `metrics.jsonl`.
+//! - [`logs`]: a run's `metrics.jsonl` and TensorBoard event files, for pre-training and
+//!   fine-tuning.
 //! - [`plan`]: the largest micro-batch per sequence length for a device's memory (estimate).
 //! - [`plot`]: training curves from `metrics.jsonl` as SVG.
 //! - [`bench`]: timing the optimiser step alone (`bertkit bench optimizer`).
@@ -26,7 +27,7 @@ pub mod bench;
 pub mod config;
 pub mod data;
 pub mod distributed;
-pub mod events;
+pub mod logs;
 pub mod optim;
 pub mod plan;
 pub mod plot;

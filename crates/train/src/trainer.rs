@@ -8,7 +8,7 @@
 //! non-finite gradients is skipped (see [`crate::scaler`]).
 //!
 //! The run folder holds `metrics.jsonl` (one object per optimiser step), TensorBoard event
-//! files with the same figures ([`crate::events`]), and
+//! files with the same figures ([`crate::logs`]), and
 //! `checkpoints/step-N/`: `config.json` + `model.safetensors` (the f32 master weights in the
 //! transformers layout, loadable by the model crate and transformers), `optimizer.safetensors`
 //! (moments) and `state.json` (step, data cursor, loss scaler). A checkpoint is written into a
@@ -25,7 +25,6 @@
 //! checkpoints; every rank resumes from the same checkpoint.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -38,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::PretrainConfig;
 use crate::data::{Batch, Cursor, DataOptions, Dataset};
-use crate::events::EventWriter;
+use crate::logs::RunLog;
 use crate::optim::Optimizer;
 use crate::scaler::LossScaler;
 use crate::step::{GradientReducer, Local, Step};
@@ -841,34 +840,6 @@ impl Trainer {
         Ok(dir)
     }
 
-    /// Opens `metrics.jsonl` for appending, without the lines past step `started_at` (written
-    /// by a run that did not checkpoint them).
-    fn open_metrics(&self, started_at: u64) -> Result<std::fs::File, TrainError> {
-        std::fs::create_dir_all(&self.config.output).map_err(io_err(&self.config.output))?;
-        let metrics_path = self.config.output.join("metrics.jsonl");
-        let kept: Vec<String> = std::fs::read_to_string(&metrics_path)
-            .unwrap_or_default()
-            .lines()
-            .filter(|l| {
-                serde_json::from_str::<serde_json::Value>(l)
-                    .ok()
-                    .and_then(|v| v["step"].as_u64())
-                    .is_some_and(|s| s <= started_at)
-            })
-            .map(str::to_string)
-            .collect();
-        let mut text = kept.join("\n");
-        if !text.is_empty() {
-            text.push('\n');
-        }
-        bertkit_stage_io::write_atomically(&metrics_path, text.as_bytes())
-            .map_err(io_err(&metrics_path))?;
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&metrics_path)
-            .map_err(io_err(&metrics_path))
-    }
-
     /// Runs to `total_steps` (or `max_steps`), calling `progress` after each step; rank 0
     /// appends to `metrics.jsonl` and checkpoints every `checkpoint_every` steps and at the
     /// end.
@@ -884,15 +855,11 @@ impl Trainer {
         let started_at = self.state.step;
         // Rank 0 alone writes the run folder.
         let writes = self.options.reducer.ranks().rank == 0;
-        let (mut metrics_file, mut events) = if writes {
-            (
-                Some(self.open_metrics(started_at)?),
-                Some(EventWriter::create(&self.config.output, started_at)?),
-            )
+        let mut log = if writes {
+            Some(RunLog::open(&self.config.output, started_at)?)
         } else {
-            (None, None)
+            None
         };
-        let metrics_path = self.config.output.join("metrics.jsonl");
         let mut stream = self.dataset.stream(self.state.cursor);
         let mut metrics = Vec::new();
         let mut checkpoint = None;
@@ -906,12 +873,8 @@ impl Trainer {
             {
                 m.eval = self.evaluate()?;
             }
-            if let Some(file) = &mut metrics_file {
-                let line = serde_json::to_string(&m).expect("metrics serialise");
-                writeln!(file, "{line}").map_err(io_err(&metrics_path))?;
-            }
-            if let Some(events) = &mut events {
-                events.scalars(m.step, &m.scalars())?;
+            if let Some(log) = &mut log {
+                log.write(m.step, &m, &m.scalars())?;
             }
             progress(&m);
             metrics.push(m);

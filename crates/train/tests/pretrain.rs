@@ -58,30 +58,6 @@ fn records_of(input: PathBuf, vocab: &Path, at_least: usize) -> PathBuf {
     out
 }
 
-/// The scalars TensorBoard's own event reader finds in a run folder, by tag: (step, value).
-fn tensorboard_scalars(run: &Path) -> std::collections::HashMap<String, Vec<(u64, f64)>> {
-    const READ: &str = "import json, sys
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-acc = EventAccumulator(sys.argv[1])
-acc.Reload()
-print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))
-";
-    // `make test` installs tensorboard beside pyarrow and names that Python.
-    let python = std::env::var("BERTKIT_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = std::process::Command::new(&python)
-        .args(["-c", READ])
-        .arg(run)
-        .output()
-        .unwrap_or_else(|e| panic!("{python}: {e}"));
-    assert!(
-        out.status.success(),
-        "{python} with the tensorboard package (make test installs it and sets \
-         BERTKIT_PYTHON):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// What a run's steps are compared by: step, loss, gradient norm, loss scale, skipped.
 fn figures(m: &[StepMetrics]) -> Vec<(u64, f64, f64, f64, bool)> {
     m.iter()
@@ -394,7 +370,7 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     metrics.push_str("{\"step\": 7, \"loss\": 1.0}\n");
     std::fs::write(resumed.output.join("metrics.jsonl"), metrics).unwrap();
     // ... and a TensorBoard point of step 7 in an event file of its own.
-    bertkit_train::events::EventWriter::create(&resumed.output, 0)
+    bertkit_train::logs::EventWriter::create(&resumed.output, 0)
         .unwrap()
         .scalars(7, &[("train/loss", 1.0)])
         .unwrap();
@@ -419,7 +395,7 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     // TensorBoard itself (its Python package's event reader) reads the event files: every
     // step once, with the metrics' values, the stray step 7 dropped by the resumed run's
     // session start. (Tried: a START at the checkpoint's step 6, or none, fails it.)
-    let scalars = tensorboard_scalars(&resumed.output);
+    let scalars = bertkit_test_support::tensorboard_scalars(&resumed.output);
     let losses: Vec<(u64, f64)> = text
         .lines()
         .map(|l| {

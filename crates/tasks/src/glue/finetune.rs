@@ -17,7 +17,7 @@ use bertkit_train::step::GradientReducer;
 use candle_core::{DType, Device, Tensor};
 
 use crate::model_dir::{load_tokenizer, save_finetuned};
-use crate::training::{TrainSettings, train};
+use crate::training::{TrainSettings, Watch, train};
 
 use crate::glue::data::{Example, Task, read};
 use crate::glue::metrics;
@@ -250,6 +250,23 @@ pub fn finetune(
             );
         },
     )?;
+    // The dev set after every epoch (and after the last step): logged, and the last one is
+    // the report's.
+    let mut last_dev: Option<Evaluation> = None;
+    let mut dev_after_epoch = || -> Result<Vec<(String, f64)>, crate::TaskError> {
+        let e = evaluate(
+            task,
+            &model,
+            &dev,
+            64,
+            &options.device,
+            options.reducer.as_ref(),
+        )?;
+        let mut figures = vec![("loss".to_string(), e.loss)];
+        figures.extend(e.metrics.iter().cloned());
+        last_dev = Some(e);
+        Ok(figures)
+    };
     let log = train(
         &model.params,
         train_set.len(),
@@ -261,16 +278,24 @@ pub fn finetune(
             let logits = model.model.forward(&inputs, mode)?;
             Ok(loss::cross_entropy(&logits, &labels)?)
         },
+        Watch {
+            dir: options.output.as_deref(),
+            after_epoch: Some(&mut dev_after_epoch),
+        },
         progress,
     )?;
-    let dev_eval = evaluate(
-        task,
-        &model,
-        &dev,
-        64,
-        &options.device,
-        options.reducer.as_ref(),
-    )?;
+    let dev_eval = match last_dev {
+        Some(e) => e,
+        // No step ran (max_steps 0): the model as loaded.
+        None => evaluate(
+            task,
+            &model,
+            &dev,
+            64,
+            &options.device,
+            options.reducer.as_ref(),
+        )?,
+    };
     if let Some(out) = &options.output
         && options.reducer.ranks().rank == 0
     {

@@ -27,7 +27,7 @@ use crate::model_dir::{load_tokenizer, save_finetuned};
 use crate::squad::data::Dataset;
 use crate::squad::features::{Examples, Feature, FeatureOptions, build_features, read_examples};
 use crate::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
-use crate::training::{TrainLog, TrainSettings, train};
+use crate::training::{TrainLog, TrainSettings, Watch, train};
 use bertkit_train::step::GradientReducer;
 
 /// Start/end logits of every feature (unpadded), `batch` features per forward pass, shortest
@@ -364,6 +364,10 @@ pub fn finetune(
             let ends = positions(|f| f.end_position, "end_positions")?;
             let (start, end) = model.model.forward(&inputs, mode)?;
             Ok(qa_loss(&start, &end, &mask, &starts, &ends)?)
+        },
+        Watch {
+            dir: Some(&options.output),
+            after_epoch: None,
         },
         progress,
     )?;

@@ -1,7 +1,8 @@
-//! TensorBoard event files: scalars a run's folder holds beside `metrics.jsonl`, so that
-//! `tensorboard --logdir runs/` shows every run's curves.
+//! A run folder's logs, for pre-training and fine-tuning alike ([`RunLog`]): `metrics.jsonl`,
+//! one JSON object per optimiser step, and TensorBoard event files with the same figures as
+//! scalars, so that `tensorboard --logdir runs/` shows every run's curves.
 //!
-//! The format is TensorFlow's record file: each record is its length (u64, little-endian), the
+//! The event files' format is TensorFlow's record file: each record is its length (u64, little-endian), the
 //! masked CRC-32C of those 8 bytes, the data, and the masked CRC-32C of the data; the data is
 //! an `Event` protocol buffer (`wall_time`, `step`, and a `Summary` of `simple_value`s, or the
 //! `file_version` header, or a `SessionLog`). The few fields written are encoded here by hand:
@@ -12,6 +13,8 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+use serde::Serialize;
 
 use crate::{TrainError, io_err};
 
@@ -181,6 +184,62 @@ impl EventWriter {
             return Ok(());
         }
         self.write(&event(now(), step, &scalars_body(&finite)))
+    }
+}
+
+/// A run folder's `metrics.jsonl` and event file, being appended to (by rank 0 alone).
+pub struct RunLog {
+    metrics_path: PathBuf,
+    metrics: std::fs::File,
+    events: EventWriter,
+}
+
+impl RunLog {
+    /// Opens the logs of the run in `dir` (re)starting after step `started_at`: the lines of
+    /// `metrics.jsonl` past it (written by a run that did not checkpoint them) are dropped, and
+    /// a new event file starts (see [`EventWriter::create`]).
+    pub fn open(dir: &Path, started_at: u64) -> Result<Self, TrainError> {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let metrics_path = dir.join("metrics.jsonl");
+        let kept: Vec<String> = std::fs::read_to_string(&metrics_path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s <= started_at)
+            })
+            .map(str::to_string)
+            .collect();
+        let mut text = kept.join("\n");
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        bertkit_stage_io::write_atomically(&metrics_path, text.as_bytes())
+            .map_err(io_err(&metrics_path))?;
+        let metrics = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&metrics_path)
+            .map_err(io_err(&metrics_path))?;
+        Ok(RunLog {
+            metrics_path,
+            metrics,
+            events: EventWriter::create(dir, started_at)?,
+        })
+    }
+
+    /// Appends `line` (an object with a `step`) to `metrics.jsonl` and `scalars` at `step` to
+    /// the event file.
+    pub fn write(
+        &mut self,
+        step: u64,
+        line: &impl Serialize,
+        scalars: &[(&str, f64)],
+    ) -> Result<(), TrainError> {
+        let text = serde_json::to_string(line).expect("metrics serialise");
+        writeln!(self.metrics, "{text}").map_err(io_err(&self.metrics_path))?;
+        self.events.scalars(step, scalars)
     }
 }
 
