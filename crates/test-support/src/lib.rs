@@ -222,6 +222,31 @@ pub fn check_fixture_digests(root: &Path) -> usize {
     folders
 }
 
+/// The scalars TensorBoard's own event reader (the `tensorboard` Python package's
+/// `EventAccumulator`) finds in the event files of folder `dir`, by tag: (step, value). The
+/// Python is `BERTKIT_PYTHON` (`make test` installs tensorboard and sets it) or `python3`.
+pub fn tensorboard_scalars(dir: &Path) -> std::collections::HashMap<String, Vec<(u64, f64)>> {
+    const READ: &str = "import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+acc = EventAccumulator(sys.argv[1])
+acc.Reload()
+print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))
+";
+    let python = std::env::var("BERTKIT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(["-c", READ])
+        .arg(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("{python}: {e}"));
+    assert!(
+        out.status.success(),
+        "{python} with the tensorboard package (make test installs it and sets \
+         BERTKIT_PYTHON):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the reader prints JSON")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -253,29 +278,4 @@ mod tests {
         assert!(repo_root().join("Cargo.toml").is_file());
         assert!(repo_root().join("crates").is_dir());
     }
-}
-
-/// The scalars TensorBoard's own event reader (the `tensorboard` Python package's
-/// `EventAccumulator`) finds in the event files of folder `dir`, by tag: (step, value). The
-/// Python is `BERTKIT_PYTHON` (`make test` installs tensorboard and sets it) or `python3`.
-pub fn tensorboard_scalars(dir: &Path) -> std::collections::HashMap<String, Vec<(u64, f64)>> {
-    const READ: &str = "import json, sys
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-acc = EventAccumulator(sys.argv[1])
-acc.Reload()
-print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))
-";
-    let python = std::env::var("BERTKIT_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = std::process::Command::new(&python)
-        .args(["-c", READ])
-        .arg(dir)
-        .output()
-        .unwrap_or_else(|e| panic!("{python}: {e}"));
-    assert!(
-        out.status.success(),
-        "{python} with the tensorboard package (make test installs it and sets \
-         BERTKIT_PYTHON):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("the reader prints JSON")
 }
