@@ -16,7 +16,9 @@ const STEP_CODE: &[(&str, &[(&str, usize)])] = &[
     ("crates/train/src/step.rs", &[("finish", 1)]),
     // Checkpoints copy the state to the CPU (every `checkpoint_every` steps, not per step).
     ("crates/train/src/optim.rs", &[("by_name", 1)]),
-    ("crates/train/src/trainer.rs", &[]),
+    // The held-out evaluation reads its summed figures once per evaluation (every
+    // `[eval] every` steps), not per step.
+    ("crates/train/src/trainer.rs", &[("evaluate", 1)]),
     ("crates/tasks/src/training.rs", &[]),
     // `Inputs::new` takes tensors and reads them back to check them; training builds its
     // inputs from host data (`Inputs::from_host`) instead.
