@@ -252,16 +252,19 @@ pub fn finetune(
     )?;
     // The dev set after every epoch (and after the last step): logged, and the last one is
     // the report's.
-    let mut last_dev: Option<Evaluation> = None;
-    let mut dev_after_epoch = || -> Result<Vec<(String, f64)>, crate::TaskError> {
-        let e = evaluate(
+    let evaluate_dev = || {
+        evaluate(
             task,
             &model,
             &dev,
             64,
             &options.device,
             options.reducer.as_ref(),
-        )?;
+        )
+    };
+    let mut last_dev: Option<Evaluation> = None;
+    let mut dev_after_epoch = || -> Result<Vec<(String, f64)>, crate::TaskError> {
+        let e = evaluate_dev()?;
         let mut figures = vec![("loss".to_string(), e.loss)];
         figures.extend(e.metrics.iter().cloned());
         last_dev = Some(e);
@@ -287,14 +290,7 @@ pub fn finetune(
     let dev_eval = match last_dev {
         Some(e) => e,
         // No step ran (max_steps 0): the model as loaded.
-        None => evaluate(
-            task,
-            &model,
-            &dev,
-            64,
-            &options.device,
-            options.reducer.as_ref(),
-        )?,
+        None => evaluate_dev()?,
     };
     if let Some(out) = &options.output
         && options.reducer.ranks().rank == 0
