@@ -16,6 +16,10 @@
 #   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
 #   make bench-records GOOGLE_BERT=DIR  records stage vs Google's create_pretraining_data.py
 #                                       (DIR: a google-research/bert checkout)
+#   make bench-scale [GB=1,4,10] [GOOGLE_BERT=DIR]  make data's chain on a generated, diverse
+#                                       Wikipedia-like corpus of GB gigabytes of XML, 1 and 2
+#                                       threads, beside the repeated-chunk baseline (needs ~50 GB
+#                                       of disk at 10 GB; see BENCHMARKS.md)
 
 # Where the demo data comes from: a folder laid out like ../shared/data.
 MIRROR ?= $(or $(BERTKIT_SHARED_DATA),../shared/data)
@@ -36,7 +40,7 @@ PYTHON_OK := import sys, pyarrow, tensorboard; sys.exit(int(pyarrow.__version__.
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
 PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
-.PHONY: all build build-train require-gpu demo data test lint mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records clean
+.PHONY: all build build-train require-gpu demo data test lint mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records bench-scale clean
 
 all: build
 
@@ -151,12 +155,13 @@ lint: mpi-deps
 	$(CARGO) clippy --workspace --all-targets --locked --features bertkit/mpi -- -D warnings
 
 # The benchmarks' Python: WikiExtractor (the format peer), six (Google's tokenization.py imports
-# it) and pyarrow (the records bench checks the Parquet it times).
+# it), pyarrow (the records benches check the Parquet they time) and numpy (the scale bench's
+# corpus generator).
 BENCH_PYTHON := bench/.venv/bin/python
-BENCH_DEPS := bench/.venv/.installed-wikiextractor-six-pyarrow
+BENCH_DEPS := bench/.venv/.installed-wikiextractor-six-pyarrow-numpy
 $(BENCH_DEPS):
 	python3 -m venv bench/.venv
-	$(BENCH_PYTHON) -m pip install --quiet --disable-pip-version-check wikiextractor==3.1.0 six "pyarrow>=16"
+	$(BENCH_PYTHON) -m pip install --quiet --disable-pip-version-check wikiextractor==3.1.0 six "pyarrow>=16" numpy
 	touch $@
 
 bench-format: build $(BENCH_DEPS)
@@ -169,6 +174,13 @@ bench-shard: build
 bench-records: build $(BENCH_DEPS)
 	@test -n "$(GOOGLE_BERT)" || { echo "error: set GOOGLE_BERT to a google-research/bert checkout (the peer)" >&2; exit 1; }
 	$(BENCH_PYTHON) bench/records_throughput.py --bertkit $(BERTKIT) --shared "$(MIRROR)" --google-bert "$(GOOGLE_BERT)"
+
+# The scale bench: corpora and runs under $(OUT)/bench-scale (the largest corpus is kept, so a
+# re-run measures without generating it again).
+GB ?= 1,4,10
+bench-scale: build $(BENCH_DEPS)
+	$(BENCH_PYTHON) bench/scale.py --bertkit $(BERTKIT) --shared "$(MIRROR)" --work $(OUT)/bench-scale \
+		--gb $(GB) $(if $(GOOGLE_BERT),--google-bert "$(GOOGLE_BERT)")
 
 clean:
 	$(CARGO) clean

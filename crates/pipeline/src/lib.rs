@@ -32,9 +32,10 @@ pub mod merge;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bertkit_stage_io::Ranks;
+use bertkit_stage_io::cost::{Cost, Meter};
 use bertkit_stage_io::stage::{Event, Outcome, Reporter};
 use serde::Deserialize;
 
@@ -163,8 +164,8 @@ pub struct StepReport {
     pub up_to_date: bool,
     /// A one-line summary (documents, sentences, instances, bytes).
     pub summary: String,
-    /// Wall-clock seconds.
-    pub seconds: f64,
+    /// Wall and CPU time, and the step's peak memory.
+    pub cost: Cost,
 }
 
 /// How to run.
@@ -234,7 +235,7 @@ pub fn run(
     let emit = |r: StepReport, reports: &mut Vec<StepReport>| {
         reporter.report(&Event::Finished {
             task: &r.step,
-            summary: &format!("{} ({:.1} s)", r.summary, r.seconds),
+            summary: &format!("{} ({})", r.summary, r.cost.describe()),
             up_to_date: r.up_to_date,
         });
         reports.push(r);
@@ -251,7 +252,7 @@ pub fn run(
     // Download.
     for set in &config.download.sets {
         let step = format!("download {set}");
-        let started = Instant::now();
+        let meter = Meter::start();
         let done = bertkit_download::sources::download_set(
             registry,
             set,
@@ -277,7 +278,7 @@ pub fn run(
                 step,
                 up_to_date,
                 summary: format!("{} files, {fetched} fetched", done.len()),
-                seconds: started.elapsed().as_secs_f64(),
+                cost: meter.finish(),
             },
             &mut reports,
         );
@@ -287,7 +288,7 @@ pub fn run(
     // Format: the wiki and books jobs, dealt to ranks.
     let mut formatted = Vec::new();
     let format_step =
-        |kind: &str, outcome: Outcome<bertkit_format::FormatManifest>, started: Instant| {
+        |kind: &str, outcome: Outcome<bertkit_format::FormatManifest>, meter: Meter| {
             let m = outcome.summary();
             let written = m
                 .counts
@@ -302,7 +303,7 @@ pub fn run(
                     m.counts["sentences"],
                     m.counts["bytes"]
                 ),
-                seconds: started.elapsed().as_secs_f64(),
+                cost: meter.finish(),
             }
         };
     let mut format_jobs = 0;
@@ -311,19 +312,19 @@ pub fn run(
         ranks.owns(format_jobs - 1)
     };
     if !config.format.wiki.is_empty() && owns_next() {
-        let started = Instant::now();
+        let meter = Meter::start();
         let inputs: Vec<PathBuf> = config.format.wiki.iter().map(|p| raw.join(p)).collect();
         let out = root.join("formatted/wiki");
         let outcome =
             bertkit_format::wiki::format_wiki(&inputs, &out, &Default::default(), &stage_reporter)
                 .map_err(step_err("format wiki"))?;
-        emit(format_step("wiki", outcome, started), &mut reports);
+        emit(format_step("wiki", outcome, meter), &mut reports);
     }
     if !config.format.wiki.is_empty() {
         formatted.push(root.join("formatted/wiki"));
     }
     if !config.format.books.is_empty() && owns_next() {
-        let started = Instant::now();
+        let meter = Meter::start();
         let inputs: Vec<PathBuf> = config.format.books.iter().map(|p| raw.join(p)).collect();
         let out = root.join("formatted/books");
         let outcome = bertkit_format::books::format_books(
@@ -333,7 +334,7 @@ pub fn run(
             &stage_reporter,
         )
         .map_err(step_err("format books"))?;
-        emit(format_step("books", outcome, started), &mut reports);
+        emit(format_step("books", outcome, meter), &mut reports);
     }
     if !config.format.books.is_empty() {
         formatted.push(root.join("formatted/books"));
@@ -346,7 +347,7 @@ pub fn run(
     arrive("format")?;
 
     // Shard.
-    let started = Instant::now();
+    let meter = Meter::start();
     let shards = root.join("shards");
     let s = &config.shard;
     let options = bertkit_shard::ShardOptions {
@@ -377,7 +378,7 @@ pub fn run(
                 m.totals.test_fraction_achieved,
                 m.totals.train_sentence_imbalance * 100.0
             ),
-            seconds: started.elapsed().as_secs_f64(),
+            cost: meter.finish(),
         },
         &mut reports,
     );
@@ -421,7 +422,7 @@ pub fn run(
             lower_case: true,
             compat: bertkit_records::run::Compat::None,
         };
-        let started = Instant::now();
+        let meter = Meter::start();
         let out = root.join(format!("records/phase{phase}{suffix}"));
         if inputs.is_empty() {
             continue;
@@ -441,7 +442,7 @@ pub fn run(
                     written.iter().map(|s| s.instances).sum::<usize>(),
                     written.iter().map(|s| s.tokens).sum::<usize>()
                 ),
-                seconds: started.elapsed().as_secs_f64(),
+                cost: meter.finish(),
             },
             &mut reports,
         );
