@@ -362,9 +362,10 @@ class Types:
         self.seen[fresh] = True
         self.types += len(fresh)
         self.tokens += tokens
-        while self.tokens >= self.next_point:
+        if self.tokens >= self.next_point:
             self.curve.append([self.tokens, self.types])
-            self.next_point *= 2
+            while self.next_point <= self.tokens:
+                self.next_point *= 2
 
 
 def ordered(pool, fn, items, workers):

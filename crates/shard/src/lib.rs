@@ -33,7 +33,7 @@
 //! enwiki articles with the defaults; a test checks it stays under 256 MiB):
 //! - reading: the run being gathered and sorted, `run_bytes` (default 64 MiB) plus about 64
 //!   bytes per document;
-//! - merging and writing: `FAN_IN (64) × (256 KiB read buffer + one document)`, plus the
+//! - merging and writing: `FAN_IN (256) × (64 KiB read buffer + one document)`, plus the
 //!   32 MiB placement window and the 64 MiB reserve of small documents, plus `shards × 128 KiB`
 //!   write buffers, plus `threads ×` one zstd encoder (about 10 MiB at level 3) while
 //!   compressing. A corpus smaller than `run_bytes` is shuffled in memory instead.

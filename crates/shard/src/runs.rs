@@ -2,9 +2,10 @@
 //! are gathered into runs of at most `run_bytes`, each run is sorted by key and spilled to a
 //! temporary file, and a k-way merge of the runs yields all documents in key order. That order
 //! is a seeded pseudo-random permutation of the corpus, produced in bounded memory: one run in
-//! memory while gathering, then `fan_in` read buffers and one document per run while merging.
-//! More than `fan_in` runs are first merged in groups (as an external sort does). A corpus that
-//! fits in one run never touches the disk.
+//! memory while gathering, then [`FAN_IN`] read buffers and one document per run while merging.
+//! More than [`FAN_IN`] runs are brought down to [`FAN_IN`] by merging the fewest runs that
+//! does it, so only those runs' documents are written twice (a full extra pass would rewrite
+//! the whole corpus). A corpus that fits in one run never touches the disk.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -17,8 +18,13 @@ use rayon::prelude::*;
 use crate::error::ShardError;
 use bertkit_stage_io::text::Document;
 
-/// Runs merged at once.
-pub const FAN_IN: usize = 64;
+/// Runs merged at once: with the default 64 MiB runs, one merge takes up to 16 GiB of text.
+/// Each run is an open file while merging, beside the shards being written: 256 keeps the two
+/// under the usual limit of 1,024 open files for a few hundred shards.
+pub const FAN_IN: usize = 256;
+
+/// Read buffer per run while merging: [`FAN_IN`] of them is 16 MiB.
+const RUN_READ_BUFFER: usize = 64 << 10;
 
 /// A document with its shuffle key and its position in the input.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,7 +148,7 @@ impl RunReader {
         let file = File::open(path).map_err(|e| ShardError::io(path, e))?;
         Ok(RunReader {
             path: path.to_path_buf(),
-            r: BufReader::with_capacity(256 << 10, file),
+            r: BufReader::with_capacity(RUN_READ_BUFFER, file),
         })
     }
 
@@ -215,25 +221,25 @@ pub fn for_each_in_order(
         }
         Shuffled::Runs(runs) => runs,
     };
-    // Merge passes until one merge can take all runs.
-    let mut pass = 0;
+    // Pre-merges until one merge can take all runs: each merges the fewest runs (up to FAN_IN)
+    // that bring the count to FAN_IN, taking the first (original, smallest) runs and putting
+    // the merged one last. The final order does not depend on the grouping.
+    let mut premerges = 0;
     while runs.len() > FAN_IN {
-        let mut merged = Vec::new();
-        for (g, group) in runs.chunks(FAN_IN).enumerate() {
-            let path = dir.join(format!("merge_{pass:03}_{g:06}.bin"));
-            let file = File::create(&path).map_err(|e| ShardError::io(&path, e))?;
-            let mut w = BufWriter::with_capacity(1 << 20, file);
-            merge_into(group, |k| {
-                write_record(&mut w, &k).map_err(|e| ShardError::io(&path, e))
-            })?;
-            w.flush().map_err(|e| ShardError::io(&path, e))?;
-            for r in group {
-                fs::remove_file(r).map_err(|e| ShardError::io(r, e))?;
-            }
-            merged.push(path);
+        let take = (runs.len() - FAN_IN + 1).min(FAN_IN);
+        let group: Vec<PathBuf> = runs.drain(..take).collect();
+        let path = dir.join(format!("merge_{premerges:06}.bin"));
+        let file = File::create(&path).map_err(|e| ShardError::io(&path, e))?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        merge_into(&group, |k| {
+            write_record(&mut w, &k).map_err(|e| ShardError::io(&path, e))
+        })?;
+        w.flush().map_err(|e| ShardError::io(&path, e))?;
+        for r in &group {
+            fs::remove_file(r).map_err(|e| ShardError::io(r, e))?;
         }
-        runs = merged;
-        pass += 1;
+        runs.push(path);
+        premerges += 1;
     }
     merge_into(&runs, &mut sink)?;
     for r in &runs {
@@ -291,14 +297,11 @@ mod tests {
             "every document exactly once"
         );
         assert_ne!(in_memory[..10], sorted[..10], "the order is shuffled");
-        // ~100 documents per run: 50 runs (one merge) and ~1000 bytes: 250 runs (two passes).
-        assert_eq!(
-            collect(100 * (std::mem::size_of::<Keyed>() + 14), n),
-            in_memory
-        );
-        assert_eq!(
-            collect(20 * (std::mem::size_of::<Keyed>() + 14), n),
-            in_memory
-        );
+        // ~100 documents per run: 50 runs, one merge; ~16: ~312 runs, one pre-merge of ~57
+        // runs first; ~2: ~2,500 runs, eight pre-merges of FAN_IN runs and one of the rest.
+        for docs_per_run in [100, 16, 2] {
+            let run_bytes = docs_per_run * (std::mem::size_of::<Keyed>() + 14);
+            assert_eq!(collect(run_bytes, n), in_memory, "{docs_per_run} per run");
+        }
     }
 }
