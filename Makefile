@@ -18,7 +18,7 @@
 #                                       (DIR: a google-research/bert checkout)
 #   make bench-scale [GB=1,4,10] [GOOGLE_BERT=DIR]  make data's chain on a generated, diverse
 #                                       Wikipedia-like corpus of GB gigabytes of XML, 1 and 2
-#                                       threads, beside the repeated-chunk baseline (needs ~50 GB
+#                                       threads, beside the repeated-chunk baseline (needs ~40 GB
 #                                       of disk at 10 GB; see BENCHMARKS.md)
 
 # Where the demo data comes from: a folder laid out like ../shared/data.
