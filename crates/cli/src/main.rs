@@ -22,9 +22,13 @@ static ALLOCATOR: alloc::Counting = alloc::Counting;
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// Allocator settings for tensors and records, both measured on 2 cores:
-/// - freed memory stays mapped instead of going back to the OS 10 ms later: each training step
-///   frees and re-allocates the same large buffers, and purging them cost a page fault per
-///   4 KiB on the next step (SQuAD fine-tuning of MiniLM: 60 s -> 31 s for 3 steps);
+/// - for the commands that train or run a model, freed memory stays mapped instead of going
+///   back to the OS 10 ms later: each training step frees and re-allocates the same large
+///   buffers, and purging them cost a page fault per 4 KiB on the next step (SQuAD fine-tuning
+///   of MiniLM: 60 s -> 31 s for 3 steps). The data stages keep mimalloc's purging: they free
+///   buffers of ever-changing sizes (one shard after another), and without it their resident
+///   set kept what every earlier shard had freed (records, 4 shards of 20 MB: 217 MB peak
+///   against 99 MB, for ~0.2 s more system time of 1.8 CPU-s);
 /// - no transparent huge pages: mimalloc asks for them on its arenas, and each first touch of
 ///   an arena page then zeroes 2 MiB (`bertkit records` spent a third of its time there;
 ///   1.29 s -> 1.05 s without, training unchanged within noise). Since the records stage
@@ -33,8 +37,18 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 ///
 /// `MIMALLOC_PURGE_DELAY` in the environment still wins over the first; `BERTKIT_THP=1` keeps
 /// huge pages.
-fn configure_allocator() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+fn configure_allocator(command: &Command) {
+    let data_stage = matches!(
+        command,
+        Command::Format(_)
+            | Command::Shard(_)
+            | Command::Tokenize(_)
+            | Command::Vocab(_)
+            | Command::Records(_)
+            | Command::Download(_)
+            | Command::Pipeline(_)
+    );
+    if !data_stage && std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
         // SAFETY: sets an integer option of the allocator; no memory is touched.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     }
@@ -69,8 +83,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
-    configure_allocator();
     let cli = Cli::parse();
+    configure_allocator(&cli.command);
     if cli.no_tf32 {
         bertkit_model::set_tf32(false);
     }
