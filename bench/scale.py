@@ -78,7 +78,8 @@ def corpus(args, gb, real_words):
             return out, stats
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, os.path.join(HERE, "scale_corpus.py"), "--shared", args.shared, "--bertkit",
-           args.bertkit, "--out", out, "--gb", str(gb), "--seed", str(args.seed)]
+           args.bertkit, "--out", out, "--gb", str(gb), "--seed", str(args.seed),
+           "--vocab-cache", os.path.join(args.work, "vocab-cache")]
     if real_words:
         cmd.append("--real-words")
     print(f"== generating {name}", flush=True)

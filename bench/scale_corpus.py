@@ -139,6 +139,26 @@ def pseudo_words(real, count, rng):
     return out
 
 
+def cached_pseudo_words(real, args):
+    """pseudo_words for these real words, seed and count, from --vocab-cache when it has them
+    (making 30 M takes minutes; the forms depend only on the three)."""
+    count = max(0, args.forms - len(real))
+    if count == 0:
+        return []
+    key = hashlib.sha256(json.dumps([real, args.seed, count]).encode()).hexdigest()[:16]
+    path = os.path.join(args.vocab_cache, f"pseudo-words-{key}.txt") if args.vocab_cache else None
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read().split("\n")
+    words = pseudo_words(real, count, np.random.default_rng([args.seed, 0]))
+    if path:
+        os.makedirs(args.vocab_cache, exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write("\n".join(words))
+        os.replace(path + ".tmp", path)
+    return words
+
+
 class Vocabulary:
     """Ranked forms (fixed-width UTF-8) and the sampler over them."""
 
@@ -394,6 +414,7 @@ def main():
     ap.add_argument("--forms", type=int, default=30_000_000, help="distinct word forms")
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--vocab-cache", help="a folder keeping the pseudo-words between runs")
     ap.add_argument("--real-words", action="store_true",
                     help="keep the real pages' and books' own words (the repeated-chunk baseline: "
                          "same markup and lengths, the chunk's ~50,000 words)")
@@ -404,8 +425,7 @@ def main():
         os.makedirs(os.path.join(mirror, d), exist_ok=True)
 
     real, counts = real_words(args.bertkit, args.shared)
-    rng = np.random.default_rng([args.seed, 0])
-    forms = real + ([] if args.real_words else pseudo_words(real, max(0, args.forms - len(real)), rng))
+    forms = real + ([] if args.real_words else cached_pseudo_words(real, args))
     vocab = Vocabulary(forms, counts, args.seed)
     head, tail, articles, redirects = parse_chunk(args.shared)
     books = []
