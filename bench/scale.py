@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The data half at scale: `make data`'s chain on a diverse corpus of 1, 4 and 10 GB of XML.
 
-For each size (bench/scale_corpus.py makes the corpus, deterministic, kept between runs):
+For each size (bench/scale_corpus.py makes the corpus, deterministic; the largest is kept
+between runs, and the generator's pseudo-words in WORK/vocab-cache):
   `bertkit pipeline` with make data's stages and parameters (pipelines/data.toml: 256 + 16
   zstd shards, records phase 1 and 2 at dupe 5, held-out records) downloads from the local
   mirror, formats, shards and writes records, once per thread count (RAYON_NUM_THREADS). Each
