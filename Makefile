@@ -141,7 +141,7 @@ test: mpi-deps
 	if ! $$py -c "$(PYTHON_OK)" >/dev/null 2>&1; then \
 		py="$(CURDIR)/$(TEST_VENV)/bin/python"; \
 		if ! "$$py" -c "$(PYTHON_OK)" >/dev/null 2>&1; then \
-			echo "== installing what the tests need: $(TEST_PYTHON_PACKAGES) into $(TEST_VENV)"; \
+			echo '== installing what the tests need: $(TEST_PYTHON_PACKAGES) into $(TEST_VENV)'; \
 			python3 -m venv "$(TEST_VENV)" && \
 			"$$py" -m pip install --quiet --disable-pip-version-check $(TEST_PYTHON_PACKAGES) || exit 1; \
 		fi; \
