@@ -63,6 +63,8 @@ FEATURES ?= $(if $(filter cuda%,$(DEVICE)),cuda)
 MAX_STEPS ?=
 TRAIN_BERTKIT := $(if $(FEATURES),$(TARGET_DIR)/cuda/release/bertkit,$(BERTKIT))
 TRAIN_FLAGS := --device $(DEVICE) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS))
+# Fine-tuning goes on from its newest checkpoint when run again (none: from the start).
+FINETUNE_FLAGS := $(TRAIN_FLAGS) --resume
 # Pre-training overrides: DATA=records folder; on the CPU the recipe's batch (65536 sequences a
 # step, 256 or 32 at a time) would take hours a step and more memory than a CPU machine has, so
 # DEVICE=cpu runs 4 sequences a step, 2 at a time, unless MICRO_BATCH/GLOBAL_BATCH say.
@@ -97,7 +99,7 @@ endif
 TASK ?= mrpc
 MODEL ?= $(MIRROR)/minilm
 finetune-glue: build-train
-	$(TRAIN_BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o out/finetune/$(TASK) $(TRAIN_FLAGS)
+	$(TRAIN_BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o out/finetune/$(TASK) $(FINETUNE_FLAGS)
 
 # Fine-tune on SQuAD, then predict and score the dev set (files in out/finetune/squad/predictions/).
 # Without SQUAD_TRAIN: the documented offline split of SQuAD v1.1 dev (train on its first 38
@@ -109,9 +111,9 @@ SQUAD_FLAGS ?=
 finetune-squad: build-train
 ifeq ($(SQUAD_TRAIN),)
 	$(TRAIN_BERTKIT) split squad --input "$(MIRROR)/squad/dev-v1.1.json" --train-articles 38 -o $(OUT)/squad-split
-	$(TRAIN_BERTKIT) finetune squad --model "$(MODEL)" --train $(OUT)/squad-split/train.json --dev $(OUT)/squad-split/dev.json -o $(OUT)/finetune/squad $(TRAIN_FLAGS) $(SQUAD_FLAGS)
+	$(TRAIN_BERTKIT) finetune squad --model "$(MODEL)" --train $(OUT)/squad-split/train.json --dev $(OUT)/squad-split/dev.json -o $(OUT)/finetune/squad $(FINETUNE_FLAGS) $(SQUAD_FLAGS)
 else
-	$(TRAIN_BERTKIT) finetune squad --model "$(MODEL)" --train "$(SQUAD_TRAIN)" $(if $(SQUAD_DEV),--dev "$(SQUAD_DEV)") -o $(OUT)/finetune/squad $(TRAIN_FLAGS) $(SQUAD_FLAGS)
+	$(TRAIN_BERTKIT) finetune squad --model "$(MODEL)" --train "$(SQUAD_TRAIN)" $(if $(SQUAD_DEV),--dev "$(SQUAD_DEV)") -o $(OUT)/finetune/squad $(FINETUNE_FLAGS) $(SQUAD_FLAGS)
 endif
 
 require-gpu:

@@ -466,3 +466,56 @@ fn a_global_batch_the_ranks_cannot_share_is_refused_before_any_work() {
     );
     assert!(!run_dir.join("metrics.jsonl").exists());
 }
+
+/// A 2-rank run killed whole (launcher and ranks, SIGKILL) at random moments and while
+/// writing checkpoints, resumed with `--resume` on 2 ranks until it finishes: the same final
+/// weights, bit for bit, as an uninterrupted 2-rank run, and each step once in metrics.jsonl.
+#[test]
+fn two_ranks_killed_at_random_resume_bit_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = book_records(dir.path());
+    let config = config(dir.path(), &records, 10);
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("checkpoint_every = 10", "checkpoint_every = 1");
+    std::fs::write(&config, text).unwrap();
+    let args = |run: &Path| -> Vec<String> {
+        [
+            "pretrain",
+            "--config",
+            p(&config),
+            "--no-eval",
+            "--resume",
+            "--output",
+            p(run),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let whole = dir.path().join("whole");
+    let started = Instant::now();
+    ok(run(mpirun(2, &strs(&args(&whole)), &[])));
+    let span = started.elapsed();
+    let killed = dir.path().join("killed");
+    let killed_args = args(&killed);
+    let marker = format!("{}-{}", std::process::id(), dir.path().display());
+    let kills = crate::kills::kill_until_done(
+        &|| mpirun(2, &strs(&killed_args), &[("BERTKIT_TEST_MARK", &marker)]),
+        &|| rank_pid(&marker, 0).is_some() || rank_pid(&marker, 1).is_some(),
+        &killed,
+        span / 10,
+        5,
+    );
+    assert!(
+        kills.at_random >= 3 && kills.mid_checkpoint >= 1,
+        "{kills:?}"
+    );
+    assert_eq!(
+        crate::kills::logged_steps(&killed),
+        (1..=10).collect::<Vec<u64>>()
+    );
+    let last =
+        |run: &Path| std::fs::read(run.join("checkpoints/step-10/model.safetensors")).unwrap();
+    assert!(last(&killed) == last(&whole), "{kills:?}");
+}

@@ -7,6 +7,7 @@ mod commands;
 mod distributed;
 mod evaluate;
 mod forward;
+mod kills;
 mod memory;
 mod pipeline;
 mod pretrain;

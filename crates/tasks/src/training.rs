@@ -10,13 +10,22 @@
 //! The step itself (accumulation, loss scaling, update) is pre-training's:
 //! [`bertkit_train::step`].
 //!
+//! **Checkpoints** ([`bertkit_train::checkpoint`], as pre-training's): every
+//! `checkpoint_every` steps and after the last, `checkpoints/step-N/` in the run folder holds
+//! the f32 master weights, the optimiser's moments and the loop's state (step, loss scaler, the
+//! settings). The data position and dropout follow from the step (each epoch's order is
+//! shuffled from the seed and the epoch; masks are keyed by the step), so a run resumed from a
+//! checkpoint goes on exactly as if it had never stopped.
+//!
 //! **Data parallel**: a step's batch is cut into `ranks × accumulation` micro-batches and rank
 //! `r` takes the `r`-th run of `accumulation` of them; the ranks' gradients are summed (each
 //! micro-batch's loss already carries its share of the whole batch) and every rank applies the
 //! same update. Dropout is keyed by the step and an example's place in the batch, so `N` ranks
 //! train exactly like one process with `N` times the accumulation.
 
+use bertkit_model::bert::{BertArchitecture, Loaded};
 use bertkit_model::{DropoutSource, Mode, ParamStore};
+use bertkit_train::checkpoint;
 use bertkit_train::logs::RunLog;
 use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
 use bertkit_train::scaler::LossScaler;
@@ -44,6 +53,10 @@ pub struct TrainSettings {
     pub seed: u64,
     /// Stop after this many steps (short runs); the schedule still spans all epochs.
     pub max_steps: Option<usize>,
+    /// Write a checkpoint every this many steps (and after the last).
+    pub checkpoint_every: usize,
+    /// Checkpoints kept (the newest).
+    pub keep_checkpoints: usize,
 }
 
 impl TrainSettings {
@@ -57,6 +70,8 @@ impl TrainSettings {
             warmup: 0.1,
             seed: 42,
             max_steps: None,
+            checkpoint_every: 500,
+            keep_checkpoints: 2,
         }
     }
 
@@ -74,6 +89,9 @@ impl TrainSettings {
         let bad = |m: String| Err(TaskError::Settings(m));
         if self.batch == 0 || self.accumulation == 0 {
             return bad("batch and accumulation must be at least 1".into());
+        }
+        if self.checkpoint_every == 0 || self.keep_checkpoints == 0 {
+            return bad("checkpoint-every and keep-checkpoints must be at least 1".into());
         }
         if self.accumulation > self.batch {
             return bad(format!(
@@ -101,9 +119,11 @@ impl TrainSettings {
 /// What a training run did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainLog {
-    /// Optimiser steps taken (skipped fp16 steps included).
+    /// The step the run started after (0, or the checkpoint it resumed from).
+    pub started_at: usize,
+    /// The step it ended at (skipped fp16 steps included).
     pub steps: usize,
-    /// Loss of each step (mean over its batch).
+    /// Loss of each step this process ran (mean over its batch).
     pub losses: Vec<f64>,
     /// fp16 steps skipped for overflowing gradients.
     pub skipped: usize,
@@ -112,7 +132,7 @@ pub struct TrainLog {
 }
 
 impl TrainLog {
-    /// Mean loss of the first and last tenth of the steps.
+    /// Mean loss of the first and last tenth of the steps this process ran.
     pub fn first_and_last_tenth(&self) -> (f64, f64) {
         if self.losses.is_empty() {
             return (f64::NAN, f64::NAN);
@@ -144,12 +164,14 @@ pub type EpochEval<'a> = dyn FnMut() -> Result<Vec<(String, f64)>, TaskError> + 
 
 /// What a run logs and where.
 pub struct Watch<'a> {
-    /// The folder that gets `metrics.jsonl` and TensorBoard event files (rank 0 writes;
-    /// `None`: nothing is written).
+    /// The run folder: it gets `metrics.jsonl`, TensorBoard event files and, with
+    /// `checkpoints`, `checkpoints/step-N/` (rank 0 writes; `None`: nothing is written).
     pub dir: Option<&'a Path>,
     /// Called on every rank after each epoch's last step and after the run's last step; its
     /// figures join that step's line (`None`: nothing is evaluated during training).
     pub after_epoch: Option<&'a mut EpochEval<'a>>,
+    /// Checkpoints in `dir` (`None`: none written or read).
+    pub checkpoints: Option<Checkpoints>,
 }
 
 impl Watch<'_> {
@@ -158,8 +180,75 @@ impl Watch<'_> {
         Watch {
             dir: None,
             after_epoch: None,
+            checkpoints: None,
         }
     }
+}
+
+/// Checkpointing a fine-tuning run.
+#[derive(Debug, Clone)]
+pub struct Checkpoints {
+    /// The model's `config.json` text, saved beside its weights (a checkpoint is a model
+    /// folder).
+    pub config_json: String,
+    /// Continue from the run folder's newest checkpoint (none: start at step 0). Without it a
+    /// folder holding checkpoints is refused rather than mixed with a new run's.
+    pub resume: bool,
+}
+
+/// Checkpointing for a run fine-tuning `model`.
+pub fn checkpoints_of<M: BertArchitecture>(model: &Loaded<M>, resume: bool) -> Checkpoints {
+    Checkpoints {
+        config_json: model
+            .config
+            .to_hf_json(M::ARCHITECTURE, &[("torch_dtype", "float32".into())]),
+        resume,
+    }
+}
+
+/// What identifies a run: a checkpoint resumes only a run with the same.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct RunIdentity {
+    examples: usize,
+    epochs: f64,
+    lr: f64,
+    batch: usize,
+    warmup: f64,
+    seed: u64,
+}
+
+impl RunIdentity {
+    /// What differs from `other`, as `name: ours against theirs`.
+    fn differences(&self, other: &RunIdentity) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut compare = |name: &str, a: String, b: String| {
+            if a != b {
+                out.push(format!("{name}: {a} against {b}"));
+            }
+        };
+        compare(
+            "examples",
+            self.examples.to_string(),
+            other.examples.to_string(),
+        );
+        compare("epochs", self.epochs.to_string(), other.epochs.to_string());
+        compare("lr", self.lr.to_string(), other.lr.to_string());
+        compare("batch", self.batch.to_string(), other.batch.to_string());
+        compare("warmup", self.warmup.to_string(), other.warmup.to_string());
+        compare("seed", self.seed.to_string(), other.seed.to_string());
+        out
+    }
+}
+
+/// A fine-tuning checkpoint's `state.json`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct LoopState {
+    /// Optimiser steps done.
+    step: u64,
+    /// fp16 loss scaler.
+    scaler: Option<LossScaler>,
+    /// The run it belongs to.
+    run: RunIdentity,
 }
 
 /// One optimiser step's line of a fine-tuning run's `metrics.jsonl`.
@@ -200,6 +289,7 @@ pub fn train(
     let Watch {
         dir,
         mut after_epoch,
+        checkpoints,
     } = watch;
     settings.validate()?;
     let ranks = reducer.ranks();
@@ -214,13 +304,6 @@ pub fn train(
     if examples == 0 {
         return Err(TaskError::Settings("no training examples".into()));
     }
-    if !params.initialised.is_empty() {
-        progress(&format!("initialised: {}", params.initialised.join(", ")));
-    }
-    let mut run_log = match dir {
-        Some(dir) if ranks.rank == 0 => Some(RunLog::open(dir, 0)?),
-        _ => None,
-    };
     let steps_per_epoch = settings.steps_per_epoch(examples);
     let total = settings.total_steps(examples);
     let steps = settings.max_steps.map_or(total, |m| m.min(total));
@@ -241,19 +324,79 @@ pub fn train(
     )?;
     let fp16 = params.vars().values().any(|v| v.dtype() == DType::F16);
     let mut scaler = fp16.then(|| LossScaler::new(50));
+    let identity = RunIdentity {
+        examples,
+        epochs: settings.epochs,
+        lr: settings.lr,
+        batch: settings.batch,
+        warmup: settings.warmup,
+        seed: settings.seed,
+    };
+    let checkpoints = match (dir, checkpoints) {
+        (Some(dir), Some(c)) => Some((dir, c)),
+        (None, Some(_)) => {
+            return Err(TaskError::Settings(
+                "checkpoints need an output folder".into(),
+            ));
+        }
+        _ => None,
+    };
+    let mut started_at = 0;
+    if let Some((dir, c)) = &checkpoints {
+        match checkpoint::newest(dir) {
+            Some((step, found)) if c.resume => {
+                let device = params
+                    .vars()
+                    .values()
+                    .next()
+                    .map_or(candle_core::Device::Cpu, |v| v.device().clone());
+                let saved: LoopState = checkpoint::restore(&found, step, &mut optimizer, &device)?;
+                if saved.run != identity {
+                    return Err(TaskError::Settings(format!(
+                        "{} was written by a run with other data or settings ({}, the \
+                         checkpoint's against this run's): resume with the same, or write to \
+                         another folder",
+                        found.display(),
+                        saved.run.differences(&identity).join(", ")
+                    )));
+                }
+                started_at = saved.step as usize;
+                scaler = saved.scaler;
+                progress(&format!("resumed from {} (step {step})", found.display()));
+            }
+            Some((_, found)) => {
+                return Err(TaskError::Settings(format!(
+                    "{} holds a checkpoint of an earlier run ({}): --resume to continue it, or \
+                     write to another folder",
+                    dir.display(),
+                    found.display()
+                )));
+            }
+            None if c.resume => progress("no checkpoint to resume from: starting at step 0"),
+            None => {}
+        }
+    }
+    if started_at == 0 && !params.initialised.is_empty() {
+        progress(&format!("initialised: {}", params.initialised.join(", ")));
+    }
+    let mut run_log = match dir {
+        Some(dir) if ranks.rank == 0 => Some(RunLog::open(dir, started_at as u64)?),
+        _ => None,
+    };
     let dropout = DropoutSource::new(settings.seed);
     let started = std::time::Instant::now();
     let mut log = TrainLog {
-        steps: 0,
-        losses: Vec::with_capacity(steps),
+        started_at,
+        steps: started_at,
+        losses: Vec::with_capacity(steps.saturating_sub(started_at)),
         skipped: 0,
         seconds: 0.0,
     };
     let mut order = Vec::new();
-    for step_index in 0..steps {
+    for step_index in started_at..steps {
         let epoch = step_index / steps_per_epoch;
         let within = step_index % steps_per_epoch;
-        if within == 0 {
+        if within == 0 || step_index == started_at {
             order = shuffled(
                 examples,
                 settings.seed ^ (epoch as u64 + 1).wrapping_mul(0x9E37),
@@ -320,6 +463,24 @@ pub fn train(
             );
             let scalars: Vec<(&str, f64)> = scalars.iter().map(|(k, v)| (k.as_str(), *v)).collect();
             run_log.write(line.step, &line, &scalars)?;
+        }
+        if let Some((dir, c)) = &checkpoints
+            && ranks.rank == 0
+            && ((step_index + 1) % settings.checkpoint_every == 0 || step_index + 1 == steps)
+        {
+            let state = LoopState {
+                step: step_index as u64 + 1,
+                scaler: scaler.clone(),
+                run: identity.clone(),
+            };
+            checkpoint::save(
+                dir,
+                state.step,
+                &optimizer,
+                &c.config_json,
+                &state,
+                settings.keep_checkpoints,
+            )?;
         }
         if (step_index + 1) % 20 == 0 || step_index + 1 == steps {
             progress(&format!(

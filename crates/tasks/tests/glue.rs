@@ -94,10 +94,12 @@ fn minilm_fine_tunes_on_mrpc_briefly() {
             warmup: 0.0,
             seed: 1,
             max_steps: Some(6),
+            ..TrainSettings::glue()
         },
         max_seq_length: 64,
         lower_case: true,
         dtype: candle_core::DType::F32,
+        resume: false,
         reducer: std::rc::Rc::new(bertkit_train::step::Local),
         device: candle_core::Device::Cpu,
     };

@@ -59,9 +59,11 @@ fn fine_tuning_moves_every_parameter_and_predictions_cover_every_question() {
             warmup: 0.0,
             seed: 3,
             max_steps: Some(4),
+            ..TrainSettings::glue()
         },
         predict: predict_options(),
         dtype: DType::F32,
+        resume: false,
         reducer: std::rc::Rc::new(bertkit_train::step::Local),
     };
     let mut lines = Vec::new();

@@ -50,6 +50,7 @@ fn run(m: &Loaded<BertForQuestionAnswering>, data: &[Example], accumulation: usi
         warmup: 0.0,
         seed: 9,
         max_steps: None,
+        ..TrainSettings::glue()
     };
     train(
         &m.params,

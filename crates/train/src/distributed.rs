@@ -13,7 +13,9 @@
 //! collective of its own.
 //!
 //! A rank that dies is the launcher's to notice: `mpirun` and `srun` stop the other ranks
-//! and exit non-zero, naming the rank. A rank that fails with an error stops every rank
+//! and exit non-zero, naming the rank. A launcher that dies (killed with SIGKILL, its node
+//! lost) is noticed by the MPI ranks at their next collective: they stop rather than go on
+//! writing checkpoints beside a restarted job. A rank that fails with an error stops every rank
 //! through [`GradientReducer::abort`] (`MPI_Abort`) rather than leave them waiting.
 
 use std::io::{Read, Write};
@@ -208,6 +210,8 @@ mod mpi_world {
     pub(super) struct MpiReducer {
         world: SimpleCommunicator,
         ranks: Ranks,
+        /// The process that started this rank (mpirun's daemon, slurmstepd).
+        launcher: u32,
         // Declared last: finalises MPI after the communicator is gone.
         _universe: Universe,
     }
@@ -239,8 +243,24 @@ mod mpi_world {
             Ok(MpiReducer {
                 world,
                 ranks,
+                launcher: std::os::unix::process::parent_id(),
                 _universe: universe,
             })
+        }
+
+        /// Fails once the launcher is gone (this rank was handed to another parent): a rank
+        /// must not go on writing a run folder that a restarted job is already using. Open MPI's
+        /// ranks otherwise outlive a SIGKILLed `mpirun` by about half a second, training and
+        /// checkpointing all the while.
+        fn check_launcher(&self) -> Result<(), TrainError> {
+            let parent = std::os::unix::process::parent_id();
+            if parent == self.launcher {
+                return Ok(());
+            }
+            Err(TrainError::World(format!(
+                "{}: the launcher (process {}) is gone; stopping",
+                self.ranks, self.launcher
+            )))
         }
 
         /// Rank 0's `bytes`, on every rank.
@@ -286,6 +306,7 @@ mod mpi_world {
 
     impl GradientReducer for MpiReducer {
         fn all_reduce_sum(&self, bucket: &mut Tensor) -> Result<(), TrainError> {
+            self.check_launcher()?;
             *bucket = match bucket.dtype() {
                 DType::F32 => self.sum_tensor::<f32>(bucket)?,
                 DType::F64 => self.sum_tensor::<f64>(bucket)?,
@@ -299,6 +320,7 @@ mod mpi_world {
         }
 
         fn all_reduce_sum_host(&self, values: &mut [f64]) -> Result<(), TrainError> {
+            self.check_launcher()?;
             let summed = self.sum(values);
             values.copy_from_slice(&summed);
             Ok(())

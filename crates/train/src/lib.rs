@@ -8,6 +8,8 @@
 //! - [`optim`]: LAMB and AdamW with f32 master weights, gradient clipping, decoupled weight decay.
 //! - [`schedule`]: warmup + polynomial (NVIDIA's PolyWarmUp) or linear decay.
 //! - [`scaler`]: dynamic loss scaling for fp16.
+//! - [`checkpoint`]: a run's atomic checkpoints (weights, moments, the loop's state), for
+//!   pre-training and fine-tuning.
 //! - [`step`]: one optimiser step (accumulation, loss scaling, the data-parallel reducer, the
 //!   update), shared by pre-training and fine-tuning.
 //! - [`distributed`]: the data-parallel world a launcher started (MPI with the `mpi` feature)
@@ -24,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod distributed;
@@ -50,6 +53,9 @@ pub enum TrainError {
     /// A checkpoint that cannot be written or resumed from.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// The data-parallel world broke up.
+    #[error("data parallel: {0}")]
+    World(String),
     /// The loss or gradients stopped being finite.
     #[error("diverged: {0}")]
     Diverged(String),

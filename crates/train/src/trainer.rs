@@ -8,13 +8,12 @@
 //! non-finite gradients is skipped (see [`crate::scaler`]).
 //!
 //! The run folder holds `metrics.jsonl` (one object per optimiser step), TensorBoard event
-//! files with the same figures ([`crate::logs`]), and
-//! `checkpoints/step-N/`: `config.json` + `model.safetensors` (the f32 master weights in the
-//! transformers layout, loadable by the model crate and transformers), `optimizer.safetensors`
-//! (moments) and `state.json` (step, data cursor, loss scaler). A checkpoint is written into a
-//! hidden folder and renamed into place; the newest `keep_checkpoints` are kept. Resuming loads
-//! the newest and continues with the next unseen step and the same dropout masks (keyed by the
-//! step), so a resumed run reproduces an uninterrupted one exactly on the CPU.
+//! files with the same figures ([`crate::logs`]), and `checkpoints/step-N/` ([`crate::checkpoint`]:
+//! the f32 master weights in the transformers layout, the moments, and `state.json` with the
+//! step, data cursor and loss scaler), written atomically every `checkpoint_every` steps, the
+//! newest `keep_checkpoints` kept. Resuming loads the newest and continues with the next unseen
+//! step and the same dropout masks (keyed by the step), so a resumed run reproduces an
+//! uninterrupted one exactly on the CPU.
 //!
 //! **Data parallel**: with ranks ([`crate::distributed`]), each rank trains on its part of
 //! every step's global batch and the step's losses are normalised by the counts of the whole
@@ -24,7 +23,7 @@
 //! match, and resumes on any number of ranks. Rank 0 alone writes `metrics.jsonl` and
 //! checkpoints; every rank resumes from the same checkpoint.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -35,13 +34,14 @@ use bertkit_model::{DropoutSource, Inputs, MaskedPositions, Mode, loss};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::TrainError;
+use crate::checkpoint;
 use crate::config::PretrainConfig;
 use crate::data::{Batch, Cursor, DataOptions, Dataset};
 use crate::logs::RunLog;
 use crate::optim::Optimizer;
 use crate::scaler::LossScaler;
 use crate::step::{GradientReducer, Local, Step};
-use crate::{TrainError, io_err};
 
 /// One optimiser step's figures (a line of `metrics.jsonl`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -178,35 +178,12 @@ pub struct RunSummary {
     pub checkpoint: Option<PathBuf>,
 }
 
-/// The checkpoints of a run folder, oldest first: (step, folder).
-pub fn checkpoints(run: &Path) -> Vec<(u64, PathBuf)> {
-    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(run.join("checkpoints"))
-        .into_iter()
-        .flatten()
-        .filter_map(|e| {
-            let e = e.ok()?;
-            let step = e
-                .file_name()
-                .to_str()?
-                .strip_prefix("step-")?
-                .parse::<u64>()
-                .ok()?;
-            e.path()
-                .join("state.json")
-                .is_file()
-                .then(|| (step, e.path()))
-        })
-        .collect();
-    found.sort();
-    found
-}
-
 /// The model folder `init` names: itself, or an earlier run's newest checkpoint.
 fn init_dir(init: &Path) -> Result<PathBuf, TrainError> {
     if init.join("model.safetensors").is_file() {
         return Ok(init.to_path_buf());
     }
-    checkpoints(init).pop().map(|(_, p)| p).ok_or_else(|| {
+    checkpoint::newest(init).map(|(_, p)| p).ok_or_else(|| {
         TrainError::Config(format!(
             "[model] init {}: neither a model folder (config.json + model.safetensors) nor a run with checkpoints",
             init.display()
@@ -349,33 +326,6 @@ fn objective(
     Ok(((mlm_sum / counts.masked)? + (nsp_sum / counts.sequences)?)?)
 }
 
-/// Reads a checkpoint folder written at `step`: restores the optimiser's moments and f32
-/// master weights, and returns the saved run state.
-fn restore_checkpoint(
-    dir: &Path,
-    step: u64,
-    optimizer: &mut Optimizer,
-    device: &Device,
-) -> Result<RunState, TrainError> {
-    let checkpoint_err = |file: &str, e: &dyn std::fmt::Display| {
-        TrainError::Checkpoint(format!("{}: {e}", dir.join(file).display()))
-    };
-    let state_path = dir.join("state.json");
-    let saved: RunState =
-        serde_json::from_str(&std::fs::read_to_string(&state_path).map_err(io_err(&state_path))?)
-            .map_err(|e| checkpoint_err("state.json", &e))?;
-    let moments = candle_core::safetensors::load(dir.join("optimizer.safetensors"), device)
-        .map_err(|e| checkpoint_err("optimizer.safetensors", &e))?;
-    let masters: HashMap<String, Tensor> =
-        candle_core::safetensors::load(dir.join("model.safetensors"), device)
-            .map_err(|e| checkpoint_err("model.safetensors", &e))?
-            .into_iter()
-            .filter_map(|(k, v)| bertkit_model::params::canonical_name(&k).map(|k| (k, v)))
-            .collect();
-    optimizer.restore(&moments, &masters, step)?;
-    Ok(saved)
-}
-
 /// Before the first step: the plan's predicted peak for this run against the device's free
 /// memory (after the model and optimiser are built, so free memory is counted without them and
 /// they are taken out of the prediction). A run that will not fit stops here with the numbers
@@ -464,7 +414,7 @@ impl Trainer {
         let dtype = bertkit_model::parse_dtype(&config.train.precision)?;
         let bert_config = config.bert_config()?;
         let resume_from = if options.resume {
-            checkpoints(&config.output).pop()
+            checkpoint::newest(&config.output)
         } else {
             None
         };
@@ -556,7 +506,7 @@ impl Trainer {
             config: config.clone(),
         };
         if let Some((step, dir)) = &resume_from {
-            let saved = restore_checkpoint(dir, *step, &mut optimizer, &device)?;
+            let saved: RunState = checkpoint::restore(dir, *step, &mut optimizer, &device)?;
             scaler = saved.scaler.clone();
             state = RunState {
                 config: config.clone(),
@@ -801,43 +751,18 @@ impl Trainer {
     /// Writes `checkpoints/step-N/` atomically and deletes all but the newest
     /// `keep_checkpoints`. Returns its folder.
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
-        let root = self.config.output.join("checkpoints");
-        let name = format!("step-{}", self.state.step);
-        let dir = root.join(&name);
-        let partial = root.join(format!(".{name}.partial"));
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial).map_err(io_err(&partial))?;
-        }
-        std::fs::create_dir_all(&partial).map_err(io_err(&partial))?;
-        let masters = self.optimizer.master_tensors()?;
-        let weights: HashMap<String, Tensor> = masters
-            .iter()
-            .map(|(k, v)| (bertkit_model::params::hf_name(k, true), v.clone()))
-            .collect();
-        let save = |tensors: &HashMap<String, Tensor>, file: &str| -> Result<(), TrainError> {
-            candle_core::safetensors::save(tensors, partial.join(file)).map_err(|e| {
-                TrainError::Checkpoint(format!("{}: {e}", partial.join(file).display()))
-            })
-        };
-        save(&weights, "model.safetensors")?;
-        save(&self.optimizer.moment_tensors()?, "optimizer.safetensors")?;
         let config_json = self
             .model
             .config
             .to_hf_json("BertForPreTraining", &[("torch_dtype", "float32".into())]);
-        std::fs::write(partial.join("config.json"), config_json).map_err(io_err(&partial))?;
-        let state = serde_json::to_string_pretty(&self.state).expect("state serialises");
-        std::fs::write(partial.join("state.json"), state).map_err(io_err(&partial))?;
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
-        }
-        std::fs::rename(&partial, &dir).map_err(io_err(&dir))?;
-        let all = checkpoints(&self.config.output);
-        let excess = all.len().saturating_sub(self.config.train.keep_checkpoints);
-        for (_, old) in all.into_iter().take(excess) {
-            std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
-        }
-        Ok(dir)
+        checkpoint::save(
+            &self.config.output,
+            self.state.step,
+            &self.optimizer,
+            &config_json,
+            &self.state,
+            self.config.train.keep_checkpoints,
+        )
     }
 
     /// Runs to `total_steps` (or `max_steps`), calling `progress` after each step; rank 0

@@ -8,11 +8,12 @@ use bertkit_records::instances::InstanceOptions;
 use bertkit_records::reader::Record;
 use bertkit_records::run::{Compat, RecordsOptions, records_to_file};
 use bertkit_test_support::require;
+use bertkit_train::checkpoint::list as checkpoints;
 use bertkit_train::config::{DataSection, EvalSection, ModelSection, PretrainConfig, TrainSection};
 use bertkit_train::data::{Batch, Cursor};
 use bertkit_train::optim::OptimizerConfig;
 use bertkit_train::schedule::{Decay, Schedule};
-use bertkit_train::trainer::{RunOptions, RunSummary, StepMetrics, Trainer, checkpoints};
+use bertkit_train::trainer::{RunOptions, RunSummary, StepMetrics, Trainer};
 
 /// Records (sequence length 64, 10 predictions) from the first 1500 lines of Emma.
 fn records(dir: &Path) -> PathBuf {

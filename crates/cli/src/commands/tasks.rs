@@ -75,6 +75,15 @@ pub(crate) fn finetune(command: FinetuneCommand) -> Result<()> {
     }
 }
 
+/// `"N steps"`, or `"steps A..B (resumed)"` for a run that resumed after step A.
+fn steps_text(started_at: usize, steps: usize) -> String {
+    if started_at == 0 {
+        format!("{steps} steps")
+    } else {
+        format!("steps {started_at}..{steps} (resumed)")
+    }
+}
+
 fn finetune_glue(args: FinetuneGlueArgs) -> Result<()> {
     let ranks = args.train.ranks.ranks()?;
     let device = args.train.device.clone();
@@ -91,6 +100,7 @@ fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) 
         data,
         output: args.output.clone(),
         settings: args.train.settings(TrainSettings::glue()),
+        resume: args.train.resume,
         max_seq_length: args.max_seq_length,
         lower_case: !args.train.cased,
         dtype: bertkit_model::parse_dtype(&args.train.dtype)?,
@@ -112,9 +122,9 @@ fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) 
         .map(|(k, v)| format!("{k} {v:.4}"))
         .collect();
     println!(
-        "{}: {} steps on {} examples in {:.1} s (train loss {:.4} -> {:.4}); dev ({} examples): loss {:.4}, {}",
+        "{}: {} on {} examples in {:.1} s (train loss {:.4} -> {:.4}); dev ({} examples): loss {:.4}, {}",
         task.folder(),
-        report.steps,
+        steps_text(report.started_at, report.steps),
         report.train_examples,
         report.seconds,
         report.train_loss.0,
@@ -144,6 +154,7 @@ fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>
         train: Dataset::load(&args.train)?,
         output: args.output.clone(),
         settings: args.train_flags.settings(TrainSettings::squad()),
+        resume: args.train_flags.resume,
         predict: args.squad.options(lower_case, device.clone()),
         dtype: bertkit_model::parse_dtype(&args.train_flags.dtype)?,
         reducer,
@@ -156,8 +167,8 @@ fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>
     let (first, last) = report.log.first_and_last_tenth();
     if speaks {
         println!(
-            "squad: {} steps on {} windows ({} questions, {} skipped) in {:.1} s (train loss {first:.4} -> {last:.4}{})",
-            report.log.steps,
+            "squad: {} on {} windows ({} questions, {} skipped) in {:.1} s (train loss {first:.4} -> {last:.4}{})",
+            steps_text(report.log.started_at, report.log.steps),
             report.train_features,
             report.train_examples,
             report.skipped,

@@ -61,6 +61,17 @@ pub(crate) struct TrainFlags {
     /// Shuffling, dropout and head initialisation.
     #[arg(long, default_value_t = TrainSettings::glue().seed)]
     pub(crate) seed: u64,
+    /// Write a checkpoint (weights, optimiser, position) into OUTPUT/checkpoints/ every this
+    /// many steps, and after the last.
+    #[arg(long, default_value_t = TrainSettings::glue().checkpoint_every)]
+    pub(crate) checkpoint_every: usize,
+    /// Checkpoints kept (the newest).
+    #[arg(long, default_value_t = TrainSettings::glue().keep_checkpoints)]
+    pub(crate) keep_checkpoints: usize,
+    /// Continue from the newest checkpoint in the output folder (same data and settings): the
+    /// run ends as if it had not stopped. Without it, a folder holding checkpoints is refused.
+    #[arg(long)]
+    pub(crate) resume: bool,
     /// Cased vocabulary.
     #[arg(long)]
     pub(crate) cased: bool,
@@ -85,6 +96,8 @@ impl TrainFlags {
             warmup: self.warmup,
             seed: self.seed,
             max_steps: self.max_steps,
+            checkpoint_every: self.checkpoint_every,
+            keep_checkpoints: self.keep_checkpoints,
         }
     }
 }

@@ -17,7 +17,7 @@ use bertkit_train::step::GradientReducer;
 use candle_core::{DType, Device, Tensor};
 
 use crate::model_dir::{load_tokenizer, save_finetuned};
-use crate::training::{TrainSettings, Watch, train};
+use crate::training::{TrainSettings, Watch, checkpoints_of, train};
 
 use crate::glue::data::{Example, Task, read};
 use crate::glue::metrics;
@@ -112,6 +112,8 @@ pub struct FinetuneOptions {
     pub output: Option<PathBuf>,
     /// The training loop's settings (the seed also initialises the head).
     pub settings: TrainSettings,
+    /// Continue from the newest checkpoint in `output`.
+    pub resume: bool,
     /// Longest encoded sequence.
     pub max_seq_length: usize,
     /// Uncased vocabulary.
@@ -141,7 +143,9 @@ pub struct Evaluation {
 /// What a fine-tuning run did.
 #[derive(Debug, Clone)]
 pub struct FinetuneReport {
-    /// Optimiser steps.
+    /// The step training started after (0, or the checkpoint it resumed from).
+    pub started_at: usize,
+    /// The step it ended at.
     pub steps: usize,
     /// Training examples.
     pub train_examples: usize,
@@ -284,6 +288,10 @@ pub fn finetune(
         Watch {
             dir: options.output.as_deref(),
             after_epoch: Some(&mut dev_after_epoch),
+            checkpoints: options
+                .output
+                .is_some()
+                .then(|| checkpoints_of(&model, options.resume)),
         },
         progress,
     )?;
@@ -298,6 +306,7 @@ pub fn finetune(
         save_finetuned(&model, &options.model, out)?;
     }
     Ok(FinetuneReport {
+        started_at: log.started_at,
         steps: log.steps,
         train_examples: train_set.len(),
         train_loss: log.first_and_last_tenth(),

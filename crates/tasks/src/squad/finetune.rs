@@ -27,7 +27,7 @@ use crate::model_dir::{load_tokenizer, save_finetuned};
 use crate::squad::data::Dataset;
 use crate::squad::features::{Examples, Feature, FeatureOptions, build_features, read_examples};
 use crate::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
-use crate::training::{TrainLog, TrainSettings, Watch, train};
+use crate::training::{TrainLog, TrainSettings, Watch, checkpoints_of, train};
 use bertkit_train::step::GradientReducer;
 
 /// Start/end logits of every feature (unpadded), `batch` features per forward pass, shortest
@@ -300,6 +300,8 @@ pub struct SquadFinetuneOptions {
     pub output: PathBuf,
     /// The training loop.
     pub settings: TrainSettings,
+    /// Continue from the newest checkpoint in `output`.
+    pub resume: bool,
     /// Windows, post-processing, prediction batch, device.
     pub predict: PredictOptions,
     /// Weights dtype (f32; bf16 or f16 on CUDA with f32 master weights).
@@ -368,6 +370,7 @@ pub fn finetune(
         Watch {
             dir: Some(&options.output),
             after_epoch: None,
+            checkpoints: Some(checkpoints_of(&model, options.resume)),
         },
         progress,
     )?;

@@ -1,0 +1,161 @@
+//! A run's checkpoints, for pre-training and fine-tuning alike: `checkpoints/step-N/` in the
+//! run folder, holding
+//!
+//! - `model.safetensors`: the optimiser's f32 master weights under transformers' names, so the
+//!   folder (with `config.json`) loads as a model in the model crate and in transformers;
+//! - `config.json`: the model's configuration;
+//! - `optimizer.safetensors`: the moments (`m.<name>`, `v.<name>`);
+//! - `state.json`: what the loop needs besides tensors to go on exactly (its step, data
+//!   position, loss scaler, settings), a type of the loop's own.
+//!
+//! A checkpoint is written into a hidden `.step-N.partial/` folder and renamed into place, and
+//! `state.json` is written last: a folder named `step-N` with a `state.json` is whole. Old
+//! checkpoints (all but the newest `keep`) are renamed out of sight before they are deleted. A
+//! kill at any moment leaves whole checkpoints and at most hidden leftovers, which the next
+//! write removes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::optim::Optimizer;
+use crate::{TrainError, io_err};
+
+/// The whole checkpoints of a run folder, oldest first: (step, folder).
+pub fn list(run: &Path) -> Vec<(u64, PathBuf)> {
+    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(run.join("checkpoints"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let step = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse::<u64>()
+                .ok()?;
+            e.path()
+                .join("state.json")
+                .is_file()
+                .then(|| (step, e.path()))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// The newest whole checkpoint of a run folder.
+pub fn newest(run: &Path) -> Option<(u64, PathBuf)> {
+    list(run).pop()
+}
+
+/// Writes `run/checkpoints/step-<step>/` atomically from the optimiser's master weights and
+/// moments, the model's `config_json` and the loop's `state`, then deletes all but the newest
+/// `keep` checkpoints. Returns its folder.
+pub fn save(
+    run: &Path,
+    step: u64,
+    optimizer: &Optimizer,
+    config_json: &str,
+    state: &impl Serialize,
+    keep: usize,
+) -> Result<PathBuf, TrainError> {
+    let root = run.join("checkpoints");
+    let name = format!("step-{step}");
+    let dir = root.join(&name);
+    let partial = root.join(format!(".{name}.partial"));
+    remove_leftovers(&root)?;
+    std::fs::create_dir_all(&partial).map_err(io_err(&partial))?;
+    let weights: HashMap<String, Tensor> = optimizer
+        .master_tensors()?
+        .into_iter()
+        .map(|(k, v)| (bertkit_model::params::hf_name(&k, true), v))
+        .collect();
+    let save_tensors = |tensors: &HashMap<String, Tensor>, file: &str| {
+        let path = partial.join(file);
+        candle_core::safetensors::save(tensors, &path)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))
+    };
+    save_tensors(&weights, "model.safetensors")?;
+    save_tensors(&optimizer.moment_tensors()?, "optimizer.safetensors")?;
+    let write = |file: &str, text: &str| {
+        let path = partial.join(file);
+        std::fs::write(&path, text).map_err(io_err(&path))
+    };
+    write("config.json", config_json)?;
+    write(
+        "state.json",
+        &serde_json::to_string_pretty(state).expect("a checkpoint's state serialises"),
+    )?;
+    if dir.exists() {
+        discard(&dir)?;
+    }
+    std::fs::rename(&partial, &dir).map_err(io_err(&dir))?;
+    let all = list(run);
+    let excess = all.len().saturating_sub(keep.max(1));
+    for (_, old) in all.into_iter().take(excess) {
+        discard(&old)?;
+    }
+    Ok(dir)
+}
+
+/// Deletes a checkpoint folder: renamed out of sight first, so that a kill halfway through
+/// the deletion leaves a hidden leftover (removed by the next [`save`]), never a `step-N`
+/// folder with some files gone.
+fn discard(dir: &Path) -> Result<(), TrainError> {
+    let name = dir
+        .file_name()
+        .map_or_else(Default::default, |n| n.to_string_lossy());
+    let hidden = dir.with_file_name(format!(".{name}.deleting"));
+    std::fs::rename(dir, &hidden).map_err(io_err(dir))?;
+    std::fs::remove_dir_all(&hidden).map_err(io_err(&hidden))
+}
+
+/// Removes what killed writes and deletions left in `root`: hidden `.step-N.partial` and
+/// `.step-N.deleting` folders.
+fn remove_leftovers(root: &Path) -> Result<(), TrainError> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(".step-") && (name.ends_with(".partial") || name.ends_with(".deleting"))
+        {
+            let path = entry.path();
+            std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads the checkpoint folder `dir` written at `step`: sets the optimiser's moments and f32
+/// master weights (and from them the model's parameters) and returns the loop's saved state.
+pub fn restore<S: DeserializeOwned>(
+    dir: &Path,
+    step: u64,
+    optimizer: &mut Optimizer,
+    device: &Device,
+) -> Result<S, TrainError> {
+    let unreadable = |file: &str, e: &dyn std::fmt::Display| {
+        TrainError::Checkpoint(format!("{}: {e}", dir.join(file).display()))
+    };
+    let state_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&state_path).map_err(io_err(&state_path))?;
+    let state: S = serde_json::from_str(&text).map_err(|e| unreadable("state.json", &e))?;
+    let moments = candle_core::safetensors::load(dir.join("optimizer.safetensors"), device)
+        .map_err(|e| unreadable("optimizer.safetensors", &e))?;
+    let masters: HashMap<String, Tensor> =
+        candle_core::safetensors::load(dir.join("model.safetensors"), device)
+            .map_err(|e| unreadable("model.safetensors", &e))?
+            .into_iter()
+            .filter_map(|(k, v)| bertkit_model::params::canonical_name(&k).map(|k| (k, v)))
+            .collect();
+    optimizer
+        .restore(&moments, &masters, step)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
+    Ok(state)
+}
