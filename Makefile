@@ -12,6 +12,8 @@
 #                                       tensorboard, and OpenMPI for the data-parallel tests,
 #                                       when missing
 #   make lint                           rustfmt check and clippy
+#   make fuzz [FUZZ_SECONDS=60] [FUZZ_TARGETS=a,b]  libFuzzer on every parser of user input
+#                                       (installs cargo-fuzz when missing; FUZZING.md)
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
 #   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
 #   make bench-records GOOGLE_BERT=DIR  records stage vs Google's create_pretraining_data.py
@@ -40,7 +42,7 @@ PYTHON_OK := import sys, pyarrow, tensorboard; sys.exit(int(pyarrow.__version__.
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
 PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
-.PHONY: all build build-train require-gpu demo data test lint mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records bench-scale clean
+.PHONY: all build build-train require-gpu demo data test lint fuzz mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records bench-scale clean
 
 all: build
 
@@ -155,6 +157,14 @@ lint: mpi-deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --locked --features bertkit/mpi -- -D warnings
+
+# Fuzzing (FUZZING.md): each target FUZZ_SECONDS, two at a time on two cores; corpora kept
+# under fuzz/corpus between runs. cargo fuzz runs on stable Rust with --sanitizer none.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?=
+fuzz:
+	@command -v cargo-fuzz >/dev/null 2>&1 || { echo "== installing cargo-fuzz"; $(CARGO) install cargo-fuzz --locked; }
+	python3 fuzz/run.py --seconds $(FUZZ_SECONDS) $(if $(FUZZ_TARGETS),--targets $(FUZZ_TARGETS))
 
 # The benchmarks' Python: WikiExtractor (the format peer), six (Google's tokenization.py imports
 # it), pyarrow (the records benches check the Parquet they time) and numpy (the scale bench's

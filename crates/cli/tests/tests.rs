@@ -3,6 +3,7 @@
 
 mod cli;
 mod commands;
+mod disk_full;
 #[cfg(feature = "mpi")]
 mod distributed;
 mod evaluate;

@@ -388,6 +388,39 @@ fn http_fetch(
     }
 }
 
+/// A `Content-Range` header of a 206 response: `bytes START-END/TOTAL` (TOTAL may be `*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContentRange {
+    /// First byte sent.
+    pub start: u64,
+    /// Last byte sent (inclusive).
+    pub end: u64,
+    /// The whole file's length, when the server says.
+    pub total: Option<u64>,
+}
+
+impl ContentRange {
+    /// Parses the header's value; `None` for anything but a well-formed byte range (end before
+    /// start, or past a stated total, included).
+    pub fn parse(value: &str) -> Option<Self> {
+        let (range, total) = value.trim().strip_prefix("bytes ")?.split_once('/')?;
+        let (start, end) = range.trim().split_once('-')?;
+        let digits = |s: &str| {
+            let s = s.trim();
+            (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| s.parse::<u64>().ok())
+                .flatten()
+        };
+        let (start, end) = (digits(start)?, digits(end)?);
+        let total = match total.trim() {
+            "*" => None,
+            t => Some(digits(t)?),
+        };
+        let fits = total.is_none_or(|t| end < t);
+        (start <= end && fits).then_some(ContentRange { start, end, total })
+    }
+}
+
 /// One request: continues the partial file with a range request when it has bytes.
 fn attempt(
     agent: &ureq::Agent,
@@ -418,21 +451,15 @@ fn attempt(
             header("content-length").and_then(|v| v.parse::<u64>().ok()),
         ),
         206 => {
-            // Content-Range: bytes START-END/TOTAL
             let range = header("content-range").unwrap_or_default();
-            let start = range
-                .strip_prefix("bytes ")
-                .and_then(|r| r.split('-').next())
-                .and_then(|s| s.parse::<u64>().ok());
-            if start != Some(have) {
-                return Ok(Attempt::Transient(format!(
-                    "the server resumed at {range:?}, not at byte {have}"
-                )));
+            match ContentRange::parse(&range) {
+                Some(r) if r.start == have => (true, r.total),
+                _ => {
+                    return Ok(Attempt::Transient(format!(
+                        "the server resumed at {range:?}, not at byte {have}"
+                    )));
+                }
             }
-            (
-                true,
-                range.rsplit('/').next().and_then(|t| t.parse::<u64>().ok()),
-            )
         }
         // Range past the end: the partial file already holds everything the server has.
         416 if have > 0 => return Ok(Attempt::Done),
@@ -517,6 +544,29 @@ impl JitterSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn content_ranges_parse_only_when_well_formed() {
+        let r = |start, end, total| Some(ContentRange { start, end, total });
+        assert_eq!(
+            ContentRange::parse("bytes 100-199/200"),
+            r(100, 199, Some(200))
+        );
+        assert_eq!(ContentRange::parse("bytes 0-0/*"), r(0, 0, None));
+        for bad in [
+            "",
+            "bytes",
+            "bytes 5-4/10",
+            "bytes 0-10/10",
+            "bytes -1-5/10",
+            "bytes +1-5/10",
+            "bytes 1-5",
+            "items 1-5/10",
+            "bytes 99999999999999999999-1/2",
+        ] {
+            assert_eq!(ContentRange::parse(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn checksums_and_mirrors() {

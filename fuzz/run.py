@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Runs bertkit's fuzz targets (`make fuzz`) and reports what each did.
+
+Builds the fuzz binaries with cargo fuzz (libFuzzer; `--sanitizer none` works on stable Rust,
+and safe Rust needs no address sanitizer to turn a memory error into a crash), writes the seed
+corpora from the shared data folder (`fuzz-seeds`), then runs every target for SECONDS with
+libFuzzer's limits: an input that takes over 1 s is a finding (`-timeout=1`), so is one that
+makes the process use over 2 GiB (`-rss_limit_mb`) or allocate over 1 GiB at once
+(`-malloc_limit_mb`). Corpora grow under fuzz/corpus/<target>/ and are kept between runs, so
+runs add up; findings go to fuzz/artifacts/<target>/ (keep each in fuzz/regressions/<target>/
+once fixed: `make test` replays them). Logs: fuzz/logs/<target>.log; the executions of every
+run are summed in fuzz/logs/totals.json.
+
+Prints a Markdown table per run (executions, speed, coverage, peak RSS, slowest input,
+findings) for FUZZING.md. Exits 1 if any target found something.
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+FUZZ = Path(__file__).resolve().parent
+ROOT = FUZZ.parent
+TRIPLE = "x86_64-unknown-linux-gnu"
+
+
+def targets():
+    """The fuzz binaries named in fuzz/Cargo.toml."""
+    text = (FUZZ / "Cargo.toml").read_text()
+    return re.findall(r'^\[\[bin\]\]\s*\nname = "([^"]+)"', text, flags=re.M)
+
+
+def build():
+    subprocess.run(
+        ["cargo", "fuzz", "build", "--sanitizer", "none", "--fuzz-dir", str(FUZZ)],
+        cwd=ROOT,
+        check=True,
+    )
+    subprocess.run(
+        [
+            "cargo",
+            "run",
+            "--quiet",
+            "--locked",
+            "-p",
+            "bertkit-fuzz-targets",
+            "--bin",
+            "fuzz-seeds",
+            "--",
+            str(FUZZ / "seeds"),
+        ],
+        cwd=ROOT,
+        check=True,
+    )
+
+
+def run(target, seconds, max_len):
+    """Runs one target; returns its figures from libFuzzer's log."""
+    corpus = FUZZ / "corpus" / target
+    artifacts = FUZZ / "artifacts" / target
+    logs = FUZZ / "logs"
+    for d in (corpus, artifacts, logs):
+        d.mkdir(parents=True, exist_ok=True)
+    before = set(artifacts.iterdir())
+    binary = FUZZ / "target" / TRIPLE / "release" / target
+    command = [
+        str(binary),
+        str(corpus),
+        str(FUZZ / "seeds" / target),
+        f"-max_total_time={seconds}",
+        "-timeout=1",
+        "-rss_limit_mb=2048",
+        "-malloc_limit_mb=1024",
+        f"-max_len={max_len}",
+        "-report_slow_units=1",
+        "-print_final_stats=1",
+        f"-artifact_prefix={artifacts}/",
+    ]
+    log_path = logs / f"{target}.log"
+    with open(log_path, "w") as log:
+        status = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    log = log_path.read_text(errors="replace")
+
+    def stat(name):
+        m = re.findall(rf"stat::{name}:\s*(\d+)", log)
+        return int(m[-1]) if m else 0
+
+    coverage = re.findall(r"\bcov: (\d+) ft: (\d+)", log)
+    slow = [float(s) for s in re.findall(r"Slowest unit: (\d+(?:\.\d+)?) s", log)]
+    found = sorted(str(p.relative_to(ROOT)) for p in set(artifacts.iterdir()) - before)
+    return {
+        "target": target,
+        "status": status,
+        "executions": stat("number_of_executed_units"),
+        "per_second": stat("average_exec_per_sec"),
+        "peak_rss_mb": stat("peak_rss_mb"),
+        "coverage": int(coverage[-1][0]) if coverage else 0,
+        "features": int(coverage[-1][1]) if coverage else 0,
+        "corpus": sum(1 for _ in corpus.iterdir()),
+        "slowest_s": max(slow) if slow else None,
+        "findings": found,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=int, default=60, help="per target (default 60)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="targets at once")
+    parser.add_argument("--targets", default="", help="comma-separated (default: all)")
+    parser.add_argument("--max-len", type=int, default=65536, help="largest input, bytes")
+    parser.add_argument("--no-build", action="store_true", help="use the binaries as built")
+    args = parser.parse_args()
+
+    names = [t for t in args.targets.split(",") if t] or targets()
+    unknown = set(names) - set(targets())
+    if unknown:
+        sys.exit(f"error: no such target: {', '.join(sorted(unknown))}")
+    if not args.no_build:
+        build()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda t: run(t, args.seconds, args.max_len), names))
+
+    totals_path = FUZZ / "logs" / "totals.json"
+    totals = json.loads(totals_path.read_text()) if totals_path.exists() else {}
+    for r in results:
+        totals[r["target"]] = totals.get(r["target"], 0) + r["executions"]
+    totals_path.write_text(json.dumps(totals, indent=1, sort_keys=True) + "\n")
+
+    print(f"\n{datetime.date.today()}, {args.seconds} s per target, {args.jobs} at once\n")
+    print("| target | executions | exec/s | all runs | coverage (edges / features) | corpus | peak RSS MB | slowest input s | findings |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in results:
+        slowest = f"{r['slowest_s']:.2f}" if r["slowest_s"] is not None else "< 1"
+        findings = ", ".join(r["findings"]) or ("none" if r["status"] == 0 else f"exit {r['status']}")
+        print(
+            f"| {r['target']} | {r['executions']:,} | {r['per_second']:,} | {totals[r['target']]:,} "
+            f"| {r['coverage']:,} / {r['features']:,} | {r['corpus']:,} | {r['peak_rss_mb']:,} "
+            f"| {slowest} | {findings} |"
+        )
+    bad = [r for r in results if r["status"] != 0 or r["findings"]]
+    if bad:
+        print(f"\n{len(bad)} target(s) found something: see fuzz/artifacts/ and fuzz/logs/", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
