@@ -1,6 +1,7 @@
 //! The integration tests of The `bertkit` binary end to end: one test binary (less linking and disk than one
 //! per file), a module per subject.
 
+mod bad_input;
 mod cli;
 mod commands;
 mod disk_full;

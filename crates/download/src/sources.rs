@@ -98,7 +98,7 @@ pub struct Registry {
 impl Registry {
     /// Parses a registry file.
     pub fn load(path: &Path) -> Result<Self, DownloadError> {
-        let text = std::fs::read_to_string(path).map_err(|e| DownloadError::Io {
+        let text = bertkit_stage_io::read_text(path).map_err(|e| DownloadError::Io {
             path: path.into(),
             source: e,
         })?;
@@ -265,7 +265,7 @@ pub fn plan_set(
         }
     };
     let read = |path: &Path| {
-        std::fs::read_to_string(path).map_err(|e| DownloadError::Io {
+        bertkit_stage_io::read_text(path).map_err(|e| DownloadError::Io {
             path: path.into(),
             source: e,
         })

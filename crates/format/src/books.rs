@@ -71,6 +71,10 @@ pub struct BookCounts {
     pub license_blocks_stripped: u64,
     /// Books read as Latin-1 because they are not UTF-8.
     pub latin1_fallbacks: u64,
+    /// Files skipped because they are not text (they hold a NUL byte: an image, an archive,
+    /// UTF-16), which Latin-1 would otherwise turn into a document of noise.
+    #[serde(default)]
+    pub binary_skipped: u64,
     /// Heading, title and marker blocks dropped.
     pub blocks_dropped: u64,
     /// Paragraphs kept.
@@ -92,6 +96,7 @@ impl BookCounts {
         self.empty_books_skipped += o.empty_books_skipped;
         self.license_blocks_stripped += o.license_blocks_stripped;
         self.latin1_fallbacks += o.latin1_fallbacks;
+        self.binary_skipped += o.binary_skipped;
         self.blocks_dropped += o.blocks_dropped;
         self.paragraphs += o.paragraphs;
         self.sentences += o.sentences;
@@ -140,23 +145,32 @@ pub fn format_books(
     let mut counts = BookCounts::default();
     let per_batch = run.threads.max(1);
     for (batch_index, batch) in files.chunks(per_batch).enumerate() {
-        let results: Vec<Result<(Document, BookCounts, String), FormatError>> =
-            run.pool.install(|| {
-                batch
-                    .par_iter()
-                    .map(|path| {
-                        let bytes = fs::read(path).map_err(|e| FormatError::io(path, e))?;
-                        let sha = hex(&Sha256::digest(&bytes));
-                        let (doc, c) = format_book(&bytes);
-                        Ok((doc, c, sha))
-                    })
-                    .collect()
-            });
+        // Each book's document, counts, SHA-256 and first NUL byte (a file that is not text).
+        type Read = (Document, BookCounts, String, Option<usize>);
+        let results: Vec<Result<Read, FormatError>> = run.pool.install(|| {
+            batch
+                .par_iter()
+                .map(|path| {
+                    let bytes = fs::read(path).map_err(|e| FormatError::io(path, e))?;
+                    let sha = hex(&Sha256::digest(&bytes));
+                    let (doc, c) = format_book(&bytes);
+                    Ok((doc, c, sha, memchr::memchr(0, &bytes)))
+                })
+                .collect()
+        });
         for (i, result) in results.into_iter().enumerate() {
-            let (doc, c, sha) = result?;
+            let (doc, c, sha, nul) = result?;
             let index = batch_index * per_batch + i;
             run.inputs[index].sha256 = sha;
-            if c.latin1_fallbacks > 0 {
+            if let Some(nul) = nul {
+                run.warn(
+                    reporter,
+                    format!(
+                        "{}: not text (a NUL byte at byte offset {nul}); skipped",
+                        files[index].display()
+                    ),
+                );
+            } else if c.latin1_fallbacks > 0 {
                 run.warn(
                     reporter,
                     format!("{}: not UTF-8; read as Latin-1", files[index].display()),
@@ -277,6 +291,10 @@ pub fn format_book(bytes: &[u8]) -> (Document, BookCounts) {
         input_bytes: bytes.len() as u64,
         ..Default::default()
     };
+    if memchr::memchr(0, bytes).is_some() {
+        counts.binary_skipped = 1;
+        return (Document::default(), counts);
+    }
     let text = decode(bytes, &mut counts)
         .replace("\r\n", "\n")
         .replace('\r', "\n");

@@ -125,7 +125,7 @@ impl BertConfig {
 
     /// Reads and checks a `config.json`.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
+        let text = bertkit_stage_io::read_text(path).map_err(|e| ModelError::Io {
             path: path.into(),
             source: e,
         })?;

@@ -124,7 +124,7 @@ pub struct PipelineConfig {
 impl PipelineConfig {
     /// Parses a config file.
     pub fn load(path: &Path) -> Result<Self, PipelineError> {
-        let text = std::fs::read_to_string(path)
+        let text = bertkit_stage_io::read_text(path)
             .map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))?;
         toml::from_str(&text).map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))
     }

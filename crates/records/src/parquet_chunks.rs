@@ -223,6 +223,11 @@ pub struct EncodedChunk {
 }
 
 impl EncodedChunk {
+    /// The bytes the chunk adds to the file (its pages, headers included).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
     /// Appends the chunk to `group` as its next column.
     pub fn append_to<W: std::io::Write + Send>(
         self,

@@ -24,6 +24,13 @@
 //! stores it), so readers get the exact Arrow types back. Files are written under a hidden
 //! `.partial` name and renamed into place.
 //!
+//! Parquet's page checksums are optional and the parquet crate writes none, and zstd frames
+//! as Parquet writes them carry no checksum either: bytes changed on a bad disk or in a bad
+//! copy can decode to other ids without any error. So the metadata also holds
+//! [`ROW_GROUP_SHA256_KEY`]: the SHA-256 of each row group's bytes (its column chunks, which
+//! lie back to back in the file), which [`crate::reader::RecordsFile`] checks before decoding a
+//! group. Files without it (written before it existed) are read unchecked.
+//!
 //! The column chunks are encoded by a private module (`parquet_chunks`) straight from the flat instance
 //! buffers, gathered a row group at a time in the shuffled order (the next rows prefetched).
 //! Row groups are encoded in parallel, a few per thread at a time, and written in order, so
@@ -39,6 +46,7 @@ use parquet::arrow::{ArrowSchemaConverter, add_encoded_arrow_schema_to_metadata}
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
+use sha2::{Digest, Sha256};
 
 use parquet::schema::types::SchemaDescriptor;
 use rayon::prelude::*;
@@ -194,6 +202,11 @@ fn encode_row_group_with_thread_buffers(
 /// a bounded amount of memory (a row group is about 1 MiB of ids at phase 1).
 const ROW_GROUPS_IN_FLIGHT_PER_THREAD: usize = 2;
 
+/// The metadata key of the row groups' SHA-256 digests: a JSON array of lower-case hex
+/// strings, one per row group in order, each over the group's column chunks as they lie in the
+/// file.
+pub const ROW_GROUP_SHA256_KEY: &str = "bertkit.row_group_sha256";
+
 /// Writes instances to `path` atomically, with `metadata` (key, value) pairs added to the
 /// layout name and the instance count.
 pub fn write_instances(
@@ -231,21 +244,34 @@ pub fn write_instances(
         .map(|start| start..(start + ROW_GROUP_ROWS).min(instances.len()))
         .collect();
     let batch = ROW_GROUPS_IN_FLIGHT_PER_THREAD * rayon::current_num_threads();
+    let mut digests = Vec::with_capacity(groups.len());
     for groups in groups.chunks(batch.max(1)) {
         let encoded: Vec<_> = groups
             .par_iter()
             .map(|rows| {
-                encode_row_group_with_thread_buffers(&parquet_schema, instances, rows.clone())
+                let chunks =
+                    encode_row_group_with_thread_buffers(&parquet_schema, instances, rows.clone())?;
+                let mut sha = Sha256::new();
+                for chunk in &chunks {
+                    sha.update(chunk.bytes());
+                }
+                Ok((chunks, bertkit_stage_io::hex(&sha.finalize())))
             })
-            .collect();
-        for chunks in encoded {
+            .collect::<Vec<parquet::errors::Result<_>>>();
+        for result in encoded {
+            let (chunks, digest) = result?;
             let mut group = writer.next_row_group()?;
-            for chunk in chunks? {
+            for chunk in chunks {
                 chunk.append_to(&mut group)?;
             }
             group.close()?;
+            digests.push(digest);
         }
     }
+    writer.append_key_value_metadata(KeyValue::new(
+        ROW_GROUP_SHA256_KEY.to_string(),
+        serde_json::to_string(&digests).expect("strings serialise"),
+    ));
     let file = writer
         .into_inner()?
         .into_inner()

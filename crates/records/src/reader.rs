@@ -42,6 +42,9 @@ pub struct RecordsFile {
     path: PathBuf,
     bytes: Bytes,
     metadata: ArrowReaderMetadata,
+    /// Each row group's SHA-256 (see [`crate::parquet_file::ROW_GROUP_SHA256_KEY`]); empty
+    /// for a file written before digests were stored.
+    row_group_sha256: Vec<String>,
 }
 
 fn read_err(path: &Path, message: impl std::fmt::Display) -> RecordsError {
@@ -64,19 +67,63 @@ impl RecordsFile {
             .key_value_metadata()
             .and_then(|kv| kv.iter().find(|k| k.key == "bertkit.layout"))
             .and_then(|k| k.value.clone());
-        if layout.as_deref() != Some(crate::parquet_file::LAYOUT) {
-            return Err(read_err(
-                path,
-                format!(
-                    "layout {layout:?}, expected {:?} (written by `bertkit records`)",
-                    crate::parquet_file::LAYOUT
-                ),
-            ));
+        match layout.as_deref() {
+            Some(crate::parquet_file::LAYOUT) => {}
+            None => {
+                return Err(read_err(
+                    path,
+                    "not a bertkit records file: its metadata has no bertkit.layout (records \
+                     files are written by `bertkit records`)",
+                ));
+            }
+            Some(other) => {
+                return Err(read_err(
+                    path,
+                    format!(
+                        "records layout {other:?}, but this bertkit reads {:?}: make the records \
+                         again with this version",
+                        crate::parquet_file::LAYOUT
+                    ),
+                ));
+            }
         }
+        let row_group_sha256: Vec<String> = match metadata
+            .metadata()
+            .file_metadata()
+            .key_value_metadata()
+            .and_then(|kv| {
+                kv.iter()
+                    .find(|k| k.key == crate::parquet_file::ROW_GROUP_SHA256_KEY)
+            })
+            .and_then(|k| k.value.as_deref())
+        {
+            None => Vec::new(),
+            Some(json) => {
+                let digests: Vec<String> = serde_json::from_str(json).map_err(|e| {
+                    read_err(
+                        path,
+                        format!("{}: {e}", crate::parquet_file::ROW_GROUP_SHA256_KEY),
+                    )
+                })?;
+                let groups = metadata.metadata().num_row_groups();
+                if digests.len() != groups {
+                    return Err(read_err(
+                        path,
+                        format!(
+                            "{} lists {} digests for {groups} row groups",
+                            crate::parquet_file::ROW_GROUP_SHA256_KEY,
+                            digests.len()
+                        ),
+                    ));
+                }
+                digests
+            }
+        };
         Ok(RecordsFile {
             path: path.to_path_buf(),
             bytes,
             metadata,
+            row_group_sha256,
         })
     }
 
@@ -151,6 +198,7 @@ impl RecordsFile {
                 format!("no row group {index}: the file has {groups}"),
             ));
         }
+        self.check_row_group(index)?;
         let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
             self.bytes.clone(),
             self.metadata.clone(),
@@ -172,6 +220,46 @@ impl RecordsFile {
             })?;
         }
         Ok(out)
+    }
+}
+
+impl RecordsFile {
+    /// Checks row group `index`'s bytes against their stored SHA-256 (when the file has
+    /// digests): changed bytes would otherwise decode to other ids without an error.
+    fn check_row_group(&self, index: usize) -> Result<(), RecordsError> {
+        let Some(expected) = self.row_group_sha256.get(index) else {
+            return Ok(());
+        };
+        let group = self.metadata.metadata().row_group(index);
+        let ranges: Vec<(u64, u64)> = group.columns().iter().map(|c| c.byte_range()).collect();
+        let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
+        let end = ranges.iter().map(|r| r.0 + r.1).max().unwrap_or(0);
+        let bytes = usize::try_from(start)
+            .ok()
+            .zip(usize::try_from(end).ok())
+            .and_then(|(s, e)| self.bytes.get(s..e))
+            .ok_or_else(|| {
+                read_err(
+                    &self.path,
+                    format!(
+                        "row group {index}: bytes {start}..{end} lie outside the file ({} bytes)",
+                        self.bytes.len()
+                    ),
+                )
+            })?;
+        use sha2::Digest;
+        let actual = bertkit_stage_io::hex(&sha2::Sha256::digest(bytes));
+        if actual != *expected {
+            return Err(read_err(
+                &self.path,
+                format!(
+                    "row group {index} (bytes {start}..{end}) does not match its SHA-256 in the \
+                     metadata: the file is damaged; copy it again or make it again with \
+                     `bertkit records`"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

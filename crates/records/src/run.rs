@@ -350,15 +350,13 @@ struct Vocabulary {
 
 impl Vocabulary {
     fn load(path: &Path, lower_case: bool) -> Result<Self, RecordsError> {
-        // Read once: hashed as bytes, then parsed.
-        let io_error = |source| bertkit_tokenizer::VocabError::Io {
-            path: path.into(),
-            source,
-        };
-        let bytes = std::fs::read(path).map_err(io_error)?;
-        let sha256 = bertkit_stage_io::hex(&Sha256::digest(&bytes));
-        let text = String::from_utf8(bytes)
-            .map_err(|e| io_error(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+        let text = bertkit_stage_io::read_text(path).map_err(|source| {
+            bertkit_tokenizer::VocabError::Io {
+                path: path.into(),
+                source,
+            }
+        })?;
+        let sha256 = bertkit_stage_io::hex(&Sha256::digest(text.as_bytes()));
         let tokenizer = FullTokenizer::from_vocab_text(path, &text, lower_case)?;
         let ids = VocabIds::new(&tokenizer).ok_or_else(|| {
             RecordsError::Usage(format!(

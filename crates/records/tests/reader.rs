@@ -70,3 +70,30 @@ fn row_groups_read_back_exactly() {
         "{err}"
     );
 }
+
+/// Bytes changed inside a row group's pages (a bad disk, a bad copy) would decode to other ids
+/// without any error from zstd or Parquet: the group's stored SHA-256 catches them, and only
+/// that group is refused.
+#[test]
+fn a_damaged_row_group_is_refused_by_its_digest() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("x.parquet");
+    let instances: Vec<TrainingInstance> = (0..ROW_GROUP_ROWS * 2).map(instance).collect();
+    write_instances(&path, &Instances::from_owned(&instances), &[]).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    // The pages lie between the leading magic and the footer (whose length precedes the
+    // trailing magic); a byte three quarters in is in the second group's pages.
+    let n = bytes.len();
+    let footer = u32::from_le_bytes(bytes[n - 8..n - 4].try_into().unwrap()) as usize;
+    let pages = 4..n - 8 - footer;
+    bytes[pages.start + pages.len() * 3 / 4] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let file = RecordsFile::open(&path).unwrap();
+    assert_eq!(file.read_row_group(0).unwrap().len(), ROW_GROUP_ROWS);
+    let err = file.read_row_group(1).unwrap_err().to_string();
+    assert!(
+        err.contains("x.parquet: row group 1 (bytes ")
+            && err.contains("does not match its SHA-256"),
+        "{err}"
+    );
+}

@@ -15,6 +15,8 @@
 //!   plain or zstd), as the shard and records stages take it;
 //! - [`expand_inputs`]: files as given, folders as their matching files in sorted order;
 //! - [`hex`]: lower-case hex of a digest;
+//! - [`read_text`]: a small text file (a config, a vocabulary, a JSON or TSV data file) whose
+//!   bytes that are not UTF-8 are an error naming their line and byte offset;
 //! - [`Ranks`]: this process's share of the work in a multi-process run (`RANK`/`WORLD_SIZE`,
 //!   Slurm and Open MPI variables).
 
@@ -172,6 +174,23 @@ pub fn expand_inputs(
     Ok(files)
 }
 
+/// Reads a whole text file. Bytes that are not UTF-8 are an `InvalidData` error saying where:
+/// the line (1-based) and the byte offset of the first invalid byte, which
+/// `std::fs::read_to_string` does not say. The error's text does not repeat the path; callers
+/// name the file, as they do for every I/O error.
+pub fn read_text(path: &Path) -> io::Result<String> {
+    let bytes = fs::read(path)?;
+    String::from_utf8(bytes).map_err(|e| {
+        let offset = e.utf8_error().valid_up_to();
+        let bytes = e.as_bytes();
+        let line = 1 + bytes[..offset].iter().filter(|&&b| b == b'\n').count();
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("line {line} (byte offset {offset}) is not valid UTF-8"),
+        )
+    })
+}
+
 /// Lower-case hex of a digest.
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -205,6 +224,21 @@ pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_text_says_where_the_bytes_are_not_utf8() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.toml");
+        fs::write(&path, b"a = 1\nb = \"caf\xe9\"\n").unwrap();
+        let err = read_text(&path).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(
+            err.to_string(),
+            "line 2 (byte offset 14) is not valid UTF-8"
+        );
+        fs::write(&path, "a = \"café\"\n").unwrap();
+        assert_eq!(read_text(&path).unwrap(), "a = \"café\"\n");
+    }
 
     #[test]
     fn hashing_reader_hashes_the_whole_input() {

@@ -20,6 +20,15 @@ pub enum TextError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// Compressed input that does not decode: corrupt, or cut short (an interrupted copy).
+    Decompress {
+        /// The input.
+        path: PathBuf,
+        /// Bytes of text decoded before the error.
+        offset: u64,
+        /// The decoder's error.
+        source: std::io::Error,
+    },
     /// A line is not UTF-8.
     InvalidUtf8 {
         /// The input.
@@ -37,6 +46,16 @@ impl std::fmt::Display for TextError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TextError::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            TextError::Decompress {
+                path,
+                offset,
+                source,
+            } => write!(
+                f,
+                "{}: zstd data is corrupt or truncated after byte offset {offset} of the \
+                 decompressed text: {source}",
+                path.display()
+            ),
             TextError::InvalidUtf8 { path, line, offset } => write!(
                 f,
                 "{}: line {line} (byte offset {offset} of the decompressed text) is not valid UTF-8",
@@ -52,7 +71,7 @@ impl std::fmt::Display for TextError {
 impl std::error::Error for TextError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            TextError::Io { source, .. } => Some(source),
+            TextError::Io { source, .. } | TextError::Decompress { source, .. } => Some(source),
             _ => None,
         }
     }
@@ -216,7 +235,7 @@ impl DocumentReader {
                 .lines
                 .reader()
                 .read_until(b'\n', &mut self.buf)
-                .map_err(|e| TextError::io(&self.path, e))?;
+                .map_err(|e| self.read_error(self.offset, e))?;
             if n == 0 {
                 return Ok((doc.sentences > 0).then_some(doc));
             }
@@ -261,15 +280,27 @@ impl DocumentReader {
         // A plain file's text is its size: read into room for exactly that (growing by
         // doubling would copy it into fresh pages several times).
         bytes.reserve(self.plain_size.map_or(0, |n| n as usize + 1));
-        self.lines
-            .reader()
-            .read_to_end(&mut bytes)
-            .map_err(|e| TextError::io(&self.path, e))?;
+        if let Err(e) = self.lines.reader().read_to_end(&mut bytes) {
+            return Err(self.read_error(self.offset + bytes.len() as u64, e));
+        }
         *text = match String::from_utf8(bytes) {
             Ok(text) => text,
             Err(e) => return Err(self.utf8_error(&e.as_bytes()[..e.utf8_error().valid_up_to()])),
         };
         self.finish()
+    }
+
+    /// The error for a read that failed after `decoded` bytes of text: the decoder's, for
+    /// compressed input, with where it stopped.
+    fn read_error(&self, decoded: u64, source: std::io::Error) -> TextError {
+        match self.lines {
+            Lines::Zstd(_) => TextError::Decompress {
+                path: self.path.clone(),
+                offset: decoded,
+                source,
+            },
+            Lines::Plain(_) => TextError::io(&self.path, source),
+        }
     }
 
     /// The error for text that is valid UTF-8 up to the end of `valid` (read from where the

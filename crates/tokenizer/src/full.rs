@@ -104,7 +104,7 @@ impl FullTokenizer {
     /// Loads a `vocab.txt` (one token per line, id = line number; each line is stripped of
     /// surrounding whitespace, and a repeated token keeps its last id, as `load_vocab` does).
     pub fn from_vocab_file(path: &Path, lower_case: bool) -> Result<Self, VocabError> {
-        let text = std::fs::read_to_string(path).map_err(|e| VocabError::Io {
+        let text = bertkit_stage_io::read_text(path).map_err(|e| VocabError::Io {
             path: path.into(),
             source: e,
         })?;

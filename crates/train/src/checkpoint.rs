@@ -144,7 +144,7 @@ pub fn restore<S: DeserializeOwned>(
         TrainError::Checkpoint(format!("{}: {e}", dir.join(file).display()))
     };
     let state_path = dir.join("state.json");
-    let text = std::fs::read_to_string(&state_path).map_err(io_err(&state_path))?;
+    let text = bertkit_stage_io::read_text(&state_path).map_err(io_err(&state_path))?;
     let state: S = serde_json::from_str(&text).map_err(|e| unreadable("state.json", &e))?;
     let moments = candle_core::safetensors::load(dir.join("optimizer.safetensors"), device)
         .map_err(|e| unreadable("optimizer.safetensors", &e))?;

@@ -197,7 +197,7 @@ pub struct PretrainConfig {
 impl PretrainConfig {
     /// Reads and checks a config file; relative paths in it are taken from the current folder.
     pub fn load(path: &Path) -> Result<Self, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(crate::io_err(path))?;
+        let text = bertkit_stage_io::read_text(path).map_err(crate::io_err(path))?;
         let config: PretrainConfig = toml::from_str(&text)
             .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
         config

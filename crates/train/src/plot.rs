@@ -227,7 +227,7 @@ pub fn svg(rows: &[serde_json::Value]) -> Result<String, TrainError> {
 /// returns the number of steps plotted. A line that is not JSON is an error naming the file
 /// and line.
 pub fn plot_file(metrics: &std::path::Path, output: &std::path::Path) -> Result<usize, TrainError> {
-    let text = std::fs::read_to_string(metrics).map_err(crate::io_err(metrics))?;
+    let text = bertkit_stage_io::read_text(metrics).map_err(crate::io_err(metrics))?;
     let rows = text
         .lines()
         .enumerate()

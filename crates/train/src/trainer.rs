@@ -179,6 +179,42 @@ pub struct RunSummary {
 }
 
 /// The model folder `init` names: itself, or an earlier run's newest checkpoint.
+/// A checkpoint resumes only the model it was made of: a run config whose `[model]` was
+/// changed since (another preset, width or vocabulary) would otherwise go on training the
+/// checkpoint's model while the config says another.
+fn check_same_model(
+    dir: &Path,
+    checkpoint: &bertkit_model::BertConfig,
+    run: &bertkit_model::BertConfig,
+) -> Result<(), TrainError> {
+    let shape = |c: &bertkit_model::BertConfig| {
+        [
+            ("vocab_size", c.vocab_size),
+            ("hidden_size", c.hidden_size),
+            ("num_hidden_layers", c.num_hidden_layers),
+            ("num_attention_heads", c.num_attention_heads),
+            ("intermediate_size", c.intermediate_size),
+            ("max_position_embeddings", c.max_position_embeddings),
+            ("type_vocab_size", c.type_vocab_size),
+        ]
+    };
+    let differences: Vec<String> = shape(checkpoint)
+        .iter()
+        .zip(shape(run))
+        .filter(|(a, b)| a.1 != b.1)
+        .map(|((name, saved), (_, wanted))| format!("{name} {saved} (the config says {wanted})"))
+        .collect();
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::Checkpoint(format!(
+        "{}: the checkpoint's model is not the run config's [model]: {}; resume with the \
+         config the run was started with, or start a new run folder",
+        dir.join("config.json").display(),
+        differences.join(", ")
+    )))
+}
+
 fn init_dir(init: &Path) -> Result<PathBuf, TrainError> {
     if init.join("model.safetensors").is_file() {
         return Ok(init.to_path_buf());
@@ -428,7 +464,17 @@ impl Trainer {
         };
         let model = match (&resume_from, &config.model.init) {
             (Some((_, dir)), _) => {
-                load_with::<BertForPreTraining>(dir, dtype, &device, config.train.seed, &adjust)?
+                let loaded = load_with::<BertForPreTraining>(
+                    dir,
+                    dtype,
+                    &device,
+                    config.train.seed,
+                    &adjust,
+                )?;
+                if config.model.init.is_none() {
+                    check_same_model(dir, &loaded.config, &bert_config)?;
+                }
+                loaded
             }
             (None, Some(init_path)) => {
                 let dir = init_dir(init_path)?;

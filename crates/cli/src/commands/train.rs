@@ -85,6 +85,7 @@ fn run_pretraining(
     max_steps: Option<u64>,
 ) -> Result<()> {
     let ranks = options.reducer.ranks();
+    let resume = options.resume;
     let mut trainer = bertkit_train::trainer::Trainer::new(config.clone(), options)?;
     let last = max_steps
         .unwrap_or(config.schedule.total_steps)
@@ -111,6 +112,12 @@ fn run_pretraining(
             config.schedule.total_steps,
             config.train.precision,
             config.train.device
+        );
+    }
+    if speaks && resume && trainer.step() == 0 {
+        eprintln!(
+            "note: --resume: no checkpoint under {}, so the run starts at step 0",
+            config.output.join("checkpoints").display()
         );
     }
     let mut progress = speaks.then(|| TrainProgress::new(trainer.step(), last));

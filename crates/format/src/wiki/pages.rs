@@ -209,11 +209,24 @@ pub fn process_segment(
     reader.config_mut().allow_unmatched_ends = true;
     let mut page: Option<PageFields> = None;
     let mut in_revision = false;
+    // The dump's first element must be MediaWiki's export root: other XML (an RSS feed, an
+    // XHTML page) is refused as not a dump rather than read as one with no pages.
+    let mut root_checked = seg_offset != 0;
+    let not_a_dump = |name: &str| FormatError::Unsupported {
+        path: path.into(),
+        message: format!("not a Wikipedia XML dump: the root element is <{name}>, not <mediawiki>"),
+    };
     loop {
         let before = reader.buffer_position();
         let event = reader
             .read_event()
             .map_err(|e| xml_error(reader.error_position(), e.to_string()))?;
+        if !root_checked && let Event::Start(e) | Event::Empty(e) = &event {
+            if e.name().as_ref() != "mediawiki" {
+                return Err(not_a_dump(e.name().as_ref()));
+            }
+            root_checked = true;
+        }
         match event {
             Event::Start(e) => {
                 let name = e.name();

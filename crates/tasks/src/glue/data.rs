@@ -80,7 +80,7 @@ impl Task {
 /// Reads a labelled GLUE file of `task`; a row that does not parse is an error naming the file
 /// and line.
 pub fn read(task: Task, path: &Path) -> Result<Vec<Example>, TaskError> {
-    let text = std::fs::read_to_string(path).map_err(|e| TaskError::Io {
+    let text = bertkit_stage_io::read_text(path).map_err(|e| TaskError::Io {
         path: path.into(),
         source: e,
     })?;
@@ -140,6 +140,12 @@ pub fn read(task: Task, path: &Path) -> Result<Vec<Example>, TaskError> {
             text_a: get(a)?.to_string(),
             text_b: b.map(get).transpose()?.map(str::to_string),
             label,
+        });
+    }
+    if out.is_empty() {
+        return Err(TaskError::Format {
+            path: path.into(),
+            message: "no examples: the file is empty or holds only a header".into(),
         });
     }
     Ok(out)

@@ -63,7 +63,7 @@ pub struct Dataset {
 impl Dataset {
     /// Reads a SQuAD JSON file; a malformed one is an error naming the line and column.
     pub fn load(path: &Path) -> Result<Self, TaskError> {
-        let text = std::fs::read_to_string(path).map_err(|e| TaskError::Io {
+        let text = bertkit_stage_io::read_text(path).map_err(|e| TaskError::Io {
             path: path.into(),
             source: e,
         })?;

@@ -99,7 +99,7 @@ pub(crate) fn overlap_f1(prediction: &[&str], gold: &[&str]) -> f64 {
 pub fn read_predictions(
     path: &std::path::Path,
 ) -> Result<HashMap<String, String>, crate::TaskError> {
-    let text = std::fs::read_to_string(path).map_err(|e| crate::TaskError::Io {
+    let text = bertkit_stage_io::read_text(path).map_err(|e| crate::TaskError::Io {
         path: path.into(),
         source: e,
     })?;

@@ -53,7 +53,7 @@ pub fn f1(gold: &str, prediction: &str) -> f64 {
 /// `{question id: number}`, kept in file order (the best-threshold search is a stable sort
 /// over it, as the script's).
 pub fn read_na_probs(path: &std::path::Path) -> Result<Vec<(String, f64)>, crate::TaskError> {
-    let text = std::fs::read_to_string(path).map_err(|e| crate::TaskError::Io {
+    let text = bertkit_stage_io::read_text(path).map_err(|e| crate::TaskError::Io {
         path: path.into(),
         source: e,
     })?;
