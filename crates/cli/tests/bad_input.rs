@@ -572,7 +572,7 @@ fn model_copy(dir: &Path, change: impl FnOnce(&Path)) -> PathBuf {
     let model = dir.join("model");
     std::fs::create_dir_all(&model).unwrap();
     for f in ["config.json", "vocab.txt", "model.safetensors"] {
-        std::fs::copy(require(&format!("minilm/{f}")), model.join(f)).unwrap();
+        std::fs::copy(require(format!("minilm/{f}")), model.join(f)).unwrap();
     }
     change(&model);
     model

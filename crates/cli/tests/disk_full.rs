@@ -96,7 +96,7 @@ fn formatted(dir: &Path) -> std::path::PathBuf {
     let input = dir.join("books");
     std::fs::create_dir_all(&input).unwrap();
     for book in books {
-        std::fs::copy(require(&format!("gutenberg/{book}")), input.join(book)).unwrap();
+        std::fs::copy(require(format!("gutenberg/{book}")), input.join(book)).unwrap();
     }
     ok(bertkit(&[
         "format",

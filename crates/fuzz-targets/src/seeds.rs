@@ -132,7 +132,7 @@ fn wikitext() -> Vec<Vec<u8>> {
                 continue;
             }
             let cut = char_floor(&unescaped, MAX_SEED_BYTES - 1);
-            out.push(with_selector(out.len() as u8, unescaped[..cut].as_bytes()));
+            out.push(with_selector(out.len() as u8, &unescaped.as_bytes()[..cut]));
         }
     }
     out.truncate(96);
@@ -234,7 +234,7 @@ fn wordpiece() -> Vec<Vec<u8>> {
         };
         if let Some(text) = value.get("text").and_then(|t| t.as_str()) {
             let cut = char_floor(text, MAX_SEED_BYTES - 1);
-            out.push(with_selector(i as u8, text[..cut].as_bytes()));
+            out.push(with_selector(i as u8, &text.as_bytes()[..cut]));
         }
     }
     let sample = String::from_utf8_lossy(&shared("bert/sample_text.txt")).into_owned();
