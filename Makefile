@@ -12,8 +12,10 @@
 #                                       tensorboard, and OpenMPI for the data-parallel tests,
 #                                       when missing
 #   make lint                           rustfmt check and clippy
-#   make fuzz [FUZZ_SECONDS=60] [FUZZ_TARGETS=a,b]  libFuzzer on every parser of user input
-#                                       (installs cargo-fuzz when missing; FUZZING.md)
+#   make fuzz [FUZZ_SECONDS=60] [FUZZ_TARGETS=a,b] [FUZZ_EXECUTIONS=N]  libFuzzer on every
+#                                       parser of user input; FUZZ_EXECUTIONS stops a target once
+#                                       its runs add up to N (installs cargo-fuzz when missing;
+#                                       FUZZING.md)
 #   make bench-format                   format-stage benchmark vs WikiExtractor and bzip2 -dc
 #   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
 #   make bench-records GOOGLE_BERT=DIR  records stage vs Google's create_pretraining_data.py
@@ -162,9 +164,10 @@ lint: mpi-deps
 # under fuzz/corpus between runs. cargo fuzz runs on stable Rust with --sanitizer none.
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?=
+FUZZ_EXECUTIONS ?=
 fuzz:
 	@command -v cargo-fuzz >/dev/null 2>&1 || { echo "== installing cargo-fuzz"; $(CARGO) install cargo-fuzz --locked; }
-	python3 fuzz/run.py --seconds $(FUZZ_SECONDS) $(if $(FUZZ_TARGETS),--targets $(FUZZ_TARGETS))
+	python3 fuzz/run.py --seconds $(FUZZ_SECONDS) $(if $(FUZZ_TARGETS),--targets $(FUZZ_TARGETS)) $(if $(FUZZ_EXECUTIONS),--executions $(FUZZ_EXECUTIONS))
 
 # The benchmarks' Python: WikiExtractor (the format peer), six (Google's tokenization.py imports
 # it), pyarrow (the records benches check the Parquet they time) and numpy (the scale bench's

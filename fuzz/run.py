@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 FUZZ = Path(__file__).resolve().parent
@@ -60,8 +61,41 @@ def build():
     )
 
 
-def run(target, seconds, max_len):
-    """Runs one target; returns its figures from libFuzzer's log."""
+def scratch_env():
+    """The environment for a fuzz binary. Targets whose parser reads a file write each input
+    to a scratch file under TMPDIR; on a disk file system, opening, truncating and closing it
+    took over half of their time, so it goes to a RAM-backed folder where there is one."""
+    env = dict(os.environ)
+    shm = Path("/dev/shm")
+    if "TMPDIR" not in env and shm.is_dir() and os.access(shm, os.W_OK):
+        env["TMPDIR"] = str(shm)
+    return env
+
+
+TOTALS = FUZZ / "logs" / "totals.json"
+TOTALS_LOCK = threading.Lock()
+
+
+def totals():
+    """Executions of every run so far, per target."""
+    return json.loads(TOTALS.read_text()) if TOTALS.exists() else {}
+
+
+def add_to_totals(target, executions):
+    """Adds a finished run's executions (at once, so a run cut short loses only itself)."""
+    with TOTALS_LOCK:
+        all_runs = totals()
+        all_runs[target] = all_runs.get(target, 0) + executions
+        TOTALS.parent.mkdir(parents=True, exist_ok=True)
+        partial = TOTALS.with_suffix(".json.partial")
+        partial.write_text(json.dumps(all_runs, indent=1, sort_keys=True) + "\n")
+        partial.replace(TOTALS)
+        return all_runs[target]
+
+
+def run(target, seconds, max_len, goal=None):
+    """Runs one target for `seconds`, or until its executions over all runs reach `goal`;
+    returns its figures from libFuzzer's log."""
     corpus = FUZZ / "corpus" / target
     artifacts = FUZZ / "artifacts" / target
     logs = FUZZ / "logs"
@@ -82,9 +116,16 @@ def run(target, seconds, max_len):
         "-print_final_stats=1",
         f"-artifact_prefix={artifacts}/",
     ]
+    if goal is not None:
+        remaining = goal - totals().get(target, 0)
+        if remaining <= 0:
+            return None
+        command.append(f"-runs={remaining}")
     log_path = logs / f"{target}.log"
     with open(log_path, "w") as log:
-        status = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        status = subprocess.run(
+            command, cwd=ROOT, env=scratch_env(), stdout=log, stderr=subprocess.STDOUT
+        ).returncode
     log = log_path.read_text(errors="replace")
 
     def stat(name):
@@ -94,10 +135,12 @@ def run(target, seconds, max_len):
     coverage = re.findall(r"\bcov: (\d+) ft: (\d+)", log)
     slow = [float(s) for s in re.findall(r"Slowest unit: (\d+(?:\.\d+)?) s", log)]
     found = sorted(str(p.relative_to(ROOT)) for p in set(artifacts.iterdir()) - before)
+    executions = stat("number_of_executed_units")
     return {
         "target": target,
         "status": status,
-        "executions": stat("number_of_executed_units"),
+        "executions": executions,
+        "all_runs": add_to_totals(target, executions),
         "per_second": stat("average_exec_per_sec"),
         "peak_rss_mb": stat("peak_rss_mb"),
         "coverage": int(coverage[-1][0]) if coverage else 0,
@@ -114,6 +157,11 @@ def main():
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="targets at once")
     parser.add_argument("--targets", default="", help="comma-separated (default: all)")
     parser.add_argument("--max-len", type=int, default=65536, help="largest input, bytes")
+    parser.add_argument(
+        "--executions",
+        type=int,
+        help="stop each target once its executions over all runs reach this (--seconds still caps a run)",
+    )
     parser.add_argument("--no-build", action="store_true", help="use the binaries as built")
     args = parser.parse_args()
 
@@ -125,13 +173,8 @@ def main():
         build()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda t: run(t, args.seconds, args.max_len), names))
-
-    totals_path = FUZZ / "logs" / "totals.json"
-    totals = json.loads(totals_path.read_text()) if totals_path.exists() else {}
-    for r in results:
-        totals[r["target"]] = totals.get(r["target"], 0) + r["executions"]
-    totals_path.write_text(json.dumps(totals, indent=1, sort_keys=True) + "\n")
+        results = pool.map(lambda t: run(t, args.seconds, args.max_len, args.executions), names)
+        results = [r for r in results if r is not None]
 
     print(f"\n{datetime.date.today()}, {args.seconds} s per target, {args.jobs} at once\n")
     print("| target | executions | exec/s | all runs | coverage (edges / features) | corpus | peak RSS MB | slowest input s | findings |")
@@ -140,7 +183,7 @@ def main():
         slowest = f"{r['slowest_s']:.2f}" if r["slowest_s"] is not None else "< 1"
         findings = ", ".join(r["findings"]) or ("none" if r["status"] == 0 else f"exit {r['status']}")
         print(
-            f"| {r['target']} | {r['executions']:,} | {r['per_second']:,} | {totals[r['target']]:,} "
+            f"| {r['target']} | {r['executions']:,} | {r['per_second']:,} | {r['all_runs']:,} "
             f"| {r['coverage']:,} / {r['features']:,} | {r['corpus']:,} | {r['peak_rss_mb']:,} "
             f"| {slowest} | {findings} |"
         )
