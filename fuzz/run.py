@@ -133,7 +133,10 @@ def run(target, seconds, max_len, goal=None):
         return int(m[-1]) if m else 0
 
     coverage = re.findall(r"\bcov: (\d+) ft: (\d+)", log)
+    # libFuzzer reports each new slowest input over -report_slow_units (1 s), and at the end
+    # the slowest time in whole seconds.
     slow = [float(s) for s in re.findall(r"Slowest unit: (\d+(?:\.\d+)?) s", log)]
+    slow += [float(stat("slowest_unit_time_sec"))] if stat("slowest_unit_time_sec") else []
     found = sorted(str(p.relative_to(ROOT)) for p in set(artifacts.iterdir()) - before)
     executions = stat("number_of_executed_units")
     return {
