@@ -254,17 +254,21 @@ fn tokenize_context(tokenizer: &FullTokenizer, context: &Context) -> TokenizedCo
     t
 }
 
-/// `_improve_answer_span`: the shortest sub-span of `[start, end]` whose tokens are exactly the
+/// `_improve_answer_span`: the first sub-span of `[start, end]` whose tokens are exactly the
 /// answer text's tokens, or `[start, end]` when none is.
+///
+/// run_squad.py tries every (start, end) pair; only those as long as the answer can match, so
+/// this tries one end per start: the same answer in linear rather than quadratic time (a
+/// context-long answer span made one example take seconds).
 fn improve_answer_span(tokens: &[u32], start: usize, end: usize, answer: &[u32]) -> (usize, usize) {
-    for new_start in start..=end {
-        for new_end in (new_start..=end).rev() {
-            if tokens[new_start..=new_end] == *answer {
-                return (new_start, new_end);
-            }
-        }
+    if answer.is_empty() {
+        return (start, end);
     }
-    (start, end)
+    (start..=end)
+        .map(|new_start| (new_start, new_start + answer.len() - 1))
+        .take_while(|&(_, new_end)| new_end <= end)
+        .find(|&(new_start, new_end)| tokens[new_start..=new_end] == *answer)
+        .unwrap_or((start, end))
 }
 
 /// A window over the context tokens.
@@ -294,13 +298,19 @@ pub fn windows(tokens: usize, max_tokens: usize, stride: usize) -> Vec<Window> {
 /// `_check_is_max_context`: whether window `current` gives token `position` the most context
 /// (the smaller of its left and right context, plus 0.01 × window length; first window wins
 /// ties).
+///
+/// `spans` are as [`windows`] makes them, in order of start and of end, so the windows holding
+/// `position` are a run of consecutive ones: only those are scored (at most
+/// window length ÷ stride of them), not every window of the context (quadratic in the
+/// context's length).
 pub fn is_max_context(spans: &[Window], current: usize, position: usize) -> bool {
+    let first = spans.partition_point(|s| s.start + s.length <= position);
     let mut best: Option<(f64, usize)> = None;
-    for (i, span) in spans.iter().enumerate() {
-        let end = span.start + span.length - 1;
-        if position < span.start || position > end {
-            continue;
+    for (i, span) in spans.iter().enumerate().skip(first) {
+        if span.start > position {
+            break;
         }
+        let end = span.start + span.length - 1;
         let left = position - span.start;
         let right = end - position;
         let score = left.min(right) as f64 + 0.01 * span.length as f64;
@@ -487,5 +497,76 @@ mod tests {
         let tokens = [1, 1895, 2, 1943, 3, 4];
         assert_eq!(improve_answer_span(&tokens, 0, 5, &[1895]), (1, 1));
         assert_eq!(improve_answer_span(&tokens, 0, 5, &[7]), (0, 5));
+    }
+
+    /// run_squad.py's loops, transcribed: every (start, end) pair, every window.
+    fn improve_answer_span_every_pair(
+        tokens: &[u32],
+        start: usize,
+        end: usize,
+        answer: &[u32],
+    ) -> (usize, usize) {
+        for new_start in start..=end {
+            for new_end in (new_start..=end).rev() {
+                if tokens[new_start..=new_end] == *answer {
+                    return (new_start, new_end);
+                }
+            }
+        }
+        (start, end)
+    }
+
+    fn is_max_context_every_window(spans: &[Window], current: usize, position: usize) -> bool {
+        let mut best: Option<(f64, usize)> = None;
+        for (i, span) in spans.iter().enumerate() {
+            let end = span.start + span.length - 1;
+            if position < span.start || position > end {
+                continue;
+            }
+            let score = (position - span.start).min(end - position) as f64
+                + 0.01 * span.length as f64;
+            if best.is_none_or(|(b, _)| score > b) {
+                best = Some((score, i));
+            }
+        }
+        best.map(|(_, i)| i) == Some(current)
+    }
+
+    #[test]
+    fn fast_spans_and_max_context_equal_run_squads_loops() {
+        // Few distinct ids, so answers repeat and overlap.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        for _ in 0..300 {
+            let len = 1 + next(60) as usize;
+            let tokens: Vec<u32> = (0..len).map(|_| next(3) as u32).collect();
+            let start = next(len as u64) as usize;
+            let end = start + next((len - start) as u64) as usize;
+            let a = next(4) as usize;
+            let from = next(len as u64) as usize;
+            let answer = &tokens[from..(from + a).min(len)];
+            assert_eq!(
+                improve_answer_span(&tokens, start, end, answer),
+                improve_answer_span_every_pair(&tokens, start, end, answer),
+                "{tokens:?} [{start}, {end}] {answer:?}"
+            );
+            let max_tokens = 1 + next(12) as usize;
+            let stride = 1 + next(max_tokens as u64 + 2) as usize;
+            let spans = windows(len, max_tokens, stride);
+            for current in 0..spans.len() {
+                for position in 0..len {
+                    assert_eq!(
+                        is_max_context(&spans, current, position),
+                        is_max_context_every_window(&spans, current, position),
+                        "{spans:?} window {current} token {position}"
+                    );
+                }
+            }
+        }
     }
 }
