@@ -231,7 +231,28 @@ impl RecordsFile {
             return Ok(());
         };
         let group = self.metadata.metadata().row_group(index);
-        let ranges: Vec<(u64, u64)> = group.columns().iter().map(|c| c.byte_range()).collect();
+        // `ColumnChunkMetaData::byte_range` panics on the negative offsets a damaged footer
+        // can hold: the same range, checked.
+        let ranges: Vec<(u64, u64)> = group
+            .columns()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let start = c.dictionary_page_offset().unwrap_or(c.data_page_offset());
+                let length = c.compressed_size();
+                u64::try_from(start)
+                    .ok()
+                    .zip(u64::try_from(length).ok())
+                    .ok_or_else(|| {
+                        read_err(
+                            &self.path,
+                            format!(
+                                "row group {index} column {i}: the footer gives offset {start}                                  and size {length}; the file is damaged"
+                            ),
+                        )
+                    })
+            })
+            .collect::<Result<_, _>>()?;
         let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
         let end = ranges.iter().map(|r| r.0 + r.1).max().unwrap_or(0);
         let bytes = usize::try_from(start)
