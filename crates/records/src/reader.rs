@@ -119,6 +119,13 @@ impl RecordsFile {
                 digests
             }
         };
+        // parquet's page reader panics on a column chunk whose offset or size is negative
+        // (`ColumnChunkMetaData::byte_range` asserts): every chunk is checked first.
+        for (g, group) in metadata.metadata().row_groups().iter().enumerate() {
+            for (i, column) in group.columns().iter().enumerate() {
+                column_chunk_range(path, bytes.len(), g, i, column)?;
+            }
+        }
         Ok(RecordsFile {
             path: path.to_path_buf(),
             bytes,
@@ -223,6 +230,32 @@ impl RecordsFile {
     }
 }
 
+/// Column chunk `column` of row group `group`: its (start, length) in the file, as
+/// `ColumnChunkMetaData::byte_range` gives it, or an error where the footer's offset or size is
+/// negative or lies past the file's `file_len` bytes (a damaged or hostile footer).
+fn column_chunk_range(
+    path: &Path,
+    file_len: usize,
+    group: usize,
+    column: usize,
+    chunk: &parquet::file::metadata::ColumnChunkMetaData,
+) -> Result<(u64, u64), RecordsError> {
+    let start = chunk
+        .dictionary_page_offset()
+        .unwrap_or(chunk.data_page_offset());
+    let length = chunk.compressed_size();
+    match (u64::try_from(start), u64::try_from(length)) {
+        (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|end| end <= file_len as u64) => Ok((s, l)),
+        _ => Err(read_err(
+            path,
+            format!(
+                "row group {group} column {column}: the footer puts it at offset {start}, size \
+                 {length}, in a file of {file_len} bytes: the file is damaged"
+            ),
+        )),
+    }
+}
+
 impl RecordsFile {
     /// Checks row group `index`'s bytes against their stored SHA-256 (when the file has
     /// digests): changed bytes would otherwise decode to other ids without an error.
@@ -231,27 +264,11 @@ impl RecordsFile {
             return Ok(());
         };
         let group = self.metadata.metadata().row_group(index);
-        // `ColumnChunkMetaData::byte_range` panics on the negative offsets a damaged footer
-        // can hold: the same range, checked.
         let ranges: Vec<(u64, u64)> = group
             .columns()
             .iter()
             .enumerate()
-            .map(|(i, c)| {
-                let start = c.dictionary_page_offset().unwrap_or(c.data_page_offset());
-                let length = c.compressed_size();
-                u64::try_from(start)
-                    .ok()
-                    .zip(u64::try_from(length).ok())
-                    .ok_or_else(|| {
-                        read_err(
-                            &self.path,
-                            format!(
-                                "row group {index} column {i}: the footer gives offset {start}                                  and size {length}; the file is damaged"
-                            ),
-                        )
-                    })
-            })
+            .map(|(i, c)| column_chunk_range(&self.path, self.bytes.len(), index, i, c))
             .collect::<Result<_, _>>()?;
         let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
         let end = ranges.iter().map(|r| r.0 + r.1).max().unwrap_or(0);

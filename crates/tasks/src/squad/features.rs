@@ -523,8 +523,8 @@ mod tests {
             if position < span.start || position > end {
                 continue;
             }
-            let score = (position - span.start).min(end - position) as f64
-                + 0.01 * span.length as f64;
+            let score =
+                (position - span.start).min(end - position) as f64 + 0.01 * span.length as f64;
             if best.is_none_or(|(b, _)| score > b) {
                 best = Some((score, i));
             }
