@@ -5,6 +5,7 @@
 //! in from the map). Row groups are the unit of shuffling and of partitioning across ranks
 //! (see the layout notes in [`crate::parquet_file`]).
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use arrow_array::{Array, Int8Array, Int32Array, ListArray, RecordBatch};
@@ -45,6 +46,9 @@ pub struct RecordsFile {
     /// Each row group's SHA-256 (see [`crate::parquet_file::ROW_GROUP_SHA256_KEY`]); empty
     /// for a file written before digests were stored.
     row_group_sha256: Vec<String>,
+    /// Each row group's bytes in the file: from its first column chunk's start to its last
+    /// one's end, checked to lie inside the file when it was opened.
+    row_group_bytes: Vec<Range<usize>>,
 }
 
 fn read_err(path: &Path, message: impl std::fmt::Display) -> RecordsError {
@@ -121,16 +125,29 @@ impl RecordsFile {
         };
         // parquet's page reader panics on a column chunk whose offset or size is negative
         // (`ColumnChunkMetaData::byte_range` asserts): every chunk is checked first.
-        for (g, group) in metadata.metadata().row_groups().iter().enumerate() {
-            for (i, column) in group.columns().iter().enumerate() {
-                column_chunk_range(path, bytes.len(), g, i, column)?;
-            }
-        }
+        let row_group_bytes = metadata
+            .metadata()
+            .row_groups()
+            .iter()
+            .enumerate()
+            .map(|(g, group)| {
+                let chunks: Vec<Range<usize>> = group
+                    .columns()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, column)| column_chunk_range(path, bytes.len(), g, i, column))
+                    .collect::<Result<_, _>>()?;
+                let start = chunks.iter().map(|c| c.start).min().unwrap_or(0);
+                let end = chunks.iter().map(|c| c.end).max().unwrap_or(0);
+                Ok(start..end)
+            })
+            .collect::<Result<_, RecordsError>>()?;
         Ok(RecordsFile {
             path: path.to_path_buf(),
             bytes,
             metadata,
             row_group_sha256,
+            row_group_bytes,
         })
     }
 
@@ -230,22 +247,22 @@ impl RecordsFile {
     }
 }
 
-/// Column chunk `column` of row group `group`: its (start, length) in the file, as
-/// `ColumnChunkMetaData::byte_range` gives it, or an error where the footer's offset or size is
-/// negative or lies past the file's `file_len` bytes (a damaged or hostile footer).
+/// Column chunk `column` of row group `group`: its bytes in the file, as
+/// `ColumnChunkMetaData::byte_range` gives them, or an error where the footer's offset or size
+/// is negative or lies past the file's `file_len` bytes (a damaged or hostile footer).
 fn column_chunk_range(
     path: &Path,
     file_len: usize,
     group: usize,
     column: usize,
     chunk: &parquet::file::metadata::ColumnChunkMetaData,
-) -> Result<(u64, u64), RecordsError> {
+) -> Result<Range<usize>, RecordsError> {
     let start = chunk
         .dictionary_page_offset()
         .unwrap_or(chunk.data_page_offset());
     let length = chunk.compressed_size();
-    match (u64::try_from(start), u64::try_from(length)) {
-        (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|end| end <= file_len as u64) => Ok((s, l)),
+    match (usize::try_from(start), usize::try_from(length)) {
+        (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|end| end <= file_len) => Ok(s..s + l),
         _ => Err(read_err(
             path,
             format!(
@@ -263,30 +280,9 @@ impl RecordsFile {
         let Some(expected) = self.row_group_sha256.get(index) else {
             return Ok(());
         };
-        let group = self.metadata.metadata().row_group(index);
-        let ranges: Vec<(u64, u64)> = group
-            .columns()
-            .iter()
-            .enumerate()
-            .map(|(i, c)| column_chunk_range(&self.path, self.bytes.len(), index, i, c))
-            .collect::<Result<_, _>>()?;
-        let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
-        let end = ranges.iter().map(|r| r.0 + r.1).max().unwrap_or(0);
-        let bytes = usize::try_from(start)
-            .ok()
-            .zip(usize::try_from(end).ok())
-            .and_then(|(s, e)| self.bytes.get(s..e))
-            .ok_or_else(|| {
-                read_err(
-                    &self.path,
-                    format!(
-                        "row group {index}: bytes {start}..{end} lie outside the file ({} bytes)",
-                        self.bytes.len()
-                    ),
-                )
-            })?;
+        let Range { start, end } = self.row_group_bytes[index].clone();
         use sha2::Digest;
-        let actual = bertkit_stage_io::hex(&sha2::Sha256::digest(bytes));
+        let actual = bertkit_stage_io::hex(&sha2::Sha256::digest(&self.bytes[start..end]));
         if actual != *expected {
             return Err(read_err(
                 &self.path,
