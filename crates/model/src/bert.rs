@@ -10,7 +10,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use crate::dropout::DropoutSource;
-use crate::kernels::{Composed, Kernels};
+use crate::kernels::{Fused, Kernels};
 use crate::params::{Init, ParamBuilder, ParamStore};
 use crate::{BertConfig, ModelError};
 
@@ -532,7 +532,7 @@ impl BertModel {
             embeddings,
             layers,
             pooler,
-            kernels: Arc::new(Composed),
+            kernels: Arc::new(Fused),
         })
     }
 

@@ -1,17 +1,119 @@
-//! Fused kernels of our own for the CPU's inference path, where candle's run as several passes
-//! with scalar C-library math: attention's scale, padding mask and softmax in one pass
-//! ([`MaskedSoftmax`]), and the exact GELU with a vectorised error function ([`Gelu`]). Neither
-//! has a backward: [`crate::kernels::Composed`] takes them only where nothing tracks gradients,
-//! like candle's fused LayerNorm, and only for f32 on the CPU.
+//! Fused kernels of our own for f32 on the CPU, where candle's run as several passes with scalar
+//! C-library math, each with its backward: LayerNorm ([`LayerNorm`]), attention's scale,
+//! padding mask and softmax in one pass per row ([`MaskedSoftmax`]), the exact GELU with a
+//! vectorised error function ([`Gelu`]), and dropout by a mask kept as bytes ([`KeepMask`]).
+//! [`crate::kernels::Fused`] takes them for f32 on the CPU, whether or not gradients are
+//! tracked; a backward pass is itself one of these ops (no intermediates are kept besides the
+//! op's inputs and output, which candle keeps anyway).
 //!
+//! Every loop runs rows (or chunks) in parallel and sums within a row in a fixed order of
+//! lanes, so results do not depend on the number of threads: training stays bit-reproducible.
 //! Exponentials are computed several lanes at a time (a polynomial within 2 ulp of `expf`),
 //! with the loops compiled for AVX-512 or AVX2 where the CPU has them (chosen at run time).
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, bail};
+use std::sync::Arc;
+
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, bail,
+};
 use rayon::prelude::*;
 
+/// Defines `$name`, which runs `$portable` compiled for AVX-512 or AVX2 + FMA when the CPU has
+/// them (checked at run time, so the binary still runs on CPUs without them). `$portable` is
+/// `#[inline(always)]`, so its loops are vectorised for each target.
+macro_rules! vectorised {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) = $portable:ident) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                fn avx512($($arg: $ty),*) {
+                    $portable($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2($($arg: $ty),*) {
+                    $portable($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F (checked just above).
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU has AVX2 and FMA (checked just above).
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $portable($($arg),*)
+        }
+    };
+}
+
+/// The f32 elements of a contiguous CPU tensor's storage.
+fn contiguous<'a>(
+    op: &str,
+    what: &str,
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> Result<&'a [f32]> {
+    let CpuStorage::F32(values) = storage else {
+        bail!(
+            "{op}: f32 {what} expected, got {:?}",
+            candle_core::backend::BackendStorage::dtype(storage)
+        )
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{op}: contiguous {what} expected")
+    };
+    Ok(&values[start..end])
+}
+
+/// Checks that `b` has `a`'s shape.
+fn same_shape(op: &str, a: &Layout, b: &Layout) -> Result<()> {
+    if a.dims() != b.dims() {
+        bail!("{op}: shapes {:?} and {:?} differ", a.dims(), b.dims())
+    }
+    Ok(())
+}
+
+/// Lanes the row loops keep separate maxima and sums in: in-order float reductions cannot be
+/// vectorised, per-lane ones can (16 f32 fill one AVX-512 register). The lanes are summed in
+/// one fixed order, so a row's sum does not depend on the machine.
+const LANES: usize = 16;
+
+/// `Σ f(i)` over `0..n` in [`LANES`] partial sums (vectorisable), then in order.
+#[inline(always)]
+fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    let whole = n - n % LANES;
+    let mut lanes = [0f32; LANES];
+    for base in (0..whole).step_by(LANES) {
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            *lane += f(base + l);
+        }
+    }
+    let mut sum = 0f32;
+    for lane in lanes {
+        sum += lane;
+    }
+    for i in whole..n {
+        sum += f(i);
+    }
+    sum
+}
+
+/// Rows of `row_len` per parallel task: about 16k elements, at least one row.
+fn rows_per_task(row_len: usize) -> usize {
+    (16_384 / row_len.max(1)).max(1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention's masked softmax.
+
 /// `softmax(scores · scale + mask)` over the last dimension; `scores` `[batch, heads, q, k]`,
-/// `mask` `[batch, 1, 1, k]` (additive: 0 or a large negative number), both f32.
+/// `mask` `[batch, 1, 1, k]` (additive: 0 or a large negative number), both f32. The mask gets
+/// no gradient.
 pub(crate) struct MaskedSoftmax {
     pub(crate) scale: f32,
 }
@@ -28,16 +130,9 @@ impl CustomOp2 for MaskedSoftmax {
         mask: &CpuStorage,
         mask_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(scores), CpuStorage::F32(mask)) = (scores, mask) else {
-            bail!("masked softmax: f32 scores and mask expected")
-        };
-        let (Some((s0, s1)), Some((m0, m1))) = (
-            scores_layout.contiguous_offsets(),
-            mask_layout.contiguous_offsets(),
-        ) else {
-            bail!("masked softmax: contiguous scores and mask expected")
-        };
-        let (scores, mask) = (&scores[s0..s1], &mask[m0..m1]);
+        let op = self.name();
+        let scores = contiguous(op, "scores", scores, scores_layout)?;
+        let mask = contiguous(op, "mask", mask, mask_layout)?;
         let dims = scores_layout.dims();
         let [batch, heads, queries, keys] = *dims else {
             bail!("masked softmax: [batch, heads, q, k] scores expected, got {dims:?}")
@@ -48,67 +143,84 @@ impl CustomOp2 for MaskedSoftmax {
                 mask_layout.dims()
             )
         }
-        let mut out = vec![0f32; scores.len()];
+        let mut out = scores.to_vec();
         let per_batch = heads * queries * keys;
-        out.par_chunks_mut(keys)
-            .zip(scores.par_chunks(keys))
-            .enumerate()
-            .for_each(|(row, (out, x))| {
-                let b = row * keys / per_batch;
-                softmax_row(x, &mask[b * keys..(b + 1) * keys], self.scale, out);
-            });
+        let task = rows_per_task(keys) * keys;
+        out.par_chunks_mut(task).enumerate().for_each(|(t, out)| {
+            for (r, row) in out.chunks_mut(keys).enumerate() {
+                let b = (t * task + r * keys) / per_batch;
+                softmax_row(row, &mask[b * keys..(b + 1) * keys], self.scale);
+            }
+        });
         Ok((CpuStorage::F32(out), Shape::from(dims)))
     }
-}
 
-/// One row, compiled for the widest vector unit the CPU has.
-fn softmax_row(x: &[f32], mask: &[f32], scale: f32, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { softmax_row_avx512(x, mask, scale, out) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { softmax_row_avx2(x, mask, scale, out) };
-        }
+    fn bwd(
+        &self,
+        _scores: &Tensor,
+        _mask: &Tensor,
+        probs: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = SoftmaxBackward { scale: self.scale };
+        let grad_scores = probs.apply_op2_no_bwd(&grad.contiguous()?, &op)?;
+        Ok((Some(grad_scores), None))
     }
-    softmax_row_portable(x, mask, scale, out)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn softmax_row_avx512(x: &[f32], mask: &[f32], scale: f32, out: &mut [f32]) {
-    softmax_row_portable(x, mask, scale, out)
+/// The gradient of the scores from the probabilities `p` and their gradient `g`, row by row:
+/// `scale · p · (g - Σ g·p)`.
+struct SoftmaxBackward {
+    scale: f32,
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn softmax_row_avx2(x: &[f32], mask: &[f32], scale: f32, out: &mut [f32]) {
-    softmax_row_portable(x, mask, scale, out)
+impl CustomOp2 for SoftmaxBackward {
+    fn name(&self) -> &'static str {
+        "bertkit-masked-softmax-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        probs: &CpuStorage,
+        probs_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        same_shape(op, probs_layout, grad_layout)?;
+        let probs = contiguous(op, "probabilities", probs, probs_layout)?;
+        let grad = contiguous(op, "gradient", grad, grad_layout)?;
+        let keys = probs_layout.dims().last().copied().unwrap_or(1).max(1);
+        let task = rows_per_task(keys) * keys;
+        let mut out = grad.to_vec();
+        out.par_chunks_mut(task)
+            .zip(probs.par_chunks(task))
+            .for_each(|(out, p)| {
+                for (g, p) in out.chunks_mut(keys).zip(p.chunks(keys)) {
+                    softmax_backward_row(p, g, self.scale);
+                }
+            });
+        Ok((CpuStorage::F32(out), probs_layout.shape().clone()))
+    }
 }
 
-/// Lanes the row loops keep separate maxima and sums in: in-order float reductions cannot be
-/// vectorised, per-lane ones can (16 f32 fill one AVX-512 register).
-const LANES: usize = 16;
+vectorised! {
+    /// One row of the masked softmax, in place.
+    fn softmax_row(row: &mut [f32], mask: &[f32], scale: f32) = softmax_row_portable
+}
 
-/// The row's arithmetic in loops the compiler vectorises (inlined into each target-feature
-/// variant above).
 #[inline(always)]
-fn softmax_row_portable(x: &[f32], mask: &[f32], scale: f32, out: &mut [f32]) {
-    let n = out.len();
-    let (x, mask) = (&x[..n], &mask[..n]);
+fn softmax_row_portable(row: &mut [f32], mask: &[f32], scale: f32) {
+    let n = row.len();
+    let mask = &mask[..n];
     let whole = n - n % LANES;
     let mut lane_max = [f32::NEG_INFINITY; LANES];
-    for ((o, x), m) in out[..whole]
+    for (o, m) in row[..whole]
         .chunks_exact_mut(LANES)
-        .zip(x[..whole].chunks_exact(LANES))
         .zip(mask[..whole].chunks_exact(LANES))
     {
         for l in 0..LANES {
-            o[l] = x[l] * scale + m[l];
+            o[l] = o[l] * scale + m[l];
             lane_max[l] = if o[l] > lane_max[l] {
                 o[l]
             } else {
@@ -118,32 +230,521 @@ fn softmax_row_portable(x: &[f32], mask: &[f32], scale: f32, out: &mut [f32]) {
     }
     let mut max = lane_max.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     for i in whole..n {
-        out[i] = x[i] * scale + mask[i];
-        max = max.max(out[i]);
+        row[i] = row[i] * scale + mask[i];
+        max = max.max(row[i]);
     }
-    let mut lane_sum = [0f32; LANES];
-    for o in out[..whole].chunks_exact_mut(LANES) {
-        for l in 0..LANES {
-            o[l] = exp(o[l] - max);
-            lane_sum[l] += o[l];
-        }
-    }
-    let mut sum: f32 = lane_sum.iter().sum();
-    for o in &mut out[whole..] {
+    for o in row.iter_mut() {
         *o = exp(*o - max);
-        sum += *o;
     }
-    let inv = 1.0 / sum;
-    for o in out.iter_mut() {
+    let inv = 1.0 / lane_sum(n, |i| row[i]);
+    for o in row.iter_mut() {
         *o *= inv;
     }
 }
 
+vectorised! {
+    /// One row of the masked softmax's backward: the probabilities' gradient `g` becomes the
+    /// scores' gradient, in place.
+    fn softmax_backward_row(p: &[f32], g: &mut [f32], scale: f32) = softmax_backward_row_portable
+}
+
+#[inline(always)]
+fn softmax_backward_row_portable(p: &[f32], g: &mut [f32], scale: f32) {
+    let n = g.len();
+    let p = &p[..n];
+    let dot = lane_sum(n, |i| p[i] * g[i]);
+    for (g, &p) in g.iter_mut().zip(p) {
+        *g = scale * p * (*g - dot);
+    }
+}
+
+/// `out = a · b`, single-threaded, for row-major `a` (`m × k`, or stored `k × m` when
+/// `a_transposed`) and `b` (`k × n`, or stored `n × k` when `b_transposed`); `out` is `m × n`,
+/// row-major. Through gemm, the library candle's CPU products call.
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    a_transposed: bool,
+    b: &[f32],
+    b_transposed: bool,
+    out: &mut [f32],
+) {
+    assert!(
+        a.len() >= m * k && b.len() >= k * n && out.len() >= m * n,
+        "matmul: slices too short for {m}x{k} by {k}x{n}"
+    );
+    let (a_row, a_col) = if a_transposed { (1, m) } else { (k, 1) };
+    let (b_row, b_col) = if b_transposed { (1, k) } else { (n, 1) };
+    // SAFETY: `a`, `b` and `out` hold the m×k, k×n and m×n matrices these strides address
+    // (checked above), and `out`, borrowed mutably, aliases neither input.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            a_col as isize,
+            a_row as isize,
+            b.as_ptr(),
+            b_col as isize,
+            b_row as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention.
+
+/// Scaled dot-product attention of `q` `[batch, heads, queries, head]` over `k` and `v`
+/// `[batch, heads, keys, head]` (f32, contiguous): `dropout(softmax(q·kᵀ · scale + mask)) · v`.
+/// One (sequence, head) per parallel task with single-threaded matrix products (candle's
+/// batched product runs a multi-threaded product per head instead, each too small to spread
+/// over threads), and no `[batch, heads, q, k]` tensor is materialised: the backward recomputes
+/// each head's probabilities rather than keeping them, so only the dropout mask (a byte per
+/// probability) is kept.
+pub(crate) struct Attention {
+    /// `[batch, keys]`, additive: 0 or a large negative number.
+    pub(crate) mask: Arc<Vec<f32>>,
+    pub(crate) scale: f32,
+    /// The attention dropout's mask, `[batch, heads, queries, keys]` (1: kept), and the scale
+    /// of kept probabilities.
+    pub(crate) keep: Option<(Arc<Vec<u8>>, f32)>,
+}
+
+/// The attention's dimensions.
+#[derive(Clone, Copy)]
+struct AttentionShape {
+    heads: usize,
+    queries: usize,
+    keys: usize,
+    head: usize,
+}
+
+impl Attention {
+    fn shape(&self, q: &Layout, k: &Layout, v: &Layout) -> Result<AttentionShape> {
+        let [batch, heads, queries, head] = *q.dims() else {
+            bail!(
+                "attention: [batch, heads, q, head] queries expected, got {:?}",
+                q.dims()
+            )
+        };
+        let [kb, kh, keys, kd] = *k.dims() else {
+            bail!(
+                "attention: [batch, heads, k, head] keys expected, got {:?}",
+                k.dims()
+            )
+        };
+        if (kb, kh, kd) != (batch, heads, head) || v.dims() != k.dims() {
+            bail!(
+                "attention: queries {:?}, keys {:?} and values {:?} do not fit",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            )
+        }
+        if self.mask.len() != batch * keys {
+            bail!(
+                "attention: a mask of {} values for {batch} x {keys} keys",
+                self.mask.len()
+            )
+        }
+        if let Some((keep, _)) = &self.keep {
+            if keep.len() != batch * heads * queries * keys {
+                bail!("attention: a dropout mask of {} values", keep.len())
+            }
+        }
+        Ok(AttentionShape {
+            heads,
+            queries,
+            keys,
+            head,
+        })
+    }
+
+    /// Head `bh`'s probabilities into `probs` (`[queries, keys]`), before dropout.
+    fn probabilities(&self, s: AttentionShape, bh: usize, q: &[f32], k: &[f32], probs: &mut [f32]) {
+        matmul(s.queries, s.keys, s.head, q, false, k, true, probs);
+        let b = bh / s.heads;
+        let mask = &self.mask[b * s.keys..(b + 1) * s.keys];
+        for row in probs.chunks_mut(s.keys) {
+            softmax_row(row, mask, self.scale);
+        }
+    }
+
+    /// Head `bh`'s dropout mask and scale, if any.
+    fn keep(&self, s: AttentionShape, bh: usize) -> Option<(&[u8], f32)> {
+        let block = s.queries * s.keys;
+        self.keep
+            .as_ref()
+            .map(|(keep, scale)| (&keep[bh * block..(bh + 1) * block], *scale))
+    }
+
+    /// The gradients of `q`, `k` and `v` from the output's gradient `g`, head by head:
+    /// with `P` the probabilities, `D` the dropout mask and `P' = P∘D`:
+    /// `dv = P'ᵀ·g`, `dP = (g·vᵀ)∘D`, `dS = scale · P∘(dP - rowsum(dP∘P))`, `dq = dS·k`,
+    /// `dk = dSᵀ·q`.
+    fn backward(
+        &self,
+        s: AttentionShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        g: &[f32],
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (q_block, k_block) = (s.queries * s.head, s.keys * s.head);
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f32; q.len()],
+            vec![0f32; k.len()],
+            vec![0f32; k.len()],
+        );
+        dq.par_chunks_mut(q_block)
+            .zip(dk.par_chunks_mut(k_block).zip(dv.par_chunks_mut(k_block)))
+            .enumerate()
+            .for_each_init(
+                || {
+                    (
+                        vec![0f32; s.queries * s.keys],
+                        vec![0f32; s.queries * s.keys],
+                    )
+                },
+                |(probs, scratch), (bh, (dq, (dk, dv)))| {
+                    let qh = &q[bh * q_block..][..q_block];
+                    let gh = &g[bh * q_block..][..q_block];
+                    let kh = &k[bh * k_block..][..k_block];
+                    let vh = &v[bh * k_block..][..k_block];
+                    self.probabilities(s, bh, qh, kh, probs);
+                    let keep = self.keep(s, bh);
+                    let dropped: &[f32] = match keep {
+                        Some((keep, scale)) => {
+                            scratch.copy_from_slice(probs);
+                            apply_keep_in_place(scratch, keep, scale);
+                            scratch
+                        }
+                        None => probs,
+                    };
+                    matmul(s.keys, s.head, s.queries, dropped, true, gh, false, dv);
+                    matmul(s.queries, s.keys, s.head, gh, false, vh, true, scratch);
+                    if let Some((keep, scale)) = keep {
+                        apply_keep_in_place(scratch, keep, scale);
+                    }
+                    for (p, g) in probs.chunks(s.keys).zip(scratch.chunks_mut(s.keys)) {
+                        softmax_backward_row(p, g, self.scale);
+                    }
+                    matmul(s.queries, s.head, s.keys, scratch, false, kh, false, dq);
+                    matmul(s.keys, s.head, s.queries, scratch, true, qh, false, dk);
+                },
+            );
+        (dq, dk, dv)
+    }
+}
+
+/// The f32 elements of a contiguous CPU tensor's storage (any device's storage: others are an
+/// error).
+fn cpu_slice<'a>(
+    op: &str,
+    what: &str,
+    storage: &'a candle_core::Storage,
+    layout: &Layout,
+) -> Result<&'a [f32]> {
+    match storage {
+        candle_core::Storage::Cpu(storage) => contiguous(op, what, storage, layout),
+        _ => bail!("{op}: {what} on the CPU expected"),
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "bertkit-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        q_layout: &Layout,
+        k: &CpuStorage,
+        k_layout: &Layout,
+        v: &CpuStorage,
+        v_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let s = self.shape(q_layout, k_layout, v_layout)?;
+        let q = contiguous(op, "queries", q, q_layout)?;
+        let k = contiguous(op, "keys", k, k_layout)?;
+        let v = contiguous(op, "values", v, v_layout)?;
+        let (q_block, k_block) = (s.queries * s.head, s.keys * s.head);
+        let mut out = vec![0f32; q.len()];
+        out.par_chunks_mut(q_block).enumerate().for_each_init(
+            || vec![0f32; s.queries * s.keys],
+            |probs, (bh, out)| {
+                let kh = &k[bh * k_block..][..k_block];
+                let vh = &v[bh * k_block..][..k_block];
+                self.probabilities(s, bh, &q[bh * q_block..][..q_block], kh, probs);
+                if let Some((keep, scale)) = self.keep(s, bh) {
+                    apply_keep_in_place(probs, keep, scale);
+                }
+                matmul(s.queries, s.head, s.keys, probs, false, vh, false, out);
+            },
+        );
+        Ok((CpuStorage::F32(out), q_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = "bertkit-attention-backward";
+        let grad = grad.contiguous()?;
+        let (dq, dk, dv) = {
+            let (q_storage, q_layout) = q.storage_and_layout();
+            let (k_storage, k_layout) = k.storage_and_layout();
+            let (v_storage, v_layout) = v.storage_and_layout();
+            let (g_storage, g_layout) = grad.storage_and_layout();
+            let s = self.shape(q_layout, k_layout, v_layout)?;
+            same_shape(op, q_layout, g_layout)?;
+            self.backward(
+                s,
+                cpu_slice(op, "queries", &q_storage, q_layout)?,
+                cpu_slice(op, "keys", &k_storage, k_layout)?,
+                cpu_slice(op, "values", &v_storage, v_layout)?,
+                cpu_slice(op, "gradient", &g_storage, g_layout)?,
+            )
+        };
+        let device = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, q.shape(), device)?),
+            Some(Tensor::from_vec(dk, k.shape(), device)?),
+            Some(Tensor::from_vec(dv, v.shape(), device)?),
+        ))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm.
+
+/// LayerNorm over the last dimension of `x`, `(x - mean) / sqrt(var + eps) · weight + bias`,
+/// with the (biased) variance of the row; `weight` and `bias` are `[hidden]`.
+pub(crate) struct LayerNorm {
+    pub(crate) eps: f32,
+}
+
+/// The rows of `x` and the hidden size, with `weight` and `bias` checked against it.
+fn norm_shape(op: &str, x: &Layout, params: &[&Layout]) -> Result<(usize, usize)> {
+    let hidden = x.dims().last().copied().unwrap_or(0);
+    if hidden == 0 {
+        bail!(
+            "{op}: an input with a non-empty last dimension expected, got {:?}",
+            x.dims()
+        )
+    }
+    for p in params {
+        if p.dims() != [hidden] {
+            bail!("{op}: [{hidden}] parameters expected, got {:?}", p.dims())
+        }
+    }
+    Ok((x.shape().elem_count() / hidden, hidden))
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "bertkit-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (_, hidden) = norm_shape(op, x_layout, &[weight_layout, bias_layout])?;
+        let x = contiguous(op, "input", x, x_layout)?;
+        let weight = contiguous(op, "weight", weight, weight_layout)?;
+        let bias = contiguous(op, "bias", bias, bias_layout)?;
+        let task = rows_per_task(hidden) * hidden;
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(task)
+            .zip(x.par_chunks(task))
+            .for_each(|(out, x)| {
+                for (out, x) in out.chunks_mut(hidden).zip(x.chunks(hidden)) {
+                    layer_norm_row(x, weight, bias, self.eps, out);
+                }
+            });
+        Ok((CpuStorage::F32(out), x_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let packed = x.apply_op3_no_bwd(
+            weight,
+            &grad.contiguous()?,
+            &LayerNormBackward { eps: self.eps },
+        )?;
+        let hidden = weight.elem_count();
+        let rows = x.elem_count() / hidden;
+        let grad_x = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let grad_weight = packed.narrow(0, rows, 1)?.reshape(hidden)?;
+        let grad_bias = packed.narrow(0, rows + 1, 1)?.reshape(hidden)?;
+        Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+    }
+}
+
+/// LayerNorm's backward from its input `x`, `weight` and the output's gradient `g`, as one
+/// `[rows + 2, hidden]` tensor: the input's gradient (rows), then the weight's and the bias's.
+struct LayerNormBackward {
+    eps: f32,
+}
+
+/// Rows whose weight and bias gradients one task sums; the partial sums are then added in
+/// order, so the result does not depend on how rayon splits the work.
+const ROWS_PER_PARTIAL: usize = 32;
+
+impl CustomOp3 for LayerNormBackward {
+    fn name(&self) -> &'static str {
+        "bertkit-layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (rows, hidden) = norm_shape(op, x_layout, &[weight_layout])?;
+        same_shape(op, x_layout, grad_layout)?;
+        let x = contiguous(op, "input", x, x_layout)?;
+        let weight = contiguous(op, "weight", weight, weight_layout)?;
+        let grad = contiguous(op, "gradient", grad, grad_layout)?;
+        let mut out = vec![0f32; (rows + 2) * hidden];
+        let (grad_x, params) = out.split_at_mut(rows * hidden);
+        let task = ROWS_PER_PARTIAL * hidden;
+        let partials: Vec<Vec<f32>> = grad_x
+            .par_chunks_mut(task)
+            .zip(x.par_chunks(task).zip(grad.par_chunks(task)))
+            .map(|(grad_x, (x, g))| {
+                let mut partial = vec![0f32; 2 * hidden];
+                let (grad_weight, grad_bias) = partial.split_at_mut(hidden);
+                for ((gx, x), g) in grad_x
+                    .chunks_mut(hidden)
+                    .zip(x.chunks(hidden))
+                    .zip(g.chunks(hidden))
+                {
+                    layer_norm_backward_row(x, weight, g, self.eps, gx, grad_weight, grad_bias);
+                }
+                partial
+            })
+            .collect();
+        for partial in &partials {
+            for (sum, p) in params.iter_mut().zip(partial) {
+                *sum += p;
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows + 2, hidden))))
+    }
+}
+
+/// A row's mean and `1 / sqrt(var + eps)`, the variance from the centred values (two passes:
+/// no cancellation for rows far from zero).
+#[inline(always)]
+fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
+    let n = x.len();
+    let mean = lane_sum(n, |i| x[i]) / n as f32;
+    let var = lane_sum(n, |i| (x[i] - mean) * (x[i] - mean)) / n as f32;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+vectorised! {
+    /// One row of LayerNorm.
+    fn layer_norm_row(x: &[f32], weight: &[f32], bias: &[f32], eps: f32, out: &mut [f32]) = layer_norm_row_portable
+}
+
+#[inline(always)]
+fn layer_norm_row_portable(x: &[f32], weight: &[f32], bias: &[f32], eps: f32, out: &mut [f32]) {
+    let n = out.len();
+    let (x, weight, bias) = (&x[..n], &weight[..n], &bias[..n]);
+    let (mean, rstd) = row_stats(x, eps);
+    for i in 0..n {
+        out[i] = (x[i] - mean) * rstd * weight[i] + bias[i];
+    }
+}
+
+vectorised! {
+    /// One row of LayerNorm's backward: the input's gradient into `grad_x`, the weight's and
+    /// bias's added to `grad_weight` and `grad_bias`.
+    fn layer_norm_backward_row(
+        x: &[f32],
+        weight: &[f32],
+        g: &[f32],
+        eps: f32,
+        grad_x: &mut [f32],
+        grad_weight: &mut [f32],
+        grad_bias: &mut [f32]
+    ) = layer_norm_backward_row_portable
+}
+
+/// With `x̂ = (x - mean) · rstd` and `gy = g · weight`:
+/// `dx = rstd · (gy - mean(gy) - x̂ · mean(gy · x̂))`, `dweight += g · x̂`, `dbias += g`.
+#[inline(always)]
+fn layer_norm_backward_row_portable(
+    x: &[f32],
+    weight: &[f32],
+    g: &[f32],
+    eps: f32,
+    grad_x: &mut [f32],
+    grad_weight: &mut [f32],
+    grad_bias: &mut [f32],
+) {
+    let n = grad_x.len();
+    let (x, weight, g) = (&x[..n], &weight[..n], &g[..n]);
+    let (grad_weight, grad_bias) = (&mut grad_weight[..n], &mut grad_bias[..n]);
+    let (mean, rstd) = row_stats(x, eps);
+    let mean_gy = lane_sum(n, |i| g[i] * weight[i]) / n as f32;
+    let mean_gy_xhat = lane_sum(n, |i| g[i] * weight[i] * (x[i] - mean) * rstd) / n as f32;
+    for i in 0..n {
+        let xhat = (x[i] - mean) * rstd;
+        grad_x[i] = rstd * (g[i] * weight[i] - mean_gy - xhat * mean_gy_xhat);
+        grad_weight[i] += g[i] * xhat;
+        grad_bias[i] += g[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU.
+
 /// The exact GELU, `x · Φ(x)`, elementwise on f32 (any shape, contiguous).
 pub(crate) struct Gelu;
 
-/// Elements per parallel task.
-const GELU_CHUNK: usize = 1 << 14;
+/// Elements per parallel task of the elementwise ops.
+const ELEMENTWISE_CHUNK: usize = 1 << 14;
 
 impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
@@ -151,61 +752,82 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(x) = storage else {
-            bail!("gelu: f32 input expected")
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("gelu: contiguous input expected")
-        };
-        let x = &x[start..end];
+        let x = contiguous(self.name(), "input", storage, layout)?;
         let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(GELU_CHUNK)
-            .zip(x.par_chunks(GELU_CHUNK))
+        out.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(x.par_chunks(ELEMENTWISE_CHUNK))
             .for_each(|(out, x)| gelu_chunk(x, out));
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
-}
 
-fn gelu_chunk(x: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { gelu_chunk_avx512(x, out) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { gelu_chunk_avx2(x, out) };
-        }
+    fn bwd(&self, x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            x.apply_op2_no_bwd(&grad.contiguous()?, &GeluBackward)?,
+        ))
     }
-    gelu_chunk_portable(x, out)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn gelu_chunk_avx512(x: &[f32], out: &mut [f32]) {
-    gelu_chunk_portable(x, out)
+/// GELU's backward: `g · (Φ(x) + x · φ(x))`.
+struct GeluBackward;
+
+impl CustomOp2 for GeluBackward {
+    fn name(&self) -> &'static str {
+        "bertkit-gelu-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        same_shape(op, x_layout, grad_layout)?;
+        let x = contiguous(op, "input", x, x_layout)?;
+        let grad = contiguous(op, "gradient", grad, grad_layout)?;
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(
+                x.par_chunks(ELEMENTWISE_CHUNK)
+                    .zip(grad.par_chunks(ELEMENTWISE_CHUNK)),
+            )
+            .for_each(|(out, (x, g))| gelu_backward_chunk(x, g, out));
+        Ok((CpuStorage::F32(out), x_layout.shape().clone()))
+    }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn gelu_chunk_avx2(x: &[f32], out: &mut [f32]) {
-    gelu_chunk_portable(x, out)
+vectorised! {
+    /// GELU over a chunk.
+    fn gelu_chunk(x: &[f32], out: &mut [f32]) = gelu_chunk_portable
 }
 
 #[inline(always)]
 fn gelu_chunk_portable(x: &[f32], out: &mut [f32]) {
     for (o, &x) in out.iter_mut().zip(x) {
-        *o = gelu(x);
+        *o = x * 0.5 * twice_phi(x);
     }
 }
 
-/// `x · Φ(x)` with `Φ(x) = erfc(-x/√2) / 2`, and `erfc` from the Chebyshev fit in Numerical
+vectorised! {
+    /// GELU's backward over a chunk.
+    fn gelu_backward_chunk(x: &[f32], g: &[f32], out: &mut [f32]) = gelu_backward_chunk_portable
+}
+
+#[inline(always)]
+fn gelu_backward_chunk_portable(x: &[f32], g: &[f32], out: &mut [f32]) {
+    const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+    for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
+        let density = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+        *o = g * (0.5 * twice_phi(x) + x * density);
+    }
+}
+
+/// `2 Φ(x)` with `Φ(x) = erfc(-x/√2) / 2`, and `erfc` from the Chebyshev fit in Numerical
 /// Recipes (`erfcc`: relative error below 1.2e-7 for every argument), so the negative tail,
 /// where `Φ` is tiny, keeps its relative precision too.
 #[inline(always)]
-fn gelu(x: f32) -> f32 {
+fn twice_phi(x: f32) -> f32 {
     let z = (x * std::f32::consts::FRAC_1_SQRT_2).abs();
     let t = 1.0 / (1.0 + 0.5 * z);
     let mut p = 0.170_872_77_f32;
@@ -219,9 +841,78 @@ fn gelu(x: f32) -> f32 {
     p = p * t + 1.000_023_7;
     p = p * t - 1.265_512_2;
     let erfc = t * exp(p - z * z);
-    let phi_times_2 = if x < 0.0 { erfc } else { 2.0 - erfc };
-    0.5 * x * phi_times_2
+    if x < 0.0 { erfc } else { 2.0 - erfc }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Dropout.
+
+/// Multiplies by a dropout mask kept as one byte per element (1: kept, scaled by `scale`;
+/// 0: dropped); the backward multiplies the gradient by the same mask. A quarter of the memory
+/// of an f32 mask tensor, and no gradient computed for the mask.
+pub(crate) struct KeepMask {
+    pub(crate) keep: Arc<Vec<u8>>,
+    pub(crate) scale: f32,
+}
+
+impl CustomOp1 for KeepMask {
+    fn name(&self) -> &'static str {
+        "bertkit-dropout"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous(self.name(), "input", storage, layout)?;
+        if x.len() != self.keep.len() {
+            bail!(
+                "dropout: a mask of {} elements for {} values",
+                self.keep.len(),
+                x.len()
+            )
+        }
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(
+                x.par_chunks(ELEMENTWISE_CHUNK)
+                    .zip(self.keep.par_chunks(ELEMENTWISE_CHUNK)),
+            )
+            .for_each(|(out, (x, keep))| apply_keep_chunk(x, keep, self.scale, out));
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let same = KeepMask {
+            keep: Arc::clone(&self.keep),
+            scale: self.scale,
+        };
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&same)?))
+    }
+}
+
+vectorised! {
+    /// A chunk times its mask.
+    fn apply_keep_chunk(x: &[f32], keep: &[u8], scale: f32, out: &mut [f32]) = apply_keep_chunk_portable
+}
+
+#[inline(always)]
+fn apply_keep_chunk_portable(x: &[f32], keep: &[u8], scale: f32, out: &mut [f32]) {
+    for ((o, &x), &k) in out.iter_mut().zip(x).zip(keep) {
+        *o = x * (f32::from(k) * scale);
+    }
+}
+
+vectorised! {
+    /// Values times their mask, in place.
+    fn apply_keep_in_place(x: &mut [f32], keep: &[u8], scale: f32) = apply_keep_in_place_portable
+}
+
+#[inline(always)]
+fn apply_keep_in_place_portable(x: &mut [f32], keep: &[u8], scale: f32) {
+    for (x, &k) in x.iter_mut().zip(keep) {
+        *x *= f32::from(k) * scale;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 
 /// `e^x` for `x` up to 88 (a softmax row minus its maximum is at most 0): Cody–Waite reduction to
 /// `r` in [-ln2/2, ln2/2], a degree-6 polynomial (Cephes' `expf` coefficients), and `2^n` built

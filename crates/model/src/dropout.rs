@@ -23,10 +23,11 @@
 //! On CUDA the stream of a micro-batch is seeded with its first row's place, so the masks are
 //! the same for every split that keeps the micro-batch size.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
 
 use bertkit_rng::splitmix64 as splitmix;
 
@@ -108,28 +109,58 @@ impl DropoutSource {
         starts
     }
 
+    /// Takes the next mask number: its key, the batch's first row, and whether it starts a
+    /// stream.
+    fn next_draw(&self) -> Draw {
+        let n = self.position.fetch_add(1, Ordering::SeqCst);
+        Draw {
+            starts_stream: self.take(n),
+            first_row: self.first_row.load(Ordering::SeqCst),
+            key: splitmix(self.seed ^ splitmix(n)),
+        }
+    }
+
+    /// The next mask for a CPU tensor of `dims` at drop probability `p`, as one byte per
+    /// element (1: kept), for a fused kernel to apply with the scale `1 / (1 - p)`: the mask
+    /// [`DropoutSource::apply`] would have drawn in its place. `None` when `p` is 0 (no mask is
+    /// drawn, as `apply` draws none).
+    pub(crate) fn next_cpu_keep_mask(&self, dims: &[usize], p: f64) -> Option<Vec<u8>> {
+        if p <= 0.0 {
+            return None;
+        }
+        let draw = self.next_draw();
+        Some(cpu_keep_mask(dims, draw.key, draw.first_row, p))
+    }
+
     /// `x` with each element zeroed with probability `p` and the rest scaled by `1 / (1 - p)`.
     pub fn apply(&self, x: &Tensor, p: f64) -> Result<Tensor> {
         if p <= 0.0 {
             return Ok(x.clone());
         }
-        let n = self.position.fetch_add(1, Ordering::SeqCst);
-        let starts_stream = self.take(n);
-        let first_row = self.first_row.load(Ordering::SeqCst);
-        let key = splitmix(self.seed ^ splitmix(n));
         let scale = 1.0 / (1.0 - p);
         let mask = match x.device() {
             Device::Cpu => {
-                let keep = cpu_keep_mask(x.dims(), key, first_row, p);
+                let keep = self
+                    .next_cpu_keep_mask(x.dims(), p)
+                    .expect("p > 0 draws a mask");
+                if x.dtype() == DType::F32 {
+                    // Applied (and its backward) in one pass with a byte per element.
+                    let op = crate::cpu_fused::KeepMask {
+                        keep: Arc::new(keep),
+                        scale: scale as f32,
+                    };
+                    return x.contiguous()?.apply_op1(op);
+                }
                 let values: Vec<f32> = keep
                     .into_iter()
-                    .map(|k| if k { scale as f32 } else { 0.0 })
+                    .map(|k| f32::from(k) * scale as f32)
                     .collect();
                 Tensor::from_vec(values, x.shape(), &Device::Cpu)?
             }
             device => {
-                if starts_stream {
-                    device.set_seed(splitmix(key ^ splitmix(first_row)))?;
+                let draw = self.next_draw();
+                if draw.starts_stream {
+                    device.set_seed(splitmix(draw.key ^ splitmix(draw.first_row)))?;
                 }
                 let uniform = Tensor::rand(0f32, 1f32, x.shape(), device)?;
                 (uniform.ge(p)?.to_dtype(DType::F32)? * scale)?
@@ -139,11 +170,19 @@ impl DropoutSource {
     }
 }
 
+/// One mask number taken from a [`DropoutSource`].
+struct Draw {
+    key: u64,
+    first_row: u64,
+    starts_stream: bool,
+}
+
 /// Which elements of a tensor of `dims` (rows first) mask `key` keeps at drop probability
-/// `p`, row `i` being row `first_row + i` of its step. An element keeps when its 24-bit
-/// uniform is at least `p`; the uniform hashes the row's place and the element's index in each
-/// further dimension separately, so it does not move when the batch is padded longer.
-fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<bool> {
+/// `p` (1: kept, 0: dropped), row `i` being row `first_row + i` of its step. An element keeps
+/// when its 24-bit uniform is at least `p`; the uniform hashes the row's place and the
+/// element's index in each further dimension separately, so it does not move when the batch
+/// is padded longer. Rows are drawn in parallel (each draw is a function of its indices alone).
+fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<u8> {
     let threshold = (p * (1u64 << 24) as f64) as u64;
     let (rows, rest) = match dims.split_first() {
         Some((&rows, rest)) => (rows, rest),
@@ -154,28 +193,32 @@ fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<bool> 
         None => (1, &[][..]),
     };
     let lines: usize = middle.iter().product();
-    let mut keep = Vec::with_capacity(rows * lines * last);
-    let mut index = vec![0usize; middle.len()];
-    for row in 0..rows as u64 {
-        let row_key = splitmix(key ^ splitmix(first_row + row));
-        index.iter_mut().for_each(|i| *i = 0);
-        for _ in 0..lines {
-            let line_key = index
-                .iter()
-                .fold(row_key, |k, &i| splitmix(k ^ splitmix(i as u64 + 1)));
-            keep.extend(
-                (0..last as u64).map(|j| (splitmix(line_key.wrapping_add(j)) >> 40) >= threshold),
-            );
-            // The next index of the middle dimensions, last fastest.
-            for (i, &d) in index.iter_mut().zip(middle).rev() {
-                *i += 1;
-                if *i < d {
-                    break;
-                }
-                *i = 0;
-            }
-        }
+    let mut keep = vec![0u8; rows * lines * last];
+    if keep.is_empty() {
+        return keep;
     }
+    keep.par_chunks_mut(lines * last)
+        .enumerate()
+        .for_each(|(row, keep)| {
+            let row_key = splitmix(key ^ splitmix(first_row + row as u64));
+            let mut index = vec![0usize; middle.len()];
+            for line in keep.chunks_mut(last) {
+                let line_key = index
+                    .iter()
+                    .fold(row_key, |k, &i| splitmix(k ^ splitmix(i as u64 + 1)));
+                for (j, k) in line.iter_mut().enumerate() {
+                    *k = u8::from((splitmix(line_key.wrapping_add(j as u64)) >> 40) >= threshold);
+                }
+                // The next index of the middle dimensions, last fastest.
+                for (i, &d) in index.iter_mut().zip(middle).rev() {
+                    *i += 1;
+                    if *i < d {
+                        break;
+                    }
+                    *i = 0;
+                }
+            }
+        });
     keep
 }
 
@@ -198,6 +241,52 @@ mod tests {
         assert!((kept - 0.9).abs() < 0.02, "{kept}");
         // Kept values are scaled so the expectation is unchanged.
         assert!((v(&a).iter().sum::<f32>() / 10_000.0 - 1.0).abs() < 0.03);
+    }
+
+    /// On the CPU in f32 the mask is applied by a fused op with a backward: the gradient is
+    /// the upstream gradient times the same mask (scale where kept, 0 where dropped), exactly.
+    #[test]
+    fn the_fused_cpu_dropout_passes_gradients_through_its_mask() {
+        let cpu = &Device::Cpu;
+        let x = candle_core::Var::from_tensor(
+            &Tensor::arange(1f32, 1.0 + 12.0 * 37.0, cpu)
+                .unwrap()
+                .reshape((12, 37))
+                .unwrap(),
+        )
+        .unwrap();
+        let d = DropoutSource::new(5);
+        let y = d.apply(x.as_tensor(), 0.25).unwrap();
+        let upstream = Tensor::arange(0f32, 12.0 * 37.0, cpu)
+            .unwrap()
+            .reshape((12, 37))
+            .unwrap()
+            .affine(0.01, -1.0)
+            .unwrap();
+        let grads = (&y * &upstream)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let grad = grads.get(x.as_tensor()).unwrap().flatten_all().unwrap();
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (xs, ys, gs, us) = (v(x.as_tensor()), v(&y), v(&grad), v(&upstream));
+        let scale = (1.0 / (1.0 - 0.25f64)) as f32;
+        let mut dropped = 0;
+        for i in 0..xs.len() {
+            let factor = if ys[i] == 0.0 { 0.0 } else { scale };
+            dropped += usize::from(factor == 0.0);
+            assert_eq!(ys[i], xs[i] * factor, "element {i}");
+            assert_eq!(gs[i], us[i] * factor, "element {i}");
+        }
+        assert!((80..=150).contains(&dropped), "{dropped} of 444 dropped");
+        // The same masks as the f64 path (which multiplies by a mask tensor).
+        d.set_position(0);
+        let y64 = d
+            .apply(&x.as_tensor().to_dtype(DType::F64).unwrap(), 0.25)
+            .unwrap();
+        assert_eq!(v(&y64.to_dtype(DType::F32).unwrap()), ys);
     }
 
     /// A batch's masks depend on each row's place in its step and the element's place in the

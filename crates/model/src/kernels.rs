@@ -1,21 +1,22 @@
 //! The hot operations, behind one small interface.
 //!
 //! The model calls LayerNorm, GELU, softmax and attention only through [`Kernels`], so that a
-//! fused implementation (a CUDA kernel with its own backward) can replace one without touching
-//! the model code. [`Composed`] is the reference implementation: every op is composed of candle
-//! primitives that have a backward pass, so gradients flow through all of them. (candle's fused
-//! `softmax_last_dim`, `layer_norm`, `rms_norm` and `candle_nn::LayerNorm` have no backward and
-//! would silently stop gradients; they are not used where gradients are tracked.) When no input
-//! of LayerNorm or softmax tracks gradients (a frozen inference model, see
-//! [`crate::params::ParamBuilder::frozen`]), those fused candle ops are used, on every device
-//! alike: they are faster and need no intermediates ([`fused_calls_on_this_thread`] counts
-//! them, so a test can tell which path ran). On the CPU in f32, that path also computes
-//! attention's scale, padding mask and softmax in one pass of our own instead of three, and
-//! GELU with a vectorised error function (`cpu_fused`). In half precision, LayerNorm and softmax are computed in f32
-//! and cast back, on either path; f64 (tests) always takes the composed one.
+//! fused implementation can replace one without touching the model code. Two implementations:
+//!
+//! - [`Composed`], the reference: every op composed of candle primitives that have a backward
+//!   pass, so gradients flow through all of them, on every device and dtype.
+//! - [`Fused`], the default: on the CPU our own fused kernels with fused backward passes
+//!   (`cpu_fused`), for training and inference alike; on other devices candle's fused
+//!   LayerNorm and softmax where nothing tracks gradients. (candle's fused `softmax_last_dim`,
+//!   `layer_norm`, `rms_norm` and `candle_nn::LayerNorm` have no backward and would silently
+//!   stop gradients, so they are never used where gradients are tracked.)
+//!
+//! In half precision, LayerNorm and softmax are computed in f32 and cast back on every path;
+//! f64 (tests) always takes the composed ops.
 
 use std::cell::Cell;
 use std::fmt::Debug;
+use std::sync::Arc;
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -51,11 +52,24 @@ pub trait Kernels: Send + Sync + Debug {
         mode: Mode,
         dropout: f64,
     ) -> Result<Tensor> {
-        let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-        let probs = self.masked_softmax(&q.matmul(&k.t()?)?, mask_bias, scale)?;
-        let probs = mode.dropout(&probs, dropout)?;
-        probs.matmul(v)
+        composed_attention(self, q, k, v, mask_bias, mode, dropout)
     }
+}
+
+/// [`Kernels::attention`] from separate ops: `q·kᵀ`, the kernels' masked softmax, dropout, `·v`.
+fn composed_attention<K: Kernels + ?Sized>(
+    kernels: &K,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask_bias: &Tensor,
+    mode: Mode,
+    dropout: f64,
+) -> Result<Tensor> {
+    let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
+    let probs = kernels.masked_softmax(&q.matmul(&k.t()?)?, mask_bias, scale)?;
+    let probs = mode.dropout(&probs, dropout)?;
+    probs.matmul(v)
 }
 
 /// [`Kernels::masked_softmax`] from separate ops: scale, add the mask, `k`'s softmax.
@@ -73,26 +87,30 @@ thread_local! {
     static FUSED_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
-/// How many LayerNorm and softmax calls on this thread took candle's fused (no-backward) ops.
+/// How many LayerNorm and softmax calls on this thread took a fused op ([`Fused`]'s CPU kernels
+/// or candle's).
 /// The model's forward pass runs its kernels on the calling thread, so a test can compare the
 /// count before and after a forward pass.
 pub fn fused_calls_on_this_thread() -> u64 {
     FUSED_CALLS.with(Cell::get)
 }
 
-/// Whether the fused ops may replace the composed ones: nothing among `inputs` tracks
-/// gradients, and the dtype is one candle's fused kernels take (not f64).
+/// Whether candle's fused ops (which have no backward) may replace the composed ones: nothing
+/// among `inputs` tracks gradients, and the dtype is one candle's fused kernels take (not f64).
 fn may_fuse(inputs: &[&Tensor]) -> bool {
-    let fuse = inputs
+    inputs
         .iter()
-        .all(|t| !t.track_op() && t.dtype() != DType::F64);
-    if fuse {
-        FUSED_CALLS.with(|c| c.set(c.get() + 1));
-    }
-    fuse
+        .all(|t| !t.track_op() && t.dtype() != DType::F64)
 }
 
-/// Differentiable kernels composed of candle primitives (CPU and CUDA).
+fn count_fused() {
+    FUSED_CALLS.with(|c| c.set(c.get() + 1));
+}
+
+/// The reference kernels: every op composed of candle primitives that have a backward pass
+/// (CPU and CUDA, every dtype; in half precision LayerNorm and softmax are computed in f32 and
+/// cast back). Nothing fused: the tests compare the fused kernels against these, and
+/// `bench inference --composed` measures them.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Composed;
 
@@ -100,24 +118,19 @@ fn is_half(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
 
+/// `x` in f32 if it is in half precision (LayerNorm and softmax are computed in f32).
+fn widened(x: &Tensor) -> Result<Tensor> {
+    if is_half(x.dtype()) {
+        x.to_dtype(DType::F32)
+    } else {
+        Ok(x.clone())
+    }
+}
+
 impl Kernels for Composed {
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
         let dtype = x.dtype();
-        let x = if is_half(dtype) {
-            x.to_dtype(DType::F32)?
-        } else {
-            x.clone()
-        };
-        if may_fuse(&[&x, weight, bias]) {
-            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-            let normed = candle_nn::ops::layer_norm(
-                &x.contiguous()?,
-                &f32(weight)?,
-                &f32(bias)?,
-                eps as f32,
-            )?;
-            return normed.to_dtype(dtype);
-        }
+        let x = widened(x)?;
         let mean = x.mean_keepdim(D::Minus1)?;
         let centred = x.broadcast_sub(&mean)?;
         let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
@@ -129,43 +142,130 @@ impl Kernels for Composed {
     }
 
     fn gelu(&self, x: &Tensor) -> Result<Tensor> {
-        // On the CPU in f32 without gradients: a vectorised error function (`cpu_fused`)
-        // instead of the C library's scalar one. (Not counted with the fused LayerNorm and
-        // softmax: candle has no fused GELU to stand in for.)
-        if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() {
-            return x.contiguous()?.apply_op1_no_bwd(&crate::cpu_fused::Gelu);
-        }
         x.gelu_erf()
-    }
-
-    fn masked_softmax(&self, scores: &Tensor, mask_bias: &Tensor, scale: f64) -> Result<Tensor> {
-        // On the CPU in f32 without gradients: scale, mask and softmax in one pass (see
-        // `cpu_fused`); counted as the fused softmax it replaces.
-        if scores.device().is_cpu() && scores.dtype() == DType::F32 && may_fuse(&[scores]) {
-            let mask = mask_bias.to_dtype(DType::F32)?.contiguous()?;
-            let op = crate::cpu_fused::MaskedSoftmax {
-                scale: scale as f32,
-            };
-            return scores.contiguous()?.apply_op2_no_bwd(&mask, &op);
-        }
-        composed_masked_softmax(self, scores, mask_bias, scale)
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
-        let x = if is_half(dtype) {
-            x.to_dtype(DType::F32)?
-        } else {
-            x.clone()
-        };
-        if may_fuse(&[&x]) {
-            return candle_nn::ops::softmax_last_dim(&x.contiguous()?)?.to_dtype(dtype);
-        }
+        let x = widened(x)?;
         // Subtracting the (constant) row maximum changes nothing mathematically; detached, it
         // adds no term to the gradient.
         let max = x.max_keepdim(D::Minus1)?.detach();
         let e = x.broadcast_sub(&max)?.exp()?;
         let s = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
         s.to_dtype(dtype)
+    }
+}
+
+/// The default kernels: fused ops wherever one serves, [`Composed`] ones elsewhere.
+///
+/// - On the CPU, for f32 (and for half precision, computed in f32): our own fused LayerNorm,
+///   attention (per sequence and head in one task: `q·kᵀ`, scale, padding mask, softmax,
+///   dropout and `·v`, the probabilities recomputed in the backward rather than kept) and GELU
+///   (a vectorised error function), each with a fused backward, so training and inference
+///   take them alike (`cpu_fused`).
+/// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a
+///   frozen inference model, see [`crate::params::ParamBuilder::frozen`]); they have no
+///   backward, so a trainable model takes the composed ops there.
+/// - f64 (tests) always takes the composed ops.
+///
+/// [`fused_calls_on_this_thread`] counts the fused LayerNorm and softmax calls, so a test can
+/// tell which path ran.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Fused;
+
+/// Whether `x` (after widening from half precision) takes our fused CPU kernels.
+fn on_cpu_in_f32(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
+
+impl Kernels for Fused {
+    fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let wide = widened(x)?;
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        if on_cpu_in_f32(&wide) {
+            count_fused();
+            let op = crate::cpu_fused::LayerNorm { eps: eps as f32 };
+            return wide
+                .contiguous()?
+                .apply_op3(&f32(weight)?, &f32(bias)?, op)?
+                .to_dtype(dtype);
+        }
+        if may_fuse(&[&wide, weight, bias]) {
+            count_fused();
+            let normed = candle_nn::ops::layer_norm(
+                &wide.contiguous()?,
+                &f32(weight)?,
+                &f32(bias)?,
+                eps as f32,
+            )?;
+            return normed.to_dtype(dtype);
+        }
+        Composed.layer_norm(x, weight, bias, eps)
+    }
+
+    fn gelu(&self, x: &Tensor) -> Result<Tensor> {
+        // Not counted with LayerNorm and softmax: candle has no fused GELU to stand in for.
+        if on_cpu_in_f32(x) {
+            return x.contiguous()?.apply_op1(crate::cpu_fused::Gelu);
+        }
+        Composed.gelu(x)
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask_bias: &Tensor,
+        mode: Mode,
+        dropout: f64,
+    ) -> Result<Tensor> {
+        let dtype = q.dtype();
+        if !(q.device().is_cpu() && (dtype == DType::F32 || is_half(dtype))) {
+            return composed_attention(self, q, k, v, mask_bias, mode, dropout);
+        }
+        count_fused();
+        let (batch, heads, queries, head) = q.dims4()?;
+        let keys = k.dim(2)?;
+        let mask: Vec<f32> = mask_bias.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let keep = match mode {
+            Mode::Train(source) => source
+                .next_cpu_keep_mask(&[batch, heads, queries, keys], dropout)
+                .map(|keep| (Arc::new(keep), (1.0 / (1.0 - dropout)) as f32)),
+            Mode::Eval => None,
+        };
+        let op = crate::cpu_fused::Attention {
+            mask: Arc::new(mask),
+            scale: (1.0 / (head as f64).sqrt()) as f32,
+            keep,
+        };
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+        f32(q)?.apply_op3(&f32(k)?, &f32(v)?, op)?.to_dtype(dtype)
+    }
+
+    fn masked_softmax(&self, scores: &Tensor, mask_bias: &Tensor, scale: f64) -> Result<Tensor> {
+        let dtype = scores.dtype();
+        let wide = widened(scores)?;
+        if on_cpu_in_f32(&wide) {
+            count_fused();
+            let mask = mask_bias.to_dtype(DType::F32)?.contiguous()?;
+            let op = crate::cpu_fused::MaskedSoftmax {
+                scale: scale as f32,
+            };
+            return wide.contiguous()?.apply_op2(&mask, op)?.to_dtype(dtype);
+        }
+        composed_masked_softmax(self, scores, mask_bias, scale)
+    }
+
+    fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let wide = widened(x)?;
+        if may_fuse(&[&wide]) {
+            count_fused();
+            return candle_nn::ops::softmax_last_dim(&wide.contiguous()?)?.to_dtype(dtype);
+        }
+        Composed.softmax_last_dim(x)
     }
 }

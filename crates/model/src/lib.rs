@@ -12,9 +12,10 @@
 //!   tied to the word embeddings with its own output bias; next sentence), question answering
 //!   (start/end logits) and sequence classification. [`bert::load`], [`bert::init`] and
 //!   [`bert::save`] read and write transformers model directories.
-//! - [`kernels`]: LayerNorm, GELU, softmax and attention behind the [`Kernels`] interface, so
-//!   fused CUDA kernels can replace them; the default [`Composed`] kernels are built from
-//!   candle ops that all have a backward pass.
+//! - [`kernels`]: LayerNorm, GELU, softmax and attention behind the [`Kernels`] interface: the
+//!   default [`Fused`] kernels (our fused CPU ops with their backward passes; candle's fused
+//!   inference ops on other devices) and the reference [`Composed`] ones, built from candle ops
+//!   that all have a backward pass.
 //! - [`params`]: checkpoint names (with or without `bert.`, `gamma`/`beta`), initialisation of
 //!   what a checkpoint lacks, and saving in the transformers layout.
 //! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
@@ -44,7 +45,7 @@ pub use bert::{
 };
 pub use config::BertConfig;
 pub use dropout::DropoutSource;
-pub use kernels::{Composed, Kernels};
+pub use kernels::{Composed, Fused, Kernels};
 pub use params::{ParamBuilder, ParamStore};
 
 /// Why the model could not be built or run.

@@ -3,7 +3,7 @@
 //! agree with finite differences in f64.
 
 use bertkit_model::bert::{BertForPreTraining, init};
-use bertkit_model::kernels::{Composed, Kernels};
+use bertkit_model::kernels::{Composed, Fused, Kernels, fused_calls_on_this_thread};
 use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, Mode, loss};
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -245,6 +245,157 @@ fn gelu_matches_finite_differences_and_the_erf_formula() {
     ]) {
         assert!((got - want).abs() < 1e-7, "{got} vs {want}");
     }
+}
+
+/// The fused CPU kernels (f32, forward and backward each one op of ours) against the composed
+/// reference in f64: values, and the gradient of `sum(f(x) · r)` for every input against
+/// central differences of the f64 reference. `fused` is the count of fused LayerNorm/softmax
+/// calls `f` makes, checked so the fused path is the one measured.
+fn fused_against_f64(inputs: &[Tensor], fused: u64, f: &dyn Fn(&dyn Kernels, &[Tensor]) -> Tensor) {
+    let to = |t: &Tensor, dtype| t.to_dtype(dtype).unwrap();
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(&to(t, DType::F32)).unwrap())
+        .collect();
+    let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let before = fused_calls_on_this_thread();
+    let out = f(&Fused, &tensors);
+    assert_eq!(fused_calls_on_this_thread() - before, fused);
+    assert_eq!(out.dtype(), DType::F32);
+    let reference = f(&Composed, inputs);
+    let scale = reference
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    let diff = (to(&out, DType::F64) - &reference)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    assert!(
+        diff <= 1e-6 * scale.max(1.0),
+        "values: {diff:e} (scale {scale})"
+    );
+
+    let r = tensor(out.dims(), 99);
+    let grads = (out * to(&r, DType::F32))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let objective = |ts: &[Tensor]| -> f64 {
+        (f(&Composed, ts) * &r)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    };
+    let h = 1e-6;
+    for (i, var) in vars.iter().enumerate() {
+        let analytic: Vec<f32> = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("input {i}: no gradient"))
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let base: Vec<f64> = inputs[i].flatten_all().unwrap().to_vec1().unwrap();
+        let numeric: Vec<f64> = (0..base.len())
+            .map(|j| {
+                let at = |delta: f64| {
+                    let mut v = base.clone();
+                    v[j] += delta;
+                    let mut ts = inputs.to_vec();
+                    ts[i] = Tensor::from_vec(v, inputs[i].dims(), &Device::Cpu).unwrap();
+                    objective(&ts)
+                };
+                (at(h) - at(-h)) / (2.0 * h)
+            })
+            .collect();
+        let largest = numeric.iter().fold(0f64, |m, x| m.max(x.abs()));
+        for (j, (&a, &n)) in analytic.iter().zip(&numeric).enumerate() {
+            // f32 rounding of values of about the gradient's largest.
+            let err = (f64::from(a) - n).abs();
+            assert!(
+                err <= 2e-5 * largest.max(1e-3) + 1e-5 * n.abs(),
+                "input {i}[{j}]: fused {a} vs numeric {n} (largest {largest})"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
+    // LayerNorm with rows of 37 (not a multiple of the 16 vector lanes) and a row far from 0.
+    let x = (tensor(&[6, 37], 11) * 3.0).unwrap();
+    let x = (x.clone()
+        + Tensor::new(&[[50f64], [0.], [0.], [-2.], [0.], [1.]], &Device::Cpu)
+            .unwrap()
+            .broadcast_as((6, 37))
+            .unwrap())
+    .unwrap();
+    fused_against_f64(
+        &[x, (tensor(&[37], 12) + 1.0).unwrap(), tensor(&[37], 13)],
+        1,
+        &|k, t| k.layer_norm(&t[0], &t[1], &t[2], 1e-12).unwrap(),
+    );
+    // Attention (the masked softmax fused) with padded keys in the first sequence.
+    let mask = Tensor::new(
+        &[
+            [[[0f64, 0., 0., 0., -10_000., -10_000.]]],
+            [[[0., 0., 0., 0., 0., 0.]]],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    fused_against_f64(
+        &[
+            tensor(&[2, 3, 6, 4], 14),
+            tensor(&[2, 3, 6, 4], 15),
+            tensor(&[2, 3, 6, 4], 16),
+        ],
+        1,
+        &|k, t| {
+            k.attention(
+                &t[0],
+                &t[1],
+                &t[2],
+                &mask.to_dtype(t[0].dtype()).unwrap(),
+                Mode::Eval,
+                0.0,
+            )
+            .unwrap()
+        },
+    );
+    // With attention dropout: the fused kernel applies the mask the composed ops' dropout
+    // draws in its place (a fresh source per pass, so every pass draws the same masks).
+    let train = |k: &dyn Kernels, t: &[Tensor]| {
+        let source = DropoutSource::new(3);
+        let mask = mask.to_dtype(t[0].dtype()).unwrap();
+        k.attention(&t[0], &t[1], &t[2], &mask, Mode::Train(&source), 0.3)
+            .unwrap()
+    };
+    fused_against_f64(
+        &[
+            tensor(&[2, 3, 6, 4], 18),
+            tensor(&[2, 3, 6, 4], 19),
+            tensor(&[2, 3, 6, 4], 20),
+        ],
+        1,
+        &train,
+    );
+    // GELU over both tails and the middle.
+    fused_against_f64(&[(tensor(&[5, 41], 17) * 6.0).unwrap()], 0, &|k, t| {
+        k.gelu(&t[0]).unwrap()
+    });
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! unpadded positions, in f32 (1e-4), bf16 and f16 (documented tolerances).
 
 use bertkit_model::bert::{BertModel, load, load_frozen};
-use bertkit_model::kernels::fused_calls_on_this_thread;
+use bertkit_model::kernels::{Composed, fused_calls_on_this_thread};
 use bertkit_model::{BertConfig, Inputs, MaskedPositions, Mode, ModelError, loss};
 use bertkit_test_support::require;
 use candle_core::{DType, Device, Tensor};
@@ -44,9 +44,9 @@ fn max_diff_unpadded(a: &Tensor, b: &Tensor, mask: &Tensor) -> f32 {
         .unwrap()
 }
 
-fn run(dtype: DType, frozen: bool) -> (Reference, bertkit_model::BertOutput) {
+fn run(dtype: DType, frozen: bool, composed: bool) -> (Reference, bertkit_model::BertOutput) {
     let r = reference();
-    let loaded = if frozen {
+    let mut loaded = if frozen {
         load_frozen::<BertModel>(&require("minilm"), dtype, &Device::Cpu).unwrap()
     } else {
         load::<BertModel>(&require("minilm"), dtype, &Device::Cpu, 0).unwrap()
@@ -70,24 +70,33 @@ fn run(dtype: DType, frozen: bool) -> (Reference, bertkit_model::BertOutput) {
         Some(&r.attention_mask),
     )
     .unwrap();
+    if composed {
+        loaded.model.set_kernels(std::sync::Arc::new(Composed));
+    }
     let fused_before = fused_calls_on_this_thread();
     let out = loaded.model.forward(&inputs, Mode::Eval, true).unwrap();
-    // The fused LayerNorm and softmax run exactly when nothing tracks gradients: every one of
-    // a frozen model's (embeddings' LayerNorm, then two LayerNorms and a softmax per layer), none
-    // of a trainable model's. (Tried: with the selection never fusing, as before this check
-    // existed, the frozen count is 0 and this fails.)
+    // On the CPU the default kernels fuse every LayerNorm and softmax (embeddings' LayerNorm,
+    // then two LayerNorms and a softmax per layer), trainable or frozen, in every dtype (half
+    // precision computes them in f32); the composed reference none. (Tried: with the selection
+    // never fusing, the count is 0 and this fails.)
     let layers = loaded.config.num_hidden_layers as u64;
-    let expected = if frozen { 1 + 3 * layers } else { 0 };
+    let expected = if composed { 0 } else { 1 + 3 * layers };
     assert_eq!(fused_calls_on_this_thread() - fused_before, expected);
     (r, out)
 }
 
 fn check(dtype: DType, hidden_tol: f32, pooler_tol: f32) -> (f32, f32) {
-    check_path(dtype, hidden_tol, pooler_tol, false)
+    check_path(dtype, hidden_tol, pooler_tol, false, false)
 }
 
-fn check_path(dtype: DType, hidden_tol: f32, pooler_tol: f32, frozen: bool) -> (f32, f32) {
-    let (r, out) = run(dtype, frozen);
+fn check_path(
+    dtype: DType,
+    hidden_tol: f32,
+    pooler_tol: f32,
+    frozen: bool,
+    composed: bool,
+) -> (f32, f32) {
+    let (r, out) = run(dtype, frozen, composed);
     assert_eq!(out.hidden_states.len(), 7);
     let mut worst = 0f32;
     for (i, h) in out.hidden_states.iter().enumerate() {
@@ -121,7 +130,9 @@ fn check_path(dtype: DType, hidden_tol: f32, pooler_tol: f32, frozen: bool) -> (
         p <= pooler_tol,
         "{dtype:?} pooler_output: {p} > {pooler_tol}"
     );
-    eprintln!("{dtype:?} (frozen: {frozen}): hidden max |diff| {worst:.3e}, pooler {p:.3e}");
+    eprintln!(
+        "{dtype:?} (frozen: {frozen}, composed: {composed}): hidden max |diff| {worst:.3e}, pooler {p:.3e}"
+    );
     (worst, p)
 }
 
@@ -129,6 +140,8 @@ fn check_path(dtype: DType, hidden_tol: f32, pooler_tol: f32, frozen: bool) -> (
 fn f32_matches_transformers_within_2e_5() {
     // Measured 3.9e-6 (README); 2e-5 leaves room for summation order, not for a wrong op.
     check(DType::F32, 2e-5, 2e-5);
+    // The composed reference kernels too.
+    check_path(DType::F32, 2e-5, 2e-5, false, true);
     // A real comparison: the reference states are far from zero.
     let r = reference();
     let magnitude = r.tensors["last_hidden_state"]
@@ -141,8 +154,8 @@ fn f32_matches_transformers_within_2e_5() {
 
 #[test]
 fn the_frozen_inference_path_with_fused_ops_matches_too() {
-    check_path(DType::F32, 1e-4, 1e-4, true);
-    check_path(DType::BF16, 0.25, 1.5e-2, true);
+    check_path(DType::F32, 1e-4, 1e-4, true, false);
+    check_path(DType::BF16, 0.25, 1.5e-2, true, false);
 }
 
 #[test]

@@ -2,9 +2,9 @@
 //!
 //! For each (sequence length, batch) the model runs two warm-up passes, then timed passes
 //! until `min_seconds` have passed (at least five). Inputs are seeded pseudo-random token ids
-//! (no padding). The model is loaded frozen (fused LayerNorm and softmax) unless `composed`
-//! asks for the training path's differentiable ops. Reported: sequences per second at the median latency, and latency
-//! percentiles.
+//! (no padding). The model is loaded frozen with the fused kernels unless `composed` asks for
+//! the composed reference kernels. Reported: sequences per second at the median latency, and
+//! latency percentiles.
 //!
 //! [`forward_file`] runs a model folder on the token ids of a safetensors file and writes the
 //! hidden states as transformers names them (`bertkit forward`).
@@ -50,7 +50,8 @@ pub struct BenchSettings {
     pub dtype: DType,
     /// Timed seconds per setting (at least five passes).
     pub min_seconds: f64,
-    /// The training path's differentiable ops instead of the fused inference ops.
+    /// The composed reference kernels (candle primitives, as a model on another device trains
+    /// with) instead of the fused ones.
     pub composed: bool,
 }
 
@@ -68,10 +69,14 @@ pub fn bench(
         min_seconds,
         composed,
     } = settings.clone();
-    // Frozen parameters let the kernels use fused inference ops; `composed` measures the
-    // differentiable ops training uses instead.
+    // Frozen parameters let the kernels use fused inference ops on every device; `composed`
+    // measures the composed reference kernels on a trainable model instead.
     let loaded = if composed {
-        bertkit_model::bert::load::<BertModel>(dir, dtype, device, 0)?
+        let mut loaded = bertkit_model::bert::load::<BertModel>(dir, dtype, device, 0)?;
+        loaded
+            .model
+            .set_kernels(std::sync::Arc::new(bertkit_model::Composed));
+        loaded
     } else {
         load_frozen::<BertModel>(dir, dtype, device)?
     };

@@ -211,7 +211,7 @@ pub(crate) struct BenchInferenceArgs {
     /// Timed seconds per setting (at least five passes).
     #[arg(long, default_value_t = 3.0)]
     pub(crate) seconds: f64,
-    /// Use the training path's differentiable (composed) ops instead of the fused inference ops.
+    /// Use the composed reference kernels (candle primitives) instead of the fused ones.
     #[arg(long)]
     pub(crate) composed: bool,
 }
