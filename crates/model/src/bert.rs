@@ -42,19 +42,9 @@ impl Linear {
         })
     }
 
-    /// Applies the layer to `[..., in]`.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let input = *dims.last().expect("a tensor with a last dimension");
-        let rows: usize = dims[..dims.len() - 1].iter().product();
-        let y = x.reshape((rows, input))?.matmul(&self.weight.t()?)?;
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        };
-        let mut out = dims;
-        *out.last_mut().expect("non-empty") = self.weight.dim(0)?;
-        y.reshape(out)
+    /// Applies the layer to `[..., in]` with the kernels' linear layer.
+    pub fn forward(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
+        k.linear(x, &self.weight, self.bias.as_ref())
     }
 }
 
@@ -463,22 +453,22 @@ impl EncoderLayer {
                 .transpose(1, 2)?
                 .contiguous()
         };
-        let q = split(self.query.forward(x)?)?;
-        let kk = split(self.key.forward(x)?)?;
-        let v = split(self.value.forward(x)?)?;
+        let q = split(self.query.forward(k, x)?)?;
+        let kk = split(self.key.forward(k, x)?)?;
+        let v = split(self.value.forward(k, x)?)?;
         let context = k
             .attention(&q, &kk, &v, mask_bias, mode, self.attention_dropout)?
             .transpose(1, 2)?
             .contiguous()?
             .reshape((batch, seq, hidden))?;
         let attended = dropout(
-            &self.attention_output.forward(&context)?,
+            &self.attention_output.forward(k, &context)?,
             self.hidden_dropout,
             mode,
         )?;
         let x = self.attention_norm.forward(k, &(attended + x)?)?;
-        let inner = k.gelu(&self.intermediate.forward(&x)?)?;
-        let out = dropout(&self.output.forward(&inner)?, self.hidden_dropout, mode)?;
+        let inner = k.gelu(&self.intermediate.forward(k, &x)?)?;
+        let out = dropout(&self.output.forward(k, &inner)?, self.hidden_dropout, mode)?;
         self.output_norm.forward(k, &(out + x)?)
     }
 }
@@ -589,7 +579,11 @@ impl BertModel {
     /// The pooler on the `[CLS]` position, if the model has one.
     pub fn pool(&self, x: &Tensor) -> Result<Option<Tensor>, ModelError> {
         Ok(match &self.pooler {
-            Some(dense) => Some(dense.forward(&x.i((.., 0))?)?.tanh()?),
+            Some(dense) => Some(
+                dense
+                    .forward(self.kernels.as_ref(), &x.i((.., 0))?)?
+                    .tanh()?,
+            ),
             None => None,
         })
     }
@@ -711,7 +705,7 @@ impl BertForPreTraining {
         let flat = positions.broadcast_add(&offsets)?.flatten_all()?;
         let picked = x.reshape((batch * seq, hidden))?.index_select(&flat, 0)?;
         let k = self.bert.kernels.as_ref();
-        let t = k.gelu(&self.transform.forward(&picked)?)?;
+        let t = k.gelu(&self.transform.forward(k, &picked)?)?;
         let t = self.transform_norm.forward(k, &t)?;
         let logits = t
             .matmul(&self.bert.word_embeddings().to_dtype(t.dtype())?.t()?)?
@@ -723,7 +717,7 @@ impl BertForPreTraining {
             .expect("the pre-training model has a pooler");
         Ok(PreTrainingOutput {
             mlm_logits: logits,
-            nsp_logits: self.seq_relationship.forward(&pooled)?,
+            nsp_logits: self.seq_relationship.forward(k, &pooled)?,
         })
     }
 }
@@ -751,7 +745,8 @@ impl BertForQuestionAnswering {
     /// Start and end logits, each `[batch, seq]`.
     pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<(Tensor, Tensor), ModelError> {
         let out = self.bert.forward(inputs, mode, false)?;
-        let logits = self.qa_outputs.forward(&out.last_hidden_state)?;
+        let k = self.bert.kernels.as_ref();
+        let logits = self.qa_outputs.forward(k, &out.last_hidden_state)?;
         Ok((
             logits.i((.., .., 0))?.contiguous()?,
             logits.i((.., .., 1))?.contiguous()?,
@@ -786,9 +781,10 @@ impl BertForSequenceClassification {
         let pooled = out
             .pooler_output
             .expect("the classification model has a pooler");
-        Ok(self
-            .classifier
-            .forward(&dropout(&pooled, self.dropout, mode)?)?)
+        Ok(self.classifier.forward(
+            self.bert.kernels.as_ref(),
+            &dropout(&pooled, self.dropout, mode)?,
+        )?)
     }
 }
 

@@ -260,7 +260,7 @@ fn softmax_backward_row_portable(p: &[f32], g: &mut [f32], scale: f32) {
 
 /// `out = a · b`, single-threaded, for row-major `a` (`m × k`, or stored `k × m` when
 /// `a_transposed`) and `b` (`k × n`, or stored `n × k` when `b_transposed`); `out` is `m × n`,
-/// row-major. Through gemm, the library candle's CPU products call.
+/// row-major.
 #[allow(clippy::too_many_arguments)]
 fn matmul(
     m: usize,
@@ -272,14 +272,83 @@ fn matmul(
     b_transposed: bool,
     out: &mut [f32],
 ) {
+    let a_strides = if a_transposed { (1, m) } else { (k, 1) };
+    let b_strides = if b_transposed { (1, k) } else { (n, 1) };
+    let single = gemm::Parallelism::None;
+    product((m, n, k), a, a_strides, b, b_strides, out, false, single);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers.
+
+/// `x · Wᵀ + b` for `x` `[..., in]`, `W` `[out, in]` (PyTorch's layout) and `b` `[out]`: one
+/// multi-threaded matrix product into rows that already hold the bias. The backward is two
+/// products and the bias's column sums. One op where candle's composition has five (reshape,
+/// transpose, product, bias broadcast, reshape), each of which costs its backward a zeroed
+/// gradient buffer and an addition over the whole tensor.
+pub(crate) struct Linear;
+
+/// `(rows, in, out)` of a linear layer's operands.
+fn linear_shape(
+    op: &str,
+    x: &Layout,
+    weight: &Layout,
+    bias: &Layout,
+) -> Result<(usize, usize, usize)> {
+    let [out, input] = *weight.dims() else {
+        bail!(
+            "{op}: an [out, in] weight expected, got {:?}",
+            weight.dims()
+        )
+    };
+    if x.dims().last() != Some(&input) || bias.dims() != [out] {
+        bail!(
+            "{op}: input {:?}, weight {:?} and bias {:?} do not fit",
+            x.dims(),
+            weight.dims(),
+            bias.dims()
+        )
+    }
+    Ok((x.shape().elem_count() / input.max(1), input, out))
+}
+
+/// Threads for the linear layers' products: candle's own count (rayon's pool).
+fn product_parallelism() -> gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+/// `out = a · b` (`out += a · b` when `accumulate`) through gemm, the library candle's CPU
+/// products call: `a` is `m × k` and `b` `k × n` at the given `(row, column)` strides, `out`
+/// is `m × n`, row-major.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    (a_row, a_col): (usize, usize),
+    b: &[f32],
+    (b_row, b_col): (usize, usize),
+    out: &mut [f32],
+    accumulate: bool,
+    parallelism: gemm::Parallelism,
+) {
+    let reach = |rows: usize, cols: usize, row: usize, col: usize| {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * row + (cols - 1) * col + 1
+        }
+    };
     assert!(
-        a.len() >= m * k && b.len() >= k * n && out.len() >= m * n,
-        "matmul: slices too short for {m}x{k} by {k}x{n}"
+        a.len() >= reach(m, k, a_row, a_col)
+            && b.len() >= reach(k, n, b_row, b_col)
+            && out.len() >= m * n,
+        "product: slices too short for {m}x{k} by {k}x{n}"
     );
-    let (a_row, a_col) = if a_transposed { (1, m) } else { (k, 1) };
-    let (b_row, b_col) = if b_transposed { (1, k) } else { (n, 1) };
-    // SAFETY: `a`, `b` and `out` hold the m×k, k×n and m×n matrices these strides address
-    // (checked above), and `out`, borrowed mutably, aliases neither input.
+    // SAFETY: every element the strides address lies inside its slice (checked above), and
+    // `out`, borrowed mutably, aliases neither input.
     unsafe {
         gemm::gemm(
             m,
@@ -288,20 +357,150 @@ fn matmul(
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            accumulate,
             a.as_ptr(),
             a_col as isize,
             a_row as isize,
             b.as_ptr(),
             b_col as isize,
             b_row as isize,
-            0.0,
+            1.0,
             1.0,
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         )
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "bertkit-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (rows, input, output) = linear_shape(op, x_layout, weight_layout, bias_layout)?;
+        let x = contiguous(op, "input", x, x_layout)?;
+        let weight = contiguous(op, "weight", weight, weight_layout)?;
+        let bias = contiguous(op, "bias", bias, bias_layout)?;
+        let mut out: Vec<f32> = bias.iter().copied().cycle().take(rows * output).collect();
+        // W stored [out, in] read as Wᵀ [in, out]: element (p, j) at j·in + p.
+        let threads = product_parallelism();
+        product(
+            (rows, output, input),
+            x,
+            (input, 1),
+            weight,
+            (1, input),
+            &mut out,
+            true,
+            threads,
+        );
+        let mut dims = x_layout.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = output;
+        }
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = "bertkit-linear-backward";
+        let grad = grad.contiguous()?;
+        let (grad_x, grad_weight, grad_bias) = {
+            let (x_storage, x_layout) = x.storage_and_layout();
+            let (w_storage, w_layout) = weight.storage_and_layout();
+            let (g_storage, g_layout) = grad.storage_and_layout();
+            let (rows, input, output) = linear_shape(op, x_layout, w_layout, bias.layout())?;
+            if g_layout.shape().elem_count() != rows * output {
+                bail!("{op}: a gradient of shape {:?}", g_layout.dims())
+            }
+            let x = cpu_slice(op, "input", &x_storage, x_layout)?;
+            let w = cpu_slice(op, "weight", &w_storage, w_layout)?;
+            let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+            // dx = g · W; dW = gᵀ · x; db = the columns' sums of g.
+            let threads = product_parallelism();
+            let mut grad_x = vec![0f32; rows * input];
+            let dims = (rows, input, output);
+            product(
+                dims,
+                g,
+                (output, 1),
+                w,
+                (input, 1),
+                &mut grad_x,
+                false,
+                threads,
+            );
+            let mut grad_weight = vec![0f32; output * input];
+            let dims = (output, input, rows);
+            product(
+                dims,
+                g,
+                (1, output),
+                x,
+                (input, 1),
+                &mut grad_weight,
+                false,
+                threads,
+            );
+            (grad_x, grad_weight, column_sums(g, output))
+        };
+        let device = x.device();
+        Ok((
+            Some(Tensor::from_vec(grad_x, x.shape(), device)?),
+            Some(Tensor::from_vec(grad_weight, weight.shape(), device)?),
+            Some(Tensor::from_vec(grad_bias, bias.shape(), device)?),
+        ))
+    }
+}
+
+/// The sums of the columns of the row-major `[rows, columns]` matrix `g`: partial sums over
+/// fixed blocks of rows in parallel, then added in order (the same result on any number of
+/// threads).
+fn column_sums(g: &[f32], columns: usize) -> Vec<f32> {
+    let partials: Vec<Vec<f32>> = g
+        .par_chunks(ROWS_PER_PARTIAL * columns)
+        .map(|block| {
+            let mut sums = vec![0f32; columns];
+            for row in block.chunks(columns) {
+                add_into(&mut sums, row);
+            }
+            sums
+        })
+        .collect();
+    let mut sums = vec![0f32; columns];
+    for partial in &partials {
+        add_into(&mut sums, partial);
+    }
+    sums
+}
+
+vectorised! {
+    /// `sums += row`, element by element.
+    fn add_into(sums: &mut [f32], row: &[f32]) = add_into_portable
+}
+
+#[inline(always)]
+fn add_into_portable(sums: &mut [f32], row: &[f32]) {
+    for (s, &r) in sums.iter_mut().zip(row) {
+        *s += r;
     }
 }
 
@@ -664,9 +863,7 @@ impl CustomOp3 for LayerNormBackward {
             })
             .collect();
         for partial in &partials {
-            for (sum, p) in params.iter_mut().zip(partial) {
-                *sum += p;
-            }
+            add_into(params, partial);
         }
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, hidden))))
     }

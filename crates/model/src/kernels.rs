@@ -27,6 +27,12 @@ pub trait Kernels: Send + Sync + Debug {
     /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`.
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>;
 
+    /// A linear layer, `x · weightᵀ + bias`, for `x` `[..., in]` and a `[out, in]` weight
+    /// (PyTorch's layout).
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        composed_linear(x, weight, bias)
+    }
+
     /// Exact GELU, `x * Φ(x)` with the error function.
     fn gelu(&self, x: &Tensor) -> Result<Tensor>;
 
@@ -54,6 +60,22 @@ pub trait Kernels: Send + Sync + Debug {
     ) -> Result<Tensor> {
         composed_attention(self, q, k, v, mask_bias, mode, dropout)
     }
+}
+
+/// [`Kernels::linear`] from separate ops: the rows flattened, a product with the transposed
+/// weight, the bias broadcast over the rows.
+fn composed_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (input, leading) = dims.split_last().expect("a tensor with a last dimension");
+    let rows: usize = leading.iter().product();
+    let y = x.reshape((rows, *input))?.matmul(&weight.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out = dims;
+    *out.last_mut().expect("non-empty") = weight.dim(0)?;
+    y.reshape(out)
 }
 
 /// [`Kernels::attention`] from separate ops: `q·kᵀ`, the kernels' masked softmax, dropout, `·v`.
@@ -159,7 +181,8 @@ impl Kernels for Composed {
 
 /// The default kernels: fused ops wherever one serves, [`Composed`] ones elsewhere.
 ///
-/// - On the CPU, for f32 (and for half precision, computed in f32): our own fused LayerNorm,
+/// - On the CPU, for f32 (and for half precision, computed in f32): our own fused linear
+///   layers (bias added in the product; f32 only), LayerNorm,
 ///   attention (per sequence and head in one task: `q·kᵀ`, scale, padding mask, softmax,
 ///   dropout and `·v`, the probabilities recomputed in the backward rather than kept) and GELU
 ///   (a vectorised error function), each with a fused backward, so training and inference
@@ -203,6 +226,15 @@ impl Kernels for Fused {
             return normed.to_dtype(dtype);
         }
         Composed.layer_norm(x, weight, bias, eps)
+    }
+
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        match bias {
+            Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => x
+                .contiguous()?
+                .apply_op3(weight, bias, crate::cpu_fused::Linear),
+            _ => composed_linear(x, weight, bias),
+        }
     }
 
     fn gelu(&self, x: &Tensor) -> Result<Tensor> {
