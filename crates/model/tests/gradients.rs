@@ -394,7 +394,11 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
     );
     // A linear layer on a 3-d input (its rows flattened), bias added in the product.
     fused_against_f64(
-        &[tensor(&[2, 3, 7], 21), tensor(&[5, 7], 22), tensor(&[5], 23)],
+        &[
+            tensor(&[2, 3, 7], 21),
+            tensor(&[5, 7], 22),
+            tensor(&[5], 23),
+        ],
         0,
         &|k, t| k.linear(&t[0], &t[1], Some(&t[2])).unwrap(),
     );

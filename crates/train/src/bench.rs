@@ -8,6 +8,9 @@
 //! [`training_steps`]: a few real optimiser steps of a run config, for the binary to count the
 //! bytes they hold (its allocator counts; this crate only runs the steps).
 //!
+//! [`gemm_tflops`] and [`peak_tflops`]: the rate of the matrix products a model's linear layers
+//! run (`bertkit bench gemm`), what the trainer reports MFU against on the CPU.
+//!
 //! [`all_reduce`]: the data-parallel reduction of a gradient bucket the size of a model's
 //! parameters, as [`Step::finish`] runs it once per step (`bertkit bench allreduce`, under the
 //! launcher).
@@ -177,4 +180,59 @@ pub fn training_steps(
         predictions: config.data.max_predictions,
         seconds,
     })
+}
+
+/// The `(m, k, n)` products of a model's linear layers at `rows` tokens: the attention
+/// projections (hidden to hidden) and the feed-forward pair (hidden to intermediate and back).
+pub fn model_gemm_shapes(config: &BertConfig, rows: usize) -> Vec<(usize, usize, usize)> {
+    let (h, i) = (config.hidden_size, config.intermediate_size);
+    vec![(rows, h, h), (rows, h, i), (rows, i, h)]
+}
+
+/// The rate of `m×k` by `k×n` products in `dtype` on `device`, in TFLOP/s (`2·m·k·n` per
+/// product): the fastest of the products timed over about `seconds` (after one untimed),
+/// through the same candle product the model runs.
+pub fn gemm_tflops(
+    (m, k, n): (usize, usize, usize),
+    dtype: DType,
+    device: &Device,
+    seconds: f64,
+) -> Result<f64, TrainError> {
+    if m == 0 || k == 0 || n == 0 {
+        return Err(TrainError::Config(format!(
+            "bench gemm: an empty product {m}x{k} by {k}x{n}"
+        )));
+    }
+    let a = Tensor::randn(0f32, 1.0, (m, k), device)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 1.0, (k, n), device)?.to_dtype(dtype)?;
+    let mut fastest = f64::INFINITY;
+    let started = Instant::now();
+    for run in 0.. {
+        let t = Instant::now();
+        let c = a.matmul(&b)?;
+        device.synchronize()?;
+        let elapsed = t.elapsed().as_secs_f64();
+        drop(c);
+        if run > 0 {
+            fastest = fastest.min(elapsed);
+        }
+        if run >= 3 && started.elapsed().as_secs_f64() >= seconds {
+            break;
+        }
+    }
+    Ok(2.0 * (m * k * n) as f64 / fastest / 1e12)
+}
+
+/// Tokens per product when the trainer calibrates: a micro-batch of 16 sequences of 128.
+const CALIBRATION_ROWS: usize = 2048;
+
+/// The fastest rate among `config`'s linear-layer products ([`model_gemm_shapes`] at 2048
+/// tokens), each timed for about a third of a second: the peak the trainer reports MFU
+/// against when the config gives none.
+pub fn peak_tflops(config: &BertConfig, dtype: DType, device: &Device) -> Result<f64, TrainError> {
+    let mut peak = 0f64;
+    for shape in model_gemm_shapes(config, CALIBRATION_ROWS) {
+        peak = peak.max(gemm_tflops(shape, dtype, device, 0.3)?);
+    }
+    Ok(peak)
 }

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bertkit_model::bert::{BertForPreTraining, Loaded, init, load_with};
-use bertkit_model::{DropoutSource, Inputs, MaskedPositions, Mode, loss};
+use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, Mode, loss};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -70,7 +70,8 @@ pub struct StepMetrics {
     pub seq_per_s: f64,
     /// Real (unpadded) tokens per second.
     pub tokens_per_s: f64,
-    /// Model TFLOP/s achieved (6 × parameters × padded tokens, plus attention).
+    /// Model TFLOP/s achieved ([`training_flops_per_sequence`] at each micro-batch's padded
+    /// length, over the whole world).
     pub tflops: f64,
     /// Model FLOP utilisation, when the device's peak is configured.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -153,6 +154,9 @@ pub struct RunOptions {
     pub resume: bool,
     /// The data-parallel world ([`crate::distributed::join`]); [`Local`] for one process.
     pub reducer: Rc<dyn GradientReducer>,
+    /// On the CPU without `peak_tflops` in the config: measure the device's matrix-product
+    /// rate at start ([`crate::bench::peak_tflops`], about a second) and report MFU against it.
+    pub measure_peak: bool,
 }
 
 impl Default for RunOptions {
@@ -161,8 +165,23 @@ impl Default for RunOptions {
             max_steps: None,
             resume: false,
             reducer: Rc::new(Local),
+            measure_peak: false,
         }
     }
+}
+
+/// Model FLOPs of one sequence in a pre-training step, forward and backward (3x the forward's
+/// products): the encoder's linear layers and attention's two products at `seq` tokens, the
+/// masked-LM transform and decoder at `predictions` slots, the pooler and the next-sentence
+/// head. Embedding look-ups, element-wise work and the optimiser are not counted, as usual for
+/// MFU.
+pub fn training_flops_per_sequence(c: &BertConfig, seq: usize, predictions: usize) -> f64 {
+    let (h, i) = (c.hidden_size as f64, c.intermediate_size as f64);
+    let (layers, vocab, s) = (c.num_hidden_layers as f64, c.vocab_size as f64, seq as f64);
+    // Per token and layer: q, k, v and output projections, the feed-forward pair, q·kᵀ and ·v.
+    let layer = 2.0 * (4.0 * h * h + 2.0 * h * i) + 2.0 * 2.0 * s * h;
+    let heads = predictions as f64 * 2.0 * (h * h + h * vocab) + 2.0 * h * h + 2.0 * h * 2.0;
+    3.0 * (s * layers * layer + heads)
 }
 
 /// What a run did.
@@ -431,7 +450,9 @@ pub struct Trainer {
     scaler: Option<LossScaler>,
     accumulation: usize,
     state: RunState,
-    flops_per_token: f64,
+    /// Dense TFLOP/s of one device that MFU is reported against: the config's `peak_tflops`,
+    /// else on the CPU a measured matrix-product rate when the options ask for it.
+    peak_tflops: Option<f64>,
     /// The held-out records and how many batches of them each evaluation runs.
     eval: Option<(Arc<Dataset>, u64)>,
 }
@@ -559,11 +580,13 @@ impl Trainer {
                 ..saved
             };
         }
-        let params = model.params.count() as f64;
-        let c = &model.config;
-        // 6 FLOPs per parameter per token (forward + backward) plus attention's two matmuls.
-        let flops_per_token =
-            6.0 * params + 12.0 * c.num_hidden_layers as f64 * c.hidden_size as f64;
+        let peak_tflops = match config.train.peak_tflops {
+            Some(peak) => Some(peak),
+            None if options.measure_peak && device.is_cpu() => {
+                Some(crate::bench::peak_tflops(&model.config, dtype, &device)?)
+            }
+            None => None,
+        };
         Ok(Trainer {
             config,
             options,
@@ -575,7 +598,7 @@ impl Trainer {
             scaler,
             accumulation,
             state,
-            flops_per_token,
+            peak_tflops,
             eval,
         })
     }
@@ -590,7 +613,13 @@ impl Trainer {
         &self.dropout
     }
 
-    /// Micro-batches per optimiser step.
+    /// The dense TFLOP/s of one device that MFU is reported against, if any (see
+    /// [`RunOptions::measure_peak`]).
+    pub fn peak_tflops(&self) -> Option<f64> {
+        self.peak_tflops
+    }
+
+    /// Micro-batches per optimiser step on this rank.
     pub fn accumulation(&self) -> usize {
         self.accumulation
     }
@@ -745,14 +774,21 @@ impl Trainer {
         let reducer = self.options.reducer.clone();
         // The whole step's counts, over every rank: what each rank's losses are normalised by.
         let local = StepCounts::of(batches);
+        let predictions = self.config.data.max_predictions;
         let mut totals = [
             local.masked,
             local.sequences,
             batches.iter().map(|b| b.tokens as f64).sum(),
-            batches.iter().map(|b| (b.size * b.seq_len) as f64).sum(),
+            batches
+                .iter()
+                .map(|b| {
+                    let c = &self.model.config;
+                    b.size as f64 * training_flops_per_sequence(c, b.seq_len, predictions)
+                })
+                .sum(),
         ];
         reducer.all_reduce_sum_host(&mut totals)?;
-        let [masked, sequences, tokens, padded] = totals;
+        let [masked, sequences, tokens, flops] = totals;
         let counts = StepCounts {
             masked: masked.max(1e-5),
             sequences,
@@ -774,7 +810,8 @@ impl Trainer {
             self.state.cursor = last.next;
         }
         let seconds = started.elapsed().as_secs_f64().max(1e-9);
-        let tflops = self.flops_per_token * padded / seconds / 1e12;
+        let tflops = flops / seconds / 1e12;
+        let devices = reducer.ranks().world_size as f64;
         Ok(StepMetrics {
             step: self.state.step,
             loss: outcome.loss,
@@ -789,7 +826,7 @@ impl Trainer {
             seq_per_s: sequences / seconds,
             tokens_per_s: tokens / seconds,
             tflops,
-            mfu: self.config.train.peak_tflops.map(|p| tflops / p),
+            mfu: self.peak_tflops.map(|p| tflops / (p * devices)),
             eval: None,
         })
     }
@@ -876,6 +913,36 @@ impl Trainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The formula against the model's products listed one by one (forward, `2·m·k·n` each;
+    /// training three times that). (Tried: without the sequence length in attention's term,
+    /// as the trainer counted before, this fails.)
+    #[test]
+    fn training_flops_count_every_product_of_the_model() {
+        let c = BertConfig::tiny(60);
+        let (h, i, v, heads) = (32, 64, 60, c.num_attention_heads);
+        let d = h / heads;
+        let (seq, predictions) = (10, 3);
+        let mut products: Vec<(usize, usize, usize)> = Vec::new();
+        for _ in 0..c.num_hidden_layers {
+            products.extend([(seq, h, h); 4]);
+            products.extend([(seq, h, i), (seq, i, h)]);
+            for _ in 0..heads {
+                products.extend([(seq, d, seq), (seq, seq, d)]);
+            }
+        }
+        products.extend([
+            (predictions, h, h),
+            (predictions, h, v),
+            (1, h, h),
+            (1, h, 2),
+        ]);
+        let forward: usize = products.iter().map(|&(m, k, n)| 2 * m * k * n).sum();
+        assert_eq!(
+            training_flops_per_sequence(&c, seq, predictions),
+            3.0 * forward as f64
+        );
+    }
 
     /// A run the plan says will not fit stops before the first step, with the numbers and the
     /// micro-batch that would fit; one that fits passes.

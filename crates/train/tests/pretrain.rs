@@ -138,10 +138,22 @@ fn the_loss_falls_clearly() {
         sequences: 64,
         micro_batch: Some(16),
     });
-    let mut trainer = Trainer::new(c, RunOptions::default()).unwrap();
+    // On the CPU the trainer measures its matrix-product rate and reports MFU against it.
+    let options = RunOptions {
+        measure_peak: true,
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(c, options).unwrap();
+    let peak = trainer.peak_tflops().expect("a measured peak on the CPU");
+    assert!(peak > 1e-4 && peak < 1e3, "{peak} TFLOP/s");
     let summary = trainer.run(&mut |_| {}).unwrap();
     let losses: Vec<f64> = summary.metrics.iter().map(|m| m.loss).collect();
     assert_eq!(losses.len(), 160);
+    for m in &summary.metrics {
+        let mfu = m.mfu.expect("MFU with a measured peak");
+        assert!(mfu > 0.0 && mfu < 1.0, "step {}: MFU {mfu}", m.step);
+        assert_eq!(mfu, m.tflops / peak);
+    }
     // The held-out figures: after steps 40, 80, 120 and 160 only, on the same 64 sequences,
     // the masked-LM loss falling on the other book too; the same weights give the same
     // figures. (Tried: evaluating with dropout on, or with the records re-masked, makes two

@@ -74,6 +74,7 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
             max_steps,
             resume,
             reducer,
+            measure_peak: true,
         };
         run_pretraining(config, options, max_steps)
     })
@@ -113,6 +114,14 @@ fn run_pretraining(
             config.train.precision,
             config.train.device
         );
+    }
+    if let (true, Some(peak)) = (speaks, trainer.peak_tflops()) {
+        let source = if config.train.peak_tflops.is_some() {
+            "[train] peak_tflops"
+        } else {
+            "this device's fastest matrix product of the model, measured now (bench gemm)"
+        };
+        println!("MFU against {:.1} GFLOP/s per device: {source}", peak * 1e3);
     }
     if speaks && resume && trainer.step() == 0 {
         eprintln!(
@@ -274,6 +283,7 @@ pub(crate) fn bench(command: BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Inference(args) => bench_inference(args),
         BenchCommand::Optimizer(args) => bench_optimizer(args),
+        BenchCommand::Gemm(args) => bench_gemm(args),
         BenchCommand::Memory(args) => bench_memory(args),
         BenchCommand::Allreduce(args) => bench_allreduce(args),
     }
@@ -440,6 +450,35 @@ fn bench_optimizer(args: BenchOptimizerArgs) -> Result<()> {
         sorted.len(),
         median * 1e3,
         sorted[0] * 1e3
+    );
+    Ok(())
+}
+
+fn bench_gemm(args: BenchGemmArgs) -> Result<()> {
+    let config = bertkit_model::BertConfig::named(&args.config)?;
+    let dtype = bertkit_model::parse_dtype(&args.dtype)?;
+    let device = bertkit_model::parse_device(&args.device)?;
+    println!(
+        "{} linear-layer products at {} rows ({}, {}, {} threads)",
+        args.config,
+        args.rows,
+        args.dtype,
+        args.device,
+        candle_core::utils::get_num_threads()
+    );
+    let mut peak = 0f64;
+    for shape in bertkit_train::bench::model_gemm_shapes(&config, args.rows) {
+        let tflops = bertkit_train::bench::gemm_tflops(shape, dtype, &device, args.seconds)?;
+        let (m, k, n) = shape;
+        println!(
+            "  {m:>6} x {k:>5} by {k:>5} x {n:>5}: {:>8.1} GFLOP/s",
+            tflops * 1e3
+        );
+        peak = peak.max(tflops);
+    }
+    println!(
+        "peak {:.4} TFLOP/s ([train] peak_tflops; pretrain measures it itself on the CPU)",
+        peak
     );
     Ok(())
 }

@@ -115,9 +115,31 @@ pub(crate) enum BenchCommand {
     /// Peak bytes a few real training steps hold (the allocator's count), beside `plan`'s
     /// prediction for the same shapes.
     Memory(BenchMemoryArgs),
+    /// The matrix products of a model's linear layers: TFLOP/s per shape and the fastest, the
+    /// peak `pretrain` reports MFU against on the CPU (`[train] peak_tflops` to set your own).
+    Gemm(BenchGemmArgs),
     /// The data-parallel gradient all-reduce of a model-sized f32 bucket, run under the
     /// launcher (`mpirun -np N bertkit bench allreduce`): time and bandwidth.
     Allreduce(BenchAllreduceArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct BenchGemmArgs {
+    /// The model whose products to time: base, large, or a transformers config.json.
+    #[arg(long, default_value = "base")]
+    pub(crate) config: String,
+    /// Tokens (rows) per product.
+    #[arg(long, default_value_t = 2048)]
+    pub(crate) rows: usize,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Timed seconds per shape.
+    #[arg(long, default_value_t = 2.0)]
+    pub(crate) seconds: f64,
 }
 
 #[derive(Args)]
