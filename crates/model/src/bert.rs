@@ -707,9 +707,11 @@ impl BertForPreTraining {
         let k = self.bert.kernels.as_ref();
         let t = k.gelu(&self.transform.forward(k, &picked)?)?;
         let t = self.transform_norm.forward(k, &t)?;
-        let logits = t
-            .matmul(&self.bert.word_embeddings().to_dtype(t.dtype())?.t()?)?
-            .broadcast_add(&self.output_bias)?
+        // The decoder: the word embeddings (`[vocab, hidden]`, a linear layer's layout) and the
+        // output bias.
+        let decoder = self.bert.word_embeddings().to_dtype(t.dtype())?;
+        let logits = k
+            .linear(&t, &decoder, Some(&self.output_bias.to_dtype(t.dtype())?))?
             .reshape((batch, predictions, ()))?;
         let pooled = self
             .bert

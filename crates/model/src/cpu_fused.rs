@@ -1042,6 +1042,166 @@ fn twice_phi(x: f32) -> f32 {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Cross-entropy.
+
+/// The negative log-likelihood of each row's label, `log Σ exp(x) - x[label]`, for `logits`
+/// `[rows, classes]` (f32) and `labels` `[rows]` (u32). The backward recomputes each row's
+/// softmax from the logits: `g · (softmax(x) - onehot(label))`, one pass.
+pub(crate) struct NegativeLogLikelihood;
+
+impl NegativeLogLikelihood {
+    fn operands<'a>(
+        op: &str,
+        logits: &'a CpuStorage,
+        logits_layout: &Layout,
+        labels: &'a CpuStorage,
+        labels_layout: &Layout,
+    ) -> Result<(&'a [f32], &'a [u32], usize)> {
+        let [rows, classes] = *logits_layout.dims() else {
+            bail!(
+                "{op}: [rows, classes] logits expected, got {:?}",
+                logits_layout.dims()
+            )
+        };
+        if labels_layout.dims() != [rows] {
+            bail!(
+                "{op}: [{rows}] labels expected, got {:?}",
+                labels_layout.dims()
+            )
+        }
+        let logits = contiguous(op, "logits", logits, logits_layout)?;
+        let (CpuStorage::U32(labels), Some((start, end))) =
+            (labels, labels_layout.contiguous_offsets())
+        else {
+            bail!("{op}: contiguous u32 labels expected")
+        };
+        let labels = &labels[start..end];
+        if let Some(i) = labels.iter().position(|&l| l as usize >= classes) {
+            bail!(
+                "{op}: label {} of row {i} is outside 0..{classes}",
+                labels[i]
+            )
+        }
+        Ok((logits, labels, classes))
+    }
+}
+
+impl CustomOp2 for NegativeLogLikelihood {
+    fn name(&self) -> &'static str {
+        "bertkit-nll"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        logits_layout: &Layout,
+        labels: &CpuStorage,
+        labels_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (logits, labels, classes) =
+            Self::operands(self.name(), logits, logits_layout, labels, labels_layout)?;
+        let nll: Vec<f32> = logits
+            .par_chunks(classes)
+            .zip(labels.par_iter())
+            .map(|(row, &label)| log_sum_exp(row) - row[label as usize])
+            .collect();
+        Ok((CpuStorage::F32(nll), Shape::from(labels.len())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        _nll: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = "bertkit-nll-backward";
+        let grad = grad.contiguous()?;
+        let grad_logits = {
+            let (l_storage, l_layout) = logits.storage_and_layout();
+            let (y_storage, y_layout) = labels.storage_and_layout();
+            let (g_storage, g_layout) = grad.storage_and_layout();
+            let (candle_core::Storage::Cpu(l_storage), candle_core::Storage::Cpu(y_storage)) =
+                (&*l_storage, &*y_storage)
+            else {
+                bail!("{op}: CPU tensors expected")
+            };
+            let (x, labels, classes) =
+                Self::operands(op, l_storage, l_layout, y_storage, y_layout)?;
+            let grad = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+            if grad.len() != labels.len() {
+                bail!(
+                    "{op}: a gradient of {} values for {} rows",
+                    grad.len(),
+                    labels.len()
+                )
+            }
+            let mut out = vec![0f32; x.len()];
+            out.par_chunks_mut(classes)
+                .zip(x.par_chunks(classes))
+                .zip(labels.par_iter().zip(grad.par_iter()))
+                .for_each(|((out, row), (&label, &g))| {
+                    softmax_times(row, log_sum_exp(row), g, out);
+                    out[label as usize] -= g;
+                });
+            out
+        };
+        Ok((
+            Some(Tensor::from_vec(
+                grad_logits,
+                logits.shape(),
+                logits.device(),
+            )?),
+            None,
+        ))
+    }
+}
+
+vectorised! {
+    /// `log Σ exp(row)`, the row's maximum taken out first, into `out[0]`.
+    fn log_sum_exp_into(row: &[f32], out: &mut f32) = log_sum_exp_portable
+}
+
+#[inline(always)]
+fn log_sum_exp_portable(row: &[f32], out: &mut f32) {
+    let n = row.len();
+    let whole = n - n % LANES;
+    let mut lane_max = [f32::NEG_INFINITY; LANES];
+    for chunk in row[..whole].chunks_exact(LANES) {
+        for l in 0..LANES {
+            lane_max[l] = if chunk[l] > lane_max[l] {
+                chunk[l]
+            } else {
+                lane_max[l]
+            };
+        }
+    }
+    let max = row[whole..].iter().fold(
+        lane_max.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)),
+        |a, &b| a.max(b),
+    );
+    *out = max + lane_sum(n, |i| exp(row[i] - max)).ln();
+}
+
+fn log_sum_exp(row: &[f32]) -> f32 {
+    let mut out = 0.0;
+    log_sum_exp_into(row, &mut out);
+    out
+}
+
+vectorised! {
+    /// `out = g · exp(row - log_sum_exp)`: the row's softmax times `g`.
+    fn softmax_times(row: &[f32], log_sum_exp: f32, g: f32, out: &mut [f32]) = softmax_times_portable
+}
+
+#[inline(always)]
+fn softmax_times_portable(row: &[f32], log_sum_exp: f32, g: f32, out: &mut [f32]) {
+    for (o, &x) in out.iter_mut().zip(row) {
+        *o = g * exp(x - log_sum_exp);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dropout.
 
 /// Multiplies by a dropout mask kept as one byte per element (1: kept, scaled by `scale`;

@@ -402,6 +402,12 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
         0,
         &|k, t| k.linear(&t[0], &t[1], Some(&t[2])).unwrap(),
     );
+    // The negative log-likelihood (the masked-LM and next-sentence losses' core), logits of
+    // rows of 37 classes.
+    let labels = Tensor::new(&[3u32, 0, 36, 17], &Device::Cpu).unwrap();
+    fused_against_f64(&[(tensor(&[4, 37], 24) * 4.0).unwrap()], 0, &|_, t| {
+        loss::nll_per_row(&t[0], &labels).unwrap()
+    });
     // GELU over both tails and the middle.
     fused_against_f64(&[(tensor(&[5, 41], 17) * 6.0).unwrap()], 0, &|k, t| {
         k.gelu(&t[0]).unwrap()
