@@ -560,10 +560,10 @@ impl Attention {
                 self.mask.len()
             )
         }
-        if let Some((keep, _)) = &self.keep {
-            if keep.len() != batch * heads * queries * keys {
-                bail!("attention: a dropout mask of {} values", keep.len())
-            }
+        if let Some((keep, _)) = &self.keep
+            && keep.len() != batch * heads * queries * keys
+        {
+            bail!("attention: a dropout mask of {} values", keep.len())
         }
         Ok(AttentionShape {
             heads,
