@@ -28,6 +28,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+mod cpu_update;
 pub mod data;
 pub mod distributed;
 pub mod logs;

@@ -1,0 +1,165 @@
+//! The optimiser update of one parameter group in one pass over its state, for f32 state on
+//! the CPU: where the composed update makes about fifteen element-wise passes (each a fresh
+//! tensor) over the weights, moments and gradients, this reads each once and writes the new
+//! weights and moments once. The arithmetic is the composed update's, op for op in f32;
+//! LAMB's per-parameter norms are summed in f64 over fixed blocks, added in order (the same
+//! result on any number of threads).
+
+use candle_core::{Result, Storage, Tensor, bail};
+use rayon::prelude::*;
+
+/// The step's scalars.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scalars {
+    pub(crate) clip: f64,
+    pub(crate) beta1: f64,
+    pub(crate) beta2: f64,
+    /// `1 / (1 - β1^t)` and `1 / (1 - β2^t)`.
+    pub(crate) inverse_corrections: (f64, f64),
+    pub(crate) eps: f64,
+    /// The weight decay of this group (0 for biases and LayerNorm).
+    pub(crate) decay: f64,
+    pub(crate) lr: f64,
+    /// LAMB's trust ratio per parameter (with decay only, as the composed update).
+    pub(crate) trust_ratio: bool,
+}
+
+/// Elements per parallel task.
+const BLOCK: usize = 1 << 15;
+
+/// The f32 values of a contiguous CPU tensor.
+fn values<'a>(what: &str, storage: &'a Storage, tensor: &Tensor) -> Result<&'a [f32]> {
+    match (storage, tensor.layout().contiguous_offsets()) {
+        (Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((start, end))) => Ok(&v[start..end]),
+        _ => bail!("optimiser update: the {what} are not contiguous f32 on the CPU"),
+    }
+}
+
+/// The group's new `(master, m, v)` from its `[rows, numel]` master weights, moments and
+/// gradients.
+pub(crate) fn update(
+    master: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    gradients: &Tensor,
+    s: Scalars,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (rows, numel) = master.dims2()?;
+    for t in [m, v, gradients] {
+        if t.dims() != [rows, numel] {
+            bail!(
+                "optimiser update: state of shape {:?} for [{rows}, {numel}]",
+                t.dims()
+            )
+        }
+    }
+    let (new_w, new_m, new_v) = {
+        let (ws, _) = master.storage_and_layout();
+        let (ms, _) = m.storage_and_layout();
+        let (vs, _) = v.storage_and_layout();
+        let (gs, _) = gradients.storage_and_layout();
+        let w = values("weights", &ws, master)?;
+        let m = values("first moments", &ms, m)?;
+        let v = values("second moments", &vs, v)?;
+        let g = values("gradients", &gs, gradients)?;
+        let mut new_w = vec![0f32; w.len()];
+        let mut new_m = vec![0f32; w.len()];
+        let mut new_v = vec![0f32; w.len()];
+        for row in 0..rows {
+            let span = row * numel..(row + 1) * numel;
+            update_row(
+                (
+                    &w[span.clone()],
+                    &m[span.clone()],
+                    &v[span.clone()],
+                    &g[span.clone()],
+                ),
+                (
+                    &mut new_w[span.clone()],
+                    &mut new_m[span.clone()],
+                    &mut new_v[span],
+                ),
+                s,
+            );
+        }
+        (new_w, new_m, new_v)
+    };
+    let device = master.device();
+    Ok((
+        Tensor::from_vec(new_w, (rows, numel), device)?,
+        Tensor::from_vec(new_m, (rows, numel), device)?,
+        Tensor::from_vec(new_v, (rows, numel), device)?,
+    ))
+}
+
+/// One parameter: the moments and the update (into `new_w`, as the step before the weights),
+/// then the weights.
+fn update_row(
+    (w, m, v, g): (&[f32], &[f32], &[f32], &[f32]),
+    (new_w, new_m, new_v): (&mut [f32], &mut [f32], &mut [f32]),
+    s: Scalars,
+) {
+    let f = |x: f64| x as f32;
+    let (b1, one_b1, b2, one_b2) = (f(s.beta1), f(1.0 - s.beta1), f(s.beta2), f(1.0 - s.beta2));
+    let (inv_bc1, inv_bc2) = (f(s.inverse_corrections.0), f(s.inverse_corrections.1));
+    let (clip, eps, decay, lr) = (f(s.clip), f(s.eps), f(s.decay), f(s.lr));
+    let trust_ratio = s.trust_ratio && s.decay > 0.0;
+    // Pass 1: moments and the update `u` (kept in `new_w`), and the squared norms of w and u.
+    let norms: Vec<(f64, f64)> = new_w
+        .par_chunks_mut(BLOCK)
+        .zip(new_m.par_chunks_mut(BLOCK).zip(new_v.par_chunks_mut(BLOCK)))
+        .enumerate()
+        .map(|(block, (u_out, (m_out, v_out)))| {
+            let at = block * BLOCK;
+            let (mut w2, mut u2) = (0f64, 0f64);
+            for i in 0..u_out.len() {
+                let gi = if s.clip != 1.0 {
+                    g[at + i] * clip
+                } else {
+                    g[at + i]
+                };
+                let mi = m[at + i] * b1 + gi * one_b1;
+                let vi = v[at + i] * b2 + gi * gi * one_b2;
+                let denominator = (vi * inv_bc2).sqrt() + eps;
+                let mut u = (mi * inv_bc1) / denominator;
+                if s.decay > 0.0 {
+                    u += w[at + i] * decay;
+                }
+                m_out[i] = mi;
+                v_out[i] = vi;
+                u_out[i] = u;
+                if trust_ratio {
+                    w2 += f64::from(w[at + i]) * f64::from(w[at + i]);
+                    u2 += f64::from(u) * f64::from(u);
+                }
+            }
+            (w2, u2)
+        })
+        .collect();
+    let ratio = if trust_ratio {
+        let (w2, u2) = norms
+            .iter()
+            .fold((0f64, 0f64), |(a, b), &(w2, u2)| (a + w2, b + u2));
+        let (wn, un) = (w2.sqrt(), u2.sqrt());
+        Some(if wn > 0.0 && un > 0.0 {
+            f(wn / un)
+        } else {
+            1.0
+        })
+    } else {
+        None
+    };
+    // Pass 2: the weights.
+    new_w
+        .par_chunks_mut(BLOCK)
+        .zip(w.par_chunks(BLOCK))
+        .for_each(|(out, w)| {
+            for (o, &w) in out.iter_mut().zip(w) {
+                let u = match ratio {
+                    Some(r) => *o * r,
+                    None => *o,
+                };
+                *o = w - u * lr;
+            }
+        });
+}
