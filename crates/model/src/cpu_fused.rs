@@ -1,12 +1,14 @@
-//! Fused kernels of our own for f32 on the CPU, where candle's run as several passes with scalar
-//! C-library math, each with its backward: LayerNorm ([`LayerNorm`]), attention's scale,
-//! padding mask and softmax in one pass per row ([`MaskedSoftmax`]), the exact GELU with a
-//! vectorised error function ([`Gelu`]), and dropout by a mask kept as bytes ([`KeepMask`]).
+//! Fused kernels of our own for f32 on the CPU, each with a fused backward, where candle's
+//! composition runs several passes (each with its own backward node) and scalar C-library
+//! math: linear layers ([`Linear`]), attention per sequence and head ([`Attention`]), the
+//! masked softmax alone ([`MaskedSoftmax`]), LayerNorm ([`LayerNorm`]), the exact GELU with a
+//! vectorised error function ([`Gelu`]), the negative log-likelihood
+//! ([`NegativeLogLikelihood`]) and dropout by a mask kept as bytes ([`KeepMask`]).
 //! [`crate::kernels::Fused`] takes them for f32 on the CPU, whether or not gradients are
-//! tracked; a backward pass is itself one of these ops (no intermediates are kept besides the
-//! op's inputs and output, which candle keeps anyway).
+//! tracked; a backward pass is itself one op of ours, computed from the forward op's inputs
+//! and output (which candle keeps anyway) and, for attention, the dropout mask.
 //!
-//! Every loop runs rows (or chunks) in parallel and sums within a row in a fixed order of
+//! Every loop runs rows (or fixed blocks) in parallel and sums within a row in a fixed order of
 //! lanes, so results do not depend on the number of threads: training stays bit-reproducible.
 //! Exponentials are computed several lanes at a time (a polynomial within 2 ulp of `expf`),
 //! with the loops compiled for AVX-512 or AVX2 where the CPU has them (chosen at run time).
@@ -22,17 +24,17 @@ use rayon::prelude::*;
 /// them (checked at run time, so the binary still runs on CPUs without them). `$portable` is
 /// `#[inline(always)]`, so its loops are vectorised for each target.
 macro_rules! vectorised {
-    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) = $portable:ident) => {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $portable:ident) => {
         $(#[$doc])*
-        fn $name($($arg: $ty),*) {
+        fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f")]
-                fn avx512($($arg: $ty),*) {
+                fn avx512($($arg: $ty),*) $(-> $ret)? {
                     $portable($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                fn avx2($($arg: $ty),*) {
+                fn avx2($($arg: $ty),*) $(-> $ret)? {
                     $portable($($arg),*)
                 }
                 if std::arch::is_x86_feature_detected!("avx512f") {
@@ -101,6 +103,26 @@ fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
         sum += f(i);
     }
     sum
+}
+
+/// The largest of `values`, by [`LANES`] running maxima (vectorisable), then in order.
+#[inline(always)]
+fn lane_max(values: &[f32]) -> f32 {
+    let whole = values.len() - values.len() % LANES;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for chunk in values[..whole].chunks_exact(LANES) {
+        for l in 0..LANES {
+            lanes[l] = if chunk[l] > lanes[l] {
+                chunk[l]
+            } else {
+                lanes[l]
+            };
+        }
+    }
+    values[whole..]
+        .iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
 /// Rows of `row_len` per parallel task: about 16k elements, at least one row.
@@ -212,33 +234,16 @@ vectorised! {
 #[inline(always)]
 fn softmax_row_portable(row: &mut [f32], mask: &[f32], scale: f32) {
     let n = row.len();
-    let mask = &mask[..n];
-    let whole = n - n % LANES;
-    let mut lane_max = [f32::NEG_INFINITY; LANES];
-    for (o, m) in row[..whole]
-        .chunks_exact_mut(LANES)
-        .zip(mask[..whole].chunks_exact(LANES))
-    {
-        for l in 0..LANES {
-            o[l] = o[l] * scale + m[l];
-            lane_max[l] = if o[l] > lane_max[l] {
-                o[l]
-            } else {
-                lane_max[l]
-            };
-        }
+    for (x, &m) in row.iter_mut().zip(&mask[..n]) {
+        *x = *x * scale + m;
     }
-    let mut max = lane_max.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    for i in whole..n {
-        row[i] = row[i] * scale + mask[i];
-        max = max.max(row[i]);
-    }
-    for o in row.iter_mut() {
-        *o = exp(*o - max);
+    let max = lane_max(row);
+    for x in row.iter_mut() {
+        *x = exp(*x - max);
     }
     let inv = 1.0 / lane_sum(n, |i| row[i]);
-    for o in row.iter_mut() {
-        *o *= inv;
+    for x in row.iter_mut() {
+        *x *= inv;
     }
 }
 
@@ -1158,35 +1163,14 @@ impl CustomOp2 for NegativeLogLikelihood {
 }
 
 vectorised! {
-    /// `log Σ exp(row)`, the row's maximum taken out first, into `out[0]`.
-    fn log_sum_exp_into(row: &[f32], out: &mut f32) = log_sum_exp_portable
+    /// `log Σ exp(row)`, the row's maximum taken out first.
+    fn log_sum_exp(row: &[f32]) -> f32 = log_sum_exp_portable
 }
 
 #[inline(always)]
-fn log_sum_exp_portable(row: &[f32], out: &mut f32) {
-    let n = row.len();
-    let whole = n - n % LANES;
-    let mut lane_max = [f32::NEG_INFINITY; LANES];
-    for chunk in row[..whole].chunks_exact(LANES) {
-        for l in 0..LANES {
-            lane_max[l] = if chunk[l] > lane_max[l] {
-                chunk[l]
-            } else {
-                lane_max[l]
-            };
-        }
-    }
-    let max = row[whole..].iter().fold(
-        lane_max.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)),
-        |a, &b| a.max(b),
-    );
-    *out = max + lane_sum(n, |i| exp(row[i] - max)).ln();
-}
-
-fn log_sum_exp(row: &[f32]) -> f32 {
-    let mut out = 0.0;
-    log_sum_exp_into(row, &mut out);
-    out
+fn log_sum_exp_portable(row: &[f32]) -> f32 {
+    let max = lane_max(row);
+    max + lane_sum(row.len(), |i| exp(row[i] - max)).ln()
 }
 
 vectorised! {
@@ -1226,13 +1210,10 @@ impl CustomOp1 for KeepMask {
                 x.len()
             )
         }
-        let mut out = vec![0f32; x.len()];
+        let mut out = x.to_vec();
         out.par_chunks_mut(ELEMENTWISE_CHUNK)
-            .zip(
-                x.par_chunks(ELEMENTWISE_CHUNK)
-                    .zip(self.keep.par_chunks(ELEMENTWISE_CHUNK)),
-            )
-            .for_each(|(out, (x, keep))| apply_keep_chunk(x, keep, self.scale, out));
+            .zip(self.keep.par_chunks(ELEMENTWISE_CHUNK))
+            .for_each(|(out, keep)| apply_keep_in_place(out, keep, self.scale));
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
@@ -1242,18 +1223,6 @@ impl CustomOp1 for KeepMask {
             scale: self.scale,
         };
         Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&same)?))
-    }
-}
-
-vectorised! {
-    /// A chunk times its mask.
-    fn apply_keep_chunk(x: &[f32], keep: &[u8], scale: f32, out: &mut [f32]) = apply_keep_chunk_portable
-}
-
-#[inline(always)]
-fn apply_keep_chunk_portable(x: &[f32], keep: &[u8], scale: f32, out: &mut [f32]) {
-    for ((o, &x), &k) in out.iter_mut().zip(x).zip(keep) {
-        *o = x * (f32::from(k) * scale);
     }
 }
 

@@ -138,11 +138,10 @@ impl DropoutSource {
             return Ok(x.clone());
         }
         let scale = 1.0 / (1.0 - p);
+        let draw = self.next_draw();
         let mask = match x.device() {
             Device::Cpu => {
-                let keep = self
-                    .next_cpu_keep_mask(x.dims(), p)
-                    .expect("p > 0 draws a mask");
+                let keep = cpu_keep_mask(x.dims(), draw.key, draw.first_row, p);
                 if x.dtype() == DType::F32 {
                     // Applied (and its backward) in one pass with a byte per element.
                     let op = crate::cpu_fused::KeepMask {
@@ -158,7 +157,6 @@ impl DropoutSource {
                 Tensor::from_vec(values, x.shape(), &Device::Cpu)?
             }
             device => {
-                let draw = self.next_draw();
                 if draw.starts_stream {
                     device.set_seed(splitmix(draw.key ^ splitmix(draw.first_row)))?;
                 }

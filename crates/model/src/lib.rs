@@ -33,9 +33,6 @@ pub mod kernels;
 pub mod loss;
 pub mod params;
 
-// Linked for its `x86-v4` feature alone: candle's CPU matrix products then take gemm's
-// AVX-512 kernels where the CPU has them.
-use gemm as _;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, Ordering};
 

@@ -375,6 +375,11 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
             .unwrap()
         },
     );
+    // The masked softmax alone (the kernels' `masked_softmax`, its own fused op and backward).
+    fused_against_f64(&[tensor(&[2, 3, 6, 6], 25)], 1, &|k, t| {
+        let mask = mask.to_dtype(t[0].dtype()).unwrap();
+        k.masked_softmax(&t[0], &mask, 0.35).unwrap()
+    });
     // With attention dropout: the fused kernel applies the mask the composed ops' dropout
     // draws in its place (a fresh source per pass, so every pass draws the same masks).
     let train = |k: &dyn Kernels, t: &[Tensor]| {

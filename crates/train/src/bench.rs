@@ -191,7 +191,7 @@ pub fn model_gemm_shapes(config: &BertConfig, rows: usize) -> Vec<(usize, usize,
 
 /// The rate of `m×k` by `k×n` products in `dtype` on `device`, in TFLOP/s (`2·m·k·n` per
 /// product): the fastest of the products timed over about `seconds` (after one untimed),
-/// through the same candle product the model runs.
+/// through candle's product (on the CPU the gemm library the model's fused kernels call too).
 pub fn gemm_tflops(
     (m, k, n): (usize, usize, usize),
     dtype: DType,

@@ -73,7 +73,8 @@ pub struct StepMetrics {
     /// Model TFLOP/s achieved ([`training_flops_per_sequence`] at each micro-batch's padded
     /// length, over the whole world).
     pub tflops: f64,
-    /// Model FLOP utilisation, when the device's peak is configured.
+    /// Model FLOP utilisation per device, when a peak is known (configured, or measured on
+    /// the CPU: [`RunOptions::measure_peak`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
     /// The held-out evaluation after this step, when one ran (`[eval]`).
@@ -774,17 +775,14 @@ impl Trainer {
         let reducer = self.options.reducer.clone();
         // The whole step's counts, over every rank: what each rank's losses are normalised by.
         let local = StepCounts::of(batches);
-        let predictions = self.config.data.max_predictions;
+        let (model, predictions) = (&self.model.config, self.config.data.max_predictions);
         let mut totals = [
             local.masked,
             local.sequences,
             batches.iter().map(|b| b.tokens as f64).sum(),
             batches
                 .iter()
-                .map(|b| {
-                    let c = &self.model.config;
-                    b.size as f64 * training_flops_per_sequence(c, b.seq_len, predictions)
-                })
+                .map(|b| b.size as f64 * training_flops_per_sequence(model, b.seq_len, predictions))
                 .sum(),
         ];
         reducer.all_reduce_sum_host(&mut totals)?;
