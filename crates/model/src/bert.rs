@@ -2,8 +2,11 @@
 //! sequence-classification heads, in one file (as candle-transformers lays models out).
 //!
 //! Inputs are `[batch, seq]` tensors of token ids, segment (token type) ids and an attention
-//! mask (1 for tokens, 0 for padding), as integers (`u32` or `i64`). [`Mode::Train`] turns the
-//! dropouts on, with masks from a [`DropoutSource`]. Every hot op goes through [`Kernels`].
+//! mask (1 for tokens, 0 for padding), as integers (`u32` or `i64`). Inside the encoder the
+//! batch is unpadded: activations are `[tokens, hidden]`, the tokens of every row end to end
+//! ([`Packing`]), so nothing is computed for padding; the outputs are padded back
+//! (`[batch, seq, ...]`, zeros at padding). [`Mode::Train`] turns the dropouts on, with masks
+//! from a [`DropoutSource`]. Every hot op goes through [`Kernels`].
 
 use std::sync::Arc;
 
@@ -11,6 +14,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 
 use crate::dropout::DropoutSource;
 use crate::kernels::{Fused, Kernels};
+use crate::packing::Packing;
 use crate::params::{Init, ParamBuilder, ParamStore};
 use crate::{BertConfig, ModelError};
 
@@ -87,21 +91,30 @@ impl Mode<'_> {
             _ => Ok(x.clone()),
         }
     }
+
+    /// As [`Mode::dropout`] for a packed `[tokens, width]` tensor: each token drops what its
+    /// place in the padded batch would.
+    pub fn dropout_tokens(&self, x: &Tensor, p: f64, packing: &Packing) -> candle_core::Result<Tensor> {
+        match self {
+            Mode::Train(source) if p > 0.0 => source.apply_to_tokens(x, packing, p),
+            _ => Ok(x.clone()),
+        }
+    }
 }
 
 fn dropout(x: &Tensor, p: f64, mode: Mode) -> candle_core::Result<Tensor> {
     mode.dropout(x, p)
 }
 
-/// Checked model inputs, as `u32` ids and an additive mask bias.
+/// Checked model inputs: `u32` ids and where the tokens are.
 #[derive(Debug, Clone)]
 pub struct Inputs {
     /// Token ids, `[batch, seq]`, u32.
     pub input_ids: Tensor,
     /// Segment ids, `[batch, seq]`, u32.
     pub token_type_ids: Tensor,
-    /// `[batch, 1, 1, seq]`, f32: 0 for tokens, [`MASK_BIAS`] for padding.
-    pub mask_bias: Tensor,
+    /// The tokens (the attention mask's 1s) laid end to end, as the encoder runs them.
+    pub packing: Packing,
 }
 
 /// Host-side row-major integers: every value below `limit`, or an error naming the first one
@@ -220,15 +233,14 @@ impl Inputs {
             Some(t) => Tensor::from_slice(t, shape, device)?,
             None => ids.zeros_like()?,
         };
-        let mask = match attention_mask {
-            Some(m) => Tensor::from_slice(m, shape, device)?.to_dtype(DType::F32)?,
-            None => Tensor::ones(shape, DType::F32, device)?,
+        let packing = match attention_mask {
+            Some(m) => Packing::from_mask(shape, m, device)?,
+            None => Packing::from_mask(shape, &vec![1; batch * seq], device)?,
         };
-        let mask_bias = ((1.0 - mask)? * MASK_BIAS)?.reshape((batch, 1, 1, seq))?;
         Ok(Inputs {
             input_ids: ids,
             token_type_ids,
-            mask_bias,
+            packing,
         })
     }
 
@@ -376,27 +388,25 @@ impl Embeddings {
         })
     }
 
+    /// The embeddings of the batch's tokens, `[tokens, hidden]`.
     fn forward(&self, k: &dyn Kernels, inputs: &Inputs, mode: Mode) -> candle_core::Result<Tensor> {
-        let (batch, seq) = inputs.input_ids.dims2()?;
-        let h = self.word.dim(1)?;
+        let packing = &inputs.packing;
         let words = self
             .word
-            .index_select(&inputs.input_ids.flatten_all()?, 0)?
-            .reshape((batch, seq, h))?;
+            .index_select(&packing.pack(&inputs.input_ids)?, 0)?;
         let types = self
             .token_type
-            .index_select(&inputs.token_type_ids.flatten_all()?, 0)?
-            .reshape((batch, seq, h))?;
-        let positions = self.position.narrow(0, 0, seq)?.unsqueeze(0)?;
+            .index_select(&packing.pack(&inputs.token_type_ids)?, 0)?;
+        let positions = self.position.index_select(packing.positions(), 0)?;
         // The tables are f32 (see `ParamBuilder::get_table`): the sum and its LayerNorm run in
         // f32, and the result is cast to the compute dtype (the LayerNorm's), so the tables'
         // gradients arrive and accumulate in f32.
-        let x = (words + types)?.broadcast_add(&positions)?;
+        let x = ((words + types)? + positions)?;
         let x = self
             .norm
             .forward(k, &x)?
             .to_dtype(self.norm.weight.dtype())?;
-        dropout(&x, self.dropout, mode)
+        mode.dropout_tokens(&x, self.dropout, packing)
     }
 }
 
@@ -439,36 +449,34 @@ impl EncoderLayer {
         })
     }
 
+    /// The layer on packed `x`, `[tokens, hidden]`.
     fn forward(
         &self,
         k: &dyn Kernels,
         x: &Tensor,
-        mask_bias: &Tensor,
+        packing: &Packing,
         mode: Mode,
     ) -> candle_core::Result<Tensor> {
-        let (batch, seq, hidden) = x.dims3()?;
-        let head = hidden / self.heads;
-        let split = |t: Tensor| -> candle_core::Result<Tensor> {
-            t.reshape((batch, seq, self.heads, head))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let q = split(self.query.forward(k, x)?)?;
-        let kk = split(self.key.forward(k, x)?)?;
-        let v = split(self.value.forward(k, x)?)?;
-        let context = k
-            .attention(&q, &kk, &v, mask_bias, mode, self.attention_dropout)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((batch, seq, hidden))?;
-        let attended = dropout(
+        let q = self.query.forward(k, x)?;
+        let kk = self.key.forward(k, x)?;
+        let v = self.value.forward(k, x)?;
+        let context = k.attention(
+            &q,
+            &kk,
+            &v,
+            packing,
+            self.heads,
+            mode,
+            self.attention_dropout,
+        )?;
+        let attended = mode.dropout_tokens(
             &self.attention_output.forward(k, &context)?,
             self.hidden_dropout,
-            mode,
+            packing,
         )?;
         let x = self.attention_norm.forward(k, &(attended + x)?)?;
         let inner = k.gelu(&self.intermediate.forward(k, &x)?)?;
-        let out = dropout(&self.output.forward(k, &inner)?, self.hidden_dropout, mode)?;
+        let out = mode.dropout_tokens(&self.output.forward(k, &inner)?, self.hidden_dropout, packing)?;
         self.output_norm.forward(k, &(out + x)?)
     }
 }
@@ -547,15 +555,17 @@ impl BertModel {
         self.layers.len()
     }
 
-    /// The embedding stage: word + position + token type, LayerNorm, dropout.
+    /// The embedding stage: word + position + token type, LayerNorm, dropout, for the batch's
+    /// tokens: `[tokens, hidden]` (see [`Packing`]).
     pub fn embed(&self, inputs: &Inputs, mode: Mode) -> Result<Tensor, ModelError> {
         Ok(self
             .embeddings
             .forward(self.kernels.as_ref(), inputs, mode)?)
     }
 
-    /// Encoder layers `layers` (a range of layer indices) on `x`. Running the ranges in order
-    /// is the whole encoder; activation checkpointing runs them one segment at a time.
+    /// Encoder layers `layers` (a range of layer indices) on the tokens `x` (`[tokens,
+    /// hidden]`). Running the ranges in order is the whole encoder; activation checkpointing
+    /// runs them one segment at a time.
     pub fn encode(
         &self,
         x: &Tensor,
@@ -564,52 +574,57 @@ impl BertModel {
         mode: Mode,
     ) -> Result<Tensor, ModelError> {
         let k = self.kernels.as_ref();
-        let mask_bias = inputs.mask_bias.to_dtype(if x.dtype() == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        })?;
         let mut x = x.clone();
         for layer in &self.layers[layers] {
-            x = layer.forward(k, &x, &mask_bias, mode)?;
+            x = layer.forward(k, &x, &inputs.packing, mode)?;
         }
         Ok(x)
     }
 
-    /// The pooler on the `[CLS]` position, if the model has one.
-    pub fn pool(&self, x: &Tensor) -> Result<Option<Tensor>, ModelError> {
+    /// The embeddings and every layer: the last layer's output for the batch's tokens,
+    /// `[tokens, hidden]`.
+    pub fn encode_tokens(&self, inputs: &Inputs, mode: Mode) -> Result<Tensor, ModelError> {
+        let x = self.embed(inputs, mode)?;
+        self.encode(&x, inputs, 0..self.layers.len(), mode)
+    }
+
+    /// The pooler on each row's `[CLS]` token (column 0) of the tokens `x`, if the model has
+    /// one: `[batch, hidden]`.
+    pub fn pool(&self, x: &Tensor, inputs: &Inputs) -> Result<Option<Tensor>, ModelError> {
         Ok(match &self.pooler {
             Some(dense) => Some(
                 dense
-                    .forward(self.kernels.as_ref(), &x.i((.., 0))?)?
+                    .forward(self.kernels.as_ref(), &inputs.packing.firsts(x)?)?
                     .tanh()?,
             ),
             None => None,
         })
     }
 
-    /// Runs the encoder; `all_hidden_states` keeps every layer's output.
+    /// Runs the encoder; `all_hidden_states` keeps every layer's output. Outputs are padded
+    /// (`[batch, seq, hidden]`) with zeros at padding.
     pub fn forward(
         &self,
         inputs: &Inputs,
         mode: Mode,
         all_hidden_states: bool,
     ) -> Result<BertOutput, ModelError> {
+        let padded = |x: &Tensor| inputs.packing.unpack(x);
         let mut x = self.embed(inputs, mode)?;
         let mut hidden_states = Vec::new();
         for i in 0..self.layers.len() {
             if all_hidden_states {
-                hidden_states.push(x.clone());
+                hidden_states.push(padded(&x)?);
             }
             x = self.encode(&x, inputs, i..i + 1, mode)?;
         }
         if all_hidden_states {
-            hidden_states.push(x.clone());
+            hidden_states.push(padded(&x)?);
         }
-        let pooler_output = self.pool(&x)?;
+        let pooler_output = self.pool(&x, inputs)?;
         Ok(BertOutput {
             hidden_states,
-            last_hidden_state: x,
+            last_hidden_state: padded(&x)?,
             pooler_output,
         })
     }
@@ -680,17 +695,19 @@ impl BertForPreTraining {
         masked_positions: &MaskedPositions,
         mode: Mode,
     ) -> Result<PreTrainingOutput, ModelError> {
-        let out = self.bert.forward(inputs, mode, false)?;
-        self.heads(&out.last_hidden_state, masked_positions)
+        let x = self.bert.encode_tokens(inputs, mode)?;
+        self.heads(&x, inputs, masked_positions)
     }
 
-    /// The masked-LM and next-sentence heads on the encoder's output `x`.
+    /// The masked-LM and next-sentence heads on the encoder's output for the tokens `x`
+    /// (`[tokens, hidden]`). A masked position in padding reads a hidden state of zeros.
     pub fn heads(
         &self,
         x: &Tensor,
+        inputs: &Inputs,
         masked_positions: &MaskedPositions,
     ) -> Result<PreTrainingOutput, ModelError> {
-        let (batch, seq, hidden) = x.dims3()?;
+        let (batch, seq) = inputs.packing.padded_dims();
         let positions = masked_positions.tensor();
         let (pb, predictions) = positions.dims2()?;
         if pb != batch || masked_positions.seq > seq {
@@ -702,8 +719,8 @@ impl BertForPreTraining {
         let offsets = Tensor::arange(0u32, batch as u32, x.device())?
             .affine(seq as f64, 0.0)?
             .unsqueeze(1)?;
-        let flat = positions.broadcast_add(&offsets)?.flatten_all()?;
-        let picked = x.reshape((batch * seq, hidden))?.index_select(&flat, 0)?;
+        let places = positions.broadcast_add(&offsets)?.flatten_all()?;
+        let picked = inputs.packing.select(x, &places)?;
         let k = self.bert.kernels.as_ref();
         let t = k.gelu(&self.transform.forward(k, &picked)?)?;
         let t = self.transform_norm.forward(k, &t)?;
@@ -715,7 +732,7 @@ impl BertForPreTraining {
             .reshape((batch, predictions, ()))?;
         let pooled = self
             .bert
-            .pool(x)?
+            .pool(x, inputs)?
             .expect("the pre-training model has a pooler");
         Ok(PreTrainingOutput {
             mlm_logits: logits,
@@ -744,11 +761,13 @@ impl BertArchitecture for BertForQuestionAnswering {
 }
 
 impl BertForQuestionAnswering {
-    /// Start and end logits, each `[batch, seq]`.
+    /// Start and end logits, each `[batch, seq]` (0 at padding).
     pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<(Tensor, Tensor), ModelError> {
-        let out = self.bert.forward(inputs, mode, false)?;
+        let x = self.bert.encode_tokens(inputs, mode)?;
         let k = self.bert.kernels.as_ref();
-        let logits = self.qa_outputs.forward(k, &out.last_hidden_state)?;
+        let logits = inputs
+            .packing
+            .unpack(&self.qa_outputs.forward(k, &x)?)?;
         Ok((
             logits.i((.., .., 0))?.contiguous()?,
             logits.i((.., .., 1))?.contiguous()?,
@@ -779,9 +798,10 @@ impl BertArchitecture for BertForSequenceClassification {
 impl BertForSequenceClassification {
     /// Class logits, `[batch, num_labels]` (one column: a regression score).
     pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<Tensor, ModelError> {
-        let out = self.bert.forward(inputs, mode, false)?;
-        let pooled = out
-            .pooler_output
+        let x = self.bert.encode_tokens(inputs, mode)?;
+        let pooled = self
+            .bert
+            .pool(&x, inputs)?
             .expect("the classification model has a pooler");
         Ok(self.classifier.forward(
             self.bert.kernels.as_ref(),

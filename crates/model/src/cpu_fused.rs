@@ -1,7 +1,7 @@
 //! Fused kernels of our own for f32 on the CPU, each with a fused backward, where candle's
 //! composition runs several passes (each with its own backward node) and scalar C-library
-//! math: linear layers ([`Linear`]), attention per sequence and head ([`Attention`]), the
-//! masked softmax alone ([`MaskedSoftmax`]), LayerNorm ([`LayerNorm`]), the exact GELU with a
+//! math: linear layers ([`Linear`]), attention per sequence and head of a packed batch
+//! ([`Attention`]), LayerNorm ([`LayerNorm`]), the exact GELU with a
 //! vectorised error function ([`Gelu`]), the negative log-likelihood
 //! ([`NegativeLogLikelihood`]) and dropout by a mask kept as bytes ([`KeepMask`]).
 //! [`crate::kernels::Fused`] takes them for f32 on the CPU, whether or not gradients are
@@ -131,115 +131,19 @@ fn rows_per_task(row_len: usize) -> usize {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention's masked softmax.
-
-/// `softmax(scores · scale + mask)` over the last dimension; `scores` `[batch, heads, q, k]`,
-/// `mask` `[batch, 1, 1, k]` (additive: 0 or a large negative number), both f32. The mask gets
-/// no gradient.
-pub(crate) struct MaskedSoftmax {
-    pub(crate) scale: f32,
-}
-
-impl CustomOp2 for MaskedSoftmax {
-    fn name(&self) -> &'static str {
-        "bertkit-masked-softmax"
-    }
-
-    fn cpu_fwd(
-        &self,
-        scores: &CpuStorage,
-        scores_layout: &Layout,
-        mask: &CpuStorage,
-        mask_layout: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let scores = contiguous(op, "scores", scores, scores_layout)?;
-        let mask = contiguous(op, "mask", mask, mask_layout)?;
-        let dims = scores_layout.dims();
-        let [batch, heads, queries, keys] = *dims else {
-            bail!("masked softmax: [batch, heads, q, k] scores expected, got {dims:?}")
-        };
-        if mask_layout.dims() != [batch, 1, 1, keys] {
-            bail!(
-                "masked softmax: a [{batch}, 1, 1, {keys}] mask expected, got {:?}",
-                mask_layout.dims()
-            )
-        }
-        let mut out = scores.to_vec();
-        let per_batch = heads * queries * keys;
-        let task = rows_per_task(keys) * keys;
-        out.par_chunks_mut(task).enumerate().for_each(|(t, out)| {
-            for (r, row) in out.chunks_mut(keys).enumerate() {
-                let b = (t * task + r * keys) / per_batch;
-                softmax_row(row, &mask[b * keys..(b + 1) * keys], self.scale);
-            }
-        });
-        Ok((CpuStorage::F32(out), Shape::from(dims)))
-    }
-
-    fn bwd(
-        &self,
-        _scores: &Tensor,
-        _mask: &Tensor,
-        probs: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = SoftmaxBackward { scale: self.scale };
-        let grad_scores = probs.apply_op2_no_bwd(&grad.contiguous()?, &op)?;
-        Ok((Some(grad_scores), None))
-    }
-}
-
-/// The gradient of the scores from the probabilities `p` and their gradient `g`, row by row:
-/// `scale · p · (g - Σ g·p)`.
-struct SoftmaxBackward {
-    scale: f32,
-}
-
-impl CustomOp2 for SoftmaxBackward {
-    fn name(&self) -> &'static str {
-        "bertkit-masked-softmax-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        probs: &CpuStorage,
-        probs_layout: &Layout,
-        grad: &CpuStorage,
-        grad_layout: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        same_shape(op, probs_layout, grad_layout)?;
-        let probs = contiguous(op, "probabilities", probs, probs_layout)?;
-        let grad = contiguous(op, "gradient", grad, grad_layout)?;
-        let keys = probs_layout.dims().last().copied().unwrap_or(1).max(1);
-        let task = rows_per_task(keys) * keys;
-        let mut out = grad.to_vec();
-        out.par_chunks_mut(task)
-            .zip(probs.par_chunks(task))
-            .for_each(|(out, p)| {
-                for (g, p) in out.chunks_mut(keys).zip(p.chunks(keys)) {
-                    softmax_backward_row(p, g, self.scale);
-                }
-            });
-        Ok((CpuStorage::F32(out), probs_layout.shape().clone()))
-    }
-}
+// Attention's softmax rows.
 
 vectorised! {
-    /// One row of the masked softmax, in place.
-    fn softmax_row(row: &mut [f32], mask: &[f32], scale: f32) = softmax_row_portable
+    /// One row of the softmax of scaled scores, `softmax(row · scale)`, in place.
+    fn softmax_row(row: &mut [f32], scale: f32) = softmax_row_portable
 }
 
 #[inline(always)]
-fn softmax_row_portable(row: &mut [f32], mask: &[f32], scale: f32) {
+fn softmax_row_portable(row: &mut [f32], scale: f32) {
     let n = row.len();
-    for (x, &m) in row.iter_mut().zip(&mask[..n]) {
-        *x = *x * scale + m;
-    }
     let max = lane_max(row);
     for x in row.iter_mut() {
-        *x = exp(*x - max);
+        *x = exp((*x - max) * scale);
     }
     let inv = 1.0 / lane_sum(n, |i| row[i]);
     for x in row.iter_mut() {
@@ -248,7 +152,7 @@ fn softmax_row_portable(row: &mut [f32], mask: &[f32], scale: f32) {
 }
 
 vectorised! {
-    /// One row of the masked softmax's backward: the probabilities' gradient `g` becomes the
+    /// One row of the softmax's backward: the probabilities' gradient `g` becomes the scaled
     /// scores' gradient, in place.
     fn softmax_backward_row(p: &[f32], g: &mut [f32], scale: f32) = softmax_backward_row_portable
 }
@@ -261,26 +165,6 @@ fn softmax_backward_row_portable(p: &[f32], g: &mut [f32], scale: f32) {
     for (g, &p) in g.iter_mut().zip(p) {
         *g = scale * p * (*g - dot);
     }
-}
-
-/// `out = a · b`, single-threaded, for row-major `a` (`m × k`, or stored `k × m` when
-/// `a_transposed`) and `b` (`k × n`, or stored `n × k` when `b_transposed`); `out` is `m × n`,
-/// row-major.
-#[allow(clippy::too_many_arguments)]
-fn matmul(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    a_transposed: bool,
-    b: &[f32],
-    b_transposed: bool,
-    out: &mut [f32],
-) {
-    let a_strides = if a_transposed { (1, m) } else { (k, 1) };
-    let b_strides = if b_transposed { (1, k) } else { (n, 1) };
-    let single = gemm::Parallelism::None;
-    product((m, n, k), a, a_strides, b, b_strides, out, false, single);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -325,6 +209,43 @@ fn product_parallelism() -> gemm::Parallelism {
     }
 }
 
+/// Where a matrix's elements lie in a slice: element `(i, j)` at `offset + i·row + j·col`.
+#[derive(Debug, Clone, Copy)]
+struct View {
+    offset: usize,
+    row: usize,
+    col: usize,
+}
+
+impl View {
+    /// A row-major matrix of rows of `width` from the slice's start.
+    fn rows(width: usize) -> Self {
+        View {
+            offset: 0,
+            row: width,
+            col: 1,
+        }
+    }
+
+    /// The transposed matrix, in place.
+    fn t(self) -> Self {
+        View {
+            offset: self.offset,
+            row: self.col,
+            col: self.row,
+        }
+    }
+
+    /// One past the last element a `rows × cols` matrix of this view addresses.
+    fn reach(self, rows: usize, cols: usize) -> usize {
+        if rows == 0 || cols == 0 {
+            self.offset
+        } else {
+            self.offset + (rows - 1) * self.row + (cols - 1) * self.col + 1
+        }
+    }
+}
+
 /// `out = a · b` (`out += a · b` when `accumulate`) through gemm, the library candle's CPU
 /// products call: `a` is `m × k` and `b` `k × n` at the given `(row, column)` strides, `out`
 /// is `m × n`, row-major.
@@ -339,36 +260,56 @@ fn product(
     accumulate: bool,
     parallelism: gemm::Parallelism,
 ) {
-    let reach = |rows: usize, cols: usize, row: usize, col: usize| {
-        if rows == 0 || cols == 0 {
-            0
-        } else {
-            (rows - 1) * row + (cols - 1) * col + 1
-        }
-    };
+    let view = |row, col| View { offset: 0, row, col };
+    // SAFETY: `out` is borrowed mutably, so nothing else reads or writes it.
+    unsafe {
+        product_into(
+            (m, n, k),
+            (a, view(a_row, a_col)),
+            (b, view(b_row, b_col)),
+            (out.as_mut_ptr(), out.len(), View::rows(n)),
+            accumulate,
+            parallelism,
+        )
+    }
+}
+
+/// `out = a · b` (`out += a · b` when `accumulate`) for an `m × k` matrix `a` and a `k × n`
+/// matrix `b`, each a view into its slice, into the `m × n` view of the `len` elements at `out`.
+///
+/// # Safety
+/// `out` points to `len` writable elements, and while the product runs nothing else reads or
+/// writes the ones the view addresses (other threads may use the rest), nor are they inside
+/// `a` or `b`.
+unsafe fn product_into(
+    (m, n, k): (usize, usize, usize),
+    (a, av): (&[f32], View),
+    (b, bv): (&[f32], View),
+    (out, len, ov): (*mut f32, usize, View),
+    accumulate: bool,
+    parallelism: gemm::Parallelism,
+) {
     assert!(
-        a.len() >= reach(m, k, a_row, a_col)
-            && b.len() >= reach(k, n, b_row, b_col)
-            && out.len() >= m * n,
-        "product: slices too short for {m}x{k} by {k}x{n}"
+        a.len() >= av.reach(m, k) && b.len() >= bv.reach(k, n) && len >= ov.reach(m, n),
+        "product: views out of their slices for {m}x{k} by {k}x{n}"
     );
-    // SAFETY: every element the strides address lies inside its slice (checked above), and
-    // `out`, borrowed mutably, aliases neither input.
+    // SAFETY: every element the views address lies inside its slice or `out`'s `len`
+    // elements (checked above), and the caller guarantees `out`'s view is ours alone.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
+            out.add(ov.offset),
+            ov.col as isize,
+            ov.row as isize,
             accumulate,
-            a.as_ptr(),
-            a_col as isize,
-            a_row as isize,
-            b.as_ptr(),
-            b_col as isize,
-            b_row as isize,
+            a.as_ptr().add(av.offset),
+            av.col as isize,
+            av.row as isize,
+            b.as_ptr().add(bv.offset),
+            bv.col as isize,
+            bv.row as isize,
             1.0,
             1.0,
             false,
@@ -376,6 +317,30 @@ fn product(
             false,
             parallelism,
         )
+    }
+}
+
+/// A buffer parallel tasks write disjoint parts of through [`product_into`].
+struct Shared {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: `Shared` only hands its pointer to `product_into`, whose callers guarantee that the
+// tasks' views are disjoint.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn new(buffer: &mut [f32]) -> Self {
+        Shared {
+            ptr: buffer.as_mut_ptr(),
+            len: buffer.len(),
+        }
+    }
+
+    /// The buffer with a view into it, for [`product_into`].
+    fn at(&self, view: View) -> (*mut f32, usize, View) {
+        (self.ptr, self.len, view)
     }
 }
 
@@ -512,46 +477,62 @@ fn add_into_portable(sums: &mut [f32], row: &[f32]) {
 // ---------------------------------------------------------------------------------------------
 // Attention.
 
-/// Scaled dot-product attention of `q` `[batch, heads, queries, head]` over `k` and `v`
-/// `[batch, heads, keys, head]` (f32, contiguous): `dropout(softmax(q·kᵀ · scale + mask)) · v`.
-/// One (sequence, head) per parallel task with single-threaded matrix products (candle's
-/// batched product runs a multi-threaded product per head instead, each too small to spread
-/// over threads), and no `[batch, heads, q, k]` tensor is materialised: the backward recomputes
-/// each head's probabilities rather than keeping them, so only the dropout mask (a byte per
-/// probability) is kept.
+/// Scaled dot-product attention within each sequence of a packed batch: `q`, `k` and `v` are
+/// `[tokens, hidden]` (f32, contiguous; the heads side by side in `hidden`, as the linear
+/// layers write them), sequence `b` being tokens `starts[b]..starts[b + 1]`; the output is
+/// `[tokens, hidden]`, `dropout(softmax(q·kᵀ · scale)) · v` per sequence and head. One
+/// (sequence, head) per parallel task, reading its queries, keys and values in place by
+/// strides and writing its columns of the output (no head split or merge copies), with
+/// single-threaded matrix products; no `[batch, heads, q, k]` tensor exists: each task's
+/// probabilities live in its scratch, and the backward recomputes them, keeping only the
+/// dropout mask (a byte per probability).
 pub(crate) struct Attention {
-    /// `[batch, keys]`, additive: 0 or a large negative number.
-    pub(crate) mask: Arc<Vec<f32>>,
+    pub(crate) heads: usize,
     pub(crate) scale: f32,
-    /// The attention dropout's mask, `[batch, heads, queries, keys]` (1: kept), and the scale
-    /// of kept probabilities.
+    /// Where each sequence's tokens start, and the end of the last.
+    pub(crate) starts: Arc<Vec<usize>>,
+    /// The dropout mask (1: kept) in `len × len` blocks per sequence and head in order, and the
+    /// scale of kept probabilities.
     pub(crate) keep: Option<(Arc<Vec<u8>>, f32)>,
 }
 
 /// The attention's dimensions.
 #[derive(Clone, Copy)]
 struct AttentionShape {
-    heads: usize,
-    queries: usize,
-    keys: usize,
+    hidden: usize,
     head: usize,
+}
+
+/// One (sequence, head) of the attention.
+struct HeadTask {
+    /// The sequence's first token and its length.
+    start: usize,
+    len: usize,
+    head: usize,
+    /// Where its block of the dropout mask starts.
+    keep_at: usize,
+}
+
+impl AttentionShape {
+    /// The task's queries, keys or values (or their gradients) in a `[tokens, hidden]` buffer.
+    fn view(self, t: &HeadTask) -> View {
+        View {
+            offset: t.start * self.hidden + t.head * self.head,
+            row: self.hidden,
+            col: 1,
+        }
+    }
 }
 
 impl Attention {
     fn shape(&self, q: &Layout, k: &Layout, v: &Layout) -> Result<AttentionShape> {
-        let [batch, heads, queries, head] = *q.dims() else {
+        let [tokens, hidden] = *q.dims() else {
             bail!(
-                "attention: [batch, heads, q, head] queries expected, got {:?}",
+                "attention: [tokens, hidden] queries expected, got {:?}",
                 q.dims()
             )
         };
-        let [kb, kh, keys, kd] = *k.dims() else {
-            bail!(
-                "attention: [batch, heads, k, head] keys expected, got {:?}",
-                k.dims()
-            )
-        };
-        if (kb, kh, kd) != (batch, heads, head) || v.dims() != k.dims() {
+        if k.dims() != q.dims() || v.dims() != q.dims() {
             bail!(
                 "attention: queries {:?}, keys {:?} and values {:?} do not fit",
                 q.dims(),
@@ -559,44 +540,113 @@ impl Attention {
                 v.dims()
             )
         }
-        if self.mask.len() != batch * keys {
-            bail!(
-                "attention: a mask of {} values for {batch} x {keys} keys",
-                self.mask.len()
-            )
+        if self.heads == 0 || hidden % self.heads != 0 {
+            bail!("attention: {hidden} columns do not split into {} heads", self.heads)
         }
-        if let Some((keep, _)) = &self.keep
-            && keep.len() != batch * heads * queries * keys
-        {
-            bail!("attention: a dropout mask of {} values", keep.len())
+        if self.starts.last() != Some(&tokens) || self.starts.windows(2).any(|w| w[0] > w[1]) {
+            bail!("attention: sequence starts {:?} for {tokens} tokens", self.starts)
+        }
+        if let Some((keep, _)) = &self.keep {
+            let probabilities: usize = self
+                .starts
+                .windows(2)
+                .map(|w| self.heads * (w[1] - w[0]).pow(2))
+                .sum();
+            if keep.len() != probabilities {
+                bail!(
+                    "attention: a dropout mask of {} values for {probabilities} probabilities",
+                    keep.len()
+                )
+            }
         }
         Ok(AttentionShape {
-            heads,
-            queries,
-            keys,
-            head,
+            hidden,
+            head: hidden / self.heads,
         })
     }
 
-    /// Head `bh`'s probabilities into `probs` (`[queries, keys]`), before dropout.
-    fn probabilities(&self, s: AttentionShape, bh: usize, q: &[f32], k: &[f32], probs: &mut [f32]) {
-        matmul(s.queries, s.keys, s.head, q, false, k, true, probs);
-        let b = bh / s.heads;
-        let mask = &self.mask[b * s.keys..(b + 1) * s.keys];
-        for row in probs.chunks_mut(s.keys) {
-            softmax_row(row, mask, self.scale);
+    /// Every (sequence, head), longest sequences first (the longest tasks start first, so
+    /// rayon's stealing evens out the ends).
+    fn tasks(&self) -> Vec<HeadTask> {
+        let mut tasks = Vec::with_capacity((self.starts.len() - 1) * self.heads);
+        let mut keep_at = 0;
+        for w in self.starts.windows(2) {
+            let (start, len) = (w[0], w[1] - w[0]);
+            for head in 0..self.heads {
+                tasks.push(HeadTask {
+                    start,
+                    len,
+                    head,
+                    keep_at,
+                });
+                keep_at += len * len;
+            }
+        }
+        tasks.sort_by_key(|t| std::cmp::Reverse(t.len));
+        tasks
+    }
+
+    /// The task's probabilities into `probs` (`len × len`, resized), before dropout.
+    fn probabilities(
+        &self,
+        s: AttentionShape,
+        t: &HeadTask,
+        q: &[f32],
+        k: &[f32],
+        probs: &mut Vec<f32>,
+    ) {
+        probs.resize(t.len * t.len, 0.0);
+        let view = s.view(t);
+        product(
+            (t.len, t.len, s.head),
+            &q[view.offset..],
+            (view.row, view.col),
+            &k[view.offset..],
+            (view.col, view.row),
+            probs,
+            false,
+            gemm::Parallelism::None,
+        );
+        for row in probs.chunks_mut(t.len.max(1)) {
+            softmax_row(row, self.scale);
         }
     }
 
-    /// Head `bh`'s dropout mask and scale, if any.
-    fn keep(&self, s: AttentionShape, bh: usize) -> Option<(&[u8], f32)> {
-        let block = s.queries * s.keys;
+    /// The task's dropout mask and scale, if any.
+    fn keep(&self, t: &HeadTask) -> Option<(&[u8], f32)> {
         self.keep
             .as_ref()
-            .map(|(keep, scale)| (&keep[bh * block..(bh + 1) * block], *scale))
+            .map(|(keep, scale)| (&keep[t.keep_at..t.keep_at + t.len * t.len], *scale))
     }
 
-    /// The gradients of `q`, `k` and `v` from the output's gradient `g`, head by head:
+    /// The output, `[tokens, hidden]`.
+    fn forward(&self, s: AttentionShape, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; q.len()];
+        let shared = Shared::new(&mut out);
+        self.tasks()
+            .par_iter()
+            .for_each_init(Vec::new, |probs, t| {
+                self.probabilities(s, t, q, k, probs);
+                if let Some((keep, scale)) = self.keep(t) {
+                    apply_keep_in_place(probs, keep, scale);
+                }
+                let view = s.view(t);
+                // SAFETY: each task writes only its own sequence's rows and head's columns.
+                unsafe {
+                    product_into(
+                        (t.len, s.head, t.len),
+                        (probs, View::rows(t.len)),
+                        (v, view),
+                        shared.at(view),
+                        false,
+                        gemm::Parallelism::None,
+                    )
+                }
+            });
+        out
+    }
+
+    /// The gradients of `q`, `k` and `v` from the output's gradient `g`, task by task:
     /// with `P` the probabilities, `D` the dropout mask and `P' = P∘D`:
     /// `dv = P'ᵀ·g`, `dP = (g·vᵀ)∘D`, `dS = scale · P∘(dP - rowsum(dP∘P))`, `dq = dS·k`,
     /// `dk = dSᵀ·q`.
@@ -608,49 +658,75 @@ impl Attention {
         v: &[f32],
         g: &[f32],
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let (q_block, k_block) = (s.queries * s.head, s.keys * s.head);
         let (mut dq, mut dk, mut dv) = (
             vec![0f32; q.len()],
             vec![0f32; k.len()],
-            vec![0f32; k.len()],
+            vec![0f32; v.len()],
         );
-        dq.par_chunks_mut(q_block)
-            .zip(dk.par_chunks_mut(k_block).zip(dv.par_chunks_mut(k_block)))
-            .enumerate()
-            .for_each_init(
-                || {
-                    (
-                        vec![0f32; s.queries * s.keys],
-                        vec![0f32; s.queries * s.keys],
-                    )
-                },
-                |(probs, scratch), (bh, (dq, (dk, dv)))| {
-                    let qh = &q[bh * q_block..][..q_block];
-                    let gh = &g[bh * q_block..][..q_block];
-                    let kh = &k[bh * k_block..][..k_block];
-                    let vh = &v[bh * k_block..][..k_block];
-                    self.probabilities(s, bh, qh, kh, probs);
-                    let keep = self.keep(s, bh);
-                    let dropped: &[f32] = match keep {
-                        Some((keep, scale)) => {
-                            scratch.copy_from_slice(probs);
-                            apply_keep_in_place(scratch, keep, scale);
-                            scratch
-                        }
-                        None => probs,
-                    };
-                    matmul(s.keys, s.head, s.queries, dropped, true, gh, false, dv);
-                    matmul(s.queries, s.keys, s.head, gh, false, vh, true, scratch);
-                    if let Some((keep, scale)) = keep {
+        let (dq_out, dk_out, dv_out) = (Shared::new(&mut dq), Shared::new(&mut dk), Shared::new(&mut dv));
+        let single = gemm::Parallelism::None;
+        self.tasks().par_iter().for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(probs, scratch): &mut (Vec<f32>, Vec<f32>), t| {
+                let (len, view) = (t.len, s.view(t));
+                let square = View::rows(len);
+                self.probabilities(s, t, q, k, probs);
+                scratch.resize(len * len, 0.0);
+                let keep = self.keep(t);
+                let dropped: &[f32] = match keep {
+                    Some((keep, scale)) => {
+                        scratch.copy_from_slice(probs);
                         apply_keep_in_place(scratch, keep, scale);
+                        scratch
                     }
-                    for (p, g) in probs.chunks(s.keys).zip(scratch.chunks_mut(s.keys)) {
-                        softmax_backward_row(p, g, self.scale);
-                    }
-                    matmul(s.queries, s.head, s.keys, scratch, false, kh, false, dq);
-                    matmul(s.keys, s.head, s.queries, scratch, true, qh, false, dk);
-                },
-            );
+                    None => probs,
+                };
+                // SAFETY (each `product_into` below): a task writes only its own sequence's
+                // rows and head's columns of dq, dk and dv, or its own scratch.
+                unsafe {
+                    product_into(
+                        (len, s.head, len),
+                        (dropped, square.t()),
+                        (g, view),
+                        dv_out.at(view),
+                        false,
+                        single,
+                    );
+                    product_into(
+                        (len, len, s.head),
+                        (g, view),
+                        (v, view.t()),
+                        (scratch.as_mut_ptr(), scratch.len(), square),
+                        false,
+                        single,
+                    );
+                }
+                if let Some((keep, scale)) = keep {
+                    apply_keep_in_place(scratch, keep, scale);
+                }
+                for (p, g) in probs.chunks(len).zip(scratch.chunks_mut(len)) {
+                    softmax_backward_row(p, g, self.scale);
+                }
+                unsafe {
+                    product_into(
+                        (len, s.head, len),
+                        (scratch, square),
+                        (k, view),
+                        dq_out.at(view),
+                        false,
+                        single,
+                    );
+                    product_into(
+                        (len, s.head, len),
+                        (scratch, square.t()),
+                        (q, view),
+                        dk_out.at(view),
+                        false,
+                        single,
+                    );
+                }
+            },
+        );
         (dq, dk, dv)
     }
 }
@@ -685,22 +761,11 @@ impl CustomOp3 for Attention {
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
         let s = self.shape(q_layout, k_layout, v_layout)?;
-        let q = contiguous(op, "queries", q, q_layout)?;
-        let k = contiguous(op, "keys", k, k_layout)?;
-        let v = contiguous(op, "values", v, v_layout)?;
-        let (q_block, k_block) = (s.queries * s.head, s.keys * s.head);
-        let mut out = vec![0f32; q.len()];
-        out.par_chunks_mut(q_block).enumerate().for_each_init(
-            || vec![0f32; s.queries * s.keys],
-            |probs, (bh, out)| {
-                let kh = &k[bh * k_block..][..k_block];
-                let vh = &v[bh * k_block..][..k_block];
-                self.probabilities(s, bh, &q[bh * q_block..][..q_block], kh, probs);
-                if let Some((keep, scale)) = self.keep(s, bh) {
-                    apply_keep_in_place(probs, keep, scale);
-                }
-                matmul(s.queries, s.head, s.keys, probs, false, vh, false, out);
-            },
+        let out = self.forward(
+            s,
+            contiguous(op, "queries", q, q_layout)?,
+            contiguous(op, "keys", k, k_layout)?,
+            contiguous(op, "values", v, v_layout)?,
         );
         Ok((CpuStorage::F32(out), q_layout.shape().clone()))
     }
@@ -1283,57 +1348,46 @@ mod tests {
     }
 
     #[test]
-    fn the_fused_row_equals_the_composed_softmax_in_f64() {
-        let (b, h, q, k) = (3, 4, 5, 37);
+    fn the_softmax_row_equals_the_f64_softmax() {
         let cpu = &Device::Cpu;
-        let scores = Tensor::randn(0f32, 3.0, (b, h, q, k), cpu).unwrap();
-        // Row 0 of the batch pads its last 10 keys, row 1 its last one, row 2 none.
-        let mask: Vec<f32> = (0..b * k)
-            .map(|i| {
-                let (row, key) = (i / k, i % k);
-                let padded = (row == 0 && key >= k - 10) || (row == 1 && key == k - 1);
-                if padded { -10_000.0 } else { 0.0 }
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (b, 1, 1, k), cpu).unwrap();
-        let scale = 0.17677669f32;
-        let fused = scores
-            .apply_op2_no_bwd(&mask, &MaskedSoftmax { scale })
-            .unwrap();
-        let x = (scores.to_dtype(DType::F64).unwrap() * scale as f64)
-            .unwrap()
-            .broadcast_add(&mask.to_dtype(DType::F64).unwrap())
-            .unwrap();
+        // Rows of 37 (not a multiple of the vector lanes), one far from zero.
+        let scores = (Tensor::randn(0f32, 3.0, (5, 37), cpu).unwrap() + 40.0).unwrap();
+        let scale = 0.176_776_69_f32;
+        let mut fused: Vec<f32> = scores.flatten_all().unwrap().to_vec1().unwrap();
+        for row in fused.chunks_mut(37) {
+            softmax_row(row, scale);
+        }
+        let x = (scores.to_dtype(DType::F64).unwrap() * scale as f64).unwrap();
         let max = x.max_keepdim(D::Minus1).unwrap();
         let e = x.broadcast_sub(&max).unwrap().exp().unwrap();
-        let reference = e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap();
-        let diff = (fused.to_dtype(DType::F64).unwrap() - reference)
+        let reference: Vec<f64> = e
+            .broadcast_div(&e.sum_keepdim(D::Minus1).unwrap())
             .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        assert!(diff < 1e-6, "{diff:e}");
-        // Padded keys get (next to) nothing.
-        let row: Vec<f32> = fused
-            .get(0)
-            .unwrap()
-            .get(0)
-            .unwrap()
-            .get(0)
+            .flatten_all()
             .unwrap()
             .to_vec1()
             .unwrap();
-        assert!(row[k - 10..].iter().all(|&p| p < 1e-30), "{row:?}");
-        // A wrongly shaped mask is an error, not a panic.
-        let bad = Tensor::zeros((b, 1, 1, k - 1), DType::F32, cpu).unwrap();
-        assert!(
-            scores
-                .apply_op2_no_bwd(&bad, &MaskedSoftmax { scale })
-                .is_err()
-        );
+        let diff = fused
+            .iter()
+            .zip(&reference)
+            .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b).abs()));
+        assert!(diff < 1e-6, "{diff:e}");
+    }
+
+    #[test]
+    fn attention_rejects_sequences_that_do_not_cover_the_tokens() {
+        let q = Tensor::zeros((5, 8), DType::F32, &Device::Cpu).unwrap();
+        let op = |starts: Vec<usize>, heads| Attention {
+            heads,
+            scale: 0.5,
+            starts: Arc::new(starts),
+            keep: None,
+        };
+        assert!(q.apply_op3_no_bwd(&q, &q, &op(vec![0, 2, 5], 2)).is_ok());
+        for (starts, heads) in [(vec![0, 2, 4], 2), (vec![0, 3, 2, 5], 2), (vec![0, 5], 3)] {
+            let err = q.apply_op3_no_bwd(&q, &q, &op(starts, heads)).unwrap_err();
+            assert!(err.to_string().contains("attention:"), "{err}");
+        }
     }
 
     #[test]

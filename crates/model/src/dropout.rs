@@ -31,6 +31,8 @@ use rayon::prelude::*;
 
 use bertkit_rng::splitmix64 as splitmix;
 
+use crate::packing::Packing;
+
 /// Mask numbers set aside for each optimiser step ([`DropoutSource::start_batch`]): far more
 /// than a step's passes draw (a forward pass draws 2–3 per layer).
 pub const MASKS_PER_STEP: u64 = 1 << 20;
@@ -120,20 +122,45 @@ impl DropoutSource {
         }
     }
 
-    /// The next mask for a CPU tensor of `dims` at drop probability `p`, as one byte per
-    /// element (1: kept), for a fused kernel to apply with the scale `1 / (1 - p)`: the mask
-    /// [`DropoutSource::apply`] would have drawn in its place. `None` when `p` is 0 (no mask is
-    /// drawn, as `apply` draws none).
-    pub(crate) fn next_cpu_keep_mask(&self, dims: &[usize], p: f64) -> Option<Vec<u8>> {
+    /// The next mask for packed attention probabilities ([`Packing`]: the row's tokens only),
+    /// one byte per probability (1: kept), in blocks of `len × len` for each row and head in
+    /// order: the padded `[batch, heads, seq, seq]` mask at the tokens' columns, so the same
+    /// elements drop as in the padded computation. `None` when `p` is 0.
+    pub(crate) fn next_cpu_attention_keep_mask(
+        &self,
+        packing: &Packing,
+        heads: usize,
+        p: f64,
+    ) -> Option<Vec<u8>> {
         if p <= 0.0 {
             return None;
         }
         let draw = self.next_draw();
-        Some(cpu_keep_mask(dims, draw.key, draw.first_row, p))
+        Some(cpu_attention_keep_mask(packing, heads, &draw, p))
     }
 
     /// `x` with each element zeroed with probability `p` and the rest scaled by `1 / (1 - p)`.
     pub fn apply(&self, x: &Tensor, p: f64) -> Result<Tensor> {
+        self.apply_drawn(x, p, |draw| {
+            cpu_keep_mask(x.dims(), draw.key, draw.first_row, p)
+        })
+    }
+
+    /// As [`DropoutSource::apply`] for a packed `[tokens, width]` tensor: on the CPU each
+    /// token draws what its place in the padded `[batch, seq, width]` tensor would have.
+    pub fn apply_to_tokens(&self, x: &Tensor, packing: &Packing, p: f64) -> Result<Tensor> {
+        self.apply_drawn(x, p, |draw| {
+            cpu_token_keep_mask(packing, x.dims().last().copied().unwrap_or(1), draw, p)
+        })
+    }
+
+    /// Dropout of `x` with the next mask: on the CPU the one `cpu_keep` draws.
+    fn apply_drawn(
+        &self,
+        x: &Tensor,
+        p: f64,
+        cpu_keep: impl FnOnce(&Draw) -> Vec<u8>,
+    ) -> Result<Tensor> {
         if p <= 0.0 {
             return Ok(x.clone());
         }
@@ -141,7 +168,14 @@ impl DropoutSource {
         let draw = self.next_draw();
         let mask = match x.device() {
             Device::Cpu => {
-                let keep = cpu_keep_mask(x.dims(), draw.key, draw.first_row, p);
+                let keep = cpu_keep(&draw);
+                if keep.len() != x.elem_count() {
+                    candle_core::bail!(
+                        "dropout: a mask of {} values for {:?}",
+                        keep.len(),
+                        x.dims()
+                    )
+                }
                 if x.dtype() == DType::F32 {
                     // Applied (and its backward) in one pass with a byte per element.
                     let op = crate::cpu_fused::KeepMask {
@@ -175,13 +209,37 @@ struct Draw {
     starts_stream: bool,
 }
 
+/// The uniform below which an element drops at probability `p`, on the 24-bit scale.
+fn threshold(p: f64) -> u64 {
+    (p * (1u64 << 24) as f64) as u64
+}
+
+/// The key of row `row` of a batch whose first row is row `first_row` of its step.
+fn row_key(key: u64, first_row: u64, row: usize) -> u64 {
+    splitmix(key ^ splitmix(first_row + row as u64))
+}
+
+/// The key of the line at `index` (one index per dimension between the row and the last) of
+/// the row keyed `row_key`.
+fn line_key(row_key: u64, index: &[usize]) -> u64 {
+    index
+        .iter()
+        .fold(row_key, |k, &i| splitmix(k ^ splitmix(i as u64 + 1)))
+}
+
+/// Whether element `j` of the line keyed `line_key` keeps (1) or drops (0): its 24-bit uniform
+/// is at least `threshold`.
+fn keeps(line_key: u64, j: u64, threshold: u64) -> u8 {
+    u8::from((splitmix(line_key.wrapping_add(j)) >> 40) >= threshold)
+}
+
 /// Which elements of a tensor of `dims` (rows first) mask `key` keeps at drop probability
 /// `p` (1: kept, 0: dropped), row `i` being row `first_row + i` of its step. An element keeps
 /// when its 24-bit uniform is at least `p`; the uniform hashes the row's place and the
 /// element's index in each further dimension separately, so it does not move when the batch
 /// is padded longer. Rows are drawn in parallel (each draw is a function of its indices alone).
 fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<u8> {
-    let threshold = (p * (1u64 << 24) as f64) as u64;
+    let threshold = threshold(p);
     let (rows, rest) = match dims.split_first() {
         Some((&rows, rest)) => (rows, rest),
         None => (1, &[][..]),
@@ -198,14 +256,12 @@ fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<u8> {
     keep.par_chunks_mut(lines * last)
         .enumerate()
         .for_each(|(row, keep)| {
-            let row_key = splitmix(key ^ splitmix(first_row + row as u64));
+            let row_key = row_key(key, first_row, row);
             let mut index = vec![0usize; middle.len()];
             for line in keep.chunks_mut(last) {
-                let line_key = index
-                    .iter()
-                    .fold(row_key, |k, &i| splitmix(k ^ splitmix(i as u64 + 1)));
+                let line_key = line_key(row_key, &index);
                 for (j, k) in line.iter_mut().enumerate() {
-                    *k = u8::from((splitmix(line_key.wrapping_add(j as u64)) >> 40) >= threshold);
+                    *k = keeps(line_key, j as u64, threshold);
                 }
                 // The next index of the middle dimensions, last fastest.
                 for (i, &d) in index.iter_mut().zip(middle).rev() {
@@ -217,6 +273,62 @@ fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<u8> {
                 }
             }
         });
+    keep
+}
+
+/// The mask of a packed `[tokens, width]` tensor: each token's line is the line of its place
+/// (row, column) in the padded `[batch, seq, width]` tensor.
+fn cpu_token_keep_mask(packing: &Packing, width: usize, draw: &Draw, p: f64) -> Vec<u8> {
+    let threshold = threshold(p);
+    let mut keep = vec![0u8; packing.tokens() * width];
+    if width == 0 {
+        return keep;
+    }
+    let starts = packing.starts();
+    keep.par_chunks_mut(width)
+        .zip(packing.columns().par_iter())
+        .enumerate()
+        .for_each(|(t, (line, &column))| {
+            let row = starts.partition_point(|&s| s <= t) - 1;
+            let line_key = line_key(
+                row_key(draw.key, draw.first_row, row),
+                &[column as usize],
+            );
+            for (j, k) in line.iter_mut().enumerate() {
+                *k = keeps(line_key, j as u64, threshold);
+            }
+        });
+    keep
+}
+
+/// The mask of packed attention probabilities, in `len × len` blocks per row and head: the
+/// padded `[batch, heads, seq, seq]` mask's elements at the row's token columns.
+fn cpu_attention_keep_mask(packing: &Packing, heads: usize, draw: &Draw, p: f64) -> Vec<u8> {
+    let threshold = threshold(p);
+    let mut blocks: Vec<(usize, usize, &mut [u8])> = Vec::new();
+    let total: usize = (0..packing.padded_dims().0)
+        .map(|b| heads * packing.row(b).len().pow(2))
+        .sum();
+    let mut keep = vec![0u8; total];
+    let mut rest = &mut keep[..];
+    for b in 0..packing.padded_dims().0 {
+        let len = packing.row(b).len();
+        for h in 0..heads {
+            let (block, tail) = rest.split_at_mut(len * len);
+            blocks.push((b, h, block));
+            rest = tail;
+        }
+    }
+    blocks.into_par_iter().for_each(|(b, h, block)| {
+        let columns = &packing.columns()[packing.row(b)];
+        let key = row_key(draw.key, draw.first_row, b);
+        for (line, &i) in block.chunks_mut(columns.len().max(1)).zip(columns) {
+            let line_key = line_key(key, &[h, i as usize]);
+            for (k, &j) in line.iter_mut().zip(columns) {
+                *k = keeps(line_key, u64::from(j), threshold);
+            }
+        }
+    });
     keep
 }
 
@@ -315,6 +427,58 @@ mod tests {
             "another step draws other masks"
         );
         assert_eq!(d.position(), 4 * MASKS_PER_STEP + 1);
+    }
+
+    /// A packed batch drops what the padded batch drops at its tokens: hidden dropout at each
+    /// token's place, attention dropout at each (query, key) pair of a row's token columns.
+    /// (Tried: keying packed tokens by their index in the packing fails it.)
+    #[test]
+    fn packed_masks_are_the_padded_masks_at_the_tokens() {
+        let cpu = &Device::Cpu;
+        let (batch, seq, width, heads) = (3, 7, 5, 2);
+        let mask: Vec<u32> = (0..batch * seq)
+            .map(|i| u32::from(!matches!(i, 5 | 6 | 9 | 14)))
+            .collect();
+        let packing = Packing::from_mask((batch, seq), &mask, cpu).unwrap();
+        let d = DropoutSource::new(11);
+        d.start_batch(2, 4);
+        let padded = d
+            .apply(&Tensor::ones((batch, seq, width), DType::F32, cpu).unwrap(), 0.4)
+            .unwrap();
+        d.start_batch(2, 4);
+        let packed = d
+            .apply_to_tokens(
+                &Tensor::ones((packing.tokens(), width), DType::F32, cpu).unwrap(),
+                &packing,
+                0.4,
+            )
+            .unwrap();
+        let packed_from_padded = packing.pack(&padded).unwrap();
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(v(&packed), v(&packed_from_padded));
+        assert!(v(&packed).contains(&0.0));
+
+        let draw = Draw {
+            key: 77,
+            first_row: 4,
+            starts_stream: false,
+        };
+        let dense = cpu_keep_mask(&[batch, heads, seq, seq], draw.key, draw.first_row, 0.4);
+        let blocks = cpu_attention_keep_mask(&packing, heads, &draw, 0.4);
+        let mut at = 0;
+        for b in 0..batch {
+            let columns = &packing.columns()[packing.row(b)];
+            for h in 0..heads {
+                for &i in columns {
+                    for &j in columns {
+                        let place = ((b * heads + h) * seq + i as usize) * seq + j as usize;
+                        assert_eq!(blocks[at], dense[place], "row {b} head {h} ({i}, {j})");
+                        at += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(at, blocks.len());
     }
 
     /// Masks drawn in order continue one stream; marking or rewinding starts the next.

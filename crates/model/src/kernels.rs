@@ -21,6 +21,7 @@ use std::sync::Arc;
 use candle_core::{D, DType, Result, Tensor};
 
 use crate::bert::Mode;
+use crate::packing::Packing;
 
 /// The hot operations the model uses.
 pub trait Kernels: Send + Sync + Debug {
@@ -39,26 +40,22 @@ pub trait Kernels: Send + Sync + Debug {
     /// Softmax over the last dimension.
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor>;
 
-    /// Attention probabilities from raw scores `q·kᵀ` (`[batch, heads, q, k]`):
-    /// `softmax(scores · scale + mask_bias)` over the keys.
-    fn masked_softmax(&self, scores: &Tensor, mask_bias: &Tensor, scale: f64) -> Result<Tensor> {
-        composed_masked_softmax(self, scores, mask_bias, scale)
-    }
-
-    /// Scaled dot-product attention. `q`, `k`, `v`: `[batch, heads, seq, head_size]`;
-    /// `mask_bias`: `[batch, 1, 1, seq]`, 0 for tokens and a large negative number for padding;
-    /// `dropout`: probability applied to the attention probabilities in training `mode`.
-    /// Returns `[batch, heads, seq, head_size]`.
+    /// Scaled dot-product attention within each sequence of a packed batch: `q`, `k`, `v` are
+    /// `[tokens, hidden]` with `heads` heads side by side in `hidden` (the linear layers'
+    /// output), `packing` says which tokens form each sequence; `dropout` is applied to the
+    /// attention probabilities in training `mode`. Returns `[tokens, hidden]`.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask_bias: &Tensor,
+        packing: &Packing,
+        heads: usize,
         mode: Mode,
         dropout: f64,
     ) -> Result<Tensor> {
-        composed_attention(self, q, k, v, mask_bias, mode, dropout)
+        composed_attention(self, q, k, v, packing, heads, mode, dropout)
     }
 }
 
@@ -78,31 +75,41 @@ fn composed_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     y.reshape(out)
 }
 
-/// [`Kernels::attention`] from separate ops: `q·kᵀ`, the kernels' masked softmax, dropout, `·v`.
+/// [`Kernels::attention`] from separate ops on the padded batch: the tokens padded back to
+/// `[batch, heads, seq, head]`, `q·kᵀ`, scale, the padding mask's bias, the kernels' softmax,
+/// dropout, `·v`, and the tokens packed again.
+#[allow(clippy::too_many_arguments)]
 fn composed_attention<K: Kernels + ?Sized>(
     kernels: &K,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask_bias: &Tensor,
+    packing: &Packing,
+    heads: usize,
     mode: Mode,
     dropout: f64,
 ) -> Result<Tensor> {
-    let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-    let probs = kernels.masked_softmax(&q.matmul(&k.t()?)?, mask_bias, scale)?;
-    let probs = mode.dropout(&probs, dropout)?;
-    probs.matmul(v)
-}
-
-/// [`Kernels::masked_softmax`] from separate ops: scale, add the mask, `k`'s softmax.
-fn composed_masked_softmax<K: Kernels + ?Sized>(
-    k: &K,
-    scores: &Tensor,
-    mask_bias: &Tensor,
-    scale: f64,
-) -> Result<Tensor> {
-    let mask = mask_bias.to_dtype(scores.dtype())?;
-    k.softmax_last_dim(&(scores * scale)?.broadcast_add(&mask)?)
+    let (batch, seq) = packing.padded_dims();
+    let hidden = q.dim(D::Minus1)?;
+    let head = hidden / heads.max(1);
+    let split = |t: &Tensor| -> Result<Tensor> {
+        packing
+            .unpack(t)?
+            .reshape((batch, seq, heads, head))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (q, k, v) = (split(q)?, split(k)?, split(v)?);
+    let scale = 1.0 / (head as f64).sqrt();
+    let mask = packing.mask_bias().to_dtype(q.dtype())?;
+    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
+    let probs = mode.dropout(&kernels.softmax_last_dim(&scores)?, dropout)?;
+    let context = probs
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((batch, seq, hidden))?;
+    packing.pack(&context)
 }
 
 thread_local! {
@@ -250,45 +257,31 @@ impl Kernels for Fused {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask_bias: &Tensor,
+        packing: &Packing,
+        heads: usize,
         mode: Mode,
         dropout: f64,
     ) -> Result<Tensor> {
         let dtype = q.dtype();
         if !(q.device().is_cpu() && (dtype == DType::F32 || is_half(dtype))) {
-            return composed_attention(self, q, k, v, mask_bias, mode, dropout);
+            return composed_attention(self, q, k, v, packing, heads, mode, dropout);
         }
         count_fused();
-        let (batch, heads, queries, head) = q.dims4()?;
-        let keys = k.dim(2)?;
-        let mask: Vec<f32> = mask_bias.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let keep = match mode {
             Mode::Train(source) => source
-                .next_cpu_keep_mask(&[batch, heads, queries, keys], dropout)
+                .next_cpu_attention_keep_mask(packing, heads, dropout)
                 .map(|keep| (Arc::new(keep), (1.0 / (1.0 - dropout)) as f32)),
             Mode::Eval => None,
         };
+        let head = q.dim(D::Minus1)? / heads.max(1);
         let op = crate::cpu_fused::Attention {
-            mask: Arc::new(mask),
+            heads,
             scale: (1.0 / (head as f64).sqrt()) as f32,
+            starts: packing.shared_starts(),
             keep,
         };
         let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
         f32(q)?.apply_op3(&f32(k)?, &f32(v)?, op)?.to_dtype(dtype)
-    }
-
-    fn masked_softmax(&self, scores: &Tensor, mask_bias: &Tensor, scale: f64) -> Result<Tensor> {
-        let dtype = scores.dtype();
-        let wide = widened(scores)?;
-        if on_cpu_in_f32(&wide) {
-            count_fused();
-            let mask = mask_bias.to_dtype(DType::F32)?.contiguous()?;
-            let op = crate::cpu_fused::MaskedSoftmax {
-                scale: scale as f32,
-            };
-            return wide.contiguous()?.apply_op2(&mask, op)?.to_dtype(dtype);
-        }
-        composed_masked_softmax(self, scores, mask_bias, scale)
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {

@@ -31,6 +31,7 @@ mod cpu_fused;
 pub mod dropout;
 pub mod kernels;
 pub mod loss;
+pub mod packing;
 pub mod params;
 
 use std::path::PathBuf;
@@ -43,6 +44,7 @@ pub use bert::{
 pub use config::BertConfig;
 pub use dropout::DropoutSource;
 pub use kernels::{Composed, Fused, Kernels};
+pub use packing::Packing;
 pub use params::{ParamBuilder, ParamStore};
 
 /// Why the model could not be built or run.

@@ -1,10 +1,10 @@
 //! Gradients really flow: a pre-training loss reaches every parameter, embeddings included, and
-//! the hand-composed ops (LayerNorm, masked softmax attention, GELU, the MLM and NSP losses)
+//! the hand-composed ops (LayerNorm, attention with padding, GELU, the MLM and NSP losses)
 //! agree with finite differences in f64.
 
 use bertkit_model::bert::{BertForPreTraining, init};
 use bertkit_model::kernels::{Composed, Fused, Kernels, fused_calls_on_this_thread};
-use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, Mode, loss};
+use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, Mode, Packing, loss};
 use candle_core::{DType, Device, Tensor, Var};
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -209,17 +209,13 @@ fn layer_norm_matches_finite_differences() {
 
 #[test]
 fn masked_attention_matches_finite_differences() {
-    // One padded key position out of four.
-    let mask = Tensor::new(&[[[[0f64, 0., 0., -10_000.]]]], &Device::Cpu).unwrap();
+    // Two sequences of 4 positions, 2 heads of 3: the first pads its last position.
+    let packing = Packing::from_mask((2, 4), &[1, 1, 1, 0, 1, 1, 1, 1], &Device::Cpu).unwrap();
     finite_difference_check(
-        &[
-            tensor(&[1, 2, 4, 3], 4),
-            tensor(&[1, 2, 4, 3], 5),
-            tensor(&[1, 2, 4, 3], 6),
-        ],
+        &[tensor(&[7, 6], 4), tensor(&[7, 6], 5), tensor(&[7, 6], 6)],
         &|t| {
             Composed
-                .attention(&t[0], &t[1], &t[2], &mask, Mode::Eval, 0.0)
+                .attention(&t[0], &t[1], &t[2], &packing, 2, Mode::Eval, 0.0)
                 .unwrap()
         },
     );
@@ -347,53 +343,32 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
         1,
         &|k, t| k.layer_norm(&t[0], &t[1], &t[2], 1e-12).unwrap(),
     );
-    // Attention (the masked softmax fused) with padded keys in the first sequence.
-    let mask = Tensor::new(
-        &[
-            [[[0f64, 0., 0., 0., -10_000., -10_000.]]],
-            [[[0., 0., 0., 0., 0., 0.]]],
-        ],
+    // Attention of a packed batch: the first sequence pads its last two positions, the
+    // second has a hole at column 2 (3 heads of 4).
+    let packing = Packing::from_mask(
+        (2, 6),
+        &[1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1],
         &Device::Cpu,
     )
     .unwrap();
     fused_against_f64(
-        &[
-            tensor(&[2, 3, 6, 4], 14),
-            tensor(&[2, 3, 6, 4], 15),
-            tensor(&[2, 3, 6, 4], 16),
-        ],
+        &[tensor(&[9, 12], 14), tensor(&[9, 12], 15), tensor(&[9, 12], 16)],
         1,
         &|k, t| {
-            k.attention(
-                &t[0],
-                &t[1],
-                &t[2],
-                &mask.to_dtype(t[0].dtype()).unwrap(),
-                Mode::Eval,
-                0.0,
-            )
-            .unwrap()
+            k.attention(&t[0], &t[1], &t[2], &packing, 3, Mode::Eval, 0.0)
+                .unwrap()
         },
     );
-    // The masked softmax alone (the kernels' `masked_softmax`, its own fused op and backward).
-    fused_against_f64(&[tensor(&[2, 3, 6, 6], 25)], 1, &|k, t| {
-        let mask = mask.to_dtype(t[0].dtype()).unwrap();
-        k.masked_softmax(&t[0], &mask, 0.35).unwrap()
-    });
     // With attention dropout: the fused kernel applies the mask the composed ops' dropout
-    // draws in its place (a fresh source per pass, so every pass draws the same masks).
+    // draws on the padded probabilities (a fresh source per pass, so every pass draws the
+    // same masks).
     let train = |k: &dyn Kernels, t: &[Tensor]| {
         let source = DropoutSource::new(3);
-        let mask = mask.to_dtype(t[0].dtype()).unwrap();
-        k.attention(&t[0], &t[1], &t[2], &mask, Mode::Train(&source), 0.3)
+        k.attention(&t[0], &t[1], &t[2], &packing, 3, Mode::Train(&source), 0.3)
             .unwrap()
     };
     fused_against_f64(
-        &[
-            tensor(&[2, 3, 6, 4], 18),
-            tensor(&[2, 3, 6, 4], 19),
-            tensor(&[2, 3, 6, 4], 20),
-        ],
+        &[tensor(&[9, 12], 18), tensor(&[9, 12], 19), tensor(&[9, 12], 20)],
         1,
         &train,
     );
@@ -473,7 +448,7 @@ fn a_bf16_models_embedding_gradients_add_up_in_f32() {
             Inputs::from_host(&config, (batch, seq), &ids, None, None, &Device::Cpu).unwrap();
         let out = loaded.model.embed(&inputs, Mode::Eval).unwrap();
         assert_eq!(out.dtype(), dtype);
-        let c = Tensor::from_vec(upstream.clone(), (batch, seq, 32), &Device::Cpu)
+        let c = Tensor::from_vec(upstream.clone(), (batch * seq, 32), &Device::Cpu)
             .unwrap()
             .to_dtype(dtype)
             .unwrap();

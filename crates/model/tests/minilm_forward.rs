@@ -256,7 +256,8 @@ fn host_inputs_positions_and_labels_are_checked_before_upload() {
     )
     .unwrap();
     assert_eq!(
-        ok.mask_bias
+        ok.packing
+            .mask_bias()
             .flatten_all()
             .unwrap()
             .to_vec1::<f32>()

@@ -691,7 +691,7 @@ impl Trainer {
         }
         let end = self.dropout.position();
         let top = candle_core::Var::from_tensor(&x)?;
-        let out = self.model.model.heads(top.as_tensor(), &d.positions)?;
+        let out = self.model.model.heads(top.as_tensor(), &d.inputs, &d.positions)?;
         let loss = objective(&out, d, counts, step)?;
         let g = step.backward(&loss)?;
         let mut upstream = g.get(top.as_tensor()).cloned().ok_or_else(|| {

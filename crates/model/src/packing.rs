@@ -1,0 +1,239 @@
+//! Unpadded batches: the tokens of a padded `[batch, seq]` batch laid end to end.
+//!
+//! Inside the encoder every activation is `[tokens, width]`, the batch's tokens (its attention
+//! mask's 1s) row after row, so no linear layer, LayerNorm, GELU or dropout spends anything on
+//! padding; attention runs within each row's tokens ([`Packing::starts`], the boundaries the
+//! attention kernel takes). A row's tokens keep the positions (columns) they have in the padded
+//! batch, so position embeddings, dropout masks and results are those of the padded
+//! computation: attention over a row's tokens alone is exactly attention with the padding
+//! masked out, whose weights are 0.
+//!
+//! The layout is computed on the host from the mask when [`crate::Inputs`] are built, so
+//! nothing is read back from the device to use it.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{Device, Result, Tensor};
+
+use crate::bert::MASK_BIAS;
+
+/// Where each token of a padded batch sits in the packed layout.
+#[derive(Debug, Clone)]
+pub struct Packing {
+    batch: usize,
+    seq: usize,
+    /// Row `b`'s tokens are `starts[b]..starts[b + 1]` (`batch + 1` values).
+    starts: Arc<Vec<usize>>,
+    /// Each token's column (position) in its row.
+    columns: Arc<Vec<u32>>,
+    /// `[tokens]` u32: each token's column, for the position embeddings.
+    positions: Tensor,
+    /// `[tokens]` u32: each token's place `b · seq + column` in the flattened padded batch.
+    gather: Tensor,
+    /// `[batch · seq]` u32: each padded place's token, or `tokens` (a zero row) for padding.
+    scatter: Tensor,
+    /// `[batch]` u32: the place in [`Packing::scatter`]'s numbering of each row's column 0.
+    firsts: Tensor,
+    /// Whether some row's column 0 is padding (its first place is then the zero row).
+    first_is_padding: bool,
+    /// `[batch, 1, 1, seq]` f32: 0 for tokens, [`MASK_BIAS`] for padding.
+    mask_bias: Tensor,
+}
+
+impl Packing {
+    /// The packing of a `[batch, seq]` attention mask held on the host (row-major, 1 for a
+    /// token, anything else for padding); tensors on `device`.
+    pub fn from_mask((batch, seq): (usize, usize), mask: &[u32], device: &Device) -> Result<Self> {
+        if mask.len() != batch * seq {
+            candle_core::bail!(
+                "packing: a mask of {} values for [{batch}, {seq}]",
+                mask.len()
+            )
+        }
+        let mut starts = Vec::with_capacity(batch + 1);
+        let mut columns = Vec::with_capacity(mask.len());
+        let mut gather = Vec::with_capacity(mask.len());
+        for (b, row) in mask.chunks(seq.max(1)).enumerate().take(batch) {
+            starts.push(columns.len());
+            for (c, _) in row.iter().enumerate().filter(|&(_, &m)| m == 1) {
+                columns.push(c as u32);
+                gather.push((b * seq + c) as u32);
+            }
+        }
+        starts.push(columns.len());
+        let tokens = columns.len();
+        let mut scatter = vec![tokens as u32; batch * seq];
+        for (t, &place) in gather.iter().enumerate() {
+            scatter[place as usize] = t as u32;
+        }
+        let firsts: Vec<u32> = (0..batch).map(|b| scatter[b * seq]).collect();
+        let first_is_padding = firsts.iter().any(|&t| t as usize == tokens);
+        let bias: Vec<f32> = mask
+            .iter()
+            .map(|&m| if m == 1 { 0.0 } else { MASK_BIAS as f32 })
+            .collect();
+        Ok(Packing {
+            mask_bias: Tensor::from_vec(bias, (batch, 1, 1, seq), device)?,
+            batch,
+            seq,
+            gather: Tensor::from_slice(&gather, tokens, device)?,
+            positions: Tensor::from_slice(&columns, tokens, device)?,
+            scatter: Tensor::from_vec(scatter, batch * seq, device)?,
+            firsts: Tensor::from_vec(firsts, batch, device)?,
+            first_is_padding,
+            starts: Arc::new(starts),
+            columns: Arc::new(columns),
+        })
+    }
+
+    /// The padded batch's `(batch, seq)`.
+    pub fn padded_dims(&self) -> (usize, usize) {
+        (self.batch, self.seq)
+    }
+
+    /// The number of tokens.
+    pub fn tokens(&self) -> usize {
+        self.columns.len()
+    }
+
+    /// Where each row's tokens start, and the end of the last (`batch + 1` values).
+    pub fn starts(&self) -> &[usize] {
+        &self.starts
+    }
+
+    /// Row `b`'s tokens.
+    pub fn row(&self, b: usize) -> Range<usize> {
+        self.starts[b]..self.starts[b + 1]
+    }
+
+    /// Each token's column as a `[tokens]` u32 tensor (its position id).
+    pub fn positions(&self) -> &Tensor {
+        &self.positions
+    }
+
+    /// [`Packing::starts`], shared (for a kernel to keep).
+    pub(crate) fn shared_starts(&self) -> Arc<Vec<usize>> {
+        Arc::clone(&self.starts)
+    }
+
+    /// The padded batch's additive attention bias, `[batch, 1, 1, seq]` f32: 0 for tokens,
+    /// [`MASK_BIAS`] for padding.
+    pub fn mask_bias(&self) -> &Tensor {
+        &self.mask_bias
+    }
+
+    /// Each token's column (position) in its padded row.
+    pub fn columns(&self) -> &[u32] {
+        &self.columns
+    }
+
+    /// The tokens' values of a padded `[batch, seq, ...]` tensor, `[tokens, ...]`.
+    pub fn pack(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        if dims.len() < 2 || dims[..2] != [self.batch, self.seq] {
+            candle_core::bail!(
+                "packing: a [{}, {}, ...] tensor expected, got {dims:?}",
+                self.batch,
+                self.seq
+            )
+        }
+        let mut flat = vec![self.batch * self.seq];
+        flat.extend_from_slice(&dims[2..]);
+        x.reshape(flat)?.index_select(&self.gather, 0)
+    }
+
+    /// A packed `[tokens, width]` tensor padded back to `[batch, seq, width]`, zeros at padding.
+    pub fn unpack(&self, x: &Tensor) -> Result<Tensor> {
+        let width = self.width(x)?;
+        with_zero_row(x)?
+            .index_select(&self.scatter, 0)?
+            .reshape((self.batch, self.seq, width))
+    }
+
+    /// The rows of packed `x` (`[tokens, width]`) at `places` (`[n]` u32, places `b · seq +
+    /// column` of the padded batch), `[n, width]`; zeros where a place is padding.
+    pub fn select(&self, x: &Tensor, places: &Tensor) -> Result<Tensor> {
+        self.width(x)?;
+        let tokens = self.scatter.index_select(places, 0)?;
+        with_zero_row(x)?.index_select(&tokens, 0)
+    }
+
+    /// Each row's column 0 (the `[CLS]` token) of packed `x`, `[batch, width]`; zeros for a
+    /// row whose column 0 is padding.
+    pub fn firsts(&self, x: &Tensor) -> Result<Tensor> {
+        self.width(x)?;
+        if self.first_is_padding {
+            with_zero_row(x)?.index_select(&self.firsts, 0)
+        } else {
+            x.index_select(&self.firsts, 0)
+        }
+    }
+
+    /// The width of packed `x`, checked to be `[tokens, width]`.
+    fn width(&self, x: &Tensor) -> Result<usize> {
+        match *x.dims() {
+            [t, width] if t == self.tokens() => Ok(width),
+            ref dims => candle_core::bail!(
+                "packing: a [{}, width] tensor of tokens expected, got {dims:?}",
+                self.tokens()
+            ),
+        }
+    }
+}
+
+/// `x` (`[tokens, width]`) with a row of zeros after its last.
+fn with_zero_row(x: &Tensor) -> Result<Tensor> {
+    let zero = Tensor::zeros((1, x.dim(1)?), x.dtype(), x.device())?;
+    Tensor::cat(&[x, &zero], 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_keep_their_columns_and_padding_unpacks_to_zeros() {
+        let cpu = &Device::Cpu;
+        // Row 0: 3 tokens then padding; row 1: a hole at column 1; row 2: padding first.
+        let mask = [1, 1, 1, 0, 1, 0, 1, 1, 0, 1, 1, 0];
+        let p = Packing::from_mask((3, 4), &mask, cpu).unwrap();
+        assert_eq!(p.tokens(), 8);
+        assert_eq!(p.starts(), &[0, 3, 6, 8]);
+        assert_eq!(p.columns(), &[0, 1, 2, 0, 2, 3, 1, 2]);
+        let x = Tensor::arange(0f32, 12.0, cpu)
+            .unwrap()
+            .reshape((3, 4, 1))
+            .unwrap();
+        let packed = p.pack(&x).unwrap();
+        assert_eq!(
+            packed.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![0., 1., 2., 4., 6., 7., 9., 10.]
+        );
+        let back = p.unpack(&packed).unwrap();
+        assert_eq!(
+            back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![0., 1., 2., 0., 4., 0., 6., 7., 0., 9., 10., 0.]
+        );
+        let places = Tensor::new(&[2u32, 5, 8, 11], cpu).unwrap();
+        assert_eq!(
+            p.select(&packed, &places)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            vec![2., 0., 0., 0.]
+        );
+        assert_eq!(
+            p.firsts(&packed)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            vec![0., 4., 0.]
+        );
+        assert!(p.unpack(&x).is_err());
+    }
+}
