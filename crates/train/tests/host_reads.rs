@@ -26,9 +26,9 @@ const STEP_CODE: &[(&str, &[(&str, usize)])] = &[
         "crates/model/src/bert.rs",
         &[("host_integers", 1), ("new", 1)],
     ),
-    // The fused attention runs on the CPU only and copies the padding mask (batch × keys
-    // values) out of a CPU tensor: no device to wait for.
-    ("crates/model/src/kernels.rs", &[("attention", 1)]),
+    // The packing of the tokens is computed on the host when the inputs are built.
+    ("crates/model/src/kernels.rs", &[]),
+    ("crates/model/src/packing.rs", &[]),
     ("crates/model/src/dropout.rs", &[]),
     ("crates/model/src/loss.rs", &[]),
 ];
