@@ -94,7 +94,12 @@ impl Mode<'_> {
 
     /// As [`Mode::dropout`] for a packed `[tokens, width]` tensor: each token drops what its
     /// place in the padded batch would.
-    pub fn dropout_tokens(&self, x: &Tensor, p: f64, packing: &Packing) -> candle_core::Result<Tensor> {
+    pub fn dropout_tokens(
+        &self,
+        x: &Tensor,
+        p: f64,
+        packing: &Packing,
+    ) -> candle_core::Result<Tensor> {
         match self {
             Mode::Train(source) if p > 0.0 => source.apply_to_tokens(x, packing, p),
             _ => Ok(x.clone()),
@@ -476,7 +481,11 @@ impl EncoderLayer {
         )?;
         let x = self.attention_norm.forward(k, &(attended + x)?)?;
         let inner = k.gelu(&self.intermediate.forward(k, &x)?)?;
-        let out = mode.dropout_tokens(&self.output.forward(k, &inner)?, self.hidden_dropout, packing)?;
+        let out = mode.dropout_tokens(
+            &self.output.forward(k, &inner)?,
+            self.hidden_dropout,
+            packing,
+        )?;
         self.output_norm.forward(k, &(out + x)?)
     }
 }
@@ -765,9 +774,7 @@ impl BertForQuestionAnswering {
     pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<(Tensor, Tensor), ModelError> {
         let x = self.bert.encode_tokens(inputs, mode)?;
         let k = self.bert.kernels.as_ref();
-        let logits = inputs
-            .packing
-            .unpack(&self.qa_outputs.forward(k, &x)?)?;
+        let logits = inputs.packing.unpack(&self.qa_outputs.forward(k, &x)?)?;
         Ok((
             logits.i((.., .., 0))?.contiguous()?,
             logits.i((.., .., 1))?.contiguous()?,

@@ -260,7 +260,11 @@ fn product(
     accumulate: bool,
     parallelism: gemm::Parallelism,
 ) {
-    let view = |row, col| View { offset: 0, row, col };
+    let view = |row, col| View {
+        offset: 0,
+        row,
+        col,
+    };
     // SAFETY: `out` is borrowed mutably, so nothing else reads or writes it.
     unsafe {
         product_into(
@@ -363,7 +367,15 @@ impl CustomOp3 for Linear {
         let x = contiguous(op, "input", x, x_layout)?;
         let weight = contiguous(op, "weight", weight, weight_layout)?;
         let bias = contiguous(op, "bias", bias, bias_layout)?;
-        let mut out: Vec<f32> = bias.iter().copied().cycle().take(rows * output).collect();
+        // Row by row (a cycling iterator fills element by element, unvectorised).
+        let mut out = vec![0f32; rows * output];
+        if output > 0 {
+            out.par_chunks_mut(rows_per_task(output) * output)
+                .for_each(|rows| {
+                    rows.chunks_mut(output)
+                        .for_each(|row| row.copy_from_slice(bias))
+                });
+        }
         // W stored [out, in] read as Wᵀ [in, out]: element (p, j) at j·in + p.
         let threads = product_parallelism();
         product(
@@ -541,10 +553,16 @@ impl Attention {
             )
         }
         if self.heads == 0 || hidden % self.heads != 0 {
-            bail!("attention: {hidden} columns do not split into {} heads", self.heads)
+            bail!(
+                "attention: {hidden} columns do not split into {} heads",
+                self.heads
+            )
         }
         if self.starts.last() != Some(&tokens) || self.starts.windows(2).any(|w| w[0] > w[1]) {
-            bail!("attention: sequence starts {:?} for {tokens} tokens", self.starts)
+            bail!(
+                "attention: sequence starts {:?} for {tokens} tokens",
+                self.starts
+            )
         }
         if let Some((keep, _)) = &self.keep {
             let probabilities: usize = self
@@ -623,26 +641,24 @@ impl Attention {
     fn forward(&self, s: AttentionShape, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
         let mut out = vec![0f32; q.len()];
         let shared = Shared::new(&mut out);
-        self.tasks()
-            .par_iter()
-            .for_each_init(Vec::new, |probs, t| {
-                self.probabilities(s, t, q, k, probs);
-                if let Some((keep, scale)) = self.keep(t) {
-                    apply_keep_in_place(probs, keep, scale);
-                }
-                let view = s.view(t);
-                // SAFETY: each task writes only its own sequence's rows and head's columns.
-                unsafe {
-                    product_into(
-                        (t.len, s.head, t.len),
-                        (probs, View::rows(t.len)),
-                        (v, view),
-                        shared.at(view),
-                        false,
-                        gemm::Parallelism::None,
-                    )
-                }
-            });
+        self.tasks().par_iter().for_each_init(Vec::new, |probs, t| {
+            self.probabilities(s, t, q, k, probs);
+            if let Some((keep, scale)) = self.keep(t) {
+                apply_keep_in_place(probs, keep, scale);
+            }
+            let view = s.view(t);
+            // SAFETY: each task writes only its own sequence's rows and head's columns.
+            unsafe {
+                product_into(
+                    (t.len, s.head, t.len),
+                    (probs, View::rows(t.len)),
+                    (v, view),
+                    shared.at(view),
+                    false,
+                    gemm::Parallelism::None,
+                )
+            }
+        });
         out
     }
 
@@ -663,7 +679,11 @@ impl Attention {
             vec![0f32; k.len()],
             vec![0f32; v.len()],
         );
-        let (dq_out, dk_out, dv_out) = (Shared::new(&mut dq), Shared::new(&mut dk), Shared::new(&mut dv));
+        let (dq_out, dk_out, dv_out) = (
+            Shared::new(&mut dq),
+            Shared::new(&mut dk),
+            Shared::new(&mut dv),
+        );
         let single = gemm::Parallelism::None;
         self.tasks().par_iter().for_each_init(
             || (Vec::new(), Vec::new()),

@@ -290,10 +290,7 @@ fn cpu_token_keep_mask(packing: &Packing, width: usize, draw: &Draw, p: f64) -> 
         .enumerate()
         .for_each(|(t, (line, &column))| {
             let row = starts.partition_point(|&s| s <= t) - 1;
-            let line_key = line_key(
-                row_key(draw.key, draw.first_row, row),
-                &[column as usize],
-            );
+            let line_key = line_key(row_key(draw.key, draw.first_row, row), &[column as usize]);
             for (j, k) in line.iter_mut().enumerate() {
                 *k = keeps(line_key, j as u64, threshold);
             }
@@ -443,7 +440,10 @@ mod tests {
         let d = DropoutSource::new(11);
         d.start_batch(2, 4);
         let padded = d
-            .apply(&Tensor::ones((batch, seq, width), DType::F32, cpu).unwrap(), 0.4)
+            .apply(
+                &Tensor::ones((batch, seq, width), DType::F32, cpu).unwrap(),
+                0.4,
+            )
             .unwrap();
         d.start_batch(2, 4);
         let packed = d

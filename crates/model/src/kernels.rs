@@ -1,7 +1,8 @@
 //! The hot operations, behind one small interface.
 //!
-//! The model calls LayerNorm, GELU, softmax and attention only through [`Kernels`], so that a
-//! fused implementation can replace one without touching the model code. Two implementations:
+//! The model calls linear layers, LayerNorm, GELU, softmax and attention only through
+//! [`Kernels`], so that a fused implementation can replace one without touching the model code.
+//! Two implementations:
 //!
 //! - [`Composed`], the reference: every op composed of candle primitives that have a backward
 //!   pass, so gradients flow through all of them, on every device and dtype.
@@ -190,8 +191,9 @@ impl Kernels for Composed {
 ///
 /// - On the CPU, for f32 (and for half precision, computed in f32): our own fused linear
 ///   layers (bias added in the product; f32 only), LayerNorm,
-///   attention (per sequence and head in one task: `q·kᵀ`, scale, padding mask, softmax,
-///   dropout and `·v`, the probabilities recomputed in the backward rather than kept) and GELU
+///   attention (per sequence and head of the packed batch in one task: `q·kᵀ`, scale,
+///   softmax, dropout and `·v`, the probabilities recomputed in the backward rather than
+///   kept) and GELU
 ///   (a vectorised error function), each with a fused backward, so training and inference
 ///   take them alike (`cpu_fused`).
 /// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a

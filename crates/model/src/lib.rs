@@ -7,11 +7,13 @@
 //!
 //! - [`config`]: [`BertConfig`], read from and written to `config.json`.
 //! - [`bert`]: the network, one file: embeddings (word + position + token type, LayerNorm,
-//!   dropout), encoder layers (multi-head self-attention with the padding mask, exact GELU,
+//!   dropout), encoder layers (multi-head self-attention within each sequence, exact GELU,
 //!   residuals, LayerNorm), pooler, and the heads: pre-training (masked-LM transform and a decoder
 //!   tied to the word embeddings with its own output bias; next sentence), question answering
 //!   (start/end logits) and sequence classification. [`bert::load`], [`bert::init`] and
 //!   [`bert::save`] read and write transformers model directories.
+//! - [`packing`]: unpadded batches: inside the encoder a batch is its tokens end to end
+//!   (`[tokens, hidden]`), attention runs within each sequence, outputs are padded back.
 //! - [`kernels`]: LayerNorm, GELU, softmax and attention behind the [`Kernels`] interface: the
 //!   default [`Fused`] kernels (our fused CPU ops with their backward passes; candle's fused
 //!   inference ops on other devices) and the reference [`Composed`] ones, built from candle ops

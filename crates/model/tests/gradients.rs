@@ -345,14 +345,14 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
     );
     // Attention of a packed batch: the first sequence pads its last two positions, the
     // second has a hole at column 2 (3 heads of 4).
-    let packing = Packing::from_mask(
-        (2, 6),
-        &[1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1],
-        &Device::Cpu,
-    )
-    .unwrap();
+    let packing =
+        Packing::from_mask((2, 6), &[1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1], &Device::Cpu).unwrap();
     fused_against_f64(
-        &[tensor(&[9, 12], 14), tensor(&[9, 12], 15), tensor(&[9, 12], 16)],
+        &[
+            tensor(&[9, 12], 14),
+            tensor(&[9, 12], 15),
+            tensor(&[9, 12], 16),
+        ],
         1,
         &|k, t| {
             k.attention(&t[0], &t[1], &t[2], &packing, 3, Mode::Eval, 0.0)
@@ -368,7 +368,11 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
             .unwrap()
     };
     fused_against_f64(
-        &[tensor(&[9, 12], 18), tensor(&[9, 12], 19), tensor(&[9, 12], 20)],
+        &[
+            tensor(&[9, 12], 18),
+            tensor(&[9, 12], 19),
+            tensor(&[9, 12], 20),
+        ],
         1,
         &train,
     );

@@ -70,8 +70,8 @@ pub struct StepMetrics {
     pub seq_per_s: f64,
     /// Real (unpadded) tokens per second.
     pub tokens_per_s: f64,
-    /// Model TFLOP/s achieved ([`training_flops_per_sequence`] at each micro-batch's padded
-    /// length, over the whole world).
+    /// Model TFLOP/s achieved ([`training_flops_per_sequence`] at each sequence's length: the
+    /// model computes nothing for padding), over the whole world.
     pub tflops: f64,
     /// Model FLOP utilisation per device, when a peak is known (configured, or measured on
     /// the CPU: [`RunOptions::measure_peak`]).
@@ -171,8 +171,8 @@ impl Default for RunOptions {
     }
 }
 
-/// Model FLOPs of one sequence in a pre-training step, forward and backward (3x the forward's
-/// products): the encoder's linear layers and attention's two products at `seq` tokens, the
+/// Model FLOPs of one sequence of `seq` tokens in a pre-training step, forward and backward (3x
+/// the forward's products): the encoder's linear layers and attention's two products, the
 /// masked-LM transform and decoder at `predictions` slots, the pooler and the next-sentence
 /// head. Embedding look-ups, element-wise work and the optimiser are not counted, as usual for
 /// MFU.
@@ -691,7 +691,10 @@ impl Trainer {
         }
         let end = self.dropout.position();
         let top = candle_core::Var::from_tensor(&x)?;
-        let out = self.model.model.heads(top.as_tensor(), &d.inputs, &d.positions)?;
+        let out = self
+            .model
+            .model
+            .heads(top.as_tensor(), &d.inputs, &d.positions)?;
         let loss = objective(&out, d, counts, step)?;
         let g = step.backward(&loss)?;
         let mut upstream = g.get(top.as_tensor()).cloned().ok_or_else(|| {
@@ -782,7 +785,11 @@ impl Trainer {
             batches.iter().map(|b| b.tokens as f64).sum(),
             batches
                 .iter()
-                .map(|b| b.size as f64 * training_flops_per_sequence(model, b.seq_len, predictions))
+                .flat_map(|b| b.attention_mask.chunks(b.seq_len.max(1)))
+                .map(|row| {
+                    let tokens = row.iter().filter(|&&m| m == 1).count();
+                    training_flops_per_sequence(model, tokens, predictions)
+                })
                 .sum(),
         ];
         reducer.all_reduce_sum_host(&mut totals)?;
