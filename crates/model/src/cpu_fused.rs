@@ -22,11 +22,14 @@ use rayon::prelude::*;
 
 /// Defines `$name`, which runs `$portable` compiled for AVX-512 or AVX2 + FMA when the CPU has
 /// them (checked at run time, so the binary still runs on CPUs without them). `$portable` is
-/// `#[inline(always)]`, so its loops are vectorised for each target.
+/// `#[inline(always)]`, so its loops are vectorised for each target. (Floating-point
+/// operations are not contracted into fused multiply-adds, so every target computes the same
+/// values.) The CPU kernels here and the optimiser's update use it.
+#[macro_export]
 macro_rules! vectorised {
-    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $portable:ident) => {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $portable:ident) => {
         $(#[$doc])*
-        fn $name($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f")]
@@ -1308,6 +1311,19 @@ impl CustomOp1 for KeepMask {
             scale: self.scale,
         };
         Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&same)?))
+    }
+}
+
+vectorised! {
+    /// Dropout's keep bytes for elements `first..first + keep.len()` of a mask's line
+    /// ([`crate::dropout`]'s draws, several lanes at a time).
+    pub(crate) fn fill_keeps(keep: &mut [u8], line_key: u64, first: u64, threshold: u64) = fill_keeps_portable
+}
+
+#[inline(always)]
+fn fill_keeps_portable(keep: &mut [u8], line_key: u64, first: u64, threshold: u64) {
+    for (j, k) in keep.iter_mut().enumerate() {
+        *k = crate::dropout::keeps(line_key, first + j as u64, threshold);
     }
 }
 

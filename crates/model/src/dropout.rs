@@ -229,8 +229,14 @@ fn line_key(row_key: u64, index: &[usize]) -> u64 {
 
 /// Whether element `j` of the line keyed `line_key` keeps (1) or drops (0): its 24-bit uniform
 /// is at least `threshold`.
-fn keeps(line_key: u64, j: u64, threshold: u64) -> u8 {
+#[inline(always)]
+pub(crate) fn keeps(line_key: u64, j: u64, threshold: u64) -> u8 {
     u8::from((splitmix(line_key.wrapping_add(j)) >> 40) >= threshold)
+}
+
+/// `keep[i]` = whether element `first + i` of the line keyed `line_key` keeps.
+fn fill_line(keep: &mut [u8], line_key: u64, first: u64, threshold: u64) {
+    crate::cpu_fused::fill_keeps(keep, line_key, first, threshold);
 }
 
 /// Which elements of a tensor of `dims` (rows first) mask `key` keeps at drop probability
@@ -259,10 +265,7 @@ fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<u8> {
             let row_key = row_key(key, first_row, row);
             let mut index = vec![0usize; middle.len()];
             for line in keep.chunks_mut(last) {
-                let line_key = line_key(row_key, &index);
-                for (j, k) in line.iter_mut().enumerate() {
-                    *k = keeps(line_key, j as u64, threshold);
-                }
+                fill_line(line, line_key(row_key, &index), 0, threshold);
                 // The next index of the middle dimensions, last fastest.
                 for (i, &d) in index.iter_mut().zip(middle).rev() {
                     *i += 1;
@@ -319,10 +322,19 @@ fn cpu_attention_keep_mask(packing: &Packing, heads: usize, draw: &Draw, p: f64)
     blocks.into_par_iter().for_each(|(b, h, block)| {
         let columns = &packing.columns()[packing.row(b)];
         let key = row_key(draw.key, draw.first_row, b);
+        // The usual row: its tokens in consecutive columns (padding only at the end).
+        let consecutive = columns
+            .first()
+            .zip(columns.last())
+            .is_some_and(|(&f, &l)| (l - f) as usize + 1 == columns.len());
         for (line, &i) in block.chunks_mut(columns.len().max(1)).zip(columns) {
             let line_key = line_key(key, &[h, i as usize]);
-            for (k, &j) in line.iter_mut().zip(columns) {
-                *k = keeps(line_key, u64::from(j), threshold);
+            if consecutive {
+                fill_line(line, line_key, u64::from(columns[0]), threshold);
+            } else {
+                for (k, &j) in line.iter_mut().zip(columns) {
+                    *k = keeps(line_key, u64::from(j), threshold);
+                }
             }
         }
     });

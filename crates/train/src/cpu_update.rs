@@ -92,6 +92,21 @@ pub(crate) fn update(
     ))
 }
 
+/// The step's scalars in f32, as the update uses them.
+#[derive(Clone, Copy)]
+struct Constants {
+    clip: f32,
+    b1: f32,
+    one_b1: f32,
+    b2: f32,
+    one_b2: f32,
+    inv_bc1: f32,
+    inv_bc2: f32,
+    eps: f32,
+    decay: f32,
+    decayed: bool,
+}
+
 /// One parameter: the moments and the update (into `new_w`, as the step before the weights),
 /// then the weights.
 fn update_row(
@@ -100,9 +115,18 @@ fn update_row(
     s: Scalars,
 ) {
     let f = |x: f64| x as f32;
-    let (b1, one_b1, b2, one_b2) = (f(s.beta1), f(1.0 - s.beta1), f(s.beta2), f(1.0 - s.beta2));
-    let (inv_bc1, inv_bc2) = (f(s.inverse_corrections.0), f(s.inverse_corrections.1));
-    let (clip, eps, decay, lr) = (f(s.clip), f(s.eps), f(s.decay), f(s.lr));
+    let c = Constants {
+        clip: f(s.clip),
+        b1: f(s.beta1),
+        one_b1: f(1.0 - s.beta1),
+        b2: f(s.beta2),
+        one_b2: f(1.0 - s.beta2),
+        inv_bc1: f(s.inverse_corrections.0),
+        inv_bc2: f(s.inverse_corrections.1),
+        eps: f(s.eps),
+        decay: f(s.decay),
+        decayed: s.decay > 0.0,
+    };
     let trust_ratio = s.trust_ratio && s.decay > 0.0;
     // Pass 1: moments and the update `u` (kept in `new_w`), and the squared norms of w and u.
     let norms: Vec<(f64, f64)> = new_w
@@ -110,30 +134,18 @@ fn update_row(
         .zip(new_m.par_chunks_mut(BLOCK).zip(new_v.par_chunks_mut(BLOCK)))
         .enumerate()
         .map(|(block, (u_out, (m_out, v_out)))| {
-            let at = block * BLOCK;
-            let (mut w2, mut u2) = (0f64, 0f64);
-            for i in 0..u_out.len() {
-                let gi = if s.clip != 1.0 {
-                    g[at + i] * clip
-                } else {
-                    g[at + i]
-                };
-                let mi = m[at + i] * b1 + gi * one_b1;
-                let vi = v[at + i] * b2 + gi * gi * one_b2;
-                let denominator = (vi * inv_bc2).sqrt() + eps;
-                let mut u = (mi * inv_bc1) / denominator;
-                if s.decay > 0.0 {
-                    u += w[at + i] * decay;
-                }
-                m_out[i] = mi;
-                v_out[i] = vi;
-                u_out[i] = u;
-                if trust_ratio {
-                    w2 += f64::from(w[at + i]) * f64::from(w[at + i]);
-                    u2 += f64::from(u) * f64::from(u);
-                }
+            let span = block * BLOCK..block * BLOCK + u_out.len();
+            let w = &w[span.clone()];
+            moments(
+                (w, &m[span.clone()], &v[span.clone()], &g[span]),
+                (u_out, m_out, v_out),
+                c,
+            );
+            if trust_ratio {
+                squared_norms(w, u_out)
+            } else {
+                (0.0, 0.0)
             }
-            (w2, u2)
         })
         .collect();
     let ratio = if trust_ratio {
@@ -141,25 +153,81 @@ fn update_row(
             .iter()
             .fold((0f64, 0f64), |(a, b), &(w2, u2)| (a + w2, b + u2));
         let (wn, un) = (w2.sqrt(), u2.sqrt());
-        Some(if wn > 0.0 && un > 0.0 {
+        if wn > 0.0 && un > 0.0 {
             f(wn / un)
         } else {
             1.0
-        })
+        }
     } else {
-        None
+        1.0
     };
     // Pass 2: the weights.
+    let lr = f(s.lr);
     new_w
         .par_chunks_mut(BLOCK)
         .zip(w.par_chunks(BLOCK))
-        .for_each(|(out, w)| {
-            for (o, &w) in out.iter_mut().zip(w) {
-                let u = match ratio {
-                    Some(r) => *o * r,
-                    None => *o,
-                };
-                *o = w - u * lr;
-            }
-        });
+        .for_each(|(out, w)| weights(out, w, ratio, lr));
+}
+
+bertkit_model::vectorised! {
+    /// The moments and the update of a block, element by element. (The gradient times a clip
+    /// of 1, or the update times a trust ratio of 1, is exactly itself.)
+    fn moments(
+        inputs: (&[f32], &[f32], &[f32], &[f32]),
+        outputs: (&mut [f32], &mut [f32], &mut [f32]),
+        c: Constants
+    ) = moments_portable
+}
+
+#[inline(always)]
+fn moments_portable(
+    (w, m, v, g): (&[f32], &[f32], &[f32], &[f32]),
+    (u_out, m_out, v_out): (&mut [f32], &mut [f32], &mut [f32]),
+    c: Constants,
+) {
+    let n = u_out.len();
+    let (w, m, v, g) = (&w[..n], &m[..n], &v[..n], &g[..n]);
+    let (m_out, v_out) = (&mut m_out[..n], &mut v_out[..n]);
+    for i in 0..n {
+        let gi = g[i] * c.clip;
+        let mi = m[i] * c.b1 + gi * c.one_b1;
+        let vi = v[i] * c.b2 + gi * gi * c.one_b2;
+        let denominator = (vi * c.inv_bc2).sqrt() + c.eps;
+        let u = (mi * c.inv_bc1) / denominator;
+        u_out[i] = if c.decayed { u + w[i] * c.decay } else { u };
+        m_out[i] = mi;
+        v_out[i] = vi;
+    }
+}
+
+/// f64 partial sums the squared norms keep (vectorisable), added in order at the end.
+const NORM_LANES: usize = 8;
+
+bertkit_model::vectorised! {
+    /// `(Σ w², Σ u²)` in f64 over a block, in [`NORM_LANES`] partial sums added in order.
+    fn squared_norms(w: &[f32], u: &[f32]) -> (f64, f64) = squared_norms_portable
+}
+
+#[inline(always)]
+fn squared_norms_portable(w: &[f32], u: &[f32]) -> (f64, f64) {
+    let (mut w2, mut u2) = ([0f64; NORM_LANES], [0f64; NORM_LANES]);
+    for (w, u) in w.chunks(NORM_LANES).zip(u.chunks(NORM_LANES)) {
+        for lane in 0..w.len().min(u.len()) {
+            w2[lane] += f64::from(w[lane]) * f64::from(w[lane]);
+            u2[lane] += f64::from(u[lane]) * f64::from(u[lane]);
+        }
+    }
+    (w2.iter().sum(), u2.iter().sum())
+}
+
+bertkit_model::vectorised! {
+    /// The new weights of a block: `w - (u · ratio) · lr`, with the update `u` in `out`.
+    fn weights(out: &mut [f32], w: &[f32], ratio: f32, lr: f32) = weights_portable
+}
+
+#[inline(always)]
+fn weights_portable(out: &mut [f32], w: &[f32], ratio: f32, lr: f32) {
+    for (o, &w) in out.iter_mut().zip(w) {
+        *o = w - *o * ratio * lr;
+    }
 }
