@@ -54,7 +54,8 @@ impl Packing {
         let mut starts = Vec::with_capacity(batch + 1);
         let mut columns = Vec::with_capacity(mask.len());
         let mut gather = Vec::with_capacity(mask.len());
-        for (b, row) in mask.chunks(seq.max(1)).enumerate().take(batch) {
+        for b in 0..batch {
+            let row = &mask[b * seq..(b + 1) * seq];
             starts.push(columns.len());
             for (c, _) in row.iter().enumerate().filter(|&(_, &m)| m == 1) {
                 columns.push(c as u32);
