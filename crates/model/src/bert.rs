@@ -454,6 +454,17 @@ impl EncoderLayer {
         })
     }
 
+    /// The query, key and value projections of `x` as one product (one pass over `x`, and a
+    /// wider product runs faster): `[tokens, 3 · hidden]`. The weights stay three parameters
+    /// (transformers' layout); their gradients come back through the concatenation.
+    fn projections(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
+        let layers = [&self.query, &self.key, &self.value];
+        let weight = Tensor::cat(&layers.map(|l| &l.weight), 0)?;
+        let biases: Option<Vec<&Tensor>> = layers.iter().map(|l| l.bias.as_ref()).collect();
+        let bias = biases.map(|b| Tensor::cat(&b, 0)).transpose()?;
+        k.linear(x, &weight, bias.as_ref())
+    }
+
     /// The layer on packed `x`, `[tokens, hidden]`.
     fn forward(
         &self,
@@ -462,13 +473,8 @@ impl EncoderLayer {
         packing: &Packing,
         mode: Mode,
     ) -> candle_core::Result<Tensor> {
-        let q = self.query.forward(k, x)?;
-        let kk = self.key.forward(k, x)?;
-        let v = self.value.forward(k, x)?;
         let context = k.attention(
-            &q,
-            &kk,
-            &v,
+            &self.projections(k, x)?,
             packing,
             self.heads,
             mode,

@@ -492,15 +492,16 @@ fn add_into_portable(sums: &mut [f32], row: &[f32]) {
 // ---------------------------------------------------------------------------------------------
 // Attention.
 
-/// Scaled dot-product attention within each sequence of a packed batch: `q`, `k` and `v` are
-/// `[tokens, hidden]` (f32, contiguous; the heads side by side in `hidden`, as the linear
-/// layers write them), sequence `b` being tokens `starts[b]..starts[b + 1]`; the output is
-/// `[tokens, hidden]`, `dropout(softmax(q·kᵀ · scale)) · v` per sequence and head. One
-/// (sequence, head) per parallel task, reading its queries, keys and values in place by
-/// strides and writing its columns of the output (no head split or merge copies), with
-/// single-threaded matrix products; no `[batch, heads, q, k]` tensor exists: each task's
-/// probabilities live in its scratch, and the backward recomputes them, keeping only the
-/// dropout mask (a byte per probability).
+/// Scaled dot-product attention within each sequence of a packed batch, from the query, key
+/// and value projections side by side: the input is `[tokens, 3 · hidden]` (queries, keys,
+/// values, each `hidden` wide with the heads side by side, as one linear layer writes them),
+/// sequence `b` being tokens `starts[b]..starts[b + 1]`; the output is `[tokens, hidden]`,
+/// `dropout(softmax(q·kᵀ · scale)) · v` per sequence and head. One (sequence, head) per
+/// parallel task, reading its queries, keys and values in place by strides and writing its
+/// columns of the output (no head split or merge copies), with single-threaded matrix
+/// products; no `[batch, heads, q, k]` tensor exists: each task's probabilities live in its
+/// scratch, and the backward recomputes them, keeping only the dropout mask (a byte per
+/// probability).
 pub(crate) struct Attention {
     pub(crate) heads: usize,
     pub(crate) scale: f32,
@@ -528,9 +529,27 @@ struct HeadTask {
     keep_at: usize,
 }
 
+/// The queries, keys and values: which third of the input's columns.
+#[derive(Clone, Copy)]
+enum Part {
+    Queries = 0,
+    Keys = 1,
+    Values = 2,
+}
+
 impl AttentionShape {
-    /// The task's queries, keys or values (or their gradients) in a `[tokens, hidden]` buffer.
-    fn view(self, t: &HeadTask) -> View {
+    /// The task's queries, keys or values (or their gradients) in a `[tokens, 3 · hidden]`
+    /// buffer.
+    fn input(self, t: &HeadTask, part: Part) -> View {
+        View {
+            offset: t.start * 3 * self.hidden + part as usize * self.hidden + t.head * self.head,
+            row: 3 * self.hidden,
+            col: 1,
+        }
+    }
+
+    /// The task's output (or its gradient) in a `[tokens, hidden]` buffer.
+    fn output(self, t: &HeadTask) -> View {
         View {
             offset: t.start * self.hidden + t.head * self.head,
             row: self.hidden,
@@ -540,24 +559,17 @@ impl AttentionShape {
 }
 
 impl Attention {
-    fn shape(&self, q: &Layout, k: &Layout, v: &Layout) -> Result<AttentionShape> {
-        let [tokens, hidden] = *q.dims() else {
+    fn shape(&self, qkv: &Layout) -> Result<AttentionShape> {
+        let [tokens, width] = *qkv.dims() else {
             bail!(
-                "attention: [tokens, hidden] queries expected, got {:?}",
-                q.dims()
+                "attention: [tokens, 3 x hidden] projections expected, got {:?}",
+                qkv.dims()
             )
         };
-        if k.dims() != q.dims() || v.dims() != q.dims() {
+        let hidden = width / 3;
+        if self.heads == 0 || width % 3 != 0 || hidden % self.heads != 0 {
             bail!(
-                "attention: queries {:?}, keys {:?} and values {:?} do not fit",
-                q.dims(),
-                k.dims(),
-                v.dims()
-            )
-        }
-        if self.heads == 0 || hidden % self.heads != 0 {
-            bail!(
-                "attention: {hidden} columns do not split into {} heads",
+                "attention: {width} columns do not split into queries, keys and values of {} heads",
                 self.heads
             )
         }
@@ -608,26 +620,20 @@ impl Attention {
     }
 
     /// The task's probabilities into `probs` (`len × len`, resized), before dropout.
-    fn probabilities(
-        &self,
-        s: AttentionShape,
-        t: &HeadTask,
-        q: &[f32],
-        k: &[f32],
-        probs: &mut Vec<f32>,
-    ) {
+    fn probabilities(&self, s: AttentionShape, t: &HeadTask, qkv: &[f32], probs: &mut Vec<f32>) {
         probs.resize(t.len * t.len, 0.0);
-        let view = s.view(t);
-        product(
-            (t.len, t.len, s.head),
-            &q[view.offset..],
-            (view.row, view.col),
-            &k[view.offset..],
-            (view.col, view.row),
-            probs,
-            false,
-            gemm::Parallelism::None,
-        );
+        let out = (probs.as_mut_ptr(), probs.len(), View::rows(t.len));
+        // SAFETY: `probs` is this task's own scratch.
+        unsafe {
+            product_into(
+                (t.len, t.len, s.head),
+                (qkv, s.input(t, Part::Queries)),
+                (qkv, s.input(t, Part::Keys).t()),
+                out,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
         for row in probs.chunks_mut(t.len.max(1)) {
             softmax_row(row, self.scale);
         }
@@ -641,22 +647,21 @@ impl Attention {
     }
 
     /// The output, `[tokens, hidden]`.
-    fn forward(&self, s: AttentionShape, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; q.len()];
+    fn forward(&self, s: AttentionShape, qkv: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; qkv.len() / 3];
         let shared = Shared::new(&mut out);
         self.tasks().par_iter().for_each_init(Vec::new, |probs, t| {
-            self.probabilities(s, t, q, k, probs);
+            self.probabilities(s, t, qkv, probs);
             if let Some((keep, scale)) = self.keep(t) {
                 apply_keep_in_place(probs, keep, scale);
             }
-            let view = s.view(t);
             // SAFETY: each task writes only its own sequence's rows and head's columns.
             unsafe {
                 product_into(
                     (t.len, s.head, t.len),
                     (probs, View::rows(t.len)),
-                    (v, view),
-                    shared.at(view),
+                    (qkv, s.input(t, Part::Values)),
+                    shared.at(s.output(t)),
                     false,
                     gemm::Parallelism::None,
                 )
@@ -665,35 +670,25 @@ impl Attention {
         out
     }
 
-    /// The gradients of `q`, `k` and `v` from the output's gradient `g`, task by task:
-    /// with `P` the probabilities, `D` the dropout mask and `P' = P∘D`:
+    /// The gradient of the projections (`[tokens, 3 · hidden]`) from the output's gradient
+    /// `g`, task by task: with `P` the probabilities, `D` the dropout mask and `P' = P∘D`:
     /// `dv = P'ᵀ·g`, `dP = (g·vᵀ)∘D`, `dS = scale · P∘(dP - rowsum(dP∘P))`, `dq = dS·k`,
     /// `dk = dSᵀ·q`.
-    fn backward(
-        &self,
-        s: AttentionShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let (mut dq, mut dk, mut dv) = (
-            vec![0f32; q.len()],
-            vec![0f32; k.len()],
-            vec![0f32; v.len()],
-        );
-        let (dq_out, dk_out, dv_out) = (
-            Shared::new(&mut dq),
-            Shared::new(&mut dk),
-            Shared::new(&mut dv),
-        );
+    fn backward(&self, s: AttentionShape, qkv: &[f32], g: &[f32]) -> Vec<f32> {
+        let mut grad = vec![0f32; qkv.len()];
+        let out = Shared::new(&mut grad);
         let single = gemm::Parallelism::None;
         self.tasks().par_iter().for_each_init(
             || (Vec::new(), Vec::new()),
             |(probs, scratch): &mut (Vec<f32>, Vec<f32>), t| {
-                let (len, view) = (t.len, s.view(t));
+                let len = t.len;
                 let square = View::rows(len);
-                self.probabilities(s, t, q, k, probs);
+                let (q, k, v) = (
+                    s.input(t, Part::Queries),
+                    s.input(t, Part::Keys),
+                    s.input(t, Part::Values),
+                );
+                self.probabilities(s, t, qkv, probs);
                 scratch.resize(len * len, 0.0);
                 let keep = self.keep(t);
                 let dropped: &[f32] = match keep {
@@ -705,20 +700,20 @@ impl Attention {
                     None => probs,
                 };
                 // SAFETY (each `product_into` below): a task writes only its own sequence's
-                // rows and head's columns of dq, dk and dv, or its own scratch.
+                // rows and head's columns of the gradient, or its own scratch.
                 unsafe {
                     product_into(
                         (len, s.head, len),
                         (dropped, square.t()),
-                        (g, view),
-                        dv_out.at(view),
+                        (g, s.output(t)),
+                        out.at(v),
                         false,
                         single,
                     );
                     product_into(
                         (len, len, s.head),
-                        (g, view),
-                        (v, view.t()),
+                        (g, s.output(t)),
+                        (qkv, v.t()),
                         (scratch.as_mut_ptr(), scratch.len(), square),
                         false,
                         single,
@@ -734,23 +729,23 @@ impl Attention {
                     product_into(
                         (len, s.head, len),
                         (scratch, square),
-                        (k, view),
-                        dq_out.at(view),
+                        (qkv, k),
+                        out.at(q),
                         false,
                         single,
                     );
                     product_into(
                         (len, s.head, len),
                         (scratch, square.t()),
-                        (q, view),
-                        dk_out.at(view),
+                        (qkv, q),
+                        out.at(k),
                         false,
                         single,
                     );
                 }
             },
         );
-        (dq, dk, dv)
+        grad
     }
 }
 
@@ -768,62 +763,35 @@ fn cpu_slice<'a>(
     }
 }
 
-impl CustomOp3 for Attention {
+impl CustomOp1 for Attention {
     fn name(&self) -> &'static str {
         "bertkit-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        q_layout: &Layout,
-        k: &CpuStorage,
-        k_layout: &Layout,
-        v: &CpuStorage,
-        v_layout: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let s = self.shape(q_layout, k_layout, v_layout)?;
-        let out = self.forward(
-            s,
-            contiguous(op, "queries", q, q_layout)?,
-            contiguous(op, "keys", k, k_layout)?,
-            contiguous(op, "values", v, v_layout)?,
-        );
-        Ok((CpuStorage::F32(out), q_layout.shape().clone()))
+    fn cpu_fwd(&self, qkv: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let s = self.shape(layout)?;
+        let out = self.forward(s, contiguous(self.name(), "projections", qkv, layout)?);
+        let tokens = layout.dims()[0];
+        Ok((CpuStorage::F32(out), Shape::from((tokens, s.hidden))))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _out: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let op = "bertkit-attention-backward";
         let grad = grad.contiguous()?;
-        let (dq, dk, dv) = {
-            let (q_storage, q_layout) = q.storage_and_layout();
-            let (k_storage, k_layout) = k.storage_and_layout();
-            let (v_storage, v_layout) = v.storage_and_layout();
+        let dqkv = {
+            let (storage, layout) = qkv.storage_and_layout();
             let (g_storage, g_layout) = grad.storage_and_layout();
-            let s = self.shape(q_layout, k_layout, v_layout)?;
-            same_shape(op, q_layout, g_layout)?;
+            let s = self.shape(layout)?;
+            if g_layout.dims() != [layout.dims()[0], s.hidden] {
+                bail!("{op}: a gradient of shape {:?}", g_layout.dims())
+            }
             self.backward(
                 s,
-                cpu_slice(op, "queries", &q_storage, q_layout)?,
-                cpu_slice(op, "keys", &k_storage, k_layout)?,
-                cpu_slice(op, "values", &v_storage, v_layout)?,
+                cpu_slice(op, "projections", &storage, layout)?,
                 cpu_slice(op, "gradient", &g_storage, g_layout)?,
             )
         };
-        let device = q.device();
-        Ok((
-            Some(Tensor::from_vec(dq, q.shape(), device)?),
-            Some(Tensor::from_vec(dk, k.shape(), device)?),
-            Some(Tensor::from_vec(dv, v.shape(), device)?),
-        ))
+        Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
     }
 }
 
@@ -1412,18 +1380,21 @@ mod tests {
 
     #[test]
     fn attention_rejects_sequences_that_do_not_cover_the_tokens() {
-        let q = Tensor::zeros((5, 8), DType::F32, &Device::Cpu).unwrap();
+        let qkv = Tensor::zeros((5, 24), DType::F32, &Device::Cpu).unwrap();
         let op = |starts: Vec<usize>, heads| Attention {
             heads,
             scale: 0.5,
             starts: Arc::new(starts),
             keep: None,
         };
-        assert!(q.apply_op3_no_bwd(&q, &q, &op(vec![0, 2, 5], 2)).is_ok());
+        let out = qkv.apply_op1_no_bwd(&op(vec![0, 2, 5], 2)).unwrap();
+        assert_eq!(out.dims(), [5, 8]);
         for (starts, heads) in [(vec![0, 2, 4], 2), (vec![0, 3, 2, 5], 2), (vec![0, 5], 3)] {
-            let err = q.apply_op3_no_bwd(&q, &q, &op(starts, heads)).unwrap_err();
+            let err = qkv.apply_op1_no_bwd(&op(starts, heads)).unwrap_err();
             assert!(err.to_string().contains("attention:"), "{err}");
         }
+        let wrong = Tensor::zeros((5, 25), DType::F32, &Device::Cpu).unwrap();
+        assert!(wrong.apply_op1_no_bwd(&op(vec![0, 5], 1)).is_err());
     }
 
     #[test]

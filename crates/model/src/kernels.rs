@@ -41,22 +41,20 @@ pub trait Kernels: Send + Sync + Debug {
     /// Softmax over the last dimension.
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor>;
 
-    /// Scaled dot-product attention within each sequence of a packed batch: `q`, `k`, `v` are
-    /// `[tokens, hidden]` with `heads` heads side by side in `hidden` (the linear layers'
-    /// output), `packing` says which tokens form each sequence; `dropout` is applied to the
-    /// attention probabilities in training `mode`. Returns `[tokens, hidden]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Scaled dot-product attention within each sequence of a packed batch, from the query,
+    /// key and value projections side by side: `qkv` is `[tokens, 3 · hidden]` (queries,
+    /// keys, values, each with `heads` heads side by side), `packing` says which tokens form
+    /// each sequence; `dropout` is applied to the attention probabilities in training `mode`.
+    /// Returns `[tokens, hidden]`.
     fn attention(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        qkv: &Tensor,
         packing: &Packing,
         heads: usize,
         mode: Mode,
         dropout: f64,
     ) -> Result<Tensor> {
-        composed_attention(self, q, k, v, packing, heads, mode, dropout)
+        composed_attention(self, qkv, packing, heads, mode, dropout)
     }
 }
 
@@ -79,28 +77,25 @@ fn composed_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
 /// [`Kernels::attention`] from separate ops on the padded batch: the tokens padded back to
 /// `[batch, heads, seq, head]`, `q·kᵀ`, scale, the padding mask's bias, the kernels' softmax,
 /// dropout, `·v`, and the tokens packed again.
-#[allow(clippy::too_many_arguments)]
 fn composed_attention<K: Kernels + ?Sized>(
     kernels: &K,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: &Tensor,
     packing: &Packing,
     heads: usize,
     mode: Mode,
     dropout: f64,
 ) -> Result<Tensor> {
     let (batch, seq) = packing.padded_dims();
-    let hidden = q.dim(D::Minus1)?;
+    let hidden = qkv.dim(D::Minus1)? / 3;
     let head = hidden / heads.max(1);
-    let split = |t: &Tensor| -> Result<Tensor> {
+    let split = |part: usize| -> Result<Tensor> {
         packing
-            .unpack(t)?
+            .unpack(&qkv.narrow(1, part * hidden, hidden)?.contiguous()?)?
             .reshape((batch, seq, heads, head))?
             .transpose(1, 2)?
             .contiguous()
     };
-    let (q, k, v) = (split(q)?, split(k)?, split(v)?);
+    let (q, k, v) = (split(0)?, split(1)?, split(2)?);
     let scale = 1.0 / (head as f64).sqrt();
     let mask = packing.mask_bias().to_dtype(q.dtype())?;
     let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
@@ -256,17 +251,15 @@ impl Kernels for Fused {
 
     fn attention(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        qkv: &Tensor,
         packing: &Packing,
         heads: usize,
         mode: Mode,
         dropout: f64,
     ) -> Result<Tensor> {
-        let dtype = q.dtype();
-        if !(q.device().is_cpu() && (dtype == DType::F32 || is_half(dtype))) {
-            return composed_attention(self, q, k, v, packing, heads, mode, dropout);
+        let dtype = qkv.dtype();
+        if !(qkv.device().is_cpu() && (dtype == DType::F32 || is_half(dtype))) {
+            return composed_attention(self, qkv, packing, heads, mode, dropout);
         }
         count_fused();
         let keep = match mode {
@@ -275,15 +268,17 @@ impl Kernels for Fused {
                 .map(|keep| (Arc::new(keep), (1.0 / (1.0 - dropout)) as f32)),
             Mode::Eval => None,
         };
-        let head = q.dim(D::Minus1)? / heads.max(1);
+        let head = qkv.dim(D::Minus1)? / 3 / heads.max(1);
         let op = crate::cpu_fused::Attention {
             heads,
             scale: (1.0 / (head as f64).sqrt()) as f32,
             starts: packing.shared_starts(),
             keep,
         };
-        let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
-        f32(q)?.apply_op3(&f32(k)?, &f32(v)?, op)?.to_dtype(dtype)
+        qkv.to_dtype(DType::F32)?
+            .contiguous()?
+            .apply_op1(op)?
+            .to_dtype(dtype)
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {

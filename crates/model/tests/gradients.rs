@@ -209,16 +209,14 @@ fn layer_norm_matches_finite_differences() {
 
 #[test]
 fn masked_attention_matches_finite_differences() {
-    // Two sequences of 4 positions, 2 heads of 3: the first pads its last position.
+    // Two sequences of 4 positions, 2 heads of 3 (queries, keys and values side by side):
+    // the first pads its last position.
     let packing = Packing::from_mask((2, 4), &[1, 1, 1, 0, 1, 1, 1, 1], &Device::Cpu).unwrap();
-    finite_difference_check(
-        &[tensor(&[7, 6], 4), tensor(&[7, 6], 5), tensor(&[7, 6], 6)],
-        &|t| {
-            Composed
-                .attention(&t[0], &t[1], &t[2], &packing, 2, Mode::Eval, 0.0)
-                .unwrap()
-        },
-    );
+    finite_difference_check(&[tensor(&[7, 18], 4)], &|t| {
+        Composed
+            .attention(&t[0], &packing, 2, Mode::Eval, 0.0)
+            .unwrap()
+    });
     finite_difference_check(&[tensor(&[2, 7], 7)], &|t| {
         Composed.softmax_last_dim(&t[0]).unwrap()
     });
@@ -344,38 +342,21 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
         &|k, t| k.layer_norm(&t[0], &t[1], &t[2], 1e-12).unwrap(),
     );
     // Attention of a packed batch: the first sequence pads its last two positions, the
-    // second has a hole at column 2 (3 heads of 4).
+    // second has a hole at column 2 (3 heads of 4; queries, keys and values side by side).
     let packing =
         Packing::from_mask((2, 6), &[1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1], &Device::Cpu).unwrap();
-    fused_against_f64(
-        &[
-            tensor(&[9, 12], 14),
-            tensor(&[9, 12], 15),
-            tensor(&[9, 12], 16),
-        ],
-        1,
-        &|k, t| {
-            k.attention(&t[0], &t[1], &t[2], &packing, 3, Mode::Eval, 0.0)
-                .unwrap()
-        },
-    );
+    fused_against_f64(&[tensor(&[9, 36], 14)], 1, &|k, t| {
+        k.attention(&t[0], &packing, 3, Mode::Eval, 0.0).unwrap()
+    });
     // With attention dropout: the fused kernel applies the mask the composed ops' dropout
     // draws on the padded probabilities (a fresh source per pass, so every pass draws the
     // same masks).
     let train = |k: &dyn Kernels, t: &[Tensor]| {
         let source = DropoutSource::new(3);
-        k.attention(&t[0], &t[1], &t[2], &packing, 3, Mode::Train(&source), 0.3)
+        k.attention(&t[0], &packing, 3, Mode::Train(&source), 0.3)
             .unwrap()
     };
-    fused_against_f64(
-        &[
-            tensor(&[9, 12], 18),
-            tensor(&[9, 12], 19),
-            tensor(&[9, 12], 20),
-        ],
-        1,
-        &train,
-    );
+    fused_against_f64(&[tensor(&[9, 36], 18)], 1, &train);
     // A linear layer on a 3-d input (its rows flattened), bias added in the product.
     fused_against_f64(
         &[
