@@ -31,6 +31,7 @@ use rayon::prelude::*;
 
 use bertkit_rng::splitmix64 as splitmix;
 
+use crate::cpu_fused::fill_keeps;
 use crate::packing::Packing;
 
 /// Mask numbers set aside for each optimiser step ([`DropoutSource::start_batch`]): far more
@@ -234,11 +235,6 @@ pub(crate) fn keeps(line_key: u64, j: u64, threshold: u64) -> u8 {
     u8::from((splitmix(line_key.wrapping_add(j)) >> 40) >= threshold)
 }
 
-/// `keep[i]` = whether element `first + i` of the line keyed `line_key` keeps.
-fn fill_line(keep: &mut [u8], line_key: u64, first: u64, threshold: u64) {
-    crate::cpu_fused::fill_keeps(keep, line_key, first, threshold);
-}
-
 /// Which elements of a tensor of `dims` (rows first) mask `key` keeps at drop probability
 /// `p` (1: kept, 0: dropped), row `i` being row `first_row + i` of its step. An element keeps
 /// when its 24-bit uniform is at least `p`; the uniform hashes the row's place and the
@@ -265,7 +261,7 @@ fn cpu_keep_mask(dims: &[usize], key: u64, first_row: u64, p: f64) -> Vec<u8> {
             let row_key = row_key(key, first_row, row);
             let mut index = vec![0usize; middle.len()];
             for line in keep.chunks_mut(last) {
-                fill_line(line, line_key(row_key, &index), 0, threshold);
+                fill_keeps(line, line_key(row_key, &index), 0, threshold);
                 // The next index of the middle dimensions, last fastest.
                 for (i, &d) in index.iter_mut().zip(middle).rev() {
                     *i += 1;
@@ -294,9 +290,7 @@ fn cpu_token_keep_mask(packing: &Packing, width: usize, draw: &Draw, p: f64) -> 
         .for_each(|(t, (line, &column))| {
             let row = starts.partition_point(|&s| s <= t) - 1;
             let line_key = line_key(row_key(draw.key, draw.first_row, row), &[column as usize]);
-            for (j, k) in line.iter_mut().enumerate() {
-                *k = keeps(line_key, j as u64, threshold);
-            }
+            fill_keeps(line, line_key, 0, threshold);
         });
     keep
 }
@@ -330,7 +324,7 @@ fn cpu_attention_keep_mask(packing: &Packing, heads: usize, draw: &Draw, p: f64)
         for (line, &i) in block.chunks_mut(columns.len().max(1)).zip(columns) {
             let line_key = line_key(key, &[h, i as usize]);
             if consecutive {
-                fill_line(line, line_key, u64::from(columns[0]), threshold);
+                fill_keeps(line, line_key, u64::from(columns[0]), threshold);
             } else {
                 for (k, &j) in line.iter_mut().zip(columns) {
                     *k = keeps(line_key, u64::from(j), threshold);
