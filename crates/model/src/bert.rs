@@ -72,6 +72,20 @@ impl LayerNorm {
     fn forward(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
         k.layer_norm(x, &self.weight, &self.bias, self.eps)
     }
+
+    /// The norm of a sublayer's packed output `x` after its dropout, plus the `residual`.
+    fn residual_forward(
+        &self,
+        k: &dyn Kernels,
+        x: &Tensor,
+        residual: &Tensor,
+        packing: &Packing,
+        mode: Mode,
+        dropout: f64,
+    ) -> candle_core::Result<Tensor> {
+        let (weight, bias) = (&self.weight, &self.bias);
+        k.residual_layer_norm(x, residual, packing, mode, dropout, weight, bias, self.eps)
+    }
 }
 
 /// Inference, or training with dropout masks from a source.
@@ -480,19 +494,23 @@ impl EncoderLayer {
             mode,
             self.attention_dropout,
         )?;
-        let attended = mode.dropout_tokens(
+        let x = self.attention_norm.residual_forward(
+            k,
             &self.attention_output.forward(k, &context)?,
-            self.hidden_dropout,
+            x,
             packing,
+            mode,
+            self.hidden_dropout,
         )?;
-        let x = self.attention_norm.forward(k, &(attended + x)?)?;
         let inner = k.gelu(&self.intermediate.forward(k, &x)?)?;
-        let out = mode.dropout_tokens(
+        self.output_norm.residual_forward(
+            k,
             &self.output.forward(k, &inner)?,
-            self.hidden_dropout,
+            &x,
             packing,
-        )?;
-        self.output_norm.forward(k, &(out + x)?)
+            mode,
+            self.hidden_dropout,
+        )
     }
 }
 

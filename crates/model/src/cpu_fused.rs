@@ -996,6 +996,234 @@ fn layer_norm_backward_row_portable(
 }
 
 // ---------------------------------------------------------------------------------------------
+// The end of a sublayer: dropout, the residual connection and LayerNorm.
+
+/// `LayerNorm(dropout(x) + residual)` over the last dimension, for `x` and `residual`
+/// `[..., hidden]` and `params` `[2, hidden]` (the norm's weight, then its bias), the dropout
+/// by a mask of keep bytes as [`KeepMask`]'s (or none). One pass where the composition takes
+/// three (dropout, the addition, the norm, each writing a tensor), and one backward where
+/// theirs take three, each with a gradient buffer of its own. The sum is not kept: the
+/// backward recomputes it a row at a time. Values are the composition's to the bit (the same
+/// f32 operations in the same order).
+pub(crate) struct ResidualLayerNorm {
+    pub(crate) eps: f32,
+    /// The dropout's keep bytes and the scale of a kept element.
+    pub(crate) keep: Option<(Arc<Vec<u8>>, f32)>,
+}
+
+/// The operands of a [`ResidualLayerNorm`]: `x`, `residual`, the weight and the bias, with the
+/// mask (if any) checked against them; and the hidden size.
+struct ResidualOperands<'a> {
+    x: &'a [f32],
+    residual: &'a [f32],
+    weight: &'a [f32],
+    bias: &'a [f32],
+    keep: Option<(&'a [u8], f32)>,
+    hidden: usize,
+}
+
+impl ResidualLayerNorm {
+    fn operands<'a>(
+        &'a self,
+        x: &'a [f32],
+        x_layout: &Layout,
+        residual: &'a [f32],
+        residual_layout: &Layout,
+        params: &'a [f32],
+        params_layout: &Layout,
+    ) -> Result<ResidualOperands<'a>> {
+        let op = "bertkit-residual-layer-norm";
+        same_shape(op, x_layout, residual_layout)?;
+        let hidden = x_layout.dims().last().copied().unwrap_or(0);
+        if hidden == 0 || params_layout.dims() != [2, hidden] {
+            bail!(
+                "{op}: an input [.., hidden] and parameters [2, hidden] expected, got {:?} and {:?}",
+                x_layout.dims(),
+                params_layout.dims()
+            )
+        }
+        let keep = match &self.keep {
+            Some((keep, _)) if keep.len() != x.len() => bail!(
+                "{op}: a dropout mask of {} elements for {} values",
+                keep.len(),
+                x.len()
+            ),
+            Some((keep, scale)) => Some((keep.as_slice(), *scale)),
+            None => None,
+        };
+        let (weight, bias) = params.split_at(hidden);
+        Ok(ResidualOperands {
+            x,
+            residual,
+            weight,
+            bias,
+            keep,
+            hidden,
+        })
+    }
+}
+
+impl ResidualOperands<'_> {
+    /// The sum `dropout(x) + residual` of the rows starting at element `start`, one row into
+    /// `sum`.
+    fn sum_row(&self, start: usize, sum: &mut [f32]) {
+        let at = start..start + self.hidden;
+        let keep = self.keep.map(|(keep, scale)| (&keep[at.clone()], scale));
+        residual_sum_row(&self.x[at.clone()], &self.residual[at], keep, sum);
+    }
+}
+
+vectorised! {
+    /// One row of `x · (keep · scale) + residual` (without a mask, `x + residual`): the
+    /// dropout's and the addition's arithmetic, in their order.
+    fn residual_sum_row(x: &[f32], residual: &[f32], keep: Option<(&[u8], f32)>, sum: &mut [f32]) = residual_sum_row_portable
+}
+
+#[inline(always)]
+fn residual_sum_row_portable(
+    x: &[f32],
+    residual: &[f32],
+    keep: Option<(&[u8], f32)>,
+    sum: &mut [f32],
+) {
+    let n = sum.len();
+    let (x, residual) = (&x[..n], &residual[..n]);
+    match keep {
+        Some((keep, scale)) => {
+            let keep = &keep[..n];
+            for i in 0..n {
+                sum[i] = x[i] * (f32::from(keep[i]) * scale) + residual[i];
+            }
+        }
+        None => {
+            for i in 0..n {
+                sum[i] = x[i] + residual[i];
+            }
+        }
+    }
+}
+
+impl CustomOp3 for ResidualLayerNorm {
+    fn name(&self) -> &'static str {
+        "bertkit-residual-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        residual: &CpuStorage,
+        residual_layout: &Layout,
+        params: &CpuStorage,
+        params_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let x = contiguous(op, "input", x, x_layout)?;
+        let residual = contiguous(op, "residual", residual, residual_layout)?;
+        let params = contiguous(op, "parameters", params, params_layout)?;
+        let o = self.operands(
+            x,
+            x_layout,
+            residual,
+            residual_layout,
+            params,
+            params_layout,
+        )?;
+        let hidden = o.hidden;
+        let task = rows_per_task(hidden) * hidden;
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(task)
+            .enumerate()
+            .for_each(|(t, out)| {
+                let mut sum = vec![0f32; hidden];
+                for (r, out) in out.chunks_mut(hidden).enumerate() {
+                    o.sum_row(t * task + r * hidden, &mut sum);
+                    layer_norm_row(&sum, o.weight, o.bias, self.eps, out);
+                }
+            });
+        Ok((CpuStorage::F32(out), x_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        params: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = self.name();
+        let grad = grad.contiguous()?;
+        let (grad_sum, grad_params) = {
+            let (x_storage, x_layout) = x.storage_and_layout();
+            let (r_storage, r_layout) = residual.storage_and_layout();
+            let (p_storage, p_layout) = params.storage_and_layout();
+            let (g_storage, g_layout) = grad.storage_and_layout();
+            same_shape(op, x_layout, g_layout)?;
+            let o = self.operands(
+                cpu_slice(op, "input", &x_storage, x_layout)?,
+                x_layout,
+                cpu_slice(op, "residual", &r_storage, r_layout)?,
+                r_layout,
+                cpu_slice(op, "parameters", &p_storage, p_layout)?,
+                p_layout,
+            )?;
+            let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+            let hidden = o.hidden;
+            // As LayerNormBackward: partial parameter sums per fixed block of rows, added in
+            // order.
+            let task = ROWS_PER_PARTIAL * hidden;
+            let mut grad_sum = vec![0f32; o.x.len()];
+            let partials: Vec<Vec<f32>> = grad_sum
+                .par_chunks_mut(task)
+                .zip(g.par_chunks(task))
+                .enumerate()
+                .map(|(t, (grad_sum, g))| {
+                    let mut partial = vec![0f32; 2 * hidden];
+                    let (grad_weight, grad_bias) = partial.split_at_mut(hidden);
+                    let mut sum = vec![0f32; hidden];
+                    for (r, (gs, g)) in grad_sum
+                        .chunks_mut(hidden)
+                        .zip(g.chunks(hidden))
+                        .enumerate()
+                    {
+                        o.sum_row(t * task + r * hidden, &mut sum);
+                        layer_norm_backward_row(
+                            &sum,
+                            o.weight,
+                            g,
+                            self.eps,
+                            gs,
+                            grad_weight,
+                            grad_bias,
+                        );
+                    }
+                    partial
+                })
+                .collect();
+            let mut grad_params = vec![0f32; 2 * hidden];
+            for partial in &partials {
+                add_into(&mut grad_params, partial);
+            }
+            (grad_sum, grad_params)
+        };
+        let device = x.device();
+        let grad_residual = Tensor::from_vec(grad_sum, x.shape(), device)?;
+        // The dropout's backward: the same mask on the sum's gradient. Without one, `x` and
+        // the residual share the one gradient.
+        let grad_x = match &self.keep {
+            Some((keep, scale)) => grad_residual.apply_op1_no_bwd(&KeepMask {
+                keep: Arc::clone(keep),
+                scale: *scale,
+            })?,
+            None => grad_residual.clone(),
+        };
+        let grad_params = Tensor::from_vec(grad_params, params.shape(), device)?;
+        Ok((Some(grad_x), Some(grad_residual), Some(grad_params)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // GELU.
 
 /// The exact GELU, `x · Φ(x)`, elementwise on f32 (any shape, contiguous).

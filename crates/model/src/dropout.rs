@@ -140,6 +140,22 @@ impl DropoutSource {
         Some(cpu_attention_keep_mask(packing, heads, &draw, p))
     }
 
+    /// The next mask for a packed `[tokens, width]` tensor, one byte per element (1: kept):
+    /// the mask [`DropoutSource::apply_to_tokens`] draws on the CPU, for a kernel that applies
+    /// it itself. `None` when `p` is 0.
+    pub(crate) fn next_cpu_token_keep_mask(
+        &self,
+        packing: &Packing,
+        width: usize,
+        p: f64,
+    ) -> Option<Vec<u8>> {
+        if p <= 0.0 {
+            return None;
+        }
+        let draw = self.next_draw();
+        Some(cpu_token_keep_mask(packing, width, &draw, p))
+    }
+
     /// `x` with each element zeroed with probability `p` and the rest scaled by `1 / (1 - p)`.
     pub fn apply(&self, x: &Tensor, p: f64) -> Result<Tensor> {
         self.apply_drawn(x, p, |draw| {

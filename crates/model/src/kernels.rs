@@ -56,6 +56,26 @@ pub trait Kernels: Send + Sync + Debug {
     ) -> Result<Tensor> {
         composed_attention(self, qkv, packing, heads, mode, dropout)
     }
+
+    /// The end of a sublayer on a packed batch, `LayerNorm(dropout(x) + residual)`: `x` and
+    /// `residual` are `[tokens, hidden]`, the dropout (probability `dropout`, in training
+    /// `mode`) drops what each token's place in the padded batch would
+    /// ([`Mode::dropout_tokens`]), and the norm is [`Kernels::layer_norm`]'s.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_layer_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        packing: &Packing,
+        mode: Mode,
+        dropout: f64,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let dropped = mode.dropout_tokens(x, dropout, packing)?;
+        self.layer_norm(&(dropped + residual)?, weight, bias, eps)
+    }
 }
 
 /// [`Kernels::linear`] from separate ops: the rows flattened, a product with the transposed
@@ -188,7 +208,7 @@ impl Kernels for Composed {
 ///   layers (bias added in the product; f32 only), LayerNorm,
 ///   attention (per sequence and head of the packed batch in one task: `q·kᵀ`, scale,
 ///   softmax, dropout and `·v`, the probabilities recomputed in the backward rather than
-///   kept) and GELU
+///   kept), a sublayer's end (dropout, residual and LayerNorm in one pass) and GELU
 ///   (a vectorised error function), each with a fused backward, so training and inference
 ///   take them alike (`cpu_fused`).
 /// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a
@@ -279,6 +299,39 @@ impl Kernels for Fused {
             .contiguous()?
             .apply_op1(op)?
             .to_dtype(dtype)
+    }
+
+    fn residual_layer_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        packing: &Packing,
+        mode: Mode,
+        dropout: f64,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        if ![x, residual, weight, bias].into_iter().all(on_cpu_in_f32) {
+            let dropped = mode.dropout_tokens(x, dropout, packing)?;
+            return self.layer_norm(&(dropped + residual)?, weight, bias, eps);
+        }
+        count_fused();
+        let keep = match mode {
+            Mode::Train(source) => source
+                .next_cpu_token_keep_mask(packing, x.dim(D::Minus1)?, dropout)
+                .map(|keep| (Arc::new(keep), (1.0 / (1.0 - dropout)) as f32)),
+            Mode::Eval => None,
+        };
+        let op = crate::cpu_fused::ResidualLayerNorm {
+            eps: eps as f32,
+            keep,
+        };
+        x.contiguous()?.apply_op3(
+            &residual.contiguous()?,
+            &Tensor::stack(&[weight, bias], 0)?,
+            op,
+        )
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {

@@ -357,6 +357,30 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
             .unwrap()
     };
     fused_against_f64(&[tensor(&[9, 36], 18)], 1, &train);
+    // A sublayer's end, LayerNorm(dropout(x) + residual), on the packed batch above, rows of
+    // 37: without dropout, and with the token masks the composed dropout draws.
+    let packing = &packing;
+    let residual_norm = |mode: Option<u64>| {
+        move |k: &dyn Kernels, t: &[Tensor]| {
+            let source = DropoutSource::new(mode.unwrap_or(0));
+            let mode = match mode {
+                Some(_) => Mode::Train(&source),
+                None => Mode::Eval,
+            };
+            k.residual_layer_norm(&t[0], &t[1], packing, mode, 0.3, &t[2], &t[3], 1e-12)
+                .unwrap()
+        }
+    };
+    let residual_inputs = |seed| {
+        [
+            (tensor(&[9, 37], seed) * 3.0).unwrap(),
+            (tensor(&[9, 37], seed + 1) + 2.0).unwrap(),
+            (tensor(&[37], seed + 2) + 1.0).unwrap(),
+            tensor(&[37], seed + 3),
+        ]
+    };
+    fused_against_f64(&residual_inputs(31), 1, &residual_norm(None));
+    fused_against_f64(&residual_inputs(35), 1, &residual_norm(Some(5)));
     // A linear layer on a 3-d input (its rows flattened), bias added in the product.
     fused_against_f64(
         &[
@@ -377,6 +401,59 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
     fused_against_f64(&[(tensor(&[5, 41], 17) * 6.0).unwrap()], 0, &|k, t| {
         k.gelu(&t[0]).unwrap()
     });
+}
+
+/// The fused sublayer end computes what its parts do (the dropout op, candle's addition, the
+/// fused LayerNorm) to the bit, values and gradients, so fusing it changed no training run.
+#[test]
+fn the_fused_residual_norm_is_its_parts_to_the_bit() {
+    let cpu = &Device::Cpu;
+    let packing =
+        Packing::from_mask((2, 8), &[1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1], cpu).unwrap();
+    let f32 = |shape: &[usize], seed| tensor(shape, seed).to_dtype(DType::F32).unwrap();
+    let vars: Vec<Var> = [
+        f32(&[13, 48], 41),
+        (f32(&[13, 48], 42) * 5.0).unwrap(),
+        (f32(&[48], 43) + 1.0).unwrap(),
+        f32(&[48], 44),
+    ]
+    .iter()
+    .map(|t| Var::from_tensor(t).unwrap())
+    .collect();
+    let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let r = f32(&[13, 48], 45);
+    for p in [0.0, 0.1] {
+        let run = |fused: bool| {
+            let source = DropoutSource::new(9);
+            let mode = Mode::Train(&source);
+            let out = if fused {
+                Fused
+                    .residual_layer_norm(&t[0], &t[1], &packing, mode, p, &t[2], &t[3], 1e-12)
+                    .unwrap()
+            } else {
+                let dropped = mode.dropout_tokens(&t[0], p, &packing).unwrap();
+                Fused
+                    .layer_norm(&(dropped + &t[1]).unwrap(), &t[2], &t[3], 1e-12)
+                    .unwrap()
+            };
+            let grads = (&out * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut all = vec![out.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
+            for v in &vars {
+                let g = grads.get(v.as_tensor()).expect("a gradient for every input");
+                all.push(g.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+            all
+        };
+        let (fused, parts) = (run(true), run(false));
+        for (i, (a, b)) in fused.iter().zip(&parts).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(a), bits(b), "p = {p}: output/gradient {i} differs");
+        }
+        if p > 0.0 {
+            // The mask dropped something, and the dropped elements pass no gradient.
+            assert!(fused[1].iter().filter(|&&g| g == 0.0).count() > 20);
+        }
+    }
 }
 
 #[test]
