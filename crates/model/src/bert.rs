@@ -50,6 +50,11 @@ impl Linear {
     pub fn forward(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
         k.linear(x, &self.weight, self.bias.as_ref())
     }
+
+    /// The layer followed by GELU, with the kernels' fused pair.
+    pub fn forward_gelu(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
+        k.linear_gelu(x, &self.weight, self.bias.as_ref())
+    }
 }
 
 /// LayerNorm parameters; the computation is the kernels'.
@@ -502,7 +507,7 @@ impl EncoderLayer {
             mode,
             self.hidden_dropout,
         )?;
-        let inner = k.gelu(&self.intermediate.forward(k, &x)?)?;
+        let inner = self.intermediate.forward_gelu(k, &x)?;
         self.output_norm.residual_forward(
             k,
             &self.output.forward(k, &inner)?,
@@ -755,7 +760,7 @@ impl BertForPreTraining {
         let places = positions.broadcast_add(&offsets)?.flatten_all()?;
         let picked = inputs.packing.select(x, &places)?;
         let k = self.bert.kernels.as_ref();
-        let t = k.gelu(&self.transform.forward(k, &picked)?)?;
+        let t = self.transform.forward_gelu(k, &picked)?;
         let t = self.transform_norm.forward(k, &t)?;
         // The decoder: the word embeddings (`[vocab, hidden]`, a linear layer's layout) and the
         // output bias.

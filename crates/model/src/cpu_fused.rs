@@ -351,6 +351,101 @@ impl Shared {
     }
 }
 
+/// `x · Wᵀ + b` into a new buffer, and the output's shape ([`Linear`]'s forward).
+fn linear_forward(
+    op: &str,
+    (x, x_layout): (&CpuStorage, &Layout),
+    (weight, weight_layout): (&CpuStorage, &Layout),
+    (bias, bias_layout): (&CpuStorage, &Layout),
+) -> Result<(Vec<f32>, Shape)> {
+    let (rows, input, output) = linear_shape(op, x_layout, weight_layout, bias_layout)?;
+    let x = contiguous(op, "input", x, x_layout)?;
+    let weight = contiguous(op, "weight", weight, weight_layout)?;
+    let bias = contiguous(op, "bias", bias, bias_layout)?;
+    // Row by row (a cycling iterator fills element by element, unvectorised).
+    let mut out = vec![0f32; rows * output];
+    if output > 0 {
+        out.par_chunks_mut(rows_per_task(output) * output)
+            .for_each(|rows| {
+                rows.chunks_mut(output)
+                    .for_each(|row| row.copy_from_slice(bias))
+            });
+    }
+    // W stored [out, in] read as Wᵀ [in, out]: element (p, j) at j·in + p.
+    let threads = product_parallelism();
+    product(
+        (rows, output, input),
+        x,
+        (input, 1),
+        weight,
+        (1, input),
+        &mut out,
+        true,
+        threads,
+    );
+    let mut dims = x_layout.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = output;
+    }
+    Ok((out, Shape::from(dims)))
+}
+
+/// The gradients of `x`, the weight and the bias of a linear layer from its output's
+/// gradient `g` (contiguous, `[rows, out]`): `g · W`, `gᵀ · x` and the columns' sums of `g`.
+fn linear_backward(
+    op: &str,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    g: &[f32],
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (grad_x, grad_weight, grad_bias) = {
+        let (x_storage, x_layout) = x.storage_and_layout();
+        let (w_storage, w_layout) = weight.storage_and_layout();
+        let (rows, input, output) = linear_shape(op, x_layout, w_layout, bias.layout())?;
+        if g.len() != rows * output {
+            bail!(
+                "{op}: a gradient of {} values for {rows} x {output}",
+                g.len()
+            )
+        }
+        let x = cpu_slice(op, "input", &x_storage, x_layout)?;
+        let w = cpu_slice(op, "weight", &w_storage, w_layout)?;
+        let threads = product_parallelism();
+        let mut grad_x = vec![0f32; rows * input];
+        let dims = (rows, input, output);
+        product(
+            dims,
+            g,
+            (output, 1),
+            w,
+            (input, 1),
+            &mut grad_x,
+            false,
+            threads,
+        );
+        let mut grad_weight = vec![0f32; output * input];
+        let dims = (output, input, rows);
+        product(
+            dims,
+            g,
+            (1, output),
+            x,
+            (input, 1),
+            &mut grad_weight,
+            false,
+            threads,
+        );
+        (grad_x, grad_weight, column_sums(g, output))
+    };
+    let device = x.device();
+    Ok((
+        Some(Tensor::from_vec(grad_x, x.shape(), device)?),
+        Some(Tensor::from_vec(grad_weight, weight.shape(), device)?),
+        Some(Tensor::from_vec(grad_bias, bias.shape(), device)?),
+    ))
+}
+
 impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
         "bertkit-linear"
@@ -365,37 +460,13 @@ impl CustomOp3 for Linear {
         bias: &CpuStorage,
         bias_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let (rows, input, output) = linear_shape(op, x_layout, weight_layout, bias_layout)?;
-        let x = contiguous(op, "input", x, x_layout)?;
-        let weight = contiguous(op, "weight", weight, weight_layout)?;
-        let bias = contiguous(op, "bias", bias, bias_layout)?;
-        // Row by row (a cycling iterator fills element by element, unvectorised).
-        let mut out = vec![0f32; rows * output];
-        if output > 0 {
-            out.par_chunks_mut(rows_per_task(output) * output)
-                .for_each(|rows| {
-                    rows.chunks_mut(output)
-                        .for_each(|row| row.copy_from_slice(bias))
-                });
-        }
-        // W stored [out, in] read as Wᵀ [in, out]: element (p, j) at j·in + p.
-        let threads = product_parallelism();
-        product(
-            (rows, output, input),
-            x,
-            (input, 1),
-            weight,
-            (1, input),
-            &mut out,
-            true,
-            threads,
-        );
-        let mut dims = x_layout.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = output;
-        }
-        Ok((CpuStorage::F32(out), Shape::from(dims)))
+        let (out, shape) = linear_forward(
+            self.name(),
+            (x, x_layout),
+            (weight, weight_layout),
+            (bias, bias_layout),
+        )?;
+        Ok((CpuStorage::F32(out), shape))
     }
 
     fn bwd(
@@ -408,51 +479,97 @@ impl CustomOp3 for Linear {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let op = "bertkit-linear-backward";
         let grad = grad.contiguous()?;
-        let (grad_x, grad_weight, grad_bias) = {
-            let (x_storage, x_layout) = x.storage_and_layout();
-            let (w_storage, w_layout) = weight.storage_and_layout();
-            let (g_storage, g_layout) = grad.storage_and_layout();
-            let (rows, input, output) = linear_shape(op, x_layout, w_layout, bias.layout())?;
-            if g_layout.shape().elem_count() != rows * output {
-                bail!("{op}: a gradient of shape {:?}", g_layout.dims())
-            }
-            let x = cpu_slice(op, "input", &x_storage, x_layout)?;
-            let w = cpu_slice(op, "weight", &w_storage, w_layout)?;
-            let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
-            // dx = g · W; dW = gᵀ · x; db = the columns' sums of g.
-            let threads = product_parallelism();
-            let mut grad_x = vec![0f32; rows * input];
-            let dims = (rows, input, output);
-            product(
-                dims,
-                g,
-                (output, 1),
-                w,
-                (input, 1),
-                &mut grad_x,
-                false,
-                threads,
-            );
-            let mut grad_weight = vec![0f32; output * input];
-            let dims = (output, input, rows);
-            product(
-                dims,
-                g,
-                (1, output),
-                x,
-                (input, 1),
-                &mut grad_weight,
-                false,
-                threads,
-            );
-            (grad_x, grad_weight, column_sums(g, output))
+        let (g_storage, g_layout) = grad.storage_and_layout();
+        let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+        linear_backward(op, x, weight, bias, g)
+    }
+}
+
+/// A linear layer followed by the exact GELU, `GELU(x · Wᵀ + b)` ([`Linear`], [`Gelu`]): the
+/// activation computed in place on the product when nothing needs the gradient, and otherwise
+/// beside it, the pre-activation kept by the op for its backward (`GELU'` needs it), so the
+/// backward is one op where the two ops' take two, with a gradient buffer fewer. The same
+/// values as the two ops to the bit.
+pub(crate) struct LinearGelu {
+    /// Whether a backward pass may follow (then the pre-activation is kept).
+    keep_pre_activation: bool,
+    pre_activation: std::sync::OnceLock<Vec<f32>>,
+}
+
+impl LinearGelu {
+    /// The op, keeping the pre-activation when `trains` (a gradient will be asked for).
+    pub(crate) fn new(trains: bool) -> Self {
+        LinearGelu {
+            keep_pre_activation: trains,
+            pre_activation: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+impl CustomOp3 for LinearGelu {
+    fn name(&self) -> &'static str {
+        "bertkit-linear-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (pre, shape) = linear_forward(
+            op,
+            (x, x_layout),
+            (weight, weight_layout),
+            (bias, bias_layout),
+        )?;
+        if !self.keep_pre_activation {
+            let mut out = pre;
+            out.par_chunks_mut(ELEMENTWISE_CHUNK)
+                .for_each(gelu_chunk_in_place);
+            return Ok((CpuStorage::F32(out), shape));
+        }
+        let mut out = vec![0f32; pre.len()];
+        out.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(pre.par_chunks(ELEMENTWISE_CHUNK))
+            .for_each(|(out, pre)| gelu_chunk(pre, out));
+        if self.pre_activation.set(pre).is_err() {
+            bail!("{op}: one op ran forward twice")
+        }
+        Ok((CpuStorage::F32(out), shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = "bertkit-linear-gelu-backward";
+        let Some(pre) = self.pre_activation.get() else {
+            bail!("{op}: no pre-activation kept (the op was built for inference)")
         };
-        let device = x.device();
-        Ok((
-            Some(Tensor::from_vec(grad_x, x.shape(), device)?),
-            Some(Tensor::from_vec(grad_weight, weight.shape(), device)?),
-            Some(Tensor::from_vec(grad_bias, bias.shape(), device)?),
-        ))
+        let grad = grad.contiguous()?;
+        let (g_storage, g_layout) = grad.storage_and_layout();
+        let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+        if g.len() != pre.len() {
+            bail!("{op}: a gradient of {} values for {}", g.len(), pre.len())
+        }
+        let mut grad_pre = vec![0f32; pre.len()];
+        grad_pre
+            .par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(
+                pre.par_chunks(ELEMENTWISE_CHUNK)
+                    .zip(g.par_chunks(ELEMENTWISE_CHUNK)),
+            )
+            .for_each(|(out, (pre, g))| gelu_backward_chunk(pre, g, out));
+        linear_backward(op, x, weight, bias, &grad_pre)
     }
 }
 
@@ -1132,15 +1249,13 @@ impl CustomOp3 for ResidualLayerNorm {
         let hidden = o.hidden;
         let task = rows_per_task(hidden) * hidden;
         let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(task)
-            .enumerate()
-            .for_each(|(t, out)| {
-                let mut sum = vec![0f32; hidden];
-                for (r, out) in out.chunks_mut(hidden).enumerate() {
-                    o.sum_row(t * task + r * hidden, &mut sum);
-                    layer_norm_row(&sum, o.weight, o.bias, self.eps, out);
-                }
-            });
+        out.par_chunks_mut(task).enumerate().for_each(|(t, out)| {
+            let mut sum = vec![0f32; hidden];
+            for (r, out) in out.chunks_mut(hidden).enumerate() {
+                o.sum_row(t * task + r * hidden, &mut sum);
+                layer_norm_row(&sum, o.weight, o.bias, self.eps, out);
+            }
+        });
         Ok((CpuStorage::F32(out), x_layout.shape().clone()))
     }
 
@@ -1291,7 +1406,25 @@ vectorised! {
 #[inline(always)]
 fn gelu_chunk_portable(x: &[f32], out: &mut [f32]) {
     for (o, &x) in out.iter_mut().zip(x) {
-        *o = x * 0.5 * twice_phi(x);
+        *o = gelu(x);
+    }
+}
+
+/// The exact GELU, `x · Φ(x)`.
+#[inline(always)]
+fn gelu(x: f32) -> f32 {
+    x * 0.5 * twice_phi(x)
+}
+
+vectorised! {
+    /// GELU over a chunk, in place.
+    fn gelu_chunk_in_place(x: &mut [f32]) = gelu_chunk_in_place_portable
+}
+
+#[inline(always)]
+fn gelu_chunk_in_place_portable(x: &mut [f32]) {
+    for x in x.iter_mut() {
+        *x = gelu(*x);
     }
 }
 

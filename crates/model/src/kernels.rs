@@ -38,6 +38,11 @@ pub trait Kernels: Send + Sync + Debug {
     /// Exact GELU, `x * Φ(x)` with the error function.
     fn gelu(&self, x: &Tensor) -> Result<Tensor>;
 
+    /// A linear layer followed by GELU: [`Kernels::gelu`] of [`Kernels::linear`].
+    fn linear_gelu(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.gelu(&self.linear(x, weight, bias)?)
+    }
+
     /// Softmax over the last dimension.
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor>;
 
@@ -208,7 +213,8 @@ impl Kernels for Composed {
 ///   layers (bias added in the product; f32 only), LayerNorm,
 ///   attention (per sequence and head of the packed batch in one task: `q·kᵀ`, scale,
 ///   softmax, dropout and `·v`, the probabilities recomputed in the backward rather than
-///   kept), a sublayer's end (dropout, residual and LayerNorm in one pass) and GELU
+///   kept), a sublayer's end (dropout, residual and LayerNorm in one pass) and GELU (also
+///   fused into the linear layer before it)
 ///   (a vectorised error function), each with a fused backward, so training and inference
 ///   take them alike (`cpu_fused`).
 /// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a
@@ -258,6 +264,17 @@ impl Kernels for Fused {
                 .contiguous()?
                 .apply_op3(weight, bias, crate::cpu_fused::Linear),
             _ => composed_linear(x, weight, bias),
+        }
+    }
+
+    fn linear_gelu(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        match bias {
+            Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
+                let trains = [x, weight, bias].iter().any(|t| t.track_op());
+                x.contiguous()?
+                    .apply_op3(weight, bias, crate::cpu_fused::LinearGelu::new(trains))
+            }
+            _ => self.gelu(&self.linear(x, weight, bias)?),
         }
     }
 

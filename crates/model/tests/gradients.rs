@@ -397,63 +397,124 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
     fused_against_f64(&[(tensor(&[4, 37], 24) * 4.0).unwrap()], 0, &|_, t| {
         loss::nll_per_row(&t[0], &labels).unwrap()
     });
+    // A linear layer followed by GELU (one op of ours, the pre-activation kept).
+    fused_against_f64(
+        &[
+            (tensor(&[2, 3, 7], 25) * 2.0).unwrap(),
+            tensor(&[5, 7], 26),
+            tensor(&[5], 27),
+        ],
+        0,
+        &|k, t| k.linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap(),
+    );
     // GELU over both tails and the middle.
     fused_against_f64(&[(tensor(&[5, 41], 17) * 6.0).unwrap()], 0, &|k, t| {
         k.gelu(&t[0]).unwrap()
     });
 }
 
-/// The fused sublayer end computes what its parts do (the dropout op, candle's addition, the
-/// fused LayerNorm) to the bit, values and gradients, so fusing it changed no training run.
-#[test]
-fn the_fused_residual_norm_is_its_parts_to_the_bit() {
-    let cpu = &Device::Cpu;
-    let packing =
-        Packing::from_mask((2, 8), &[1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1], cpu).unwrap();
-    let f32 = |shape: &[usize], seed| tensor(shape, seed).to_dtype(DType::F32).unwrap();
-    let vars: Vec<Var> = [
-        f32(&[13, 48], 41),
-        (f32(&[13, 48], 42) * 5.0).unwrap(),
-        (f32(&[48], 43) + 1.0).unwrap(),
-        f32(&[48], 44),
-    ]
-    .iter()
-    .map(|t| Var::from_tensor(t).unwrap())
-    .collect();
+/// `f(inputs)`'s values and the gradients of `sum(f · r)` for every input, in f32.
+fn values_and_gradients(inputs: &[Tensor], f: &dyn Fn(&[Tensor]) -> Tensor) -> Vec<Vec<u32>> {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_dtype(DType::F32).unwrap()).unwrap())
+        .collect();
     let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let r = f32(&[13, 48], 45);
+    let out = f(&t);
+    let r = tensor(out.dims(), 45).to_dtype(DType::F32).unwrap();
+    let grads = (&out * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let bits = |t: &Tensor| {
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let mut all = vec![bits(&out)];
+    for v in &vars {
+        all.push(bits(
+            grads
+                .get(v.as_tensor())
+                .expect("a gradient for every input"),
+        ));
+    }
+    all
+}
+
+/// The fused CPU ops that replaced a chain of ops compute what the chain does to the bit,
+/// values and gradients, so fusing them changed no training run: a sublayer's end (the dropout
+/// op, candle's addition, the fused LayerNorm), with and without dropout, and the linear layer
+/// with GELU (also on the inference path, which keeps no pre-activation).
+#[test]
+fn fused_chains_are_their_parts_to_the_bit() {
+    let cpu = &Device::Cpu;
+    let packing = Packing::from_mask(
+        (2, 8),
+        &[1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+        cpu,
+    )
+    .unwrap();
+    let inputs = [
+        tensor(&[13, 48], 41),
+        (tensor(&[13, 48], 42) * 5.0).unwrap(),
+        (tensor(&[48], 43) + 1.0).unwrap(),
+        tensor(&[48], 44),
+    ];
     for p in [0.0, 0.1] {
         let run = |fused: bool| {
-            let source = DropoutSource::new(9);
-            let mode = Mode::Train(&source);
-            let out = if fused {
-                Fused
-                    .residual_layer_norm(&t[0], &t[1], &packing, mode, p, &t[2], &t[3], 1e-12)
-                    .unwrap()
-            } else {
-                let dropped = mode.dropout_tokens(&t[0], p, &packing).unwrap();
-                Fused
-                    .layer_norm(&(dropped + &t[1]).unwrap(), &t[2], &t[3], 1e-12)
-                    .unwrap()
-            };
-            let grads = (&out * &r).unwrap().sum_all().unwrap().backward().unwrap();
-            let mut all = vec![out.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
-            for v in &vars {
-                let g = grads.get(v.as_tensor()).expect("a gradient for every input");
-                all.push(g.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
-            all
+            values_and_gradients(&inputs, &|t| {
+                let source = DropoutSource::new(9);
+                let mode = Mode::Train(&source);
+                if fused {
+                    Fused
+                        .residual_layer_norm(&t[0], &t[1], &packing, mode, p, &t[2], &t[3], 1e-12)
+                        .unwrap()
+                } else {
+                    let dropped = mode.dropout_tokens(&t[0], p, &packing).unwrap();
+                    Fused
+                        .layer_norm(&(dropped + &t[1]).unwrap(), &t[2], &t[3], 1e-12)
+                        .unwrap()
+                }
+            })
         };
-        let (fused, parts) = (run(true), run(false));
-        for (i, (a, b)) in fused.iter().zip(&parts).enumerate() {
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(a), bits(b), "p = {p}: output/gradient {i} differs");
-        }
+        let fused = run(true);
+        assert_eq!(fused, run(false), "residual norm, p = {p}");
         if p > 0.0 {
             // The mask dropped something, and the dropped elements pass no gradient.
-            assert!(fused[1].iter().filter(|&&g| g == 0.0).count() > 20);
+            assert!(
+                fused[1]
+                    .iter()
+                    .filter(|&&g| f32::from_bits(g) == 0.0)
+                    .count()
+                    > 20
+            );
         }
     }
+
+    let inputs = [
+        (tensor(&[3, 5, 24], 46) * 3.0).unwrap(),
+        tensor(&[40, 24], 47),
+        tensor(&[40], 48),
+    ];
+    let fused = values_and_gradients(&inputs, &|t| {
+        Fused.linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap()
+    });
+    let parts = values_and_gradients(&inputs, &|t| {
+        Fused
+            .gelu(&Fused.linear(&t[0], &t[1], Some(&t[2])).unwrap())
+            .unwrap()
+    });
+    assert_eq!(fused, parts, "linear + GELU");
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let inference = Fused
+        .linear_gelu(&f32(&inputs[0]), &f32(&inputs[1]), Some(&f32(&inputs[2])))
+        .unwrap();
+    let bits: Vec<u32> = inference
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    assert_eq!(bits, fused[0], "linear + GELU in place");
 }
 
 #[test]
