@@ -697,11 +697,7 @@ impl Attention {
             )
         }
         if let Some((keep, _)) = &self.keep {
-            let probabilities: usize = self
-                .starts
-                .windows(2)
-                .map(|w| self.heads * (w[1] - w[0]).pow(2))
-                .sum();
+            let probabilities = crate::packing::attention_probabilities(&self.starts, self.heads);
             if keep.len() != probabilities {
                 bail!(
                     "attention: a dropout mask of {} values for {probabilities} probabilities",

@@ -316,10 +316,7 @@ fn cpu_token_keep_mask(packing: &Packing, width: usize, draw: &Draw, p: f64) -> 
 fn cpu_attention_keep_mask(packing: &Packing, heads: usize, draw: &Draw, p: f64) -> Vec<u8> {
     let threshold = threshold(p);
     let mut blocks: Vec<(usize, usize, &mut [u8])> = Vec::new();
-    let total: usize = (0..packing.padded_dims().0)
-        .map(|b| heads * packing.row(b).len().pow(2))
-        .sum();
-    let mut keep = vec![0u8; total];
+    let mut keep = vec![0u8; crate::packing::attention_probabilities(packing.starts(), heads)];
     let mut rest = &mut keep[..];
     for b in 0..packing.padded_dims().0 {
         let len = packing.row(b).len();

@@ -183,6 +183,16 @@ impl Packing {
     }
 }
 
+/// How many attention probabilities the sequences starting at `starts` (a [`Packing`]'s, the
+/// end of the last one included) have with `heads` heads: `len × len` per sequence and head.
+/// The CPU attention's dropout mask holds one byte per probability, in that order.
+pub(crate) fn attention_probabilities(starts: &[usize], heads: usize) -> usize {
+    starts
+        .windows(2)
+        .map(|w| heads * (w[1] - w[0]).pow(2))
+        .sum()
+}
+
 /// `x` (`[tokens, width]`) with a row of zeros after its last.
 fn with_zero_row(x: &Tensor) -> Result<Tensor> {
     let zero = Tensor::zeros((1, x.dim(1)?), x.dtype(), x.device())?;
