@@ -533,10 +533,7 @@ impl CustomOp3 for LinearGelu {
                 .for_each(gelu_chunk_in_place);
             return Ok((CpuStorage::F32(out), shape));
         }
-        let mut out = vec![0f32; pre.len()];
-        out.par_chunks_mut(ELEMENTWISE_CHUNK)
-            .zip(pre.par_chunks(ELEMENTWISE_CHUNK))
-            .for_each(|(out, pre)| gelu_chunk(pre, out));
+        let out = gelu_all(&pre);
         if self.pre_activation.set(pre).is_err() {
             bail!("{op}: one op ran forward twice")
         }
@@ -561,15 +558,7 @@ impl CustomOp3 for LinearGelu {
         if g.len() != pre.len() {
             bail!("{op}: a gradient of {} values for {}", g.len(), pre.len())
         }
-        let mut grad_pre = vec![0f32; pre.len()];
-        grad_pre
-            .par_chunks_mut(ELEMENTWISE_CHUNK)
-            .zip(
-                pre.par_chunks(ELEMENTWISE_CHUNK)
-                    .zip(g.par_chunks(ELEMENTWISE_CHUNK)),
-            )
-            .for_each(|(out, (pre, g))| gelu_backward_chunk(pre, g, out));
-        linear_backward(op, x, weight, bias, &grad_pre)
+        linear_backward(op, x, weight, bias, &gelu_backward_all(pre, g))
     }
 }
 
@@ -1350,11 +1339,7 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = contiguous(self.name(), "input", storage, layout)?;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(ELEMENTWISE_CHUNK)
-            .zip(x.par_chunks(ELEMENTWISE_CHUNK))
-            .for_each(|(out, x)| gelu_chunk(x, out));
-        Ok((CpuStorage::F32(out), layout.shape().clone()))
+        Ok((CpuStorage::F32(gelu_all(x)), layout.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -1383,15 +1368,32 @@ impl CustomOp2 for GeluBackward {
         same_shape(op, x_layout, grad_layout)?;
         let x = contiguous(op, "input", x, x_layout)?;
         let grad = contiguous(op, "gradient", grad, grad_layout)?;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(ELEMENTWISE_CHUNK)
-            .zip(
-                x.par_chunks(ELEMENTWISE_CHUNK)
-                    .zip(grad.par_chunks(ELEMENTWISE_CHUNK)),
-            )
-            .for_each(|(out, (x, g))| gelu_backward_chunk(x, g, out));
-        Ok((CpuStorage::F32(out), x_layout.shape().clone()))
+        Ok((
+            CpuStorage::F32(gelu_backward_all(x, grad)),
+            x_layout.shape().clone(),
+        ))
     }
+}
+
+/// GELU of every element of `x`, in parallel chunks.
+fn gelu_all(x: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(x.par_chunks(ELEMENTWISE_CHUNK))
+        .for_each(|(out, x)| gelu_chunk(x, out));
+    out
+}
+
+/// GELU's backward for every element, `g · GELU'(x)`, in parallel chunks.
+fn gelu_backward_all(x: &[f32], g: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(
+            x.par_chunks(ELEMENTWISE_CHUNK)
+                .zip(g.par_chunks(ELEMENTWISE_CHUNK)),
+        )
+        .for_each(|(out, (x, g))| gelu_backward_chunk(x, g, out));
+    out
 }
 
 vectorised! {
