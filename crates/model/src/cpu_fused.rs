@@ -362,15 +362,24 @@ fn linear_forward(
     let x = contiguous(op, "input", x, x_layout)?;
     let weight = contiguous(op, "weight", weight, weight_layout)?;
     let bias = contiguous(op, "bias", bias, bias_layout)?;
-    // Row by row (a cycling iterator fills element by element, unvectorised).
-    let mut out = vec![0f32; rows * output];
+    // Every row starts as the bias, copied row by row into fresh memory (not zero-filled
+    // first: the product is added to it).
+    let len = rows * output;
+    let mut out = Vec::with_capacity(len);
     if output > 0 {
-        out.par_chunks_mut(rows_per_task(output) * output)
+        out.spare_capacity_mut()[..len]
+            .par_chunks_mut(rows_per_task(output) * output)
             .for_each(|rows| {
-                rows.chunks_mut(output)
-                    .for_each(|row| row.copy_from_slice(bias))
+                for row in rows.chunks_mut(output) {
+                    for (o, &b) in row.iter_mut().zip(bias) {
+                        o.write(b);
+                    }
+                }
             });
     }
+    // SAFETY: the loop above wrote all `len` elements (`rows` rows of `output`; none when
+    // `output` is 0).
+    unsafe { out.set_len(len) };
     // W stored [out, in] read as Wᵀ [in, out]: element (p, j) at j·in + p.
     let threads = product_parallelism();
     product(
