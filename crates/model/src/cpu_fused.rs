@@ -951,15 +951,7 @@ impl CustomOp3 for LayerNorm {
         let x = contiguous(op, "input", x, x_layout)?;
         let weight = contiguous(op, "weight", weight, weight_layout)?;
         let bias = contiguous(op, "bias", bias, bias_layout)?;
-        let task = rows_per_task(hidden) * hidden;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(task)
-            .zip(x.par_chunks(task))
-            .for_each(|(out, x)| {
-                for (out, x) in out.chunks_mut(hidden).zip(x.chunks(hidden)) {
-                    layer_norm_row(x, weight, bias, self.eps, out);
-                }
-            });
+        let out = layer_norm_rows(NormInput::Rows(x), hidden, weight, bias, self.eps);
         Ok((CpuStorage::F32(out), x_layout.shape().clone()))
     }
 
@@ -1017,28 +1009,98 @@ impl CustomOp3 for LayerNormBackward {
         let grad = contiguous(op, "gradient", grad, grad_layout)?;
         let mut out = vec![0f32; (rows + 2) * hidden];
         let (grad_x, params) = out.split_at_mut(rows * hidden);
-        let task = ROWS_PER_PARTIAL * hidden;
-        let partials: Vec<Vec<f32>> = grad_x
-            .par_chunks_mut(task)
-            .zip(x.par_chunks(task).zip(grad.par_chunks(task)))
-            .map(|(grad_x, (x, g))| {
-                let mut partial = vec![0f32; 2 * hidden];
-                let (grad_weight, grad_bias) = partial.split_at_mut(hidden);
-                for ((gx, x), g) in grad_x
-                    .chunks_mut(hidden)
-                    .zip(x.chunks(hidden))
-                    .zip(g.chunks(hidden))
-                {
-                    layer_norm_backward_row(x, weight, g, self.eps, gx, grad_weight, grad_bias);
-                }
-                partial
-            })
-            .collect();
-        for partial in &partials {
-            add_into(params, partial);
-        }
+        params.copy_from_slice(&layer_norm_backward_rows(
+            NormInput::Rows(x),
+            hidden,
+            weight,
+            grad,
+            self.eps,
+            grad_x,
+        ));
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, hidden))))
     }
+}
+
+/// Where a LayerNorm's input rows come from: stored rows, or a sublayer's end recomputing the
+/// sum `dropout(x) + residual` a row at a time ([`ResidualLayerNorm`]).
+#[derive(Clone, Copy)]
+enum NormInput<'a> {
+    Rows(&'a [f32]),
+    Residual(&'a ResidualOperands<'a>),
+}
+
+impl NormInput<'_> {
+    /// The input row of `hidden` values starting at element `start` (`scratch` holds a
+    /// recomputed one).
+    fn row<'s>(&'s self, start: usize, hidden: usize, scratch: &'s mut Vec<f32>) -> &'s [f32] {
+        match self {
+            NormInput::Rows(x) => &x[start..start + hidden],
+            NormInput::Residual(o) => {
+                scratch.resize(hidden, 0.0);
+                o.sum_row(start, scratch);
+                scratch
+            }
+        }
+    }
+}
+
+/// LayerNorm of every input row (rows of `hidden`), blocks of rows in parallel.
+fn layer_norm_rows(
+    input: NormInput,
+    hidden: usize,
+    weight: &[f32],
+    bias: &[f32],
+    eps: f32,
+) -> Vec<f32> {
+    let len = match input {
+        NormInput::Rows(x) => x.len(),
+        NormInput::Residual(o) => o.x.len(),
+    };
+    let task = rows_per_task(hidden) * hidden;
+    let mut out = vec![0f32; len];
+    out.par_chunks_mut(task)
+        .enumerate()
+        .for_each_init(Vec::new, |scratch, (t, out)| {
+            for (r, out) in out.chunks_mut(hidden).enumerate() {
+                let x = input.row(t * task + r * hidden, hidden, scratch);
+                layer_norm_row(x, weight, bias, eps, out);
+            }
+        });
+    out
+}
+
+/// LayerNorm's backward for every input row, from the output's gradient `g`: the input's
+/// gradient into `grad_x`, and the weight's then the bias's gradient returned (`2 · hidden`
+/// values), summed per [`ROWS_PER_PARTIAL`] rows and the partial sums added in order.
+fn layer_norm_backward_rows(
+    input: NormInput,
+    hidden: usize,
+    weight: &[f32],
+    g: &[f32],
+    eps: f32,
+    grad_x: &mut [f32],
+) -> Vec<f32> {
+    let task = ROWS_PER_PARTIAL * hidden;
+    let partials: Vec<Vec<f32>> = grad_x
+        .par_chunks_mut(task)
+        .zip(g.par_chunks(task))
+        .enumerate()
+        .map(|(t, (grad_x, g))| {
+            let mut partial = vec![0f32; 2 * hidden];
+            let (grad_weight, grad_bias) = partial.split_at_mut(hidden);
+            let mut scratch = Vec::new();
+            for (r, (gx, g)) in grad_x.chunks_mut(hidden).zip(g.chunks(hidden)).enumerate() {
+                let x = input.row(t * task + r * hidden, hidden, &mut scratch);
+                layer_norm_backward_row(x, weight, g, eps, gx, grad_weight, grad_bias);
+            }
+            partial
+        })
+        .collect();
+    let mut params = vec![0f32; 2 * hidden];
+    for partial in &partials {
+        add_into(&mut params, partial);
+    }
+    params
 }
 
 /// A row's mean and `1 / sqrt(var + eps)`, the variance from the centred values (two passes:
@@ -1240,16 +1302,13 @@ impl CustomOp3 for ResidualLayerNorm {
             params,
             params_layout,
         )?;
-        let hidden = o.hidden;
-        let task = rows_per_task(hidden) * hidden;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(task).enumerate().for_each(|(t, out)| {
-            let mut sum = vec![0f32; hidden];
-            for (r, out) in out.chunks_mut(hidden).enumerate() {
-                o.sum_row(t * task + r * hidden, &mut sum);
-                layer_norm_row(&sum, o.weight, o.bias, self.eps, out);
-            }
-        });
+        let out = layer_norm_rows(
+            NormInput::Residual(&o),
+            o.hidden,
+            o.weight,
+            o.bias,
+            self.eps,
+        );
         Ok((CpuStorage::F32(out), x_layout.shape().clone()))
     }
 
@@ -1278,42 +1337,10 @@ impl CustomOp3 for ResidualLayerNorm {
                 p_layout,
             )?;
             let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
-            let hidden = o.hidden;
-            // As LayerNormBackward: partial parameter sums per fixed block of rows, added in
-            // order.
-            let task = ROWS_PER_PARTIAL * hidden;
             let mut grad_sum = vec![0f32; o.x.len()];
-            let partials: Vec<Vec<f32>> = grad_sum
-                .par_chunks_mut(task)
-                .zip(g.par_chunks(task))
-                .enumerate()
-                .map(|(t, (grad_sum, g))| {
-                    let mut partial = vec![0f32; 2 * hidden];
-                    let (grad_weight, grad_bias) = partial.split_at_mut(hidden);
-                    let mut sum = vec![0f32; hidden];
-                    for (r, (gs, g)) in grad_sum
-                        .chunks_mut(hidden)
-                        .zip(g.chunks(hidden))
-                        .enumerate()
-                    {
-                        o.sum_row(t * task + r * hidden, &mut sum);
-                        layer_norm_backward_row(
-                            &sum,
-                            o.weight,
-                            g,
-                            self.eps,
-                            gs,
-                            grad_weight,
-                            grad_bias,
-                        );
-                    }
-                    partial
-                })
-                .collect();
-            let mut grad_params = vec![0f32; 2 * hidden];
-            for partial in &partials {
-                add_into(&mut grad_params, partial);
-            }
+            let input = NormInput::Residual(&o);
+            let grad_params =
+                layer_norm_backward_rows(input, o.hidden, o.weight, g, self.eps, &mut grad_sum);
             (grad_sum, grad_params)
         };
         let device = x.device();

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use candle_core::{D, DType, Result, Tensor};
 
 use crate::bert::Mode;
+use crate::dropout::DropoutSource;
 use crate::packing::Packing;
 
 /// The hot operations the model uses.
@@ -78,8 +79,8 @@ pub trait Kernels: Send + Sync + Debug {
         bias: &Tensor,
         eps: f64,
     ) -> Result<Tensor> {
-        let dropped = mode.dropout_tokens(x, dropout, packing)?;
-        self.layer_norm(&(dropped + residual)?, weight, bias, eps)
+        let norm = (weight, bias, eps);
+        composed_residual_layer_norm(self, x, residual, packing, mode, dropout, norm)
     }
 }
 
@@ -131,6 +132,35 @@ fn composed_attention<K: Kernels + ?Sized>(
         .contiguous()?
         .reshape((batch, seq, hidden))?;
     packing.pack(&context)
+}
+
+/// [`Kernels::residual_layer_norm`] from separate ops: the dropout, the addition and the
+/// kernels' LayerNorm (`norm`: weight, bias, eps).
+fn composed_residual_layer_norm<K: Kernels + ?Sized>(
+    kernels: &K,
+    x: &Tensor,
+    residual: &Tensor,
+    packing: &Packing,
+    mode: Mode,
+    dropout: f64,
+    (weight, bias, eps): (&Tensor, &Tensor, f64),
+) -> Result<Tensor> {
+    let dropped = mode.dropout_tokens(x, dropout, packing)?;
+    kernels.layer_norm(&(dropped + residual)?, weight, bias, eps)
+}
+
+/// A fused CPU kernel's dropout in training `mode`: the keep bytes `draw` takes from the
+/// source (it returns `None` when `p` is 0) and the scale of a kept element, `1 / (1 - p)`;
+/// `None` in evaluation.
+fn cpu_dropout(
+    mode: Mode,
+    p: f64,
+    draw: impl FnOnce(&DropoutSource) -> Option<Vec<u8>>,
+) -> Option<(Arc<Vec<u8>>, f32)> {
+    match mode {
+        Mode::Train(source) => draw(source).map(|keep| (Arc::new(keep), (1.0 / (1.0 - p)) as f32)),
+        Mode::Eval => None,
+    }
 }
 
 thread_local! {
@@ -299,12 +329,9 @@ impl Kernels for Fused {
             return composed_attention(self, qkv, packing, heads, mode, dropout);
         }
         count_fused();
-        let keep = match mode {
-            Mode::Train(source) => source
-                .next_cpu_attention_keep_mask(packing, heads, dropout)
-                .map(|keep| (Arc::new(keep), (1.0 / (1.0 - dropout)) as f32)),
-            Mode::Eval => None,
-        };
+        let keep = cpu_dropout(mode, dropout, |source| {
+            source.next_cpu_attention_keep_mask(packing, heads, dropout)
+        });
         let head = qkv.dim(D::Minus1)? / 3 / heads.max(1);
         let op = crate::cpu_fused::Attention {
             heads,
@@ -330,16 +357,14 @@ impl Kernels for Fused {
         eps: f64,
     ) -> Result<Tensor> {
         if ![x, residual, weight, bias].into_iter().all(on_cpu_in_f32) {
-            let dropped = mode.dropout_tokens(x, dropout, packing)?;
-            return self.layer_norm(&(dropped + residual)?, weight, bias, eps);
+            let norm = (weight, bias, eps);
+            return composed_residual_layer_norm(self, x, residual, packing, mode, dropout, norm);
         }
         count_fused();
-        let keep = match mode {
-            Mode::Train(source) => source
-                .next_cpu_token_keep_mask(packing, x.dim(D::Minus1)?, dropout)
-                .map(|keep| (Arc::new(keep), (1.0 / (1.0 - dropout)) as f32)),
-            Mode::Eval => None,
-        };
+        let width = x.dim(D::Minus1)?;
+        let keep = cpu_dropout(mode, dropout, |source| {
+            source.next_cpu_token_keep_mask(packing, width, dropout)
+        });
         let op = crate::cpu_fused::ResidualLayerNorm {
             eps: eps as f32,
             keep,
