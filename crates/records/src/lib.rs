@@ -19,6 +19,7 @@ pub mod corpus;
 mod draws;
 pub mod instances;
 pub mod masking;
+mod page_headers;
 mod parquet_chunks;
 pub mod parquet_file;
 pub mod pyrandom;

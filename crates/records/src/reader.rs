@@ -46,9 +46,9 @@ pub struct RecordsFile {
     /// Each row group's SHA-256 (see [`crate::parquet_file::ROW_GROUP_SHA256_KEY`]); empty
     /// for a file written before digests were stored.
     row_group_sha256: Vec<String>,
-    /// Each row group's bytes in the file: from its first column chunk's start to its last
-    /// one's end, checked to lie inside the file when it was opened.
-    row_group_bytes: Vec<Range<usize>>,
+    /// Each row group's column chunks: their bytes in the file, checked to lie inside the file
+    /// when it was opened.
+    column_chunks: Vec<Vec<Range<usize>>>,
 }
 
 fn read_err(path: &Path, message: impl std::fmt::Display) -> RecordsError {
@@ -123,23 +123,21 @@ impl RecordsFile {
                 digests
             }
         };
+        check_schema(path, metadata.schema())?;
         // parquet's page reader panics on a column chunk whose offset or size is negative
         // (`ColumnChunkMetaData::byte_range` asserts): every chunk is checked first.
-        let row_group_bytes = metadata
+        let column_chunks = metadata
             .metadata()
             .row_groups()
             .iter()
             .enumerate()
             .map(|(g, group)| {
-                let chunks: Vec<Range<usize>> = group
+                group
                     .columns()
                     .iter()
                     .enumerate()
                     .map(|(i, column)| column_chunk_range(path, bytes.len(), g, i, column))
-                    .collect::<Result<_, _>>()?;
-                let start = chunks.iter().map(|c| c.start).min().unwrap_or(0);
-                let end = chunks.iter().map(|c| c.end).max().unwrap_or(0);
-                Ok(start..end)
+                    .collect::<Result<_, _>>()
             })
             .collect::<Result<_, RecordsError>>()?;
         Ok(RecordsFile {
@@ -147,7 +145,7 @@ impl RecordsFile {
             bytes,
             metadata,
             row_group_sha256,
-            row_group_bytes,
+            column_chunks,
         })
     }
 
@@ -223,6 +221,18 @@ impl RecordsFile {
             ));
         }
         self.check_row_group(index)?;
+        for (column, chunk) in self.column_chunks[index].iter().enumerate() {
+            crate::page_headers::check_column_chunk(&self.bytes[chunk.clone()]).map_err(|e| {
+                read_err(
+                    &self.path,
+                    format!(
+                        "row group {index} column {column} (bytes {}..{}): {e}: the file is \
+                         damaged",
+                        chunk.start, chunk.end
+                    ),
+                )
+            })?;
+        }
         let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
             self.bytes.clone(),
             self.metadata.clone(),
@@ -280,7 +290,9 @@ impl RecordsFile {
         let Some(expected) = self.row_group_sha256.get(index) else {
             return Ok(());
         };
-        let Range { start, end } = self.row_group_bytes[index].clone();
+        let chunks = &self.column_chunks[index];
+        let start = chunks.iter().map(|c| c.start).min().unwrap_or(0);
+        let end = chunks.iter().map(|c| c.end).max().unwrap_or(0);
         use sha2::Digest;
         let actual = bertkit_stage_io::hex(&sha2::Sha256::digest(&self.bytes[start..end]));
         if actual != *expected {
@@ -295,6 +307,40 @@ impl RecordsFile {
         }
         Ok(())
     }
+}
+
+/// Refuses a file whose columns are not those of a records file
+/// ([`crate::parquet_file::arrow_schema`]), naming the first column that differs.
+fn check_schema(path: &Path, schema: &arrow_schema::Schema) -> Result<(), RecordsError> {
+    let expected = crate::parquet_file::arrow_schema();
+    let (want, got) = (expected.fields(), schema.fields());
+    let problem = if got.len() != want.len() {
+        format!(
+            "it has {} columns, a records file {}",
+            got.len(),
+            want.len()
+        )
+    } else {
+        let Some((i, (w, g))) = want
+            .iter()
+            .zip(got.iter())
+            .enumerate()
+            .find(|(_, (w, g))| w.name() != g.name() || w.data_type() != g.data_type())
+        else {
+            return Ok(());
+        };
+        format!(
+            "column {i} is {:?} of type {}, in a records file {:?} of type {}",
+            g.name(),
+            g.data_type(),
+            w.name(),
+            w.data_type()
+        )
+    };
+    Err(read_err(
+        path,
+        format!("not a records file's schema: {problem}"),
+    ))
 }
 
 fn column<'a, T: 'static>(batch: &'a RecordBatch, name: &str) -> Result<&'a T, String> {

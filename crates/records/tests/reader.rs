@@ -97,3 +97,109 @@ fn a_damaged_row_group_is_refused_by_its_digest() {
         "{err}"
     );
 }
+
+/// A file of `rows` instances in one row group, and its bytes.
+fn one_group(dir: &std::path::Path, rows: usize) -> (std::path::PathBuf, Vec<u8>) {
+    let path = dir.join("x.parquet");
+    let instances: Vec<TrainingInstance> = (0..rows).map(instance).collect();
+    write_instances(&path, &Instances::from_owned(&instances), &[]).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    (path, bytes)
+}
+
+/// A page header carrying a field the parquet crate does not know, a list declaring
+/// 2^31 - 1 doubles, in a file whose row-group digest matches (as a hostile writer makes it):
+/// the parquet crate would skip those doubles one by one past the end of the file for seconds
+/// (the `records_parquet` fuzz target found it); the header is refused before it reads it.
+#[test]
+fn a_hostile_page_header_is_refused_before_parquet_reads_it() {
+    use sha2::Digest;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, mut bytes) = one_group(dir.path(), 100);
+    let n = bytes.len();
+    let footer_len = u32::from_le_bytes(bytes[n - 8..n - 4].try_into().unwrap()) as usize;
+    let pages = 4..n - 8 - footer_len;
+    let digest = |b: &[u8]| bertkit_stage_io::hex(&sha2::Sha256::digest(&b[pages.clone()]));
+    let old_digest = digest(&bytes);
+    // The first column chunk (input_ids, no dictionary page) starts right after the magic
+    // with its page header: type, uncompressed and compressed sizes (three i32 fields, 0x15),
+    // then field 5, the data page header (0x2c), whose first eight bytes become field 6 (not
+    // one parquet knows) holding a list (0x69) of 2^31 - 1 doubles (0xf7, varint 0x7fffffff).
+    let data_page_header = 4 + bytes[4..40].iter().position(|&b| b == 0x2c).unwrap() + 1;
+    bytes[data_page_header..data_page_header + 8]
+        .copy_from_slice(&[0x69, 0xf7, 0xff, 0xff, 0xff, 0xff, 0x07, 0x00]);
+    let new_digest = digest(&bytes);
+    let footer = n - 8 - footer_len..n - 8;
+    let at = footer.start
+        + bytes[footer.clone()]
+            .windows(64)
+            .position(|w| w == old_digest.as_bytes())
+            .expect("the footer holds the row group's digest");
+    bytes[at..at + 64].copy_from_slice(new_digest.as_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+
+    let file = RecordsFile::open(&path).unwrap();
+    let start = std::time::Instant::now();
+    let err = file.read_row_group(0).unwrap_err().to_string();
+    assert!(
+        err.contains("x.parquet: row group 0 column 0 (bytes 4..")
+            && err.contains("2147483647 elements or bytes declared")
+            && err.contains("the file is damaged"),
+        "{err}"
+    );
+    assert!(start.elapsed().as_secs_f64() < 0.5, "{:?}", start.elapsed());
+}
+
+/// A Parquet file that says it is a records file but has other columns is refused when it is
+/// opened, naming the first column that differs.
+#[test]
+fn a_file_with_other_columns_is_refused_when_opened() {
+    use std::sync::Arc;
+
+    use arrow_array::{Int64Array, RecordBatch};
+    use arrow_schema::{DataType, Field, Schema};
+    use parquet::arrow::ArrowWriter;
+    use parquet::file::metadata::KeyValue;
+    use parquet::file::properties::WriterProperties;
+
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, fields: Vec<Field>| {
+        let path = dir.path().join(name);
+        let columns = fields.len();
+        let schema = Arc::new(Schema::new(fields));
+        let props = WriterProperties::builder()
+            .set_key_value_metadata(Some(vec![KeyValue::new(
+                "bertkit.layout".to_string(),
+                bertkit_records::parquet_file::LAYOUT.to_string(),
+            )]))
+            .build();
+        let file = std::fs::File::create(&path).unwrap();
+        let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props)).unwrap();
+        let arrays = (0..columns)
+            .map(|_| Arc::new(Int64Array::from(vec![1i64, 2])) as _)
+            .collect();
+        writer
+            .write(&RecordBatch::try_new(schema, arrays).unwrap())
+            .unwrap();
+        writer.close().unwrap();
+        RecordsFile::open(&path).err().unwrap().to_string()
+    };
+    // The records file's column names, every column an Int64 (so one batch fits them all).
+    let fields: Vec<Field> = bertkit_records::parquet_file::arrow_schema()
+        .fields()
+        .iter()
+        .map(|f| Field::new(f.name(), DataType::Int64, false))
+        .collect();
+    let err = write("wrong_type.parquet", fields.clone());
+    assert!(
+        err.contains("wrong_type.parquet: not a records file's schema: column 0 is \"input_ids\" of type Int64, in a records file \"input_ids\" of type List("),
+        "{err}"
+    );
+    let err = write("short.parquet", fields[..2].to_vec());
+    assert!(
+        err.contains(
+            "short.parquet: not a records file's schema: it has 2 columns, a records file 6"
+        ),
+        "{err}"
+    );
+}
