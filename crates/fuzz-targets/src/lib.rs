@@ -219,6 +219,23 @@ pub fn wordpiece(data: &[u8]) {
 /// through the reader the trainer uses, every row group read.
 pub fn records_parquet(data: &[u8]) {
     use bertkit_records::reader::RecordsFile;
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        // The reader turns a panic inside the parquet crate's decoders into an error (they
+        // panic on some damaged pages; see `RecordsFile::read_row_group`): such a panic is
+        // let unwind to it, silently; every other panic still goes to the hook before (the
+        // fuzzer's, which aborts: a finding). One the reader failed to catch would still
+        // abort, in libFuzzer's `catch_unwind` around the target.
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let in_parquet = info
+                .location()
+                .is_some_and(|l| l.file().contains("/parquet-") && l.file().contains("/src/"));
+            if !in_parquet {
+                previous(info);
+            }
+        }));
+    });
     let path = scratch_file("records.parquet", data);
     let Ok(file) = RecordsFile::open(&path) else {
         return;

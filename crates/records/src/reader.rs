@@ -63,8 +63,10 @@ impl RecordsFile {
         // nothing writes to a finished file while it is mapped.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| read_err(path, e))?;
         let bytes = Bytes::from_owner(map);
-        let metadata = ArrowReaderMetadata::load(&bytes, ArrowReaderOptions::new())
-            .map_err(|e| read_err(path, format!("not a Parquet file: {e}")))?;
+        let metadata = parquet_call(path, "the footer", || {
+            ArrowReaderMetadata::load(&bytes, ArrowReaderOptions::new())
+                .map_err(|e| read_err(path, format!("not a Parquet file: {e}")))
+        })?;
         let layout = metadata
             .metadata()
             .file_metadata()
@@ -233,28 +235,61 @@ impl RecordsFile {
                 )
             })?;
         }
-        let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
-            self.bytes.clone(),
-            self.metadata.clone(),
-        )
-        .with_row_groups(vec![index])
-        .with_batch_size(8192)
-        .build()
-        .map_err(|e| read_err(&self.path, format!("row group {index}: {e}")))?;
-        let mut out = Vec::new();
-        for batch in reader {
-            let batch =
-                batch.map_err(|e| read_err(&self.path, format!("row group {index}: {e}")))?;
-            let first_row = out.len();
-            decode(&batch, &mut out).map_err(|(row, m)| {
-                read_err(
-                    &self.path,
-                    format!("row group {index} row {}: {m}", first_row + row),
-                )
-            })?;
-        }
-        Ok(out)
+        parquet_call(&self.path, &format!("row group {index}"), || {
+            let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
+                self.bytes.clone(),
+                self.metadata.clone(),
+            )
+            .with_row_groups(vec![index])
+            .with_batch_size(8192)
+            .build()
+            .map_err(|e| read_err(&self.path, format!("row group {index}: {e}")))?;
+            let mut out = Vec::new();
+            for batch in reader {
+                let batch =
+                    batch.map_err(|e| read_err(&self.path, format!("row group {index}: {e}")))?;
+                let first_row = out.len();
+                decode(&batch, &mut out).map_err(|(row, m)| {
+                    read_err(
+                        &self.path,
+                        format!("row group {index} row {}: {m}", first_row + row),
+                    )
+                })?;
+            }
+            Ok(out)
+        })
     }
+}
+
+/// Runs `read`, a call into the parquet crate on the bytes of the file at `path`, with a panic
+/// in it turned into an error naming the file and `what` was being read.
+///
+/// The parquet crate's decoders trust parts of a page: a `BYTE_STREAM_SPLIT` page declaring
+/// more values than its bytes hold indexes past them and panics (parquet 60; found by the
+/// `records_parquet` fuzz target). Files whose row groups carry digests only reach the
+/// decoders with the bytes `bertkit records` wrote; a hostile file (or one made before the
+/// digests) can reach such a panic, and a damaged records file must stop the run with an error,
+/// not take down the process. The parquet values built inside are dropped as the panic
+/// unwinds; nothing outlives the call.
+fn parquet_call<T>(
+    path: &Path,
+    what: &str,
+    read: impl FnOnce() -> Result<T, RecordsError>,
+) -> Result<T, RecordsError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(read)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|m| m.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(read_err(
+            path,
+            format!(
+                "{what}: the parquet crate failed on a damaged page ({message}): the file is \
+                 damaged"
+            ),
+        ))
+    })
 }
 
 /// Column chunk `column` of row group `group`: its bytes in the file, as

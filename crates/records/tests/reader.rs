@@ -203,3 +203,19 @@ fn a_file_with_other_columns_is_refused_when_opened() {
         "{err}"
     );
 }
+
+/// The parquet crate's decoders panic on some damaged pages (here a `BYTE_STREAM_SPLIT` page
+/// short of its values, in a file without digests, found by the fuzz target): the reader
+/// reports it as an error naming the file and the row group.
+#[test]
+fn a_panic_in_parquets_decoders_is_an_error() {
+    let kept = bertkit_test_support::repo_root().join(
+        "fuzz/regressions/records_parquet/crash-byte-stream-split-page-short-of-values-no-digests",
+    );
+    let file = RecordsFile::open(&kept).unwrap();
+    let err = file.read_row_group(0).unwrap_err().to_string();
+    assert!(
+        err.contains("crash-byte-stream-split-page-short-of-values-no-digests: row group 0: the parquet crate failed on a damaged page (index out of bounds"),
+        "{err}"
+    );
+}
