@@ -11,7 +11,8 @@
 //! - [`parquet_file`] (its column encoding in a private module) and [`run`]: the Parquet
 //!   output and the stage's file and folder modes;
 //! - [`reader`]: memory-mapped reading of the Parquet files, a row group at a time (the
-//!   trainer's input), with the vocabulary each file stores.
+//!   trainer's input), with the vocabulary each file stores; a group's page headers are
+//!   walked in their column chunk (a private module) before the parquet crate reads them.
 
 #![deny(missing_docs)]
 
