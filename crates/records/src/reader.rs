@@ -63,6 +63,7 @@ impl RecordsFile {
         // nothing writes to a finished file while it is mapped.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| read_err(path, e))?;
         let bytes = Bytes::from_owner(map);
+        check_footer(path, &bytes)?;
         let metadata = parquet_call(path, "the footer", || {
             ArrowReaderMetadata::load(&bytes, ArrowReaderOptions::new())
                 .map_err(|e| read_err(path, format!("not a Parquet file: {e}")))
@@ -224,7 +225,7 @@ impl RecordsFile {
         }
         self.check_row_group(index)?;
         for (column, chunk) in self.column_chunks[index].iter().enumerate() {
-            crate::page_headers::check_column_chunk(&self.bytes[chunk.clone()]).map_err(|e| {
+            crate::thrift_walk::check_column_chunk(&self.bytes[chunk.clone()]).map_err(|e| {
                 read_err(
                     &self.path,
                     format!(
@@ -259,6 +260,29 @@ impl RecordsFile {
             Ok(out)
         })
     }
+}
+
+/// Walks the footer of the Parquet file `bytes` before the parquet crate parses it (see
+/// [`crate::thrift_walk`]). A file too short for a footer, or whose footer length does not fit,
+/// is left to parquet, which says so.
+fn check_footer(path: &Path, bytes: &[u8]) -> Result<(), RecordsError> {
+    let n = bytes.len();
+    if n < 12 || &bytes[n - 4..] != b"PAR1" {
+        return Ok(());
+    }
+    let length = u32::from_le_bytes(bytes[n - 8..n - 4].try_into().expect("four bytes")) as usize;
+    let Some(start) = (n - 8).checked_sub(length) else {
+        return Ok(());
+    };
+    crate::thrift_walk::check_footer(&bytes[start..n - 8]).map_err(|e| {
+        read_err(
+            path,
+            format!(
+                "the footer (bytes {start}..{}): {e}: the file is damaged",
+                n - 8
+            ),
+        )
+    })
 }
 
 /// Runs `read`, a call into the parquet crate on the bytes of the file at `path`, with a panic
@@ -478,6 +502,29 @@ mod tests {
             masked_lm_ids: vec![8, 9],
             next_sentence_label: 1,
         }
+    }
+
+    /// A panic inside a call into the parquet crate (its `BYTE_STREAM_SPLIT` decoder indexes
+    /// past a page short of its values) comes out as an error naming the file, what was read
+    /// and the panic's message.
+    #[test]
+    fn a_panic_in_parquet_is_an_error() {
+        let path = Path::new("x.parquet");
+        let err = parquet_call::<()>(path, "row group 3", || {
+            panic!("index out of bounds: the len is 4 but the index is {}", 9)
+        })
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            "x.parquet: row group 3: the parquet crate failed on a damaged page (index out of \
+             bounds: the len is 4 but the index is 9): the file is damaged"
+        );
+        let err = parquet_call::<()>(path, "the footer", || std::panic::panic_any("a str"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("(a str)"), "{err}");
+        assert_eq!(parquet_call(path, "x", || Ok(7)).unwrap(), 7);
     }
 
     /// Each way a hostile file's row can be malformed is named (the file and row are added by

@@ -1,23 +1,30 @@
-//! A bounded walk over a column chunk's page headers, run before the parquet crate reads them.
+//! Bounded walks over the Thrift parts of a records file (the footer, each column chunk's page
+//! headers), run before the parquet crate reads them.
 //!
-//! The parquet crate reads page headers (Thrift compact protocol) from a stream, and when it
-//! skips a field it does not know, a skipped `double` or `binary` that runs past the end of the
-//! file is not an error, and a skipped list of booleans consumes no bytes. A hostile header
-//! declaring a list of two billion doubles therefore spins for seconds before failing (found by
-//! the `records_parquet` fuzz target). So every header of a chunk is walked here first, in the
-//! chunk's bytes only, and a chunk is refused unless:
-//! - each header parses inside the chunk, every declared length and element count fitting in
-//!   the bytes left (so the walk, and parquet's read after it, are linear in the chunk's size);
-//! - every field the parquet crate reads by its id (the page header, the data, dictionary and
-//!   v2 data page headers, the page statistics) has the wire type the Parquet format gives it,
-//!   since parquet reads those fields by id whatever their wire type: with the types checked,
-//!   both readers take the same bytes for each field;
+//! The parquet crate (60.1) skips the Thrift fields it does not read, and its skipping trusts
+//! the bytes: a skipped list of booleans consumes no bytes per element, so a list declaring two
+//! billion of them spins for a second or more doing nothing; and in a page header, read from a
+//! stream, a skipped `double` or `binary` running past the end of the file is not an error, so a
+//! list of two billion doubles spins too. The `records_parquet` fuzz target found both, in the
+//! footer (a list of booleans where the column's path is) and in a page header. Each part is
+//! therefore walked here first, in its own bytes, and refused unless:
+//! - it parses inside its bytes, every declared length and element count fitting in the bytes
+//!   left (so the walk is linear in their size);
 //! - no collection holds booleans (the case where parquet's skipping and the protocol differ),
-//!   nothing nests deeper than [`MAX_DEPTH`], and no varint is longer than ten bytes;
+//!   nothing nests deeper than [`MAX_DEPTH`], and no varint is longer than ten bytes.
+//!
+//! Page headers are checked further, so that parquet reads each one exactly as walked here:
+//! - every field parquet reads by its id (the page header, the data, dictionary and v2 data
+//!   page headers, the page statistics) has the wire type the Parquet format gives it, since
+//!   parquet reads those fields by id whatever their wire type;
 //! - each page's data (its compressed size) lies inside the chunk, the last page ending at the
 //!   chunk's end.
 //!
-//! A header accepted here is one the parquet crate reads exactly as walked here.
+//! The footer is walked by wire types alone: its structs are many, and a footer whose field
+//! has another wire type than parquet reads it as could still lead parquet's reading elsewhere
+//! than this walk went. Such a footer is hostile (digests guard against damage only past the
+//! footer); the cost parquet can be led into is then bounded by a second or so per list the
+//! footer declares.
 
 /// Thrift compact protocol type codes.
 mod wire {
@@ -36,8 +43,9 @@ mod wire {
     pub const UUID: u8 = 13;
 }
 
-/// Deepest nesting of skipped values accepted (Parquet's page headers nest three deep).
-const MAX_DEPTH: usize = 16;
+/// Deepest nesting of values accepted (page headers nest three deep, footers about eight; the
+/// parquet crate skips values up to 64 deep).
+const MAX_DEPTH: usize = 32;
 
 /// The structs of a page header the parquet crate reads field by field: for each field id it
 /// knows, the wire type it reads that field as.
@@ -120,6 +128,17 @@ pub(crate) fn check_column_chunk(chunk: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Walks a file's footer (its `FileMetaData`, the bytes before the footer's length and the
+/// closing magic); see the module notes. The error names the byte offset in the footer.
+pub(crate) fn check_footer(footer: &[u8]) -> Result<(), String> {
+    let mut walk = Walk {
+        bytes: footer,
+        pos: 0,
+    };
+    walk.value(wire::STRUCT, 0)
+        .map_err(|(pos, what)| format!("byte {pos} of the footer: {what}"))
+}
+
 /// A failure: the byte offset (in the header) and what is wrong.
 type Failure = (usize, String);
 
@@ -139,7 +158,7 @@ impl Walk<'_> {
 
     fn byte(&mut self) -> Result<u8, Failure> {
         let Some(&b) = self.bytes.get(self.pos) else {
-            return self.fail("it runs past the end of the column chunk");
+            return self.fail("it runs past the end");
         };
         self.pos += 1;
         Ok(b)
@@ -147,10 +166,7 @@ impl Walk<'_> {
 
     fn skip(&mut self, n: usize) -> Result<(), Failure> {
         if n > self.left() {
-            return self.fail(format!(
-                "{n} bytes declared, {} left in the column chunk",
-                self.left()
-            ));
+            return self.fail(format!("{n} bytes declared, {} left", self.left()));
         }
         self.pos += n;
         Ok(())
@@ -182,7 +198,7 @@ impl Walk<'_> {
                 Ok(n)
             }
             _ => self.fail(format!(
-                "{value} elements or bytes declared, {} bytes left in the column chunk",
+                "{value} elements or bytes declared, {} bytes left",
                 self.left()
             )),
         }
@@ -270,6 +286,7 @@ impl Walk<'_> {
                 self.skip(len)
             }
             LIST | SET => {
+                let at = self.pos;
                 let header = self.byte()?;
                 if header == 0 {
                     return Ok(());
@@ -278,21 +295,22 @@ impl Walk<'_> {
                     15 => self.varint()?,
                     small => u64::from(small),
                 };
+                let element = element_type(at, header & 0x0f)?;
                 let size = self.count(size, 1)?;
-                let element = self.element_type(header & 0x0f)?;
                 for _ in 0..size {
                     self.value(element, depth + 1)?;
                 }
                 Ok(())
             }
             MAP => {
+                let at = self.pos;
                 let size = self.varint()?;
                 let size = self.count(size, 2)?;
                 if size == 0 {
                     return Ok(());
                 }
                 let kv = self.byte()?;
-                let (key, val) = (self.element_type(kv >> 4)?, self.element_type(kv & 0x0f)?);
+                let (key, val) = (element_type(at, kv >> 4)?, element_type(at, kv & 0x0f)?);
                 for _ in 0..size {
                     self.value(key, depth + 1)?;
                     self.value(val, depth + 1)?;
@@ -308,14 +326,15 @@ impl Walk<'_> {
             other => self.fail(format!("field type {other}")),
         }
     }
+}
 
-    /// A collection's element type: booleans are refused (see the module notes).
-    fn element_type(&self, t: u8) -> Result<u8, Failure> {
-        match t {
-            wire::BYTE..=wire::UUID => Ok(t),
-            wire::BOOL_TRUE | wire::BOOL_FALSE => self.fail("a collection of booleans"),
-            other => self.fail(format!("element type {other}")),
-        }
+/// The element type of the collection at byte `at`: booleans are refused (see the module
+/// notes).
+fn element_type(at: usize, t: u8) -> Result<u8, Failure> {
+    match t {
+        wire::BYTE..=wire::UUID => Ok(t),
+        wire::BOOL_TRUE | wire::BOOL_FALSE => Err((at, "a collection of booleans".into())),
+        other => Err((at, format!("a collection of element type {other}"))),
     }
 }
 
@@ -431,11 +450,8 @@ mod tests {
                 "1099511627776 elements or bytes declared",
             ),
             (page(4, &wrong_type), "field 4 has wire type 8"),
-            (page(4, &deep), "nested over 16 deep"),
-            (
-                page(4, &[])[..10].to_vec(),
-                "runs past the end of the column chunk",
-            ),
+            (page(4, &deep), "nested over 32 deep"),
+            (page(4, &[])[..10].to_vec(), "runs past the end"),
             (
                 {
                     let mut p = page(4, &[]);
