@@ -308,10 +308,7 @@ fn parquet_call<T>(
             .unwrap_or_default();
         Err(read_err(
             path,
-            format!(
-                "{what}: the parquet crate failed on a damaged page ({message}): the file is \
-                 damaged"
-            ),
+            format!("{what}: the parquet crate panicked on it ({message}): the file is damaged"),
         ))
     })
 }
@@ -517,8 +514,8 @@ mod tests {
         .to_string();
         assert_eq!(
             err,
-            "x.parquet: row group 3: the parquet crate failed on a damaged page (index out of \
-             bounds: the len is 4 but the index is 9): the file is damaged"
+            "x.parquet: row group 3: the parquet crate panicked on it (index out of bounds: the \
+             len is 4 but the index is 9): the file is damaged"
         );
         let err = parquet_call::<()>(path, "the footer", || std::panic::panic_any("a str"))
             .unwrap_err()
