@@ -24,7 +24,8 @@
 //!   file, and re-running with unchanged inputs and options is a no-op.
 //! - **Bounded memory** (wiki): the XML in flight is at most `2 × batch` queued segments plus
 //!   `batch` being cleaned, where `batch = 2 × threads`, each segment about 1 MiB or one page if
-//!   a page is larger (the largest enwiki pages are a few MB); for multistream input add
+//!   a page is larger (the largest enwiki pages are a few MB; 256 MiB without a page start is
+//!   an error); for multistream input add
 //!   `3 × threads` streams being decoded (≈ 0.3–1 MB compressed, ≈ 5× that decoded, each) and the
 //!   compressed bytes of the stream being read. With 16 threads that is roughly 200–400 MB,
 //!   whatever the size of the dump. Books are read one file per worker at a time, so memory is

@@ -150,39 +150,79 @@ struct PageCutter {
     carry: Vec<u8>,
     offset: u64,
     target: usize,
+    /// How far `carry` has been searched for a page start after its first byte without one
+    /// being found: later searches look only at what came after (less the tag's length).
+    searched: usize,
+    /// The most bytes one page (or the text before the first) may take: see [`MAX_PAGE_BYTES`].
+    max_page: usize,
     finder: memmem::FinderRev<'static>,
 }
 
+/// The tag segments are cut before.
+const PAGE_TAG: &[u8] = b"<page>";
+
+/// The most XML bytes from one page start to the next (or before the first) that the cutter
+/// gathers before it gives up: enwiki's largest pages are a few MB (MediaWiki caps a page's
+/// text at 2 MB, and escaping at most triples it), so a run this long without a page start is
+/// not a dump's, and gathering it would hold all of it in memory.
+const MAX_PAGE_BYTES: usize = 256 << 20;
+
 impl PageCutter {
     fn new(target: usize) -> Self {
+        Self::with_max_page(target, MAX_PAGE_BYTES)
+    }
+
+    fn with_max_page(target: usize, max_page: usize) -> Self {
         PageCutter {
             carry: Vec::new(),
             offset: 0,
             target,
-            finder: memmem::FinderRev::new(b"<page>"),
+            searched: 0,
+            max_page,
+            finder: memmem::FinderRev::new(PAGE_TAG),
         }
     }
 
-    /// Appends bytes; returns a segment when enough whole pages have gathered.
-    fn push(&mut self, data: &[u8]) -> Option<Segment> {
+    /// Appends bytes; returns a segment when enough whole pages have gathered, or an error
+    /// (naming the XML offset where the overlong page starts) when one page passes
+    /// `max_page` bytes.
+    fn push(&mut self, data: &[u8]) -> Result<Option<Segment>, FormatErrorAt> {
         self.carry.extend_from_slice(data);
         if self.carry.len() < self.target {
-            return None;
+            return Ok(None);
         }
-        match self.finder.rfind(&self.carry) {
+        // Searching the whole carry again each time would be quadratic in a page larger than
+        // the target (the fuzzer found a small bzip2 stream decoding to megabytes without one).
+        let from = self.searched.saturating_sub(PAGE_TAG.len() - 1);
+        match self.finder.rfind(&self.carry[from..]).map(|i| from + i) {
             Some(cut) if cut > 0 => {
                 let rest = self.carry[cut..].to_vec();
                 self.carry.truncate(cut);
+                // `cut` is the last page start: the rest holds none after its first byte.
+                self.searched = rest.len();
                 let bytes = std::mem::replace(&mut self.carry, rest);
                 let seg = Segment {
                     offset: self.offset,
                     bytes,
                 };
                 self.offset += cut as u64;
-                Some(seg)
+                Ok(Some(seg))
             }
             // One page larger than the target: keep gathering until it ends.
-            _ => None,
+            _ => {
+                self.searched = self.carry.len();
+                if self.carry.len() > self.max_page {
+                    return Err(FormatErrorAt {
+                        offset: self.offset,
+                        message: format!(
+                            "no page starts in the {} MiB from here (a <page> tag), and no \
+                             Wikipedia page is that large: is this a MediaWiki XML dump?",
+                            self.max_page >> 20
+                        ),
+                    });
+                }
+                Ok(None)
+            }
         }
     }
 
@@ -195,6 +235,24 @@ impl PageCutter {
 
     fn total(&self) -> u64 {
         self.offset + self.carry.len() as u64
+    }
+}
+
+/// Where in the decompressed XML the cutter stopped, and why (made a [`FormatError::Xml`] by
+/// the caller, which knows the path).
+#[derive(Debug)]
+struct FormatErrorAt {
+    offset: u64,
+    message: String,
+}
+
+impl FormatErrorAt {
+    fn at(self, path: &Path) -> FormatError {
+        FormatError::Xml {
+            path: path.into(),
+            offset: self.offset,
+            message: self.message,
+        }
     }
 }
 
@@ -243,7 +301,10 @@ fn produce_sequential(
     let count = hashing.counter();
     let cutter = PageCutter::new(segment_bytes);
     if kind == InputKind::Xml {
-        let Some(total) = pump(&mut hashing, cutter, tx, |e, _| FormatError::io(path, e))? else {
+        let Some(total) = pump(path, &mut hashing, cutter, tx, |e, _| {
+            FormatError::io(path, e)
+        })?
+        else {
             return Ok(None);
         };
         return Ok(Some((
@@ -257,7 +318,7 @@ fn produce_sequential(
         offset: count.get(),
         message: format!("{e} (after {xml} bytes of XML)"),
     };
-    let Some(total) = pump(&mut decoder, cutter, tx, bzip2_error)? else {
+    let Some(total) = pump(path, &mut decoder, cutter, tx, bzip2_error)? else {
         return Ok(None);
     };
     // `finish` also hashes any bytes the decoder did not need (there are none in a valid file).
@@ -269,10 +330,11 @@ fn produce_sequential(
     Ok(Some((sha256, total)))
 }
 
-/// Reads `reader` to its end, cutting what it yields into segments for `tx`. Returns the
-/// number of XML bytes, or `None` when the consumer hung up; a read error becomes
-/// `error(error, XML bytes so far)`.
+/// Reads `reader` (the XML of `path`) to its end, cutting what it yields into segments for
+/// `tx`. Returns the number of XML bytes, or `None` when the consumer hung up; a read error
+/// becomes `error(error, XML bytes so far)`.
 fn pump(
+    path: &Path,
     reader: &mut impl Read,
     mut cutter: PageCutter,
     tx: &SyncSender<SourceMessage>,
@@ -284,7 +346,7 @@ fn pump(
         if n == 0 {
             break;
         }
-        if !send(tx, cutter.push(&block[..n])) {
+        if !send(tx, cutter.push(&block[..n]).map_err(|e| e.at(path))?) {
             return Ok(None);
         }
     }
@@ -350,7 +412,7 @@ fn produce_multistream(
                 .recv()
                 .unwrap_or_else(|_| Err("the decoding task stopped".into()));
             match result {
-                Ok(xml) => Ok(send(tx, cutter.push(&xml))),
+                Ok(xml) => Ok(send(tx, cutter.push(&xml).map_err(|e| e.at(path))?)),
                 Err(message) => Err(FormatError::Bzip2 {
                     path: path.into(),
                     offset,
@@ -433,7 +495,7 @@ fn finish_sequentially(
         offset: base + pending_len + (count.get() - read_before),
         message: e.to_string(),
     };
-    let Some(total) = pump(&mut decoder, cutter, tx, bzip2_error)? else {
+    let Some(total) = pump(path, &mut decoder, cutter, tx, bzip2_error)? else {
         return Ok(None);
     };
     let (_, reader) = decoder.into_inner().into_inner().into_inner();
@@ -450,13 +512,79 @@ mod tests {
     #[test]
     fn cutter_cuts_before_page_tags_only() {
         let mut c = PageCutter::new(10);
-        assert!(c.push(b"<mediawiki>").is_none()); // no <page> yet
-        let seg = c.push(b"<page>a</page><page>b</page>").unwrap();
+        assert!(c.push(b"<mediawiki>").unwrap().is_none()); // no <page> yet
+        let seg = c.push(b"<page>a</page><page>b</page>").unwrap().unwrap();
         assert_eq!(seg.bytes, b"<mediawiki><page>a</page>");
         assert_eq!(seg.offset, 0);
         let last = c.finish().unwrap();
         assert_eq!(last.offset, 25);
         assert_eq!(last.bytes, b"<page>b</page>");
+    }
+
+    /// The cutter searches only what is new since its last search, and cuts exactly where a
+    /// search of everything it holds would (the last page start, when the target is reached),
+    /// for pushes of every size, tags split across pushes included.
+    #[test]
+    fn cutter_cuts_where_a_full_search_would() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        for round in 0..200 {
+            let target = 1 + next(64) as usize;
+            let mut xml = Vec::new();
+            while xml.len() < 2000 {
+                match next(4) {
+                    0 => xml.extend_from_slice(PAGE_TAG),
+                    1 => xml.extend_from_slice(b"<pa"),
+                    _ => xml.extend(std::iter::repeat_n(b'a' + next(3) as u8, next(40) as usize)),
+                }
+            }
+            let (mut fast, mut full) = (PageCutter::new(target), Vec::<u8>::new());
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            let mut full_offset = 0;
+            let mut at = 0;
+            while at < xml.len() {
+                let n = (1 + next(50) as usize).min(xml.len() - at);
+                let data = &xml[at..at + n];
+                at += n;
+                if let Some(seg) = fast.push(data).unwrap() {
+                    got.push((seg.offset, seg.bytes));
+                }
+                full.extend_from_slice(data);
+                if full.len() >= target {
+                    let last = memchr::memmem::rfind(&full, PAGE_TAG);
+                    if let Some(cut) = last.filter(|&c| c > 0) {
+                        let rest = full.split_off(cut);
+                        want.push((full_offset, std::mem::replace(&mut full, rest)));
+                        full_offset += cut as u64;
+                    }
+                }
+            }
+            assert_eq!(got, want, "round {round}");
+            assert_eq!(fast.finish().map(|s| s.bytes).unwrap_or_default(), full);
+        }
+    }
+
+    /// A page start missing for longer than the cutter's limit is an error at the offset where
+    /// the overlong page began, not memory growing with the input.
+    #[test]
+    fn cutter_refuses_a_page_past_its_limit() {
+        let mut c = PageCutter::with_max_page(10, 100);
+        assert!(c.push(b"<page>one</page><page>two").unwrap().is_some());
+        for _ in 0..9 {
+            assert!(c.push(&[b'x'; 10]).unwrap().is_none());
+        }
+        let err = c.push(&[b'x'; 10]).unwrap_err();
+        assert_eq!(err.offset, 16);
+        assert!(
+            err.message.starts_with("no page starts in the 0 MiB"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
