@@ -236,13 +236,8 @@ mod tests {
             "\u{200B}", "\u{2028}", "\u{202F}", "\u{205F}", "\u{2060}", "\u{3000}", "\u{FEFF}",
             "€", "™", "中",
         ];
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = bertkit_rng::SplitMix64::new(7);
+        let mut next = || rng.next_u64();
         let mut normal = 0;
         for _ in 0..200_000 {
             let len = (next() % 12) as usize;

@@ -526,13 +526,8 @@ mod tests {
     /// for pushes of every size, tags split across pushes included.
     #[test]
     fn cutter_cuts_where_a_full_search_would() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move |n: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % n
-        };
+        let mut rng = bertkit_rng::SplitMix64::new(7);
+        let mut next = move |n: u64| rng.next_u64() % n;
         for round in 0..200 {
             let target = 1 + next(64) as usize;
             let mut xml = Vec::new();

@@ -535,13 +535,8 @@ mod tests {
     #[test]
     fn fast_spans_and_max_context_equal_run_squads_loops() {
         // Few distinct ids, so answers repeat and overlap.
-        let mut state = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = |n: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % n
-        };
+        let mut rng = bertkit_rng::SplitMix64::new(11);
+        let mut next = |n: u64| rng.next_u64() % n;
         for _ in 0..300 {
             let len = 1 + next(60) as usize;
             let tokens: Vec<u32> = (0..len).map(|_| next(3) as u32).collect();
