@@ -11,8 +11,9 @@
 //! - [`parquet_file`] (its column encoding in a private module) and [`run`]: the Parquet
 //!   output and the stage's file and folder modes;
 //! - [`reader`]: memory-mapped reading of the Parquet files, a row group at a time (the
-//!   trainer's input), with the vocabulary each file stores; a group's page headers are
-//!   walked in their column chunk (a private module) before the parquet crate reads them.
+//!   trainer's input), with the vocabulary each file stores; the footer, and a group's page
+//!   headers in their column chunk, are walked as the parquet crate reads them (a private
+//!   module) before it reads them, so that a hostile file cannot lead it into long loops.
 
 #![deny(missing_docs)]
 

@@ -13,18 +13,21 @@
 //! - no collection holds booleans (the case where parquet's skipping and the protocol differ),
 //!   nothing nests deeper than [`MAX_DEPTH`], and no varint is longer than ten bytes.
 //!
-//! Page headers are checked further, so that parquet reads each one exactly as walked here:
-//! - every field parquet reads by its id (the page header, the data, dictionary and v2 data
-//!   page headers, the page statistics) has the wire type the Parquet format gives it, since
-//!   parquet reads those fields by id whatever their wire type;
-//! - each page's data (its compressed size) lies inside the chunk, the last page ending at the
-//!   chunk's end.
+//! So that parquet reads each part exactly as walked here, two more checks:
+//! - every field parquet reads by its id (in a page header: the page header, the data,
+//!   dictionary and v2 data page headers, the statistics; in the footer: the file metadata,
+//!   schema elements and their logical types, row groups, column chunks and their metadata,
+//!   statistics, encoding and size statistics, sort orders, key-values) has the wire type the
+//!   Parquet format gives it, and so do the elements of its lists: parquet reads those fields
+//!   by id whatever their wire type, and a field of another wire type would lead its reading
+//!   elsewhere than this walk went (the fuzz target found that too, in the footer);
+//! - in a column chunk, each page's data (its compressed size) lies inside the chunk, the last
+//!   page ending at the chunk's end.
 //!
-//! The footer is walked by wire types alone: its structs are many, and a footer whose field
-//! has another wire type than parquet reads it as could still lead parquet's reading elsewhere
-//! than this walk went. Such a footer is hostile (digests guard against damage only past the
-//! footer); the cost parquet can be led into is then bounded by a second or so per list the
-//! footer declares.
+//! Wherever parquet goes on reading, it then reads what was walked, each value as the type it
+//! was walked as; where it stops first with an error of its own, that is fine too. The table
+//! of fields ([`Known::field`]) follows parquet 60.1's readers: a parquet upgrade that reads a
+//! new field by id needs it added there.
 
 /// Thrift compact protocol type codes.
 mod wire {
@@ -41,48 +44,186 @@ mod wire {
     pub const MAP: u8 = 11;
     pub const STRUCT: u8 = 12;
     pub const UUID: u8 = 13;
+
+    /// A type code's name, for errors.
+    pub fn name(t: u8) -> &'static str {
+        match t {
+            BOOL_TRUE | BOOL_FALSE => "bool",
+            BYTE => "byte",
+            I16 => "i16",
+            I32 => "i32",
+            I64 => "i64",
+            DOUBLE => "double",
+            BINARY => "binary",
+            LIST => "list",
+            SET => "set",
+            MAP => "map",
+            STRUCT => "struct",
+            UUID => "uuid",
+            _ => "unknown type",
+        }
+    }
 }
 
 /// Deepest nesting of values accepted (page headers nest three deep, footers about eight; the
 /// parquet crate skips values up to 64 deep).
 const MAX_DEPTH: usize = 32;
 
-/// The structs of a page header the parquet crate reads field by field: for each field id it
-/// knows, the wire type it reads that field as.
+/// How the parquet crate reads a field it knows: as the Parquet format's Thrift definitions
+/// type it, whatever wire type the field header gives.
 #[derive(Clone, Copy)]
+enum Ty {
+    Bool,
+    Byte,
+    I16,
+    /// Also the format's enums.
+    I32,
+    I64,
+    Double,
+    /// Also strings.
+    Binary,
+    /// Parquet checks a known list's element type, so its elements are read as walked.
+    List(&'static Ty),
+    /// Structs and unions alike (a union is a struct of one field).
+    Struct(Known),
+}
+
+impl Ty {
+    /// The wire type a field of this type has (booleans: either of their two).
+    fn wire(self) -> u8 {
+        use wire::*;
+        match self {
+            Ty::Bool => BOOL_TRUE,
+            Ty::Byte => BYTE,
+            Ty::I16 => I16,
+            Ty::I32 => I32,
+            Ty::I64 => I64,
+            Ty::Double => DOUBLE,
+            Ty::Binary => BINARY,
+            Ty::List(_) => LIST,
+            Ty::Struct(_) => STRUCT,
+        }
+    }
+
+    fn is(self, wire_type: u8) -> bool {
+        let expected = self.wire();
+        expected == wire_type || (expected == wire::BOOL_TRUE && wire_type == wire::BOOL_FALSE)
+    }
+}
+
+/// The structs the parquet crate reads field by field, in a page header and in the footer
+/// (`FileMetaData`), as parquet 60.1 reads them (`file/metadata/thrift/mod.rs`, `basic.rs`;
+/// without its `encryption` feature, which this workspace does not enable, the encryption
+/// fields are skipped and so left to the generic walk here).
+#[derive(Clone, Copy, Debug)]
 enum Known {
     PageHeader,
     DataPageHeader,
     DictionaryPageHeader,
     DataPageHeaderV2,
     IndexPageHeader,
+    /// Page and column chunk statistics (the same fields).
     Statistics,
+    FileMetaData,
+    SchemaElement,
+    /// A union.
+    LogicalType,
+    DecimalType,
+    /// `TimeType` and `TimestampType` (the same fields).
+    TimestampType,
+    /// A union of empty structs.
+    TimeUnit,
+    IntType,
+    VariantType,
+    GeometryType,
+    GeographyType,
+    KeyValue,
+    /// A union of empty structs.
+    ColumnOrder,
+    RowGroup,
+    SortingColumn,
+    ColumnChunk,
+    ColumnMetaData,
+    PageEncodingStats,
+    SizeStatistics,
+    GeospatialStatistics,
+    BoundingBox,
+    /// The empty structs of unions' variants.
+    Empty,
 }
 
 impl Known {
-    /// The wire type of field `id`, and the struct it is when it is one; `None` for a field
-    /// parquet skips.
-    fn field(self, id: i16) -> Option<(u8, Option<Known>)> {
-        use wire::*;
-        let plain = |t| Some((t, None));
-        match (self, id) {
-            (Known::PageHeader, 1..=4) => plain(I32),
-            (Known::PageHeader, 5) => Some((STRUCT, Some(Known::DataPageHeader))),
-            (Known::PageHeader, 6) => Some((STRUCT, Some(Known::IndexPageHeader))),
-            (Known::PageHeader, 7) => Some((STRUCT, Some(Known::DictionaryPageHeader))),
-            (Known::PageHeader, 8) => Some((STRUCT, Some(Known::DataPageHeaderV2))),
-            (Known::DataPageHeader, 1..=4) => plain(I32),
-            (Known::DataPageHeader, 5) | (Known::DataPageHeaderV2, 8) => {
-                Some((STRUCT, Some(Known::Statistics)))
+    /// The type of field `id`; `None` for a field parquet skips.
+    fn field(self, id: i16) -> Option<Ty> {
+        use Known as K;
+        use Ty::*;
+        Some(match (self, id) {
+            (K::PageHeader, 1..=4) => I32,
+            (K::PageHeader, 5) => Struct(K::DataPageHeader),
+            (K::PageHeader, 6) => Struct(K::IndexPageHeader),
+            (K::PageHeader, 7) => Struct(K::DictionaryPageHeader),
+            (K::PageHeader, 8) => Struct(K::DataPageHeaderV2),
+            (K::DataPageHeader, 1..=4) => I32,
+            (K::DataPageHeader, 5) | (K::DataPageHeaderV2, 8) | (K::ColumnMetaData, 12) => {
+                Struct(K::Statistics)
             }
-            (Known::DictionaryPageHeader, 1 | 2) => plain(I32),
-            (Known::DictionaryPageHeader, 3) | (Known::DataPageHeaderV2, 7) => plain(BOOL_TRUE),
-            (Known::DataPageHeaderV2, 1..=6) => plain(I32),
-            (Known::Statistics, 1 | 2 | 5 | 6) => plain(BINARY),
-            (Known::Statistics, 3 | 4 | 9) => plain(I64),
-            (Known::Statistics, 7 | 8) => plain(BOOL_TRUE),
-            _ => None,
-        }
+            (K::DictionaryPageHeader, 1 | 2) => I32,
+            (K::DictionaryPageHeader, 3) | (K::DataPageHeaderV2, 7) => Bool,
+            (K::DataPageHeaderV2, 1..=6) => I32,
+            (K::Statistics, 1 | 2 | 5 | 6) => Binary,
+            (K::Statistics, 3 | 4 | 9) => I64,
+            (K::Statistics, 7 | 8) => Bool,
+
+            (K::FileMetaData, 1) => I32,
+            (K::FileMetaData, 2) => List(&Struct(K::SchemaElement)),
+            (K::FileMetaData, 3) => I64,
+            (K::FileMetaData, 4) => List(&Struct(K::RowGroup)),
+            (K::FileMetaData, 5) | (K::ColumnMetaData, 8) => List(&Struct(K::KeyValue)),
+            (K::FileMetaData, 6) => Binary,
+            (K::FileMetaData, 7) => List(&Struct(K::ColumnOrder)),
+            (K::SchemaElement, 1..=3 | 5..=9) => I32,
+            (K::SchemaElement, 4) => Binary,
+            (K::SchemaElement, 10) => Struct(K::LogicalType),
+            (K::LogicalType, 1..=4 | 6 | 11..=15 | 19) => Struct(K::Empty),
+            (K::LogicalType, 5) => Struct(K::DecimalType),
+            (K::LogicalType, 7 | 8) => Struct(K::TimestampType),
+            (K::LogicalType, 10) => Struct(K::IntType),
+            (K::LogicalType, 16) => Struct(K::VariantType),
+            (K::LogicalType, 17) => Struct(K::GeometryType),
+            (K::LogicalType, 18) => Struct(K::GeographyType),
+            (K::DecimalType, 1 | 2) => I32,
+            (K::TimestampType, 1) => Bool,
+            (K::TimestampType, 2) => Struct(K::TimeUnit),
+            (K::TimeUnit | K::ColumnOrder, 1..=3) => Struct(K::Empty),
+            (K::IntType, 1) | (K::VariantType, 1) => Byte,
+            (K::IntType, 2) => Bool,
+            (K::GeometryType, 1) | (K::GeographyType, 1) | (K::KeyValue, 1 | 2) => Binary,
+            (K::GeographyType, 2) => I32,
+            (K::RowGroup, 1) => List(&Struct(K::ColumnChunk)),
+            (K::RowGroup, 2 | 3 | 5 | 6) => I64,
+            (K::RowGroup, 4) => List(&Struct(K::SortingColumn)),
+            (K::RowGroup, 7) => I16,
+            (K::SortingColumn, 1) => I32,
+            (K::SortingColumn, 2 | 3) => Bool,
+            (K::ColumnChunk, 1) => Binary,
+            (K::ColumnChunk, 2 | 4 | 6) => I64,
+            (K::ColumnChunk, 3) => Struct(K::ColumnMetaData),
+            (K::ColumnChunk, 5 | 7) => I32,
+            (K::ColumnMetaData, 1 | 4 | 15) => I32,
+            (K::ColumnMetaData, 2) => List(&I32),
+            (K::ColumnMetaData, 3) => List(&Binary),
+            (K::ColumnMetaData, 5..=7 | 9..=11 | 14) => I64,
+            (K::ColumnMetaData, 13) => List(&Struct(K::PageEncodingStats)),
+            (K::ColumnMetaData, 16) => Struct(K::SizeStatistics),
+            (K::ColumnMetaData, 17) => Struct(K::GeospatialStatistics),
+            (K::PageEncodingStats, 1..=3) => I32,
+            (K::SizeStatistics, 1) => I64,
+            (K::SizeStatistics, 2 | 3) => List(&I64),
+            (K::GeospatialStatistics, 1) => Struct(K::BoundingBox),
+            (K::GeospatialStatistics, 2) => List(&I32),
+            (K::BoundingBox, 1..=8) => Double,
+            _ => return None,
+        })
     }
 }
 
@@ -135,7 +276,7 @@ pub(crate) fn check_footer(footer: &[u8]) -> Result<(), String> {
         bytes: footer,
         pos: 0,
     };
-    walk.value(wire::STRUCT, 0)
+    walk.known_struct(Known::FileMetaData, &mut Sizes::default(), 0)
         .map_err(|(pos, what)| format!("byte {pos} of the footer: {what}"))
 }
 
@@ -238,34 +379,77 @@ impl Walk<'_> {
         while let Some((id, wire_type)) = self.field_header(last_id)? {
             match known.field(id) {
                 None => self.value(wire_type, depth + 1)?,
-                Some((expected, nested)) => {
-                    let matches = expected == wire_type
-                        || (expected == wire::BOOL_TRUE && wire_type == wire::BOOL_FALSE);
-                    if !matches {
-                        return self.fail(format!(
-                            "field {id} has wire type {wire_type}, the Parquet format gives it {expected}"
-                        ));
-                    }
-                    match nested {
-                        Some(inner) => self.known_struct(inner, sizes, depth + 1)?,
-                        None if expected == wire::I32 => {
-                            let value = self.zigzag()? as i32;
-                            if let Known::PageHeader = known {
-                                match id {
-                                    1 => sizes.page_type = true,
-                                    2 => sizes.uncompressed = Some(value),
-                                    3 => sizes.compressed = Some(value),
-                                    _ => {}
-                                }
-                            }
+                Some(ty) if !ty.is(wire_type) => {
+                    return self.fail(format!(
+                        "{known:?} field {id} has wire type {}, the Parquet format types it {}",
+                        wire::name(wire_type),
+                        wire::name(ty.wire())
+                    ));
+                }
+                Some(Ty::I32) => {
+                    let value = self.zigzag()? as i32;
+                    if let Known::PageHeader = known {
+                        match id {
+                            1 => sizes.page_type = true,
+                            2 => sizes.uncompressed = Some(value),
+                            3 => sizes.compressed = Some(value),
+                            _ => {}
                         }
-                        None => self.value(wire_type, depth + 1)?,
                     }
                 }
+                Some(ty) => self.typed(ty, sizes, depth + 1)?,
             }
             last_id = id;
         }
         Ok(())
+    }
+
+    /// A value of a known type, whose wire type has been checked.
+    fn typed(&mut self, ty: Ty, sizes: &mut Sizes, depth: usize) -> Result<(), Failure> {
+        if depth > MAX_DEPTH {
+            return self.fail(format!("values nested over {MAX_DEPTH} deep"));
+        }
+        match ty {
+            Ty::Struct(known) => self.known_struct(known, sizes, depth),
+            Ty::List(element) => {
+                let at = self.pos;
+                let Some((element_wire, size)) = self.list_header()? else {
+                    return Ok(());
+                };
+                if !element.is(element_wire) {
+                    return Err((
+                        at,
+                        format!(
+                            "a list of {} elements, the Parquet format types them {}",
+                            wire::name(element_wire),
+                            wire::name(element.wire())
+                        ),
+                    ));
+                }
+                for _ in 0..size {
+                    self.typed(*element, sizes, depth + 1)?;
+                }
+                Ok(())
+            }
+            plain => self.value(plain.wire(), depth),
+        }
+    }
+
+    /// A list's or set's header: `None` for an empty one, else its element type (never
+    /// booleans) and its size, which fits in the bytes left.
+    fn list_header(&mut self) -> Result<Option<(u8, usize)>, Failure> {
+        let at = self.pos;
+        let header = self.byte()?;
+        if header == 0 {
+            return Ok(None);
+        }
+        let size = match header >> 4 {
+            15 => self.varint()?,
+            small => u64::from(small),
+        };
+        let element = element_type(at, header & 0x0f)?;
+        let size = self.count(size, 1)?;
+        Ok(Some((element, size)))
     }
 
     /// Skips one value of `wire_type`.
@@ -286,19 +470,10 @@ impl Walk<'_> {
                 self.skip(len)
             }
             LIST | SET => {
-                let at = self.pos;
-                let header = self.byte()?;
-                if header == 0 {
-                    return Ok(());
-                }
-                let size = match header >> 4 {
-                    15 => self.varint()?,
-                    small => u64::from(small),
-                };
-                let element = element_type(at, header & 0x0f)?;
-                let size = self.count(size, 1)?;
-                for _ in 0..size {
-                    self.value(element, depth + 1)?;
+                if let Some((element, size)) = self.list_header()? {
+                    for _ in 0..size {
+                        self.value(element, depth + 1)?;
+                    }
                 }
                 Ok(())
             }
@@ -449,7 +624,10 @@ mod tests {
                 page(4, &long_binary),
                 "1099511627776 elements or bytes declared",
             ),
-            (page(4, &wrong_type), "field 4 has wire type 8"),
+            (
+                page(4, &wrong_type),
+                "PageHeader field 4 has wire type binary, the Parquet format types it i32",
+            ),
             (page(4, &deep), "nested over 32 deep"),
             (page(4, &[])[..10].to_vec(), "runs past the end"),
             (
@@ -480,6 +658,202 @@ mod tests {
             check_column_chunk(&no_sizes)
                 .unwrap_err()
                 .contains("are required")
+        );
+    }
+
+    /// A field header in the long form (the id written out).
+    fn field(wire_type: u8, id: i16) -> Vec<u8> {
+        let mut f = vec![wire_type];
+        f.extend(zigzag(id.into()));
+        f
+    }
+
+    fn binary(bytes: &[u8]) -> Vec<u8> {
+        let mut b = varint(bytes.len() as u64);
+        b.extend_from_slice(bytes);
+        b
+    }
+
+    /// A footer as Parquet writers write it: version, a schema of a root and one `i64`
+    /// column annotated by `logical_type` (a `LogicalType` union's bytes), the row count, one
+    /// row group of one column chunk, and `extra` fields last. Every field carries its id in
+    /// full, so that a test can change one field's wire type in place.
+    fn footer(logical_type: &[u8], extra: &[u8]) -> Vec<u8> {
+        use wire::*;
+        let mut f = field(I32, 1);
+        f.extend(zigzag(2));
+        f.extend(field(LIST, 2));
+        f.push(0x2c); // two structs
+        f.extend(field(BINARY, 4));
+        f.extend(binary(b"schema"));
+        f.extend(field(I32, 5));
+        f.extend(zigzag(1));
+        f.push(0);
+        f.extend(field(I32, 1));
+        f.extend(zigzag(2)); // INT64
+        f.extend(field(I32, 3));
+        f.extend(zigzag(0)); // REQUIRED
+        f.extend(field(BINARY, 4));
+        f.extend(binary(b"x"));
+        f.extend(field(STRUCT, 10));
+        f.extend_from_slice(logical_type);
+        f.push(0);
+        f.extend(field(I64, 3));
+        f.extend(zigzag(10));
+        f.extend(field(LIST, 4));
+        f.push(0x1c); // one row group
+        f.extend(field(LIST, 1));
+        f.push(0x1c); // one column chunk
+        f.extend(field(I64, 2));
+        f.extend(zigzag(4));
+        f.extend(field(STRUCT, 3)); // its metadata
+        f.extend(field(I32, 1));
+        f.extend(zigzag(2));
+        f.extend(field(LIST, 2));
+        f.push(0x15); // encodings: PLAIN
+        f.extend(zigzag(0));
+        f.extend(field(LIST, 3));
+        f.push(0x18); // path: "x"
+        f.extend(binary(b"x"));
+        for (id, v) in [(4, 0), (5, 10), (6, 84), (7, 84), (9, 4)] {
+            f.extend(field(if id == 4 { I32 } else { I64 }, id));
+            f.extend(zigzag(v));
+        }
+        f.push(0);
+        f.push(0); // end of the column chunk
+        f.extend(field(I64, 2));
+        f.extend(zigzag(84));
+        f.extend(field(I64, 3));
+        f.extend(zigzag(10));
+        f.push(0); // end of the row group
+        f.extend_from_slice(extra);
+        f.push(0);
+        f
+    }
+
+    /// `LogicalType`: an `INTEGER(64, signed)`.
+    fn integer_type() -> Vec<u8> {
+        let mut t = field(wire::STRUCT, 10);
+        t.extend(field(wire::BYTE, 1));
+        t.push(64);
+        t.extend(field(wire::BOOL_TRUE, 2));
+        t.extend([0, 0]);
+        t
+    }
+
+    #[test]
+    fn well_formed_footers_pass() {
+        assert_eq!(check_footer(&footer(&integer_type(), &[])), Ok(()));
+        // Key-values, a created-by string, column orders; a field parquet does not know (id
+        // 20, a list of i64) is skipped whatever it holds.
+        let mut extra = field(wire::LIST, 5);
+        extra.push(0x1c);
+        extra.extend(field(wire::BINARY, 1));
+        extra.extend(binary(b"k"));
+        extra.extend(field(wire::BINARY, 2));
+        extra.extend(binary(b"v"));
+        extra.push(0);
+        extra.extend(field(wire::BINARY, 6));
+        extra.extend(binary(b"parquet-rs"));
+        extra.extend(field(wire::LIST, 7));
+        extra.push(0x1c);
+        extra.extend(field(wire::STRUCT, 1));
+        extra.extend([0, 0]);
+        extra.extend(field(wire::LIST, 20));
+        extra.push(0x26);
+        extra.extend(zigzag(-5));
+        extra.extend(zigzag(1 << 40));
+        assert_eq!(check_footer(&footer(&integer_type(), &extra)), Ok(()));
+        // They are footers parquet reads (so the cases below change real footers).
+        use parquet::file::metadata::ParquetMetaDataReader;
+        for f in [
+            footer(&integer_type(), &[]),
+            footer(&integer_type(), &extra),
+        ] {
+            let metadata = ParquetMetaDataReader::decode_metadata(&f).unwrap();
+            assert_eq!(metadata.file_metadata().num_rows(), 10);
+            assert_eq!(metadata.row_group(0).column(0).num_values(), 10);
+        }
+    }
+
+    /// The fuzz target's finding, by hand: a field parquet reads by its id given another wire
+    /// type, at each level of the footer, is refused naming the struct and the field.
+    #[test]
+    fn footer_fields_of_another_wire_type_are_refused() {
+        let good = footer(&integer_type(), &[]);
+        let at = |from: usize, pattern: &[u8]| {
+            from + good[from..]
+                .windows(pattern.len())
+                .position(|w| w == pattern)
+                .unwrap()
+        };
+        // Each case: where a field header is (found after a marker), the wire type it gets,
+        // what the error says.
+        let column_path = at(0, &[wire::LIST, 6]); // ColumnMetaData field 3
+        let cases: [(usize, u8, &str); 6] = [
+            (
+                0,
+                wire::I64,
+                "FileMetaData field 1 has wire type i64, the Parquet format types it i32",
+            ),
+            (
+                at(0, &[wire::I32, 6]),
+                wire::BOOL_FALSE,
+                "SchemaElement field 3 has wire type bool",
+            ),
+            (
+                at(0, &[wire::BYTE, 2]),
+                wire::I32,
+                "IntType field 1 has wire type i32, the Parquet format types it byte",
+            ),
+            (
+                at(0, &[wire::BOOL_TRUE, 4]),
+                wire::BYTE,
+                "IntType field 2 has wire type byte, the Parquet format types it bool",
+            ),
+            (
+                column_path,
+                wire::BINARY,
+                "ColumnMetaData field 3 has wire type binary, the Parquet format types it list",
+            ),
+            (
+                at(column_path, &[wire::I32, 8]),
+                wire::I64,
+                "ColumnMetaData field 4 has wire type i64",
+            ),
+        ];
+        for (pos, wire_type, message) in cases {
+            let mut bad = good.clone();
+            bad[pos] = wire_type;
+            let err = check_footer(&bad).unwrap_err();
+            assert!(err.contains(message), "{err} lacks {message}");
+            assert!(
+                err.starts_with(&format!("byte {} of the footer", pos + 2)),
+                "{err}"
+            );
+        }
+        // A known list of another element type: the column's encodings as i64.
+        let encodings = at(0, &[wire::LIST, 4, 0x15]) + 2;
+        let mut bad = good.clone();
+        bad[encodings] = 0x16;
+        let err = check_footer(&bad).unwrap_err();
+        assert!(
+            err.contains(&format!(
+                "byte {encodings} of the footer: a list of i64 elements, the Parquet format types them i32"
+            )),
+            "{err}"
+        );
+        // Inside a union: a geography's algorithm given as a string.
+        let mut geography = field(wire::STRUCT, 18);
+        geography.extend(field(wire::BINARY, 2));
+        geography.extend(binary(b"SPHERICAL"));
+        geography.extend([0, 0]);
+        let err = check_footer(&footer(&geography, &[])).unwrap_err();
+        assert!(
+            err.contains(
+                "GeographyType field 2 has wire type binary, the Parquet format types it i32"
+            ),
+            "{err}"
         );
     }
 }

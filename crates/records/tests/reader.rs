@@ -219,3 +219,20 @@ fn a_footer_declaring_a_huge_list_of_booleans_is_refused() {
     );
     assert!(start.elapsed().as_secs_f64() < 0.2, "{:?}", start.elapsed());
 }
+
+/// A footer where a field the parquet crate reads by its id has another wire type (found by
+/// the fuzz target): parquet reads it as its own type all the same, so its reading goes
+/// elsewhere than the footer's wire types say, here into a list of booleans it spun over for
+/// a second; the footer walk checks those fields' wire types and refuses the file at once.
+#[test]
+fn a_footer_field_of_another_wire_type_is_refused() {
+    let kept = bertkit_test_support::repo_root()
+        .join("fuzz/regressions/records_parquet/timeout-footer-field-of-another-type");
+    let start = std::time::Instant::now();
+    let err = RecordsFile::open(&kept).err().unwrap().to_string();
+    assert!(
+        err.contains("timeout-footer-field-of-another-type: the footer (bytes 61..1667): byte 23 of the footer: SchemaElement field 3 has wire type bool, the Parquet format types it i32: the file is damaged"),
+        "{err}"
+    );
+    assert!(start.elapsed().as_secs_f64() < 0.2, "{:?}", start.elapsed());
+}
