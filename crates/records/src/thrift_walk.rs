@@ -65,6 +65,12 @@ mod wire {
     }
 }
 
+/// The largest uncompressed page accepted. The parquet crate reserves a page's declared
+/// uncompressed size before decompressing it (up to 2 GiB), and a hostile zstd page can truly
+/// expand that far; a records page holds one column of one row group (2048 rows: 4 MiB of ids
+/// at sequences of 512), so this bounds the memory a page can take at 64 times that.
+pub(crate) const MAX_PAGE_BYTES: i32 = 256 << 20;
+
 /// Deepest nesting of values accepted (page headers nest three deep, footers about eight; the
 /// parquet crate skips values up to 64 deep).
 const MAX_DEPTH: usize = 32;
@@ -247,13 +253,20 @@ pub(crate) fn check_column_chunk(chunk: &[u8]) -> Result<(), String> {
         let mut sizes = Sizes::default();
         walk.known_struct(Known::PageHeader, &mut sizes, 0)
             .map_err(|(pos, what)| format!("page header at byte {}: {what}", at + pos))?;
-        let (Some(compressed), Some(_), true) =
+        let (Some(compressed), Some(uncompressed), true) =
             (sizes.compressed, sizes.uncompressed, sizes.page_type)
         else {
             return Err(format!(
                 "page header at byte {at}: a type, an uncompressed and a compressed size are required"
             ));
         };
+        if uncompressed > MAX_PAGE_BYTES {
+            return Err(format!(
+                "page header at byte {at}: a page of {uncompressed} bytes uncompressed, over \
+                 the {} MiB a records page may hold",
+                MAX_PAGE_BYTES >> 20
+            ));
+        }
         let data = usize::try_from(compressed)
             .ok()
             .filter(|&c| c <= walk.bytes.len() - walk.pos)
@@ -537,10 +550,14 @@ mod tests {
     /// A data page header as Parquet writers write it: type, sizes, a data page header with
     /// its four fields; `extra` goes in before the closing stop byte.
     fn header(compressed: i32, extra: &[u8]) -> Vec<u8> {
+        sized_header(compressed, compressed + 4, extra)
+    }
+
+    fn sized_header(compressed: i32, uncompressed: i32, extra: &[u8]) -> Vec<u8> {
         let mut h = vec![0x15];
         h.extend(zigzag(0)); // type DATA_PAGE
         h.push(0x15);
-        h.extend(zigzag(i64::from(compressed) + 4)); // uncompressed size
+        h.extend(zigzag(uncompressed.into()));
         h.push(0x15);
         h.extend(zigzag(compressed.into()));
         h.push(0x2c); // field 5 (delta 2): data page header
@@ -651,6 +668,16 @@ mod tests {
                 .unwrap_err()
                 .contains("a page of -1 bytes")
         );
+        let mut huge = sized_header(4, MAX_PAGE_BYTES + 1, &[]);
+        huge.extend([0; 4]);
+        assert!(
+            check_column_chunk(&huge)
+                .unwrap_err()
+                .contains("a page of 268435457 bytes uncompressed, over the 256 MiB")
+        );
+        let mut largest = sized_header(4, MAX_PAGE_BYTES, &[]);
+        largest.extend([0; 4]);
+        assert_eq!(check_column_chunk(&largest), Ok(()));
         let mut no_sizes = vec![0x15];
         no_sizes.extend(zigzag(0));
         no_sizes.push(0);
