@@ -11,6 +11,9 @@ runs add up; findings go to fuzz/artifacts/<target>/ (keep each in fuzz/regressi
 once fixed: `make test` replays them). Logs: fuzz/logs/<target>.log; the executions of every
 run are summed in fuzz/logs/totals.json.
 
+With fewer targets than `--jobs` (by default one per core), each target runs in several
+processes at once, sharing its corpus, so that one target uses every core.
+
 Prints a Markdown table per run (executions, speed, coverage, peak RSS, slowest input,
 findings) for FUZZING.md. Exits 1 if any target found something.
 """
@@ -93,9 +96,11 @@ def add_to_totals(target, executions):
         return all_runs[target]
 
 
-def run(target, seconds, max_len, goal=None):
+def run(target, seconds, max_len, goal=None, worker=0, workers=1):
     """Runs one target for `seconds`, or until its executions over all runs reach `goal`;
-    returns its figures from libFuzzer's log."""
+    returns its figures from libFuzzer's log. A target may run in `workers` processes at once
+    (this is number `worker`): they share its corpus folder, each takes its share of the
+    executions left, and each writes its own log."""
     corpus = FUZZ / "corpus" / target
     artifacts = FUZZ / "artifacts" / target
     logs = FUZZ / "logs"
@@ -118,10 +123,11 @@ def run(target, seconds, max_len, goal=None):
     ]
     if goal is not None:
         remaining = goal - totals().get(target, 0)
-        if remaining <= 0:
+        share = -(-remaining // workers)
+        if share <= 0:
             return None
-        command.append(f"-runs={remaining}")
-    log_path = logs / f"{target}.log"
+        command.append(f"-runs={share}")
+    log_path = logs / (f"{target}.log" if worker == 0 else f"{target}.{worker}.log")
     with open(log_path, "w") as log:
         status = subprocess.run(
             command, cwd=ROOT, env=scratch_env(), stdout=log, stderr=subprocess.STDOUT
@@ -154,10 +160,38 @@ def run(target, seconds, max_len, goal=None):
     }
 
 
+def merge(results):
+    """One row per target from its processes' figures: executions and speeds add up, the
+    rest is the largest seen (coverage: the processes share a corpus but each counts only what
+    it ran)."""
+    rows = {}
+    for r in results:
+        row = rows.get(r["target"])
+        if row is None:
+            rows[r["target"]] = dict(r, findings=list(r["findings"]))
+            continue
+        row["status"] = row["status"] or r["status"]
+        row["executions"] += r["executions"]
+        row["per_second"] += r["per_second"]
+        row["all_runs"] = max(row["all_runs"], r["all_runs"])
+        for key in ("peak_rss_mb", "coverage", "features", "corpus"):
+            row[key] = max(row[key], r[key])
+        slow = [x for x in (row["slowest_s"], r["slowest_s"]) if x is not None]
+        row["slowest_s"] = max(slow) if slow else None
+        row["findings"] = sorted(set(row["findings"]) | set(r["findings"]))
+    return list(rows.values())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=60, help="per target (default 60)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="targets at once")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes at once (default: one per core); with fewer targets than this, "
+        "each target runs in several processes sharing its corpus",
+    )
     parser.add_argument("--targets", default="", help="comma-separated (default: all)")
     parser.add_argument("--max-len", type=int, default=65536, help="largest input, bytes")
     parser.add_argument(
@@ -175,11 +209,21 @@ def main():
     if not args.no_build:
         build()
 
+    # With more jobs than targets, each target runs in several processes (libFuzzer's own
+    # parallel modes report no final statistics to count).
+    workers = max(1, args.jobs // len(names))
+    runs = [(t, w) for t in names for w in range(workers)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = pool.map(lambda t: run(t, args.seconds, args.max_len, args.executions), names)
-        results = [r for r in results if r is not None]
+        done = pool.map(
+            lambda tw: run(tw[0], args.seconds, args.max_len, args.executions, tw[1], workers),
+            runs,
+        )
+        results = merge([r for r in done if r is not None])
 
-    print(f"\n{datetime.date.today()}, {args.seconds} s per target, {args.jobs} at once\n")
+    print(
+        f"\n{datetime.date.today()}, {args.seconds} s per target, {args.jobs} at once"
+        f"{f', {workers} processes per target' if workers > 1 else ''}\n"
+    )
     print("| target | executions | exec/s | all runs | coverage (edges / features) | corpus | peak RSS MB | slowest input s | findings |")
     print("|---|---:|---:|---:|---|---:|---:|---:|---|")
     for r in results:
