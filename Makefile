@@ -161,8 +161,8 @@ lint: mpi-deps
 	$(CARGO) clippy --workspace --all-targets --locked --features bertkit/mpi -- -D warnings
 
 # Fuzzing (FUZZING.md): each target FUZZ_SECONDS, a process per core (a target in several when
-# there are fewer targets than cores); corpora kept
-# under fuzz/corpus between runs. cargo fuzz runs on stable Rust with --sanitizer none.
+# there are fewer targets than cores); corpora kept under fuzz/corpus between runs. cargo fuzz
+# runs on stable Rust with --sanitizer none.
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?=
 FUZZ_EXECUTIONS ?=
