@@ -85,7 +85,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     configure_allocator(&cli.command);
-    if cli.no_tf32 {
+    if cli.command.no_tf32() {
         bertkit_model::set_tf32(false);
     }
     match run(cli) {

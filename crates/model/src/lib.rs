@@ -88,7 +88,8 @@ pub fn parse_dtype(name: &str) -> Result<candle_core::DType, ModelError> {
 }
 
 /// Whether f32 matrix products on CUDA may use TF32 tensor cores (10-bit mantissa inputs,
-/// f32 accumulation), as NVIDIA's BERT recipes run; `bertkit --no-tf32` turns it off.
+/// f32 accumulation), as NVIDIA's BERT recipes run; `--no-tf32` on the commands that run a
+/// model (`bertkit pretrain --no-tf32`) turns it off.
 pub const DEFAULT_TF32: bool = true;
 
 const TF32_UNSET: u8 = 2;

@@ -14,9 +14,6 @@ pub(crate) mod train;
     about = "From raw Wikipedia and book dumps to a pre-trained BERT."
 )]
 pub(crate) struct Cli {
-    /// f32 matrix products on CUDA without TF32 (full f32 inputs; slower).
-    #[arg(long, global = true)]
-    pub(crate) no_tf32: bool,
     #[command(subcommand)]
     pub(crate) command: Command,
 }
@@ -65,6 +62,34 @@ pub(crate) enum Command {
     Bench(train::BenchCommand),
 }
 
+impl Command {
+    /// Whether the command runs f32 matrix products without TF32 (`--no-tf32`, on the
+    /// commands that run a model).
+    pub(crate) fn no_tf32(&self) -> bool {
+        let products = match self {
+            Command::Forward(a) => &a.products,
+            Command::Pretrain(a) => &a.products,
+            Command::Bench(train::BenchCommand::Inference(a)) => &a.products,
+            Command::Bench(train::BenchCommand::Memory(a)) => &a.products,
+            Command::Bench(train::BenchCommand::Gemm(a)) => &a.products,
+            Command::Finetune(tasks::FinetuneCommand::Glue(a)) => &a.train.products,
+            Command::Finetune(tasks::FinetuneCommand::Squad(a)) => &a.train_flags.products,
+            Command::Predict(tasks::PredictCommand::Squad(a)) => &a.products,
+            Command::Predict(tasks::PredictCommand::Glue(a)) => &a.products,
+            _ => return false,
+        };
+        products.no_tf32
+    }
+}
+
+/// How f32 matrix products run, for the commands that run a model.
+#[derive(Args)]
+pub(crate) struct ProductArgs {
+    /// f32 matrix products on CUDA without TF32 (full f32 inputs; slower).
+    #[arg(long)]
+    pub(crate) no_tf32: bool,
+}
+
 /// This process's share in a multi-process run. Without the flags, the launcher's variables
 /// are read: RANK/WORLD_SIZE, SLURM_PROCID/SLURM_NTASKS or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE.
 #[derive(Args)]
@@ -82,6 +107,53 @@ impl RankArgs {
         match (self.rank, self.world_size) {
             (Some(r), Some(w)) => bertkit_stage_io::Ranks::new(r, w),
             _ => bertkit_stage_io::Ranks::from_env(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::Parser;
+
+    /// `--no-tf32` is a flag of each command that runs a model, and of no other.
+    #[test]
+    fn no_tf32_belongs_to_the_commands_that_run_a_model() {
+        let model_commands: [&[&str]; 9] = [
+            &["forward", "--model", "m", "--input", "i", "--output", "o"],
+            &["pretrain", "--config", "c"],
+            &["bench", "inference", "--model", "m"],
+            &["bench", "gemm"],
+            &["bench", "memory", "--config", "base"],
+            &[
+                "finetune", "glue", "--task", "mrpc", "--model", "m", "--data", "d", "--output",
+                "o",
+            ],
+            &[
+                "finetune", "squad", "--model", "m", "--train", "t", "--output", "o",
+            ],
+            &[
+                "predict", "squad", "--model", "m", "--data", "d", "--output", "o",
+            ],
+            &[
+                "predict", "glue", "--task", "mrpc", "--model", "m", "--data", "d",
+            ],
+        ];
+        for args in model_commands {
+            let parse = |extra: &[&str]| {
+                let argv = ["bertkit"].iter().chain(args).chain(extra);
+                Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{args:?}: {e}"))
+            };
+            assert!(!parse(&[]).command.no_tf32(), "{args:?}");
+            assert!(parse(&["--no-tf32"]).command.no_tf32(), "{args:?}");
+        }
+        for data_command in [
+            &["format", "wiki", "--input", "i", "--output", "o"][..],
+            &["shard", "--input", "i", "--output", "o"],
+        ] {
+            let argv = ["bertkit"].iter().chain(data_command).chain(&["--no-tf32"]);
+            let err = Cli::try_parse_from(argv).err().unwrap().to_string();
+            assert!(err.contains("unexpected argument '--no-tf32'"), "{err}");
         }
     }
 }

@@ -82,6 +82,8 @@ pub(crate) struct TrainFlags {
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
     #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
+    #[command(flatten)]
     pub(crate) ranks: super::RankArgs,
 }
 
@@ -234,6 +236,8 @@ pub(crate) struct PredictSquadArgs {
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
     #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
+    #[command(flatten)]
     pub(crate) squad: SquadFlags,
 }
 
@@ -263,6 +267,8 @@ pub(crate) struct PredictGlueArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
 }
 
 #[derive(Subcommand)]

@@ -33,6 +33,8 @@ pub(crate) struct PretrainArgs {
     /// Device instead of the config's: cpu, cuda, cuda:N.
     #[arg(long)]
     pub(crate) device: Option<String>,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
     /// Sequences per micro-batch instead of the config's (accumulation follows).
     #[arg(long)]
     pub(crate) micro_batch: Option<usize>,
@@ -104,6 +106,8 @@ pub(crate) struct ForwardArgs {
     /// cpu, or cuda / cuda:N with a CUDA build.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
 }
 
 #[derive(Subcommand)]
@@ -137,6 +141,8 @@ pub(crate) struct BenchGemmArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
     /// Timed seconds per shape.
     #[arg(long, default_value_t = 2.0)]
     pub(crate) seconds: f64,
@@ -186,6 +192,8 @@ pub(crate) struct BenchMemoryArgs {
     /// Device instead of the config's.
     #[arg(long)]
     pub(crate) device: Option<String>,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
     /// Optimiser steps to run.
     #[arg(long, default_value_t = 2)]
     pub(crate) steps: usize,
@@ -230,6 +238,8 @@ pub(crate) struct BenchInferenceArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
     /// Timed seconds per setting (at least five passes).
     #[arg(long, default_value_t = 3.0)]
     pub(crate) seconds: f64,
