@@ -883,4 +883,24 @@ mod tests {
             "{err}"
         );
     }
+
+    /// The field table follows parquet 60.1's readers: an upgrade of the parquet crate must
+    /// come with a look at what its footer and page-header readers read by id (see
+    /// [`Known::field`]), then a new version here.
+    #[test]
+    fn the_field_table_matches_the_locked_parquet_version() {
+        let lock = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.lock"),
+        )
+        .unwrap();
+        let version = lock
+            .split("[[package]]")
+            .find(|p| p.contains("\nname = \"parquet\"\n"))
+            .and_then(|p| p.lines().find_map(|l| l.strip_prefix("version = ")))
+            .unwrap();
+        assert_eq!(
+            version, "\"60.1.0\"",
+            "parquet was upgraded: check Known::field against its Thrift readers"
+        );
+    }
 }
