@@ -24,6 +24,9 @@
 //! - in a column chunk, each page's data (its compressed size) lies inside the chunk, the last
 //!   page ending at the chunk's end.
 //!
+//! A column chunk's pages are also held to [`MAX_PAGE_BYTES`] uncompressed, which bounds the
+//! memory parquet takes for a page.
+//!
 //! Wherever parquet goes on reading, it then reads what was walked, each value as the type it
 //! was walked as; where it stops first with an error of its own, that is fine too. The table
 //! of fields ([`Known::field`]) follows parquet 60.1's readers: a parquet upgrade that reads a
