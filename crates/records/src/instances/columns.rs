@@ -166,7 +166,7 @@ pub struct Instances<'a> {
 pub(super) enum Masks<'a> {
     /// Stored in the chunks.
     Stored,
-    /// Drawn when an instance is read, by a [`FastRng`] seeded with its seed: the same masks
+    /// Drawn when an instance is read, by a [`FastRng`](bertkit_rng::FastRng) seeded with its seed: the same masks
     /// each time, and none kept in memory meanwhile.
     Drawn {
         vocab: &'a VocabIds,
