@@ -166,8 +166,8 @@ pub struct Instances<'a> {
 pub(super) enum Masks<'a> {
     /// Stored in the chunks.
     Stored,
-    /// Drawn when an instance is read, by a [`FastRng`](bertkit_rng::FastRng) seeded with its seed: the same masks
-    /// each time, and none kept in memory meanwhile.
+    /// Drawn when an instance is read, by a [`FastRng`](bertkit_rng::FastRng) seeded with its
+    /// seed: the same masks each time, and none kept in memory meanwhile.
     Drawn {
         vocab: &'a VocabIds,
         options: MaskOptions,
