@@ -550,6 +550,19 @@ mod tests {
         }
     }
 
+    /// A field header in the long form (the id written out).
+    fn field(wire_type: u8, id: i16) -> Vec<u8> {
+        let mut f = vec![wire_type];
+        f.extend(zigzag(id.into()));
+        f
+    }
+
+    fn binary(bytes: &[u8]) -> Vec<u8> {
+        let mut b = varint(bytes.len() as u64);
+        b.extend_from_slice(bytes);
+        b
+    }
+
     /// A data page header as Parquet writers write it: type, sizes, a data page header with
     /// its four fields; `extra` goes in before the closing stop byte.
     fn header(compressed: i32, extra: &[u8]) -> Vec<u8> {
@@ -585,10 +598,8 @@ mod tests {
         let mut chunk = page(10, &[]);
         chunk.extend(page(0, &[]));
         // A field parquet does not know (id 20, written in full), a binary: skipped.
-        let mut extra = vec![0x08];
-        extra.extend(zigzag(20));
-        extra.extend(varint(3));
-        extra.extend(b"abc");
+        let mut extra = field(wire::BINARY, 20);
+        extra.extend(binary(b"abc"));
         chunk.extend(page(5, &extra));
         assert_eq!(check_column_chunk(&chunk), Ok(()));
         assert_eq!(check_column_chunk(&[]), Ok(()));
@@ -597,8 +608,7 @@ mod tests {
     /// The fuzz target's finding: an unknown field holding a list of 2^31 - 1 doubles.
     #[test]
     fn a_huge_declared_list_is_refused_at_once() {
-        let mut extra = vec![0x09];
-        extra.extend(zigzag(20));
+        let mut extra = field(wire::LIST, 20);
         extra.push(0xf7); // size follows, element type double
         extra.extend(varint(i32::MAX as u64));
         let chunk = page(4, &extra);
@@ -614,27 +624,23 @@ mod tests {
     #[test]
     fn each_kind_of_damage_is_named() {
         let bool_list = {
-            let mut e = vec![0x09];
-            e.extend(zigzag(20));
+            let mut e = field(wire::LIST, 20);
             e.extend([0x31, 1, 1, 1]);
             e
         };
         let long_binary = {
-            let mut e = vec![0x08];
-            e.extend(zigzag(20));
+            let mut e = field(wire::BINARY, 20);
             e.extend(varint(1 << 40));
             e
         };
         let wrong_type = {
             // field 4 (crc) declared a binary: parquet would read its length as the crc.
-            let mut e = vec![0x08];
-            e.extend(zigzag(4));
-            e.extend([1, b'x']);
+            let mut e = field(wire::BINARY, 4);
+            e.extend(binary(b"x"));
             e
         };
         let deep = {
-            let mut e = vec![0x0c];
-            e.extend(zigzag(20));
+            let mut e = field(wire::STRUCT, 20);
             e.extend(std::iter::repeat_n(0x1c, 40));
             e
         };
@@ -689,19 +695,6 @@ mod tests {
                 .unwrap_err()
                 .contains("are required")
         );
-    }
-
-    /// A field header in the long form (the id written out).
-    fn field(wire_type: u8, id: i16) -> Vec<u8> {
-        let mut f = vec![wire_type];
-        f.extend(zigzag(id.into()));
-        f
-    }
-
-    fn binary(bytes: &[u8]) -> Vec<u8> {
-        let mut b = varint(bytes.len() as u64);
-        b.extend_from_slice(bytes);
-        b
     }
 
     /// A footer as Parquet writers write it: version, a schema of a root and one `i64`
@@ -892,10 +885,8 @@ mod tests {
     /// [`Known::field`]), then a new version here.
     #[test]
     fn the_field_table_matches_the_locked_parquet_version() {
-        let lock = std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.lock"),
-        )
-        .unwrap();
+        let lock =
+            std::fs::read_to_string(bertkit_test_support::repo_root().join("Cargo.lock")).unwrap();
         let version = lock
             .split("[[package]]")
             .find(|p| p.contains("\nname = \"parquet\"\n"))

@@ -192,9 +192,7 @@ fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>
                 cased: args.train_flags.cased,
                 dtype: "f32".into(),
                 device: args.train_flags.device.clone(),
-                products: crate::flags::ProductArgs {
-                    no_tf32: args.train_flags.products.no_tf32,
-                },
+                products: args.train_flags.products,
                 squad: args.squad,
             },
             options.reducer.as_ref(),

@@ -83,7 +83,7 @@ impl Command {
 }
 
 /// How f32 matrix products run, for the commands that run a model.
-#[derive(Args)]
+#[derive(Args, Clone, Copy)]
 pub(crate) struct ProductArgs {
     /// f32 matrix products on CUDA without TF32 (full f32 inputs; slower).
     #[arg(long)]
