@@ -86,15 +86,25 @@ after make demo, if make data has not run)
 endef
 define NO_NVCC
 the CUDA build needs nvcc 13.0 (the CUDA toolkit: NVIDIA's cuda-toolkit-13-0 package, with
-cuBLAS and cuRAND) on PATH, or CUDA_ROOT set to it; CUDA_COMPUTE_CAP=80 builds kernels that
-run on A100 and H100 alike. Or run on the CPU: make $(MAKECMDGOALS) DEVICE=cpu
+cuBLAS and cuRAND) on PATH, or CUDA_ROOT set to it. Or run on the CPU: make $(MAKECMDGOALS) DEVICE=cpu
 endef
 export NO_GPU NO_NVCC
+
+# The compute capability the CUDA kernels are built for: the GPUs' own, as nvidia-smi reports
+# it (90 on H100/H200, 80 on A100), so the driver need not compile PTX at every start. candle
+# builds its kernels for one capability; with several kinds of GPU the lowest is taken (its
+# code runs on the newer ones through the driver's JIT). Without a GPU here, 80 (runs on A100
+# and, JIT-compiled at start, on H100/H200); CUDA_COMPUTE_CAP=90 builds for a Hopper elsewhere.
+GPU_COMPUTE_CAP := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null \
+	| tr -d ' .' | grep -E '^[0-9]+$$' | sort -n | head -n 1)
+CUDA_COMPUTE_CAP ?= $(or $(GPU_COMPUTE_CAP),80)
+COMPUTE_CAP_SOURCE := $(if $(filter command line environment,$(origin CUDA_COMPUTE_CAP)),CUDA_COMPUTE_CAP,$(if $(GPU_COMPUTE_CAP),nvidia-smi,no GPU found: the default))
 
 build-train:
 ifneq ($(FEATURES),)
 	@command -v nvcc >/dev/null 2>&1 || [ -x "$$CUDA_ROOT/bin/nvcc" ] || { echo "$$NO_NVCC" >&2; exit 1; }
-	CUDA_COMPUTE_CAP=$${CUDA_COMPUTE_CAP:-80} $(CARGO) build --release --locked --features $(FEATURES) --target-dir $(TARGET_DIR)/cuda
+	@echo "== CUDA build for compute capability $(CUDA_COMPUTE_CAP) ($(COMPUTE_CAP_SOURCE)) into $(TARGET_DIR)/cuda"
+	CUDA_COMPUTE_CAP=$(CUDA_COMPUTE_CAP) $(CARGO) build --release --locked --features $(FEATURES) --target-dir $(TARGET_DIR)/cuda
 else
 	$(CARGO) build --release --locked
 endif

@@ -2,3 +2,4 @@
 //! per file), a module per subject.
 
 mod format_handoff;
+mod makefile;

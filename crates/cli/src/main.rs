@@ -82,7 +82,19 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// candle attaches a captured backtrace to its errors whenever `RUST_BACKTRACE` is set, and
+/// prints it as part of the message: in a release binary a column of `<unknown>` frames after
+/// the error. The message alone is the error, so library backtraces are off unless
+/// `RUST_LIB_BACKTRACE` asks for them; panics still honour `RUST_BACKTRACE`.
+fn quiet_library_backtraces() {
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        // SAFETY: the first thing main does, before any other thread exists.
+        unsafe { std::env::set_var("RUST_LIB_BACKTRACE", "0") };
+    }
+}
+
 fn main() -> ExitCode {
+    quiet_library_backtraces();
     let cli = Cli::parse();
     configure_allocator(&cli.command);
     if cli.command.no_tf32() {
@@ -94,5 +106,52 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quiet_library_backtraces;
+
+    const CHILD: &str = "BERTKIT_BACKTRACE_TEST_CHILD";
+    const NAME: &str = "tests::a_library_error_is_its_message_alone_under_rust_backtrace";
+
+    /// Backtrace capture reads the environment once per process, so the check runs in a child:
+    /// this test binary again, with `RUST_BACKTRACE=1`, running only this test.
+    #[test]
+    fn a_library_error_is_its_message_alone_under_rust_backtrace() {
+        if std::env::var_os(CHILD).is_some() {
+            quiet_library_backtraces();
+            let e = candle_core::Error::Msg("dtype mismatch".into()).bt();
+            assert_eq!(e.to_string(), "dtype mismatch");
+            return;
+        }
+        let child = |lib_backtrace: Option<&str>| {
+            let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+            c.args(["--exact", NAME, "--test-threads", "1"])
+                .env(CHILD, "1")
+                .env("RUST_BACKTRACE", "1")
+                .env_remove("RUST_LIB_BACKTRACE");
+            if let Some(v) = lib_backtrace {
+                c.env("RUST_LIB_BACKTRACE", v);
+            }
+            c.output().unwrap()
+        };
+        let quiet = child(None);
+        assert!(
+            quiet.status.success(),
+            "{}",
+            String::from_utf8_lossy(&quiet.stdout)
+        );
+        // Asked for explicitly, the frames are there: the check above can fail.
+        let asked = child(Some("1"));
+        assert!(!asked.status.success());
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&asked.stdout),
+            String::from_utf8_lossy(&asked.stderr)
+        );
+        // The failed assertion's left side, escaped: the message, then the frames.
+        assert!(said.contains(r#"left: "dtype mismatch\n"#), "{said}");
     }
 }

@@ -1118,6 +1118,42 @@ fn checkpoint_empty() {
     refused(resume(&records, &run), &model, &["header too small"]);
 }
 
+/// A run folder another run is writing (a second terminal, a launcher's retry): refused before
+/// anything in it is read or cleaned up, naming the first run's pid and host; once that run
+/// has let go, the same command runs.
+#[test]
+fn checkpoint_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, records) = checkpointed_run(dir.path());
+    // A leftover of the first run's checkpoint being written: the second must not delete it.
+    let partial = run.join("checkpoints/.step-2.partial");
+    std::fs::create_dir_all(&partial).unwrap();
+    let first = bertkit_stage_io::lock::FolderLock::acquire(&run).unwrap();
+    let pid = format!("pid {} on host ", std::process::id());
+    refused(
+        resume(&records, &run),
+        &run,
+        &["is being written by another run", &pid],
+    );
+    assert!(
+        partial.is_dir(),
+        "the first run's partial checkpoint was touched"
+    );
+    // Fine-tuning's output folders too.
+    let model = require("minilm");
+    let out = dir.path().join("o");
+    let held = bertkit_stage_io::lock::FolderLock::acquire(&out).unwrap();
+    refused(
+        finetune_glue(&model, &out),
+        &out,
+        &["is being written by another run", &pid],
+    );
+    drop(held);
+    drop(first);
+    let out = ok(resume(&records, &run));
+    assert!(out.contains("steps 1..2"), "{out}");
+}
+
 #[test]
 fn checkpoint_missing() {
     let dir = tempfile::tempdir().unwrap();

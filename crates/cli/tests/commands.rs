@@ -81,26 +81,50 @@ fn download_url_copies_verifies_and_reruns_as_a_no_op() {
 fn finetune_glue_then_predict_glue_with_the_saved_model() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("mrpc");
-    let stdout = ok(bertkit(&[
-        "finetune",
-        "glue",
-        "--task",
-        "mrpc",
-        "--model",
-        path(&require("minilm")),
-        "--data",
-        path(&require("glue/MRPC")),
-        "-o",
-        path(&model),
-        "--max-steps",
-        "2",
-        "--max-seq-length",
-        "64",
-    ]));
+    let (minilm, mrpc) = (require("minilm"), require("glue/MRPC"));
+    let finetune = |resume: bool| {
+        let mut args = vec![
+            "finetune",
+            "glue",
+            "--task",
+            "mrpc",
+            "--model",
+            path(&minilm),
+            "--data",
+            path(&mrpc),
+            "-o",
+            path(&model),
+            "--max-steps",
+            "2",
+            "--max-seq-length",
+            "64",
+        ];
+        if resume {
+            args.push("--resume");
+        }
+        bertkit(&args)
+    };
+    let stdout = ok(finetune(false));
     assert!(stdout.contains("accuracy"), "{stdout}");
+    assert!(stdout.contains("MRPC: 2 steps (train loss "), "{stdout}");
     for file in ["config.json", "model.safetensors", "vocab.txt"] {
         assert!(model.join(file).is_file(), "{file}");
     }
+    // Resumed once finished: nothing to train, said so (not `train loss NaN -> NaN`), and
+    // the dev set scored again.
+    let again = finetune(true);
+    let stderr = String::from_utf8_lossy(&again.stderr).into_owned();
+    let stdout = ok(again);
+    assert!(
+        stdout.contains("MRPC: nothing left to run (resumed at step 2, where the run ends)")
+            && stdout.contains("accuracy")
+            && !stdout.contains("NaN"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("nothing left to train: the checkpoint is at step 2"),
+        "{stderr}"
+    );
     let rows = dir.path().join("dev.tsv");
     let stdout = ok(bertkit(&[
         "predict",

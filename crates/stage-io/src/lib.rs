@@ -17,12 +17,15 @@
 //! - [`hex`]: lower-case hex of a digest;
 //! - [`read_text`]: a small text file (a config, a vocabulary, a JSON or TSV data file) whose
 //!   bytes that are not UTF-8 are an error naming their line and byte offset;
+//! - [`lock`]: one writer per output folder (a second run on a run folder is refused, naming
+//!   the first's pid and host);
 //! - [`Ranks`]: this process's share of the work in a multi-process run (`RANK`/`WORLD_SIZE`,
 //!   Slurm and Open MPI variables).
 
 #![deny(missing_docs)]
 
 pub mod cost;
+pub mod lock;
 pub mod prefetch;
 mod ranks;
 pub mod stage;

@@ -132,17 +132,18 @@ pub struct TrainLog {
 }
 
 impl TrainLog {
-    /// Mean loss of the first and last tenth of the steps this process ran.
-    pub fn first_and_last_tenth(&self) -> (f64, f64) {
+    /// Mean loss of the first and last tenth of the steps this process ran (`None` when it
+    /// ran none: a resumed run that had already finished).
+    pub fn first_and_last_tenth(&self) -> Option<(f64, f64)> {
         if self.losses.is_empty() {
-            return (f64::NAN, f64::NAN);
+            return None;
         }
         let tenth = (self.losses.len() / 10).max(1);
         let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
-        (
+        Some((
             mean(&self.losses[..tenth]),
             mean(&self.losses[self.losses.len() - tenth..]),
-        )
+        ))
     }
 }
 
@@ -375,6 +376,11 @@ pub fn train(
             None if c.resume => progress("no checkpoint to resume from: starting at step 0"),
             None => {}
         }
+    }
+    if started_at >= steps {
+        progress(&format!(
+            "nothing left to train: the checkpoint is at step {steps}, where this run ends"
+        ));
     }
     if started_at == 0 && !params.initialised.is_empty() {
         progress(&format!("initialised: {}", params.initialised.join(", ")));

@@ -64,13 +64,15 @@ pub fn optimizer_steps(
         ..OptimizerConfig::lamb()
     };
     let mut optimizer = Optimizer::new(config, vars)?;
-    // One linear loss per parameter, Σ c·w, whose gradient is the fixed tensor c.
-    let mut loss = Tensor::zeros((), bench.dtype, device)?;
+    // One linear loss per parameter, Σ c·w, whose gradient is the fixed tensor c: in each
+    // parameter's own dtype (a half-precision model keeps its embedding tables in f32), summed
+    // in f32.
+    let mut loss = Tensor::zeros((), DType::F32, device)?;
     for (i, var) in vars.values().enumerate() {
         let c = Tensor::randn(0f32, 1e-3, var.shape(), device)?
-            .to_dtype(bench.dtype)?
+            .to_dtype(var.dtype())?
             .affine(1.0 + i as f64 * 1e-3, 0.0)?;
-        loss = (loss + (var.as_tensor() * c)?.sum_all()?)?;
+        loss = (loss + (var.as_tensor() * c)?.sum_all()?.to_dtype(DType::F32)?)?;
     }
     let mut seconds = Vec::with_capacity(bench.steps);
     for n in 0..=bench.steps {
@@ -235,4 +237,32 @@ pub fn peak_tflops(config: &BertConfig, dtype: DType, device: &Device) -> Result
         peak = peak.max(gemm_tflops(shape, dtype, device, 0.3)?);
     }
     Ok(peak)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every precision a run can take: a half-precision model keeps its embedding tables in
+    /// f32, so the bench's fixed gradients follow each parameter's dtype (bf16 once failed
+    /// with a dtype mismatch on every device).
+    #[test]
+    fn the_optimizer_bench_runs_in_every_precision_and_rule() {
+        let config = BertConfig::tiny(100);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for rule in [Rule::Lamb, Rule::Adamw] {
+                let bench = OptimizerBench {
+                    config: config.clone(),
+                    rule,
+                    dtype,
+                    steps: 2,
+                };
+                let times = optimizer_steps(&bench, &Device::Cpu)
+                    .unwrap_or_else(|e| panic!("{dtype:?} {rule:?}: {e}"));
+                assert_eq!(times.parameters, crate::plan::parameters(&config));
+                assert_eq!(times.seconds.len(), 2);
+                assert!(times.seconds.iter().all(|s| s.is_finite() && *s > 0.0));
+            }
+        }
+    }
 }

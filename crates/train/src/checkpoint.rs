@@ -102,6 +102,18 @@ pub fn save(
     Ok(dir)
 }
 
+/// Bytes of a checkpoint folder's files (0 for what cannot be read).
+pub fn bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
+}
+
 /// Deletes a checkpoint folder: renamed out of sight first, so that a kill halfway through
 /// the deletion leaves a hidden leftover (removed by the next [`save`]), never a `step-N`
 /// folder with some files gone.

@@ -69,6 +69,9 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// The run folder is being written by another run.
+    #[error(transparent)]
+    Lock(#[from] bertkit_stage_io::lock::LockError),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {

@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use bertkit_model::bert::{BertForPreTraining, Loaded, init, load_with};
 use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, Mode, loss};
+use bertkit_stage_io::lock::FolderLock;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -66,6 +67,8 @@ pub struct StepMetrics {
     pub loss_scale: f64,
     /// Whether the step was skipped (fp16 overflow).
     pub skipped: bool,
+    /// Wall seconds of the step (data already loaded; evaluation and checkpoint excluded).
+    pub step_seconds: f64,
     /// Sequences per second.
     pub seq_per_s: f64,
     /// Real (unpadded) tokens per second.
@@ -96,6 +99,7 @@ impl StepMetrics {
             ("train/grad_norm", self.grad_norm),
             ("train/loss_scale", self.loss_scale),
             ("train/skipped", f64::from(u8::from(self.skipped))),
+            ("perf/step_seconds", self.step_seconds),
             ("perf/seq_per_s", self.seq_per_s),
             ("perf/tokens_per_s", self.tokens_per_s),
             ("perf/tflops", self.tflops),
@@ -196,6 +200,44 @@ pub struct RunSummary {
     pub metrics: Vec<StepMetrics>,
     /// The last checkpoint written.
     pub checkpoint: Option<PathBuf>,
+    /// Every checkpoint this run wrote, with what it cost.
+    pub checkpoint_writes: Vec<CheckpointWrite>,
+}
+
+/// A checkpoint written during a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointWrite {
+    /// Its folder.
+    pub dir: PathBuf,
+    /// Bytes of its files.
+    pub bytes: u64,
+    /// Wall seconds from the start of the write to the rename into place.
+    pub seconds: f64,
+}
+
+/// Where a run's start-up time went, phase by phase, in the order the phases ran (wall
+/// seconds): what `bertkit pretrain` prints before its first step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StartupTimes {
+    /// `(phase, seconds)`: `lock`, `device` (opening it: on CUDA, the context), `model`
+    /// (initialised or loaded onto the device), `optimizer` (its f32 state), `data` (the
+    /// records opened), `memory check`, `resume` (a checkpoint's state read back), `peak`
+    /// (the matrix-product rate measured for MFU).
+    pub phases: Vec<(&'static str, f64)>,
+}
+
+impl StartupTimes {
+    /// Ends the phase that began at `*since` (and starts the next one).
+    fn lap(&mut self, name: &'static str, since: &mut Instant) {
+        let now = Instant::now();
+        self.phases.push((name, (now - *since).as_secs_f64()));
+        *since = now;
+    }
+
+    /// Seconds of all phases.
+    pub fn total(&self) -> f64 {
+        self.phases.iter().map(|(_, s)| s).sum()
+    }
 }
 
 /// The model folder `init` names: itself, or an earlier run's newest checkpoint.
@@ -456,6 +498,9 @@ pub struct Trainer {
     peak_tflops: Option<f64>,
     /// The held-out records and how many batches of them each evaluation runs.
     eval: Option<(Arc<Dataset>, u64)>,
+    /// Rank 0's hold on the run folder: one writer per run.
+    _lock: Option<FolderLock>,
+    startup: StartupTimes,
 }
 
 impl Trainer {
@@ -465,10 +510,21 @@ impl Trainer {
         let ranks = options.reducer.ranks();
         config.validate(ranks.world_size)?;
         let accumulation = config.accumulation(ranks.world_size)?;
+        let mut startup = StartupTimes::default();
+        let mut since = Instant::now();
+        // Before anything is read from the run folder: a second run on it must not resume
+        // from, or clean up, what the first is writing.
+        let lock = if ranks.rank == 0 {
+            Some(FolderLock::acquire(&config.output)?)
+        } else {
+            None
+        };
+        startup.lap("lock", &mut since);
         let device = match options.reducer.device() {
             Some(device) => device,
             None => bertkit_model::parse_device(&config.train.device)?,
         };
+        startup.lap("device", &mut since);
         let dtype = bertkit_model::parse_dtype(&config.train.precision)?;
         let bert_config = config.bert_config()?;
         let resume_from = if options.resume {
@@ -506,7 +562,9 @@ impl Trainer {
                 init::<BertForPreTraining>(&bert_config, dtype, &device, config.train.seed)?
             }
         };
+        startup.lap("model", &mut since);
         let mut optimizer = Optimizer::new(config.optimizer.clone(), model.params.vars())?;
+        startup.lap("optimizer", &mut since);
         let eval = match &config.eval {
             Some(e) => {
                 let micro = e.micro_batch.unwrap_or(config.data.micro_batch);
@@ -555,6 +613,7 @@ impl Trainer {
                 model.config.vocab_size
             )));
         }
+        startup.lap("data", &mut since);
         if let Some(free) = bertkit_model::free_memory(&device) {
             // The longest sequence the records hold (the files say), else the model's limit.
             let seq = dataset
@@ -562,6 +621,7 @@ impl Trainer {
                 .unwrap_or(model.config.max_position_embeddings)
                 .min(model.config.max_position_embeddings);
             check_memory(&config, &model.config, seq, free, accumulation)?;
+            startup.lap("memory check", &mut since);
         }
         // The same source on every rank: masks are keyed by step and place in the global batch.
         let dropout = DropoutSource::new(config.train.seed ^ 0xD50F_0000);
@@ -580,6 +640,7 @@ impl Trainer {
                 config: config.clone(),
                 ..saved
             };
+            startup.lap("resume", &mut since);
         }
         let peak_tflops = match config.train.peak_tflops {
             Some(peak) => Some(peak),
@@ -588,6 +649,9 @@ impl Trainer {
             }
             None => None,
         };
+        if peak_tflops.is_some() && config.train.peak_tflops.is_none() {
+            startup.lap("peak", &mut since);
+        }
         Ok(Trainer {
             config,
             options,
@@ -601,7 +665,14 @@ impl Trainer {
             state,
             peak_tflops,
             eval,
+            _lock: lock,
+            startup,
         })
+    }
+
+    /// Where the start-up time went ([`Trainer::new`], phase by phase).
+    pub fn startup(&self) -> &StartupTimes {
+        &self.startup
     }
 
     /// The model being trained.
@@ -828,6 +899,7 @@ impl Trainer {
             grad_norm: outcome.grad_norm,
             loss_scale: outcome.loss_scale,
             skipped: !outcome.applied,
+            step_seconds: seconds,
             seq_per_s: sequences / seconds,
             tokens_per_s: tokens / seconds,
             tflops,
@@ -875,7 +947,7 @@ impl Trainer {
         };
         let mut stream = self.dataset.stream(self.state.cursor);
         let mut metrics = Vec::new();
-        let mut checkpoint = None;
+        let mut checkpoint_writes = Vec::new();
         while self.state.step < last {
             let batches = (0..self.accumulation)
                 .map(|_| stream.next_batch())
@@ -898,14 +970,21 @@ impl Trainer {
                     .is_multiple_of(self.config.train.checkpoint_every)
                     || self.state.step == last)
             {
-                checkpoint = Some(self.save_checkpoint()?);
+                let started = Instant::now();
+                let dir = self.save_checkpoint()?;
+                checkpoint_writes.push(CheckpointWrite {
+                    seconds: started.elapsed().as_secs_f64(),
+                    bytes: checkpoint::bytes(&dir),
+                    dir,
+                });
             }
         }
         Ok(RunSummary {
             started_at,
             step: self.state.step,
             metrics,
-            checkpoint,
+            checkpoint: checkpoint_writes.last().map(|w| w.dir.clone()),
+            checkpoint_writes,
         })
     }
 

@@ -76,11 +76,17 @@ pub(crate) fn finetune(command: FinetuneCommand) -> Result<()> {
 }
 
 /// `"N steps"`, or `"steps A..B (resumed)"` for a run that resumed after step A.
-fn steps_text(started_at: usize, steps: usize) -> String {
+/// `12 steps (train loss 0.69 -> 0.41)`, `steps 5..12 (resumed, …)`, or, for a resumed run
+/// that had already finished, `nothing left to run (resumed at step 12, where the run ends)`.
+fn steps_text(started_at: usize, steps: usize, train_loss: Option<(f64, f64)>) -> String {
+    let Some((first, last)) = train_loss else {
+        return format!("nothing left to run (resumed at step {steps}, where the run ends)");
+    };
+    let loss = format!("train loss {first:.4} -> {last:.4}");
     if started_at == 0 {
-        format!("{steps} steps")
+        format!("{steps} steps ({loss})")
     } else {
-        format!("steps {started_at}..{steps} (resumed)")
+        format!("steps {started_at}..{steps} (resumed, {loss})")
     }
 }
 
@@ -122,13 +128,11 @@ fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) 
         .map(|(k, v)| format!("{k} {v:.4}"))
         .collect();
     println!(
-        "{}: {} on {} examples in {:.1} s (train loss {:.4} -> {:.4}); dev ({} examples): loss {:.4}, {}",
+        "{}: {} on {} examples in {:.1} s; dev ({} examples): loss {:.4}, {}",
         task.folder(),
-        steps_text(report.started_at, report.steps),
+        steps_text(report.started_at, report.steps, report.train_loss),
         report.train_examples,
         report.seconds,
-        report.train_loss.0,
-        report.train_loss.1,
         report.dev.examples,
         report.dev.loss,
         metrics.join(", ")
@@ -164,11 +168,14 @@ fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>
             eprintln!("{line}")
         }
     })?;
-    let (first, last) = report.log.first_and_last_tenth();
     if speaks {
         println!(
-            "squad: {} on {} windows ({} questions, {} skipped) in {:.1} s (train loss {first:.4} -> {last:.4}{})",
-            steps_text(report.log.started_at, report.log.steps),
+            "squad: {} on {} windows ({} questions, {} skipped) in {:.1} s{}",
+            steps_text(
+                report.log.started_at,
+                report.log.steps,
+                report.log.first_and_last_tenth()
+            ),
             report.train_features,
             report.train_examples,
             report.skipped,

@@ -123,6 +123,9 @@ fn run_pretraining(
         };
         println!("MFU against {:.1} GFLOP/s per device: {source}", peak * 1e3);
     }
+    if speaks {
+        println!("{}", startup_line(trainer.startup()));
+    }
     if speaks && resume && trainer.step() == 0 {
         eprintln!(
             "note: --resume: no checkpoint under {}, so the run starts at step 0",
@@ -152,10 +155,52 @@ fn run_pretraining(
         loss(summary.metrics.last()),
         config.output.join("metrics.jsonl").display()
     );
-    if let Some(c) = summary.checkpoint {
-        println!("checkpoint: {}", c.display());
+    if let Some(line) = step_times_line(&summary.metrics) {
+        println!("{line}");
+    }
+    for w in &summary.checkpoint_writes {
+        let size = if w.bytes >= 1_000_000_000 {
+            format!("{:.2} GB", w.bytes as f64 / 1e9)
+        } else {
+            format!("{:.1} MB", w.bytes as f64 / 1e6)
+        };
+        println!(
+            "checkpoint {}: {size} in {:.2} s ({:.0} MB/s)",
+            w.dir.display(),
+            w.seconds,
+            w.bytes as f64 / 1e6 / w.seconds.max(1e-9)
+        );
     }
     Ok(())
+}
+
+/// `start-up 3.2 s: lock 0.00 s, device 0.41 s, model 1.10 s, …`: where the time before the
+/// first step went.
+fn startup_line(startup: &bertkit_train::trainer::StartupTimes) -> String {
+    let phases: Vec<String> = startup
+        .phases
+        .iter()
+        .map(|(name, s)| format!("{name} {s:.2} s"))
+        .collect();
+    format!("start-up {:.1} s: {}", startup.total(), phases.join(", "))
+}
+
+/// `first step 16.0 s, then 0.98 s a step (median of 11)`: the first step pays for one-time
+/// work (kernel compilation, the allocator's first blocks, cuBLAS's choices); the median of
+/// the others is the run's pace.
+fn step_times_line(metrics: &[bertkit_train::trainer::StepMetrics]) -> Option<String> {
+    let (first, rest) = metrics.split_first()?;
+    let mut line = format!("first step {:.2} s", first.step_seconds);
+    if !rest.is_empty() {
+        let mut times: Vec<f64> = rest.iter().map(|m| m.step_seconds).collect();
+        times.sort_by(f64::total_cmp);
+        line.push_str(&format!(
+            ", then {:.3} s a step (median of {})",
+            times[times.len() / 2],
+            times.len()
+        ));
+    }
+    Some(line)
 }
 
 pub(crate) fn plot(args: PlotArgs) -> Result<()> {

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with};
 use bertkit_model::{Inputs, Mode, loss};
+use bertkit_stage_io::lock::FolderLock;
 use bertkit_tokenizer::FullTokenizer;
 use bertkit_train::step::GradientReducer;
 use candle_core::{DType, Device, Tensor};
@@ -149,8 +150,9 @@ pub struct FinetuneReport {
     pub steps: usize,
     /// Training examples.
     pub train_examples: usize,
-    /// Mean training loss of the first and last 10% of steps.
-    pub train_loss: (f64, f64),
+    /// Mean training loss of the first and last 10% of the steps this run ran (`None`: it ran
+    /// none, resuming a finished run).
+    pub train_loss: Option<(f64, f64)>,
     /// Dev results after training.
     pub dev: Evaluation,
     /// Seconds spent training.
@@ -234,6 +236,11 @@ pub fn finetune(
     progress: &mut dyn FnMut(&str),
 ) -> Result<FinetuneReport, crate::TaskError> {
     let task = options.task;
+    // One writer per run folder, for the whole run (rank 0 writes it).
+    let _lock = match &options.output {
+        Some(dir) if options.reducer.ranks().rank == 0 => Some(FolderLock::acquire(dir)?),
+        _ => None,
+    };
     let tokenizer = load_tokenizer(&options.model, options.lower_case)?;
     let encode_all = |path: &Path| encode_file(task, &tokenizer, path, options.max_seq_length);
     let train_set = encode_all(&options.data.join("train.tsv"))?;

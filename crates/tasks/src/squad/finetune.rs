@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use bertkit_model::bert::{BertForQuestionAnswering, Loaded, load_frozen, load_with};
 use bertkit_model::{Mode, loss};
+use bertkit_stage_io::lock::FolderLock;
 use bertkit_tokenizer::FullTokenizer;
 use candle_core::{DType, Device, Tensor};
 
@@ -329,6 +330,10 @@ pub fn finetune(
     options: &SquadFinetuneOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<SquadFinetuneReport, TaskError> {
+    // One writer per run folder, for the whole run (rank 0 writes it).
+    let _lock = (options.reducer.ranks().rank == 0)
+        .then(|| FolderLock::acquire(&options.output))
+        .transpose()?;
     let lower_case = options.predict.postprocess.lower_case;
     let tokenizer = load_tokenizer(&options.model, lower_case)?;
     let version_2 = options.predict.postprocess.version_2;
