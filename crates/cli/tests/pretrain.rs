@@ -127,3 +127,42 @@ fn plan_prints_a_table_per_sequence_length() {
         "{out}"
     );
 }
+
+/// `bench memory` takes steps of a run config without touching its output folder: the folder
+/// is not made, and a run holding it does not stop the measurement.
+#[test]
+fn bench_memory_leaves_the_run_folder_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = book_records(dir.path());
+    let run = dir.path().join("run");
+    let config = dir.path().join("tiny.toml");
+    let tiny = std::fs::read_to_string(repo_root().join("pipelines/tiny.toml")).unwrap();
+    std::fs::write(
+        &config,
+        tiny.replace(
+            "output = \"out/demo/tiny-run\"",
+            &format!("output = {:?}", p(&run)),
+        ),
+    )
+    .unwrap();
+    let bench = || {
+        let out = ok(bertkit(&[
+            "bench",
+            "memory",
+            "--config",
+            p(&config),
+            "--data",
+            p(&records),
+            "--steps",
+            "1",
+            "--json",
+        ]));
+        let figures: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(figures["micro_batch"], 16, "{out}");
+    };
+    bench();
+    assert!(!run.exists(), "bench memory made the run folder");
+    let held = bertkit_stage_io::lock::FolderLock::acquire(&run).unwrap();
+    bench();
+    drop(held);
+}

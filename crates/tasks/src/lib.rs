@@ -61,7 +61,4 @@ pub enum TaskError {
     /// Settings that cannot work.
     #[error("settings: {0}")]
     Settings(String),
-    /// The output folder is being written by another run.
-    #[error(transparent)]
-    Lock(#[from] bertkit_stage_io::lock::LockError),
 }

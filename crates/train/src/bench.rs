@@ -160,7 +160,11 @@ pub fn training_steps(
     if steps == 0 {
         return Err(TrainError::Config("bench memory: at least one step".into()));
     }
-    let mut trainer = crate::trainer::Trainer::new(config.clone(), Default::default())?;
+    let options = crate::trainer::RunOptions {
+        steps_only: true,
+        ..Default::default()
+    };
+    let mut trainer = crate::trainer::Trainer::new(config.clone(), options)?;
     ready();
     let mut stream = trainer.dataset().stream(Default::default());
     let mut seq_len = 0;

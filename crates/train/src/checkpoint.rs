@@ -14,6 +14,7 @@
 //! kill at any moment leaves whole checkpoints and at most hidden leftovers, which the next
 //! write removes.
 
+use bertkit_stage_io::lock::FolderLock;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -126,6 +127,16 @@ fn discard(dir: &Path) -> Result<(), TrainError> {
     std::fs::remove_dir_all(&hidden).map_err(io_err(&hidden))
 }
 
+/// Takes the run folder `run` for this process ([`FolderLock`]: a second run on it is refused,
+/// naming this one's pid and host) and removes what killed checkpoint writes and deletions
+/// left in it. Only the holder may clean: another live run's `.step-N.partial` is its write in
+/// progress. A run holds the folder from before it reads a checkpoint to its end.
+pub fn hold(run: &Path) -> Result<FolderLock, TrainError> {
+    let lock = FolderLock::acquire(run)?;
+    remove_leftovers(&run.join("checkpoints"))?;
+    Ok(lock)
+}
+
 /// Removes what killed writes and deletions left in `root`: hidden `.step-N.partial` and
 /// `.step-N.deleting` folders.
 fn remove_leftovers(root: &Path) -> Result<(), TrainError> {
@@ -170,4 +181,39 @@ pub fn restore<S: DeserializeOwned>(
         .restore(&moments, &masters, step)
         .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a kill mid-write or mid-deletion leaves is cleaned when a run takes the folder (a
+    /// finished run resumed writes no checkpoint that would clean it), and never by a run the
+    /// folder is refused to.
+    #[test]
+    fn holding_a_run_folder_cleans_leftovers_and_a_refused_run_touches_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let root = run.join("checkpoints");
+        for name in ["step-1", ".step-2.deleting", ".step-3.partial"] {
+            std::fs::create_dir_all(root.join(name)).unwrap();
+            std::fs::write(root.join(name).join("model.safetensors"), b"x").unwrap();
+        }
+        let held = hold(&run).unwrap();
+        let names = |root: &Path| {
+            let mut v: Vec<String> = std::fs::read_dir(root)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&root), ["step-1"]);
+        // The holder's write in progress: a second run must not clean it.
+        std::fs::create_dir_all(root.join(".step-4.partial")).unwrap();
+        let refused = hold(&run).unwrap_err();
+        assert!(matches!(refused, TrainError::Lock(_)), "{refused}");
+        assert_eq!(names(&root), [".step-4.partial", "step-1"]);
+        drop(held);
+    }
 }

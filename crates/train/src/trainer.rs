@@ -162,6 +162,10 @@ pub struct RunOptions {
     /// On the CPU without `peak_tflops` in the config: measure the device's matrix-product
     /// rate at start ([`crate::bench::peak_tflops`], about a second) and report MFU against it.
     pub measure_peak: bool,
+    /// Only step ([`Trainer::train_step`]), never [`Trainer::run`]: the output folder is left
+    /// alone (not made, not held), as [`crate::bench::training_steps`] measures a run that may
+    /// be going on in it.
+    pub steps_only: bool,
 }
 
 impl Default for RunOptions {
@@ -171,6 +175,7 @@ impl Default for RunOptions {
             resume: false,
             reducer: Rc::new(Local),
             measure_peak: false,
+            steps_only: false,
         }
     }
 }
@@ -514,8 +519,8 @@ impl Trainer {
         let mut since = Instant::now();
         // Before anything is read from the run folder: a second run on it must not resume
         // from, or clean up, what the first is writing.
-        let lock = if ranks.rank == 0 {
-            Some(FolderLock::acquire(&config.output)?)
+        let lock = if ranks.rank == 0 && !options.steps_only {
+            Some(checkpoint::hold(&config.output)?)
         } else {
             None
         };
@@ -937,6 +942,13 @@ impl Trainer {
             .max_steps
             .unwrap_or(self.config.schedule.total_steps)
             .min(self.config.schedule.total_steps);
+        if self.options.steps_only {
+            return Err(TrainError::Config(
+                "a trainer set up to take steps only (steps_only) does not run: it holds no \
+                 run folder to write"
+                    .into(),
+            ));
+        }
         let started_at = self.state.step;
         // Rank 0 alone writes the run folder.
         let writes = self.options.reducer.ranks().rank == 0;

@@ -318,7 +318,12 @@ fn activation_checkpointing_gives_the_same_gradients() {
     plain.train.precision = "f64".into();
     // Dropout on: the recomputed segments must replay the first pass's masks.
     plain.model.dropout = Some(0.1);
-    let trainer = Trainer::new(plain.clone(), RunOptions::default()).unwrap();
+    // Trainers that only compute gradients, side by side on one config's folder.
+    let steps_only = || RunOptions {
+        steps_only: true,
+        ..Default::default()
+    };
+    let trainer = Trainer::new(plain.clone(), steps_only()).unwrap();
     let mut stream = trainer.dataset().stream(Cursor::default());
     let batch = [stream.next_batch().unwrap()];
     let reference = trainer.step_gradients(&batch).unwrap();
@@ -334,7 +339,7 @@ fn activation_checkpointing_gives_the_same_gradients() {
     for (every, streams) in [(1, 5), (2, 3)] {
         let mut c = plain.clone();
         c.train.activation_checkpointing = every;
-        let t = Trainer::new(c, RunOptions::default()).unwrap();
+        let t = Trainer::new(c, steps_only()).unwrap();
         let grads = t.step_gradients(&batch).unwrap();
         assert_eq!(drawn(&t), (7, streams), "every {every}");
         assert_eq!(grads.len(), reference.len());

@@ -75,6 +75,7 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
             resume,
             reducer,
             measure_peak: true,
+            steps_only: false,
         };
         run_pretraining(config, options, max_steps)
     })

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with};
 use bertkit_model::{Inputs, Mode, loss};
-use bertkit_stage_io::lock::FolderLock;
 use bertkit_tokenizer::FullTokenizer;
+use bertkit_train::checkpoint;
 use bertkit_train::step::GradientReducer;
 use candle_core::{DType, Device, Tensor};
 
@@ -238,7 +238,7 @@ pub fn finetune(
     let task = options.task;
     // One writer per run folder, for the whole run (rank 0 writes it).
     let _lock = match &options.output {
-        Some(dir) if options.reducer.ranks().rank == 0 => Some(FolderLock::acquire(dir)?),
+        Some(dir) if options.reducer.ranks().rank == 0 => Some(checkpoint::hold(dir)?),
         _ => None,
     };
     let tokenizer = load_tokenizer(&options.model, options.lower_case)?;

@@ -18,8 +18,8 @@ use std::time::Instant;
 
 use bertkit_model::bert::{BertForQuestionAnswering, Loaded, load_frozen, load_with};
 use bertkit_model::{Mode, loss};
-use bertkit_stage_io::lock::FolderLock;
 use bertkit_tokenizer::FullTokenizer;
+use bertkit_train::checkpoint;
 use candle_core::{DType, Device, Tensor};
 
 use crate::TaskError;
@@ -332,7 +332,7 @@ pub fn finetune(
 ) -> Result<SquadFinetuneReport, TaskError> {
     // One writer per run folder, for the whole run (rank 0 writes it).
     let _lock = (options.reducer.ranks().rank == 0)
-        .then(|| FolderLock::acquire(&options.output))
+        .then(|| checkpoint::hold(&options.output))
         .transpose()?;
     let lower_case = options.predict.postprocess.lower_case;
     let tokenizer = load_tokenizer(&options.model, lower_case)?;
