@@ -7,18 +7,22 @@ use std::process::Command;
 
 use bertkit_test_support::repo_root;
 
-/// `make -n build-train` with an `nvidia-smi` that lists `caps` (none: no GPU), plus `env`.
+/// `make -n build-train` with an `nvidia-smi` that lists `caps` (none: fails, no GPU), plus `env`.
 fn build_train_commands(caps: &[&str], env: &[(&str, &str)]) -> String {
     let bin = tempfile::tempdir().unwrap();
-    if !caps.is_empty() {
-        let script = format!(
+    // Without GPUs, nvidia-smi fails as it does on a machine without the driver (and hides a
+    // real one on this machine's PATH).
+    let script = if caps.is_empty() {
+        "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n".to_string()
+    } else {
+        format!(
             "#!/bin/sh\ncase \"$*\" in\n  *compute_cap*) printf '{}\\n' ;;\n  *-L*) echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)' ;;\nesac\n",
             caps.join("\\n")
-        );
-        let fake = bin.path().join("nvidia-smi");
-        std::fs::write(&fake, script).unwrap();
-        make_executable(&fake);
-    }
+        )
+    };
+    let fake = bin.path().join("nvidia-smi");
+    std::fs::write(&fake, script).unwrap();
+    make_executable(&fake);
     let path = format!(
         "{}:{}",
         bin.path().display(),
