@@ -203,10 +203,15 @@ pub struct RunSummary {
     pub step: u64,
     /// Metrics of the steps run.
     pub metrics: Vec<StepMetrics>,
-    /// The last checkpoint written.
-    pub checkpoint: Option<PathBuf>,
     /// Every checkpoint this run wrote, with what it cost.
     pub checkpoint_writes: Vec<CheckpointWrite>,
+}
+
+impl RunSummary {
+    /// The last checkpoint this run wrote.
+    pub fn last_checkpoint(&self) -> Option<&Path> {
+        self.checkpoint_writes.last().map(|w| w.dir.as_path())
+    }
 }
 
 /// A checkpoint written during a run.
@@ -995,7 +1000,6 @@ impl Trainer {
             started_at,
             step: self.state.step,
             metrics,
-            checkpoint: checkpoint_writes.last().map(|w| w.dir.clone()),
             checkpoint_writes,
         })
     }

@@ -404,8 +404,8 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     let mut joined = figures(&first.metrics);
     joined.extend(figures(&second.metrics));
     assert_eq!(joined, figures(&full.metrics), "losses differ");
-    let a = std::fs::read(full.checkpoint.unwrap().join("model.safetensors")).unwrap();
-    let b = std::fs::read(second.checkpoint.unwrap().join("model.safetensors")).unwrap();
+    let a = std::fs::read(full.last_checkpoint().unwrap().join("model.safetensors")).unwrap();
+    let b = std::fs::read(second.last_checkpoint().unwrap().join("model.safetensors")).unwrap();
     assert!(a == b, "final weights differ");
     // metrics.jsonl: 12 lines, the stray step-7 line of the interrupted run gone.
     let text = std::fs::read_to_string(resumed.output.join("metrics.jsonl")).unwrap();
@@ -524,8 +524,8 @@ fn an_fp16_run_with_dynamic_masking_resumes_exactly_across_an_epoch() {
     let mut joined = figures(&first.metrics);
     joined.extend(figures(&second.metrics));
     assert_eq!(joined, figures(&full.metrics));
-    let a = std::fs::read(full.checkpoint.unwrap().join("model.safetensors")).unwrap();
-    let b = std::fs::read(second.checkpoint.unwrap().join("model.safetensors")).unwrap();
+    let a = std::fs::read(full.last_checkpoint().unwrap().join("model.safetensors")).unwrap();
+    let b = std::fs::read(second.last_checkpoint().unwrap().join("model.safetensors")).unwrap();
     assert!(a == b, "final weights differ");
 }
 
@@ -564,7 +564,7 @@ fn fp16_runs_with_a_loss_scale_and_bf16_with_f32_master_weights() {
             }
         );
         let stored = candle_core::safetensors::load(
-            summary.checkpoint.unwrap().join("model.safetensors"),
+            summary.last_checkpoint().unwrap().join("model.safetensors"),
             &candle_core::Device::Cpu,
         )
         .unwrap();

@@ -75,7 +75,6 @@ pub(crate) fn finetune(command: FinetuneCommand) -> Result<()> {
     }
 }
 
-/// `"N steps"`, or `"steps A..B (resumed)"` for a run that resumed after step A.
 /// `12 steps (train loss 0.69 -> 0.41)`, `steps 5..12 (resumed, …)`, or, for a resumed run
 /// that had already finished, `nothing left to run (resumed at step 12, where the run ends)`.
 fn steps_text(started_at: usize, steps: usize, train_loss: Option<(f64, f64)>) -> String {
