@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
+use crate::config::Gelu;
 use crate::dropout::DropoutSource;
 use crate::kernels::{Fused, Kernels};
 use crate::packing::Packing;
@@ -51,9 +52,14 @@ impl Linear {
         k.linear(x, &self.weight, self.bias.as_ref())
     }
 
-    /// The layer followed by GELU, with the kernels' fused pair.
-    pub fn forward_gelu(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
-        k.linear_gelu(x, &self.weight, self.bias.as_ref())
+    /// The layer followed by GELU in `form`, with the kernels' fused pair.
+    pub fn forward_gelu(
+        &self,
+        k: &dyn Kernels,
+        x: &Tensor,
+        form: Gelu,
+    ) -> candle_core::Result<Tensor> {
+        k.linear_gelu(x, &self.weight, self.bias.as_ref(), form)
     }
 }
 
@@ -447,6 +453,7 @@ struct EncoderLayer {
     heads: usize,
     hidden_dropout: f64,
     attention_dropout: f64,
+    gelu: Gelu,
 }
 
 impl EncoderLayer {
@@ -470,6 +477,7 @@ impl EncoderLayer {
             heads: c.num_attention_heads,
             hidden_dropout: c.hidden_dropout_prob,
             attention_dropout: c.attention_probs_dropout_prob,
+            gelu: c.gelu(),
         })
     }
 
@@ -507,7 +515,7 @@ impl EncoderLayer {
             mode,
             self.hidden_dropout,
         )?;
-        let inner = self.intermediate.forward_gelu(k, &x)?;
+        let inner = self.intermediate.forward_gelu(k, &x, self.gelu)?;
         self.output_norm.residual_forward(
             k,
             &self.output.forward(k, &inner)?,
@@ -760,7 +768,9 @@ impl BertForPreTraining {
         let places = positions.broadcast_add(&offsets)?.flatten_all()?;
         let picked = inputs.packing.select(x, &places)?;
         let k = self.bert.kernels.as_ref();
-        let t = self.transform.forward_gelu(k, &picked)?;
+        let t = self
+            .transform
+            .forward_gelu(k, &picked, self.bert.config().gelu())?;
         let t = self.transform_norm.forward(k, &t)?;
         // The decoder: the word embeddings (`[vocab, hidden]`, a linear layer's layout) and the
         // output bias.

@@ -19,7 +19,9 @@ pub struct BertConfig {
     pub num_attention_heads: usize,
     /// Width of the feed-forward layer.
     pub intermediate_size: usize,
-    /// Activation of the feed-forward layer: `gelu` (erf), the only one BERT checkpoints use.
+    /// Activation of the feed-forward layer and the masked-LM transform: `gelu` (exact, with
+    /// the error function; transformers' BERT checkpoints) or `gelu_new` (the tanh
+    /// approximation Google's `modeling.py` computes; also `gelu_pytorch_tanh`). See [`Gelu`].
     #[serde(default = "default_act")]
     pub hidden_act: String,
     /// Dropout after embeddings, attention output and feed-forward output.
@@ -48,6 +50,37 @@ pub struct BertConfig {
     /// Class names of a sequence-classification model (their count is the number of labels).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id2label: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// Which GELU a model computes, from its `hidden_act`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Gelu {
+    /// The exact GELU, `x · Φ(x)` (`hidden_act` `gelu`, `gelu_python`).
+    #[default]
+    Erf,
+    /// The tanh approximation, `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`, as
+    /// google-research/bert computes it (`gelu_new`, `gelu_pytorch_tanh`). It differs from
+    /// the exact form by up to ~1e-3 at a unit; a model keeps the form it was trained with.
+    Tanh,
+}
+
+impl Gelu {
+    /// The form a `hidden_act` names, if it is a GELU this crate computes.
+    pub fn from_hidden_act(name: &str) -> Option<Self> {
+        match name {
+            "gelu" | "gelu_python" => Some(Gelu::Erf),
+            "gelu_new" | "gelu_pytorch_tanh" => Some(Gelu::Tanh),
+            _ => None,
+        }
+    }
+
+    /// The `hidden_act` transformers reads as this form.
+    pub fn hidden_act(self) -> &'static str {
+        match self {
+            Gelu::Erf => "gelu",
+            Gelu::Tanh => "gelu_new",
+        }
+    }
 }
 
 fn default_act() -> String {
@@ -147,9 +180,9 @@ impl BertConfig {
                 self.hidden_size, self.num_attention_heads
             ));
         }
-        if !matches!(self.hidden_act.as_str(), "gelu" | "gelu_python") {
+        if Gelu::from_hidden_act(&self.hidden_act).is_none() {
             return Err(format!(
-                "hidden_act {:?}: only \"gelu\" (erf) is supported",
+                "hidden_act {:?}: only \"gelu\" (erf) and \"gelu_new\" (tanh) are supported",
                 self.hidden_act
             ));
         }
@@ -176,6 +209,12 @@ impl BertConfig {
             );
         }
         Ok(())
+    }
+
+    /// The GELU form `hidden_act` names ([`Gelu::Erf`] for a name [`BertConfig::validate`]
+    /// would refuse).
+    pub fn gelu(&self) -> Gelu {
+        Gelu::from_hidden_act(&self.hidden_act).unwrap_or_default()
     }
 
     /// Width of one attention head.
@@ -210,7 +249,16 @@ mod tests {
         assert!(bad.validate().unwrap_err().contains("multiple"));
         let mut bad = BertConfig::tiny(100);
         bad.hidden_act = "relu".into();
-        assert!(bad.validate().is_err());
+        assert!(bad.validate().unwrap_err().contains("gelu_new"));
+        let mut tanh = BertConfig::tiny(100);
+        tanh.hidden_act = "gelu_new".into();
+        assert!(tanh.validate().is_ok());
+        assert_eq!(tanh.gelu(), Gelu::Tanh);
+        assert_eq!(BertConfig::tiny(100).gelu(), Gelu::Erf);
+        assert_eq!(
+            Gelu::from_hidden_act(Gelu::Tanh.hidden_act()),
+            Some(Gelu::Tanh)
+        );
         let json = BertConfig::tiny(100).to_hf_json("BertForPreTraining", &[]);
         let back: BertConfig = serde_json::from_str(&json).unwrap();
         assert_eq!(back, BertConfig::tiny(100));

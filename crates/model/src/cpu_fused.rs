@@ -13,6 +13,7 @@
 //! Exponentials are computed several lanes at a time (a polynomial within 2 ulp of `expf`),
 //! with the loops compiled for AVX-512 or AVX2 where the CPU has them (chosen at run time).
 
+use crate::config::Gelu;
 use std::sync::Arc;
 
 use candle_core::{
@@ -503,14 +504,16 @@ pub(crate) struct LinearGelu {
     /// Whether a backward pass may follow (then the pre-activation is kept).
     keep_pre_activation: bool,
     pre_activation: std::sync::OnceLock<Vec<f32>>,
+    form: Gelu,
 }
 
 impl LinearGelu {
     /// The op, keeping the pre-activation when `trains` (a gradient will be asked for).
-    pub(crate) fn new(trains: bool) -> Self {
+    pub(crate) fn new(trains: bool, form: Gelu) -> Self {
         LinearGelu {
             keep_pre_activation: trains,
             pre_activation: std::sync::OnceLock::new(),
+            form,
         }
     }
 }
@@ -538,11 +541,10 @@ impl CustomOp3 for LinearGelu {
         )?;
         if !self.keep_pre_activation {
             let mut out = pre;
-            out.par_chunks_mut(ELEMENTWISE_CHUNK)
-                .for_each(gelu_chunk_in_place);
+            gelu_in_place(&mut out, self.form);
             return Ok((CpuStorage::F32(out), shape));
         }
-        let out = gelu_all(&pre);
+        let out = gelu_all(&pre, self.form);
         if self.pre_activation.set(pre).is_err() {
             bail!("{op}: one op ran forward twice")
         }
@@ -567,7 +569,7 @@ impl CustomOp3 for LinearGelu {
         if g.len() != pre.len() {
             bail!("{op}: a gradient of {} values for {}", g.len(), pre.len())
         }
-        linear_backward(op, x, weight, bias, &gelu_backward_all(pre, g))
+        linear_backward(op, x, weight, bias, &gelu_backward_all(pre, g, self.form))
     }
 }
 
@@ -1362,31 +1364,37 @@ impl CustomOp3 for ResidualLayerNorm {
 // ---------------------------------------------------------------------------------------------
 // GELU.
 
-/// The exact GELU, `x · Φ(x)`, elementwise on f32 (any shape, contiguous).
-pub(crate) struct Gelu;
+/// GELU in either form, elementwise on f32 (any shape, contiguous).
+pub(crate) struct GeluOp {
+    pub(crate) form: Gelu,
+}
 
 /// Elements per parallel task of the elementwise ops.
 const ELEMENTWISE_CHUNK: usize = 1 << 14;
 
-impl CustomOp1 for Gelu {
+impl CustomOp1 for GeluOp {
     fn name(&self) -> &'static str {
         "bertkit-gelu"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = contiguous(self.name(), "input", storage, layout)?;
-        Ok((CpuStorage::F32(gelu_all(x)), layout.shape().clone()))
+        Ok((
+            CpuStorage::F32(gelu_all(x, self.form)),
+            layout.shape().clone(),
+        ))
     }
 
     fn bwd(&self, x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(
-            x.apply_op2_no_bwd(&grad.contiguous()?, &GeluBackward)?,
-        ))
+        let backward = GeluBackward { form: self.form };
+        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &backward)?))
     }
 }
 
-/// GELU's backward: `g · (Φ(x) + x · φ(x))`.
-struct GeluBackward;
+/// GELU's backward: `g · GELU'(x)`.
+struct GeluBackward {
+    form: Gelu,
+}
 
 impl CustomOp2 for GeluBackward {
     fn name(&self) -> &'static str {
@@ -1405,31 +1413,99 @@ impl CustomOp2 for GeluBackward {
         let x = contiguous(op, "input", x, x_layout)?;
         let grad = contiguous(op, "gradient", grad, grad_layout)?;
         Ok((
-            CpuStorage::F32(gelu_backward_all(x, grad)),
+            CpuStorage::F32(gelu_backward_all(x, grad, self.form)),
             x_layout.shape().clone(),
         ))
     }
 }
 
 /// GELU of every element of `x`, in parallel chunks.
-fn gelu_all(x: &[f32]) -> Vec<f32> {
+fn gelu_all(x: &[f32], form: Gelu) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     out.par_chunks_mut(ELEMENTWISE_CHUNK)
         .zip(x.par_chunks(ELEMENTWISE_CHUNK))
-        .for_each(|(out, x)| gelu_chunk(x, out));
+        .for_each(|(out, x)| match form {
+            Gelu::Erf => gelu_chunk(x, out),
+            Gelu::Tanh => gelu_tanh_chunk(x, out),
+        });
     out
 }
 
+/// GELU of every element of `x`, in place, in parallel chunks.
+fn gelu_in_place(x: &mut [f32], form: Gelu) {
+    x.par_chunks_mut(ELEMENTWISE_CHUNK)
+        .for_each(|x| match form {
+            Gelu::Erf => gelu_chunk_in_place(x),
+            Gelu::Tanh => gelu_tanh_chunk_in_place(x),
+        });
+}
+
 /// GELU's backward for every element, `g · GELU'(x)`, in parallel chunks.
-fn gelu_backward_all(x: &[f32], g: &[f32]) -> Vec<f32> {
+fn gelu_backward_all(x: &[f32], g: &[f32], form: Gelu) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     out.par_chunks_mut(ELEMENTWISE_CHUNK)
         .zip(
             x.par_chunks(ELEMENTWISE_CHUNK)
                 .zip(g.par_chunks(ELEMENTWISE_CHUNK)),
         )
-        .for_each(|(out, (x, g))| gelu_backward_chunk(x, g, out));
+        .for_each(|(out, (x, g))| match form {
+            Gelu::Erf => gelu_backward_chunk(x, g, out),
+            Gelu::Tanh => gelu_tanh_backward_chunk(x, g, out),
+        });
     out
+}
+
+vectorised! {
+    /// The tanh GELU over a chunk.
+    fn gelu_tanh_chunk(x: &[f32], out: &mut [f32]) = gelu_tanh_chunk_portable
+}
+
+#[inline(always)]
+fn gelu_tanh_chunk_portable(x: &[f32], out: &mut [f32]) {
+    for (o, &x) in out.iter_mut().zip(x) {
+        *o = x * tanh_gelu_gate(x).0;
+    }
+}
+
+vectorised! {
+    /// The tanh GELU over a chunk, in place.
+    fn gelu_tanh_chunk_in_place(x: &mut [f32]) = gelu_tanh_chunk_in_place_portable
+}
+
+#[inline(always)]
+fn gelu_tanh_chunk_in_place_portable(x: &mut [f32]) {
+    for x in x.iter_mut() {
+        *x *= tanh_gelu_gate(*x).0;
+    }
+}
+
+vectorised! {
+    /// The tanh GELU's backward over a chunk.
+    fn gelu_tanh_backward_chunk(x: &[f32], g: &[f32], out: &mut [f32]) = gelu_tanh_backward_chunk_portable
+}
+
+#[inline(always)]
+fn gelu_tanh_backward_chunk_portable(x: &[f32], g: &[f32], out: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const CUBIC: f32 = 0.044_715;
+    for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
+        let (gate, e) = tanh_gelu_gate(x);
+        // gate = σ(2u), so gate' = 2u' · gate · (1 - gate), and 1 - gate = e · gate.
+        let du = SQRT_2_OVER_PI * (3.0 * CUBIC * x).mul_add(x, 1.0);
+        *o = g * (2.0 * x * du * (e * gate) * gate + gate);
+    }
+}
+
+/// The tanh GELU's gate, `(1 + tanh(u)) / 2` with `u = √(2/π) · (x + 0.044715 x³)`, written as
+/// the logistic `1 / (1 + e^(-2u))` so that both tails keep their relative precision (`1 + tanh`
+/// would cancel for negative `x`); also returns `e^(-2u)` for the backward.
+#[inline(always)]
+fn tanh_gelu_gate(x: f32) -> (f32, f32) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const CUBIC: f32 = 0.044_715;
+    let u = SQRT_2_OVER_PI * (CUBIC * x * x).mul_add(x, x);
+    let e = exp(-2.0 * u);
+    (1.0 / (1.0 + e), e)
 }
 
 vectorised! {
@@ -1850,12 +1926,43 @@ mod tests {
     }
 
     #[test]
+    fn tanh_gelu_and_its_backward_to_f32_precision() {
+        let cpu = &Device::Cpu;
+        let xs: Vec<f32> = (0..=40_000).map(|i| -20.0 + i as f32 * 0.001).collect();
+        let x = Tensor::new(xs.as_slice(), cpu).unwrap();
+        let op = GeluOp { form: Gelu::Tanh };
+        let ours = x.apply_op1_no_bwd(&op).unwrap().to_vec1::<f32>().unwrap();
+        let ones = Tensor::ones(xs.len(), DType::F32, cpu).unwrap();
+        let slopes = x
+            .apply_op2_no_bwd(&ones, &GeluBackward { form: Gelu::Tanh })
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let (mut worst, mut worst_slope) = (0f64, 0f64);
+        for ((&x, &y), &dy) in xs.iter().zip(&ours).zip(&slopes) {
+            let x = x as f64;
+            let u = c * (x + 0.044715 * x.powi(3));
+            // The gate as a logistic keeps the negative tail's relative precision.
+            let gate = 1.0 / (1.0 + (-2.0 * u).exp());
+            let want = x * gate;
+            let slope = gate + x * 2.0 * gate * (1.0 - gate) * c * (1.0 + 3.0 * 0.044715 * x * x);
+            worst = worst.max((y as f64 - want).abs() / want.abs().max(1e-6));
+            // Absolute: the slope crosses zero near x = -0.75.
+            worst_slope = worst_slope.max((dy as f64 - slope).abs());
+        }
+        eprintln!("tanh gelu: relative {worst:e}, slope absolute {worst_slope:e}");
+        assert!(worst < 3e-6, "relative {worst:e}");
+        assert!(worst_slope < 1e-6, "slope {worst_slope:e}");
+    }
+
+    #[test]
     fn gelu_is_the_exact_gelu_to_f32_precision() {
         let cpu = &Device::Cpu;
         let xs: Vec<f32> = (0..=40_000).map(|i| -20.0 + i as f32 * 0.001).collect();
         let ours = Tensor::new(xs.as_slice(), cpu)
             .unwrap()
-            .apply_op1_no_bwd(&Gelu)
+            .apply_op1_no_bwd(&GeluOp { form: Gelu::Erf })
             .unwrap()
             .to_vec1::<f32>()
             .unwrap();
@@ -1883,6 +1990,6 @@ mod tests {
         assert!(worst_rel < 3e-6, "relative {worst_rel:e}");
         // Strided input is an error, not a panic.
         let m = Tensor::zeros((3, 4), DType::F32, cpu).unwrap().t().unwrap();
-        assert!(m.apply_op1_no_bwd(&Gelu).is_err());
+        assert!(m.apply_op1_no_bwd(&GeluOp { form: Gelu::Erf }).is_err());
     }
 }

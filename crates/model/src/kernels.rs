@@ -22,6 +22,7 @@ use std::sync::Arc;
 use candle_core::{D, DType, Result, Tensor};
 
 use crate::bert::Mode;
+pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
 use crate::packing::Packing;
 
@@ -36,12 +37,19 @@ pub trait Kernels: Send + Sync + Debug {
         composed_linear(x, weight, bias)
     }
 
-    /// Exact GELU, `x * Φ(x)` with the error function.
-    fn gelu(&self, x: &Tensor) -> Result<Tensor>;
+    /// GELU in the `form` the model's config names: exact, `x * Φ(x)` with the error function,
+    /// or Google's tanh approximation.
+    fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor>;
 
     /// A linear layer followed by GELU: [`Kernels::gelu`] of [`Kernels::linear`].
-    fn linear_gelu(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.gelu(&self.linear(x, weight, bias)?)
+    fn linear_gelu(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        form: Gelu,
+    ) -> Result<Tensor> {
+        self.gelu(&self.linear(x, weight, bias)?, form)
     }
 
     /// Softmax over the last dimension.
@@ -221,8 +229,12 @@ impl Kernels for Composed {
             .broadcast_add(&bias.to_dtype(dtype)?)
     }
 
-    fn gelu(&self, x: &Tensor) -> Result<Tensor> {
-        x.gelu_erf()
+    fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
+        match form {
+            Gelu::Erf => x.gelu_erf(),
+            // candle's `gelu` is the tanh form, with a backward pass.
+            Gelu::Tanh => x.gelu(),
+        }
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
@@ -297,23 +309,32 @@ impl Kernels for Fused {
         }
     }
 
-    fn linear_gelu(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    fn linear_gelu(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        form: Gelu,
+    ) -> Result<Tensor> {
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
                 let trains = [x, weight, bias].iter().any(|t| t.track_op());
-                x.contiguous()?
-                    .apply_op3(weight, bias, crate::cpu_fused::LinearGelu::new(trains))
+                x.contiguous()?.apply_op3(
+                    weight,
+                    bias,
+                    crate::cpu_fused::LinearGelu::new(trains, form),
+                )
             }
-            _ => self.gelu(&self.linear(x, weight, bias)?),
+            _ => self.gelu(&self.linear(x, weight, bias)?, form),
         }
     }
 
-    fn gelu(&self, x: &Tensor) -> Result<Tensor> {
+    fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
         // Not counted with LayerNorm and softmax: candle has no fused GELU to stand in for.
         if on_cpu_in_f32(x) {
-            return x.contiguous()?.apply_op1(crate::cpu_fused::Gelu);
+            return x.contiguous()?.apply_op1(crate::cpu_fused::GeluOp { form });
         }
-        Composed.gelu(x)
+        Composed.gelu(x, form)
     }
 
     fn attention(

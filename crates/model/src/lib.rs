@@ -43,7 +43,7 @@ pub use bert::{
     BertArchitecture, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
     BertModel, BertOutput, Inputs, Loaded, MaskedPositions, Mode, PreTrainingOutput,
 };
-pub use config::BertConfig;
+pub use config::{BertConfig, Gelu};
 pub use dropout::DropoutSource;
 pub use kernels::{Composed, Fused, Kernels};
 pub use packing::Packing;

@@ -4,7 +4,9 @@
 
 use bertkit_model::bert::{BertForPreTraining, init};
 use bertkit_model::kernels::{Composed, Fused, Kernels, fused_calls_on_this_thread};
-use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, Mode, Packing, loss};
+use bertkit_model::{
+    BertConfig, DropoutSource, Gelu, Inputs, MaskedPositions, Mode, Packing, loss,
+};
 use candle_core::{DType, Device, Tensor, Var};
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -223,12 +225,53 @@ fn masked_attention_matches_finite_differences() {
 }
 
 #[test]
+fn tanh_gelu_matches_finite_differences_and_googles_formula() {
+    let x = (tensor(&[11], 9) * 3.0).unwrap();
+    finite_difference_check(std::slice::from_ref(&x), &|t| {
+        Composed.gelu(&t[0], Gelu::Tanh).unwrap()
+    });
+    // Google's modeling.py: x · 0.5 · (1 + tanh(√(2/π) · (x + 0.044715 x³))).
+    let points = [-6.0f64, -1.0, -0.1, 0.0, 0.5, 2.0, 7.5];
+    let google = |x: f64| {
+        let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3));
+        x * 0.5 * (1.0 + u.tanh())
+    };
+    let input = Tensor::new(&points, &Device::Cpu).unwrap();
+    let composed: Vec<f64> = Composed
+        .gelu(&input, Gelu::Tanh)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let fused: Vec<f32> = Fused
+        .gelu(&input.to_dtype(DType::F32).unwrap(), Gelu::Tanh)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for ((&x, c), f) in points.iter().zip(&composed).zip(&fused) {
+        let want = google(x);
+        assert!((c - want).abs() <= 1e-12, "{x}: composed {c} vs {want}");
+        assert!(
+            (*f as f64 - want).abs() <= 2e-7 * want.abs().max(1e-3),
+            "{x}: fused {f} vs {want}"
+        );
+    }
+    // The forms differ (by ~1e-3 near ±2): a model must keep the one it was trained with.
+    let erf: Vec<f64> = Composed.gelu(&input, Gelu::Erf).unwrap().to_vec1().unwrap();
+    assert!(composed.iter().zip(&erf).any(|(t, e)| (t - e).abs() > 1e-4));
+}
+
+#[test]
 fn gelu_matches_finite_differences_and_the_erf_formula() {
     let x = (tensor(&[11], 8) * 3.0).unwrap();
-    finite_difference_check(std::slice::from_ref(&x), &|t| Composed.gelu(&t[0]).unwrap());
+    finite_difference_check(std::slice::from_ref(&x), &|t| {
+        Composed.gelu(&t[0], Gelu::Erf).unwrap()
+    });
     // Exact GELU at a few points: x * Φ(x).
     let y: Vec<f64> = Composed
-        .gelu(&Tensor::new(&[-1f64, 0.5, 2.0], &Device::Cpu).unwrap())
+        .gelu(
+            &Tensor::new(&[-1f64, 0.5, 2.0], &Device::Cpu).unwrap(),
+            Gelu::Erf,
+        )
         .unwrap()
         .to_vec1()
         .unwrap();
@@ -405,12 +448,26 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
             tensor(&[5], 27),
         ],
         0,
-        &|k, t| k.linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap(),
+        &|k, t| k.linear_gelu(&t[0], &t[1], Some(&t[2]), Gelu::Erf).unwrap(),
     );
-    // GELU over both tails and the middle.
-    fused_against_f64(&[(tensor(&[5, 41], 17) * 6.0).unwrap()], 0, &|k, t| {
-        k.gelu(&t[0]).unwrap()
-    });
+    // GELU over both tails and the middle, in both forms, and fused into the linear layer.
+    for form in [Gelu::Erf, Gelu::Tanh] {
+        fused_against_f64(&[(tensor(&[5, 41], 17) * 6.0).unwrap()], 0, &|k, t| {
+            k.gelu(&t[0], form).unwrap()
+        });
+    }
+    fused_against_f64(
+        &[
+            (tensor(&[2, 3, 7], 28) * 2.0).unwrap(),
+            tensor(&[5, 7], 29),
+            tensor(&[5], 30),
+        ],
+        0,
+        &|k, t| {
+            k.linear_gelu(&t[0], &t[1], Some(&t[2]), Gelu::Tanh)
+                .unwrap()
+        },
+    );
 }
 
 /// `f(inputs)`'s values and the gradients of `sum(f · r)` for every input, in f32.
@@ -493,28 +550,35 @@ fn fused_chains_are_their_parts_to_the_bit() {
         tensor(&[40, 24], 47),
         tensor(&[40], 48),
     ];
-    let fused = values_and_gradients(&inputs, &|t| {
-        Fused.linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap()
-    });
-    let parts = values_and_gradients(&inputs, &|t| {
-        Fused
-            .gelu(&Fused.linear(&t[0], &t[1], Some(&t[2])).unwrap())
+    for form in [Gelu::Erf, Gelu::Tanh] {
+        let fused = values_and_gradients(&inputs, &|t| {
+            Fused.linear_gelu(&t[0], &t[1], Some(&t[2]), form).unwrap()
+        });
+        let parts = values_and_gradients(&inputs, &|t| {
+            Fused
+                .gelu(&Fused.linear(&t[0], &t[1], Some(&t[2])).unwrap(), form)
+                .unwrap()
+        });
+        assert_eq!(fused, parts, "linear + GELU ({form:?})");
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let inference = Fused
+            .linear_gelu(
+                &f32(&inputs[0]),
+                &f32(&inputs[1]),
+                Some(&f32(&inputs[2])),
+                form,
+            )
+            .unwrap();
+        let bits: Vec<u32> = inference
+            .flatten_all()
             .unwrap()
-    });
-    assert_eq!(fused, parts, "linear + GELU");
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-    let inference = Fused
-        .linear_gelu(&f32(&inputs[0]), &f32(&inputs[1]), Some(&f32(&inputs[2])))
-        .unwrap();
-    let bits: Vec<u32> = inference
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect();
-    assert_eq!(bits, fused[0], "linear + GELU in place");
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(bits, fused[0], "linear + GELU in place ({form:?})");
+    }
 }
 
 #[test]

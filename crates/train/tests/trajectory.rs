@@ -80,7 +80,7 @@ impl Kernels for ExactGelu {
     ) -> candle_core::Result<Tensor> {
         Composed.layer_norm(x, weight, bias, eps)
     }
-    fn gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    fn gelu(&self, x: &Tensor, _form: bertkit_model::Gelu) -> candle_core::Result<Tensor> {
         let cdf = (x / std::f64::consts::SQRT_2)?.erf()?.affine(0.5, 0.5)?;
         x * cdf
     }
