@@ -7,7 +7,8 @@
 //!
 //! - [`config`]: [`BertConfig`], read from and written to `config.json`.
 //! - [`bert`]: the network, one file: embeddings (word + position + token type, LayerNorm,
-//!   dropout), encoder layers (multi-head self-attention within each sequence, exact GELU,
+//!   dropout), encoder layers (multi-head self-attention within each sequence, GELU (exact, or
+//!   Google's tanh form),
 //!   residuals, LayerNorm), pooler, and the heads: pre-training (masked-LM transform and a decoder
 //!   tied to the word embeddings with its own output bias; next sentence), question answering
 //!   (start/end logits) and sequence classification. [`bert::load`], [`bert::init`] and
@@ -20,6 +21,8 @@
 //!   that all have a backward pass.
 //! - [`params`]: checkpoint names (with or without `bert.`, `gamma`/`beta`), initialisation of
 //!   what a checkpoint lacks, and saving in the transformers layout.
+//! - [`google`]: google-research/bert's TensorFlow checkpoints converted to and from model
+//!   folders (its variable names mapped onto these; the reader is `bertkit-tf-checkpoint`).
 //! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
 //!
 //! Dropout is on in [`Mode::Train`] forward passes, with reproducible masks from a
@@ -31,6 +34,7 @@ pub mod bert;
 pub mod config;
 mod cpu_fused;
 pub mod dropout;
+pub mod google;
 pub mod kernels;
 pub mod loss;
 pub mod packing;

@@ -126,6 +126,20 @@ impl ParamBuilder {
         Ok(builder)
     }
 
+    /// Parameters from tensors already under the model's names (see [`canonical_name`]), as
+    /// a converter hands them over; what they lack is initialised.
+    pub fn from_tensors(
+        tensors: HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+        initializer_range: f64,
+        seed: u64,
+    ) -> Self {
+        let mut builder = Self::fresh(dtype, device, initializer_range, seed);
+        builder.checkpoint = tensors;
+        builder
+    }
+
     fn next_u64(&mut self) -> u64 {
         self.rng.next_u64()
     }

@@ -245,5 +245,5 @@ fn saved_models_hold_exactly_the_tensors_transformers_saves() {
 #[test]
 fn the_fixtures_carry_their_sha256_in_their_readmes() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    assert_eq!(bertkit_test_support::check_fixture_digests(&root), 1);
+    assert_eq!(bertkit_test_support::check_fixture_digests(&root), 2);
 }

@@ -13,6 +13,9 @@ const BLOCK_TRAILER_LEN: usize = 5;
 /// Entries between restart points (LevelDB's and TensorFlow's default).
 const RESTART_INTERVAL: usize = 16;
 
+/// A table's keys and values, in order.
+pub(crate) type Rows = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A block's place in the file.
 #[derive(Debug, Clone, Copy)]
 struct Handle {
@@ -35,7 +38,7 @@ impl Handle {
 }
 
 /// Every key and value of the table in `file`, in the table's (sorted) order.
-pub(crate) fn read(file: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+pub(crate) fn read(file: &[u8]) -> Result<Rows, String> {
     if file.len() < FOOTER_LEN {
         return Err(format!(
             "{} bytes, shorter than a table's {FOOTER_LEN}-byte footer (truncated?)",
@@ -62,11 +65,7 @@ pub(crate) fn read(file: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
 }
 
 /// The entries of the block at `handle`, its checksum checked.
-fn block_entries(
-    file: &[u8],
-    handle: Handle,
-    label: &str,
-) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+fn block_entries(file: &[u8], handle: Handle, label: &str) -> Result<Rows, String> {
     let start = usize::try_from(handle.offset).map_err(|_| format!("{label}: offset too large"))?;
     let size = usize::try_from(handle.size).map_err(|_| format!("{label}: size too large"))?;
     let end = start
@@ -99,7 +98,7 @@ fn block_entries(
     entries(contents).map_err(|e| format!("{label}: {e}"))
 }
 
-fn entries(block: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+fn entries(block: &[u8]) -> Result<Rows, String> {
     if block.len() < 4 {
         return Err("shorter than its restart count".into());
     }
@@ -115,7 +114,7 @@ fn entries(block: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
             )
         })?;
     let data = &block[..data_end];
-    let mut out: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut out: Rows = Vec::new();
     let mut key: Vec<u8> = Vec::new();
     let mut at = 0;
     while at < data.len() {
