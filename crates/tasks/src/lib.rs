@@ -13,11 +13,14 @@
 //! - [`glue`]: GLUE task files (MRPC, CoLA, SST-2, MNLI), metrics (accuracy, F1, Matthews
 //!   correlation) and fine-tuning of a checkpoint with AdamW;
 //! - [`inference`]: forward-pass throughput and latency (`bertkit bench inference`);
+//! - [`features`]: feature extraction as Google's `extract_features.py` (text in, each token's
+//!   vectors from chosen layers out, as JSON lines or npy);
 //! - [`pyfloat`]: floats printed as Python's `json.dumps` prints them.
 
 #![deny(missing_docs)]
 
 pub mod batch;
+pub mod features;
 pub mod glue;
 pub mod inference;
 pub mod model_dir;
