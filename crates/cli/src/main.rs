@@ -61,7 +61,7 @@ fn configure_allocator(command: &Command) {
 }
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
-    use commands::{data, pipeline, tasks, train};
+    use commands::{data, model, pipeline, tasks, train};
     match cli.command {
         Command::Format(c) => data::format(c),
         Command::Shard(args) => data::shard(args),
@@ -71,6 +71,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Download(c) => pipeline::download(c),
         Command::Pipeline(args) => pipeline::pipeline(args),
         Command::Forward(args) => train::forward(args),
+        Command::ExtractFeatures(args) => tasks::extract_features(args),
+        Command::Convert(c) => model::convert(c),
         Command::Pretrain(args) => train::pretrain(args),
         Command::Plot(args) => train::plot(args),
         Command::Plan(args) => train::plan(args),

@@ -1176,3 +1176,177 @@ fn checkpoint_missing() {
         "{stderr}"
     );
 }
+
+// --- Google's TensorFlow checkpoints: `convert tf-checkpoint` ------------------------------
+
+/// The fixture's checkpoint (Google's layout, written by TensorFlow) copied to `dir`; returns
+/// its prefix.
+fn tf_checkpoint_copy(dir: &Path) -> PathBuf {
+    let fixture = repo_root().join("crates/model/tests/fixtures/google_tf");
+    for f in [
+        "bert_config.json",
+        "vocab.txt",
+        "bert_model.ckpt.index",
+        "bert_model.ckpt.data-00000-of-00001",
+    ] {
+        std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+    }
+    dir.join("bert_model.ckpt")
+}
+
+fn convert_tf(prefix: &Path, out: &Path) -> Output {
+    let run = bertkit(&[
+        "convert",
+        "tf-checkpoint",
+        "--checkpoint",
+        p(prefix),
+        "-o",
+        p(out),
+    ]);
+    assert!(!out.join("model.safetensors").exists());
+    run
+}
+
+#[test]
+fn tf_checkpoint_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = tf_checkpoint_copy(dir.path());
+    let index = dir.path().join("bert_model.ckpt.index");
+    let bytes = std::fs::read(&index).unwrap();
+    write(&index, &bytes[..bytes.len() - 100]);
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &index,
+        &["no table magic number at the end"],
+    );
+    // A data shard cut short: the first variable past its end is named.
+    write(&index, &bytes);
+    let data = dir.path().join("bert_model.ckpt.data-00000-of-00001");
+    cut_in_half(&data.clone(), &data);
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &data,
+        &["tensor \"", "run past the file's", "(truncated?)"],
+    );
+}
+
+#[test]
+fn tf_checkpoint_bad_encoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = tf_checkpoint_copy(dir.path());
+    let data = dir.path().join("bert_model.ckpt.data-00000-of-00001");
+    let mut bytes = std::fs::read(&data).unwrap();
+    // Inside the first variable, a parameter (TensorFlow writes them in name order; the Adam
+    // slots, skipped unread, would not be checked).
+    bytes[5] ^= 0x01;
+    write(&data, bytes);
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &data,
+        &[
+            "tensor \"bert/embeddings/LayerNorm/beta\"",
+            "CRC-32C mismatch",
+            "the data file is damaged",
+        ],
+    );
+    let index = dir.path().join("bert_model.ckpt.index");
+    std::fs::copy(
+        repo_root()
+            .join("crates/model/tests/fixtures/google_tf/bert_model.ckpt.data-00000-of-00001"),
+        &data,
+    )
+    .unwrap();
+    let mut bytes = std::fs::read(&index).unwrap();
+    bytes[40] ^= 0x01;
+    write(&index, bytes);
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &index,
+        &["data block at byte 0: CRC-32C mismatch"],
+    );
+}
+
+#[test]
+fn tf_checkpoint_wrong_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = tf_checkpoint_copy(dir.path());
+    // A config of another width than the checkpoint's.
+    let config = dir.path().join("bert_config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    write(
+        &config,
+        text.replace("\"intermediate_size\": 64", "\"intermediate_size\": 48"),
+    );
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &prefix,
+        &[
+            "encoder.layer.0.intermediate.dense",
+            "the config needs [48, 32]",
+        ],
+    );
+    // Not a checkpoint index at all (a vocabulary given as one).
+    let index = dir.path().join("bert_model.ckpt.index");
+    std::fs::copy(dir.path().join("vocab.txt"), &index).unwrap();
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &index,
+        &["not a checkpoint index"],
+    );
+}
+
+#[test]
+fn tf_checkpoint_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = tf_checkpoint_copy(dir.path());
+    let index = write(&dir.path().join("bert_model.ckpt.index"), b"");
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &index,
+        &["0 bytes, shorter than a table's 48-byte footer"],
+    );
+}
+
+#[test]
+fn tf_checkpoint_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = tf_checkpoint_copy(dir.path());
+    let data = dir.path().join("bert_model.ckpt.data-00000-of-00001");
+    std::fs::remove_file(&data).unwrap();
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &data,
+        &["data shard 0 of 1", "No such file or directory"],
+    );
+    let index = dir.path().join("bert_model.ckpt.index");
+    std::fs::remove_file(&index).unwrap();
+    refused(
+        convert_tf(&prefix, &dir.path().join("o")),
+        &index,
+        &["No such file or directory"],
+    );
+}
+
+// --- Text for `extract-features` ------------------------------------------------------------
+
+#[test]
+fn features_text_bad_encoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(&dir.path().join("lines.txt"), b"fine\nbad \xff here\n");
+    let out = dir.path().join("f.jsonl");
+    let model = require("minilm");
+    refused(
+        bertkit(&[
+            "extract-features",
+            "--model",
+            p(&model),
+            "--input",
+            p(&input),
+            "-o",
+            p(&out),
+        ]),
+        &input,
+        &["line 2 (byte offset 9) is not valid UTF-8"],
+    );
+    assert!(!out.exists());
+}

@@ -72,6 +72,10 @@ pub const TARGETS: &[Target] = &[
         name: "download_text",
         run: download_text,
     },
+    Target {
+        name: "tf_checkpoint",
+        run: tf_checkpoint,
+    },
 ];
 
 /// The target called `name`.
@@ -350,5 +354,26 @@ pub fn download_text(data: &[u8]) {
     }
     for line in text.lines() {
         let _ = ContentRange::parse(line);
+    }
+}
+
+/// A TensorFlow checkpoint index (`convert tf-checkpoint`'s first read): its table, header and
+/// entries parsed, then every entry read and checked against the fixture's data shard (real
+/// bytes at whatever offsets and sizes the input claims), as f32 where it is floating point.
+pub fn tf_checkpoint(data: &[u8]) {
+    use bertkit_tf_checkpoint::{Checkpoint, data_path};
+    let index = scratch_file("bert_model.ckpt.index", data);
+    let prefix = index.with_extension("");
+    let shard = data_path(&prefix, 0, 1);
+    if !shard.is_file() {
+        let fixture = bertkit_test_support::repo_root()
+            .join("crates/model/tests/fixtures/google_tf/bert_model.ckpt.data-00000-of-00001");
+        std::fs::copy(fixture, &shard).expect("the scratch folder is writable");
+    }
+    if let Ok(checkpoint) = Checkpoint::from_index(prefix, data) {
+        for entry in checkpoint.entries() {
+            let _ = checkpoint.read_bytes(entry);
+            let _ = checkpoint.read_f32(entry);
+        }
     }
 }

@@ -28,6 +28,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
         "glue_tsv" => glue_tsv(),
         "configs_toml" => configs_toml(),
         "download_text" => download_text(),
+        "tf_checkpoint" => tf_checkpoint(),
         _ => Vec::new(),
     }
 }
@@ -462,4 +463,34 @@ fn char_floor(text: &str, at: usize) -> usize {
         at -= 1;
     }
     at
+}
+
+/// The fixture's TensorFlow-written index, an index this crate's writer makes, and each cut
+/// short (a truncated download).
+fn tf_checkpoint() -> Vec<Vec<u8>> {
+    let fixture = repo_root().join("crates/model/tests/fixtures/google_tf/bert_model.ckpt.index");
+    let tensorflow =
+        std::fs::read(&fixture).unwrap_or_else(|e| panic!("{}: {e}", fixture.display()));
+    let dir = std::env::temp_dir().join(format!("bertkit-seeds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("the temporary folder is writable");
+    let prefix = dir.join("small.ckpt");
+    let mut writer = bertkit_tf_checkpoint::Writer::create(&prefix).expect("a writable folder");
+    writer
+        .add_f32("bert/pooler/dense/bias", &[4], &[0.5, -1.0, 2.0, 0.0])
+        .expect("a tensor");
+    writer
+        .add(
+            "global_step",
+            bertkit_tf_checkpoint::DType::I64,
+            &[],
+            &7i64.to_le_bytes(),
+        )
+        .expect("a tensor");
+    writer.finish().expect("written");
+    let ours = std::fs::read(bertkit_tf_checkpoint::index_path(&prefix)).expect("written");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut seeds = vec![tensorflow.clone(), ours.clone()];
+    seeds.push(tensorflow[..tensorflow.len() / 2].to_vec());
+    seeds.push(ours[..ours.len() - 9].to_vec());
+    seeds
 }

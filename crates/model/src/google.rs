@@ -176,12 +176,12 @@ pub fn convert_from_tf(
     vocab: Option<&Path>,
     out: &Path,
 ) -> Result<FromTfSummary, ModelError> {
+    let ckpt = Checkpoint::open(checkpoint).map_err(tf_error)?;
     let mut config = BertConfig::load(config)?;
     if config.hidden_act == "gelu" {
         // modeling.py's `gelu` is the tanh approximation.
         config.hidden_act = Gelu::Tanh.hidden_act().to_string();
     }
-    let ckpt = Checkpoint::open(checkpoint).map_err(tf_error)?;
     let mut tensors = HashMap::new();
     let mut google_names = BTreeMap::new();
     let mut skipped = 0;

@@ -172,6 +172,8 @@ pub fn extract_features(
     let mut bytes = Vec::new();
     let mut batch: Vec<(Vec<u32>, Vec<u32>)> = Vec::with_capacity(options.batch);
     let mut at_end = false;
+    // Bytes of the input before the current line.
+    let mut offset = 0u64;
     while !at_end {
         bytes.clear();
         let read = reader
@@ -186,10 +188,11 @@ pub fn extract_features(
             let text = std::str::from_utf8(&bytes).map_err(|e| TaskError::Format {
                 path: input.into(),
                 message: format!(
-                    "line {line_number}: not UTF-8 at byte {} of the line",
-                    e.valid_up_to()
+                    "line {line_number} (byte offset {}) is not valid UTF-8",
+                    offset + e.valid_up_to() as u64
                 ),
             })?;
+            offset += read as u64;
             let text = text.trim();
             let (a, b) = match text.rsplit_once(" ||| ") {
                 Some((a, b)) => (a.to_string(), Some(b.to_string())),

@@ -213,7 +213,10 @@ fn pairs_truncation_and_bad_input() {
     let err = extract_features(&model, &input, &out, &opts, &mut |_| {})
         .unwrap_err()
         .to_string();
-    assert!(err.contains("input.txt") && err.contains("line 2"), "{err}");
+    assert!(
+        err.contains("input.txt") && err.contains("line 2 (byte offset 5) is not valid UTF-8"),
+        "{err}"
+    );
     let bad_layer = FeatureOptions {
         layers: vec![-7],
         ..opts.clone()

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::Instant;
 
 use bertkit_tasks::glue::data::Task;
 use bertkit_tasks::squad::data::Dataset;
@@ -325,5 +326,58 @@ pub(crate) fn split(command: SplitCommand) -> Result<()> {
             part.question_count()
         );
     }
+    Ok(())
+}
+
+pub(crate) fn extract_features(args: ExtractFeaturesArgs) -> Result<()> {
+    use bertkit_tasks::features::{FeatureFormat, FeatureOptions, parse_layers};
+    let format = match args.format.as_str() {
+        "jsonl" => FeatureFormat::Jsonl,
+        "npy" => FeatureFormat::Npy,
+        other => return Err(format!("--format {other:?}: jsonl or npy").into()),
+    };
+    let options = FeatureOptions {
+        layers: parse_layers(&args.layers).map_err(|e| format!("--layers: {e}"))?,
+        max_seq_length: args.max_seq_length,
+        batch: args.batch_size.max(1),
+        lower_case: !args.cased,
+        dtype: bertkit_model::parse_dtype(&args.dtype)?,
+        device: bertkit_model::parse_device(&args.device)?,
+        format,
+    };
+    let started = Instant::now();
+    let mut logged = Instant::now();
+    let done = bertkit_tasks::features::extract_features(
+        &args.model,
+        &args.input,
+        &args.output,
+        &options,
+        &mut |lines| {
+            if logged.elapsed().as_secs() >= 10 {
+                logged = Instant::now();
+                let rate = lines as f64 / started.elapsed().as_secs_f64();
+                eprintln!("{lines} lines ({rate:.0} lines/s)");
+            }
+        },
+    )?;
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "{}: {} lines, {} tokens, layers {:?} of width {} ({:.1} s, {:.0} lines/s){}",
+        args.output.display(),
+        done.lines,
+        done.tokens,
+        done.layers,
+        done.hidden,
+        seconds,
+        done.lines as f64 / seconds.max(1e-9),
+        if done.truncated > 0 {
+            format!(
+                "; {} line(s) cut to {} tokens",
+                done.truncated, args.max_seq_length
+            )
+        } else {
+            String::new()
+        }
+    );
     Ok(())
 }

@@ -4,6 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 
 pub(crate) mod data;
+pub(crate) mod model;
 pub(crate) mod tasks;
 pub(crate) mod train;
 
@@ -39,6 +40,12 @@ pub(crate) enum Command {
     /// Run a BERT model directory (config.json + model.safetensors) on token ids from a
     /// safetensors file; writes the hidden states and pooler output as transformers names them.
     Forward(train::ForwardArgs),
+    /// Each token's vectors from chosen layers of a model, for lines of text (or `A ||| B`
+    /// pairs), as Google's extract_features.py writes them (JSON lines), or as npy files.
+    ExtractFeatures(tasks::ExtractFeaturesArgs),
+    /// Convert models: Google's TensorFlow checkpoints to and from model folders.
+    #[command(subcommand)]
+    Convert(model::ConvertCommand),
     /// Pre-train BERT on records (LAMB, accumulation, mixed precision, checkpoints, resume).
     Pretrain(train::PretrainArgs),
     /// Draw the curves of a metrics.jsonl (loss, MLM and NSP loss, learning rate) as SVG.
@@ -68,6 +75,7 @@ impl Command {
     pub(crate) fn no_tf32(&self) -> bool {
         let products = match self {
             Command::Forward(a) => &a.products,
+            Command::ExtractFeatures(a) => &a.products,
             Command::Pretrain(a) => &a.products,
             Command::Bench(train::BenchCommand::Inference(a)) => &a.products,
             Command::Bench(train::BenchCommand::Memory(a)) => &a.products,
@@ -119,8 +127,17 @@ mod tests {
     /// `--no-tf32` is a flag of each command that runs a model, and of no other.
     #[test]
     fn no_tf32_belongs_to_the_commands_that_run_a_model() {
-        let model_commands: [&[&str]; 9] = [
+        let model_commands: [&[&str]; 10] = [
             &["forward", "--model", "m", "--input", "i", "--output", "o"],
+            &[
+                "extract-features",
+                "--model",
+                "m",
+                "--input",
+                "i",
+                "--output",
+                "o",
+            ],
             &["pretrain", "--config", "c"],
             &["bench", "inference", "--model", "m"],
             &["bench", "gemm"],

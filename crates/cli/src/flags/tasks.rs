@@ -290,3 +290,40 @@ pub(crate) struct SplitSquadArgs {
     #[arg(long, short)]
     pub(crate) output: PathBuf,
 }
+
+#[derive(Args)]
+pub(crate) struct ExtractFeaturesArgs {
+    /// Model folder: config.json, model.safetensors, vocab.txt.
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// Text, one example a line; `A ||| B` is a sentence pair.
+    #[arg(long)]
+    pub(crate) input: PathBuf,
+    /// The JSON-lines file (--format jsonl) or the folder of .npy files (--format npy).
+    #[arg(long, short)]
+    pub(crate) output: PathBuf,
+    /// Encoder layers, Google's indexing: -1 is the last, 0 the first.
+    #[arg(long, default_value = "-1,-2,-3,-4", allow_hyphen_values = true)]
+    pub(crate) layers: String,
+    /// Longest sequence in tokens, [CLS] and [SEP] included; longer lines are cut.
+    #[arg(long, default_value_t = bertkit_tasks::features::DEFAULT_MAX_SEQ_LENGTH)]
+    pub(crate) max_seq_length: usize,
+    /// Lines per forward pass.
+    #[arg(long, default_value_t = bertkit_tasks::features::DEFAULT_BATCH)]
+    pub(crate) batch_size: usize,
+    /// jsonl (Google's layout, values rounded to 6 decimals) or npy (a folder: layer_<i>.npy
+    /// [tokens, hidden] f32, token_ids.npy, offsets.npy).
+    #[arg(long, default_value = "jsonl")]
+    pub(crate) format: String,
+    /// Cased vocabulary.
+    #[arg(long)]
+    pub(crate) cased: bool,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
+}

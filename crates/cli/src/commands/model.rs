@@ -1,0 +1,88 @@
+//! `convert`: Google's TensorFlow checkpoints to and from model folders.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::flags::model::{ConvertCommand, TfCheckpointArgs, ToTfCheckpointArgs};
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+pub(crate) fn convert(command: ConvertCommand) -> Result<()> {
+    match command {
+        ConvertCommand::TfCheckpoint(args) => from_tf(args),
+        ConvertCommand::ToTfCheckpoint(args) => to_tf(args),
+    }
+}
+
+/// The folder a checkpoint path (prefix, .index or folder) lives in.
+fn checkpoint_folder(checkpoint: &Path) -> Result<PathBuf> {
+    let prefix = bertkit_tf_checkpoint::resolve_prefix(checkpoint)?;
+    Ok(prefix
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(".")))
+}
+
+fn from_tf(args: TfCheckpointArgs) -> Result<()> {
+    let started = Instant::now();
+    let folder = checkpoint_folder(&args.checkpoint)?;
+    let config = args
+        .config
+        .unwrap_or_else(|| folder.join("bert_config.json"));
+    let vocab = args
+        .vocab
+        .or_else(|| Some(folder.join("vocab.txt")).filter(|v| v.is_file()));
+    let done = bertkit_model::google::convert_from_tf(
+        &args.checkpoint,
+        &config,
+        vocab.as_deref(),
+        &args.output,
+    )?;
+    println!(
+        "{}: a {} of {} tensors ({} values, f32, GELU as Google computes it: gelu_new); skipped {} optimizer and step variables ({:.1} s)",
+        args.output.display(),
+        done.architecture,
+        done.parameters,
+        done.values,
+        done.skipped_training_state,
+        started.elapsed().as_secs_f64()
+    );
+    if !done.vocab_copied {
+        eprintln!(
+            "warning: no vocab.txt beside {}: put the model's vocabulary in {} (--vocab) before fine-tuning",
+            args.checkpoint.display(),
+            args.output.display()
+        );
+    }
+    Ok(())
+}
+
+fn to_tf(args: ToTfCheckpointArgs) -> Result<()> {
+    let started = Instant::now();
+    let done = bertkit_model::google::convert_to_tf(&args.model, &args.output)?;
+    println!(
+        "{}: {} variables, {:.1} MB, with bert_config.json{} ({:.1} s)",
+        done.prefix.display(),
+        done.variables,
+        done.bytes as f64 / 1e6,
+        if done.vocab_copied {
+            " and vocab.txt"
+        } else {
+            ""
+        },
+        started.elapsed().as_secs_f64()
+    );
+    if done.gelu_changes {
+        eprintln!(
+            "note: {} computes the exact GELU; Google's modeling.py computes the tanh form, so its outputs there differ slightly (about 1e-4)",
+            args.model.display()
+        );
+    }
+    if !done.vocab_copied {
+        eprintln!(
+            "warning: {} has no vocab.txt: Google's scripts need one beside the checkpoint",
+            args.model.display()
+        );
+    }
+    Ok(())
+}

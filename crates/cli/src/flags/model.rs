@@ -1,0 +1,41 @@
+//! Flags of the model-format commands (`convert`).
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+#[derive(Subcommand)]
+pub(crate) enum ConvertCommand {
+    /// A google-research/bert TensorFlow checkpoint (bert_model.ckpt.index + .data-*, with its
+    /// bert_config.json) to a model folder bertkit and transformers load. No TensorFlow needed.
+    TfCheckpoint(TfCheckpointArgs),
+    /// A model folder to a TensorFlow checkpoint Google's run_classifier.py, run_squad.py and
+    /// extract_features.py load (bert_model.ckpt.*, bert_config.json, vocab.txt).
+    ToTfCheckpoint(ToTfCheckpointArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct TfCheckpointArgs {
+    /// The checkpoint: its prefix (…/bert_model.ckpt), its .index file, or its folder.
+    #[arg(long)]
+    pub(crate) checkpoint: PathBuf,
+    /// Google's bert_config.json [default: the one beside the checkpoint].
+    #[arg(long)]
+    pub(crate) config: Option<PathBuf>,
+    /// The vocabulary to put beside the model [default: vocab.txt beside the checkpoint, if there].
+    #[arg(long)]
+    pub(crate) vocab: Option<PathBuf>,
+    /// The model folder to write (config.json, model.safetensors, vocab.txt).
+    #[arg(long, short)]
+    pub(crate) output: PathBuf,
+}
+
+#[derive(Args)]
+pub(crate) struct ToTfCheckpointArgs {
+    /// Model folder: config.json and model.safetensors (transformers layout), vocab.txt.
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// The folder to write the checkpoint to.
+    #[arg(long, short)]
+    pub(crate) output: PathBuf,
+}
