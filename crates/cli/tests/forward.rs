@@ -74,3 +74,93 @@ fn forward_writes_what_transformers_computes() {
     assert!(stderr.contains("bad.safetensors: no input_ids"), "{stderr}");
     assert!(!dir.path().join("x.safetensors").exists());
 }
+
+/// A user's path from Google's checkpoint: `convert tf-checkpoint` on the TensorFlow-written
+/// fixture (folder given; config and vocabulary found beside it), `extract-features` on the
+/// converted folder, `convert to-tf-checkpoint` back: each command's summary and files.
+#[test]
+fn from_a_google_checkpoint_to_features_and_back() {
+    use crate::util::{bertkit, ok, path as p};
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = bertkit_test_support::repo_root().join("crates/model/tests/fixtures/google_tf");
+    let model = dir.path().join("model");
+    let out = ok(bertkit(&[
+        "convert",
+        "tf-checkpoint",
+        "--checkpoint",
+        p(&fixture),
+        "-o",
+        p(&model),
+    ]));
+    assert!(
+        out.contains("a BertForPreTraining of 46 tensors")
+            && out.contains("skipped 93 optimizer and step variables"),
+        "{out}"
+    );
+    for f in ["config.json", "model.safetensors", "vocab.txt"] {
+        assert!(model.join(f).is_file(), "{f}");
+    }
+    let input = dir.path().join("lines.txt");
+    std::fs::write(&input, "w01 w02 w03\nw04 ||| w05 w06\n").unwrap();
+    let features = dir.path().join("f.jsonl");
+    let out = ok(bertkit(&[
+        "extract-features",
+        "--model",
+        p(&model),
+        "--input",
+        p(&input),
+        "-o",
+        p(&features),
+        "--layers",
+        "-1,0",
+    ]));
+    assert!(
+        out.contains("2 lines, 11 tokens, layers [-1, 0] of width 32"),
+        "{out}"
+    );
+    let first: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&features)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(first["features"][1]["token"], "w01");
+    assert_eq!(first["features"][1]["layers"][1]["index"], 0);
+    assert_eq!(
+        first["features"][1]["layers"][0]["values"]
+            .as_array()
+            .unwrap()
+            .len(),
+        32
+    );
+    let back = dir.path().join("tf");
+    let run = bertkit(&[
+        "convert",
+        "to-tf-checkpoint",
+        "--model",
+        p(&model),
+        "-o",
+        p(&back),
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr).into_owned();
+    let out = ok(run);
+    assert!(
+        out.contains("46 variables") && out.contains("and vocab.txt"),
+        "{out}"
+    );
+    assert!(
+        !stderr.contains("GELU"),
+        "a gelu_new model needs no GELU note: {stderr}"
+    );
+    for f in [
+        "bert_model.ckpt.index",
+        "bert_model.ckpt.data-00000-of-00001",
+        "bert_config.json",
+        "checkpoint",
+        "vocab.txt",
+    ] {
+        assert!(back.join(f).is_file(), "{f}");
+    }
+}

@@ -52,8 +52,9 @@ pub enum FeatureFormat {
 pub struct FeatureOptions {
     /// Encoder layers, Google's indexing (`-1` the last).
     pub layers: Vec<i64>,
-    /// Longest sequence, `[CLS]` and `[SEP]` included.
-    pub max_seq_length: usize,
+    /// Longest sequence, `[CLS]` and `[SEP]` included; `None`: [`DEFAULT_MAX_SEQ_LENGTH`], or
+    /// the model's `max_position_embeddings` if that is shorter.
+    pub max_seq_length: Option<usize>,
     /// Lines per forward pass.
     pub batch: usize,
     /// Lower-case (an uncased vocabulary).
@@ -67,11 +68,12 @@ pub struct FeatureOptions {
 }
 
 impl FeatureOptions {
-    /// Google's defaults on `device`: layers -1..-4, 128 positions, lower-cased, f32, JSONL.
+    /// Google's defaults on `device`: layers -1..-4, 128 positions (at most the model's),
+    /// lower-cased, f32, JSONL.
     pub fn new(device: Device) -> Self {
         FeatureOptions {
             layers: DEFAULT_LAYERS.to_vec(),
-            max_seq_length: DEFAULT_MAX_SEQ_LENGTH,
+            max_seq_length: None,
             batch: DEFAULT_BATCH,
             lower_case: true,
             dtype: DType::F32,
@@ -94,6 +96,8 @@ pub struct FeatureSummary {
     pub layers: Vec<i64>,
     /// Width of each vector.
     pub hidden: usize,
+    /// The longest sequence used.
+    pub max_seq_length: usize,
 }
 
 /// Parses Google's `--layers` list (`-1,-2,-3,-4`).
@@ -145,11 +149,13 @@ pub fn extract_features(
             }
         })
         .collect::<Result<_, _>>()?;
-    if options.max_seq_length < 3 || options.max_seq_length > loaded.config.max_position_embeddings
-    {
+    let positions = loaded.config.max_position_embeddings;
+    let max_seq_length = options
+        .max_seq_length
+        .unwrap_or(DEFAULT_MAX_SEQ_LENGTH.min(positions));
+    if !(3..=positions).contains(&max_seq_length) {
         return Err(bad_option(format!(
-            "max_seq_length {} is not in 3..={} (the model's max_position_embeddings)",
-            options.max_seq_length, loaded.config.max_position_embeddings
+            "max_seq_length {max_seq_length} is not in 3..={positions} (the model's max_position_embeddings)"
         )));
     }
     let hidden = loaded.config.hidden_size;
@@ -168,6 +174,7 @@ pub fn extract_features(
         truncated: 0,
         layers: options.layers.clone(),
         hidden,
+        max_seq_length,
     };
     let mut bytes = Vec::new();
     let mut batch: Vec<(Vec<u32>, Vec<u32>)> = Vec::with_capacity(options.batch);
@@ -204,8 +211,7 @@ pub fn extract_features(
                 label: 0,
             };
             let full = encode(&tokenizer, &example, usize::MAX).map_err(bad_option)?;
-            let encoded =
-                encode(&tokenizer, &example, options.max_seq_length).map_err(bad_option)?;
+            let encoded = encode(&tokenizer, &example, max_seq_length).map_err(bad_option)?;
             if encoded.ids.len() < full.ids.len() {
                 summary.truncated += 1;
             }

@@ -188,7 +188,7 @@ fn pairs_truncation_and_bad_input() {
     let out = dir.path().join("f.jsonl");
     let opts = FeatureOptions {
         layers: vec![-1],
-        max_seq_length: 16,
+        max_seq_length: Some(16),
         ..FeatureOptions::new(Device::Cpu)
     };
     let summary = extract_features(&model, &input, &out, &opts, &mut |_| {}).unwrap();

@@ -373,7 +373,7 @@ pub(crate) fn extract_features(args: ExtractFeaturesArgs) -> Result<()> {
         if done.truncated > 0 {
             format!(
                 "; {} line(s) cut to {} tokens",
-                done.truncated, args.max_seq_length
+                done.truncated, done.max_seq_length
             )
         } else {
             String::new()

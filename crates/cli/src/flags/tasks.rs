@@ -305,9 +305,10 @@ pub(crate) struct ExtractFeaturesArgs {
     /// Encoder layers, Google's indexing: -1 is the last, 0 the first.
     #[arg(long, default_value = "-1,-2,-3,-4", allow_hyphen_values = true)]
     pub(crate) layers: String,
-    /// Longest sequence in tokens, [CLS] and [SEP] included; longer lines are cut.
-    #[arg(long, default_value_t = bertkit_tasks::features::DEFAULT_MAX_SEQ_LENGTH)]
-    pub(crate) max_seq_length: usize,
+    /// Longest sequence in tokens, [CLS] and [SEP] included; longer lines are cut [default:
+    /// 128, or the model's max_position_embeddings if shorter].
+    #[arg(long)]
+    pub(crate) max_seq_length: Option<usize>,
     /// Lines per forward pass.
     #[arg(long, default_value_t = bertkit_tasks::features::DEFAULT_BATCH)]
     pub(crate) batch_size: usize,
