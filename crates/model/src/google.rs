@@ -286,23 +286,22 @@ fn write_model<M: BertArchitecture>(
             })
             .collect()
     };
-    if !params.initialised.is_empty() {
-        return Err(ModelError::Weights(format!(
-            "{}: a {} needs {} variable(s) the checkpoint lacks: {}",
-            source.display(),
-            M::ARCHITECTURE,
-            params.initialised.len(),
-            listed(&google(&params.initialised))
-        )));
-    }
-    if !params.unused.is_empty() {
-        return Err(ModelError::Weights(format!(
-            "{}: a {} has no place for {} variable(s): {}",
-            source.display(),
-            M::ARCHITECTURE,
-            params.unused.len(),
-            listed(&google(&params.unused))
-        )));
+    for (names, what) in [
+        (
+            &params.initialised,
+            "needs {} variable(s) the checkpoint lacks",
+        ),
+        (&params.unused, "has no place for {} variable(s)"),
+    ] {
+        if !names.is_empty() {
+            return Err(ModelError::Weights(format!(
+                "{}: a {} {}: {}",
+                source.display(),
+                M::ARCHITECTURE,
+                what.replace("{}", &names.len().to_string()),
+                listed(&google(names))
+            )));
+        }
     }
     let loaded = Loaded {
         model,

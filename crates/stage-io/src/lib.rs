@@ -9,6 +9,7 @@
 //! - [`write_atomically`]: write a file whole or not at all;
 //! - [`stage`]: the one way a stage runs: progress [`stage::Event`]s to a [`stage::Reporter`],
 //!   and an [`stage::Outcome`] (ran, or up to date) with the stage's summary;
+//! - [`crc32c`]: CRC-32C and TensorFlow's masked form (checkpoints, event files);
 //! - [`cost`]: what a step cost the process (wall and CPU seconds, its own peak memory);
 //! - [`prefetch`]: a memory hint for scattered reads (hash tables, shuffled rows);
 //! - [`text`]: reading formatted text (one sentence per line, blank lines between documents,
@@ -25,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod cost;
+pub mod crc32c;
 pub mod lock;
 pub mod prefetch;
 mod ranks;

@@ -20,7 +20,6 @@
 
 #![deny(missing_docs)]
 
-mod crc32c;
 mod proto;
 mod table;
 
@@ -28,7 +27,7 @@ use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-pub use crc32c::crc32c;
+use bertkit_stage_io::crc32c::{self, crc32c};
 
 /// Why a checkpoint could not be read or written.
 #[derive(Debug, thiserror::Error)]

@@ -4,8 +4,8 @@
 //! Every block carries a type byte (0: uncompressed) and a masked CRC-32C. TensorFlow writes
 //! bundle indexes uncompressed; a compressed block is refused by name.
 
-use crate::crc32c::{crc32c, mask, unmask};
 use crate::proto::{read_varint, write_varint};
+use bertkit_stage_io::crc32c::{crc32c, mask, unmask};
 
 const MAGIC: u64 = 0xdb47_7524_8b80_fb57;
 const FOOTER_LEN: usize = 48;

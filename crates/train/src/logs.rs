@@ -14,42 +14,14 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use bertkit_stage_io::crc32c::{crc32c, mask};
 use serde::Serialize;
 
 use crate::{TrainError, io_err};
 
-/// The CRC-32C (Castagnoli) table, reflected polynomial 0x82F63B78.
-const CRC32C_TABLE: [u32; 256] = {
-    let mut table = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut crc = i as u32;
-        let mut bit = 0;
-        while bit < 8 {
-            crc = if crc & 1 == 1 {
-                (crc >> 1) ^ 0x82F6_3B78
-            } else {
-                crc >> 1
-            };
-            bit += 1;
-        }
-        table[i] = crc;
-        i += 1;
-    }
-    table
-};
-
-/// CRC-32C of `bytes`.
-pub fn crc32c(bytes: &[u8]) -> u32 {
-    !bytes.iter().fold(!0u32, |crc, &b| {
-        CRC32C_TABLE[((crc ^ u32::from(b)) & 0xFF) as usize] ^ (crc >> 8)
-    })
-}
-
 /// The masked CRC TensorFlow's records carry (so that a CRC of CRCs is not trivially valid).
 fn masked_crc(bytes: &[u8]) -> u32 {
-    let crc = crc32c(bytes);
-    (crc.rotate_right(15)).wrapping_add(0xA282_EAD8)
+    mask(crc32c(bytes))
 }
 
 /// One record: length, its masked CRC, the data, the data's masked CRC.

@@ -1,4 +1,5 @@
-//! CRC-32C (Castagnoli), as TensorFlow checksums tensors and table blocks, and its "mask".
+//! CRC-32C (Castagnoli), as TensorFlow checksums its checkpoints' tensors and table blocks and
+//! its event files' records, and the "mask" it stores them under.
 //!
 //! Slicing by 8: eight 256-entry tables built at compile time, eight bytes a step (a BERT-large
 //! checkpoint's 1.3 GB are checked in about a second; bytewise it would take several).
