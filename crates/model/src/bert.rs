@@ -13,15 +13,13 @@ use std::sync::Arc;
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use crate::config::Gelu;
-use crate::dropout::DropoutSource;
+pub use crate::kernels::Mode;
 use crate::kernels::{Fused, Kernels};
 use crate::packing::Packing;
 use crate::params::{Init, ParamBuilder, ParamStore};
 use crate::{BertConfig, ModelError};
 
-/// The additive attention bias of padding: large enough that its softmax weight is exactly 0
-/// in f32, small enough for f16.
-pub const MASK_BIAS: f64 = -10_000.0;
+pub use crate::packing::MASK_BIAS;
 
 /// `x · Wᵀ + b`, with PyTorch's `[out, in]` weight layout.
 #[derive(Debug, Clone)]
@@ -96,39 +94,6 @@ impl LayerNorm {
     ) -> candle_core::Result<Tensor> {
         let (weight, bias) = (&self.weight, &self.bias);
         k.residual_layer_norm(x, residual, packing, mode, dropout, weight, bias, self.eps)
-    }
-}
-
-/// Inference, or training with dropout masks from a source.
-#[derive(Debug, Clone, Copy)]
-pub enum Mode<'a> {
-    /// No dropout.
-    Eval,
-    /// Dropout on, masks drawn from the source.
-    Train(&'a DropoutSource),
-}
-
-impl Mode<'_> {
-    /// Applies dropout with probability `p` in training mode.
-    pub fn dropout(&self, x: &Tensor, p: f64) -> candle_core::Result<Tensor> {
-        match self {
-            Mode::Train(source) if p > 0.0 => source.apply(x, p),
-            _ => Ok(x.clone()),
-        }
-    }
-
-    /// As [`Mode::dropout`] for a packed `[tokens, width]` tensor: each token drops what its
-    /// place in the padded batch would.
-    pub fn dropout_tokens(
-        &self,
-        x: &Tensor,
-        p: f64,
-        packing: &Packing,
-    ) -> candle_core::Result<Tensor> {
-        match self {
-            Mode::Train(source) if p > 0.0 => source.apply_to_tokens(x, packing, p),
-            _ => Ok(x.clone()),
-        }
     }
 }
 

@@ -31,8 +31,11 @@ use rayon::prelude::*;
 
 use bertkit_rng::splitmix64 as splitmix;
 
-use crate::cpu_fused::fill_keeps;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, bail};
+
+use crate::host::{ELEMENTWISE_CHUNK, contiguous};
 use crate::packing::Packing;
+use crate::vectorised;
 
 /// Mask numbers set aside for each optimiser step ([`DropoutSource::start_batch`]): far more
 /// than a step's passes draw (a forward pass draws 2–3 per layer).
@@ -195,7 +198,7 @@ impl DropoutSource {
                 }
                 if x.dtype() == DType::F32 {
                     // Applied (and its backward) in one pass with a byte per element.
-                    let op = crate::cpu_fused::KeepMask {
+                    let op = KeepMask {
                         keep: Arc::new(keep),
                         scale: scale as f32,
                     };
@@ -346,6 +349,69 @@ fn cpu_attention_keep_mask(packing: &Packing, heads: usize, draw: &Draw, p: f64)
         }
     });
     keep
+}
+
+/// Multiplies by a dropout mask kept as one byte per element (1: kept, scaled by `scale`;
+/// 0: dropped); the backward multiplies the gradient by the same mask. A quarter of the memory
+/// of an f32 mask tensor, and no gradient computed for the mask.
+pub(crate) struct KeepMask {
+    pub(crate) keep: Arc<Vec<u8>>,
+    pub(crate) scale: f32,
+}
+
+impl CustomOp1 for KeepMask {
+    fn name(&self) -> &'static str {
+        "bertkit-dropout"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous(self.name(), "input", storage, layout)?;
+        if x.len() != self.keep.len() {
+            bail!(
+                "dropout: a mask of {} elements for {} values",
+                self.keep.len(),
+                x.len()
+            )
+        }
+        let mut out = x.to_vec();
+        out.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(self.keep.par_chunks(ELEMENTWISE_CHUNK))
+            .for_each(|(out, keep)| apply_keep_in_place(out, keep, self.scale));
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let same = KeepMask {
+            keep: Arc::clone(&self.keep),
+            scale: self.scale,
+        };
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&same)?))
+    }
+}
+
+vectorised! {
+    /// Dropout's keep bytes for elements `first..first + keep.len()` of a mask's line
+    /// ([`keeps`], several lanes at a time).
+    fn fill_keeps(keep: &mut [u8], line_key: u64, first: u64, threshold: u64) = fill_keeps_portable
+}
+
+#[inline(always)]
+fn fill_keeps_portable(keep: &mut [u8], line_key: u64, first: u64, threshold: u64) {
+    for (j, k) in keep.iter_mut().enumerate() {
+        *k = keeps(line_key, first + j as u64, threshold);
+    }
+}
+
+vectorised! {
+    /// Values times their mask, in place.
+    pub(crate) fn apply_keep_in_place(x: &mut [f32], keep: &[u8], scale: f32) = apply_keep_in_place_portable
+}
+
+#[inline(always)]
+fn apply_keep_in_place_portable(x: &mut [f32], keep: &[u8], scale: f32) {
+    for (x, &k) in x.iter_mut().zip(keep) {
+        *x *= f32::from(k) * scale;
+    }
 }
 
 #[cfg(test)]

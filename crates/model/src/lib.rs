@@ -32,9 +32,9 @@
 
 pub mod bert;
 pub mod config;
-mod cpu_fused;
 pub mod dropout;
 pub mod google;
+mod host;
 pub mod kernels;
 pub mod loss;
 pub mod packing;

@@ -44,7 +44,7 @@ pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let labels = labels.to_dtype(DType::U32)?.contiguous()?;
         return logits
             .contiguous()?
-            .apply_op2(&labels, crate::cpu_fused::NegativeLogLikelihood);
+            .apply_op2(&labels, crate::kernels::cpu::NegativeLogLikelihood);
     }
     let picked = log_softmax(&logits)?.gather(&labels.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
     picked.squeeze(1)?.neg()

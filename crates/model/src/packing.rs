@@ -11,12 +11,14 @@
 //! The layout is computed on the host from the mask when [`crate::Inputs`] are built, so
 //! nothing is read back from the device to use it.
 
+/// The additive attention bias of padding: large enough that its softmax weight is exactly 0
+/// in f32, small enough for f16.
+pub const MASK_BIAS: f64 = -10_000.0;
+
 use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{Device, Result, Tensor};
-
-use crate::bert::MASK_BIAS;
 
 /// Where each token of a padded batch sits in the packed layout.
 #[derive(Debug, Clone)]

@@ -4,16 +4,23 @@
 //! [`Kernels`], so that a fused implementation can replace one without touching the model code.
 //! Two implementations:
 //!
-//! - [`Composed`], the reference: every op composed of candle primitives that have a backward
-//!   pass, so gradients flow through all of them, on every device and dtype.
+//! - [`Composed`] (`composed.rs`), the reference: every op composed of candle primitives that
+//!   have a backward pass, so gradients flow through all of them, on every device and dtype.
 //! - [`Fused`], the default: on the CPU our own fused kernels with fused backward passes
-//!   (`cpu_fused`), for training and inference alike; on other devices candle's fused
+//!   (`cpu/`, a file per op), for training and inference alike; on other devices candle's fused
 //!   LayerNorm and softmax where nothing tracks gradients. (candle's fused `softmax_last_dim`,
 //!   `layer_norm`, `rms_norm` and `candle_nn::LayerNorm` have no backward and would silently
 //!   stop gradients, so they are never used where gradients are tracked.)
 //!
 //! In half precision, LayerNorm and softmax are computed in f32 and cast back on every path;
 //! f64 (tests) always takes the composed ops.
+//!
+//! The arrows run one way: the model (`bert`) calls these kernels; [`Fused`] picks a device
+//! family's op (today `cpu/`; a CUDA family goes beside it in `cuda/`, each kernel with a CPU
+//! twin and a test comparing the two); the families use the leaves `packing` (where a batch's
+//! tokens are) and `dropout` (the masks, drawn and applied), and `host` (vector dispatch,
+//! storage views). [`Mode`] (training with a dropout source, or evaluation) lives here because
+//! every kernel that drops takes it.
 
 use std::cell::Cell;
 use std::fmt::Debug;
@@ -21,10 +28,48 @@ use std::sync::Arc;
 
 use candle_core::{D, DType, Result, Tensor};
 
-use crate::bert::Mode;
 pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
 use crate::packing::Packing;
+
+mod composed;
+pub(crate) mod cpu;
+
+pub use composed::Composed;
+use composed::{composed_attention, composed_linear, composed_residual_layer_norm};
+
+/// Inference, or training with dropout masks from a source.
+#[derive(Debug, Clone, Copy)]
+pub enum Mode<'a> {
+    /// No dropout.
+    Eval,
+    /// Dropout on, masks drawn from the source.
+    Train(&'a DropoutSource),
+}
+
+impl Mode<'_> {
+    /// Applies dropout with probability `p` in training mode.
+    pub fn dropout(&self, x: &Tensor, p: f64) -> candle_core::Result<Tensor> {
+        match self {
+            Mode::Train(source) if p > 0.0 => source.apply(x, p),
+            _ => Ok(x.clone()),
+        }
+    }
+
+    /// As [`Mode::dropout`] for a packed `[tokens, width]` tensor: each token drops what its
+    /// place in the padded batch would.
+    pub fn dropout_tokens(
+        &self,
+        x: &Tensor,
+        p: f64,
+        packing: &Packing,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Mode::Train(source) if p > 0.0 => source.apply_to_tokens(x, packing, p),
+            _ => Ok(x.clone()),
+        }
+    }
+}
 
 /// The hot operations the model uses.
 pub trait Kernels: Send + Sync + Debug {
@@ -92,71 +137,6 @@ pub trait Kernels: Send + Sync + Debug {
     }
 }
 
-/// [`Kernels::linear`] from separate ops: the rows flattened, a product with the transposed
-/// weight, the bias broadcast over the rows.
-fn composed_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let (input, leading) = dims.split_last().expect("a tensor with a last dimension");
-    let rows: usize = leading.iter().product();
-    let y = x.reshape((rows, *input))?.matmul(&weight.t()?)?;
-    let y = match bias {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
-    };
-    let mut out = dims;
-    *out.last_mut().expect("non-empty") = weight.dim(0)?;
-    y.reshape(out)
-}
-
-/// [`Kernels::attention`] from separate ops on the padded batch: the tokens padded back to
-/// `[batch, heads, seq, head]`, `q·kᵀ`, scale, the padding mask's bias, the kernels' softmax,
-/// dropout, `·v`, and the tokens packed again.
-fn composed_attention<K: Kernels + ?Sized>(
-    kernels: &K,
-    qkv: &Tensor,
-    packing: &Packing,
-    heads: usize,
-    mode: Mode,
-    dropout: f64,
-) -> Result<Tensor> {
-    let (batch, seq) = packing.padded_dims();
-    let hidden = qkv.dim(D::Minus1)? / 3;
-    let head = hidden / heads.max(1);
-    let split = |part: usize| -> Result<Tensor> {
-        packing
-            .unpack(&qkv.narrow(1, part * hidden, hidden)?.contiguous()?)?
-            .reshape((batch, seq, heads, head))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-    let scale = 1.0 / (head as f64).sqrt();
-    let mask = packing.mask_bias().to_dtype(q.dtype())?;
-    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
-    let probs = mode.dropout(&kernels.softmax_last_dim(&scores)?, dropout)?;
-    let context = probs
-        .matmul(&v)?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((batch, seq, hidden))?;
-    packing.pack(&context)
-}
-
-/// [`Kernels::residual_layer_norm`] from separate ops: the dropout, the addition and the
-/// kernels' LayerNorm (`norm`: weight, bias, eps).
-fn composed_residual_layer_norm<K: Kernels + ?Sized>(
-    kernels: &K,
-    x: &Tensor,
-    residual: &Tensor,
-    packing: &Packing,
-    mode: Mode,
-    dropout: f64,
-    (weight, bias, eps): (&Tensor, &Tensor, f64),
-) -> Result<Tensor> {
-    let dropped = mode.dropout_tokens(x, dropout, packing)?;
-    kernels.layer_norm(&(dropped + residual)?, weight, bias, eps)
-}
-
 /// A fused CPU kernel's dropout in training `mode`: the keep bytes `draw` takes from the
 /// source (it returns `None` when `p` is 0) and the scale of a kept element, `1 / (1 - p)`;
 /// `None` in evaluation.
@@ -195,13 +175,6 @@ fn count_fused() {
     FUSED_CALLS.with(|c| c.set(c.get() + 1));
 }
 
-/// The reference kernels: every op composed of candle primitives that have a backward pass
-/// (CPU and CUDA, every dtype; in half precision LayerNorm and softmax are computed in f32 and
-/// cast back). Nothing fused: the tests compare the fused kernels against these, and
-/// `bench inference --composed` measures them.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Composed;
-
 fn is_half(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
@@ -215,40 +188,6 @@ fn widened(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-impl Kernels for Composed {
-    fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x = widened(x)?;
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centred = x.broadcast_sub(&mean)?;
-        let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centred.broadcast_div(&(var + eps)?.sqrt()?)?;
-        let normed = normed.to_dtype(dtype)?;
-        normed
-            .broadcast_mul(&weight.to_dtype(dtype)?)?
-            .broadcast_add(&bias.to_dtype(dtype)?)
-    }
-
-    fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
-        match form {
-            Gelu::Erf => x.gelu_erf(),
-            // candle's `gelu` is the tanh form, with a backward pass.
-            Gelu::Tanh => x.gelu(),
-        }
-    }
-
-    fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x = widened(x)?;
-        // Subtracting the (constant) row maximum changes nothing mathematically; detached, it
-        // adds no term to the gradient.
-        let max = x.max_keepdim(D::Minus1)?.detach();
-        let e = x.broadcast_sub(&max)?.exp()?;
-        let s = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-        s.to_dtype(dtype)
-    }
-}
-
 /// The default kernels: fused ops wherever one serves, [`Composed`] ones elsewhere.
 ///
 /// - On the CPU, for f32 (and for half precision, computed in f32): our own fused linear
@@ -258,7 +197,7 @@ impl Kernels for Composed {
 ///   kept), a sublayer's end (dropout, residual and LayerNorm in one pass) and GELU (also
 ///   fused into the linear layer before it)
 ///   (a vectorised error function), each with a fused backward, so training and inference
-///   take them alike (`cpu_fused`).
+///   take them alike (`kernels::cpu`).
 /// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a
 ///   frozen inference model, see [`crate::params::ParamBuilder::frozen`]); they have no
 ///   backward, so a trainable model takes the composed ops there.
@@ -281,7 +220,7 @@ impl Kernels for Fused {
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         if on_cpu_in_f32(&wide) {
             count_fused();
-            let op = crate::cpu_fused::LayerNorm { eps: eps as f32 };
+            let op = cpu::LayerNorm { eps: eps as f32 };
             return wide
                 .contiguous()?
                 .apply_op3(&f32(weight)?, &f32(bias)?, op)?
@@ -302,9 +241,9 @@ impl Kernels for Fused {
 
     fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         match bias {
-            Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => x
-                .contiguous()?
-                .apply_op3(weight, bias, crate::cpu_fused::Linear),
+            Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
+                x.contiguous()?.apply_op3(weight, bias, cpu::Linear)
+            }
             _ => composed_linear(x, weight, bias),
         }
     }
@@ -319,11 +258,8 @@ impl Kernels for Fused {
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
                 let trains = [x, weight, bias].iter().any(|t| t.track_op());
-                x.contiguous()?.apply_op3(
-                    weight,
-                    bias,
-                    crate::cpu_fused::LinearGelu::new(trains, form),
-                )
+                x.contiguous()?
+                    .apply_op3(weight, bias, cpu::LinearGelu::new(trains, form))
             }
             _ => self.gelu(&self.linear(x, weight, bias)?, form),
         }
@@ -332,7 +268,7 @@ impl Kernels for Fused {
     fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
         // Not counted with LayerNorm and softmax: candle has no fused GELU to stand in for.
         if on_cpu_in_f32(x) {
-            return x.contiguous()?.apply_op1(crate::cpu_fused::GeluOp { form });
+            return x.contiguous()?.apply_op1(cpu::GeluOp { form });
         }
         Composed.gelu(x, form)
     }
@@ -354,7 +290,7 @@ impl Kernels for Fused {
             source.next_cpu_attention_keep_mask(packing, heads, dropout)
         });
         let head = qkv.dim(D::Minus1)? / 3 / heads.max(1);
-        let op = crate::cpu_fused::Attention {
+        let op = cpu::Attention {
             heads,
             scale: (1.0 / (head as f64).sqrt()) as f32,
             starts: packing.shared_starts(),
@@ -386,7 +322,7 @@ impl Kernels for Fused {
         let keep = cpu_dropout(mode, dropout, |source| {
             source.next_cpu_token_keep_mask(packing, width, dropout)
         });
-        let op = crate::cpu_fused::ResidualLayerNorm {
+        let op = cpu::ResidualLayerNorm {
             eps: eps as f32,
             keep,
         };
