@@ -148,3 +148,40 @@ fn finetune_glue_then_predict_glue_with_the_saved_model() {
         "{written:.40}"
     );
 }
+
+/// `bench graph` on MiniLM's config: a row per kernel set, the fused one with fewer
+/// operations and bytes per layer, and the totals made of the per-layer and outside figures.
+#[test]
+fn bench_graph_counts_what_fusion_removes() {
+    let config = require("minilm/config.json");
+    let stdout = ok(bertkit(&[
+        "bench",
+        "graph",
+        "--config",
+        path(&config),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--predictions",
+        "2",
+    ]));
+    let row = |name: &str| -> Vec<f64> {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} row: {stdout}"));
+        line.split_whitespace()
+            .skip(1)
+            .map(|v| v.parse().unwrap())
+            .collect()
+    };
+    let (composed, fused) = (row("composed"), row("fused"));
+    // ops/layer, nodes/layer, MB/layer, ops elsewhere, MB elsewhere, ops, MB
+    assert_eq!(composed.len(), 7, "{stdout}");
+    assert!(fused[0] < composed[0] && fused[2] < composed[2], "{stdout}");
+    for r in [&composed, &fused] {
+        assert!(r[0] <= r[1], "views are nodes too: {stdout}");
+        assert_eq!(r[5], r[3] + 6.0 * r[0], "MiniLM has 6 layers: {stdout}");
+    }
+}

@@ -23,6 +23,8 @@
 //!   what a checkpoint lacks, and saving in the transformers layout.
 //! - [`google`]: google-research/bert's TensorFlow checkpoints converted to and from model
 //!   folders (its variable names mapped onto these; the reader is `bertkit-tf-checkpoint`).
+//! - [`census`]: the operations and bytes of a training forward pass's graph, per encoder
+//!   layer (what each kernel set asks of a device, counted on any device).
 //! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
 //!
 //! Dropout is on in [`Mode::Train`] forward passes, with reproducible masks from a
@@ -31,6 +33,7 @@
 #![deny(missing_docs)]
 
 pub mod bert;
+pub mod census;
 pub mod config;
 pub mod dropout;
 pub mod google;

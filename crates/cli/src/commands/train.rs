@@ -330,6 +330,7 @@ pub(crate) fn bench(command: BenchCommand) -> Result<()> {
         BenchCommand::Inference(args) => bench_inference(args),
         BenchCommand::Optimizer(args) => bench_optimizer(args),
         BenchCommand::Gemm(args) => bench_gemm(args),
+        BenchCommand::Graph(args) => bench_graph(args),
         BenchCommand::Memory(args) => bench_memory(args),
         BenchCommand::Allreduce(args) => bench_allreduce(args),
     }
@@ -525,6 +526,61 @@ fn bench_gemm(args: BenchGemmArgs) -> Result<()> {
     println!(
         "peak {:.4} TFLOP/s ([train] peak_tflops; pretrain measures it itself on the CPU)",
         peak
+    );
+    Ok(())
+}
+
+fn bench_graph(args: BenchGraphArgs) -> Result<()> {
+    use bertkit_model::census::{CensusBatch, pretraining};
+    let config = bertkit_model::BertConfig::named(&args.config)?;
+    let dtype = bertkit_model::parse_dtype(&args.dtype)?;
+    let device = bertkit_model::parse_device(&args.device)?;
+    let shape = CensusBatch {
+        batch: args.batch,
+        seq: args.seq,
+        predictions: args.predictions,
+    };
+    println!(
+        "{} ({} layers), a pre-training forward pass and loss in training mode, batch {} x {} positions, {} predictions a sequence, {} on {}",
+        args.config,
+        config.num_hidden_layers,
+        args.batch,
+        args.seq,
+        args.predictions,
+        args.dtype,
+        args.device
+    );
+    println!(
+        "{:<9} {:>10} {:>10} {:>10} {:>14} {:>12} {:>8} {:>10}",
+        "kernels",
+        "ops/layer",
+        "of nodes",
+        "MB/layer",
+        "ops elsewhere",
+        "MB elsewhere",
+        "ops",
+        "MB"
+    );
+    let sets: [(&str, std::sync::Arc<dyn bertkit_model::Kernels>); 2] = [
+        ("composed", std::sync::Arc::new(bertkit_model::Composed)),
+        ("fused", std::sync::Arc::new(bertkit_model::Fused)),
+    ];
+    for (name, kernels) in sets {
+        let c = pretraining(&config, kernels, dtype, &device, shape)?;
+        let mb = |b: u64| b as f64 / 1e6;
+        println!(
+            "{name:<9} {:>10} {:>10} {:>10.1} {:>14} {:>12.1} {:>8} {:>10.1}",
+            c.layer.ops,
+            c.layer.nodes,
+            mb(c.layer.bytes),
+            c.outside_layers.ops,
+            mb(c.outside_layers.bytes),
+            c.total.ops,
+            mb(c.total.bytes)
+        );
+    }
+    println!(
+        "(nodes: of the autograd graph; ops: those that write a buffer of their own, not views: on CUDA, kernel launches; MB: those buffers, held until the backward pass)"
     );
     Ok(())
 }

@@ -122,6 +122,10 @@ pub(crate) enum BenchCommand {
     /// The matrix products of a model's linear layers: TFLOP/s per shape and the fastest, the
     /// peak `pretrain` reports MFU against on the CPU (`[train] peak_tflops` to set your own).
     Gemm(BenchGemmArgs),
+    /// The operations and activation bytes of a training forward pass, per encoder layer and
+    /// outside the layers, with the composed kernels (CUDA's path today: each operation at
+    /// least one kernel launch) and the fused ones: what fusion removes, counted on any device.
+    Graph(BenchGraphArgs),
     /// The data-parallel gradient all-reduce of a model-sized f32 bucket, run under the
     /// launcher (`mpirun -np N bertkit bench allreduce`): time and bandwidth.
     Allreduce(BenchAllreduceArgs),
@@ -146,6 +150,28 @@ pub(crate) struct BenchGemmArgs {
     /// Timed seconds per shape.
     #[arg(long, default_value_t = 2.0)]
     pub(crate) seconds: f64,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchGraphArgs {
+    /// The model: base, large, or a transformers config.json.
+    #[arg(long, default_value = "large")]
+    pub(crate) config: String,
+    /// Sequences per micro-batch (the figures grow in proportion).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) batch: usize,
+    /// Positions per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub(crate) seq: usize,
+    /// Masked-LM predictions per sequence.
+    #[arg(long, default_value_t = 20)]
+    pub(crate) predictions: usize,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 #[derive(Args)]

@@ -1,0 +1,204 @@
+//! What a training forward pass asks of a device, counted on any device: the operations of its
+//! autograd graph and the bytes of their outputs.
+//!
+//! Every node of candle's graph that is not a parameter is one operation. A view (a reshape, a
+//! transpose, a narrow) shares its input's buffer and launches nothing; every other operation
+//! writes a buffer of its own, and on CUDA is at least one kernel launch (a copy that makes a
+//! view contiguous included). Every buffer stays alive until the backward pass has used it, so
+//! the graph's buffers are the activations a step holds (besides what a fused op keeps inside
+//! itself, such as a dropout mask or a pre-activation). Counting the same forward pass with the [`Composed`](crate::Composed)
+//! kernels (what CUDA trains with while it has no fused kernels) and with the
+//! [`Fused`](crate::Fused) ones shows what fusion removes, per encoder layer and outside the
+//! layers, without the device.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::bert::{BertForPreTraining, init};
+use crate::{BertConfig, DropoutSource, Inputs, Kernels, MaskedPositions, Mode, ModelError, loss};
+
+/// Operations and the bytes they write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Census {
+    /// Nodes of the graph that are not parameters (each an operation; views included).
+    pub nodes: usize,
+    /// Operations that wrote a buffer of their own (the nodes less the views of another
+    /// node's buffer): on CUDA, kernel launches.
+    pub ops: usize,
+    /// Bytes of those buffers (held until the backward pass).
+    pub bytes: u64,
+}
+
+impl std::ops::Sub for Census {
+    type Output = Census;
+    fn sub(self, other: Census) -> Census {
+        Census {
+            nodes: self.nodes.saturating_sub(other.nodes),
+            ops: self.ops.saturating_sub(other.ops),
+            bytes: self.bytes.saturating_sub(other.bytes),
+        }
+    }
+}
+
+/// The operations and bytes of the graph that computes `output` (parameters and views of
+/// their buffers not counted). A buffer several nodes view (a reshape, a transpose, a narrow)
+/// is one operation's and counted once, at its largest view.
+pub fn of_graph(output: &Tensor) -> Census {
+    let mut buffers: std::collections::HashMap<usize, u64> = std::collections::HashMap::new();
+    let mut parameters = std::collections::HashSet::new();
+    let mut nodes = 0;
+    for node in output.sorted_nodes() {
+        let (storage, _) = node.storage_and_layout();
+        let buffer = &*storage as *const candle_core::Storage as usize;
+        if node.is_variable() {
+            parameters.insert(buffer);
+            continue;
+        }
+        nodes += 1;
+        let bytes = (node.elem_count() * node.dtype().size_in_bytes()) as u64;
+        let held = buffers.entry(buffer).or_insert(0);
+        *held = (*held).max(bytes);
+    }
+    buffers.retain(|b, _| !parameters.contains(b));
+    Census {
+        nodes,
+        ops: buffers.len(),
+        bytes: buffers.values().sum(),
+    }
+}
+
+/// A pre-training forward pass counted per encoder layer and outside the layers
+/// (embeddings, heads and loss).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreTrainingCensus {
+    /// One encoder layer.
+    pub layer: Census,
+    /// Everything but the encoder layers.
+    pub outside_layers: Census,
+    /// The whole pass of the config's layer count.
+    pub total: Census,
+}
+
+/// The shape of the batch a census runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CensusBatch {
+    /// Sequences.
+    pub batch: usize,
+    /// Positions per sequence (no padding).
+    pub seq: usize,
+    /// Masked-LM predictions per sequence.
+    pub predictions: usize,
+}
+
+/// Counts a training-mode pre-training forward pass and its loss for `config` with `kernels`
+/// in `dtype` on `device`: built with one and with two encoder layers (seeded weights and
+/// inputs), the difference is one layer; the total is for the config's layer count.
+pub fn pretraining(
+    config: &BertConfig,
+    kernels: Arc<dyn Kernels>,
+    dtype: DType,
+    device: &Device,
+    shape: CensusBatch,
+) -> Result<PreTrainingCensus, ModelError> {
+    let count = |layers: usize| -> Result<Census, ModelError> {
+        let mut c = config.clone();
+        c.num_hidden_layers = layers;
+        pass(&c, kernels.clone(), dtype, device, shape)
+    };
+    let (one, two) = (count(1)?, count(2)?);
+    let layer = two - one;
+    let outside_layers = one - layer;
+    let layers = config.num_hidden_layers as u64;
+    Ok(PreTrainingCensus {
+        layer,
+        outside_layers,
+        total: Census {
+            nodes: outside_layers.nodes + layer.nodes * layers as usize,
+            ops: outside_layers.ops + layer.ops * layers as usize,
+            bytes: outside_layers.bytes + layer.bytes * layers,
+        },
+    })
+}
+
+fn pass(
+    config: &BertConfig,
+    kernels: Arc<dyn Kernels>,
+    dtype: DType,
+    device: &Device,
+    shape: CensusBatch,
+) -> Result<Census, ModelError> {
+    let CensusBatch {
+        batch,
+        seq,
+        predictions,
+    } = shape;
+    let mut loaded = init::<BertForPreTraining>(config, dtype, device, 1)?;
+    loaded.model.bert.set_kernels(kernels);
+    let mut rng = bertkit_rng::SplitMix64::new(7);
+    let mut below = |n: usize| (rng.next_u64() % n as u64) as u32;
+    let ids: Vec<u32> = (0..batch * seq).map(|_| below(config.vocab_size)).collect();
+    let types: Vec<u32> = (0..batch * seq)
+        .map(|i| u32::from(i % seq >= seq / 2))
+        .collect();
+    let inputs = Inputs::from_host(config, (batch, seq), &ids, Some(&types), None, device)?;
+    let positions: Vec<u32> = (0..batch * predictions)
+        .map(|i| ((i % predictions) * seq / predictions.max(1)) as u32)
+        .collect();
+    let masked = MaskedPositions::from_host((batch, predictions), &positions, seq, device)?;
+    let labels: Vec<u32> = (0..batch * predictions)
+        .map(|_| below(config.vocab_size))
+        .collect();
+    let labels = loss::labels(&labels, config.vocab_size, "labels", device)?
+        .reshape((batch, predictions))?;
+    let weights = Tensor::ones((batch, predictions), DType::F32, device)?;
+    let next: Vec<u32> = (0..batch).map(|i| (i % 2) as u32).collect();
+    let next = loss::labels(&next, 2, "next-sentence labels", device)?;
+    let source = DropoutSource::new(3);
+    let out = loaded
+        .model
+        .forward(&inputs, &masked, Mode::Train(&source))?;
+    let total = loss::pretraining_loss(&out.mlm_logits, &labels, &weights, &out.nsp_logits, &next)?;
+    Ok(of_graph(&total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Composed, Fused};
+
+    #[test]
+    fn fused_kernels_leave_fewer_operations_and_bytes_than_composed_ones() {
+        let config = BertConfig {
+            max_position_embeddings: 64,
+            ..BertConfig::tiny(60)
+        };
+        let shape = CensusBatch {
+            batch: 2,
+            seq: 16,
+            predictions: 3,
+        };
+        let cpu = &Device::Cpu;
+        let composed = pretraining(&config, Arc::new(Composed), DType::F32, cpu, shape).unwrap();
+        let fused = pretraining(&config, Arc::new(Fused), DType::F32, cpu, shape).unwrap();
+        eprintln!("composed {composed:?}\nfused {fused:?}");
+        assert!(
+            composed.layer.ops > 2 * fused.layer.ops,
+            "{composed:?} {fused:?}"
+        );
+        assert!(composed.layer.bytes > fused.layer.bytes);
+        assert!(
+            fused.layer.ops > 5,
+            "a layer is several operations: {fused:?}"
+        );
+        assert_eq!(
+            composed.total.ops,
+            composed.outside_layers.ops + 2 * composed.layer.ops
+        );
+        // The count is the graph's: the same pass counted twice gives the same figures.
+        assert_eq!(
+            pretraining(&config, Arc::new(Fused), DType::F32, cpu, shape).unwrap(),
+            fused
+        );
+    }
+}
