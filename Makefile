@@ -20,6 +20,11 @@
 #   make bench-shard                    shard-stage throughput and peak memory at 1x, 4x, 16x
 #   make bench-records GOOGLE_BERT=DIR  records stage vs Google's create_pretraining_data.py
 #                                       (DIR: a google-research/bert checkout)
+#   make bench-gpu [BENCH_GPU_PYTHON=python3]  bertkit beside PyTorch + transformers on this
+#                                       machine's GPU: phase 1 and 2 steps, inference, SQuAD
+#                                       steps, the forward check; one table of ratios
+#                                       (bench/gpu/pack.sh packs it for a machine reached
+#                                       through one call)
 #   make bench-scale [GB=1,4,10] [GOOGLE_BERT=DIR]  make data's chain on a generated, diverse
 #                                       Wikipedia-like corpus of GB gigabytes of XML, 1 and 2
 #                                       threads, beside the repeated-chunk baseline (needs ~40 GB
@@ -44,7 +49,7 @@ PYTHON_OK := import sys, pyarrow, tensorboard; sys.exit(int(pyarrow.__version__.
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
 PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
-.PHONY: all build build-train require-gpu demo data test lint fuzz mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records bench-scale clean
+.PHONY: all build build-train require-gpu demo data test lint fuzz mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records bench-scale bench-gpu clean
 
 all: build
 
@@ -189,6 +194,16 @@ $(BENCH_DEPS):
 	python3 -m venv bench/.venv
 	$(BENCH_PYTHON) -m pip install --quiet --disable-pip-version-check wikiextractor==3.1.0 six "pyarrow>=16" numpy
 	touch $@
+
+# bertkit beside PyTorch + transformers on this machine's GPU (DEVICE=cpu: the same plumbing on
+# the CPU, with MODEL=config.json for a small model): the CUDA build, the data
+# (bench/gpu/prepare.sh) and bench/gpu/side_by_side.sh. BENCH_GPU_PYTHON needs torch and
+# transformers.
+BENCH_GPU_PYTHON ?= python3
+bench-gpu: build-train
+	bash bench/gpu/prepare.sh $(TRAIN_BERTKIT) "$(MIRROR)" $(OUT)/bench-gpu/data
+	OUT=$(OUT)/bench-gpu DEVICE=$(DEVICE) bash bench/gpu/side_by_side.sh --bertkit $(TRAIN_BERTKIT) \
+	    --python $(BENCH_GPU_PYTHON) --data $(OUT)/bench-gpu/data
 
 bench-format: build $(BENCH_DEPS)
 	$(BENCH_PYTHON) bench/format_wiki.py --bertkit $(BERTKIT) --chunk "$(MIRROR)/$(ENWIKI_CHUNK)"

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# bertkit beside PyTorch + transformers on one GPU: the same work, shapes and device, in one
+# run that fits the device tool's one call (about 6 minutes on an H100/H200), ending in one
+# table of ratios (what BENCHMARKS.md records). Work, BERT-large in bf16 by default:
+#   1. phase-1 pre-training steps (seq 128, micro-batch 64, 20 predictions a sequence);
+#   2. the forward pass against transformers on the phase-1 weights (f32, no TF32);
+#   3. inference (seq 128, batch 64, bf16);
+#   4. phase-2 pre-training steps (seq 512, micro-batch 8, 80 predictions), from phase 1;
+#   5. SQuAD fine-tuning steps (seq 384, batch 32) from the phase-1 weights.
+# bertkit's side runs its real commands on the demo records and the SQuAD split; PyTorch's is
+# bench/gpu/torch_peer.py on random ids of the same shapes (masked-LM head on the masked
+# positions only, as bertkit; AdamW, fused on CUDA, where bertkit's recipes run LAMB).
+#
+# Usage: bench/gpu/side_by_side.sh --bertkit BIN --python PY --data DIR
+#   DIR: records/phase1 and records/phase2 (pipelines/demo.toml's), squad/train.json and
+#   squad/dev.json (`bertkit split squad`), vocab.txt, pipelines/ (the recipes).
+# Environment: DEVICE (cuda; cpu runs the plumbing on tiny shapes), MODEL (large; or a
+# config.json), QUICK=1 (phase 1 only), OUT (where logs and results.jsonl go; default a
+# temporary folder). `make bench-gpu` builds and prepares all of it; `bench/gpu/pack.sh`
+# packs it for a machine reached through one call.
+set -uo pipefail
+
+bertkit= py=python3 data=
+while (($#)); do
+    case $1 in
+        --bertkit) bertkit=$2; shift 2 ;;
+        --python) py=$2; shift 2 ;;
+        --data) data=$2; shift 2 ;;
+        *) sed -n '2,22p' "$0"; exit 2 ;;
+    esac
+done
+[[ -x $bertkit && -d $data ]] || { sed -n '2,22p' "$0"; exit 2; }
+data=$(readlink -f "$data")
+here=$(cd "$(dirname "$0")" && pwd)
+device=${DEVICE:-cuda}
+model=${MODEL:-large}
+out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
+results=$out/results.jsonl
+: > "$results"
+work=$(mktemp -d)
+# Shapes: the recipes' on a GPU; tiny ones for a dry run on the CPU.
+if [[ $device == cpu ]]; then
+    p1_batch=4 p2_batch=2 squad_batch=4 steps=3 warmup=1 dtype=f32 squad_seq=128
+else
+    p1_batch=64 p2_batch=8 squad_batch=32 steps=12 warmup=4 dtype=bf16 squad_seq=384
+fi
+if [[ $model == large || $model == base ]]; then
+    model_line="preset = \"$model\""
+else
+    model_line="config = \"$(readlink -f "$model")\""
+fi
+log() { echo "=== $(date -u +%T) $*"; }
+result() { echo "$1" >> "$results"; }
+sample_memory() { # file: nvidia-smi's used MiB every 200 ms, in the background; prints its pid
+    if command -v nvidia-smi >/dev/null 2>&1 && [[ $device == cuda* ]]; then
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$1" &
+        echo $!
+    fi
+}
+peak_mib() { [[ -s $1 ]] && sort -n "$1" | tail -n 1 || echo null; }
+# The recipe with this run's model, records and dtype.
+recipe() { # phase records [init]
+    sed -e "s|^preset = .*|$model_line|" -e "s|^precision = .*|precision = \"$dtype\"|" \
+        -e "s|^output = .*|output = \"$work/$1\"|" \
+        -e "s|^records = .*|records = [\"$data/records/$2\"]|" \
+        ${3:+-e "s|^init = .*|init = \"$3\"|"} \
+        "$data/pipelines/pretrain-$1.toml" > "$work/$1.toml"
+}
+# Median seq/s of a run's steps after the warm-up.
+median_seq_per_s() {
+    python3 -c 'import json,statistics,sys
+rows=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows=[r for r in rows if "seq_per_s" in r][int(sys.argv[2]):]
+print(round(statistics.median(r["seq_per_s"] for r in rows),2) if rows else "null")' "$1" "$2"
+}
+# Median windows/s of a fine-tuning run's steps after the warm-up (its metrics carry each
+# step's time since the start).
+median_windows_per_s() { # metrics warmup batch
+    python3 -c 'import json,statistics,sys
+t=[json.loads(l)["seconds"] for l in open(sys.argv[1]) if l.strip()]
+d=[b-a for a,b in zip([0]+t,t)][int(sys.argv[2]):]
+print(round(int(sys.argv[3])/statistics.median(d),2) if d else "null")' "$1" "$2" "$3"
+}
+pretrain() { # phase seq batch predictions
+    local phase=$1 seq=$2 batch=$3 predictions=$4
+    local pid mem=$work/$phase.mem
+    pid=$(sample_memory "$mem")
+    "$bertkit" pretrain --config "$work/$phase.toml" --no-eval --device "$device" \
+        --max-steps "$steps" --micro-batch "$batch" --global-batch "$batch" > "$out/$phase.log" 2>&1
+    local rc=$?
+    [[ -n $pid ]] && kill "$pid"
+    tail -n 3 "$out/$phase.log"
+    result "{\"side\": \"bertkit\", \"work\": \"$phase\", \"rc\": $rc, \"seq_per_s\": $(median_seq_per_s "$work/$phase/metrics.jsonl" "$warmup"), \"peak_mib\": $(peak_mib "$mem")}"
+    "$py" "$here/torch_peer.py" pretrain --config "$model" --seq "$seq" --batch "$batch" \
+        --predictions "$predictions" --steps "$steps" --warmup "$warmup" --dtype "$dtype" \
+        --device "$device" 2>"$out/torch-$phase.err" | sed "s/^{/{\"side\": \"torch\", \"phase\": \"$phase\", /" >> "$results"
+    tail -n 1 "$results"
+}
+
+log "environment"
+"$bertkit" --version
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+
+log "1 phase 1: seq 128, micro-batch $p1_batch, $steps steps ($dtype)"
+recipe phase1 phase1
+pretrain phase1 128 "$p1_batch" 20
+checkpoint=$(ls -d "$work"/phase1/checkpoints/step-* 2>/dev/null | tail -n 1)
+
+if [[ -z ${QUICK:-} && -n $checkpoint ]]; then
+    log "2 the forward pass against transformers on the phase-1 weights (f32, no TF32)"
+    "$py" - "$work/ids.safetensors" "$checkpoint/config.json" <<'PY'
+import json, sys, torch
+from safetensors.torch import save_file
+vocab = json.load(open(sys.argv[2]))["vocab_size"]
+g = torch.Generator().manual_seed(1)
+ids = torch.randint(5, vocab, (8, 128), generator=g)
+mask = torch.ones_like(ids); mask[4:, 100:] = 0
+types = torch.zeros_like(ids); types[:, 64:] = 1
+save_file({"input_ids": ids, "attention_mask": mask, "token_type_ids": types * mask}, sys.argv[1])
+PY
+    "$bertkit" forward --model "$checkpoint" --input "$work/ids.safetensors" -o "$work/fwd.safetensors" \
+        --device "$device" --dtype f32 --no-tf32 | tail -n 1
+    "$py" "$here/torch_peer.py" forward --model "$checkpoint" --input "$work/ids.safetensors" \
+        --bertkit "$work/fwd.safetensors" --device "$device" 2>"$out/torch-forward.err" \
+        | sed 's/^{/{"side": "both", /' >> "$results"
+    tail -n 1 "$results"
+
+    log "3 inference: seq 128, batch $p1_batch ($dtype)"
+    rows=$("$bertkit" bench inference --model "$checkpoint" --seq 128 --batch "$p1_batch" --dtype "$dtype" \
+        --device "$device" --seconds 2 2>&1 | tail -n 1)
+    echo "$rows"
+    result "{\"side\": \"bertkit\", \"work\": \"infer\", \"seq_per_s\": $(echo "$rows" | awk '{print $4+0}')}"
+    "$py" "$here/torch_peer.py" infer --config "$model" --seq 128 --batch "$p1_batch" --dtype "$dtype" \
+        --steps 20 --warmup 5 --device "$device" 2>"$out/torch-infer.err" | sed 's/^{/{"side": "torch", /' >> "$results"
+    tail -n 1 "$results"
+
+    log "4 phase 2 from phase 1: seq 512, micro-batch $p2_batch"
+    recipe phase2 phase2 "$work/phase1"
+    pretrain phase2 512 "$p2_batch" 80
+
+    log "5 SQuAD fine-tuning: seq $squad_seq, batch $squad_batch, $((steps + 8)) steps"
+    mkdir -p "$work/squad-model"
+    cp "$checkpoint/config.json" "$checkpoint/model.safetensors" "$work/squad-model/"
+    cp "$data/vocab.txt" "$work/squad-model/"
+    "$bertkit" finetune squad --model "$work/squad-model" --train "$data/squad/train.json" \
+        --output "$work/squad" --device "$device" --dtype "$dtype" --batch "$squad_batch" \
+        --max-seq-length "$squad_seq" --max-steps $((steps + 8)) > "$out/squad.log" 2>&1
+    rc=$?
+    grep -E "^squad:" "$out/squad.log"
+    result "{\"side\": \"bertkit\", \"work\": \"squad\", \"rc\": $rc, \"seq_per_s\": $(median_windows_per_s "$work/squad/metrics.jsonl" "$warmup" "$squad_batch")}"
+    "$py" "$here/torch_peer.py" squad --config "$model" --seq "$squad_seq" --batch "$squad_batch" \
+        --steps $((steps + 8)) --warmup "$warmup" --dtype "$dtype" --device "$device" \
+        2>"$out/torch-squad.err" | sed 's/^{/{"side": "torch", /' >> "$results"
+    tail -n 1 "$results"
+fi
+
+log "the table ($results)"
+python3 "$here/table.py" "$results"
+rm -rf "$work"
