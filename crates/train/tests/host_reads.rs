@@ -27,7 +27,8 @@ const STEP_CODE: &[(&str, &[(&str, usize)])] = &[
         &[("host_integers", 1), ("new", 1)],
     ),
     // The packing of the tokens is computed on the host when the inputs are built.
-    ("crates/model/src/kernels.rs", &[]),
+    ("crates/model/src/kernels/mod.rs", &[]),
+    ("crates/model/src/kernels/composed.rs", &[]),
     ("crates/model/src/packing.rs", &[]),
     ("crates/model/src/dropout.rs", &[]),
     ("crates/model/src/loss.rs", &[]),
