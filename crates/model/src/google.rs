@@ -271,8 +271,18 @@ fn write_model<M: BertArchitecture>(
         0,
     )
     .frozen();
-    let model = M::build(config, &mut p)
-        .map_err(|e| ModelError::Weights(format!("{}: {e}", source.display())))?;
+    let model = M::build(config, &mut p).map_err(|e| {
+        // A shape unlike the config names the model's parameter: say Google's name too.
+        let google = match &e {
+            ModelError::Weights(m) => m
+                .split_once(':')
+                .and_then(|(name, _)| google_names.get(name))
+                .map(|g| format!(" (Google's {g})"))
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
+        ModelError::Weights(format!("{}: {e}{google}", source.display()))
+    })?;
     let params = p.finish();
     let google = |names: &[String]| -> Vec<String> {
         names

@@ -316,7 +316,9 @@ fn bad_checkpoints_fail_naming_the_file_and_variable() {
     std::fs::write(&wide, google.to_string()).unwrap();
     let err = conversion_error(&prefix, &wide);
     assert!(
-        err.contains("intermediate.dense") && err.contains("[48, 32]"),
+        err.contains("intermediate.dense")
+            && err.contains("[48, 32]")
+            && err.contains("Google's bert/encoder/layer_0/intermediate/dense/kernel"),
         "{err}"
     );
 
