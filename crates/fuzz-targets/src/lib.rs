@@ -360,8 +360,24 @@ pub fn download_text(data: &[u8]) {
 /// A TensorFlow checkpoint index (`convert tf-checkpoint`'s first read): its table, header and
 /// entries parsed, then every entry read and checked against the fixture's data shard (real
 /// bytes at whatever offsets and sizes the input claims), as f32 where it is floating point.
+/// An even first byte gives the rest as the index file; an odd one as rows (key and value
+/// separated by 0xff bytes) put into a well-formed table, so that mutations reach the header
+/// and entry decoding past the blocks' checksums.
 pub fn tf_checkpoint(data: &[u8]) {
-    use bertkit_tf_checkpoint::{Checkpoint, data_path};
+    use bertkit_tf_checkpoint::{Checkpoint, data_path, index_table};
+    let (selector, rest) = split_selector(data);
+    let built;
+    let data = if selector % 2 == 1 {
+        let parts: Vec<&[u8]> = rest.split(|&b| b == 0xff).collect();
+        let rows: Vec<(&[u8], &[u8])> = parts
+            .chunks(2)
+            .map(|kv| (kv[0], kv.get(1).copied().unwrap_or(&[])))
+            .collect();
+        built = index_table(&rows);
+        &built[..]
+    } else {
+        rest
+    };
     let index = scratch_file("bert_model.ckpt.index", data);
     let prefix = index.with_extension("");
     let shard = data_path(&prefix, 0, 1);

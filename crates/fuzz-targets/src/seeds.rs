@@ -489,8 +489,25 @@ fn tf_checkpoint() -> Vec<Vec<u8>> {
     writer.finish().expect("written");
     let ours = std::fs::read(bertkit_tf_checkpoint::index_path(&prefix)).expect("written");
     let _ = std::fs::remove_dir_all(&dir);
-    let mut seeds = vec![tensorflow.clone(), ours.clone()];
-    seeds.push(tensorflow[..tensorflow.len() / 2].to_vec());
-    seeds.push(ours[..ours.len() - 9].to_vec());
+    // Raw files behind an even selector.
+    let raw = |bytes: &[u8]| [&[0u8][..], bytes].concat();
+    let mut seeds = vec![raw(&tensorflow), raw(&ours)];
+    seeds.push(raw(&tensorflow[..tensorflow.len() / 2]));
+    seeds.push(raw(&ours[..ours.len() - 9]));
+    // The fixture's rows (key 0xff value 0xff …) behind an odd one: the header and a few
+    // entries, and all of them.
+    let rows = bertkit_tf_checkpoint::index_rows(&tensorflow).expect("the fixture's index reads");
+    for take in [4, rows.len()] {
+        let mut seed = vec![1u8];
+        for (i, (key, value)) in rows.iter().take(take).enumerate() {
+            if i > 0 {
+                seed.push(0xff);
+            }
+            seed.extend_from_slice(key);
+            seed.push(0xff);
+            seed.extend_from_slice(value);
+        }
+        seeds.push(seed);
+    }
     seeds
 }

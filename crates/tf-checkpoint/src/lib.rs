@@ -23,6 +23,8 @@
 mod proto;
 mod table;
 
+pub use table::Rows;
+
 use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -200,6 +202,23 @@ pub fn resolve_prefix(path: &Path) -> Result<PathBuf, Error> {
         };
     }
     Ok(path.to_path_buf())
+}
+
+/// An index table holding `rows` (key and value each; sorted by key, no key twice), laid out as
+/// [`Writer`] lays one out, checksums and all: for tests and fuzzing, which need well-formed
+/// tables around arbitrary entries. Rows out of order or repeated are sorted and the first of
+/// each key kept.
+pub fn index_table(rows: &[(&[u8], &[u8])]) -> Vec<u8> {
+    let mut rows = rows.to_vec();
+    rows.sort_by(|a, b| a.0.cmp(b.0));
+    rows.dedup_by(|b, a| a.0 == b.0);
+    table::write(&rows)
+}
+
+/// The rows (key, value) of the index table `bytes`, its blocks' checksums checked: what
+/// [`index_table`] takes.
+pub fn index_rows(bytes: &[u8]) -> Result<table::Rows, String> {
+    table::read(bytes)
 }
 
 /// `<prefix>.index`.

@@ -14,7 +14,7 @@ const BLOCK_TRAILER_LEN: usize = 5;
 const RESTART_INTERVAL: usize = 16;
 
 /// A table's keys and values, in order.
-pub(crate) type Rows = Vec<(Vec<u8>, Vec<u8>)>;
+pub type Rows = Vec<(Vec<u8>, Vec<u8>)>;
 
 /// A block's place in the file.
 #[derive(Debug, Clone, Copy)]
