@@ -6,7 +6,7 @@
 //! batch is unpadded: activations are `[tokens, hidden]`, the tokens of every row end to end
 //! ([`Packing`]), so nothing is computed for padding; the outputs are padded back
 //! (`[batch, seq, ...]`, zeros at padding). [`Mode::Train`] turns the dropouts on, with masks
-//! from a [`DropoutSource`]. Every hot op goes through [`Kernels`].
+//! from a [`DropoutSource`](crate::DropoutSource). Every hot op goes through [`Kernels`].
 
 use std::sync::Arc;
 
