@@ -18,7 +18,7 @@
 //!   fine-tuning.
 //! - [`plan`]: the largest micro-batch per sequence length for a device's memory (estimate).
 //! - [`plot`]: training curves from `metrics.jsonl` as SVG.
-//! - [`bench`]: timing the optimiser step alone (`bertkit bench optimizer`).
+//! - [`bench`](mod@bench): timing the optimiser step alone (`bertkit bench optimizer`).
 //! - [`config`]: the run config (`pipelines/pretrain-phase1.toml`, …).
 //! - [`trainer`]: the loop — gradient accumulation, mixed precision, metrics, atomic
 //!   checkpoints and exact resume.
