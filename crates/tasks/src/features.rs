@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use bertkit_model::Mode;
 use bertkit_model::bert::{BertModel, load_frozen};
 use candle_core::{DType, Device};
+use rayon::prelude::*;
 
 use crate::TaskError;
 use crate::glue::data::Example;
@@ -233,19 +234,24 @@ pub fn extract_features(
                         .to_vec3::<f32>()
                 })
                 .collect::<candle_core::Result<_>>()?;
-            for (row, (ids, _)) in batch.iter().enumerate() {
-                let tokens: Vec<&str> = ids
-                    .iter()
-                    .map(|&id| tokenizer.id_to_token(id).unwrap_or("[UNK]"))
-                    .collect();
-                let per_layer: Vec<&[Vec<f32>]> = states
-                    .iter()
-                    .map(|layer| &layer[row][..ids.len()])
-                    .collect();
-                sink.line(summary.lines, ids, &tokens, &per_layer)?;
-                summary.lines += 1;
-                summary.tokens += ids.len();
-            }
+            let lines: Vec<Line> = batch
+                .iter()
+                .enumerate()
+                .map(|(row, (ids, _))| Line {
+                    ids,
+                    tokens: ids
+                        .iter()
+                        .map(|&id| tokenizer.id_to_token(id).unwrap_or("[UNK]"))
+                        .collect(),
+                    layers: states
+                        .iter()
+                        .map(|layer| &layer[row][..ids.len()])
+                        .collect(),
+                })
+                .collect();
+            sink.lines(summary.lines, &lines)?;
+            summary.lines += lines.len();
+            summary.tokens += lines.iter().map(|l| l.ids.len()).sum::<usize>();
             batch.clear();
             progress(summary.lines);
         }
@@ -254,16 +260,17 @@ pub fn extract_features(
     Ok(summary)
 }
 
+/// One line's features: its ids, tokens and each asked layer's `[tokens][hidden]` vectors.
+struct Line<'a> {
+    ids: &'a [u32],
+    tokens: Vec<&'a str>,
+    layers: Vec<&'a [Vec<f32>]>,
+}
+
 /// Where extracted lines go.
 trait Sink {
-    /// Line `index`: its ids, tokens and each asked layer's `[tokens][hidden]` vectors.
-    fn line(
-        &mut self,
-        index: usize,
-        ids: &[u32],
-        tokens: &[&str],
-        layers: &[&[Vec<f32>]],
-    ) -> Result<(), TaskError>;
+    /// A batch of lines, the first of them line `first` of the input.
+    fn lines(&mut self, first: usize, lines: &[Line]) -> Result<(), TaskError>;
     /// Completes the output (renamed into place).
     fn finish(self: Box<Self>) -> Result<(), TaskError>;
 }
@@ -317,7 +324,6 @@ impl PartialFile {
 struct JsonlSink {
     out: PartialFile,
     layers: Vec<i64>,
-    text: String,
 }
 
 impl JsonlSink {
@@ -325,55 +331,78 @@ impl JsonlSink {
         Ok(JsonlSink {
             out: PartialFile::create(path)?,
             layers: layers.to_vec(),
-            text: String::new(),
         })
     }
 }
 
-/// `x` rounded to 6 decimals as Python's `round(x, 6)` rounds it, printed as `json.dumps`.
-fn rounded(x: f32) -> String {
-    let six: f64 = format!("{:.6}", x as f64).parse().expect("a decimal");
-    crate::pyfloat::repr(six)
+/// Appends `x` rounded to 6 decimals as Python's `round(x, 6)` rounds it (the decimal
+/// correctly rounded, then the nearest double), printed as `json.dumps` prints it.
+fn push_rounded(out: &mut String, x: f32, scratch: &mut String) {
+    use std::fmt::Write as _;
+    scratch.clear();
+    let _ = write!(scratch, "{:.6}", x as f64);
+    let six: f64 = scratch.parse().expect("a decimal");
+    out.push_str(&crate::pyfloat::repr(six));
 }
 
-impl Sink for JsonlSink {
-    fn line(
-        &mut self,
-        index: usize,
-        _ids: &[u32],
-        tokens: &[&str],
-        layers: &[&[Vec<f32>]],
-    ) -> Result<(), TaskError> {
-        use std::fmt::Write as _;
-        let t = &mut self.text;
-        t.clear();
-        let _ = write!(t, "{{\"linex_index\": {index}, \"features\": [");
-        for (i, token) in tokens.iter().enumerate() {
-            if i > 0 {
+/// `x` rounded and printed as [`push_rounded`] does.
+#[cfg(test)]
+fn rounded(x: f32) -> String {
+    let mut out = String::new();
+    push_rounded(&mut out, x, &mut String::new());
+    out
+}
+
+/// Line `index` in Google's layout (without the newline).
+fn json_line(index: usize, asked: &[i64], line: &Line) -> String {
+    use std::fmt::Write as _;
+    let values: usize = line
+        .layers
+        .iter()
+        .map(|l| l.len() * l.first().map_or(0, Vec::len))
+        .sum();
+    let mut t = String::with_capacity(64 + values * 12);
+    let mut scratch = String::new();
+    let _ = write!(t, "{{\"linex_index\": {index}, \"features\": [");
+    for (i, token) in line.tokens.iter().enumerate() {
+        if i > 0 {
+            t.push_str(", ");
+        }
+        let token = serde_json::to_string(token).expect("a string serialises");
+        let _ = write!(t, "{{\"token\": {token}, \"layers\": [");
+        for (j, (layer, vectors)) in asked.iter().zip(&line.layers).enumerate() {
+            if j > 0 {
                 t.push_str(", ");
             }
-            let token = serde_json::to_string(token).expect("a string serialises");
-            let _ = write!(t, "{{\"token\": {token}, \"layers\": [");
-            for (j, (layer, values)) in self.layers.iter().zip(layers).enumerate() {
-                if j > 0 {
+            let _ = write!(t, "{{\"index\": {layer}, \"values\": [");
+            for (k, &v) in vectors[i].iter().enumerate() {
+                if k > 0 {
                     t.push_str(", ");
                 }
-                let _ = write!(t, "{{\"index\": {layer}, \"values\": [");
-                for (k, &v) in values[i].iter().enumerate() {
-                    if k > 0 {
-                        t.push_str(", ");
-                    }
-                    t.push_str(&rounded(v));
-                }
-                t.push_str("]}");
+                push_rounded(&mut t, v, &mut scratch);
             }
             t.push_str("]}");
         }
-        t.push_str("]}\n");
-        let text = std::mem::take(&mut self.text);
-        let written = self.out.write(text.as_bytes());
-        self.text = text;
-        written
+        t.push_str("]}");
+    }
+    t.push_str("]}");
+    t
+}
+
+impl Sink for JsonlSink {
+    fn lines(&mut self, first: usize, lines: &[Line]) -> Result<(), TaskError> {
+        // Printing a value costs more than computing it on small models: the batch's lines
+        // are printed in parallel, then written in order.
+        let texts: Vec<String> = lines
+            .par_iter()
+            .enumerate()
+            .map(|(i, line)| json_line(first + i, &self.layers, line))
+            .collect();
+        for text in texts {
+            self.out.write(text.as_bytes())?;
+            self.out.write(b"\n")?;
+        }
+        Ok(())
     }
 
     fn finish(self: Box<Self>) -> Result<(), TaskError> {
@@ -440,24 +469,24 @@ impl NpySink {
 }
 
 impl Sink for NpySink {
-    fn line(
-        &mut self,
-        _index: usize,
-        ids: &[u32],
-        _tokens: &[&str],
-        layers: &[&[Vec<f32>]],
-    ) -> Result<(), TaskError> {
-        for ((file, _), values) in self.layers.iter_mut().zip(layers) {
-            let bytes: Vec<u8> = values
+    fn lines(&mut self, _first: usize, lines: &[Line]) -> Result<(), TaskError> {
+        for line in lines {
+            for ((file, _), vectors) in self.layers.iter_mut().zip(&line.layers) {
+                let bytes: Vec<u8> = vectors
+                    .iter()
+                    .flat_map(|row| row.iter().flat_map(|v| v.to_le_bytes()))
+                    .collect();
+                file.write(&bytes)?;
+            }
+            let bytes: Vec<u8> = line
+                .ids
                 .iter()
-                .flat_map(|row| row.iter().flat_map(|v| v.to_le_bytes()))
+                .flat_map(|&i| (i as i32).to_le_bytes())
                 .collect();
-            file.write(&bytes)?;
+            self.ids.write(&bytes)?;
+            self.tokens += line.ids.len();
+            self.offsets.push(self.tokens as i64);
         }
-        let bytes: Vec<u8> = ids.iter().flat_map(|&i| (i as i32).to_le_bytes()).collect();
-        self.ids.write(&bytes)?;
-        self.tokens += ids.len();
-        self.offsets.push(self.tokens as i64);
         Ok(())
     }
 
