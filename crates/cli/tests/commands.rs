@@ -185,3 +185,42 @@ fn bench_graph_counts_what_fusion_removes() {
         assert_eq!(r[5], r[3] + 6.0 * r[0], "MiniLM has 6 layers: {stdout}");
     }
 }
+
+/// `bench kernels` on MiniLM's config: a row per kernel the fused forward calls, with the
+/// counts its layers make, and the forward and backward times.
+#[test]
+fn bench_kernels_times_each_kernel() {
+    let config = require("minilm/config.json");
+    let stdout = ok(bertkit(&[
+        "bench",
+        "kernels",
+        "--config",
+        path(&config),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--predictions",
+        "2",
+        "--passes",
+        "1",
+    ]));
+    let calls = |name: &str| -> u64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} row: {stdout}"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    // Six layers: an attention and two sublayer ends each; the feed-forward's first product
+    // with GELU in each, and the masked-LM transform's.
+    assert_eq!(calls("attention"), 6, "{stdout}");
+    assert_eq!(calls("residual_layer_norm"), 12, "{stdout}");
+    assert_eq!(calls("linear_gelu"), 7, "{stdout}");
+    for row in ["outside the kernels", "forward", "backward"] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(row)),
+            "{row}: {stdout}"
+        );
+    }
+}

@@ -9,13 +9,17 @@
 //! itself, such as a dropout mask or a pre-activation). Counting the same forward pass with the [`Composed`](crate::Composed)
 //! kernels (what CUDA trains with while it has no fused kernels) and with the
 //! [`Fused`](crate::Fused) ones shows what fusion removes, per encoder layer and outside the
-//! layers, without the device.
+//! layers, without the device. [`profile`] times the same pass, each kernel call timed
+//! ([`Profiled`]), on the device it runs on: where a step's time goes.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::bert::{BertForPreTraining, init};
+use crate::bert::{BertForPreTraining, Loaded, init};
+use crate::kernels::{KernelTime, Profiled};
 use crate::{BertConfig, DropoutSource, Inputs, Kernels, MaskedPositions, Mode, ModelError, loss};
 
 /// Operations and the bytes they write.
@@ -128,38 +132,141 @@ fn pass(
     device: &Device,
     shape: CensusBatch,
 ) -> Result<Census, ModelError> {
-    let CensusBatch {
-        batch,
-        seq,
-        predictions,
-    } = shape;
-    let mut loaded = init::<BertForPreTraining>(config, dtype, device, 1)?;
-    loaded.model.bert.set_kernels(kernels);
-    let mut rng = bertkit_rng::SplitMix64::new(7);
-    let mut below = |n: usize| (rng.next_u64() % n as u64) as u32;
-    let ids: Vec<u32> = (0..batch * seq).map(|_| below(config.vocab_size)).collect();
-    let types: Vec<u32> = (0..batch * seq)
-        .map(|i| u32::from(i % seq >= seq / 2))
+    let mut pass = PreTrainingPass::build(config, dtype, device, shape)?;
+    pass.loaded.model.bert.set_kernels(kernels);
+    Ok(of_graph(&pass.loss()?))
+}
+
+/// A seeded pre-training model and batch, for measuring a pass.
+struct PreTrainingPass {
+    loaded: Loaded<BertForPreTraining>,
+    inputs: Inputs,
+    masked: MaskedPositions,
+    labels: Tensor,
+    weights: Tensor,
+    next: Tensor,
+    dropout: DropoutSource,
+}
+
+impl PreTrainingPass {
+    fn build(
+        config: &BertConfig,
+        dtype: DType,
+        device: &Device,
+        shape: CensusBatch,
+    ) -> Result<Self, ModelError> {
+        let CensusBatch {
+            batch,
+            seq,
+            predictions,
+        } = shape;
+        let loaded = init::<BertForPreTraining>(config, dtype, device, 1)?;
+        let mut rng = bertkit_rng::SplitMix64::new(7);
+        let mut below = |n: usize| (rng.next_u64() % n as u64) as u32;
+        let ids: Vec<u32> = (0..batch * seq).map(|_| below(config.vocab_size)).collect();
+        let types: Vec<u32> = (0..batch * seq)
+            .map(|i| u32::from(i % seq >= seq / 2))
+            .collect();
+        let inputs = Inputs::from_host(config, (batch, seq), &ids, Some(&types), None, device)?;
+        let positions: Vec<u32> = (0..batch * predictions)
+            .map(|i| ((i % predictions) * seq / predictions.max(1)) as u32)
+            .collect();
+        let masked = MaskedPositions::from_host((batch, predictions), &positions, seq, device)?;
+        let labels: Vec<u32> = (0..batch * predictions)
+            .map(|_| below(config.vocab_size))
+            .collect();
+        let labels = loss::labels(&labels, config.vocab_size, "labels", device)?
+            .reshape((batch, predictions))?;
+        let weights = Tensor::ones((batch, predictions), DType::F32, device)?;
+        let next: Vec<u32> = (0..batch).map(|i| (i % 2) as u32).collect();
+        let next = loss::labels(&next, 2, "next-sentence labels", device)?;
+        Ok(PreTrainingPass {
+            loaded,
+            inputs,
+            masked,
+            labels,
+            weights,
+            next,
+            dropout: DropoutSource::new(3),
+        })
+    }
+
+    /// The training-mode forward pass and its loss.
+    fn loss(&self) -> Result<Tensor, ModelError> {
+        let out =
+            self.loaded
+                .model
+                .forward(&self.inputs, &self.masked, Mode::Train(&self.dropout))?;
+        Ok(loss::pretraining_loss(
+            &out.mlm_logits,
+            &self.labels,
+            &self.weights,
+            &out.nsp_logits,
+            &self.next,
+        )?)
+    }
+}
+
+/// Where a training pass's time goes, per pass (the mean over the timed passes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PassProfile {
+    /// The forward pass and loss, the device synchronised at both ends.
+    pub forward_seconds: f64,
+    /// The backward pass.
+    pub backward_seconds: f64,
+    /// Each kernel of the forward pass (see [`Profiled`]), by name.
+    pub kernels: BTreeMap<&'static str, KernelTime>,
+}
+
+/// Times `passes` training passes (forward, loss, backward) of `config` with `kernels`, after
+/// one untimed pass, each kernel call timed ([`Profiled`]): where a step's time goes, on any
+/// device.
+pub fn profile(
+    config: &BertConfig,
+    kernels: Arc<dyn Kernels>,
+    dtype: DType,
+    device: &Device,
+    shape: CensusBatch,
+    passes: usize,
+) -> Result<PassProfile, ModelError> {
+    let mut pass = PreTrainingPass::build(config, dtype, device, shape)?;
+    let profiled = Arc::new(Profiled::new(kernels));
+    pass.loaded.model.bert.set_kernels(profiled.clone());
+    let passes = passes.max(1);
+    let (mut forward, mut backward) = (0.0, 0.0);
+    for i in 0..=passes {
+        if i == 1 {
+            profiled.take();
+            (forward, backward) = (0.0, 0.0);
+        }
+        device.synchronize()?;
+        let started = Instant::now();
+        let total = pass.loss()?;
+        device.synchronize()?;
+        let forwarded = Instant::now();
+        let grads = total.backward()?;
+        device.synchronize()?;
+        drop(grads);
+        forward += (forwarded - started).as_secs_f64();
+        backward += forwarded.elapsed().as_secs_f64();
+    }
+    let n = passes as f64;
+    let kernels = profiled
+        .take()
+        .into_iter()
+        .map(|(name, t)| {
+            let per_pass = KernelTime {
+                calls: t.calls / passes as u64,
+                seconds: t.seconds / n,
+            };
+            (name, per_pass)
+        })
         .collect();
-    let inputs = Inputs::from_host(config, (batch, seq), &ids, Some(&types), None, device)?;
-    let positions: Vec<u32> = (0..batch * predictions)
-        .map(|i| ((i % predictions) * seq / predictions.max(1)) as u32)
-        .collect();
-    let masked = MaskedPositions::from_host((batch, predictions), &positions, seq, device)?;
-    let labels: Vec<u32> = (0..batch * predictions)
-        .map(|_| below(config.vocab_size))
-        .collect();
-    let labels = loss::labels(&labels, config.vocab_size, "labels", device)?
-        .reshape((batch, predictions))?;
-    let weights = Tensor::ones((batch, predictions), DType::F32, device)?;
-    let next: Vec<u32> = (0..batch).map(|i| (i % 2) as u32).collect();
-    let next = loss::labels(&next, 2, "next-sentence labels", device)?;
-    let source = DropoutSource::new(3);
-    let out = loaded
-        .model
-        .forward(&inputs, &masked, Mode::Train(&source))?;
-    let total = loss::pretraining_loss(&out.mlm_logits, &labels, &weights, &out.nsp_logits, &next)?;
-    Ok(of_graph(&total))
+    Ok(PassProfile {
+        forward_seconds: forward / n,
+        backward_seconds: backward / n,
+        kernels,
+    })
 }
 
 #[cfg(test)]
@@ -195,6 +302,14 @@ mod tests {
             composed.total.ops,
             composed.outside_layers.ops + 2 * composed.layer.ops
         );
+        // Every kernel the fused pass calls is timed, twice a pass for the two layers' norms.
+        let timed = profile(&config, Arc::new(Fused), DType::F32, cpu, shape, 2).unwrap();
+        assert!(timed.forward_seconds > 0.0 && timed.backward_seconds > 0.0);
+        assert_eq!(timed.kernels["residual_layer_norm"].calls, 4, "{timed:?}");
+        assert_eq!(timed.kernels["attention"].calls, 2, "{timed:?}");
+        assert_eq!(timed.kernels["linear_gelu"].calls, 3, "{timed:?}");
+        let in_kernels: f64 = timed.kernels.values().map(|k| k.seconds).sum();
+        assert!(in_kernels < timed.forward_seconds, "{timed:?}");
         // The count is the graph's: the same pass counted twice gives the same figures.
         assert_eq!(
             pretraining(&config, Arc::new(Fused), DType::F32, cpu, shape).unwrap(),

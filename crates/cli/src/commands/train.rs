@@ -331,6 +331,7 @@ pub(crate) fn bench(command: BenchCommand) -> Result<()> {
         BenchCommand::Optimizer(args) => bench_optimizer(args),
         BenchCommand::Gemm(args) => bench_gemm(args),
         BenchCommand::Graph(args) => bench_graph(args),
+        BenchCommand::Kernels(args) => bench_kernels(args),
         BenchCommand::Memory(args) => bench_memory(args),
         BenchCommand::Allreduce(args) => bench_allreduce(args),
     }
@@ -581,6 +582,77 @@ fn bench_graph(args: BenchGraphArgs) -> Result<()> {
     }
     println!(
         "(nodes: of the autograd graph; ops: those that write a buffer of their own, not views: on CUDA, kernel launches; MB: those buffers, held until the backward pass)"
+    );
+    Ok(())
+}
+
+fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
+    use bertkit_model::census::{CensusBatch, profile};
+    let g = &args.graph;
+    let config = bertkit_model::BertConfig::named(&g.config)?;
+    let dtype = bertkit_model::parse_dtype(&g.dtype)?;
+    let device = bertkit_model::parse_device(&g.device)?;
+    let kernels: std::sync::Arc<dyn bertkit_model::Kernels> = match args.kernels.as_str() {
+        "fused" => std::sync::Arc::new(bertkit_model::Fused),
+        "composed" => std::sync::Arc::new(bertkit_model::Composed),
+        other => return Err(format!("--kernels {other:?}: fused or composed").into()),
+    };
+    let shape = CensusBatch {
+        batch: g.batch,
+        seq: g.seq,
+        predictions: g.predictions,
+    };
+    let p = profile(&config, kernels, dtype, &device, shape, args.passes)?;
+    println!(
+        "{} ({} layers), {} kernels, a training pass (forward, loss, backward) at batch {} x {} positions, {} predictions a sequence, {} on {}, mean of {} passes",
+        g.config,
+        config.num_hidden_layers,
+        args.kernels,
+        g.batch,
+        g.seq,
+        g.predictions,
+        g.dtype,
+        g.device,
+        args.passes.max(1)
+    );
+    println!(
+        "{:<22} {:>8} {:>10} {:>12}",
+        "", "calls", "ms", "of forward"
+    );
+    let ms = |s: f64| s * 1e3;
+    let share = |s: f64| 100.0 * s / p.forward_seconds.max(1e-12);
+    let mut rows: Vec<_> = p.kernels.iter().collect();
+    rows.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
+    for (name, t) in &rows {
+        println!(
+            "{name:<22} {:>8} {:>10.2} {:>11.1}%",
+            t.calls,
+            ms(t.seconds),
+            share(t.seconds)
+        );
+    }
+    let in_kernels: f64 = rows.iter().map(|(_, t)| t.seconds).sum();
+    println!(
+        "{:<22} {:>8} {:>10.2} {:>11.1}%",
+        "outside the kernels",
+        "",
+        ms(p.forward_seconds - in_kernels),
+        share(p.forward_seconds - in_kernels)
+    );
+    println!(
+        "{:<22} {:>8} {:>10.2}",
+        "forward",
+        "",
+        ms(p.forward_seconds)
+    );
+    println!(
+        "{:<22} {:>8} {:>10.2}",
+        "backward",
+        "",
+        ms(p.backward_seconds)
+    );
+    println!(
+        "(each kernel call timed with the device synchronised around it; outside the kernels: embeddings, gathers, heads, loss)"
     );
     Ok(())
 }

@@ -80,6 +80,7 @@ impl Command {
             Command::Bench(train::BenchCommand::Inference(a)) => &a.products,
             Command::Bench(train::BenchCommand::Memory(a)) => &a.products,
             Command::Bench(train::BenchCommand::Gemm(a)) => &a.products,
+            Command::Bench(train::BenchCommand::Kernels(a)) => &a.products,
             Command::Finetune(tasks::FinetuneCommand::Glue(a)) => &a.train.products,
             Command::Finetune(tasks::FinetuneCommand::Squad(a)) => &a.train_flags.products,
             Command::Predict(tasks::PredictCommand::Squad(a)) => &a.products,
@@ -127,7 +128,8 @@ mod tests {
     /// `--no-tf32` is a flag of each command that runs a model, and of no other.
     #[test]
     fn no_tf32_belongs_to_the_commands_that_run_a_model() {
-        let model_commands: [&[&str]; 10] = [
+        let model_commands: [&[&str]; 11] = [
+            &["bench", "kernels"],
             &["forward", "--model", "m", "--input", "i", "--output", "o"],
             &[
                 "extract-features",

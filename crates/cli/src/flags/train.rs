@@ -126,6 +126,9 @@ pub(crate) enum BenchCommand {
     /// outside the layers, with the composed kernels (CUDA's path today: each operation at
     /// least one kernel launch) and the fused ones: what fusion removes, counted on any device.
     Graph(BenchGraphArgs),
+    /// Where a training pass's time goes: each kernel's calls and time in the forward pass
+    /// (the device synchronised around each call), the rest of the forward, and the backward.
+    Kernels(BenchKernelsArgs),
     /// The data-parallel gradient all-reduce of a model-sized f32 bucket, run under the
     /// launcher (`mpirun -np N bertkit bench allreduce`): time and bandwidth.
     Allreduce(BenchAllreduceArgs),
@@ -172,6 +175,21 @@ pub(crate) struct BenchGraphArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchKernelsArgs {
+    #[command(flatten)]
+    pub(crate) graph: BenchGraphArgs,
+    /// The kernel set: fused (the default) or composed (the reference; CUDA's training path
+    /// until its fused kernels land).
+    #[arg(long, default_value = "fused")]
+    pub(crate) kernels: String,
+    /// Timed passes (after one untimed).
+    #[arg(long, default_value_t = 3)]
+    pub(crate) passes: usize,
+    #[command(flatten)]
+    pub(crate) products: super::ProductArgs,
 }
 
 #[derive(Args)]

@@ -34,9 +34,11 @@ use crate::packing::Packing;
 
 mod composed;
 pub(crate) mod cpu;
+mod profiled;
 
 pub use composed::Composed;
 use composed::{composed_attention, composed_linear, composed_residual_layer_norm};
+pub use profiled::{KernelTime, Profiled};
 
 /// Inference, or training with dropout masks from a source.
 #[derive(Debug, Clone, Copy)]

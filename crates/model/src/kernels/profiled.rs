@@ -1,0 +1,125 @@
+//! [`Profiled`]: any kernel set, with each call timed.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use candle_core::{Result, Tensor};
+
+use super::{Gelu, Kernels, Mode};
+use crate::packing::Packing;
+
+/// The kernels `inner` with each call timed per method: the device is synchronised before and
+/// after each call, so that a GPU's queued work is counted to the call that launched it (which
+/// slows the pass a little; for profiling, never for training). The forward passes only: a
+/// backward pass runs in candle's autograd, outside the kernels.
+#[derive(Debug)]
+pub struct Profiled {
+    inner: Arc<dyn Kernels>,
+    times: Mutex<BTreeMap<&'static str, KernelTime>>,
+}
+
+/// What the calls of one kernel took.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KernelTime {
+    /// Calls.
+    pub calls: u64,
+    /// Seconds in them, the device synchronised.
+    pub seconds: f64,
+}
+
+impl Profiled {
+    /// `inner`, timed.
+    pub fn new(inner: Arc<dyn Kernels>) -> Self {
+        Profiled {
+            inner,
+            times: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Each kernel's calls and time since the start or the last [`Profiled::take`], by name;
+    /// the count starts again.
+    pub fn take(&self) -> BTreeMap<&'static str, KernelTime> {
+        std::mem::take(&mut *self.times.lock().expect("not poisoned"))
+    }
+
+    fn timed(
+        &self,
+        name: &'static str,
+        on: &Tensor,
+        call: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        on.device().synchronize()?;
+        let started = Instant::now();
+        let out = call()?;
+        out.device().synchronize()?;
+        let seconds = started.elapsed().as_secs_f64();
+        let mut times = self.times.lock().expect("not poisoned");
+        let t = times.entry(name).or_default();
+        t.calls += 1;
+        t.seconds += seconds;
+        Ok(out)
+    }
+}
+
+impl Kernels for Profiled {
+    fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+        self.timed("layer_norm", x, || {
+            self.inner.layer_norm(x, weight, bias, eps)
+        })
+    }
+
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.timed("linear", x, || self.inner.linear(x, weight, bias))
+    }
+
+    fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
+        self.timed("gelu", x, || self.inner.gelu(x, form))
+    }
+
+    fn linear_gelu(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        form: Gelu,
+    ) -> Result<Tensor> {
+        self.timed("linear_gelu", x, || {
+            self.inner.linear_gelu(x, weight, bias, form)
+        })
+    }
+
+    fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
+        self.timed("softmax_last_dim", x, || self.inner.softmax_last_dim(x))
+    }
+
+    fn attention(
+        &self,
+        qkv: &Tensor,
+        packing: &Packing,
+        heads: usize,
+        mode: Mode,
+        dropout: f64,
+    ) -> Result<Tensor> {
+        self.timed("attention", qkv, || {
+            self.inner.attention(qkv, packing, heads, mode, dropout)
+        })
+    }
+
+    fn residual_layer_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        packing: &Packing,
+        mode: Mode,
+        dropout: f64,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        self.timed("residual_layer_norm", x, || {
+            self.inner
+                .residual_layer_norm(x, residual, packing, mode, dropout, weight, bias, eps)
+        })
+    }
+}
