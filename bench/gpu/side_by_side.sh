@@ -6,7 +6,8 @@
 #   2. the forward pass against transformers on the phase-1 weights (f32, no TF32);
 #   3. inference (seq 128, batch 64, bf16);
 #   4. phase-2 pre-training steps (seq 512, micro-batch 8, 80 predictions), from phase 1;
-#   5. SQuAD fine-tuning steps (seq 384, batch 32) from the phase-1 weights.
+#   5. SQuAD fine-tuning steps (seq 384, batch 32) from the phase-1 weights;
+# and, for the record, where bertkit's training pass spends its time per kernel.
 # bertkit's side runs its real commands on the demo records and the SQuAD split; PyTorch's is
 # bench/gpu/torch_peer.py on random ids of the same shapes (masked-LM head on the masked
 # positions only, as bertkit; AdamW, fused on CUDA, where bertkit's recipes run LAMB).
@@ -135,6 +136,10 @@ PY
     "$py" "$here/torch_peer.py" infer --config "$model" --seq 128 --batch "$p1_batch" --dtype "$dtype" \
         --steps 20 --warmup 5 --device "$device" 2>"$out/torch-infer.err" | sed 's/^{/{"side": "torch", /' >> "$results"
     tail -n 1 "$results"
+
+    log "3b where a training pass's time goes, per kernel (seq 128, batch $p1_batch, $dtype)"
+    "$bertkit" bench kernels --config "$model" --batch "$p1_batch" --seq 128 --dtype "$dtype" \
+        --device "$device" --passes 2 2>&1 | tail -n 11
 
     log "4 phase 2 from phase 1: seq 512, micro-batch $p2_batch"
     recipe phase2 phase2 "$work/phase1"
