@@ -211,10 +211,12 @@ pub fn extract_features(
                 text_b: b,
                 label: 0,
             };
-            let full = encode(&tokenizer, &example, usize::MAX).map_err(bad_option)?;
-            let encoded = encode(&tokenizer, &example, max_seq_length).map_err(bad_option)?;
-            if encoded.ids.len() < full.ids.len() {
+            // The encoding is cut exactly when the whole line is longer than the limit; only
+            // then is it encoded again, cut.
+            let mut encoded = encode(&tokenizer, &example, usize::MAX).map_err(bad_option)?;
+            if encoded.ids.len() > max_seq_length {
                 summary.truncated += 1;
+                encoded = encode(&tokenizer, &example, max_seq_length).map_err(bad_option)?;
             }
             batch.push((encoded.ids, encoded.segments));
         }
