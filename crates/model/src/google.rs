@@ -176,7 +176,7 @@ pub fn convert_from_tf(
     vocab: Option<&Path>,
     out: &Path,
 ) -> Result<FromTfSummary, ModelError> {
-    let ckpt = Checkpoint::open(checkpoint).map_err(tf_error)?;
+    let ckpt = Checkpoint::open(checkpoint)?;
     let mut config = BertConfig::load(config)?;
     if config.hidden_act == "gelu" {
         // modeling.py's `gelu` is the tanh approximation.
@@ -191,7 +191,7 @@ pub fn convert_from_tf(
             None => unknown.push(entry.name.clone()),
             Some(GoogleName::TrainingState) => skipped += 1,
             Some(GoogleName::Param { name, transposed }) => {
-                let values = ckpt.read_f32(entry).map_err(tf_error)?;
+                let values = ckpt.read_f32(entry)?;
                 let mut t = Tensor::from_vec(values, entry.shape.as_slice(), &Device::Cpu)?;
                 if transposed {
                     if entry.shape.len() != 2 {
@@ -373,7 +373,7 @@ pub fn convert_to_tf(model: &Path, out: &Path) -> Result<ToTfSummary, ModelError
     }
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     let prefix = out.join("bert_model.ckpt");
-    let mut writer = Writer::create(&prefix).map_err(tf_error)?;
+    let mut writer = Writer::create(&prefix)?;
     let mut bytes = 0u64;
     for (google, (tensor, transposed)) in &named {
         let mut t = tensor.to_dtype(DType::F32)?;
@@ -381,12 +381,10 @@ pub fn convert_to_tf(model: &Path, out: &Path) -> Result<ToTfSummary, ModelError
             t = t.t()?.contiguous()?;
         }
         let values = t.flatten_all()?.to_vec1::<f32>()?;
-        writer
-            .add_f32(google, t.dims(), &values)
-            .map_err(tf_error)?;
+        writer.add_f32(google, t.dims(), &values)?;
         bytes += 4 * values.len() as u64;
     }
-    writer.finish().map_err(tf_error)?;
+    writer.finish()?;
     let google_config = serde_json::json!({
         "attention_probs_dropout_prob": config.attention_probs_dropout_prob,
         "hidden_act": "gelu",
@@ -418,10 +416,6 @@ pub fn convert_to_tf(model: &Path, out: &Path) -> Result<ToTfSummary, ModelError
         gelu_changes: config.gelu() == Gelu::Erf,
         vocab_copied,
     })
-}
-
-fn tf_error(e: bertkit_tf_checkpoint::Error) -> ModelError {
-    ModelError::Weights(e.to_string())
 }
 
 fn io(path: &Path, source: std::io::Error) -> ModelError {

@@ -76,6 +76,9 @@ pub enum ModelError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A TensorFlow checkpoint could not be read or written (names the file and variable).
+    #[error("weights: {0}")]
+    TfCheckpoint(#[from] bertkit_tf_checkpoint::Error),
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
