@@ -77,6 +77,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Plot(args) => train::plot(args),
         Command::Plan(args) => train::plan(args),
         Command::Bench(c) => train::bench(c),
+        Command::Check(c) => model::check(c),
         Command::Evaluate(c) => tasks::evaluate(c),
         Command::Finetune(c) => tasks::finetune(c),
         Command::Predict(c) => tasks::predict(c),

@@ -159,6 +159,23 @@ impl DropoutSource {
         Some(cpu_token_keep_mask(packing, width, &draw, p))
     }
 
+    /// The next mask's keys for a kernel that draws each element itself as [`keeps`] does
+    /// (the CUDA kernels): the same mask number, keys and threshold as the CPU masks. `None`
+    /// when `p` is 0.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn next_keys(&self, p: f64) -> Option<MaskKeys> {
+        if p <= 0.0 {
+            return None;
+        }
+        let draw = self.next_draw();
+        Some(MaskKeys {
+            key: draw.key,
+            first_row: draw.first_row,
+            threshold: threshold(p),
+            scale: (1.0 / (1.0 - p)) as f32,
+        })
+    }
+
     /// `x` with each element zeroed with probability `p` and the rest scaled by `1 / (1 - p)`.
     pub fn apply(&self, x: &Tensor, p: f64) -> Result<Tensor> {
         self.apply_drawn(x, p, |draw| {
@@ -220,6 +237,16 @@ impl DropoutSource {
         };
         x.mul(&mask.to_dtype(x.dtype())?)
     }
+}
+
+/// A mask's keys: row `i` of the batch is keyed by `row_key(key, first_row, i)`, an element
+/// keeps when its 24-bit uniform is at least `threshold`, a kept element is scaled by `scale`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct MaskKeys {
+    pub(crate) key: u64,
+    pub(crate) first_row: u64,
+    pub(crate) threshold: u64,
+    pub(crate) scale: f32,
 }
 
 /// One mask number taken from a [`DropoutSource`].

@@ -126,6 +126,20 @@ impl Packing {
         &self.mask_bias
     }
 
+    /// `[batch · seq]` u32: each padded place's token, or [`Packing::tokens`] for padding
+    /// (the CUDA attention kernels' way from tokens to padded heads).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn scatter_places(&self) -> &Tensor {
+        &self.scatter
+    }
+
+    /// `[tokens]` u32: each token's place `b · seq + column` in the flattened padded batch
+    /// (the CUDA kernels' way back, and their dropout keys).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn gather_places(&self) -> &Tensor {
+        &self.gather
+    }
+
     /// Each token's column (position) in its padded row.
     pub fn columns(&self) -> &[u32] {
         &self.columns

@@ -3,7 +3,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::flags::model::{ConvertCommand, TfCheckpointArgs, ToTfCheckpointArgs};
+use crate::flags::model::{
+    CheckCommand, CheckKernelsArgs, ConvertCommand, TfCheckpointArgs, ToTfCheckpointArgs,
+};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -84,5 +86,53 @@ fn to_tf(args: ToTfCheckpointArgs) -> Result<()> {
             args.model.display()
         );
     }
+    Ok(())
+}
+
+pub(crate) fn check(command: CheckCommand) -> Result<()> {
+    match command {
+        CheckCommand::Kernels(args) => check_kernels(args),
+    }
+}
+
+fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
+    use bertkit_model::kernels::check::{CheckShape, check_kernels};
+    let device = bertkit_model::parse_device(&args.device)?;
+    let reference = if device.is_cpu() {
+        "the composed ops in f64 on the CPU"
+    } else {
+        "the fused kernels in f32 on the CPU (their twins)"
+    };
+    let shapes = CheckShape::defaults();
+    let mut failed = 0;
+    let mut checked = 0;
+    for name in args.dtype.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let dtype = bertkit_model::parse_dtype(name)?;
+        println!("fused kernels on {} in {name} against {reference}:", args.device);
+        println!(
+            "  {:<30} {:<9} {:<9} {:>11} {:>10}",
+            "kernel", "shape", "value", "worst", "bound"
+        );
+        let started = Instant::now();
+        for c in check_kernels(&device, dtype, &shapes)? {
+            let value = if c.value == "output" {
+                "output".to_string()
+            } else {
+                format!("d{}", c.value)
+            };
+            let verdict = if c.passed() { "ok" } else { "FAILED" };
+            println!(
+                "  {:<30} {:<9} {:<9} {:>11.3e} {:>10.1e} {verdict}",
+                c.kernel, c.shape, value, c.worst, c.tolerance
+            );
+            checked += 1;
+            failed += usize::from(!c.passed());
+        }
+        println!("  ({:.1} s)", started.elapsed().as_secs_f64());
+    }
+    if failed > 0 {
+        return Err(format!("{failed} of {checked} kernel values out of bounds").into());
+    }
+    println!("all {checked} kernel values within bounds");
     Ok(())
 }

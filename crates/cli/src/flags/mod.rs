@@ -67,6 +67,9 @@ pub(crate) enum Command {
     /// Measure speed.
     #[command(subcommand)]
     Bench(train::BenchCommand),
+    /// Check the kernels of this machine's devices against their references.
+    #[command(subcommand)]
+    Check(model::CheckCommand),
 }
 
 impl Command {

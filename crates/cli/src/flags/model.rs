@@ -39,3 +39,22 @@ pub(crate) struct ToTfCheckpointArgs {
     #[arg(long, short)]
     pub(crate) output: PathBuf,
 }
+
+#[derive(Subcommand)]
+pub(crate) enum CheckCommand {
+    /// Each fused kernel (LayerNorm, a sublayer's end with dropout, linear + bias, + GELU,
+    /// attention with and without dropout) on a device against its twin, values and
+    /// gradients: on CUDA the CPU's fused kernels in f32, on the CPU the composed ops in f64.
+    /// A line per kernel and value with its worst difference; fails if one is out of bounds.
+    Kernels(CheckKernelsArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct CheckKernelsArgs {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// The dtypes to check, comma-separated: f32, bf16.
+    #[arg(long, default_value = "f32,bf16")]
+    pub(crate) dtype: String,
+}

@@ -25,6 +25,7 @@
 use std::cell::Cell;
 use std::fmt::Debug;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -32,8 +33,11 @@ pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
 use crate::packing::Packing;
 
+pub mod check;
 mod composed;
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod profiled;
 
 pub use composed::Composed;
@@ -153,6 +157,49 @@ fn cpu_dropout(
     }
 }
 
+/// Whether [`Fused`] takes its CUDA kernels on a CUDA device: 0 unset (the environment
+/// decides), 1 off, 2 on.
+static CUDA_KERNELS: AtomicU8 = AtomicU8::new(0);
+
+/// Turns [`Fused`]'s CUDA kernels on or off for this process (the `cuda` feature; without it
+/// there are none and this changes nothing). Unset, `BERTKIT_CUDA_KERNELS=fused` turns them on
+/// and `composed` off; they are off by default until a GPU run has passed their check
+/// (`bertkit check kernels --device cuda`), and then the composed ops run on CUDA.
+pub fn set_cuda_kernels(on: bool) {
+    CUDA_KERNELS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether [`Fused`] takes its CUDA kernels on a CUDA device (see [`set_cuda_kernels`]).
+pub fn cuda_kernels() -> bool {
+    match CUDA_KERNELS.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("BERTKIT_CUDA_KERNELS").is_ok_and(|v| v == "fused");
+            set_cuda_kernels(on);
+            on
+        }
+        setting => setting == 2,
+    }
+}
+
+/// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32 or bf16, with the
+/// kernels turned on).
+#[cfg(feature = "cuda")]
+fn on_cuda(tensors: &[&Tensor]) -> bool {
+    tensors
+        .iter()
+        .all(|t| t.device().is_cuda() && cuda::takes(t.dtype()))
+        && cuda_kernels()
+}
+
+/// The keys of a CUDA kernel's dropout in training `mode` (none in evaluation or at 0).
+#[cfg(feature = "cuda")]
+fn cuda_dropout(mode: Mode, p: f64) -> cuda::DeviceDropout {
+    match mode {
+        Mode::Train(source) => cuda::DeviceDropout::next(source, p),
+        Mode::Eval => cuda::DeviceDropout::default(),
+    }
+}
+
 thread_local! {
     static FUSED_CALLS: Cell<u64> = const { Cell::new(0) };
 }
@@ -217,6 +264,11 @@ fn on_cpu_in_f32(x: &Tensor) -> bool {
 
 impl Kernels for Fused {
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if on_cuda(&[x]) && cuda::norm_fits(x.dim(D::Minus1)?) {
+            count_fused();
+            return cuda::layer_norm(x, weight, bias, eps);
+        }
         let dtype = x.dtype();
         let wide = widened(x)?;
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
@@ -242,6 +294,13 @@ impl Kernels for Fused {
     }
 
     fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(bias) = bias
+            && on_cuda(&[x, weight])
+            && cuda::bias_fits(weight.dim(0)?)
+        {
+            return cuda::bias_activation(&composed_linear(x, weight, None)?, bias, None);
+        }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
                 x.contiguous()?.apply_op3(weight, bias, cpu::Linear)
@@ -257,6 +316,14 @@ impl Kernels for Fused {
         bias: Option<&Tensor>,
         form: Gelu,
     ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(bias) = bias
+            && on_cuda(&[x, weight])
+            && cuda::bias_fits(weight.dim(0)?)
+        {
+            let y = composed_linear(x, weight, None)?;
+            return cuda::bias_activation(&y, bias, Some(form));
+        }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
                 let trains = [x, weight, bias].iter().any(|t| t.track_op());
@@ -269,6 +336,10 @@ impl Kernels for Fused {
 
     fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
         // Not counted with LayerNorm and softmax: candle has no fused GELU to stand in for.
+        #[cfg(feature = "cuda")]
+        if on_cuda(&[x]) {
+            return cuda::activation(x, form);
+        }
         if on_cpu_in_f32(x) {
             return x.contiguous()?.apply_op1(cpu::GeluOp { form });
         }
@@ -283,6 +354,11 @@ impl Kernels for Fused {
         mode: Mode,
         dropout: f64,
     ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if on_cuda(&[qkv]) && packing.padded_dims().1 <= cuda::MAX_SEQ {
+            count_fused();
+            return cuda::attention(qkv, packing, heads, cuda_dropout(mode, dropout));
+        }
         let dtype = qkv.dtype();
         if !(qkv.device().is_cpu() && (dtype == DType::F32 || is_half(dtype))) {
             return composed_attention(self, qkv, packing, heads, mode, dropout);
@@ -315,6 +391,12 @@ impl Kernels for Fused {
         bias: &Tensor,
         eps: f64,
     ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if on_cuda(&[x, residual]) && cuda::norm_fits(x.dim(D::Minus1)?) {
+            count_fused();
+            let keys = cuda_dropout(mode, dropout);
+            return cuda::residual_layer_norm(x, residual, packing, keys, (weight, bias, eps));
+        }
         if ![x, residual, weight, bias].into_iter().all(on_cpu_in_f32) {
             let norm = (weight, bias, eps);
             return composed_residual_layer_norm(self, x, residual, packing, mode, dropout, norm);

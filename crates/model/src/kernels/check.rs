@@ -1,0 +1,290 @@
+//! Each fused kernel against its twin, values and gradients (`bertkit check kernels`).
+//!
+//! A kernel runs on the device being checked ([`Fused`] there, in the dtype asked for) and on
+//! its reference on the CPU, from the same inputs (rounded to the dtype first) and the same
+//! dropout masks; a fixed upstream gradient is pulled back through both. On a CUDA device the
+//! reference is the twin, [`Fused`] on the CPU in f32 (the kernels the CPU tests prove against
+//! the composed ops); on the CPU it is [`Composed`] in f64. Each line reports the largest
+//! difference relative to the reference's largest magnitude, against a tolerance for the
+//! dtype. It needs no Rust toolchain, so a GPU machine (or a user's) runs it from the binary.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+use super::{Composed, Fused, Gelu, Kernels, Mode};
+use crate::dropout::DropoutSource;
+use crate::packing::Packing;
+
+/// One compared tensor of one kernel.
+#[derive(Debug, Clone)]
+pub struct KernelCheck {
+    /// The kernel (and its mode).
+    pub kernel: String,
+    /// The shape it ran at ([`CheckShape::name`]).
+    pub shape: &'static str,
+    /// The output, or which input's gradient.
+    pub value: &'static str,
+    /// The largest absolute difference over the reference's largest magnitude.
+    pub worst: f64,
+    /// The most [`KernelCheck::worst`] may be.
+    pub tolerance: f64,
+}
+
+impl KernelCheck {
+    /// Whether the difference is within the tolerance (a NaN fails).
+    pub fn passed(&self) -> bool {
+        self.worst <= self.tolerance
+    }
+}
+
+/// A batch the kernels are checked at.
+#[derive(Debug, Clone)]
+pub struct CheckShape {
+    /// Its name in the report.
+    pub name: &'static str,
+    /// Each row's length (tokens, then padding up to `seq`).
+    pub lengths: Vec<usize>,
+    /// The padded length.
+    pub seq: usize,
+    /// The hidden size.
+    pub hidden: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// The feed-forward size.
+    pub intermediate: usize,
+}
+
+impl CheckShape {
+    /// The shapes `bertkit check kernels` runs: a small one with odd lengths (a row of one
+    /// token, a length not a multiple of a warp) and BERT-base's widths at 128 positions.
+    pub fn defaults() -> Vec<CheckShape> {
+        vec![
+            CheckShape {
+                name: "small",
+                lengths: vec![37, 20, 1],
+                seq: 37,
+                hidden: 64,
+                heads: 4,
+                intermediate: 256,
+            },
+            CheckShape {
+                name: "base-128",
+                lengths: vec![128, 100, 77, 3],
+                seq: 128,
+                hidden: 768,
+                heads: 12,
+                intermediate: 3072,
+            },
+        ]
+    }
+
+    fn tokens(&self) -> usize {
+        self.lengths.iter().sum()
+    }
+
+    fn mask(&self) -> Vec<u32> {
+        self.lengths
+            .iter()
+            .flat_map(|&len| (0..self.seq).map(move |c| u32::from(c < len)))
+            .collect()
+    }
+}
+
+/// The tolerance of [`KernelCheck::worst`] in `dtype`: f32 rounding through a few reductions,
+/// or half precision's 8 (bf16) or 11 (f16) bits through the same.
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 | DType::F64 => 2e-4,
+        _ => 4e-2,
+    }
+}
+
+/// The dropout probability of the checks that drop.
+const DROPOUT: f64 = 0.1;
+/// The dropout masks' seed.
+const SEED: u64 = 1234;
+
+type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
+
+struct Case {
+    kernel: &'static str,
+    /// The inputs' names (gradients are reported under them) and shapes.
+    inputs: Vec<(&'static str, Vec<usize>, f64)>,
+    run: Run,
+    train: bool,
+}
+
+fn cases(s: &CheckShape) -> Vec<Case> {
+    let (t, h, i) = (s.tokens(), s.hidden, s.intermediate);
+    let w = 1.0 / (h as f64).sqrt();
+    let norm = |kernel, train, run: Run| Case {
+        kernel,
+        inputs: vec![
+            ("x", vec![t, h], 2.0),
+            ("weight", vec![h], 1.0),
+            ("bias", vec![h], 0.5),
+        ],
+        run,
+        train,
+    };
+    let linear = |kernel, run: Run| Case {
+        kernel,
+        inputs: vec![
+            ("x", vec![t, h], 1.0),
+            ("weight", vec![i, h], w),
+            ("bias", vec![i], 0.5),
+        ],
+        run,
+        train: false,
+    };
+    let attention = |kernel, train| Case {
+        kernel,
+        inputs: vec![("qkv", vec![t, 3 * h], 2.0)],
+        run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
+        train,
+    };
+    vec![
+        norm("layer_norm", false, |k, x, _, _, _| {
+            k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
+        }),
+        linear("linear", |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2]))),
+        linear("linear_gelu (erf)", |k, x, _, _, _| {
+            k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
+        }),
+        linear("linear_gelu (tanh)", |k, x, _, _, _| {
+            k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Tanh)
+        }),
+        Case {
+            kernel: "gelu (erf)",
+            inputs: vec![("x", vec![t, i], 3.0)],
+            run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
+            train: false,
+        },
+        attention("attention (eval)", false),
+        attention("attention (dropout)", true),
+        Case {
+            kernel: "residual_layer_norm (dropout)",
+            inputs: vec![
+                ("x", vec![t, h], 2.0),
+                ("residual", vec![t, h], 2.0),
+                ("weight", vec![h], 1.0),
+                ("bias", vec![h], 0.5),
+            ],
+            run: |k, x, p, mode, _| {
+                k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
+            },
+            train: true,
+        },
+    ]
+}
+
+/// Uniform values in `[-scale, scale)` from a seed (the same on every device), rounded to
+/// `dtype`, as f32 on the CPU.
+fn values(dims: &[usize], scale: f64, seed: u64, dtype: DType) -> Result<Tensor> {
+    let mut rng = bertkit_rng::SplitMix64::new(seed);
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| ((rng.next_f64() * 2.0 - 1.0) * scale) as f32)
+        .collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_dtype(DType::F32)
+}
+
+/// One side's output and input gradients, in f64 on the CPU.
+fn run_side(
+    case: &Case,
+    shape: &CheckShape,
+    inputs: &[Tensor],
+    kernels: &dyn Kernels,
+    device: &Device,
+    dtype: DType,
+) -> Result<Vec<Tensor>> {
+    let vars = inputs
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_device(device)?.to_dtype(dtype)?))
+        .collect::<Result<Vec<_>>>()?;
+    let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let packing = Packing::from_mask(
+        (shape.lengths.len(), shape.seq),
+        &shape.mask(),
+        device,
+    )?;
+    let source = DropoutSource::new(SEED);
+    source.start_batch(0, 0);
+    let mode = if case.train {
+        Mode::Train(&source)
+    } else {
+        Mode::Eval
+    };
+    let y = (case.run)(kernels, &tensors, &packing, mode, shape)?;
+    let upstream = values(y.dims(), 1.0, SEED + 99, dtype)?
+        .to_device(device)?
+        .to_dtype(y.dtype())?;
+    let grads = (&y * &upstream)?.sum_all()?.backward()?;
+    let mut out = vec![y.to_device(&Device::Cpu)?.to_dtype(DType::F64)?];
+    for (v, (name, _, _)) in vars.iter().zip(&case.inputs) {
+        let Some(g) = grads.get(v.as_tensor()) else {
+            candle_core::bail!("{}: no gradient for {name}", case.kernel)
+        };
+        out.push(g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?);
+    }
+    Ok(out)
+}
+
+/// The largest `|a - b|` over the largest `|b|` (NaN if either holds a NaN).
+fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.flatten_all()?.to_vec1::<f64>()?;
+    let b = b.flatten_all()?.to_vec1::<f64>()?;
+    let mut diff = 0f64;
+    let mut scale = f64::MIN_POSITIVE;
+    for (&x, &y) in a.iter().zip(&b) {
+        if x.is_nan() || y.is_nan() {
+            return Ok(f64::NAN);
+        }
+        diff = diff.max((x - y).abs());
+        scale = scale.max(y.abs());
+    }
+    Ok(diff / scale)
+}
+
+/// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
+/// (see the module's documentation). On a CUDA device this turns the CUDA kernels on for the
+/// process ([`super::set_cuda_kernels`]).
+pub fn check_kernels(
+    device: &Device,
+    dtype: DType,
+    shapes: &[CheckShape],
+) -> Result<Vec<KernelCheck>> {
+    if device.is_cuda() {
+        super::set_cuda_kernels(true);
+    }
+    let (reference, ref_dtype): (&dyn Kernels, DType) = if device.is_cpu() {
+        (&Composed, DType::F64)
+    } else {
+        (&Fused, DType::F32)
+    };
+    let mut checks = Vec::new();
+    for shape in shapes {
+        for (c, case) in cases(shape).iter().enumerate() {
+            let inputs = case
+                .inputs
+                .iter()
+                .enumerate()
+                .map(|(i, (_, dims, scale))| values(dims, *scale, (c * 16 + i) as u64, dtype))
+                .collect::<Result<Vec<_>>>()?;
+            let want = run_side(case, shape, &inputs, reference, &Device::Cpu, ref_dtype)?;
+            let got = run_side(case, shape, &inputs, &Fused, device, dtype)?;
+            let names = std::iter::once("output").chain(case.inputs.iter().map(|(n, _, _)| *n));
+            for ((value, got), want) in names.zip(&got).zip(&want) {
+                checks.push(KernelCheck {
+                    kernel: case.kernel.to_string(),
+                    shape: shape.name,
+                    value,
+                    worst: worst(got, want)?,
+                    tolerance: tolerance(dtype),
+                });
+            }
+        }
+    }
+    Ok(checks)
+}

@@ -1,0 +1,481 @@
+// bertkit's fused CUDA kernels: the device half of `kernels::cuda`.
+//
+// Compiled to PTX by the model crate's build script (nvcc, only with the `cuda` feature) and
+// loaded on candle's device, launched on its stream. Every kernel reads f32 or bf16 and
+// computes in f32; each has a CPU twin (the `kernels::cpu` op of the same name, or the
+// composed ops), and `bertkit check kernels` compares the two on any GPU.
+//
+// Dropout masks are not stored: a kept element is recomputed from its keys exactly as the CPU
+// draws it (`dropout.rs`: splitmix64 of the mask's key, the row's place in its step, the
+// element's indices), so the CUDA and CPU kernels drop the same elements.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Dropout keys (dropout.rs).
+
+// bertkit_rng::splitmix64.
+__device__ __forceinline__ uint64_t splitmix(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// A mask's keys, as `kernels::cuda::DeviceDropout` (#[repr(C)]): `on` 0 means no dropout.
+struct Dropout {
+    uint64_t key;
+    uint64_t first_row;
+    uint64_t threshold;
+    float scale;
+    int32_t on;
+};
+
+// dropout.rs `row_key`: row `row` of a batch whose first row is `first_row` of its step.
+__device__ __forceinline__ uint64_t row_key(const Dropout& d, uint64_t row) {
+    return splitmix(d.key ^ splitmix(d.first_row + row));
+}
+
+// dropout.rs `line_key` for one index.
+__device__ __forceinline__ uint64_t line_key(uint64_t key, uint64_t index) {
+    return splitmix(key ^ splitmix(index + 1));
+}
+
+// dropout.rs `keeps`: the factor of element `j` of the line keyed `line`: `scale` or 0.
+__device__ __forceinline__ float keep_factor(const Dropout& d, uint64_t line, uint64_t j) {
+    return (splitmix(line + j) >> 40) >= d.threshold ? d.scale : 0.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions.
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The sum over the block (a multiple of 32 threads), returned to every thread; `scratch` holds
+// 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// Sums of per-block partial column sums: `out[c] = sum_p partial[p * cols + c]`.
+template <typename T>
+__device__ void column_sums(const float* partial, T* out, int parts, int cols) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int p = 0; p < parts; ++p) s += partial[(size_t)p * cols + c];
+        out[c] = from_f32<T>(s);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm, with an optional residual and dropout before it (a sublayer's end).
+//
+// A block per row (rows strided over the grid); the row's input, `dropout(x) + residual`, is
+// kept in shared memory as f32, so the mean and the (biased) variance are two passes over it.
+
+// The row's input into `row` (shared), from `x`, `residual` (or null) and the dropout of the
+// token `r` whose place in the padded batch is `places[r]` (`row · seq + column`).
+template <typename T>
+__device__ void load_sum_row(const T* x, const T* residual, int r, int hidden, const Dropout& d,
+                             const uint32_t* places, int seq, float* row) {
+    const size_t at = (size_t)r * hidden;
+    uint64_t line = 0;
+    if (d.on) {
+        const uint32_t place = places[r];
+        line = line_key(row_key(d, place / seq), place % seq);
+    }
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+        float v = to_f32(x[at + j]);
+        if (d.on) v *= keep_factor(d, line, j);
+        if (residual) v += to_f32(residual[at + j]);
+        row[j] = v;
+    }
+}
+
+template <typename T>
+__device__ void layer_norm_forward(const T* x, const T* residual, const T* weight, const T* bias,
+                                   T* y, int rows, int hidden, float eps, Dropout d,
+                                   const uint32_t* places, int seq) {
+    extern __shared__ float shared[];
+    float* row = shared;
+    float* scratch = shared + hidden;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        load_sum_row(x, residual, r, hidden, d, places, seq, row);
+        float s = 0.0f;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) s += row[j];
+        const float mean = block_sum(s, scratch) / hidden;
+        float q = 0.0f;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float c = row[j] - mean;
+            q += c * c;
+        }
+        const float rstd = rsqrtf(block_sum(q, scratch) / hidden + eps);
+        const size_t at = (size_t)r * hidden;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            y[at + j] = from_f32<T>((row[j] - mean) * rstd * to_f32(weight[j]) + to_f32(bias[j]));
+        }
+    }
+}
+
+// The backward: the gradient of the sum (`grad_sum`: the residual's, and `x`'s without
+// dropout), `x`'s through the dropout (`grad_x`, or null), and per-block partial sums of the
+// weight's and the bias's gradients (`partial`, `[gridDim.x, 2, hidden]`, summed by
+// `column_sums`). The row's statistics are recomputed, not stored.
+template <typename T>
+__device__ void layer_norm_backward(const T* x, const T* residual, const T* weight, const T* grad,
+                                    T* grad_sum, T* grad_x, float* partial, int rows, int hidden,
+                                    float eps, Dropout d, const uint32_t* places, int seq) {
+    extern __shared__ float shared[];
+    float* row = shared;
+    float* grad_weight = shared + hidden;
+    float* grad_bias = shared + 2 * hidden;
+    float* scratch = shared + 3 * hidden;
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+        grad_weight[j] = 0.0f;
+        grad_bias[j] = 0.0f;
+    }
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        load_sum_row(x, residual, r, hidden, d, places, seq, row);
+        float s = 0.0f;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) s += row[j];
+        const float mean = block_sum(s, scratch) / hidden;
+        float q = 0.0f;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float c = row[j] - mean;
+            q += c * c;
+        }
+        const float rstd = rsqrtf(block_sum(q, scratch) / hidden + eps);
+        const size_t at = (size_t)r * hidden;
+        float a = 0.0f, b = 0.0f;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float normed = (row[j] - mean) * rstd;
+            const float g = to_f32(grad[at + j]);
+            const float dn = g * to_f32(weight[j]);
+            a += dn;
+            b += dn * normed;
+            grad_weight[j] += g * normed;
+            grad_bias[j] += g;
+        }
+        a = block_sum(a, scratch) / hidden;
+        b = block_sum(b, scratch) / hidden;
+        uint64_t line = 0;
+        if (grad_x && d.on) {
+            const uint32_t place = places[r];
+            line = line_key(row_key(d, place / seq), place % seq);
+        }
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float normed = (row[j] - mean) * rstd;
+            const float dn = to_f32(grad[at + j]) * to_f32(weight[j]);
+            const float ds = rstd * (dn - a - normed * b);
+            grad_sum[at + j] = from_f32<T>(ds);
+            if (grad_x) grad_x[at + j] = from_f32<T>(d.on ? ds * keep_factor(d, line, j) : ds);
+        }
+    }
+    float* mine = partial + (size_t)blockIdx.x * 2 * hidden;
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+        mine[j] = grad_weight[j];
+        mine[hidden + j] = grad_bias[j];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A linear layer's end: the bias and the activation (0: none, 1: GELU with erf, 2: GELU's tanh
+// form, its gate written as a logistic as on the CPU).
+
+__device__ __forceinline__ float activation(float v, int act) {
+    if (act == 1) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    if (act == 2) {
+        const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+        return v / (1.0f + expf(-2.0f * u));
+    }
+    return v;
+}
+
+__device__ __forceinline__ float activation_slope(float v, int act) {
+    if (act == 1) {
+        const float cdf = 0.5f * (1.0f + erff(v * 0.70710678118654752f));
+        const float pdf = 0.3989422804014327f * expf(-0.5f * v * v);
+        return cdf + v * pdf;
+    }
+    if (act == 2) {
+        const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+        const float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * v * v);
+        const float gate = 1.0f / (1.0f + expf(-2.0f * u));
+        return gate + v * 2.0f * gate * (1.0f - gate) * du;
+    }
+    return 1.0f;
+}
+
+// `out = act(y + bias)` over `[rows, cols]` (`bias` may be null); a block per row.
+template <typename T>
+__device__ void bias_act_forward(const T* y, const T* bias, T* out, int rows, int cols, int act) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const size_t at = (size_t)r * cols;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = to_f32(y[at + c]);
+            if (bias) v += to_f32(bias[c]);
+            out[at + c] = from_f32<T>(activation(v, act));
+        }
+    }
+}
+
+// The backward: `grad_y = grad · act'(y + bias)` (skipped when null: no activation) and the
+// bias's gradient as per-block partial column sums (`[gridDim.x, cols]`; skipped when null).
+template <typename T>
+__device__ void bias_act_backward(const T* y, const T* bias, const T* grad, T* grad_y,
+                                  float* partial, int rows, int cols, int act) {
+    extern __shared__ float grad_bias[];
+    if (partial)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) grad_bias[c] = 0.0f;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const size_t at = (size_t)r * cols;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float g = to_f32(grad[at + c]);
+            if (act != 0) {
+                float v = to_f32(y[at + c]);
+                if (bias) v += to_f32(bias[c]);
+                g *= activation_slope(v, act);
+                grad_y[at + c] = from_f32<T>(g);
+            }
+            if (partial) grad_bias[c] += g;
+        }
+    }
+    if (partial)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            partial[(size_t)blockIdx.x * cols + c] = grad_bias[c];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention within the sequences of a packed batch, its products in cuBLAS.
+//
+// Tokens `[tokens, parts · hidden]` (hidden = heads · head) go to padded heads
+// `[parts, batch, heads, seq, head]` (zeros at padding) and back; the scores `[batch, heads,
+// seq, seq]` go through the softmax below. `scatter[b · seq + s]` is the token at a padded place
+// (`tokens`: padding), `gather[t]` a token's place.
+
+template <typename T>
+__device__ void tokens_to_heads(const T* src, T* dst, const uint32_t* scatter, int tokens,
+                                int batch, int seq, int heads, int head, int parts) {
+    const int hidden = heads * head;
+    for (int place = blockIdx.x; place < batch * seq; place += gridDim.x) {
+        const int b = place / seq, s = place % seq;
+        const uint32_t t = scatter[place];
+        for (int c = threadIdx.x; c < parts * hidden; c += blockDim.x) {
+            const int part = c / hidden, hc = c % hidden, h = hc / head, e = hc % head;
+            const T v = t < (uint32_t)tokens ? src[(size_t)t * parts * hidden + c] : from_f32<T>(0.0f);
+            dst[((((size_t)part * batch + b) * heads + h) * seq + s) * head + e] = v;
+        }
+    }
+}
+
+// The way back, each part from its own tensor `[batch, heads, seq, head]` (`src1`, `src2` unused
+// with one part).
+template <typename T>
+__device__ void heads_to_tokens(const T* src0, const T* src1, const T* src2, T* dst,
+                                const uint32_t* gather, int tokens, int seq, int heads, int head,
+                                int parts) {
+    const int hidden = heads * head;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const uint32_t place = gather[t];
+        const int b = place / seq, s = place % seq;
+        for (int c = threadIdx.x; c < parts * hidden; c += blockDim.x) {
+            const int part = c / hidden, hc = c % hidden, h = hc / head, e = hc % head;
+            const T* src = part == 0 ? src0 : (part == 1 ? src1 : src2);
+            dst[(size_t)t * parts * hidden + c] = src[(((size_t)b * heads + h) * seq + s) * head + e];
+        }
+    }
+}
+
+// Softmax over each query's keys (`scale · q·k`, padding keys excluded), then dropout of the
+// probabilities at (row, head, query column, key column) as the CPU draws it; padding queries
+// get zeros. A warp per query, each lane holding up to 16 of its keys (seq <= 512).
+#define MAX_KEYS_PER_LANE 16
+
+template <typename T>
+__device__ void attention_softmax_forward(const T* scores, T* probs, const uint32_t* scatter,
+                                          int tokens, int batch, int heads, int seq, float scale,
+                                          Dropout d) {
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const size_t queries = (size_t)batch * heads * seq;
+    for (size_t q = (size_t)blockIdx.x * warps + (threadIdx.x >> 5); q < queries;
+         q += (size_t)gridDim.x * warps) {
+        const int i = q % seq;
+        const int h = (q / seq) % heads;
+        const int b = q / ((size_t)seq * heads);
+        const T* in = scores + q * seq;
+        T* out = probs + q * seq;
+        const uint32_t* row_places = scatter + (size_t)b * seq;
+        if (row_places[i] >= (uint32_t)tokens) {
+            for (int j = lane; j < seq; j += 32) out[j] = from_f32<T>(0.0f);
+            continue;
+        }
+        float v[MAX_KEYS_PER_LANE];
+        float m = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+            const int j = lane + 32 * k;
+            v[k] = (j < seq && row_places[j] < (uint32_t)tokens) ? to_f32(in[j]) * scale : -INFINITY;
+            m = fmaxf(m, v[k]);
+        }
+        m = warp_max(m);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+            v[k] = v[k] == -INFINITY ? 0.0f : expf(v[k] - m);
+            s += v[k];
+        }
+        const float inv = 1.0f / warp_sum(s);
+        const uint64_t line = d.on ? line_key(line_key(row_key(d, b), h), i) : 0;
+#pragma unroll
+        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+            const int j = lane + 32 * k;
+            if (j < seq) {
+                float p = v[k] * inv;
+                if (d.on) p *= keep_factor(d, line, j);
+                out[j] = from_f32<T>(p);
+            }
+        }
+    }
+}
+
+// The backward from the scores (the probabilities recomputed) and the gradient of the dropped
+// probabilities: `scale · p · (g - Σ p·g)` with `g` the gradient through the dropout.
+template <typename T>
+__device__ void attention_softmax_backward(const T* scores, const T* grad_probs, T* grad_scores,
+                                           const uint32_t* scatter, int tokens, int batch,
+                                           int heads, int seq, float scale, Dropout d) {
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const size_t queries = (size_t)batch * heads * seq;
+    for (size_t q = (size_t)blockIdx.x * warps + (threadIdx.x >> 5); q < queries;
+         q += (size_t)gridDim.x * warps) {
+        const int i = q % seq;
+        const int h = (q / seq) % heads;
+        const int b = q / ((size_t)seq * heads);
+        const T* in = scores + q * seq;
+        const T* gin = grad_probs + q * seq;
+        T* out = grad_scores + q * seq;
+        const uint32_t* row_places = scatter + (size_t)b * seq;
+        if (row_places[i] >= (uint32_t)tokens) {
+            for (int j = lane; j < seq; j += 32) out[j] = from_f32<T>(0.0f);
+            continue;
+        }
+        float v[MAX_KEYS_PER_LANE];
+        float g[MAX_KEYS_PER_LANE];
+        float m = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+            const int j = lane + 32 * k;
+            v[k] = (j < seq && row_places[j] < (uint32_t)tokens) ? to_f32(in[j]) * scale : -INFINITY;
+            m = fmaxf(m, v[k]);
+        }
+        m = warp_max(m);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+            v[k] = v[k] == -INFINITY ? 0.0f : expf(v[k] - m);
+            s += v[k];
+        }
+        const float inv = 1.0f / warp_sum(s);
+        const uint64_t line = d.on ? line_key(line_key(row_key(d, b), h), i) : 0;
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+            const int j = lane + 32 * k;
+            v[k] *= inv;
+            g[k] = 0.0f;
+            if (j < seq) {
+                g[k] = to_f32(gin[j]);
+                if (d.on) g[k] *= keep_factor(d, line, j);
+            }
+            dot += v[k] * g[k];
+        }
+        dot = warp_sum(dot);
+#pragma unroll
+        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+            const int j = lane + 32 * k;
+            if (j < seq) out[j] = from_f32<T>(scale * v[k] * (g[k] - dot));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points, one per dtype.
+
+#define ENTRY_POINTS(T, SUFFIX)                                                                   \
+    extern "C" __global__ void column_sums_##SUFFIX(const float* partial, T* out, int parts,     \
+                                                    int cols) {                                 \
+        column_sums<T>(partial, out, parts, cols);                                              \
+    }                                                                                           \
+    extern "C" __global__ void layer_norm_forward_##SUFFIX(                                      \
+        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
+        int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
+        layer_norm_forward<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places, seq); \
+    }                                                                                           \
+    extern "C" __global__ void layer_norm_backward_##SUFFIX(                                     \
+        const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum, T* grad_x,  \
+        float* partial, int rows, int hidden, float eps, Dropout d, const uint32_t* places,     \
+        int seq) {                                                                              \
+        layer_norm_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows,      \
+                               hidden, eps, d, places, seq);                                    \
+    }                                                                                           \
+    extern "C" __global__ void bias_act_forward_##SUFFIX(const T* y, const T* bias, T* out,      \
+                                                         int rows, int cols, int act) {         \
+        bias_act_forward<T>(y, bias, out, rows, cols, act);                                     \
+    }                                                                                           \
+    extern "C" __global__ void bias_act_backward_##SUFFIX(const T* y, const T* bias,             \
+                                                          const T* grad, T* grad_y,             \
+                                                          float* partial, int rows, int cols,   \
+                                                          int act) {                            \
+        bias_act_backward<T>(y, bias, grad, grad_y, partial, rows, cols, act);                  \
+    }                                                                                           \
+    extern "C" __global__ void tokens_to_heads_##SUFFIX(const T* src, T* dst,                    \
+                                                        const uint32_t* scatter, int tokens,    \
+                                                        int batch, int seq, int heads,          \
+                                                        int head, int parts) {                  \
+        tokens_to_heads<T>(src, dst, scatter, tokens, batch, seq, heads, head, parts);          \
+    }                                                                                           \
+    extern "C" __global__ void heads_to_tokens_##SUFFIX(                                         \
+        const T* src0, const T* src1, const T* src2, T* dst, const uint32_t* gather,            \
+        int tokens, int seq, int heads, int head, int parts) {                                  \
+        heads_to_tokens<T>(src0, src1, src2, dst, gather, tokens, seq, heads, head, parts);     \
+    }                                                                                           \
+    extern "C" __global__ void attention_softmax_forward_##SUFFIX(                               \
+        const T* scores, T* probs, const uint32_t* scatter, int tokens, int batch, int heads,   \
+        int seq, float scale, Dropout d) {                                                      \
+        attention_softmax_forward<T>(scores, probs, scatter, tokens, batch, heads, seq, scale,  \
+                                     d);                                                        \
+    }                                                                                           \
+    extern "C" __global__ void attention_softmax_backward_##SUFFIX(                              \
+        const T* scores, const T* grad_probs, T* grad_scores, const uint32_t* scatter,          \
+        int tokens, int batch, int heads, int seq, float scale, Dropout d) {                    \
+        attention_softmax_backward<T>(scores, grad_probs, grad_scores, scatter, tokens, batch,  \
+                                      heads, seq, scale, d);                                    \
+    }
+
+ENTRY_POINTS(float, f32)
+ENTRY_POINTS(bf16, bf16)

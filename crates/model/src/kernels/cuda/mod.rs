@@ -1,0 +1,252 @@
+//! The fused kernels on CUDA (the `cuda` feature): LayerNorm with the end of a sublayer
+//! (dropout, residual), a linear layer's bias with its GELU, and attention within the sequences
+//! of a packed batch, each with its backward written out (no autograd inside a fused op).
+//!
+//! The device code is `kernels.cu`, compiled to PTX by the crate's build script and loaded on
+//! candle's device the first time a kernel runs; launches go on candle's stream. Every kernel
+//! reads f32 or bf16 and computes in f32. Products stay in cuBLAS (candle's `matmul`); around
+//! them a kernel does what candle's generic ops did in several launches, each writing a tensor.
+//!
+//! The twins: each op computes what its `kernels::cpu` namesake (or the composed ops) computes,
+//! dropout masks included: a CUDA kernel recomputes each element's keep from the mask's keys
+//! exactly as the CPU draws it ([`DeviceDropout`]). `bertkit check kernels --device cuda`
+//! ([`super::check`]) runs each against its CPU twin, values and gradients.
+//!
+//! Off unless [`super::set_cuda_kernels`] (or `BERTKIT_CUDA_KERNELS=fused`) turns them on.
+
+use std::sync::Mutex;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
+    Shape, Storage, Tensor, bail,
+};
+
+use crate::dropout::DropoutSource;
+use crate::packing::Packing;
+
+/// The kernels' PTX (build.rs).
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+/// The module's name in candle's cache of loaded modules.
+const MODULE: &str = "bertkit-kernels";
+
+/// Rows a backward kernel's grid covers at most at once: the blocks' partial column sums are
+/// `[blocks, columns]` f32, summed by a second launch.
+const MAX_BACKWARD_BLOCKS: usize = 512;
+/// Shared memory a kernel may take without opting in (48 KiB), in f32s.
+const SHARED_FLOATS: usize = 48 * 1024 / 4;
+/// The longest sequence the attention softmax holds in registers (16 keys a lane).
+pub(crate) const MAX_SEQ: usize = 512;
+
+/// A dropout mask's keys as the kernels take them (`struct Dropout` in `kernels.cu`): element
+/// `j` of the line keyed from `(key, first_row + row, indices)` keeps when its 24-bit uniform is
+/// at least `threshold`, as `dropout::keeps` draws it on the CPU.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct DeviceDropout {
+    key: u64,
+    first_row: u64,
+    threshold: u64,
+    scale: f32,
+    on: i32,
+}
+
+// SAFETY: a plain `#[repr(C)]` value, laid out as the kernels' `struct Dropout`.
+unsafe impl DeviceRepr for DeviceDropout {}
+
+impl DeviceDropout {
+    /// The next mask's keys from `source` at probability `p` (none when `p` is 0), taking a
+    /// mask number as the CPU kernels do.
+    pub(crate) fn next(source: &DropoutSource, p: f64) -> Self {
+        match source.next_keys(p) {
+            Some(keys) => DeviceDropout {
+                key: keys.key,
+                first_row: keys.first_row,
+                threshold: keys.threshold,
+                scale: keys.scale,
+                on: 1,
+            },
+            None => DeviceDropout::default(),
+        }
+    }
+}
+
+/// The element types the kernels take, with their entry points' suffix.
+trait Element: CudaDType + DeviceRepr + ValidAsZeroBits + Copy + 'static {
+    const SUFFIX: &'static str;
+}
+
+impl Element for f32 {
+    const SUFFIX: &'static str = "f32";
+}
+
+impl Element for half::bf16 {
+    const SUFFIX: &'static str = "bf16";
+}
+
+/// Whether the CUDA kernels take `dtype`.
+pub(crate) fn takes(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16)
+}
+
+/// Launches kernel `$name` for element type `$T` on candle's stream, the arguments pushed by
+/// `$body` through `$b`.
+macro_rules! launch {
+    ($T:ty, $dev:expr, $name:expr, $cfg:expr, |$b:ident| $body:block $(,)?) => {{
+        // Looked up in candle's cache of modules (the module loaded at the first call).
+        let name = format!("{}_{}", $name, <$T as Element>::SUFFIX);
+        let func = $dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut builder = func.builder();
+        {
+            let $b = &mut builder;
+            $body
+        }
+        // SAFETY: each caller pushes the arguments `kernels.cu` declares, in order, with
+        // buffers of the sizes its launch covers.
+        unsafe { builder.launch($cfg) }.w().map(|_| ())
+    }};
+}
+
+fn config(blocks: usize, threads: usize, shared_floats: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: (shared_floats * 4) as u32,
+    }
+}
+
+/// A block's threads for rows of `width`: about four elements a thread, a whole number of
+/// warps, 32 to 1024.
+fn row_threads(width: usize) -> usize {
+    width.div_ceil(4).next_multiple_of(32).clamp(32, 1024)
+}
+
+/// The contiguous elements of an input.
+fn view<'a, T: CudaDType + DeviceRepr>(
+    op: &str,
+    what: &str,
+    storage: &'a CudaStorage,
+    layout: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{op}: contiguous {what} expected")
+    };
+    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// Runs `f` on the contiguous elements of `t`, a tensor held by an op (not one of its inputs).
+fn with_view<T: CudaDType + DeviceRepr, R>(
+    op: &str,
+    what: &str,
+    t: &Tensor,
+    f: impl FnOnce(CudaView<'_, T>) -> Result<R>,
+) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cuda(s) => f(view(op, what, s, layout)?),
+        _ => bail!("{op}: {what} on the CUDA device expected"),
+    }
+}
+
+/// Runs `f` for the storage's element type.
+macro_rules! by_dtype {
+    ($op:expr, $storage:expr, $f:ident ( $($arg:expr),* )) => {
+        match candle_core::backend::BackendStorage::dtype($storage) {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            other => bail!("{}: f32 or bf16 expected, got {other:?}", $op),
+        }
+    };
+}
+
+fn wrap<T: Element>(slice: CudaSlice<T>, dev: &CudaDevice) -> CudaStorage {
+    CudaStorage::wrap_cuda_slice(slice, dev.clone())
+}
+
+fn cpu_refused(op: &str) -> Result<(CpuStorage, Shape)> {
+    bail!("{op}: a CUDA kernel, given CPU tensors")
+}
+
+/// The null pointer, for a kernel's optional buffer.
+const NULL: u64 = 0;
+
+// ---------------------------------------------------------------------------------------------
+// Column sums of the backward kernels' per-block partial sums.
+
+fn column_sums<T: Element>(
+    dev: &CudaDevice,
+    partial: &CudaSlice<f32>,
+    parts: usize,
+    out: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, T>,
+    cols: usize,
+) -> Result<()> {
+    let (parts_i, cols_i) = (parts as i32, cols as i32);
+    launch!(T, dev, "column_sums", config(cols.div_ceil(256), 256, 0), |b| {
+        b.arg(partial).arg(out).arg(&parts_i).arg(&cols_i);
+    })
+}
+
+mod attention;
+mod bias_act;
+mod norm;
+
+pub(crate) use attention::attention;
+pub(crate) use bias_act::{activation, bias_activation};
+pub(crate) use norm::{layer_norm, residual_layer_norm};
+
+/// Whether a row of `hidden` fits a LayerNorm backward block's shared memory.
+pub(crate) fn norm_fits(hidden: usize) -> bool {
+    3 * hidden + 32 <= SHARED_FLOATS
+}
+
+/// Whether a bias of `cols` fits a bias backward block's shared memory.
+pub(crate) fn bias_fits(cols: usize) -> bool {
+    cols <= SHARED_FLOATS
+}
+
+/// A packing's device tensors the attention and dropout kernels read: each padded place's token
+/// and each token's place.
+#[derive(Debug, Clone)]
+pub(crate) struct Places {
+    scatter: Tensor,
+    gather: Tensor,
+    tokens: usize,
+    batch: usize,
+    seq: usize,
+}
+
+impl Places {
+    pub(crate) fn of(packing: &Packing) -> Self {
+        let (batch, seq) = packing.padded_dims();
+        Places {
+            scatter: packing.scatter_places().clone(),
+            gather: packing.gather_places().clone(),
+            tokens: packing.tokens(),
+            batch,
+            seq,
+        }
+    }
+}
+
+/// A tensor an op hands from its forward to its backward once, then lets go.
+#[derive(Debug, Default)]
+struct Handoff(Mutex<Option<Tensor>>);
+
+impl Handoff {
+    fn new(t: Tensor) -> Self {
+        Handoff(Mutex::new(Some(t)))
+    }
+
+    fn take(&self, op: &str) -> Result<Tensor> {
+        match self.0.lock() {
+            Ok(mut t) => match t.take() {
+                Some(t) => Ok(t),
+                None => bail!("{op}: run twice"),
+            },
+            Err(_) => bail!("{op}: a poisoned lock"),
+        }
+    }
+}

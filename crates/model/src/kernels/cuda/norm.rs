@@ -1,0 +1,469 @@
+//! LayerNorm and a sublayer's end (`LayerNorm(dropout(x) + residual)`) on CUDA: a block per
+//! row, the row's statistics recomputed in the backward rather than stored; the twins of
+//! `cpu::LayerNorm` and `cpu::ResidualLayerNorm`.
+
+use super::*;
+
+/// What the norm kernels read besides `x` and the parameters.
+#[derive(Debug, Clone, Copy)]
+struct NormShape {
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    dropout: DeviceDropout,
+    /// The packing's padded row length (the dropout keys' places), or 1.
+    seq: usize,
+}
+
+/// The forward kernel: `y = norm(dropout(x) + residual) · weight + bias`.
+#[allow(clippy::too_many_arguments)]
+fn forward<T: Element>(
+    dev: &CudaDevice,
+    x: &CudaView<'_, T>,
+    residual: Option<&CudaView<'_, T>>,
+    weight: &CudaView<'_, T>,
+    bias: &CudaView<'_, T>,
+    places: Option<&CudaView<'_, u32>>,
+    s: NormShape,
+) -> Result<CudaSlice<T>> {
+    // SAFETY: every element is written by the kernel.
+    let mut y = unsafe { dev.alloc::<T>(s.rows * s.hidden)? };
+    let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
+    let cfg = config(s.rows, row_threads(s.hidden), s.hidden + 32);
+    launch!(T, dev, "layer_norm_forward", cfg, |b| {
+        b.arg(x);
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&NULL),
+        };
+        b.arg(weight).arg(bias).arg(&mut y).arg(&rows).arg(&hidden);
+        b.arg(&s.eps).arg(&s.dropout);
+        match places {
+            Some(p) => b.arg(p),
+            None => b.arg(&NULL),
+        };
+        b.arg(&seq);
+    })?;
+    Ok(y)
+}
+
+/// The backward kernel, packed as `[rows + rows (with `grad_x`) + 2, hidden]`: the sum's
+/// gradient, `x`'s through the dropout when asked, then the weight's and the bias's.
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Element>(
+    dev: &CudaDevice,
+    x: &CudaView<'_, T>,
+    residual: Option<&CudaView<'_, T>>,
+    weight: &CudaView<'_, T>,
+    grad: &CudaView<'_, T>,
+    places: Option<&CudaView<'_, u32>>,
+    s: NormShape,
+    grad_x: bool,
+) -> Result<CudaSlice<T>> {
+    let (n, h) = (s.rows * s.hidden, s.hidden);
+    let parts = if grad_x { 2 } else { 1 };
+    // SAFETY: every element is written: the gradients by the first kernel, the parameters' by
+    // the column sums.
+    let mut out = unsafe { dev.alloc::<T>(parts * n + 2 * h)? };
+    let blocks = s.rows.clamp(1, MAX_BACKWARD_BLOCKS);
+    let partial = dev.alloc_zeros::<f32>(blocks * 2 * h)?;
+    let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
+    {
+        let (mut grad_sum, mut rest) = out.split_at_mut(n);
+        let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
+        let cfg = config(blocks, row_threads(s.hidden), 3 * s.hidden + 32);
+        launch!(T, dev, "layer_norm_backward", cfg, |b| {
+            b.arg(x);
+            match residual {
+                Some(r) => b.arg(r),
+                None => b.arg(&NULL),
+            };
+            b.arg(weight).arg(grad).arg(&mut grad_sum);
+            if grad_x {
+                b.arg(&mut grad_x_view);
+            } else {
+                b.arg(&NULL);
+            }
+            b.arg(&partial).arg(&rows).arg(&hidden).arg(&s.eps).arg(&s.dropout);
+            match places {
+                Some(p) => b.arg(p),
+                None => b.arg(&NULL),
+            };
+            b.arg(&seq);
+        })?;
+    }
+    let mut params = out.slice_mut(parts * n..);
+    column_sums::<T>(dev, &partial, blocks, &mut params, 2 * h)?;
+    Ok(out)
+}
+
+/// `cpu::LayerNorm` on CUDA: `x`, `weight`, `bias` (the parameters in `x`'s dtype).
+struct LayerNormOp {
+    eps: f32,
+}
+
+fn norm_shape(op: &str, x: &Layout, hidden: usize) -> Result<(usize, usize)> {
+    let last = x.dims().last().copied().unwrap_or(0);
+    if last == 0 || last != hidden {
+        bail!("{op}: rows of {hidden} expected, got {:?}", x.dims())
+    }
+    Ok((x.shape().elem_count() / hidden, hidden))
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_refused(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: &LayerNormOp,
+            (x, xl): (&CudaStorage, &Layout),
+            (w, wl): (&CudaStorage, &Layout),
+            (b, bl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)> {
+            let name = op.name();
+            let (rows, hidden) = norm_shape(name, xl, wl.shape().elem_count())?;
+            let dev = &x.device;
+            let s = NormShape {
+                rows,
+                hidden,
+                eps: op.eps,
+                dropout: DeviceDropout::default(),
+                seq: 1,
+            };
+            let y = forward::<T>(
+                dev,
+                &view(name, "input", x, xl)?,
+                None,
+                &view(name, "weight", w, wl)?,
+                &view(name, "bias", b, bl)?,
+                None,
+                s,
+            )?;
+            Ok((wrap(y, dev), xl.shape().clone()))
+        }
+        by_dtype!(self.name(), x, run(self, (x, xl), (w, wl), (b, bl)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let packed = x.apply_op3_no_bwd(
+            weight,
+            &grad.contiguous()?,
+            &LayerNormBackwardOp { eps: self.eps },
+        )?;
+        let hidden = weight.elem_count();
+        let rows = x.elem_count() / hidden;
+        let grad_x = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let grad_weight = packed.narrow(0, rows, 1)?.reshape(hidden)?;
+        let grad_bias = packed.narrow(0, rows + 1, 1)?.reshape(hidden)?;
+        Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+    }
+}
+
+/// LayerNorm's backward from `x`, `weight` and the output's gradient: `[rows + 2, hidden]`.
+struct LayerNormBackwardOp {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormBackwardOp {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_refused(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: &LayerNormBackwardOp,
+            (x, xl): (&CudaStorage, &Layout),
+            (w, wl): (&CudaStorage, &Layout),
+            (g, gl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)> {
+            let name = op.name();
+            let (rows, hidden) = norm_shape(name, xl, wl.shape().elem_count())?;
+            crate::host::same_shape(name, xl, gl)?;
+            let dev = &x.device;
+            let s = NormShape {
+                rows,
+                hidden,
+                eps: op.eps,
+                dropout: DeviceDropout::default(),
+                seq: 1,
+            };
+            let out = backward::<T>(
+                dev,
+                &view(name, "input", x, xl)?,
+                None,
+                &view(name, "weight", w, wl)?,
+                &view(name, "gradient", g, gl)?,
+                None,
+                s,
+                false,
+            )?;
+            Ok((wrap(out, dev), Shape::from((rows + 2, hidden))))
+        }
+        by_dtype!(self.name(), x, run(self, (x, xl), (w, wl), (g, gl)))
+    }
+}
+
+/// [`crate::kernels::Kernels::layer_norm`] on CUDA, in `x`'s dtype (f32 or bf16).
+pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    x.contiguous()?.apply_op3(
+        &weight.to_dtype(dtype)?,
+        &bias.to_dtype(dtype)?,
+        LayerNormOp { eps: eps as f32 },
+    )
+}
+
+/// `cpu::ResidualLayerNorm` on CUDA: `x`, `residual` (`[tokens, hidden]`) and the parameters
+/// `[2, hidden]` (weight, then bias), the dropout's keys per token place.
+struct ResidualLayerNormOp {
+    eps: f32,
+    dropout: DeviceDropout,
+    places: Places,
+}
+
+impl ResidualLayerNormOp {
+    fn shape(&self, op: &str, xl: &Layout, rl: &Layout, pl: &Layout) -> Result<NormShape> {
+        crate::host::same_shape(op, xl, rl)?;
+        let hidden = xl.dims().last().copied().unwrap_or(0);
+        if hidden == 0 || pl.dims() != [2, hidden] {
+            bail!(
+                "{op}: an input [.., hidden] and parameters [2, hidden] expected, got {:?} and {:?}",
+                xl.dims(),
+                pl.dims()
+            )
+        }
+        let rows = xl.shape().elem_count() / hidden;
+        if self.dropout.on != 0 && rows != self.places.tokens {
+            bail!(
+                "{op}: {rows} rows for a packing of {} tokens",
+                self.places.tokens
+            )
+        }
+        Ok(NormShape {
+            rows,
+            hidden,
+            eps: self.eps,
+            dropout: self.dropout,
+            seq: self.places.seq,
+        })
+    }
+}
+
+impl CustomOp3 for ResidualLayerNormOp {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-residual-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_refused(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        r: &CudaStorage,
+        rl: &Layout,
+        p: &CudaStorage,
+        pl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: &ResidualLayerNormOp,
+            (x, xl): (&CudaStorage, &Layout),
+            (r, rl): (&CudaStorage, &Layout),
+            (p, pl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)> {
+            let name = op.name();
+            let s = op.shape(name, xl, rl, pl)?;
+            let dev = &x.device;
+            let params = view::<T>(name, "parameters", p, pl)?;
+            let y = with_view::<u32, _>(name, "token places", &op.places.gather, |places| {
+                forward::<T>(
+                    dev,
+                    &view(name, "input", x, xl)?,
+                    Some(&view(name, "residual", r, rl)?),
+                    &params.slice(0..s.hidden),
+                    &params.slice(s.hidden..2 * s.hidden),
+                    Some(&places),
+                    s,
+                )
+            })?;
+            Ok((wrap(y, dev), xl.shape().clone()))
+        }
+        by_dtype!(self.name(), x, run(self, (x, xl), (r, rl), (p, pl)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        params: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dropped = self.dropout.on != 0;
+        let op = ResidualLayerNormBackwardOp {
+            forward: ResidualLayerNormOp {
+                eps: self.eps,
+                dropout: self.dropout,
+                places: self.places.clone(),
+            },
+            grad: Handoff::new(grad.contiguous()?),
+        };
+        let packed = x.apply_op3_no_bwd(residual, params, &op)?;
+        let hidden = params.dim(1)?;
+        let rows = x.elem_count() / hidden;
+        let grad_residual = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let (grad_x, at) = if dropped {
+            (packed.narrow(0, rows, rows)?.reshape(x.shape())?, 2 * rows)
+        } else {
+            (grad_residual.clone(), rows)
+        };
+        let grad_params = packed.narrow(0, at, 2)?;
+        Ok((Some(grad_x), Some(grad_residual), Some(grad_params)))
+    }
+}
+
+/// The sublayer end's backward: `[rows (+ rows with dropout) + 2, hidden]`.
+struct ResidualLayerNormBackwardOp {
+    forward: ResidualLayerNormOp,
+    grad: Handoff,
+}
+
+impl CustomOp3 for ResidualLayerNormBackwardOp {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-residual-layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_refused(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        r: &CudaStorage,
+        rl: &Layout,
+        p: &CudaStorage,
+        pl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: &ResidualLayerNormBackwardOp,
+            (x, xl): (&CudaStorage, &Layout),
+            (r, rl): (&CudaStorage, &Layout),
+            (p, pl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)> {
+            let name = op.name();
+            let s = op.forward.shape(name, xl, rl, pl)?;
+            let dev = &x.device;
+            let params = view::<T>(name, "parameters", p, pl)?;
+            let grad = op.grad.take(name)?;
+            let dropped = s.dropout.on != 0;
+            let out = with_view::<T, _>(name, "gradient", &grad, |g| {
+                with_view::<u32, _>(name, "token places", &op.forward.places.gather, |places| {
+                    backward::<T>(
+                        dev,
+                        &view(name, "input", x, xl)?,
+                        Some(&view(name, "residual", r, rl)?),
+                        &params.slice(0..s.hidden),
+                        &g,
+                        Some(&places),
+                        s,
+                        dropped,
+                    )
+                })
+            })?;
+            let rows = if dropped { 2 * s.rows } else { s.rows };
+            Ok((wrap(out, dev), Shape::from((rows + 2, s.hidden))))
+        }
+        by_dtype!(self.name(), x, run(self, (x, xl), (r, rl), (p, pl)))
+    }
+}
+
+/// [`crate::kernels::Kernels::residual_layer_norm`] on CUDA: `dropout` drawn from `source` in
+/// training (the CPU kernel's mask), in `x`'s dtype.
+pub(crate) fn residual_layer_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    packing: &Packing,
+    dropout: DeviceDropout,
+    (weight, bias, eps): (&Tensor, &Tensor, f64),
+) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let params = Tensor::stack(&[weight.to_dtype(dtype)?, bias.to_dtype(dtype)?], 0)?;
+    x.contiguous()?.apply_op3(
+        &residual.to_dtype(dtype)?.contiguous()?,
+        &params,
+        ResidualLayerNormOp {
+            eps: eps as f32,
+            dropout,
+            places: Places::of(packing),
+        },
+    )
+}
