@@ -593,6 +593,59 @@ mod tests {
         assert_eq!(at, blocks.len());
     }
 
+    /// The keys a device kernel takes ([`DropoutSource::next_keys`]) give the CPU's masks
+    /// when each element is drawn as the CUDA kernels draw it: a token from its place
+    /// `b · seq + column` (hidden dropout), a probability from its row, head, query column and
+    /// key column (attention dropout). The CUDA kernels' index arithmetic, replayed here.
+    #[test]
+    fn device_keys_draw_the_cpu_masks() {
+        let cpu = &Device::Cpu;
+        let (batch, seq, width, heads, p) = (3, 9, 6, 2, 0.3);
+        let mask: Vec<u32> = (0..batch * seq)
+            .map(|i| u32::from(!matches!(i, 7 | 8 | 12 | 13 | 14 | 15 | 16 | 17)))
+            .collect();
+        let packing = Packing::from_mask((batch, seq), &mask, cpu).unwrap();
+        let places: Vec<u32> = packing
+            .gather_places()
+            .to_vec1::<u32>()
+            .unwrap();
+        let d = DropoutSource::new(21);
+        d.start_batch(5, 8);
+        let tokens = d.next_cpu_token_keep_mask(&packing, width, p).unwrap();
+        let attention = d.next_cpu_attention_keep_mask(&packing, heads, p).unwrap();
+        d.start_batch(5, 8);
+        let keys = d.next_keys(p).unwrap();
+        let row = |b: u64| row_key(keys.key, keys.first_row, b as usize);
+        for (t, &place) in places.iter().enumerate() {
+            let (b, c) = (u64::from(place) / seq as u64, u64::from(place) % seq as u64);
+            let line = line_key(row(b), &[c as usize]);
+            for j in 0..width {
+                let want = tokens[t * width + j];
+                assert_eq!(keeps(line, j as u64, keys.threshold), want, "token {t} element {j}");
+            }
+        }
+        let keys = d.next_keys(p).unwrap();
+        let row = |b: usize| row_key(keys.key, keys.first_row, b);
+        let mut at = 0;
+        for b in 0..batch {
+            let columns = &packing.columns()[packing.row(b)];
+            for h in 0..heads {
+                for &i in columns {
+                    let line = line_key(row(b), &[h, i as usize]);
+                    for &j in columns {
+                        let got = keeps(line, u64::from(j), keys.threshold);
+                        assert_eq!(got, attention[at], "row {b} head {h} ({i}, {j})");
+                        at += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(at, attention.len());
+        assert!(tokens.contains(&0) && attention.contains(&0));
+        assert_eq!(keys.scale, (1.0 / (1.0 - p)) as f32);
+        assert!(d.next_keys(0.0).is_none());
+    }
+
     /// Masks drawn in order continue one stream; marking or rewinding starts the next.
     #[test]
     fn streams_start_only_where_a_pass_may_rewind_to() {

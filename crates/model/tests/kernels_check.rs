@@ -1,0 +1,22 @@
+//! `bertkit check kernels` on the CPU: each fused kernel against the composed ops in f64,
+//! values and every input's gradient, through the same code a GPU run takes.
+
+use bertkit_model::kernels::check::{CheckShape, check_kernels, tolerance};
+use candle_core::{DType, Device};
+
+#[test]
+fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
+    let shapes = CheckShape::defaults();
+    let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
+    // 8 kernels: an output and each input's gradient (3 + 3 × 3 + 1 + 1 + 1 + 4 inputs).
+    assert_eq!(checks.len(), 8 + 19, "{checks:#?}");
+    for c in &checks {
+        assert!(c.passed(), "{c:?}");
+        // Not vacuous: f32 against f64 differs somewhere, and well inside the bound.
+        assert!(c.worst > 0.0 && c.worst < tolerance(DType::F32) / 10.0, "{c:?}");
+    }
+    let kernels: std::collections::BTreeSet<&str> = checks.iter().map(|c| c.kernel.as_str()).collect();
+    for k in ["layer_norm", "attention (dropout)", "residual_layer_norm (dropout)", "linear_gelu (tanh)"] {
+        assert!(kernels.contains(k), "{k} not checked");
+    }
+}
