@@ -123,8 +123,8 @@ pub(crate) enum BenchCommand {
     /// peak `pretrain` reports MFU against on the CPU (`[train] peak_tflops` to set your own).
     Gemm(BenchGemmArgs),
     /// The operations and activation bytes of a training forward pass, per encoder layer and
-    /// outside the layers, with the composed kernels (CUDA's path today: each operation at
-    /// least one kernel launch) and the fused ones: what fusion removes, counted on any device.
+    /// outside the layers, with the composed kernels (candle's ops: each operation at least one
+    /// kernel launch on CUDA) and the fused ones: what fusion removes, counted on any device.
     Graph(BenchGraphArgs),
     /// Where a training pass's time goes: each kernel's calls and time in the forward pass
     /// (the device synchronised around each call), the rest of the forward, and the backward.
@@ -181,8 +181,8 @@ pub(crate) struct BenchGraphArgs {
 pub(crate) struct BenchKernelsArgs {
     #[command(flatten)]
     pub(crate) graph: BenchGraphArgs,
-    /// The kernel set: fused (the default) or composed (the reference; CUDA's training path
-    /// until its fused kernels land).
+    /// The kernel set: fused (the default; on CUDA the fused CUDA kernels unless
+    /// BERTKIT_CUDA_KERNELS=composed) or composed (the reference, candle's ops).
     #[arg(long, default_value = "fused")]
     pub(crate) kernels: String,
     /// Timed passes (after one untimed).

@@ -7,7 +7,8 @@
 //! - [`Composed`] (`composed.rs`), the reference: every op composed of candle primitives that
 //!   have a backward pass, so gradients flow through all of them, on every device and dtype.
 //! - [`Fused`], the default: on the CPU our own fused kernels with fused backward passes
-//!   (`cpu/`, a file per op), for training and inference alike; on other devices candle's fused
+//!   (`cpu/`, a file per op), for training and inference alike; on CUDA ours too (`cuda/`,
+//!   f32 and bf16, [`set_cuda_kernels`]); elsewhere candle's fused
 //!   LayerNorm and softmax where nothing tracks gradients. (candle's fused `softmax_last_dim`,
 //!   `layer_norm`, `rms_norm` and `candle_nn::LayerNorm` have no backward and would silently
 //!   stop gradients, so they are never used where gradients are tracked.)
@@ -16,8 +17,8 @@
 //! f64 (tests) always takes the composed ops.
 //!
 //! The arrows run one way: the model (`bert`) calls these kernels; [`Fused`] picks a device
-//! family's op (today `cpu/`; a CUDA family goes beside it in `cuda/`, each kernel with a CPU
-//! twin and a test comparing the two); the families use the leaves `packing` (where a batch's
+//! family's op (`cpu/`, `cuda/`: each CUDA kernel has a CPU twin, and [`check`] compares the
+//! two); the families use the leaves `packing` (where a batch's
 //! tokens are) and `dropout` (the masks, drawn and applied), and `host` (vector dispatch,
 //! storage views). [`Mode`] (training with a dropout source, or evaluation) lives here because
 //! every kernel that drops takes it.
@@ -162,9 +163,9 @@ fn cpu_dropout(
 static CUDA_KERNELS: AtomicU8 = AtomicU8::new(0);
 
 /// Turns [`Fused`]'s CUDA kernels on or off for this process (the `cuda` feature; without it
-/// there are none and this changes nothing). Unset, `BERTKIT_CUDA_KERNELS=fused` turns them on
-/// and `composed` off; they are off by default until a GPU run has passed their check
-/// (`bertkit check kernels --device cuda`), and then the composed ops run on CUDA.
+/// there are none and this changes nothing). Unset, they are on unless the environment says
+/// `BERTKIT_CUDA_KERNELS=composed` (candle's ops, the reference, as before the kernels); they
+/// passed their check (`bertkit check kernels --device cuda`) on an H200 (BENCHMARKS.md).
 pub fn set_cuda_kernels(on: bool) {
     CUDA_KERNELS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
@@ -173,7 +174,7 @@ pub fn set_cuda_kernels(on: bool) {
 pub fn cuda_kernels() -> bool {
     match CUDA_KERNELS.load(Ordering::Relaxed) {
         0 => {
-            let on = std::env::var("BERTKIT_CUDA_KERNELS").is_ok_and(|v| v == "fused");
+            let on = std::env::var("BERTKIT_CUDA_KERNELS").map_or(true, |v| v != "composed");
             set_cuda_kernels(on);
             on
         }
@@ -247,6 +248,14 @@ fn widened(x: &Tensor) -> Result<Tensor> {
 ///   fused into the linear layer before it)
 ///   (a vectorised error function), each with a fused backward, so training and inference
 ///   take them alike (`kernels::cpu`).
+/// - On CUDA (the `cuda` feature), in f32 and bf16: our CUDA kernels (`kernels::cuda`), each
+///   with its backward: LayerNorm, a sublayer's end, a linear layer's bias with its GELU after
+///   cuBLAS's product, and attention within packed sequences up to 512 positions (products in
+///   cuBLAS, the scale, padding, softmax and dropout in one kernel, the probabilities
+///   recomputed in the backward). Dropout drops what the CPU kernels drop. Checked against
+///   the CPU kernels by `bertkit check kernels --device cuda`; [`set_cuda_kernels`] or
+///   `BERTKIT_CUDA_KERNELS=composed` turns them off. Elsewhere (f16, longer sequences, a bias
+///   wider than a block's shared memory) the rules below.
 /// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a
 ///   frozen inference model, see [`crate::params::ParamBuilder::frozen`]); they have no
 ///   backward, so a trainable model takes the composed ops there.

@@ -12,7 +12,8 @@
 //! exactly as the CPU draws it ([`DeviceDropout`]). `bertkit check kernels --device cuda`
 //! ([`super::check`]) runs each against its CPU twin, values and gradients.
 //!
-//! Off unless [`super::set_cuda_kernels`] (or `BERTKIT_CUDA_KERNELS=fused`) turns them on.
+//! On by default since their check passed on an H200; [`super::set_cuda_kernels`] (or
+//! `BERTKIT_CUDA_KERNELS=composed`) turns them off.
 
 use std::sync::Mutex;
 
