@@ -308,7 +308,7 @@ impl Kernels for Fused {
             && on_cuda(&[x, weight])
             && cuda::bias_fits(weight.dim(0)?)
         {
-            return cuda::bias_activation(&composed_linear(x, weight, None)?, bias, None);
+            return cuda::linear(x, weight, bias, None);
         }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
@@ -330,8 +330,7 @@ impl Kernels for Fused {
             && on_cuda(&[x, weight])
             && cuda::bias_fits(weight.dim(0)?)
         {
-            let y = composed_linear(x, weight, None)?;
-            return cuda::bias_activation(&y, bias, Some(form));
+            return cuda::linear(x, weight, bias, Some(form));
         }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {

@@ -191,11 +191,11 @@ fn column_sums<T: Element>(
 }
 
 mod attention;
-mod bias_act;
+mod linear;
 mod norm;
 
 pub(crate) use attention::attention;
-pub(crate) use bias_act::{activation, bias_activation};
+pub(crate) use linear::{activation, linear};
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
 /// Whether a row of `hidden` fits a LayerNorm backward block's shared memory.
@@ -239,6 +239,17 @@ struct Handoff(Mutex<Option<Tensor>>);
 impl Handoff {
     fn new(t: Tensor) -> Self {
         Handoff(Mutex::new(Some(t)))
+    }
+
+    /// The tensor, kept for a later [`Handoff::take`].
+    fn peek(&self, op: &str) -> Result<Tensor> {
+        match self.0.lock() {
+            Ok(t) => match &*t {
+                Some(t) => Ok(t.clone()),
+                None => bail!("{op}: already handed over"),
+            },
+            Err(_) => bail!("{op}: a poisoned lock"),
+        }
     }
 
     fn take(&self, op: &str) -> Result<Tensor> {

@@ -1,6 +1,7 @@
-//! A linear layer's end on CUDA: the bias added and the activation (none, or GELU in either
-//! form) in one pass after cuBLAS's product, the bias's gradient summed in the backward's same
-//! pass; the twins of `cpu::Linear`'s bias and `cpu::LinearGelu`/`cpu::GeluOp`'s GELU.
+//! Linear layers on CUDA: cuBLAS's product, then the bias and the activation (none, or GELU
+//! in either form) in one pass; in the backward the activation's slope and the bias's
+//! gradient in one pass, then two products. The twins of `cpu::Linear`, `cpu::LinearGelu` and
+//! `cpu::GeluOp`.
 
 use super::*;
 use crate::config::Gelu;
@@ -99,18 +100,27 @@ fn backward<T: Element>(
     Ok(out)
 }
 
-/// `act(y + bias)`: `y` and `bias` in one dtype.
-struct BiasActOp {
+/// A linear layer on CUDA, `act(x · weightᵀ + bias)`, as one node of the autograd graph: its
+/// product (`pre`, computed by cuBLAS outside the graph and handed over) gets the bias and the
+/// activation in one kernel, and its backward is written out: the activation's slope and the
+/// bias's gradient in one kernel, then `x`'s and the weight's gradients as two products. One
+/// node with three gradient edges where the composition had six or more (reshapes, the
+/// transposed weight, the product, the bias), each of which candle's autograd pays with a
+/// zeroed buffer and an addition. `pre` is kept for the backward only with an activation.
+struct LinearOp {
     act: Option<Gelu>,
+    pre: Handoff,
 }
 
-impl CustomOp2 for BiasActOp {
+impl CustomOp3 for LinearOp {
     fn name(&self) -> &'static str {
-        "bertkit-cuda-bias-activation"
+        "bertkit-cuda-linear"
     }
 
     fn cpu_fwd(
         &self,
+        _: &CpuStorage,
+        _: &Layout,
         _: &CpuStorage,
         _: &Layout,
         _: &CpuStorage,
@@ -121,54 +131,92 @@ impl CustomOp2 for BiasActOp {
 
     fn cuda_fwd(
         &self,
-        y: &CudaStorage,
-        yl: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+        _w: &CudaStorage,
+        wl: &Layout,
         b: &CudaStorage,
         bl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         fn run<T: Element>(
-            op: &BiasActOp,
-            (y, yl): (&CudaStorage, &Layout),
+            op: &LinearOp,
+            (x, xl): (&CudaStorage, &Layout),
+            wl: &Layout,
             (b, bl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let dims = rows_cols(name, yl, Some(bl))?;
-            let dev = &y.device;
+            let pre = if op.act.is_some() {
+                op.pre.peek(name)?
+            } else {
+                op.pre.take(name)?
+            };
+            let (storage, pl) = pre.storage_and_layout();
+            let Storage::Cuda(p) = &*storage else {
+                bail!("{name}: the product on the CUDA device expected")
+            };
+            let dims = rows_cols(name, pl, Some(bl))?;
+            let (out_features, in_features) = wl.shape().dims2()?;
+            if xl.dims().last() != Some(&in_features) || dims.1 != out_features {
+                bail!(
+                    "{name}: an input {:?} for a weight {:?}",
+                    xl.dims(),
+                    wl.dims()
+                )
+            }
+            let dev = &x.device;
             let out = forward::<T>(
                 dev,
-                &view(name, "input", y, yl)?,
+                &view(name, "product", p, pl)?,
                 Some(&view(name, "bias", b, bl)?),
                 dims,
                 code(op.act),
             )?;
-            Ok((wrap(out, dev), yl.shape().clone()))
+            let mut shape = xl.dims().to_vec();
+            *shape.last_mut().expect("checked above") = out_features;
+            Ok((wrap(out, dev), Shape::from(shape)))
         }
-        by_dtype!(self.name(), y, run(self, (y, yl), (b, bl)))
+        by_dtype!(self.name(), x, run(self, (x, xl), wl, (b, bl)))
     }
 
     fn bwd(
         &self,
-        y: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
         bias: &Tensor,
         _out: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
-        let packed = y.apply_op3_no_bwd(bias, &grad, &BiasActBackwardOp { act: self.act })?;
-        let cols = bias.elem_count();
-        let (grad_y, at) = match self.act {
-            Some(_) => (
-                packed.narrow(0, 0, y.elem_count())?.reshape(y.shape())?,
-                y.elem_count(),
-            ),
-            // Without an activation `y`'s gradient is the output's.
-            None => (grad, 0),
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (out_features, in_features) = weight.dims2()?;
+        let rows = x.elem_count() / in_features.max(1);
+        let grad = grad.contiguous()?.reshape((rows, out_features))?;
+        let (grad_pre, grad_bias) = match self.act {
+            Some(_) => {
+                let pre = self.pre.take(self.name())?;
+                let op = BiasActBackwardOp { act: self.act };
+                let packed = pre.apply_op3_no_bwd(bias, &grad, &op)?;
+                let n = rows * out_features;
+                (
+                    packed.narrow(0, 0, n)?.reshape((rows, out_features))?,
+                    packed.narrow(0, n, out_features)?,
+                )
+            }
+            None => {
+                let op = BiasActBackwardOp { act: None };
+                // Without an activation the product's gradient is the output's; the kernel
+                // sums the bias's (it reads `y` only for an activation).
+                let packed = grad.apply_op3_no_bwd(bias, &grad, &op)?;
+                (grad, packed)
+            }
         };
-        Ok((Some(grad_y), Some(packed.narrow(0, at, cols)?)))
+        let grad_x = grad_pre.matmul(&weight.detach())?.reshape(x.shape())?;
+        let x_rows = x.detach().reshape((rows, in_features))?;
+        let grad_weight = grad_pre.t()?.matmul(&x_rows)?;
+        Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
     }
 }
 
-/// The backward of [`BiasActOp`] from `y`, the bias and the output's gradient.
+/// The backward of a linear layer's end from its product `y`, the bias and the output's
+/// gradient (see [`backward`]).
 struct BiasActBackwardOp {
     act: Option<Gelu>,
 }
@@ -314,11 +362,28 @@ impl CustomOp2 for ActBackwardOp {
     }
 }
 
-/// `act(y + bias)` on CUDA in `y`'s dtype: a linear layer's end after its product (`act`
-/// `None`: the bias alone).
-pub(crate) fn bias_activation(y: &Tensor, bias: &Tensor, act: Option<Gelu>) -> Result<Tensor> {
-    y.contiguous()?
-        .apply_op2(&bias.to_dtype(y.dtype())?, BiasActOp { act })
+/// [`crate::kernels::Kernels::linear`] (`act` `None`) and
+/// [`crate::kernels::Kernels::linear_gelu`] on CUDA, in `x`'s dtype: `x` `[..., in]`, `weight`
+/// `[out, in]`, `bias` `[out]`.
+pub(crate) fn linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    act: Option<Gelu>,
+) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.contiguous()?;
+    let (_, in_features) = weight.dims2()?;
+    let rows = x.elem_count() / in_features.max(1);
+    let pre = x
+        .detach()
+        .reshape((rows, in_features))?
+        .matmul(&weight.detach().t()?)?;
+    let op = LinearOp {
+        act,
+        pre: Handoff::new(pre),
+    };
+    x.apply_op3(weight, &bias.to_dtype(dtype)?, op)
 }
 
 /// GELU on CUDA in `y`'s dtype.
