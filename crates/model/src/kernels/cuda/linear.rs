@@ -183,7 +183,7 @@ impl CustomOp3 for LinearOp {
         x: &Tensor,
         weight: &Tensor,
         bias: &Tensor,
-        _out: &Tensor,
+        out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (out_features, in_features) = weight.dims2()?;
@@ -203,8 +203,9 @@ impl CustomOp3 for LinearOp {
             None => {
                 let op = BiasActBackwardOp { act: None };
                 // Without an activation the product's gradient is the output's; the kernel
-                // sums the bias's (it reads `y` only for an activation).
-                let packed = grad.apply_op3_no_bwd(bias, &grad, &op)?;
+                // sums the bias's (it reads `y`, here the output, only for an activation).
+                let y = out.reshape((rows, out_features))?;
+                let packed = y.apply_op3_no_bwd(bias, &grad, &op)?;
                 (grad, packed)
             }
         };
