@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On a GPU machine, from a pack (bench/gpu/pack.sh): the fused CUDA kernels checked against
-# their CPU twins, where a training pass's time goes with the composed ops and with the fused
-# kernels, then phase 1 with the fused kernels beside PyTorch (side_by_side.sh, QUICK=1).
+# On a GPU machine, from a pack (bench/gpu/pack.sh, which copies this file): the fused CUDA
+# kernels checked against their CPU twins, the optimiser step alone, then the whole
+# side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
+# kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -23,16 +24,11 @@ log "1 bertkit check kernels --device cuda"
 timeout 180 $b check kernels --device cuda --dtype f32,bf16 > "$out/check.txt" 2>&1
 echo "rc $? (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
 grep -v " ok$" "$out/check.txt"
-profile() { # kernels env
-    log "2 bench kernels: BERT-large bf16, batch 64 x 128 ($1; BERTKIT_CUDA_KERNELS=$2)"
-    BERTKIT_CUDA_KERNELS=$2 timeout 150 $b bench kernels --config large --batch 64 --seq 128 \
-        --dtype bf16 --device cuda --passes 2 --kernels "$1" 2>&1 | tee "$out/profile-$2.txt"
-    echo "rc ${PIPESTATUS[0]}"
-}
-profile fused fused
-profile composed composed
-log "3 phase 1 with the fused kernels beside PyTorch"
-BERTKIT_CUDA_KERNELS=fused QUICK=1 OUT=$out/side timeout 240 \
+# (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
+log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state)"
+timeout 120 $b bench optimizer --config large --dtype bf16 --device cuda 2>&1 | tail -n 2
+log "3 the side-by-side table"
+OUT=$out/side timeout "${SIDE_SECONDS:-420}" \
     bash "$here/side_by_side.sh" --bertkit "$b" --python python3 --data "$here/data"
 echo "rc $?"
-tail -n 5 "$out/side/phase1.log" 2>/dev/null
+grep -h "checkpoint\|first step" "$out"/side/phase*.log 2>/dev/null

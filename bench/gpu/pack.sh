@@ -3,7 +3,8 @@
 # device tool): .gpu/ in the checkout (kept out of git through .git/info/exclude) with the CUDA
 # build of bertkit (stripped, gzipped), the data prepare.sh makes, these scripts and run.sh.
 # There, `bash .gpu/run.sh` runs the comparison (PyTorch and transformers installed there; the
-# binary finds CUDA's libraries in PyTorch's nvidia packages) and prints the table.
+# binary finds CUDA's libraries in PyTorch's nvidia packages) and prints the table;
+# `bash .gpu/kernels_check.sh` runs the CUDA kernels' check and profile first, then the same.
 #
 # Usage: bench/gpu/pack.sh [MIRROR]      (MIRROR: the shared data folder, ../shared/data)
 #   BIN=path  packs that CUDA binary instead of building one (make build-train FEATURES=cuda,
@@ -29,7 +30,7 @@ cpu_bin=$(cargo metadata --no-deps --format-version 1 \
     | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release/bertkit
 [[ -x $cpu_bin ]] || cargo build --release --locked -p bertkit
 bash bench/gpu/prepare.sh "$cpu_bin" "$mirror" "$gpu/data" > /dev/null
-cp bench/gpu/side_by_side.sh bench/gpu/torch_peer.py bench/gpu/table.py "$gpu/"
+cp bench/gpu/side_by_side.sh bench/gpu/torch_peer.py bench/gpu/table.py bench/gpu/kernels_check.sh "$gpu/"
 cat > "$gpu/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # On the GPU machine: bash .gpu/run.sh (OUT: where logs and results go; QUICK=1: phase 1 only).
