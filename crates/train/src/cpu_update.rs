@@ -92,9 +92,11 @@ pub(crate) fn update(
     ))
 }
 
-/// The step's scalars in f32, as the update uses them.
-#[derive(Clone, Copy)]
-struct Constants {
+/// The step's scalars in f32, as the update uses them (laid out as the CUDA twin's
+/// `struct Constants`, `cuda_update.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Constants {
     clip: f32,
     b1: f32,
     one_b1: f32,
@@ -104,7 +106,30 @@ struct Constants {
     inv_bc2: f32,
     eps: f32,
     decay: f32,
-    decayed: bool,
+    /// 1 with weight decay.
+    decayed: i32,
+    /// 1 when LAMB's trust ratio applies (LAMB, with decay, as the composed update).
+    pub(crate) trust_ratio: i32,
+}
+
+impl Constants {
+    /// The f32 constants of a step's scalars (the same conversions on every device).
+    pub(crate) fn of(s: Scalars) -> Self {
+        let f = |x: f64| x as f32;
+        Constants {
+            clip: f(s.clip),
+            b1: f(s.beta1),
+            one_b1: f(1.0 - s.beta1),
+            b2: f(s.beta2),
+            one_b2: f(1.0 - s.beta2),
+            inv_bc1: f(s.inverse_corrections.0),
+            inv_bc2: f(s.inverse_corrections.1),
+            eps: f(s.eps),
+            decay: f(s.decay),
+            decayed: i32::from(s.decay > 0.0),
+            trust_ratio: i32::from(s.trust_ratio && s.decay > 0.0),
+        }
+    }
 }
 
 /// One parameter: the moments and the update (into `new_w`, as the step before the weights),
@@ -115,19 +140,8 @@ fn update_row(
     s: Scalars,
 ) {
     let f = |x: f64| x as f32;
-    let c = Constants {
-        clip: f(s.clip),
-        b1: f(s.beta1),
-        one_b1: f(1.0 - s.beta1),
-        b2: f(s.beta2),
-        one_b2: f(1.0 - s.beta2),
-        inv_bc1: f(s.inverse_corrections.0),
-        inv_bc2: f(s.inverse_corrections.1),
-        eps: f(s.eps),
-        decay: f(s.decay),
-        decayed: s.decay > 0.0,
-    };
-    let trust_ratio = s.trust_ratio && s.decay > 0.0;
+    let c = Constants::of(s);
+    let trust_ratio = c.trust_ratio != 0;
     // Pass 1: moments and the update `u` (kept in `new_w`), and the squared norms of w and u.
     let norms: Vec<(f64, f64)> = new_w
         .par_chunks_mut(BLOCK)
@@ -194,7 +208,7 @@ fn moments_portable(
         let vi = v[i] * c.b2 + gi * gi * c.one_b2;
         let denominator = (vi * c.inv_bc2).sqrt() + c.eps;
         let u = (mi * c.inv_bc1) / denominator;
-        u_out[i] = if c.decayed { u + w[i] * c.decay } else { u };
+        u_out[i] = if c.decayed != 0 { u + w[i] * c.decay } else { u };
         m_out[i] = mi;
         v_out[i] = vi;
     }

@@ -29,6 +29,8 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 mod cpu_update;
+#[cfg(feature = "cuda")]
+mod cuda_update;
 pub mod data;
 pub mod distributed;
 pub mod logs;

@@ -114,11 +114,16 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
             "kernel", "shape", "value", "worst", "bound"
         );
         let started = Instant::now();
-        for c in check_kernels(&device, dtype, &shapes)? {
-            let value = if c.value == "output" {
-                "output".to_string()
-            } else {
+        let mut checks = check_kernels(&device, dtype, &shapes)?;
+        if dtype == candle_core::DType::F32 {
+            // The optimiser's state is f32 whatever the model's dtype.
+            checks.extend(bertkit_train::optim::check_update(&device)?);
+        }
+        for c in checks {
+            let value = if c.gradient {
                 format!("d{}", c.value)
+            } else {
+                c.value.to_string()
             };
             let verdict = if c.passed() { "ok" } else { "FAILED" };
             println!(

@@ -21,8 +21,10 @@ pub struct KernelCheck {
     pub kernel: String,
     /// The shape it ran at ([`CheckShape::name`]).
     pub shape: &'static str,
-    /// The output, or which input's gradient.
+    /// The output, or which input's gradient (or, for a check of state, which state).
     pub value: &'static str,
+    /// Whether `value` names an input whose gradient was compared.
+    pub gradient: bool,
     /// The largest absolute difference over the reference's largest magnitude.
     pub worst: f64,
     /// The most [`KernelCheck::worst`] may be.
@@ -283,6 +285,7 @@ pub fn check_kernels(
                     kernel: case.kernel.to_string(),
                     shape: shape.name,
                     value,
+                    gradient: value != "output",
                     worst: worst(got, want)?,
                     tolerance: tolerance(dtype),
                 });

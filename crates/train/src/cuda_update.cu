@@ -1,0 +1,104 @@
+// The optimiser update of one parameter group on CUDA: the device half of `cuda_update.rs`,
+// the twin of `cpu_update.rs` (the same f32 arithmetic, element by element; LAMB's squared
+// norms in f64). Two launches per group where the composed update made about fifteen passes:
+// the moments and the update with per-block partial norms, then the weights.
+
+#include <stdint.h>
+
+// The step's scalars in f32 (`cpu_update::Constants`), as `cuda_update::Constants`
+// (#[repr(C)]).
+struct Constants {
+    float clip, b1, one_b1, b2, one_b2, inv_bc1, inv_bc2, eps, decay;
+    int32_t decayed;
+    int32_t trust_ratio;
+};
+
+// Elements a block covers in a row.
+#define CHUNK 4096
+#define THREADS 256
+
+__device__ double block_sum(double v, double* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// `state` is `[3, rows, numel]`: the update `u` (the new weights after the second launch), the
+// first and the second moments. `norms` is `[rows, gridDim.x, 2]`: each block's Σw², Σu².
+extern "C" __global__ void update_moments(const float* w, const float* m, const float* v,
+                                          const float* g, float* state, double* norms,
+                                          int rows, int numel, Constants c) {
+    __shared__ double scratch[32];
+    const size_t total = (size_t)rows * numel;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const size_t base = (size_t)row * numel;
+        const int start = blockIdx.x * CHUNK;
+        const int end = min(start + CHUNK, numel);
+        double w2 = 0.0, u2 = 0.0;
+        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+            const size_t i = base + j;
+            const float gi = g[i] * c.clip;
+            const float mi = m[i] * c.b1 + gi * c.one_b1;
+            const float vi = v[i] * c.b2 + gi * gi * c.one_b2;
+            const float denominator = sqrtf(vi * c.inv_bc2) + c.eps;
+            float u = (mi * c.inv_bc1) / denominator;
+            if (c.decayed) u = u + w[i] * c.decay;
+            state[i] = u;
+            state[total + i] = mi;
+            state[2 * total + i] = vi;
+            if (c.trust_ratio) {
+                w2 += (double)w[i] * (double)w[i];
+                u2 += (double)u * (double)u;
+            }
+        }
+        if (c.trust_ratio) {
+            w2 = block_sum(w2, scratch);
+            u2 = block_sum(u2, scratch);
+            if (threadIdx.x == 0) {
+                double* out = norms + ((size_t)row * gridDim.x + blockIdx.x) * 2;
+                out[0] = w2;
+                out[1] = u2;
+            }
+        }
+    }
+}
+
+// The new weights `w - (u · ratio) · lr` into `state`'s first part, the row's trust ratio
+// `‖w‖ / ‖u‖` (1 when either is 0, or without the trust ratio) from the partial norms added in
+// block order.
+extern "C" __global__ void update_weights(const float* w, float* state, const double* norms,
+                                          int rows, int numel, int blocks, float lr,
+                                          int trust_ratio) {
+    __shared__ float ratio_shared;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        if (threadIdx.x == 0) {
+            float ratio = 1.0f;
+            if (trust_ratio) {
+                double w2 = 0.0, u2 = 0.0;
+                const double* p = norms + (size_t)row * blocks * 2;
+                for (int b = 0; b < blocks; ++b) {
+                    w2 += p[2 * b];
+                    u2 += p[2 * b + 1];
+                }
+                const double wn = sqrt(w2), un = sqrt(u2);
+                if (wn > 0.0 && un > 0.0) ratio = (float)(wn / un);
+            }
+            ratio_shared = ratio;
+        }
+        __syncthreads();
+        const float ratio = ratio_shared;
+        const size_t base = (size_t)row * numel;
+        const int start = blockIdx.x * CHUNK;
+        const int end = min(start + CHUNK, numel);
+        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+            const size_t i = base + j;
+            state[i] = w[i] - state[i] * ratio * lr;
+        }
+        __syncthreads();
+    }
+}
