@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine, from a pack (bench/gpu/pack.sh, which copies this file): the fused CUDA
-# kernels checked against their CPU twins, the optimiser step alone, then the whole
+# kernels checked against their CPU twins, the optimiser step alone (composed and fused), then the whole
 # side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
 # kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
@@ -25,9 +25,12 @@ timeout 180 $b check kernels --device cuda --dtype f32,bf16 > "$out/check.txt" 2
 echo "rc $? (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
 grep -v " ok$" "$out/check.txt"
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
-log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state)"
-timeout 120 $b bench optimizer --config large --dtype bf16 --device cuda 2>&1 | tail -n 2
-log "3 the side-by-side table"
+for optimizer in composed fused; do
+    log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer"
+    BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b bench optimizer --config large --dtype bf16 \
+        --device cuda 2>&1 | tail -n 2
+done
+log "3 the side-by-side table (BERTKIT_CUDA_OPTIMIZER=${BERTKIT_CUDA_OPTIMIZER:-default})"
 OUT=$out/side timeout "${SIDE_SECONDS:-420}" \
     bash "$here/side_by_side.sh" --bertkit "$b" --python python3 --data "$here/data"
 echo "rc $?"
