@@ -30,7 +30,7 @@ for optimizer in composed fused; do
     BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b bench optimizer --config large --dtype bf16 \
         --device cuda 2>&1 | tail -n 2
 done
-log "3 the side-by-side table (BERTKIT_CUDA_OPTIMIZER=${BERTKIT_CUDA_OPTIMIZER:-default})"
+log "3 the side-by-side table"
 OUT=$out/side timeout "${SIDE_SECONDS:-420}" \
     bash "$here/side_by_side.sh" --bertkit "$b" --python python3 --data "$here/data"
 echo "rc $?"

@@ -178,8 +178,8 @@ static CUDA_OPTIMIZER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8
 
 /// Turns the optimiser's CUDA update (two launches per parameter group, the twin of the CPU's
 /// one-pass update) on or off for this process; without the `cuda` feature there is none.
-/// Unset, `BERTKIT_CUDA_OPTIMIZER=fused` turns it on; it stays off by default until a GPU run
-/// has passed its check (`bertkit check kernels --device cuda`), and the composed update runs.
+/// Unset, it is on unless `BERTKIT_CUDA_OPTIMIZER=composed` (the composed update, candle's
+/// element-wise ops); it passed its check (`bertkit check kernels --device cuda`) on an H200.
 pub fn set_cuda_optimizer(on: bool) {
     CUDA_OPTIMIZER.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
@@ -188,7 +188,7 @@ pub fn set_cuda_optimizer(on: bool) {
 pub fn cuda_optimizer() -> bool {
     match CUDA_OPTIMIZER.load(std::sync::atomic::Ordering::Relaxed) {
         0 => {
-            let on = std::env::var("BERTKIT_CUDA_OPTIMIZER").is_ok_and(|v| v == "fused");
+            let on = std::env::var("BERTKIT_CUDA_OPTIMIZER").map_or(true, |v| v != "composed");
             set_cuda_optimizer(on);
             on
         }
