@@ -605,10 +605,7 @@ mod tests {
             .map(|i| u32::from(!matches!(i, 7 | 8 | 12 | 13 | 14 | 15 | 16 | 17)))
             .collect();
         let packing = Packing::from_mask((batch, seq), &mask, cpu).unwrap();
-        let places: Vec<u32> = packing
-            .gather_places()
-            .to_vec1::<u32>()
-            .unwrap();
+        let places: Vec<u32> = packing.gather_places().to_vec1::<u32>().unwrap();
         let d = DropoutSource::new(21);
         d.start_batch(5, 8);
         let tokens = d.next_cpu_token_keep_mask(&packing, width, p).unwrap();
@@ -621,7 +618,11 @@ mod tests {
             let line = line_key(row(b), &[c as usize]);
             for j in 0..width {
                 let want = tokens[t * width + j];
-                assert_eq!(keeps(line, j as u64, keys.threshold), want, "token {t} element {j}");
+                assert_eq!(
+                    keeps(line, j as u64, keys.threshold),
+                    want,
+                    "token {t} element {j}"
+                );
             }
         }
         let keys = d.next_keys(p).unwrap();

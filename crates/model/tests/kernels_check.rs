@@ -13,10 +13,19 @@ fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         // Not vacuous: f32 against f64 differs somewhere, and well inside the bound.
-        assert!(c.worst > 0.0 && c.worst < tolerance(DType::F32) / 10.0, "{c:?}");
+        assert!(
+            c.worst > 0.0 && c.worst < tolerance(DType::F32) / 10.0,
+            "{c:?}"
+        );
     }
-    let kernels: std::collections::BTreeSet<&str> = checks.iter().map(|c| c.kernel.as_str()).collect();
-    for k in ["layer_norm", "attention (dropout)", "residual_layer_norm (dropout)", "linear_gelu (tanh)"] {
+    let kernels: std::collections::BTreeSet<&str> =
+        checks.iter().map(|c| c.kernel.as_str()).collect();
+    for k in [
+        "layer_norm",
+        "attention (dropout)",
+        "residual_layer_norm (dropout)",
+        "linear_gelu (tanh)",
+    ] {
         assert!(kernels.contains(k), "{k} not checked");
     }
 }

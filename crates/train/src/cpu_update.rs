@@ -208,7 +208,11 @@ fn moments_portable(
         let vi = v[i] * c.b2 + gi * gi * c.one_b2;
         let denominator = (vi * c.inv_bc2).sqrt() + c.eps;
         let u = (mi * c.inv_bc1) / denominator;
-        u_out[i] = if c.decayed != 0 { u + w[i] * c.decay } else { u };
+        u_out[i] = if c.decayed != 0 {
+            u + w[i] * c.decay
+        } else {
+            u
+        };
         m_out[i] = mi;
         v_out[i] = vi;
     }

@@ -7,10 +7,12 @@
 //! (`BERTKIT_CUDA_OPTIMIZER=composed` turns it off).
 
 use candle_core::cuda_backend::WrapErr;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, backend::BackendStorage,
-    bail,
+    CpuStorage, CudaStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor,
+    backend::BackendStorage, bail,
 };
 
 use crate::cpu_update::{Constants, Scalars};
@@ -115,7 +117,11 @@ impl CustomOp3 for Update {
         {
             let func = dev.get_or_load_custom_func("update_weights", MODULE, PTX)?;
             let mut b = func.builder();
-            b.arg(&w_view).arg(&mut state).arg(&norms).arg(&rows_i).arg(&numel_i);
+            b.arg(&w_view)
+                .arg(&mut state)
+                .arg(&norms)
+                .arg(&rows_i)
+                .arg(&numel_i);
             b.arg(&blocks_i).arg(&self.lr).arg(&trust);
             // SAFETY: as above, for `update_weights`.
             unsafe { b.launch(cfg) }.w()?;

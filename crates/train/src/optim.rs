@@ -520,10 +520,15 @@ pub fn check_update(
         Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
     };
     // Two steps on `device` in `dtype`: the state afterwards, by name, in f64 on the CPU.
-    let run = |rule: Rule, device: &Device, dtype: DType| -> Result<BTreeMap<String, Tensor>, TrainError> {
+    let run = |rule: Rule,
+               device: &Device,
+               dtype: DType|
+     -> Result<BTreeMap<String, Tensor>, TrainError> {
         let mut vars = BTreeMap::new();
         for (i, (name, dims)) in shapes.iter().enumerate() {
-            let w = values(dims, i as u64, 0.5)?.to_dtype(dtype)?.to_device(device)?;
+            let w = values(dims, i as u64, 0.5)?
+                .to_dtype(dtype)?
+                .to_device(device)?;
             vars.insert(name.to_string(), Var::from_tensor(&w)?);
         }
         let config = OptimizerConfig {
@@ -553,7 +558,10 @@ pub fn check_update(
         (Device::Cpu, DType::F32)
     };
     let mut checks = Vec::new();
-    for (rule, kernel) in [(Rule::Lamb, "optimizer update (LAMB)"), (Rule::Adamw, "optimizer update (AdamW)")] {
+    for (rule, kernel) in [
+        (Rule::Lamb, "optimizer update (LAMB)"),
+        (Rule::Adamw, "optimizer update (AdamW)"),
+    ] {
         let want = run(rule, &ref_device, ref_dtype)?;
         let got = run(rule, device, DType::F32)?;
         for (value, prefix) in [("weights", ""), ("m", "m."), ("v", "v.")] {

@@ -106,9 +106,17 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
     let shapes = CheckShape::defaults();
     let mut failed = 0;
     let mut checked = 0;
-    for name in args.dtype.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+    for name in args
+        .dtype
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+    {
         let dtype = bertkit_model::parse_dtype(name)?;
-        println!("fused kernels on {} in {name} against {reference}:", args.device);
+        println!(
+            "fused kernels on {} in {name} against {reference}:",
+            args.device
+        );
         println!(
             "  {:<30} {:<9} {:<9} {:>11} {:>10}",
             "kernel", "shape", "value", "worst", "bound"

@@ -148,7 +148,9 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         norm("layer_norm", false, |k, x, _, _, _| {
             k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
         }),
-        linear("linear", |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2]))),
+        linear("linear", |k, x, _, _, _| {
+            k.linear(&x[0], &x[1], Some(&x[2]))
+        }),
         linear("linear_gelu (erf)", |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
         }),
@@ -206,11 +208,7 @@ fn run_side(
         .map(|t| Var::from_tensor(&t.to_device(device)?.to_dtype(dtype)?))
         .collect::<Result<Vec<_>>>()?;
     let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let packing = Packing::from_mask(
-        (shape.lengths.len(), shape.seq),
-        &shape.mask(),
-        device,
-    )?;
+    let packing = Packing::from_mask((shape.lengths.len(), shape.seq), &shape.mask(), device)?;
     let source = DropoutSource::new(SEED);
     source.start_batch(0, 0);
     let mode = if case.train {

@@ -62,10 +62,7 @@ impl CustomOp1 for TokensToHeads<'_> {
             let n = op.parts * p.batch * h.heads * p.seq * h.head;
             // SAFETY: every element is written (padding with zeros).
             let mut dst = unsafe { dev.alloc::<T>(n)? };
-            let args = [
-                p.tokens, p.batch, p.seq, h.heads, h.head, op.parts,
-            ]
-            .map(|v| v as i32);
+            let args = [p.tokens, p.batch, p.seq, h.heads, h.head, op.parts].map(|v| v as i32);
             with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
                 let cfg = config(p.batch * p.seq, 256, 0);
                 launch!(T, dev, "tokens_to_heads", cfg, |b| {
@@ -140,7 +137,11 @@ impl CustomOp1 for AttentionOutput {
         let Storage::Cuda(s) = &*storage else {
             bail!("{name}: the context on the CUDA device expected")
         };
-        by_dtype!(name, qkv, heads_to_tokens(name, &self.heads, &[(s, layout)]))
+        by_dtype!(
+            name,
+            qkv,
+            heads_to_tokens(name, &self.heads, &[(s, layout)])
+        )
     }
 
     fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -197,7 +198,11 @@ impl CustomOp3 for GradToTokens<'_> {
         vl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let sources = [(q, ql), (k, kl), (v, vl)];
-        by_dtype!(self.name(), q, heads_to_tokens(self.name(), self.heads, &sources))
+        by_dtype!(
+            self.name(),
+            q,
+            heads_to_tokens(self.name(), self.heads, &sources)
+        )
     }
 }
 
@@ -240,7 +245,9 @@ impl CustomOp1 for SoftmaxForward<'_> {
             let mut probs = unsafe { dev.alloc::<T>(l.shape().elem_count())? };
             let queries = l.shape().elem_count() / h.places.seq.max(1);
             with_view::<u32, _>(name, "padded places", &h.places.scatter, |scatter| {
-                launch!(T, dev,
+                launch!(
+                    T,
+                    dev,
                     "attention_softmax_forward",
                     config(queries.div_ceil(8), 256, 0),
                     |b| {
@@ -301,7 +308,9 @@ impl CustomOp2 for SoftmaxBackward<'_> {
             let mut out = unsafe { dev.alloc::<T>(sl.shape().elem_count())? };
             let queries = sl.shape().elem_count() / h.places.seq.max(1);
             with_view::<u32, _>(name, "padded places", &h.places.scatter, |scatter| {
-                launch!(T, dev,
+                launch!(
+                    T,
+                    dev,
                     "attention_softmax_backward",
                     config(queries.div_ceil(8), 256, 0),
                     |b| {

@@ -18,7 +18,10 @@ fn code(act: Option<Gelu>) -> i32 {
 fn rows_cols(op: &str, y: &Layout, bias: Option<&Layout>) -> Result<(usize, usize)> {
     let cols = y.dims().last().copied().unwrap_or(0);
     if cols == 0 {
-        bail!("{op}: an input with a non-empty last dimension expected, got {:?}", y.dims())
+        bail!(
+            "{op}: an input with a non-empty last dimension expected, got {:?}",
+            y.dims()
+        )
     }
     if let Some(b) = bias
         && b.dims() != [cols]
@@ -74,24 +77,30 @@ fn backward<T: Element>(
     {
         let (mut grad_y, _) = out.split_at_mut(n);
         let shared = if bias.is_some() { cols } else { 0 };
-        launch!(T, dev, "bias_act_backward", config(blocks, 256, shared), |b| {
-            b.arg(y);
-            match bias {
-                Some(bias) => b.arg(bias),
-                None => b.arg(&NULL),
-            };
-            b.arg(grad);
-            if act != 0 {
-                b.arg(&mut grad_y);
-            } else {
-                b.arg(&NULL);
+        launch!(
+            T,
+            dev,
+            "bias_act_backward",
+            config(blocks, 256, shared),
+            |b| {
+                b.arg(y);
+                match bias {
+                    Some(bias) => b.arg(bias),
+                    None => b.arg(&NULL),
+                };
+                b.arg(grad);
+                if act != 0 {
+                    b.arg(&mut grad_y);
+                } else {
+                    b.arg(&NULL);
+                }
+                match &partial {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&NULL),
+                };
+                b.arg(&rows_i).arg(&cols_i).arg(&act);
             }
-            match &partial {
-                Some(p) => b.arg(p),
-                None => b.arg(&NULL),
-            };
-            b.arg(&rows_i).arg(&cols_i).arg(&act);
-        })?;
+        )?;
     }
     if let Some(partial) = &partial {
         let mut grad_bias = out.slice_mut(n..);

@@ -185,9 +185,15 @@ fn column_sums<T: Element>(
     cols: usize,
 ) -> Result<()> {
     let (parts_i, cols_i) = (parts as i32, cols as i32);
-    launch!(T, dev, "column_sums", config(cols.div_ceil(256), 256, 0), |b| {
-        b.arg(partial).arg(out).arg(&parts_i).arg(&cols_i);
-    })
+    launch!(
+        T,
+        dev,
+        "column_sums",
+        config(cols.div_ceil(256), 256, 0),
+        |b| {
+            b.arg(partial).arg(out).arg(&parts_i).arg(&cols_i);
+        }
+    )
 }
 
 mod attention;

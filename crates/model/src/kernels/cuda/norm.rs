@@ -84,7 +84,11 @@ fn backward<T: Element>(
             } else {
                 b.arg(&NULL);
             }
-            b.arg(&partial).arg(&rows).arg(&hidden).arg(&s.eps).arg(&s.dropout);
+            b.arg(&partial)
+                .arg(&rows)
+                .arg(&hidden)
+                .arg(&s.eps)
+                .arg(&s.dropout);
             match places {
                 Some(p) => b.arg(p),
                 None => b.arg(&NULL),
