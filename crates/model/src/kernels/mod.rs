@@ -144,6 +144,19 @@ pub trait Kernels: Send + Sync + Debug {
     }
 }
 
+/// The three gradients of a LayerNorm from its backward kernel's `[rows + 2, hidden]` output
+/// (the input's rows, then the weight's and the bias's), as a custom op's `bwd` returns them;
+/// the same packing on every device.
+type NormGradients = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+fn norm_gradients(packed: &Tensor, x: &Tensor, hidden: usize) -> Result<NormGradients> {
+    let rows = x.elem_count() / hidden.max(1);
+    let grad_x = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+    let grad_weight = packed.narrow(0, rows, 1)?.reshape(hidden)?;
+    let grad_bias = packed.narrow(0, rows + 1, 1)?.reshape(hidden)?;
+    Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+}
+
 /// A fused CPU kernel's dropout in training `mode`: the keep bytes `draw` takes from the
 /// source (it returns `None` when `p` is 0) and the scale of a kept element, `1 / (1 - p)`;
 /// `None` in evaluation.

@@ -72,12 +72,7 @@ impl CustomOp3 for LayerNorm {
             &grad.contiguous()?,
             &LayerNormBackward { eps: self.eps },
         )?;
-        let hidden = weight.elem_count();
-        let rows = x.elem_count() / hidden;
-        let grad_x = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let grad_weight = packed.narrow(0, rows, 1)?.reshape(hidden)?;
-        let grad_bias = packed.narrow(0, rows + 1, 1)?.reshape(hidden)?;
-        Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+        super::super::norm_gradients(&packed, x, weight.elem_count())
     }
 }
 

@@ -37,9 +37,7 @@ impl CustomOp1 for TokensToHeads<'_> {
         "bertkit-cuda-tokens-to-heads"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(1);
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         fn run<T: Element>(
@@ -126,9 +124,7 @@ impl CustomOp1 for AttentionOutput {
         "bertkit-cuda-attention"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(1);
 
     fn cuda_fwd(&self, qkv: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
         let name = self.name();
@@ -176,17 +172,7 @@ impl CustomOp3 for GradToTokens<'_> {
         "bertkit-cuda-heads-to-tokens"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -227,9 +213,7 @@ impl CustomOp1 for SoftmaxForward<'_> {
         "bertkit-cuda-attention-softmax"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(1);
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         fn run<T: Element>(
@@ -275,15 +259,7 @@ impl CustomOp2 for SoftmaxBackward<'_> {
         "bertkit-cuda-attention-softmax-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(2);
 
     fn cuda_fwd(
         &self,

@@ -314,52 +314,64 @@ __device__ void heads_to_tokens(const T* src0, const T* src1, const T* src2, T* 
 // get zeros. A warp per query, each lane holding up to 16 of its keys (seq <= 512).
 #define MAX_KEYS_PER_LANE 16
 
+// The softmax of query `i`'s scaled scores `in` over the row's token keys into `p` (this
+// lane's keys `lane + 32 · k`; 0 for padding keys and past `seq`), computed by the whole warp.
+template <typename T>
+__device__ __forceinline__ void query_probabilities(const T* in, const uint32_t* row_places,
+                                                    int tokens, int seq, float scale, int lane,
+                                                    float (&p)[MAX_KEYS_PER_LANE]) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+        const int j = lane + 32 * k;
+        p[k] = (j < seq && row_places[j] < (uint32_t)tokens) ? to_f32(in[j]) * scale : -INFINITY;
+        m = fmaxf(m, p[k]);
+    }
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
+        p[k] = p[k] == -INFINITY ? 0.0f : expf(p[k] - m);
+        s += p[k];
+    }
+    const float inv = 1.0f / warp_sum(s);
+#pragma unroll
+    for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) p[k] *= inv;
+}
+
+// The query rows of a `[batch, heads, seq, seq]` tensor a warp visits: `visit(q, b, h, i)` for
+// each, the grid's warps strided over them.
+template <typename Visit>
+__device__ __forceinline__ void for_each_query(int batch, int heads, int seq, Visit visit) {
+    const int warps = blockDim.x >> 5;
+    const size_t queries = (size_t)batch * heads * seq;
+    for (size_t q = (size_t)blockIdx.x * warps + (threadIdx.x >> 5); q < queries;
+         q += (size_t)gridDim.x * warps) {
+        visit(q, (int)(q / ((size_t)seq * heads)), (int)((q / seq) % heads), (int)(q % seq));
+    }
+}
+
 template <typename T>
 __device__ void attention_softmax_forward(const T* scores, T* probs, const uint32_t* scatter,
                                           int tokens, int batch, int heads, int seq, float scale,
                                           Dropout d) {
     const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x >> 5;
-    const size_t queries = (size_t)batch * heads * seq;
-    for (size_t q = (size_t)blockIdx.x * warps + (threadIdx.x >> 5); q < queries;
-         q += (size_t)gridDim.x * warps) {
-        const int i = q % seq;
-        const int h = (q / seq) % heads;
-        const int b = q / ((size_t)seq * heads);
-        const T* in = scores + q * seq;
+    for_each_query(batch, heads, seq, [&](size_t q, int b, int h, int i) {
         T* out = probs + q * seq;
         const uint32_t* row_places = scatter + (size_t)b * seq;
         if (row_places[i] >= (uint32_t)tokens) {
             for (int j = lane; j < seq; j += 32) out[j] = from_f32<T>(0.0f);
-            continue;
+            return;
         }
-        float v[MAX_KEYS_PER_LANE];
-        float m = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
-            const int j = lane + 32 * k;
-            v[k] = (j < seq && row_places[j] < (uint32_t)tokens) ? to_f32(in[j]) * scale : -INFINITY;
-            m = fmaxf(m, v[k]);
-        }
-        m = warp_max(m);
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
-            v[k] = v[k] == -INFINITY ? 0.0f : expf(v[k] - m);
-            s += v[k];
-        }
-        const float inv = 1.0f / warp_sum(s);
+        float p[MAX_KEYS_PER_LANE];
+        query_probabilities(scores + q * seq, row_places, tokens, seq, scale, lane, p);
         const uint64_t line = d.on ? line_key(line_key(row_key(d, b), h), i) : 0;
 #pragma unroll
         for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
             const int j = lane + 32 * k;
-            if (j < seq) {
-                float p = v[k] * inv;
-                if (d.on) p *= keep_factor(d, line, j);
-                out[j] = from_f32<T>(p);
-            }
+            if (j < seq) out[j] = from_f32<T>(d.on ? p[k] * keep_factor(d, line, j) : p[k]);
         }
-    }
+    });
 }
 
 // The backward from the scores (the probabilities recomputed) and the gradient of the dropped
@@ -369,58 +381,36 @@ __device__ void attention_softmax_backward(const T* scores, const T* grad_probs,
                                            const uint32_t* scatter, int tokens, int batch,
                                            int heads, int seq, float scale, Dropout d) {
     const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x >> 5;
-    const size_t queries = (size_t)batch * heads * seq;
-    for (size_t q = (size_t)blockIdx.x * warps + (threadIdx.x >> 5); q < queries;
-         q += (size_t)gridDim.x * warps) {
-        const int i = q % seq;
-        const int h = (q / seq) % heads;
-        const int b = q / ((size_t)seq * heads);
-        const T* in = scores + q * seq;
+    for_each_query(batch, heads, seq, [&](size_t q, int b, int h, int i) {
         const T* gin = grad_probs + q * seq;
         T* out = grad_scores + q * seq;
         const uint32_t* row_places = scatter + (size_t)b * seq;
         if (row_places[i] >= (uint32_t)tokens) {
             for (int j = lane; j < seq; j += 32) out[j] = from_f32<T>(0.0f);
-            continue;
+            return;
         }
-        float v[MAX_KEYS_PER_LANE];
+        float p[MAX_KEYS_PER_LANE];
         float g[MAX_KEYS_PER_LANE];
-        float m = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
-            const int j = lane + 32 * k;
-            v[k] = (j < seq && row_places[j] < (uint32_t)tokens) ? to_f32(in[j]) * scale : -INFINITY;
-            m = fmaxf(m, v[k]);
-        }
-        m = warp_max(m);
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
-            v[k] = v[k] == -INFINITY ? 0.0f : expf(v[k] - m);
-            s += v[k];
-        }
-        const float inv = 1.0f / warp_sum(s);
+        query_probabilities(scores + q * seq, row_places, tokens, seq, scale, lane, p);
         const uint64_t line = d.on ? line_key(line_key(row_key(d, b), h), i) : 0;
         float dot = 0.0f;
 #pragma unroll
         for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
             const int j = lane + 32 * k;
-            v[k] *= inv;
             g[k] = 0.0f;
             if (j < seq) {
                 g[k] = to_f32(gin[j]);
                 if (d.on) g[k] *= keep_factor(d, line, j);
             }
-            dot += v[k] * g[k];
+            dot += p[k] * g[k];
         }
         dot = warp_sum(dot);
 #pragma unroll
         for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) {
             const int j = lane + 32 * k;
-            if (j < seq) out[j] = from_f32<T>(scale * v[k] * (g[k] - dot));
+            if (j < seq) out[j] = from_f32<T>(scale * p[k] * (g[k] - dot));
         }
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

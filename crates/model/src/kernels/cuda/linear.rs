@@ -126,17 +126,7 @@ impl CustomOp3 for LinearOp {
         "bertkit-cuda-linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -236,17 +226,7 @@ impl CustomOp3 for BiasActBackwardOp {
         "bertkit-cuda-bias-activation-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -292,9 +272,7 @@ impl CustomOp1 for ActOp {
         "bertkit-cuda-activation"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(1);
 
     fn cuda_fwd(&self, y: &CudaStorage, yl: &Layout) -> Result<(CudaStorage, Shape)> {
         fn run<T: Element>(
@@ -332,15 +310,7 @@ impl CustomOp2 for ActBackwardOp {
         "bertkit-cuda-activation-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(2);
 
     fn cuda_fwd(
         &self,

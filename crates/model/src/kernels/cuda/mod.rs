@@ -171,6 +171,40 @@ fn cpu_refused(op: &str) -> Result<(CpuStorage, Shape)> {
     bail!("{op}: a CUDA kernel, given CPU tensors")
 }
 
+/// A CUDA op's `cpu_fwd` for one, two or three inputs: refused (the CPU has its own kernels,
+/// `kernels::cpu`; these ops are built only for CUDA tensors).
+macro_rules! cuda_only {
+    (1) => {
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+            cpu_refused(self.name())
+        }
+    };
+    (2) => {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            cpu_refused(self.name())
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            cpu_refused(self.name())
+        }
+    };
+}
+
 /// The null pointer, for a kernel's optional buffer.
 const NULL: u64 = 0;
 

@@ -119,17 +119,7 @@ impl CustomOp3 for LayerNormOp {
         "bertkit-cuda-layer-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -183,12 +173,7 @@ impl CustomOp3 for LayerNormOp {
             &grad.contiguous()?,
             &LayerNormBackwardOp { eps: self.eps },
         )?;
-        let hidden = weight.elem_count();
-        let rows = x.elem_count() / hidden;
-        let grad_x = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let grad_weight = packed.narrow(0, rows, 1)?.reshape(hidden)?;
-        let grad_bias = packed.narrow(0, rows + 1, 1)?.reshape(hidden)?;
-        Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+        super::super::norm_gradients(&packed, x, weight.elem_count())
     }
 }
 
@@ -202,17 +187,7 @@ impl CustomOp3 for LayerNormBackwardOp {
         "bertkit-cuda-layer-norm-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -307,17 +282,7 @@ impl CustomOp3 for ResidualLayerNormOp {
         "bertkit-cuda-residual-layer-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -396,17 +361,7 @@ impl CustomOp3 for ResidualLayerNormBackwardOp {
         "bertkit-cuda-residual-layer-norm-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
