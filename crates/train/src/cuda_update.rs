@@ -3,7 +3,7 @@
 //! where the composed update makes about fifteen element-wise passes, each a fresh tensor. The
 //! new weights and moments come back as one `[3, rows, numel]` buffer whose rows the group
 //! keeps as views. `bertkit check kernels --device cuda` compares it with the CPU's update
-//! ([`crate::optim::check_update`]); on by default since that passed on an H200
+//! ([`crate::check::check_update`]); on by default since that passed on an H200
 //! (`BERTKIT_CUDA_OPTIMIZER=composed` turns it off).
 
 use candle_core::cuda_backend::WrapErr;

@@ -26,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod check;
 pub mod checkpoint;
 pub mod config;
 mod cpu_update;

@@ -32,6 +32,12 @@ const STEP_CODE: &[(&str, &[(&str, usize)])] = &[
     ("crates/model/src/packing.rs", &[]),
     ("crates/model/src/dropout.rs", &[]),
     ("crates/model/src/loss.rs", &[]),
+    // The CUDA kernels' launchers and the optimiser's CUDA update.
+    ("crates/model/src/kernels/cuda/mod.rs", &[]),
+    ("crates/model/src/kernels/cuda/attention.rs", &[]),
+    ("crates/model/src/kernels/cuda/linear.rs", &[]),
+    ("crates/model/src/kernels/cuda/norm.rs", &[]),
+    ("crates/train/src/cuda_update.rs", &[]),
 ];
 
 const READS: &[&str] = &[

@@ -125,7 +125,7 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
         let mut checks = check_kernels(&device, dtype, &shapes)?;
         if dtype == candle_core::DType::F32 {
             // The optimiser's state is f32 whatever the model's dtype.
-            checks.extend(bertkit_train::optim::check_update(&device)?);
+            checks.extend(bertkit_train::check::check_update(&device)?);
         }
         for c in checks {
             let value = if c.gradient {
