@@ -140,29 +140,63 @@ impl ParamBuilder {
         builder
     }
 
-    fn next_u64(&mut self) -> u64 {
-        self.rng.next_u64()
-    }
-
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-
+    /// `n` values of the truncated normal, continuing the builder's stream: Box-Muller on
+    /// pairs of uniforms, values beyond two std drawn again (as TensorFlow's
+    /// `truncated_normal`), in order, so the values are those of one sequential draw. The
+    /// stream is cut into blocks of pairs drawn in parallel (splitmix64 skips ahead in one
+    /// addition); the block that reaches `n` is replayed to find where the sequential draw
+    /// stopped, and the stream continues from there. (Drawn one value at a time, BERT-large's
+    /// 336 M parameters took 8.4 s of a GPU run's start-up.)
     fn truncated_normal(&mut self, n: usize) -> Vec<f32> {
-        let mut out = Vec::with_capacity(n);
-        while out.len() < n {
-            // Box-Muller; values beyond two std are drawn again, as TensorFlow's truncated_normal.
-            let (u1, u2) = (self.uniform(), self.uniform());
-            let r = (-2.0 * u1.ln()).sqrt();
-            for z in [
-                r * (std::f64::consts::TAU * u2).cos(),
-                r * (std::f64::consts::TAU * u2).sin(),
-            ] {
-                if z.abs() <= 2.0 && out.len() < n {
-                    out.push((z * self.std) as f32);
+        use rayon::prelude::*;
+        /// Pairs of uniforms a block draws.
+        const PAIRS: usize = 1 << 14;
+        let start = self.rng.clone();
+        let std = self.std;
+        let block = |b: usize, limit: usize, out: &mut Vec<f32>| -> usize {
+            // Values into `out` until it holds `limit`; returns the pairs drawn.
+            let mut rng = start.clone();
+            rng.skip((b * PAIRS * 2) as u64);
+            for pair in 0..PAIRS {
+                for z in box_muller(uniform(&mut rng), uniform(&mut rng)) {
+                    if z.abs() <= 2.0 && out.len() < limit {
+                        out.push((z * std) as f32);
+                    }
+                }
+                if out.len() == limit {
+                    return pair + 1;
                 }
             }
+            PAIRS
+        };
+        let mut out = Vec::with_capacity(n);
+        let mut next = 0;
+        while out.len() < n {
+            // Enough blocks for what is left at the acceptance rate (~95%), a few spare.
+            let blocks = (n - out.len()).div_ceil(PAIRS * 2 * 9 / 10).max(1);
+            let drawn: Vec<Vec<f32>> = (next..next + blocks)
+                .into_par_iter()
+                .map(|b| {
+                    let mut values = Vec::with_capacity(PAIRS * 2);
+                    block(b, usize::MAX, &mut values);
+                    values
+                })
+                .collect();
+            for (i, values) in drawn.into_iter().enumerate() {
+                let b = next + i;
+                if out.len() + values.len() < n {
+                    out.extend(values);
+                    continue;
+                }
+                // The block where the sequential draw stopped: replayed to the value.
+                let pairs = block(b, n, &mut out);
+                self.rng = start.clone();
+                self.rng.skip(((b * PAIRS + pairs) * 2) as u64);
+                return out;
+            }
+            next += blocks;
         }
+        // n == 0: nothing drawn.
         out
     }
 
@@ -325,5 +359,75 @@ impl ParamStore {
             path: path.into(),
             source: e,
         })
+    }
+}
+
+/// A uniform in (0, 1) from 53 random bits, centred in its step (never 0: `ln` takes it).
+fn uniform(rng: &mut bertkit_rng::SplitMix64) -> f64 {
+    ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// Box-Muller: two standard normals from two uniforms.
+fn box_muller(u1: f64, u2: f64) -> [f64; 2] {
+    let r = (-2.0 * u1.ln()).sqrt();
+    [
+        r * (std::f64::consts::TAU * u2).cos(),
+        r * (std::f64::consts::TAU * u2).sin(),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The truncated normal drawn one value at a time, as the builder drew it before its
+    /// blocks were drawn in parallel: the reference the parallel draw must equal.
+    fn sequential(rng: &mut bertkit_rng::SplitMix64, std: f64, n: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            for z in box_muller(uniform(rng), uniform(rng)) {
+                if z.abs() <= 2.0 && out.len() < n {
+                    out.push((z * std) as f32);
+                }
+            }
+        }
+        out
+    }
+
+    /// Parameters drawn in parallel blocks are the values of the sequential draw, and the
+    /// stream continues where the sequential draw left it (each parameter after the first
+    /// starts where the one before stopped): sizes around a block's end, a zero, a one and
+    /// several blocks.
+    #[test]
+    fn the_parallel_truncated_normal_is_the_sequential_draw() {
+        let sizes = [
+            1,
+            0,
+            7,
+            32_768,
+            32_767,
+            32_769,
+            31_000,
+            100_003,
+            2,
+            65_536 * 3 + 5,
+        ];
+        let mut builder = ParamBuilder::fresh(DType::F32, &Device::Cpu, 0.02, 42);
+        let mut reference = builder.rng.clone();
+        for &n in &sizes {
+            let got = builder.truncated_normal(n);
+            let want = sequential(&mut reference, 0.02, n);
+            assert_eq!(got.len(), n);
+            assert!(got == want, "{n} values differ");
+        }
+        assert_eq!(
+            builder.rng.next_u64(),
+            reference.next_u64(),
+            "the stream continues"
+        );
+        // Truncated at two std.
+        let values = builder.truncated_normal(50_000);
+        assert!(values.iter().all(|v| v.abs() <= 0.04));
+        assert!(values.iter().any(|v| v.abs() > 0.035));
     }
 }

@@ -50,6 +50,15 @@ impl SplitMix64 {
         out
     }
 
+    /// Skips `draws` outputs: the stream continues as if they had been drawn (the state only
+    /// counts up, so this is one addition). Lets a stream be cut into blocks drawn in parallel.
+    #[inline]
+    pub fn skip(&mut self, draws: u64) {
+        self.state = self
+            .state
+            .wrapping_add(SPLITMIX_INCREMENT.wrapping_mul(draws));
+    }
+
     /// A float in [0, 1) with 53 random bits.
     #[inline]
     pub fn next_f64(&mut self) -> f64 {
@@ -198,6 +207,24 @@ impl FastRng {
 
 #[cfg(test)]
 mod tests {
+    /// Skipping k draws lands where drawing them would.
+    #[test]
+    fn skip_lands_where_drawing_would() {
+        for k in [0u64, 1, 2, 1000, 1 << 33] {
+            let mut drawn = SplitMix64::new(77);
+            let mut skipped = drawn.clone();
+            if k < 10_000 {
+                for _ in 0..k {
+                    drawn.next_u64();
+                }
+            } else {
+                drawn.state = drawn.state.wrapping_add(SPLITMIX_INCREMENT.wrapping_mul(k));
+            }
+            skipped.skip(k);
+            assert_eq!(skipped.next_u64(), drawn.next_u64(), "{k}");
+        }
+    }
+
     use super::*;
 
     #[test]
