@@ -45,7 +45,16 @@ pub struct OptimizerTimes {
     pub parameters: usize,
     /// Seconds of each timed step.
     pub seconds: Vec<f64>,
+    /// The same steps' work phase by phase ([`OPTIMIZER_PHASES`]), each timed on its own with
+    /// the device synchronised around it, seconds per timed step.
+    pub phases: Vec<[f64; 3]>,
 }
+
+/// The phases of an optimiser step [`OptimizerTimes::phases`] times: the flat gradient bucket
+/// ([`Optimizer::flatten`]), its norm read back to the host ([`Optimizer::squared_norm`]), and
+/// the update with the parameters set from the master weights ([`Optimizer::step`]).
+pub const OPTIMIZER_PHASES: [&str; 3] =
+    ["gradient bucket", "norm, read back", "update + write-back"];
 
 /// Times `bench.steps` optimiser steps on `device`.
 pub fn optimizer_steps(
@@ -86,9 +95,45 @@ pub fn optimizer_steps(
             seconds.push(started.elapsed().as_secs_f64());
         }
     }
+    // The phases, one at a time, on the same gradients (each step's phases timed apart).
+    let grads = {
+        let store = loss.backward()?;
+        let mut grads = std::collections::BTreeMap::new();
+        for (name, var) in vars {
+            if let Some(g) = store.get(var.as_tensor()) {
+                grads.insert(name.clone(), g.clone());
+            }
+        }
+        grads
+    };
+    let mut phases = Vec::with_capacity(bench.steps);
+    for _ in 0..bench.steps {
+        let timed = |f: &mut dyn FnMut() -> Result<(), TrainError>| -> Result<f64, TrainError> {
+            device.synchronize()?;
+            let started = Instant::now();
+            f()?;
+            device.synchronize()?;
+            Ok(started.elapsed().as_secs_f64())
+        };
+        let mut bucket = None;
+        let flatten = timed(&mut || {
+            bucket = Some(optimizer.flatten(&grads)?);
+            Ok(())
+        })?;
+        let bucket = bucket.expect("set by the timed phase");
+        let mut norm = 0f64;
+        let read = timed(&mut || {
+            norm = optimizer.squared_norm(&bucket)?.to_scalar::<f64>()?.sqrt();
+            Ok(())
+        })?;
+        let clip = optimizer.clip_factor(norm);
+        let update = timed(&mut || optimizer.step(&bucket, 1e-4, clip))?;
+        phases.push([flatten, read, update]);
+    }
     Ok(OptimizerTimes {
         parameters: vars.values().map(|v| v.elem_count()).sum(),
         seconds,
+        phases,
     })
 }
 
@@ -266,6 +311,9 @@ mod tests {
                 assert_eq!(times.parameters, crate::plan::parameters(&config));
                 assert_eq!(times.seconds.len(), 2);
                 assert!(times.seconds.iter().all(|s| s.is_finite() && *s > 0.0));
+                // Each timed step's phases, each timed.
+                assert_eq!(times.phases.len(), 2);
+                assert!(times.phases.iter().flatten().all(|s| s.is_finite() && *s > 0.0));
             }
         }
     }

@@ -499,6 +499,22 @@ fn bench_optimizer(args: BenchOptimizerArgs) -> Result<()> {
         median * 1e3,
         sorted[0] * 1e3
     );
+    let phase_medians: Vec<String> = bertkit_train::bench::OPTIMIZER_PHASES
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut t: Vec<f64> = times.phases.iter().map(|p| p[i]).collect();
+            t.sort_by(f64::total_cmp);
+            format!(
+                "{name} {:.1} ms",
+                t.get(t.len() / 2).copied().unwrap_or(0.0) * 1e3
+            )
+        })
+        .collect();
+    println!(
+        "phase by phase (each timed apart, the device synchronised around it; medians): {}",
+        phase_medians.join(", ")
+    );
     Ok(())
 }
 
