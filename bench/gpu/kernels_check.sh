@@ -2,7 +2,8 @@
 # On a GPU machine, from a pack (bench/gpu/pack.sh, which copies this file): the fused CUDA
 # kernels checked against their CPU twins, the optimiser step alone (composed and fused), then the whole
 # side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
-# kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420).
+# kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420). EXTRA=1 adds the device
+# pool's memory figures and phase 1 with the pool keeping freed memory (both not yet run).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,6 +31,27 @@ for optimizer in composed fused; do
     BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b bench optimizer --config large --dtype bf16 \
         --device cuda 2>&1 | tail -n 2
 done
+if [[ -n ${EXTRA:-} ]]; then
+    # Not yet run on a device: the device pool's high-water mark against the plan, and phase 1
+    # with the pool keeping freed memory (BERTKIT_CUDA_POOL_KEEP=1) against without.
+    log "2b bench memory on the device: phase 1, micro-batch 64 and 32 (bf16)"
+    for micro in 32 64; do
+        timeout 120 $b bench memory --config "$here/data/pipelines/pretrain-phase1.toml" \
+            --data "$here/data/records/phase1" --preset large --precision bf16 --device cuda \
+            --micro-batch $micro --steps 2 2>&1 | tail -n 1
+    done
+    log "2c phase 1, 12 steps, the pool keeping freed memory or not"
+    for keep in 0 1; do
+        rm -rf /tmp/keep-$keep
+        sed -e "s|^output = .*|output = \"/tmp/keep-$keep\"|" \
+            -e "s|^records = .*|records = [\"$here/data/records/phase1\"]|" \
+            -e 's|^preset = .*|preset = "large"|' -e 's|^precision = .*|precision = "bf16"|' \
+            "$here/data/pipelines/pretrain-phase1.toml" > /tmp/keep-$keep.toml
+        BERTKIT_CUDA_POOL_KEEP=$keep timeout 120 $b pretrain --config /tmp/keep-$keep.toml \
+            --no-eval --device cuda --max-steps 12 --micro-batch 64 --global-batch 64 2>&1 \
+            | grep -E "a step|start-up" | sed "s/^/keep=$keep: /"
+    done
+fi
 log "3 the side-by-side table"
 OUT=$out/side timeout "${SIDE_SECONDS:-420}" \
     bash "$here/side_by_side.sh" --bertkit "$b" --python python3 --data "$here/data"

@@ -135,6 +135,9 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
                 // default), so cudarc's per-allocation events, which order uses across streams,
                 // have nothing to order; they cost an event record per use.
                 unsafe { gpu.disable_event_tracking() };
+                if std::env::var("BERTKIT_CUDA_POOL_KEEP").is_ok_and(|v| v == "1") {
+                    device_pool::keep_freed_memory(gpu);
+                }
             }
             if TF32.load(Ordering::Relaxed) == TF32_UNSET {
                 set_tf32(DEFAULT_TF32);
@@ -145,6 +148,94 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
             "device {other:?}: expected cpu, cuda or cuda:N"
         ))),
     }
+}
+
+/// The device's memory pool (CUDA's stream-ordered allocator, which candle's allocations go
+/// through): its high-water mark of bytes in use, and keeping freed memory for reuse.
+#[cfg(feature = "cuda")]
+mod device_pool {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+
+    /// The device's default pool (where `cuMemAllocAsync` allocates), with its context bound
+    /// to this thread.
+    fn default_pool(gpu: &candle_core::CudaDevice) -> Option<sys::CUmemoryPool> {
+        let stream = gpu.cuda_stream();
+        let context = stream.context();
+        context.bind_to_thread().ok()?;
+        // SAFETY: the device is the context's own.
+        unsafe { result::device::get_default_mem_pool(context.cu_device()).ok() }
+    }
+
+    /// The pool's high-water mark of bytes in use since it was last reset.
+    pub(super) fn peak(gpu: &candle_core::CudaDevice) -> Option<u64> {
+        let pool = default_pool(gpu)?;
+        let mut bytes: u64 = 0;
+        // SAFETY: USED_MEM_HIGH is a cuuint64_t, written to `bytes`.
+        unsafe {
+            result::mem_pool::get_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut bytes as *mut u64).cast(),
+            )
+        }
+        .ok()?;
+        Some(bytes)
+    }
+
+    /// Resets the high-water mark to the bytes in use now.
+    pub(super) fn reset_peak(gpu: &candle_core::CudaDevice) {
+        if let Some(pool) = default_pool(gpu) {
+            let mut zero: u64 = 0;
+            // SAFETY: USED_MEM_HIGH is reset by setting it to 0 (a cuuint64_t).
+            let _ = unsafe {
+                result::mem_pool::set_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                )
+            };
+        }
+    }
+
+    /// Keeps freed memory in the pool instead of returning it to the driver at each
+    /// synchronisation (the pool's release threshold, 0 by default, raised to all of it), so
+    /// a step reuses the last step's memory as PyTorch's caching allocator does. Off unless
+    /// `BERTKIT_CUDA_POOL_KEEP=1`: not yet measured on a device. A failure leaves the default.
+    pub(super) fn keep_freed_memory(gpu: &candle_core::CudaDevice) {
+        if let Some(pool) = default_pool(gpu) {
+            let mut threshold: u64 = u64::MAX;
+            // SAFETY: RELEASE_THRESHOLD is a cuuint64_t.
+            let _ = unsafe {
+                result::mem_pool::set_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut threshold as *mut u64).cast(),
+                )
+            };
+        }
+    }
+}
+
+/// The most bytes the device's tensors held at once since [`reset_device_peak`] (or since the
+/// device opened): on CUDA the stream-ordered pool's high-water mark of bytes in use (what the
+/// tensors asked for, without the CUDA context, cuBLAS's workspace or the pool's spare).
+/// `None` on the CPU (its allocator counts instead) and where it cannot be told.
+pub fn device_peak(device: &candle_core::Device) -> Option<u64> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(gpu) => device_pool::peak(gpu),
+        _ => None,
+    }
+}
+
+/// Starts [`device_peak`]'s count again from the bytes held now.
+pub fn reset_device_peak(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(gpu) = device {
+        device_pool::reset_peak(gpu);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
 }
 
 /// Bytes free for tensors on `device`: the GPU's free memory (CUDA), or the memory Linux says

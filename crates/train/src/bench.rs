@@ -313,7 +313,13 @@ mod tests {
                 assert!(times.seconds.iter().all(|s| s.is_finite() && *s > 0.0));
                 // Each timed step's phases, each timed.
                 assert_eq!(times.phases.len(), 2);
-                assert!(times.phases.iter().flatten().all(|s| s.is_finite() && *s > 0.0));
+                assert!(
+                    times
+                        .phases
+                        .iter()
+                        .flatten()
+                        .all(|s| s.is_finite() && *s > 0.0)
+                );
             }
         }
     }

@@ -412,12 +412,22 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
         config.train.device = device;
     }
     config.validate(1)?;
+    // On a GPU the device's pool counts (its high-water mark of bytes in use); on the CPU the
+    // binary's allocator.
+    let device = bertkit_model::parse_device(&config.train.device)?;
+    let on_device = bertkit_model::device_peak(&device).is_some();
+    bertkit_model::reset_device_peak(&device);
     crate::alloc::start_counting();
     let mut state = 0;
     let run = bertkit_train::bench::training_steps(config.clone(), args.steps, &mut || {
-        state = crate::alloc::peak_and_live().1;
+        state = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().1);
     })?;
-    let (peak, _) = crate::alloc::peak_and_live();
+    let peak = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().0);
+    let counted = if on_device {
+        "the device pool's high-water mark"
+    } else {
+        "the heap"
+    };
     let predicted = bertkit_train::plan::predict(
         &run.model,
         &bertkit_train::plan::Shape {
@@ -441,6 +451,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
                 "precision": config.train.precision,
                 "checkpointing": config.train.activation_checkpointing,
                 "measured_peak_bytes": peak,
+                "measured_by": counted,
                 "measured_state_bytes": state,
                 "predicted_peak_bytes": predicted.total(),
                 "predicted": {
@@ -454,7 +465,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
     } else {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(
-            "{} layers x {}, seq {}, micro-batch {}, {}, checkpointing {}: peak {:.3} GiB measured ({:.3} GiB before the first step), {:.3} GiB predicted ({:+.1}%), least step {:.1} s",
+            "{} layers x {}, seq {}, micro-batch {}, {}, checkpointing {}: peak {:.3} GiB measured ({:.3} GiB before the first step; {counted}), {:.3} GiB predicted ({:+.1}%), least step {:.1} s",
             run.model.num_hidden_layers,
             run.model.hidden_size,
             run.seq_len,
