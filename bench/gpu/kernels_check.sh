@@ -6,16 +6,10 @@
 # pool's memory figures and phase 1 with the pool keeping freed memory (both not yet run).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck disable=SC1091
+source "$(dirname "$0")/env.sh"
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
-for site in $(python3 -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
-    for lib in "$site"/cu13/lib "$site"/nccl/lib; do
-        [[ -d $lib ]] && LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    done
-done
-export LD_LIBRARY_PATH PYTHONUNBUFFERED=1
-gunzip -c "$here/bertkit.gz" > /tmp/bertkit && chmod +x /tmp/bertkit
 b=/tmp/bertkit
 log() { echo "=== $(date -u +%T) $*"; }
 log "environment"

@@ -31,10 +31,11 @@ cpu_bin=$(cargo metadata --no-deps --format-version 1 \
 [[ -x $cpu_bin ]] || cargo build --release --locked -p bertkit
 bash bench/gpu/prepare.sh "$cpu_bin" "$mirror" "$gpu/data" > /dev/null
 cp bench/gpu/side_by_side.sh bench/gpu/torch_peer.py bench/gpu/table.py bench/gpu/kernels_check.sh "$gpu/"
-cat > "$gpu/run.sh" <<'RUN'
-#!/usr/bin/env bash
-# On the GPU machine: bash .gpu/run.sh (OUT: where logs and results go; QUICK=1: phase 1 only).
-here=$(cd "$(dirname "$0")" && pwd)
+# What every script run there sources first: CUDA's libraries from PyTorch's nvidia packages,
+# and the binary unpacked to /tmp/bertkit.
+cat > "$gpu/env.sh" <<'ENV'
+# shellcheck shell=bash
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 for site in $(python3 -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
     for lib in "$site"/cu13/lib "$site"/nccl/lib; do
         [[ -d $lib ]] && LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -42,6 +43,12 @@ for site in $(python3 -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/de
 done
 export LD_LIBRARY_PATH PYTHONUNBUFFERED=1
 gunzip -c "$here/bertkit.gz" > /tmp/bertkit && chmod +x /tmp/bertkit
+ENV
+cat > "$gpu/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# On the GPU machine: bash .gpu/run.sh (OUT: where logs and results go; QUICK=1: phase 1 only).
+# shellcheck disable=SC1091
+source "$(dirname "$0")/env.sh"
 exec bash "$here/side_by_side.sh" --bertkit /tmp/bertkit --python python3 --data "$here/data"
 RUN
 chmod +x "$gpu/run.sh"
