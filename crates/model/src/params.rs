@@ -145,8 +145,8 @@ impl ParamBuilder {
     /// `truncated_normal`), in order, so the values are those of one sequential draw. The
     /// stream is cut into blocks of pairs drawn in parallel (splitmix64 skips ahead in one
     /// addition); the block that reaches `n` is replayed to find where the sequential draw
-    /// stopped, and the stream continues from there. (Drawn one value at a time, BERT-large's
-    /// 336 M parameters took 8.4 s of a GPU run's start-up.)
+    /// stopped, and the stream continues from there. (Drawn one value at a time, the
+    /// initialisation was most of a GPU run's start-up: BENCHMARKS.md.)
     fn truncated_normal(&mut self, n: usize) -> Vec<f32> {
         use rayon::prelude::*;
         /// Pairs of uniforms a block draws.

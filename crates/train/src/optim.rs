@@ -424,8 +424,8 @@ impl Optimizer {
     ///
     /// Each buffer crosses to the host once and the rows are views of that copy: candle's
     /// `to_device` copies a view's whole storage, so taking each row across on its own moved
-    /// the group's buffer once per member (about 20 GB per buffer for BERT-large, 55 s of a
-    /// checkpoint on an H200, and every copy held until the file was written).
+    /// the group's buffer once per member, and held every copy until the file was written
+    /// (BENCHMARKS.md, the checkpoints of the H200 runs).
     fn by_name(
         &self,
         prefix: &str,
