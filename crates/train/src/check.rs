@@ -19,7 +19,7 @@ use crate::optim::{Optimizer, OptimizerConfig, Rule, set_cuda_optimizer};
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {
-    use bertkit_model::kernels::check::{KernelCheck, tolerance};
+    use bertkit_model::kernels::check::{KernelCheck, tolerance, values, worst};
     use candle_core::Device;
     if device.is_cuda() {
         set_cuda_optimizer(true);
@@ -30,14 +30,6 @@ pub fn check_update(
         ("encoder.layer.0.attention.output.LayerNorm.weight", &[48]),
         ("encoder.layer.0.intermediate.dense.weight", &[300, 512]),
     ];
-    let values = |dims: &[usize], seed: u64, scale: f64| -> Result<Tensor, TrainError> {
-        let mut rng = bertkit_rng::SplitMix64::new(seed);
-        let n: usize = dims.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|_| ((rng.next_f64() * 2.0 - 1.0) * scale) as f32)
-            .collect();
-        Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
-    };
     // Two steps on `device` in `dtype`: the state afterwards, by name, in f64 on the CPU.
     let run = |rule: Rule,
                device: &Device,
@@ -45,7 +37,7 @@ pub fn check_update(
      -> Result<BTreeMap<String, Tensor>, TrainError> {
         let mut vars = BTreeMap::new();
         for (i, (name, dims)) in shapes.iter().enumerate() {
-            let w = values(dims, i as u64, 0.5)?
+            let w = values(dims, 0.5, i as u64, DType::F32)?
                 .to_dtype(dtype)?
                 .to_device(device)?;
             vars.insert(name.to_string(), Var::from_tensor(&w)?);
@@ -58,7 +50,7 @@ pub fn check_update(
         for (step, clip) in [(0u64, 1.0), (1, 0.5)] {
             let mut grads = BTreeMap::new();
             for (i, (name, dims)) in shapes.iter().enumerate() {
-                let g = values(dims, 100 + 10 * step + i as u64, 0.1)?;
+                let g = values(dims, 0.1, 100 + 10 * step + i as u64, DType::F32)?;
                 grads.insert(name.to_string(), g.to_dtype(dtype)?.to_device(device)?);
             }
             let bucket = optimizer.flatten(&grads)?;
@@ -84,26 +76,24 @@ pub fn check_update(
         let want = run(rule, &ref_device, ref_dtype)?;
         let got = run(rule, device, DType::F32)?;
         for (value, prefix) in [("weights", ""), ("m", "m."), ("v", "v.")] {
-            let (mut diff, mut scale, mut nan) = (0f64, f64::MIN_POSITIVE, false);
-            for (name, _) in &shapes {
-                let key = format!("{prefix}{name}");
-                let (Some(a), Some(b)) = (got.get(&key), want.get(&key)) else {
-                    return Err(TrainError::Config(format!("check_update: no {key}")));
-                };
-                let a = a.flatten_all()?.to_vec1::<f64>()?;
-                let b = b.flatten_all()?.to_vec1::<f64>()?;
-                for (x, y) in a.iter().zip(&b) {
-                    nan |= x.is_nan() || y.is_nan();
-                    diff = diff.max((x - y).abs());
-                    scale = scale.max(y.abs());
+            // Every parameter's values side by side: one comparison over all of them.
+            let side = |state: &BTreeMap<String, Tensor>| -> Result<Tensor, TrainError> {
+                let mut parts = Vec::with_capacity(shapes.len());
+                for (name, _) in &shapes {
+                    let key = format!("{prefix}{name}");
+                    let Some(t) = state.get(&key) else {
+                        return Err(TrainError::Config(format!("check_update: no {key}")));
+                    };
+                    parts.push(t.flatten_all()?);
                 }
-            }
+                Ok(Tensor::cat(&parts, 0)?)
+            };
             checks.push(KernelCheck {
                 kernel: kernel.to_string(),
                 shape: "4 params",
                 value,
                 gradient: false,
-                worst: if nan { f64::NAN } else { diff / scale },
+                worst: worst(&side(&got)?, &side(&want)?)?,
                 tolerance: tolerance(DType::F32),
             });
         }

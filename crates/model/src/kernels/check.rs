@@ -182,8 +182,9 @@ fn cases(s: &CheckShape) -> Vec<Case> {
 }
 
 /// Uniform values in `[-scale, scale)` from a seed (the same on every device), rounded to
-/// `dtype`, as f32 on the CPU.
-fn values(dims: &[usize], scale: f64, seed: u64, dtype: DType) -> Result<Tensor> {
+/// `dtype`, as f32 on the CPU: the inputs of every check (the optimiser's too,
+/// `bertkit_train::check`).
+pub fn values(dims: &[usize], scale: f64, seed: u64, dtype: DType) -> Result<Tensor> {
     let mut rng = bertkit_rng::SplitMix64::new(seed);
     let n: usize = dims.iter().product();
     let v: Vec<f32> = (0..n)
@@ -231,8 +232,9 @@ fn run_side(
     Ok(out)
 }
 
-/// The largest `|a - b|` over the largest `|b|` (NaN if either holds a NaN).
-fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
+/// The largest `|a - b|` over the largest `|b|` (NaN if either holds a NaN): what a
+/// [`KernelCheck`] reports, `b` the reference.
+pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
     let a = a.flatten_all()?.to_vec1::<f64>()?;
     let b = b.flatten_all()?.to_vec1::<f64>()?;
     let mut diff = 0f64;

@@ -28,7 +28,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{D, DType, Layout, Result, Tensor};
 
 pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
@@ -142,6 +142,44 @@ pub trait Kernels: Send + Sync + Debug {
         let norm = (weight, bias, eps);
         composed_residual_layer_norm(self, x, residual, packing, mode, dropout, norm)
     }
+}
+
+/// The rows of a LayerNorm's input `x` and its hidden size, with each of `params` (its weight
+/// and bias, or the weight alone) checked to be `[hidden]`: the same check on every device.
+fn norm_shape(op: &str, x: &Layout, params: &[&Layout]) -> Result<(usize, usize)> {
+    let hidden = x.dims().last().copied().unwrap_or(0);
+    if hidden == 0 {
+        candle_core::bail!(
+            "{op}: an input with a non-empty last dimension expected, got {:?}",
+            x.dims()
+        )
+    }
+    for p in params {
+        if p.dims() != [hidden] {
+            candle_core::bail!("{op}: [{hidden}] parameters expected, got {:?}", p.dims())
+        }
+    }
+    Ok((x.shape().elem_count() / hidden, hidden))
+}
+
+/// The rows and hidden size of a sublayer's end: `x` and `residual` of one shape, the
+/// parameters `[2, hidden]` (weight, then bias); the same check on every device.
+fn residual_norm_shape(
+    op: &str,
+    x: &Layout,
+    residual: &Layout,
+    params: &Layout,
+) -> Result<(usize, usize)> {
+    crate::host::same_shape(op, x, residual)?;
+    let hidden = x.dims().last().copied().unwrap_or(0);
+    if hidden == 0 || params.dims() != [2, hidden] {
+        candle_core::bail!(
+            "{op}: an input [.., hidden] and parameters [2, hidden] expected, got {:?} and {:?}",
+            x.dims(),
+            params.dims()
+        )
+    }
+    Ok((x.shape().elem_count() / hidden, hidden))
 }
 
 /// The three gradients of a LayerNorm from its backward kernel's `[rows + 2, hidden]` output

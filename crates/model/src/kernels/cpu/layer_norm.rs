@@ -19,23 +19,6 @@ pub(crate) struct LayerNorm {
     pub(crate) eps: f32,
 }
 
-/// The rows of `x` and the hidden size, with `weight` and `bias` checked against it.
-fn norm_shape(op: &str, x: &Layout, params: &[&Layout]) -> Result<(usize, usize)> {
-    let hidden = x.dims().last().copied().unwrap_or(0);
-    if hidden == 0 {
-        bail!(
-            "{op}: an input with a non-empty last dimension expected, got {:?}",
-            x.dims()
-        )
-    }
-    for p in params {
-        if p.dims() != [hidden] {
-            bail!("{op}: [{hidden}] parameters expected, got {:?}", p.dims())
-        }
-    }
-    Ok((x.shape().elem_count() / hidden, hidden))
-}
-
 impl CustomOp3 for LayerNorm {
     fn name(&self) -> &'static str {
         "bertkit-layer-norm"
@@ -51,7 +34,7 @@ impl CustomOp3 for LayerNorm {
         bias_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        let (_, hidden) = norm_shape(op, x_layout, &[weight_layout, bias_layout])?;
+        let (_, hidden) = super::super::norm_shape(op, x_layout, &[weight_layout, bias_layout])?;
         let x = contiguous(op, "input", x, x_layout)?;
         let weight = contiguous(op, "weight", weight, weight_layout)?;
         let bias = contiguous(op, "bias", bias, bias_layout)?;
@@ -97,7 +80,7 @@ impl CustomOp3 for LayerNormBackward {
         grad_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        let (rows, hidden) = norm_shape(op, x_layout, &[weight_layout])?;
+        let (rows, hidden) = super::super::norm_shape(op, x_layout, &[weight_layout])?;
         same_shape(op, x_layout, grad_layout)?;
         let x = contiguous(op, "input", x, x_layout)?;
         let weight = contiguous(op, "weight", weight, weight_layout)?;
@@ -301,15 +284,8 @@ impl ResidualLayerNorm {
         params_layout: &Layout,
     ) -> Result<ResidualOperands<'a>> {
         let op = "bertkit-residual-layer-norm";
-        same_shape(op, x_layout, residual_layout)?;
-        let hidden = x_layout.dims().last().copied().unwrap_or(0);
-        if hidden == 0 || params_layout.dims() != [2, hidden] {
-            bail!(
-                "{op}: an input [.., hidden] and parameters [2, hidden] expected, got {:?} and {:?}",
-                x_layout.dims(),
-                params_layout.dims()
-            )
-        }
+        let (_, hidden) =
+            super::super::residual_norm_shape(op, x_layout, residual_layout, params_layout)?;
         let keep = match &self.keep {
             Some((keep, _)) if keep.len() != x.len() => bail!(
                 "{op}: a dropout mask of {} elements for {} values",

@@ -142,10 +142,13 @@ impl CustomOp1 for AttentionOutput {
 
     fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let h = &self.heads;
-        let qkv = qkv.detach();
-        let (q, k, v) = padded_heads(h, &qkv)?;
-        let scores = q.matmul(&k.t()?)?;
-        let probs = scores.apply_op1_no_bwd(&SoftmaxForward { heads: h })?;
+        let Probabilities {
+            q,
+            k,
+            v,
+            scores,
+            probs,
+        } = probabilities(h, &qkv.detach())?;
         let grad_context = grad
             .contiguous()?
             .apply_op1_no_bwd(&TokensToHeads { heads: h, parts: 1 })?
@@ -304,13 +307,31 @@ impl CustomOp2 for SoftmaxBackward<'_> {
     }
 }
 
-/// The queries, keys and values of `qkv` as padded heads `[batch, heads, seq, head]` (views of
-/// one tensor).
-fn padded_heads(h: &Heads, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+/// What the forward computes from `qkv` and the backward computes again: the queries, keys and
+/// values as padded heads `[batch, heads, seq, head]` (views of one tensor), the scores `q·kᵀ`
+/// and the dropped probabilities (the same masks both times, from the op's keys).
+struct Probabilities {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scores: Tensor,
+    probs: Tensor,
+}
+
+fn probabilities(h: &Heads, qkv: &Tensor) -> Result<Probabilities> {
     let padded = qkv
         .contiguous()?
         .apply_op1_no_bwd(&TokensToHeads { heads: h, parts: 3 })?;
-    Ok((padded.get(0)?, padded.get(1)?, padded.get(2)?))
+    let (q, k, v) = (padded.get(0)?, padded.get(1)?, padded.get(2)?);
+    let scores = q.matmul(&k.t()?)?;
+    let probs = scores.apply_op1_no_bwd(&SoftmaxForward { heads: h })?;
+    Ok(Probabilities {
+        q,
+        k,
+        v,
+        scores,
+        probs,
+    })
 }
 
 /// [`crate::kernels::Kernels::attention`] on CUDA (f32 or bf16, sequences up to [`MAX_SEQ`]).
@@ -330,9 +351,7 @@ pub(crate) fn attention(
         dropout,
     };
     let context = {
-        let (q, k, v) = padded_heads(&h, &qkv.detach())?;
-        let scores = q.matmul(&k.t()?)?;
-        let probs = scores.apply_op1_no_bwd(&SoftmaxForward { heads: &h })?;
+        let Probabilities { v, probs, .. } = probabilities(&h, &qkv.detach())?;
         probs.matmul(&v)?
     };
     let op = AttentionOutput {

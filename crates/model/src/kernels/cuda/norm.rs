@@ -106,12 +106,16 @@ struct LayerNormOp {
     eps: f32,
 }
 
-fn norm_shape(op: &str, x: &Layout, hidden: usize) -> Result<(usize, usize)> {
-    let last = x.dims().last().copied().unwrap_or(0);
-    if last == 0 || last != hidden {
-        bail!("{op}: rows of {hidden} expected, got {:?}", x.dims())
-    }
-    Ok((x.shape().elem_count() / hidden, hidden))
+/// A plain LayerNorm's shape (no residual, no dropout), its parameters checked as on the CPU.
+fn plain_shape(op: &str, x: &Layout, params: &[&Layout], eps: f32) -> Result<NormShape> {
+    let (rows, hidden) = super::super::norm_shape(op, x, params)?;
+    Ok(NormShape {
+        rows,
+        hidden,
+        eps,
+        dropout: DeviceDropout::default(),
+        seq: 1,
+    })
 }
 
 impl CustomOp3 for LayerNormOp {
@@ -137,15 +141,8 @@ impl CustomOp3 for LayerNormOp {
             (b, bl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let (rows, hidden) = norm_shape(name, xl, wl.shape().elem_count())?;
+            let s = plain_shape(name, xl, &[wl, bl], op.eps)?;
             let dev = &x.device;
-            let s = NormShape {
-                rows,
-                hidden,
-                eps: op.eps,
-                dropout: DeviceDropout::default(),
-                seq: 1,
-            };
             let y = forward::<T>(
                 dev,
                 &view(name, "input", x, xl)?,
@@ -205,16 +202,9 @@ impl CustomOp3 for LayerNormBackwardOp {
             (g, gl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let (rows, hidden) = norm_shape(name, xl, wl.shape().elem_count())?;
+            let s = plain_shape(name, xl, &[wl], op.eps)?;
             crate::host::same_shape(name, xl, gl)?;
             let dev = &x.device;
-            let s = NormShape {
-                rows,
-                hidden,
-                eps: op.eps,
-                dropout: DeviceDropout::default(),
-                seq: 1,
-            };
             let out = backward::<T>(
                 dev,
                 &view(name, "input", x, xl)?,
@@ -225,7 +215,7 @@ impl CustomOp3 for LayerNormBackwardOp {
                 s,
                 false,
             )?;
-            Ok((wrap(out, dev), Shape::from((rows + 2, hidden))))
+            Ok((wrap(out, dev), Shape::from((s.rows + 2, s.hidden))))
         }
         by_dtype!(self.name(), x, run(self, (x, xl), (w, wl), (g, gl)))
     }
@@ -251,16 +241,7 @@ struct ResidualLayerNormOp {
 
 impl ResidualLayerNormOp {
     fn shape(&self, op: &str, xl: &Layout, rl: &Layout, pl: &Layout) -> Result<NormShape> {
-        crate::host::same_shape(op, xl, rl)?;
-        let hidden = xl.dims().last().copied().unwrap_or(0);
-        if hidden == 0 || pl.dims() != [2, hidden] {
-            bail!(
-                "{op}: an input [.., hidden] and parameters [2, hidden] expected, got {:?} and {:?}",
-                xl.dims(),
-                pl.dims()
-            )
-        }
-        let rows = xl.shape().elem_count() / hidden;
+        let (rows, hidden) = super::super::residual_norm_shape(op, xl, rl, pl)?;
         if self.dropout.on != 0 && rows != self.places.tokens {
             bail!(
                 "{op}: {rows} rows for a packing of {} tokens",
