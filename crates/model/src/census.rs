@@ -216,6 +216,11 @@ pub struct PassProfile {
     pub backward_seconds: f64,
     /// Each kernel of the forward pass (see [`Profiled`]), by name.
     pub kernels: BTreeMap<&'static str, KernelTime>,
+    /// The backward passes of the fused ops, by the name of the kernel whose op each is (and
+    /// `loss` for the fused loss); the rest of the backward pass is candle's autograd: a zeroed
+    /// gradient and an addition for every edge of the graph, and the backward passes of
+    /// candle's own operations (embeddings, gathers, views, the composed kernels' ops).
+    pub backward_kernels: BTreeMap<&'static str, KernelTime>,
 }
 
 /// Times `passes` training passes (forward, loss, backward) of `config` with `kernels`, after
@@ -237,6 +242,7 @@ pub fn profile(
     for i in 0..=passes {
         if i == 1 {
             profiled.take();
+            crate::kernels::time_backwards(true);
             (forward, backward) = (0.0, 0.0);
         }
         device.synchronize()?;
@@ -251,21 +257,23 @@ pub fn profile(
         backward += forwarded.elapsed().as_secs_f64();
     }
     let n = passes as f64;
-    let kernels = profiled
-        .take()
-        .into_iter()
-        .map(|(name, t)| {
-            let per_pass = KernelTime {
-                calls: t.calls / passes as u64,
-                seconds: t.seconds / n,
-            };
-            (name, per_pass)
-        })
-        .collect();
+    let per_pass = |times: BTreeMap<&'static str, KernelTime>| {
+        times
+            .into_iter()
+            .map(|(name, t)| {
+                let per_pass = KernelTime {
+                    calls: t.calls / passes as u64,
+                    seconds: t.seconds / n,
+                };
+                (name, per_pass)
+            })
+            .collect()
+    };
     Ok(PassProfile {
         forward_seconds: forward / n,
         backward_seconds: backward / n,
-        kernels,
+        kernels: per_pass(profiled.take()),
+        backward_kernels: per_pass(crate::kernels::time_backwards(false)),
     })
 }
 
@@ -310,6 +318,22 @@ mod tests {
         assert_eq!(timed.kernels["linear_gelu"].calls, 3, "{timed:?}");
         let in_kernels: f64 = timed.kernels.values().map(|k| k.seconds).sum();
         assert!(in_kernels < timed.forward_seconds, "{timed:?}");
+        // Each fused op's backward pass is timed once per forward call, under its kernel's
+        // name; together they are part of the backward pass, not all of it.
+        for name in ["residual_layer_norm", "attention", "linear_gelu", "linear"] {
+            assert_eq!(
+                timed.backward_kernels[name].calls, timed.kernels[name].calls,
+                "{name}: {timed:?}"
+            );
+        }
+        assert_eq!(timed.backward_kernels["loss"].calls, 2, "{timed:?}");
+        let in_backwards: f64 = timed.backward_kernels.values().map(|k| k.seconds).sum();
+        assert!(
+            in_backwards > 0.0 && in_backwards < timed.backward_seconds,
+            "{timed:?}"
+        );
+        // Outside a profile nothing is timed.
+        assert!(crate::kernels::time_backwards(false).is_empty());
         // The count is the graph's: the same pass counted twice gives the same figures.
         assert_eq!(
             pretraining(&config, Arc::new(Fused), DType::F32, cpu, shape).unwrap(),

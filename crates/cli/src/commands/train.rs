@@ -643,43 +643,60 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         args.passes.max(1)
     );
     println!(
-        "{:<22} {:>8} {:>10} {:>12}",
-        "", "calls", "ms", "of forward"
+        "{:<22} {:>8} {:>12} {:>12} {:>13}",
+        "", "calls", "forward ms", "of forward", "backward ms"
     );
     let ms = |s: f64| s * 1e3;
     let share = |s: f64| 100.0 * s / p.forward_seconds.max(1e-12);
-    let mut rows: Vec<_> = p.kernels.iter().collect();
-    rows.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
-    for (name, t) in &rows {
+    let mut names: Vec<&str> = p
+        .kernels
+        .keys()
+        .chain(p.backward_kernels.keys())
+        .copied()
+        .collect();
+    names.sort_by(|a, b| {
+        let time = |n: &str| {
+            p.kernels.get(n).map_or(0.0, |t| t.seconds)
+                + p.backward_kernels.get(n).map_or(0.0, |t| t.seconds)
+        };
+        time(b).total_cmp(&time(a)).then(a.cmp(b))
+    });
+    names.dedup();
+    let cell = |t: Option<&bertkit_model::kernels::KernelTime>| {
+        t.map_or("".to_string(), |t| format!("{:.2}", ms(t.seconds)))
+    };
+    for name in &names {
+        let forward = p.kernels.get(name);
+        let calls = forward
+            .or(p.backward_kernels.get(name))
+            .map_or(0, |t| t.calls);
         println!(
-            "{name:<22} {:>8} {:>10.2} {:>11.1}%",
-            t.calls,
-            ms(t.seconds),
-            share(t.seconds)
+            "{name:<22} {calls:>8} {:>12} {:>12} {:>13}",
+            cell(forward),
+            forward.map_or("".to_string(), |t| format!("{:.1}%", share(t.seconds))),
+            cell(p.backward_kernels.get(name)),
         );
     }
-    let in_kernels: f64 = rows.iter().map(|(_, t)| t.seconds).sum();
+    let in_kernels: f64 = p.kernels.values().map(|t| t.seconds).sum();
+    let in_backwards: f64 = p.backward_kernels.values().map(|t| t.seconds).sum();
     println!(
-        "{:<22} {:>8} {:>10.2} {:>11.1}%",
+        "{:<22} {:>8} {:>12.2} {:>11.1}% {:>13.2}",
         "outside the kernels",
         "",
         ms(p.forward_seconds - in_kernels),
-        share(p.forward_seconds - in_kernels)
+        share(p.forward_seconds - in_kernels),
+        ms(p.backward_seconds - in_backwards),
     );
     println!(
-        "{:<22} {:>8} {:>10.2}",
-        "forward",
+        "{:<22} {:>8} {:>12.2} {:>12} {:>13.2}",
+        "total",
         "",
-        ms(p.forward_seconds)
-    );
-    println!(
-        "{:<22} {:>8} {:>10.2}",
-        "backward",
+        ms(p.forward_seconds),
         "",
         ms(p.backward_seconds)
     );
     println!(
-        "(each kernel call timed with the device synchronised around it; outside the kernels: embeddings, gathers, heads, loss)"
+        "(each kernel call and each fused op's backward timed with the device synchronised around it; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, candle's autograd: a zeroed gradient and an addition per graph edge, and the backward of candle's own ops)"
     );
     Ok(())
 }

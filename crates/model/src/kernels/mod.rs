@@ -44,6 +44,7 @@ mod profiled;
 pub use composed::Composed;
 use composed::{composed_attention, composed_linear, composed_residual_layer_norm};
 pub use profiled::{KernelTime, Profiled};
+pub(crate) use profiled::{backward as profiled_backward, time_backwards};
 
 /// Inference, or training with dropout masks from a source.
 #[derive(Debug, Clone, Copy)]

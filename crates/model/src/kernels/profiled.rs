@@ -1,10 +1,12 @@
-//! [`Profiled`]: any kernel set, with each call timed.
+//! [`Profiled`]: any kernel set, with each call timed; and the fused ops' backward passes,
+//! timed while a profile is taken ([`time_backwards`]).
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use candle_core::{Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 
 use super::{Gelu, Kernels, Mode};
 use crate::packing::Packing;
@@ -12,7 +14,8 @@ use crate::packing::Packing;
 /// The kernels `inner` with each call timed per method: the device is synchronised before and
 /// after each call, so that a GPU's queued work is counted to the call that launched it (which
 /// slows the pass a little; for profiling, never for training). The forward passes only: a
-/// backward pass runs in candle's autograd, outside the kernels.
+/// backward pass runs in candle's autograd, which calls the fused ops' backward passes (timed
+/// apart by [`time_backwards`]) between its own operations.
 #[derive(Debug)]
 pub struct Profiled {
     inner: Arc<dyn Kernels>,
@@ -60,6 +63,54 @@ impl Profiled {
         t.seconds += seconds;
         Ok(out)
     }
+}
+
+thread_local! {
+    /// The fused ops' backward passes timed on this thread, while [`time_backwards`] is on.
+    /// Per thread because candle's autograd calls an op's backward on the thread that called
+    /// `backward()`: a profile taken on one thread never counts another's passes.
+    static BACKWARDS: RefCell<Option<BTreeMap<&'static str, KernelTime>>> =
+        const { RefCell::new(None) };
+}
+
+/// Starts (`true`, from zero) or stops timing the fused ops' backward passes on this thread;
+/// returns what was timed since the last start.
+pub(crate) fn time_backwards(on: bool) -> BTreeMap<&'static str, KernelTime> {
+    BACKWARDS.with(|b| {
+        let mut b = b.borrow_mut();
+        let taken = b.take().unwrap_or_default();
+        if on {
+            *b = Some(BTreeMap::new());
+        }
+        taken
+    })
+}
+
+/// Runs the backward pass of a fused op of kernel `name` (the [`Kernels`] method whose op it
+/// is); while [`time_backwards`] is on, timed with `device` synchronised around it, so that the
+/// autograd's own queued work (its zeroed gradients and additions, the backward passes of
+/// candle's ops) is not counted to the op.
+pub(crate) fn backward<T>(
+    name: &'static str,
+    device: &Device,
+    call: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    if !BACKWARDS.with(|b| b.borrow().is_some()) {
+        return call();
+    }
+    device.synchronize()?;
+    let started = Instant::now();
+    let out = call()?;
+    device.synchronize()?;
+    let seconds = started.elapsed().as_secs_f64();
+    BACKWARDS.with(|b| {
+        if let Some(times) = b.borrow_mut().as_mut() {
+            let t = times.entry(name).or_default();
+            t.calls += 1;
+            t.seconds += seconds;
+        }
+    });
+    Ok(out)
 }
 
 impl Kernels for Profiled {

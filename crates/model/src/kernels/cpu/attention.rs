@@ -316,22 +316,24 @@ impl CustomOp1 for Attention {
     }
 
     fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let op = "bertkit-attention-backward";
-        let grad = grad.contiguous()?;
-        let dqkv = {
-            let (storage, layout) = qkv.storage_and_layout();
-            let (g_storage, g_layout) = grad.storage_and_layout();
-            let s = self.shape(layout)?;
-            if g_layout.dims() != [layout.dims()[0], s.hidden] {
-                bail!("{op}: a gradient of shape {:?}", g_layout.dims())
-            }
-            self.backward(
-                s,
-                cpu_slice(op, "projections", &storage, layout)?,
-                cpu_slice(op, "gradient", &g_storage, g_layout)?,
-            )
-        };
-        Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
+        crate::kernels::profiled_backward("attention", grad.device(), || {
+            let op = "bertkit-attention-backward";
+            let grad = grad.contiguous()?;
+            let dqkv = {
+                let (storage, layout) = qkv.storage_and_layout();
+                let (g_storage, g_layout) = grad.storage_and_layout();
+                let s = self.shape(layout)?;
+                if g_layout.dims() != [layout.dims()[0], s.hidden] {
+                    bail!("{op}: a gradient of shape {:?}", g_layout.dims())
+                }
+                self.backward(
+                    s,
+                    cpu_slice(op, "projections", &storage, layout)?,
+                    cpu_slice(op, "gradient", &g_storage, g_layout)?,
+                )
+            };
+            Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
+        })
     }
 }
 

@@ -30,8 +30,10 @@ impl CustomOp1 for GeluOp {
     }
 
     fn bwd(&self, x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let backward = GeluBackward { form: self.form };
-        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &backward)?))
+        crate::kernels::profiled_backward("gelu", grad.device(), || {
+            let backward = GeluBackward { form: self.form };
+            Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &backward)?))
+        })
     }
 }
 

@@ -50,12 +50,14 @@ impl CustomOp3 for LayerNorm {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let packed = x.apply_op3_no_bwd(
-            weight,
-            &grad.contiguous()?,
-            &LayerNormBackward { eps: self.eps },
-        )?;
-        super::super::norm_gradients(&packed, x, weight.elem_count())
+        crate::kernels::profiled_backward("layer_norm", grad.device(), || {
+            let packed = x.apply_op3_no_bwd(
+                weight,
+                &grad.contiguous()?,
+                &LayerNormBackward { eps: self.eps },
+            )?;
+            super::super::norm_gradients(&packed, x, weight.elem_count())
+        })
     }
 }
 
@@ -391,41 +393,43 @@ impl CustomOp3 for ResidualLayerNorm {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let op = self.name();
-        let grad = grad.contiguous()?;
-        let (grad_sum, grad_params) = {
-            let (x_storage, x_layout) = x.storage_and_layout();
-            let (r_storage, r_layout) = residual.storage_and_layout();
-            let (p_storage, p_layout) = params.storage_and_layout();
-            let (g_storage, g_layout) = grad.storage_and_layout();
-            same_shape(op, x_layout, g_layout)?;
-            let o = self.operands(
-                cpu_slice(op, "input", &x_storage, x_layout)?,
-                x_layout,
-                cpu_slice(op, "residual", &r_storage, r_layout)?,
-                r_layout,
-                cpu_slice(op, "parameters", &p_storage, p_layout)?,
-                p_layout,
-            )?;
-            let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
-            let mut grad_sum = vec![0f32; o.x.len()];
-            let input = NormInput::Residual(&o);
-            let grad_params =
-                layer_norm_backward_rows(input, o.hidden, o.weight, g, self.eps, &mut grad_sum);
-            (grad_sum, grad_params)
-        };
-        let device = x.device();
-        let grad_residual = Tensor::from_vec(grad_sum, x.shape(), device)?;
-        // The dropout's backward: the same mask on the sum's gradient. Without one, `x` and
-        // the residual share the one gradient.
-        let grad_x = match &self.keep {
-            Some((keep, scale)) => grad_residual.apply_op1_no_bwd(&KeepMask {
-                keep: Arc::clone(keep),
-                scale: *scale,
-            })?,
-            None => grad_residual.clone(),
-        };
-        let grad_params = Tensor::from_vec(grad_params, params.shape(), device)?;
-        Ok((Some(grad_x), Some(grad_residual), Some(grad_params)))
+        crate::kernels::profiled_backward("residual_layer_norm", grad.device(), || {
+            let op = self.name();
+            let grad = grad.contiguous()?;
+            let (grad_sum, grad_params) = {
+                let (x_storage, x_layout) = x.storage_and_layout();
+                let (r_storage, r_layout) = residual.storage_and_layout();
+                let (p_storage, p_layout) = params.storage_and_layout();
+                let (g_storage, g_layout) = grad.storage_and_layout();
+                same_shape(op, x_layout, g_layout)?;
+                let o = self.operands(
+                    cpu_slice(op, "input", &x_storage, x_layout)?,
+                    x_layout,
+                    cpu_slice(op, "residual", &r_storage, r_layout)?,
+                    r_layout,
+                    cpu_slice(op, "parameters", &p_storage, p_layout)?,
+                    p_layout,
+                )?;
+                let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+                let mut grad_sum = vec![0f32; o.x.len()];
+                let input = NormInput::Residual(&o);
+                let grad_params =
+                    layer_norm_backward_rows(input, o.hidden, o.weight, g, self.eps, &mut grad_sum);
+                (grad_sum, grad_params)
+            };
+            let device = x.device();
+            let grad_residual = Tensor::from_vec(grad_sum, x.shape(), device)?;
+            // The dropout's backward: the same mask on the sum's gradient. Without one, `x` and
+            // the residual share the one gradient.
+            let grad_x = match &self.keep {
+                Some((keep, scale)) => grad_residual.apply_op1_no_bwd(&KeepMask {
+                    keep: Arc::clone(keep),
+                    scale: *scale,
+                })?,
+                None => grad_residual.clone(),
+            };
+            let grad_params = Tensor::from_vec(grad_params, params.shape(), device)?;
+            Ok((Some(grad_x), Some(grad_residual), Some(grad_params)))
+        })
     }
 }

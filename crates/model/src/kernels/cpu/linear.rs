@@ -325,11 +325,13 @@ impl CustomOp3 for Linear {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let op = "bertkit-linear-backward";
-        let grad = grad.contiguous()?;
-        let (g_storage, g_layout) = grad.storage_and_layout();
-        let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
-        linear_backward(op, x, weight, bias, g)
+        crate::kernels::profiled_backward("linear", grad.device(), || {
+            let op = "bertkit-linear-backward";
+            let grad = grad.contiguous()?;
+            let (g_storage, g_layout) = grad.storage_and_layout();
+            let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+            linear_backward(op, x, weight, bias, g)
+        })
     }
 }
 
@@ -397,17 +399,19 @@ impl CustomOp3 for LinearGelu {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let op = "bertkit-linear-gelu-backward";
-        let Some(pre) = self.pre_activation.get() else {
-            bail!("{op}: no pre-activation kept (the op was built for inference)")
-        };
-        let grad = grad.contiguous()?;
-        let (g_storage, g_layout) = grad.storage_and_layout();
-        let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
-        if g.len() != pre.len() {
-            bail!("{op}: a gradient of {} values for {}", g.len(), pre.len())
-        }
-        linear_backward(op, x, weight, bias, &gelu_backward_all(pre, g, self.form))
+        crate::kernels::profiled_backward("linear_gelu", grad.device(), || {
+            let op = "bertkit-linear-gelu-backward";
+            let Some(pre) = self.pre_activation.get() else {
+                bail!("{op}: no pre-activation kept (the op was built for inference)")
+            };
+            let grad = grad.contiguous()?;
+            let (g_storage, g_layout) = grad.storage_and_layout();
+            let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+            if g.len() != pre.len() {
+                bail!("{op}: a gradient of {} values for {}", g.len(), pre.len())
+            }
+            linear_backward(op, x, weight, bias, &gelu_backward_all(pre, g, self.form))
+        })
     }
 }
 

@@ -81,45 +81,47 @@ impl CustomOp2 for NegativeLogLikelihood {
         _nll: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = "bertkit-nll-backward";
-        let grad = grad.contiguous()?;
-        let grad_logits = {
-            let (l_storage, l_layout) = logits.storage_and_layout();
-            let (y_storage, y_layout) = labels.storage_and_layout();
-            let (g_storage, g_layout) = grad.storage_and_layout();
-            let (candle_core::Storage::Cpu(l_storage), candle_core::Storage::Cpu(y_storage)) =
-                (&*l_storage, &*y_storage)
-            else {
-                bail!("{op}: CPU tensors expected")
+        crate::kernels::profiled_backward("loss", grad.device(), || {
+            let op = "bertkit-nll-backward";
+            let grad = grad.contiguous()?;
+            let grad_logits = {
+                let (l_storage, l_layout) = logits.storage_and_layout();
+                let (y_storage, y_layout) = labels.storage_and_layout();
+                let (g_storage, g_layout) = grad.storage_and_layout();
+                let (candle_core::Storage::Cpu(l_storage), candle_core::Storage::Cpu(y_storage)) =
+                    (&*l_storage, &*y_storage)
+                else {
+                    bail!("{op}: CPU tensors expected")
+                };
+                let (x, labels, classes) =
+                    Self::operands(op, l_storage, l_layout, y_storage, y_layout)?;
+                let grad = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+                if grad.len() != labels.len() {
+                    bail!(
+                        "{op}: a gradient of {} values for {} rows",
+                        grad.len(),
+                        labels.len()
+                    )
+                }
+                let mut out = vec![0f32; x.len()];
+                out.par_chunks_mut(classes)
+                    .zip(x.par_chunks(classes))
+                    .zip(labels.par_iter().zip(grad.par_iter()))
+                    .for_each(|((out, row), (&label, &g))| {
+                        softmax_times(row, log_sum_exp(row), g, out);
+                        out[label as usize] -= g;
+                    });
+                out
             };
-            let (x, labels, classes) =
-                Self::operands(op, l_storage, l_layout, y_storage, y_layout)?;
-            let grad = cpu_slice(op, "gradient", &g_storage, g_layout)?;
-            if grad.len() != labels.len() {
-                bail!(
-                    "{op}: a gradient of {} values for {} rows",
-                    grad.len(),
-                    labels.len()
-                )
-            }
-            let mut out = vec![0f32; x.len()];
-            out.par_chunks_mut(classes)
-                .zip(x.par_chunks(classes))
-                .zip(labels.par_iter().zip(grad.par_iter()))
-                .for_each(|((out, row), (&label, &g))| {
-                    softmax_times(row, log_sum_exp(row), g, out);
-                    out[label as usize] -= g;
-                });
-            out
-        };
-        Ok((
-            Some(Tensor::from_vec(
-                grad_logits,
-                logits.shape(),
-                logits.device(),
-            )?),
-            None,
-        ))
+            Ok((
+                Some(Tensor::from_vec(
+                    grad_logits,
+                    logits.shape(),
+                    logits.device(),
+                )?),
+                None,
+            ))
+        })
     }
 }
 

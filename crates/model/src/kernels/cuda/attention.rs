@@ -141,27 +141,30 @@ impl CustomOp1 for AttentionOutput {
     }
 
     fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let h = &self.heads;
-        let Probabilities {
-            q,
-            k,
-            v,
-            scores,
-            probs,
-        } = probabilities(h, &qkv.detach())?;
-        let grad_context = grad
-            .contiguous()?
-            .apply_op1_no_bwd(&TokensToHeads { heads: h, parts: 1 })?
-            .squeeze(0)?;
-        let grad_probs = grad_context.matmul(&v.t()?)?;
-        let grad_v = probs.t()?.matmul(&grad_context)?;
-        drop(probs);
-        let grad_scores = scores.apply_op2_no_bwd(&grad_probs, &SoftmaxBackward { heads: h })?;
-        drop(grad_probs);
-        let grad_q = grad_scores.matmul(&k)?;
-        let grad_k = grad_scores.t()?.matmul(&q)?;
-        let grad_qkv = grad_q.apply_op3_no_bwd(&grad_k, &grad_v, &GradToTokens { heads: h })?;
-        Ok(Some(grad_qkv))
+        crate::kernels::profiled_backward("attention", grad.device(), || {
+            let h = &self.heads;
+            let Probabilities {
+                q,
+                k,
+                v,
+                scores,
+                probs,
+            } = probabilities(h, &qkv.detach())?;
+            let grad_context = grad
+                .contiguous()?
+                .apply_op1_no_bwd(&TokensToHeads { heads: h, parts: 1 })?
+                .squeeze(0)?;
+            let grad_probs = grad_context.matmul(&v.t()?)?;
+            let grad_v = probs.t()?.matmul(&grad_context)?;
+            drop(probs);
+            let grad_scores =
+                scores.apply_op2_no_bwd(&grad_probs, &SoftmaxBackward { heads: h })?;
+            drop(grad_probs);
+            let grad_q = grad_scores.matmul(&k)?;
+            let grad_k = grad_scores.t()?.matmul(&q)?;
+            let grad_qkv = grad_q.apply_op3_no_bwd(&grad_k, &grad_v, &GradToTokens { heads: h })?;
+            Ok(Some(grad_qkv))
+        })
     }
 }
 

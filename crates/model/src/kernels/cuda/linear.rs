@@ -185,33 +185,43 @@ impl CustomOp3 for LinearOp {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (out_features, in_features) = weight.dims2()?;
-        let rows = x.elem_count() / in_features.max(1);
-        let grad = grad.contiguous()?.reshape((rows, out_features))?;
-        let (grad_pre, grad_bias) = match self.act {
-            Some(_) => {
-                let pre = self.pre.take(self.name())?;
-                let op = BiasActBackwardOp { act: self.act };
-                let packed = pre.apply_op3_no_bwd(bias, &grad, &op)?;
-                let n = rows * out_features;
-                (
-                    packed.narrow(0, 0, n)?.reshape((rows, out_features))?,
-                    packed.narrow(0, n, out_features)?,
-                )
-            }
-            None => {
-                let op = BiasActBackwardOp { act: None };
-                // Without an activation the product's gradient is the output's; the kernel
-                // sums the bias's (it reads `y`, here the output, only for an activation).
-                let y = out.reshape((rows, out_features))?;
-                let packed = y.apply_op3_no_bwd(bias, &grad, &op)?;
-                (grad, packed)
-            }
-        };
-        let grad_x = grad_pre.matmul(&weight.detach())?.reshape(x.shape())?;
-        let x_rows = x.detach().reshape((rows, in_features))?;
-        let grad_weight = grad_pre.t()?.matmul(&x_rows)?;
-        Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+        crate::kernels::profiled_backward(
+            if self.act.is_some() {
+                "linear_gelu"
+            } else {
+                "linear"
+            },
+            grad.device(),
+            || {
+                let (out_features, in_features) = weight.dims2()?;
+                let rows = x.elem_count() / in_features.max(1);
+                let grad = grad.contiguous()?.reshape((rows, out_features))?;
+                let (grad_pre, grad_bias) = match self.act {
+                    Some(_) => {
+                        let pre = self.pre.take(self.name())?;
+                        let op = BiasActBackwardOp { act: self.act };
+                        let packed = pre.apply_op3_no_bwd(bias, &grad, &op)?;
+                        let n = rows * out_features;
+                        (
+                            packed.narrow(0, 0, n)?.reshape((rows, out_features))?,
+                            packed.narrow(0, n, out_features)?,
+                        )
+                    }
+                    None => {
+                        let op = BiasActBackwardOp { act: None };
+                        // Without an activation the product's gradient is the output's; the kernel
+                        // sums the bias's (it reads `y`, here the output, only for an activation).
+                        let y = out.reshape((rows, out_features))?;
+                        let packed = y.apply_op3_no_bwd(bias, &grad, &op)?;
+                        (grad, packed)
+                    }
+                };
+                let grad_x = grad_pre.matmul(&weight.detach())?.reshape(x.shape())?;
+                let x_rows = x.detach().reshape((rows, in_features))?;
+                let grad_weight = grad_pre.t()?.matmul(&x_rows)?;
+                Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+            },
+        )
     }
 }
 
@@ -295,8 +305,11 @@ impl CustomOp1 for ActOp {
     }
 
     fn bwd(&self, y: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let grad_y = y.apply_op2_no_bwd(&grad.contiguous()?, &ActBackwardOp { act: self.act })?;
-        Ok(Some(grad_y.reshape(y.shape())?))
+        crate::kernels::profiled_backward("gelu", grad.device(), || {
+            let grad_y =
+                y.apply_op2_no_bwd(&grad.contiguous()?, &ActBackwardOp { act: self.act })?;
+            Ok(Some(grad_y.reshape(y.shape())?))
+        })
     }
 }
 

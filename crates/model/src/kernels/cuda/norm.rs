@@ -165,12 +165,14 @@ impl CustomOp3 for LayerNormOp {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let packed = x.apply_op3_no_bwd(
-            weight,
-            &grad.contiguous()?,
-            &LayerNormBackwardOp { eps: self.eps },
-        )?;
-        super::super::norm_gradients(&packed, x, weight.elem_count())
+        crate::kernels::profiled_backward("layer_norm", grad.device(), || {
+            let packed = x.apply_op3_no_bwd(
+                weight,
+                &grad.contiguous()?,
+                &LayerNormBackwardOp { eps: self.eps },
+            )?;
+            super::super::norm_gradients(&packed, x, weight.elem_count())
+        })
     }
 }
 
@@ -308,26 +310,28 @@ impl CustomOp3 for ResidualLayerNormOp {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dropped = self.dropout.on != 0;
-        let op = ResidualLayerNormBackwardOp {
-            forward: ResidualLayerNormOp {
-                eps: self.eps,
-                dropout: self.dropout,
-                places: self.places.clone(),
-            },
-            grad: Handoff::new(grad.contiguous()?),
-        };
-        let packed = x.apply_op3_no_bwd(residual, params, &op)?;
-        let hidden = params.dim(1)?;
-        let rows = x.elem_count() / hidden;
-        let grad_residual = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let (grad_x, at) = if dropped {
-            (packed.narrow(0, rows, rows)?.reshape(x.shape())?, 2 * rows)
-        } else {
-            (grad_residual.clone(), rows)
-        };
-        let grad_params = packed.narrow(0, at, 2)?;
-        Ok((Some(grad_x), Some(grad_residual), Some(grad_params)))
+        crate::kernels::profiled_backward("residual_layer_norm", grad.device(), || {
+            let dropped = self.dropout.on != 0;
+            let op = ResidualLayerNormBackwardOp {
+                forward: ResidualLayerNormOp {
+                    eps: self.eps,
+                    dropout: self.dropout,
+                    places: self.places.clone(),
+                },
+                grad: Handoff::new(grad.contiguous()?),
+            };
+            let packed = x.apply_op3_no_bwd(residual, params, &op)?;
+            let hidden = params.dim(1)?;
+            let rows = x.elem_count() / hidden;
+            let grad_residual = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+            let (grad_x, at) = if dropped {
+                (packed.narrow(0, rows, rows)?.reshape(x.shape())?, 2 * rows)
+            } else {
+                (grad_residual.clone(), rows)
+            };
+            let grad_params = packed.narrow(0, at, 2)?;
+            Ok((Some(grad_x), Some(grad_residual), Some(grad_params)))
+        })
     }
 }
 
