@@ -28,11 +28,12 @@ done
 if [[ -n ${EXTRA:-} ]]; then
     # Not yet run on a device: the device pool's high-water mark against the plan, and phase 1
     # with the pool keeping freed memory (BERTKIT_CUDA_POOL_KEEP=1) against without.
-    log "2b bench memory on the device: phase 1, micro-batch 64 and 32 (bf16)"
-    for micro in 32 64; do
+    log "2b bench memory on the device (the pool's peak against the plan): phase 1 at micro-batch 64 and the recipe's 256, phase 2 at 8 and the recipe's 64 (bf16)"
+    for shape in "phase1 20 64" "phase1 20 256" "phase2 80 8" "phase2 80 64"; do
+        read -r records predictions micro <<< "$shape"
         timeout 120 $b bench memory --config "$here/data/pipelines/pretrain-phase1.toml" \
-            --data "$here/data/records/phase1" --preset large --precision bf16 --device cuda \
-            --micro-batch $micro --steps 2 2>&1 | tail -n 1
+            --data "$here/data/records/$records" --preset large --precision bf16 --device cuda \
+            --predictions "$predictions" --micro-batch "$micro" --steps 2 2>&1 | tail -n 1
     done
     log "2c phase 1, 12 steps, the pool keeping freed memory or not"
     for keep in 0 1; do

@@ -4,14 +4,19 @@
 //! weights and both moments: 16 bytes a parameter in f32, about 14 in bf16/fp16) plus the larger
 //! of two moments: the end of a micro-batch's backward pass (its activations, which candle
 //! keeps for every tracked op, and the parameters' gradients) and the optimiser update (the f32
-//! gradient accumulator, the flat bucket and the update's temporaries). Activations per
-//! sequence are `layers · (s·h·α + a·s²·β) + s·h·γ + predictions·vocab·δ` bytes; with activation
-//! checkpointing every `k` layers, a segment input per segment plus one segment recomputed in
-//! full. The coefficients were fitted to `bertkit bench memory` (the binary's allocator
-//! counting the bytes real steps hold on the CPU: the same graph a GPU runs) and the
-//! prediction checked against it for BERT-base and -large, sequences of 128 and 512, with and
-//! without checkpointing, in f32, bf16 and fp16 (BENCHMARKS.md). [`plan`] keeps 10% of the
-//! memory back for the allocator's fragmentation and the libraries' workspaces.
+//! gradient accumulator, the flat bucket and the update's temporaries); on a GPU, also what
+//! the CUDA runtime holds (context, cuBLAS workspace, loaded kernels).
+//!
+//! The activations depend on the kernels a device trains with ([`Target`]): the CPU's fused
+//! kernels widen half precision to f32 around each op and keep what their backward passes
+//! need; CUDA's fused kernels compute in the compute dtype and recompute the attention's
+//! probabilities in the backward pass. Per sequence they are `layers · layer + s·h·γ +
+//! predictions·vocab·δ` bytes, `layer` being `s·h·α + a·s²·β` on the CPU (fitted to `bertkit
+//! bench memory`: the binary's allocator counting the bytes real steps hold) and on CUDA the
+//! tensors its kernels keep, counted from their code and checked against the device's peaks
+//! (BENCHMARKS.md). With activation checkpointing every `k` layers, a segment input per
+//! segment plus one segment recomputed in full. [`plan`] keeps 10% of the memory back for the
+//! allocator's fragmentation.
 
 use bertkit_model::BertConfig;
 
@@ -91,6 +96,26 @@ pub fn table_parameters(c: &BertConfig) -> usize {
     (c.vocab_size + c.max_position_embeddings + c.type_vocab_size) * c.hidden_size
 }
 
+/// The device family a step runs on, whose kernels decide what a step keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The CPU's fused kernels (and any device without kernels of its own).
+    Cpu,
+    /// CUDA's fused kernels, plus the CUDA runtime's own memory.
+    Cuda,
+}
+
+impl Target {
+    /// The family of a device name as the configs spell it (`cpu`, `cuda`, `cuda:1`).
+    pub fn of_device(name: &str) -> Self {
+        if name.trim().to_ascii_lowercase().starts_with("cuda") {
+            Target::Cuda
+        } else {
+            Target::Cpu
+        }
+    }
+}
+
 /// One micro-batch's shape.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Shape {
@@ -113,24 +138,41 @@ pub struct Prediction {
     /// What exists at the step's peak besides state and activations: the gradients
     /// (backward's, the f32 accumulator, the flat bucket) and the optimiser's temporaries.
     pub transient_bytes: f64,
+    /// What the device's runtime holds whatever the model (on CUDA: the context, cuBLAS's
+    /// workspace, the loaded kernels and the memory pool's slack); 0 on the CPU.
+    pub runtime_bytes: f64,
 }
 
 impl Prediction {
     /// Peak bytes.
     pub fn total(&self) -> f64 {
-        self.state_bytes + self.activation_bytes + self.transient_bytes
+        self.state_bytes + self.activation_bytes + self.transient_bytes + self.runtime_bytes
     }
 }
 
-/// Bytes kept per sequence by one encoder layer: `s·h·HIDDEN + a·s²·SCORES`, by compute dtype
-/// (f32, then bf16/fp16), calibrated against `bertkit bench memory` (BENCHMARKS.md).
-const LAYER_HIDDEN: [f64; 2] = [202.0, 126.0];
-const LAYER_SCORES: [f64; 2] = [57.0, 42.0];
-/// Bytes per `s·h` kept outside the layers (embeddings, pooler, heads), by compute dtype.
-const EMBEDDING_HIDDEN: [f64; 2] = [158.0, 51.0];
-/// Bytes per `predictions·vocab` the masked-LM head keeps (its f32 logits, their
-/// log-softmax's intermediates and gradients).
-const HEAD_LOGITS: f64 = 25.0;
+/// The CPU's fused kernels: bytes kept per sequence by one encoder layer, `s·h·HIDDEN +
+/// a·s²·SCORES`, by compute dtype (f32, then bf16/fp16), fitted to `bertkit bench memory`
+/// (BENCHMARKS.md). Half precision keeps more than f32 on the CPU: its kernels compute in f32
+/// and the casts around them are tensors of their own.
+const CPU_LAYER_HIDDEN: [f64; 2] = [62.4, 88.3];
+const CPU_LAYER_SCORES: [f64; 2] = [1.05, 1.6];
+/// The CPU: bytes per `s·h` kept outside the layers (embeddings, pooler, heads), by dtype (in
+/// f32 the fit's figure is within noise of zero).
+const CPU_EMBEDDING_HIDDEN: [f64; 2] = [0.0, 242.9];
+/// Bytes per `predictions·vocab` the masked-LM head keeps (its logits, their log-softmax's
+/// intermediates and gradients), on the CPU, by dtype.
+const CPU_HEAD_LOGITS: [f64; 2] = [16.7, 8.46];
+/// CUDA: bytes per `s·h` outside the layers: the three f32 embedding rows, their two sums,
+/// the LayerNorm, the cast to the compute dtype and dropout.
+const CUDA_EMBEDDING_HIDDEN: f64 = 32.0;
+/// CUDA: bytes per `predictions·vocab` of the masked-LM head (its logits in the compute dtype,
+/// then candle's f32 log-softmax and loss: the composed ops of the CPU's first fit).
+const CUDA_HEAD_LOGITS: f64 = 25.0;
+/// CUDA: what the runtime holds besides the model's tensors (context, cuBLAS workspace, the
+/// loaded kernels, the stream-ordered pool's slack): the H200's peaks (nvidia-smi) less the
+/// rest of this account were 1.18 GiB at phase 1's shape and 1.20 GiB at phase 2's
+/// (BENCHMARKS.md), the same whatever the activations.
+const CUDA_RUNTIME_BYTES: f64 = 1.2 * (1u64 << 30) as f64;
 /// The optimiser's temporaries, in copies of its largest group (measured: 1.2–1.3).
 const OPTIMIZER_TEMPORARIES: f64 = 1.3;
 
@@ -155,49 +197,95 @@ fn largest_group(c: &BertConfig) -> f64 {
     .unwrap_or(0) as f64
 }
 
-/// Predicts the peak bytes of a training step of `c` on micro-batches of `shape`, with
-/// activation checkpointing every `checkpointing` layers (0 = off).
+/// What one micro-batch keeps for its backward pass on `target`: bytes per sequence by one
+/// encoder layer, outside the layers, and (CUDA) bytes per step whatever the micro-batch.
+struct Activations {
+    layer: f64,
+    outside: f64,
+    per_step: f64,
+}
+
+fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activations {
+    let half = usize::from(b == 2.0);
+    let (s, h, a, i) = (
+        shape.seq as f64,
+        c.hidden_size as f64,
+        c.num_attention_heads as f64,
+        c.intermediate_size as f64,
+    );
+    let (p, v) = (shape.predictions as f64, c.vocab_size as f64);
+    match target {
+        Target::Cpu => Activations {
+            layer: s * h * CPU_LAYER_HIDDEN[half] + a * s * s * CPU_LAYER_SCORES[half],
+            outside: s * h * CPU_EMBEDDING_HIDDEN[half] + p * v * CPU_HEAD_LOGITS[half],
+            per_step: 0.0,
+        },
+        Target::Cuda => Activations {
+            // Per token, in the compute dtype: the query/key/value product (3h; the attention
+            // keeps only it and recomputes its probabilities in the backward pass), the
+            // attention's context (h), its output projection (h) and LayerNorm (h), the
+            // intermediate product and its GELU (2i), the output projection (h) and LayerNorm
+            // (h): `kernels/cuda/` keeps nothing else (dropout is recomputed from its keys).
+            layer: s * (7.0 * h + 2.0 * i) * b,
+            outside: s * h * CUDA_EMBEDDING_HIDDEN + p * v * CUDA_HEAD_LOGITS,
+            // Whatever the micro-batch: the query/key/value weights concatenated per layer,
+            // and in half precision the decoder's copy of the f32 word embeddings.
+            per_step: c.num_hidden_layers as f64 * 3.0 * (h * h + h) * b
+                + if half == 1 { v * h * b } else { 0.0 },
+        },
+    }
+}
+
+/// Predicts the peak bytes of a training step of `c` on micro-batches of `shape` on `target`,
+/// with activation checkpointing every `checkpointing` layers (0 = off).
 pub fn predict(
     c: &BertConfig,
     shape: &Shape,
     precision: Precision,
     checkpointing: usize,
+    target: Target,
 ) -> Prediction {
     if precision == Precision::F64 {
-        let f32 = predict(c, shape, Precision::F32, checkpointing);
+        let f32 = predict(c, shape, Precision::F32, checkpointing, target);
         return Prediction {
             state_bytes: 2.0 * f32.state_bytes,
             activation_bytes: 2.0 * f32.activation_bytes,
             transient_bytes: 2.0 * f32.transient_bytes,
+            runtime_bytes: f32.runtime_bytes,
         };
     }
     let p = parameters(c) as f64;
     let tables = table_parameters(c) as f64;
     let b = precision.bytes();
-    let k = usize::from(precision == Precision::Half);
+    let half = precision == Precision::Half;
     let state = 4.0 * tables + b * (p - tables) + 12.0 * p;
     let (s, h, a) = (
         shape.seq as f64,
         c.hidden_size as f64,
         c.num_attention_heads as f64,
     );
-    let layer = s * h * LAYER_HIDDEN[k] + a * s * s * LAYER_SCORES[k];
+    let kept = activations(c, shape, b, target);
     let layers = c.num_hidden_layers as f64;
     let encoder = match checkpointing {
-        0 => layers * layer,
+        0 => layers * kept.layer,
         every => {
             let segment = every.min(c.num_hidden_layers) as f64;
             // Each segment's input, and one segment recomputed in full during backward.
-            (layers / segment).ceil() * s * h * b + segment * layer
+            (layers / segment).ceil() * s * h * b + segment * kept.layer
         }
     };
-    let embeddings = s * h * EMBEDDING_HIDDEN[k];
-    let head = shape.predictions as f64 * c.vocab_size as f64 * HEAD_LOGITS;
-    let activations = shape.micro_batch as f64 * (encoder + embeddings + head);
+    // CUDA's attention backward recomputes one layer's scores and probabilities and holds
+    // their gradients beside them: four `[a, s, s]` tensors a sequence, one layer at a time.
+    let recomputed = match target {
+        Target::Cuda => 4.0 * a * s * s * b,
+        Target::Cpu => 0.0,
+    };
+    let activations =
+        shape.micro_batch as f64 * (encoder + kept.outside + recomputed) + kept.per_step;
     // At the end of backward: backward's parameter gradients (tables in f32, the rest in the
     // compute dtype) and, in half precision, their f32 copies in the accumulator. At the
     // update: the accumulator and the flat bucket (f32 each) and the optimiser's temporaries.
-    let backward_grads = 4.0 * tables + b * (p - tables) + if k == 1 { 4.0 * p } else { 0.0 };
+    let backward_grads = 4.0 * tables + b * (p - tables) + if half { 4.0 * p } else { 0.0 };
     let update = 8.0 * p + OPTIMIZER_TEMPORARIES * 4.0 * largest_group(c);
     let (activation_bytes, transient_bytes) = if activations + backward_grads > update {
         (activations, backward_grads)
@@ -208,6 +296,10 @@ pub fn predict(
         state_bytes: state,
         activation_bytes,
         transient_bytes,
+        runtime_bytes: match target {
+            Target::Cuda => CUDA_RUNTIME_BYTES,
+            Target::Cpu => 0.0,
+        },
     }
 }
 
@@ -224,13 +316,14 @@ pub struct Plan {
 pub const USABLE: f64 = 0.9;
 
 /// The largest micro-batch of `seq`-long sequences with `predictions` masked slots whose
-/// predicted peak fits in [`USABLE`] of `memory` bytes.
+/// predicted peak on `target` fits in [`USABLE`] of `memory` bytes.
 pub fn plan(
     c: &BertConfig,
     seq: usize,
     predictions: usize,
     precision: Precision,
     checkpointing: usize,
+    target: Target,
     memory: f64,
 ) -> Plan {
     let at = |micro_batch| {
@@ -243,6 +336,7 @@ pub fn plan(
             },
             precision,
             checkpointing,
+            target,
         )
     };
     let fits = |micro_batch| at(micro_batch).total() <= USABLE * memory;
@@ -301,14 +395,51 @@ mod tests {
         assert!((large - 336.2).abs() < 1.0, "{large}");
     }
 
+    /// The CUDA account against the peaks nvidia-smi saw on an H200 (BENCHMARKS.md, the final
+    /// build of 2026-11-26: BERT-large, bf16, the fused CUDA kernels): phase 1's shape at
+    /// micro-batch 64 and phase 2's at 8, whose activations differ by half.
+    #[test]
+    fn the_cuda_account_matches_the_h200_peaks() {
+        let c = BertConfig::large();
+        let mib = 1024f64.powi(2);
+        for (seq, predictions, micro_batch, measured_mib) in
+            [(128, 20, 64, 15_023.0), (512, 80, 8, 11_695.0)]
+        {
+            let shape = Shape {
+                seq,
+                predictions,
+                micro_batch,
+            };
+            let predicted = predict(&c, &shape, Precision::Half, 0, Target::Cuda).total() / mib;
+            let error = predicted / measured_mib - 1.0;
+            assert!(
+                error.abs() < 0.02,
+                "seq {seq}: {predicted:.0} MiB predicted"
+            );
+        }
+        // The CPU's kernels keep more in half precision (they widen to f32 around each op).
+        let shape = Shape {
+            seq: 128,
+            predictions: 20,
+            micro_batch: 64,
+        };
+        let cpu = predict(&c, &shape, Precision::Half, 0, Target::Cpu);
+        let cuda = predict(&c, &shape, Precision::Half, 0, Target::Cuda);
+        assert!(cpu.activation_bytes > 1.5 * cuda.activation_bytes);
+        assert_eq!(cpu.runtime_bytes, 0.0);
+        assert_eq!(Target::of_device("cuda:1"), Target::Cuda);
+        assert_eq!(Target::of_device("cpu"), Target::Cpu);
+    }
+
     #[test]
     fn more_memory_checkpointing_and_shorter_sequences_fit_more() {
         let c = BertConfig::large();
         let gib = 1024f64.powi(3);
-        let p12 = plan(&c, 128, 20, Precision::Half, 0, 12.0 * gib);
-        let p80 = plan(&c, 128, 20, Precision::Half, 0, 80.0 * gib);
-        let ck = plan(&c, 128, 20, Precision::Half, 1, 12.0 * gib);
-        let long = plan(&c, 512, 80, Precision::Half, 0, 80.0 * gib);
+        let cuda = Target::Cuda;
+        let p12 = plan(&c, 128, 20, Precision::Half, 0, cuda, 12.0 * gib);
+        let p80 = plan(&c, 128, 20, Precision::Half, 0, cuda, 80.0 * gib);
+        let ck = plan(&c, 128, 20, Precision::Half, 1, cuda, 12.0 * gib);
+        let long = plan(&c, 512, 80, Precision::Half, 0, cuda, 80.0 * gib);
         assert!(p12.micro_batch > 0);
         assert!(p80.micro_batch > 5 * p12.micro_batch);
         assert!(ck.micro_batch > 2 * p12.micro_batch);
@@ -329,12 +460,13 @@ mod tests {
             },
             Precision::Half,
             0,
+            cuda,
         );
         assert!(one_more.total() > USABLE * 80.0 * gib);
         // BERT-large's state in bf16: weights (tables f32), f32 master weights and moments.
         let state = p12.prediction.state_bytes / gib;
         assert!((state - 4.44).abs() < 0.02, "{state}");
-        let none = plan(&c, 128, 20, Precision::F32, 0, 4.0 * gib);
+        let none = plan(&c, 128, 20, Precision::F32, 0, cuda, 4.0 * gib);
         assert_eq!(none.micro_batch, 0);
         assert_eq!(none.recipe(65536), None);
         let fits = Plan {

@@ -452,9 +452,12 @@ fn check_memory(
         predictions: config.data.max_predictions,
         micro_batch: config.data.micro_batch,
     };
-    let predicted = crate::plan::predict(model, &shape, precision, every);
-    // The state is allocated already: what remains to fit is the rest of the peak.
-    let needed = predicted.total() - predicted.state_bytes;
+    let target = crate::plan::Target::of_device(&config.train.device);
+    let predicted = crate::plan::predict(model, &shape, precision, every, target);
+    // The state and the device's runtime are allocated already: what remains to fit is the
+    // rest of the peak.
+    let allocated = predicted.state_bytes + predicted.runtime_bytes;
+    let needed = predicted.total() - allocated;
     if needed <= free as f64 {
         return Ok(());
     }
@@ -465,7 +468,8 @@ fn check_memory(
         shape.predictions,
         precision,
         every,
-        free as f64 + predicted.state_bytes,
+        target,
+        free as f64 + allocated,
     );
     let suggestion = match largest.recipe(config.train.global_batch) {
         Some((micro, steps)) => format!(
@@ -1052,18 +1056,19 @@ mod tests {
         let config = PretrainConfig::load(&recipe).unwrap();
         let model = config.bert_config().unwrap();
         let gib = 1u64 << 30;
-        // Phase 1 on an 80 GB GPU: its state (4.4 GiB) is allocated, ~42 GiB more to go.
+        // Phase 1 on an 80 GB GPU: its state (4.4 GiB) and the CUDA runtime (1.2 GiB) are
+        // allocated, ~30 GiB more to go.
         assert!(check_memory(&config, &model, 128, 70 * gib, 1024).is_ok());
         let err = check_memory(&config, &model, 128, 12 * gib, 1024)
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("micro-batch 64 of 128-token sequences"),
+            err.contains("micro-batch 256 of 128-token sequences"),
             "{err}"
         );
         assert!(err.contains("GiB free on cuda"), "{err}");
         assert!(
-            err.contains("[data] micro_batch = 8 fits (accumulation 8192"),
+            err.contains("[data] micro_batch = 64 fits (accumulation 1024"),
             "{err}"
         );
         assert!(err.contains("activation_checkpointing = 1"), "{err}");

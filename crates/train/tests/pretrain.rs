@@ -694,7 +694,7 @@ fn bad_configs_are_refused_with_clear_messages() {
 /// sequences of 128, phase 2 at 512), and their batches divide as configured.
 #[test]
 fn the_shipped_recipes_fit_an_80_gb_gpu() {
-    use bertkit_train::plan::{Precision, Shape, USABLE, predict};
+    use bertkit_train::plan::{Precision, Shape, Target, USABLE, predict};
     for (file, seq) in [("pretrain-phase1.toml", 128), ("pretrain-phase2.toml", 512)] {
         let path = bertkit_test_support::repo_root()
             .join("pipelines")
@@ -709,6 +709,7 @@ fn the_shipped_recipes_fit_an_80_gb_gpu() {
             },
             Precision::parse(&recipe.train.precision).unwrap(),
             recipe.train.activation_checkpointing,
+            Target::of_device(&recipe.train.device),
         )
         .total();
         assert!(

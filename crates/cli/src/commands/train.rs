@@ -232,15 +232,17 @@ pub(crate) fn plan(args: PlanArgs) -> Result<()> {
             args.checkpointing,
         ),
     };
+    let target = bertkit_train::plan::Target::of_device(&args.device);
     let precision = Precision::parse(&precision_name)?;
     let gib = |b: f64| b / (1u64 << 30) as f64;
     if !args.json {
         println!(
-            "{} layers, hidden {}, {:.1} M parameters; {} of memory, {precision_name}, activation checkpointing {}",
+            "{} layers, hidden {}, {:.1} M parameters; {} of memory on {}, {precision_name}, activation checkpointing {}",
             config.num_hidden_layers,
             config.hidden_size,
             bertkit_train::plan::parameters(&config) as f64 / 1e6,
             args.gpu_mem,
+            args.device,
             if every == 0 {
                 "off".to_string()
             } else {
@@ -260,7 +262,7 @@ pub(crate) fn plan(args: PlanArgs) -> Result<()> {
                 nth(&args.global_batch, i, 256),
             ),
         };
-        let largest = plan(&config, seq, predictions, precision, every, memory);
+        let largest = plan(&config, seq, predictions, precision, every, target, memory);
         let (micro, accumulate) = match &recipe {
             Some(r) => (
                 r.data.micro_batch,
@@ -280,6 +282,7 @@ pub(crate) fn plan(args: PlanArgs) -> Result<()> {
             },
             precision,
             every,
+            target,
         );
         let fits = micro > 0 && at.total() <= bertkit_train::plan::USABLE * memory;
         if args.json {
@@ -299,6 +302,8 @@ pub(crate) fn plan(args: PlanArgs) -> Result<()> {
                     "state_bytes": at.state_bytes,
                     "activation_bytes": at.activation_bytes,
                     "transient_bytes": at.transient_bytes,
+                    "runtime_bytes": at.runtime_bytes,
+                    "device": args.device,
                     "fits": fits,
                 })
             );
@@ -437,7 +442,11 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
         },
         bertkit_train::plan::Precision::parse(&config.train.precision)?,
         config.train.activation_checkpointing,
+        bertkit_train::plan::Target::of_device(&config.train.device),
     );
+    // The device pool does not hold the runtime's own memory (context, cuBLAS workspace):
+    // what it counts is compared with the prediction less that part.
+    let predicted_peak = predicted.total() - predicted.runtime_bytes;
     let seconds = run.seconds.iter().copied().fold(f64::INFINITY, f64::min);
     if args.json {
         println!(
@@ -453,11 +462,12 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
                 "measured_peak_bytes": peak,
                 "measured_by": counted,
                 "measured_state_bytes": state,
-                "predicted_peak_bytes": predicted.total(),
+                "predicted_peak_bytes": predicted_peak,
                 "predicted": {
                     "state_bytes": predicted.state_bytes,
                     "activation_bytes": predicted.activation_bytes,
                     "transient_bytes": predicted.transient_bytes,
+                    "runtime_bytes_not_counted": predicted.runtime_bytes,
                 },
                 "least_step_seconds": seconds,
             })
@@ -474,8 +484,8 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
             config.train.activation_checkpointing,
             gib(peak as f64),
             gib(state as f64),
-            gib(predicted.total()),
-            (predicted.total() / peak as f64 - 1.0) * 100.0,
+            gib(predicted_peak),
+            (predicted_peak / peak as f64 - 1.0) * 100.0,
             seconds
         );
     }

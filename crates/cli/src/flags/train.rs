@@ -70,6 +70,10 @@ pub(crate) struct PlanArgs {
     /// GPU memory, e.g. 12GiB, 16GiB, 80GB.
     #[arg(long)]
     pub(crate) gpu_mem: String,
+    /// The device whose kernels the plan counts: cuda (its fused kernels and its runtime's
+    /// memory) or cpu.
+    #[arg(long, default_value = "cuda")]
+    pub(crate) device: String,
     /// f32, bf16 or fp16.
     #[arg(long, default_value = "bf16")]
     pub(crate) precision: String,
