@@ -156,26 +156,41 @@ impl Step {
     }
 
     /// Adds the trainable parameters' gradients in `store` (computed from the scaled loss).
+    ///
+    /// A parameter's first gradient of the step is kept as backward made it (in the compute
+    /// dtype) unless it must be unscaled: it is cast to the master dtype when a second one
+    /// arrives or when the bucket is made ([`Optimizer::flatten`] casts a group at once), not
+    /// here, while the micro-batch's activations are still alive: with one micro-batch a step
+    /// the f32 copies (4 bytes a parameter) are never held beside the activations, and one
+    /// pass over the gradients leaves the step's traffic. The sums are the same values either
+    /// way. (On the CPU the step's peak comes earlier, inside the backward pass, and did not
+    /// move: BENCHMARKS.md.)
     pub fn accumulate(&mut self, store: &GradStore) -> Result<(), TrainError> {
         for (name, var) in &self.vars {
             let Some(g) = store.get(var.as_tensor()) else {
                 continue;
             };
-            let g = g.to_dtype(self.master)?;
             let g = if self.loss_scale != 1.0 {
-                (g / self.loss_scale)?
+                (g.to_dtype(self.master)? / self.loss_scale)?
             } else {
-                g
+                g.clone()
             };
-            let sum = add_up(self.grads.remove(name), g)?;
+            let sum = match self.grads.remove(name) {
+                None => g,
+                Some(sum) => (sum.to_dtype(self.master)? + g.to_dtype(self.master)?)?,
+            };
             self.grads.insert(name.clone(), sum);
         }
         Ok(())
     }
 
     /// The gradients so far (unscaled, in the master dtype), without stepping.
-    pub fn into_gradients(self) -> BTreeMap<String, Tensor> {
+    pub fn into_gradients(self) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        let master = self.master;
         self.grads
+            .into_iter()
+            .map(|(name, g)| Ok((name, g.to_dtype(master)?)))
+            .collect()
     }
 
     /// Ends the step: flattens the gradients into one bucket, has the reducer sum it over the
@@ -361,11 +376,59 @@ mod tests {
         let mut whole = Step::begin(&vars, &optimizer, None);
         whole.backward(&loss(&vars, 1.0)).unwrap();
         let g = |s: Step| {
-            s.into_gradients()["encoder.weight"]
+            s.into_gradients().unwrap()["encoder.weight"]
                 .to_vec1::<f32>()
                 .unwrap()
         };
         assert_eq!(g(halves), vec![1.0, -2.0, 3.0]);
         assert_eq!(g(whole), vec![1.0, -2.0, 3.0]);
+    }
+
+    /// In half precision a micro-batch's gradients stay in the compute dtype until a second
+    /// micro-batch's meet them (then both are cast and added in f32) or the bucket is made:
+    /// one micro-batch holds no f32 copies, and the values are those of casting first.
+    #[test]
+    fn half_precision_gradients_are_cast_when_they_meet() {
+        let cpu = &Device::Cpu;
+        let w = [0.1f32, -0.7, 2.5, 3.3];
+        let mut vars = BTreeMap::new();
+        vars.insert(
+            "encoder.weight".to_string(),
+            Var::from_tensor(&Tensor::new(&w, cpu).unwrap().to_dtype(DType::BF16).unwrap())
+                .unwrap(),
+        );
+        let optimizer = Optimizer::new(OptimizerConfig::lamb(), &vars).unwrap();
+        let mut step = Step::begin(&vars, &optimizer, None);
+        step.backward(&loss(&vars, 0.3).to_dtype(DType::BF16).unwrap())
+            .unwrap();
+        assert_eq!(step.grads["encoder.weight"].dtype(), DType::BF16);
+        let first: Vec<f32> = step.grads["encoder.weight"]
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        step.backward(&loss(&vars, 0.9).to_dtype(DType::BF16).unwrap())
+            .unwrap();
+        assert_eq!(step.grads["encoder.weight"].dtype(), DType::F32);
+        let mut second = Step::begin(&vars, &optimizer, None);
+        second
+            .backward(&loss(&vars, 0.9).to_dtype(DType::BF16).unwrap())
+            .unwrap();
+        let second: Vec<f32> = second.into_gradients().unwrap()["encoder.weight"]
+            .to_vec1()
+            .unwrap();
+        let sum: Vec<f32> = step.into_gradients().unwrap()["encoder.weight"]
+            .to_vec1()
+            .unwrap();
+        for i in 0..w.len() {
+            assert_eq!(sum[i], first[i] + second[i], "element {i}");
+        }
+        // The bucket casts what is still in the compute dtype.
+        let mut one = Step::begin(&vars, &optimizer, None);
+        one.backward(&loss(&vars, 0.3).to_dtype(DType::BF16).unwrap())
+            .unwrap();
+        let bucket = optimizer.flatten(&one.grads).unwrap();
+        assert_eq!(bucket.dtype(), DType::F32);
+        assert_eq!(bucket.to_vec1::<f32>().unwrap(), first);
     }
 }

@@ -854,7 +854,7 @@ impl Trainer {
     ) -> Result<BTreeMap<String, Tensor>, TrainError> {
         Ok(self
             .accumulate(batches, StepCounts::of(batches))?
-            .into_gradients())
+            .into_gradients()?)
     }
 
     /// Applies one optimiser step on `batches` (this rank's `accumulation` micro-batches).
