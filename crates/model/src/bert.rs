@@ -912,7 +912,31 @@ pub fn init<M: BertArchitecture>(
     device: &Device,
     seed: u64,
 ) -> Result<Loaded<M>, ModelError> {
+    init_inner(config, dtype, device, seed, false)
+}
+
+/// As [`init`], for inference: parameters are plain tensors (no gradients tracked), as
+/// [`load_frozen`] makes them.
+pub fn init_frozen<M: BertArchitecture>(
+    config: &BertConfig,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<Loaded<M>, ModelError> {
+    init_inner(config, dtype, device, seed, true)
+}
+
+fn init_inner<M: BertArchitecture>(
+    config: &BertConfig,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+    frozen: bool,
+) -> Result<Loaded<M>, ModelError> {
     let mut p = ParamBuilder::fresh(dtype, device, config.initializer_range, seed);
+    if frozen {
+        p = p.frozen();
+    }
     let model = M::build(config, &mut p)?;
     Ok(Loaded {
         model,

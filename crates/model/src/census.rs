@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::bert::{BertForPreTraining, Loaded, init};
+use crate::bert::{BertForPreTraining, Loaded, init, init_frozen};
 use crate::kernels::{KernelTime, Profiled};
 use crate::{BertConfig, DropoutSource, Inputs, Kernels, MaskedPositions, Mode, ModelError, loss};
 
@@ -132,7 +132,7 @@ fn pass(
     device: &Device,
     shape: CensusBatch,
 ) -> Result<Census, ModelError> {
-    let mut pass = PreTrainingPass::build(config, dtype, device, shape)?;
+    let mut pass = PreTrainingPass::build(config, dtype, device, shape, false)?;
     pass.loaded.model.bert.set_kernels(kernels);
     Ok(of_graph(&pass.loss()?))
 }
@@ -149,18 +149,24 @@ struct PreTrainingPass {
 }
 
 impl PreTrainingPass {
+    /// A seeded model (`frozen`: plain tensors, as inference loads them) and batch.
     fn build(
         config: &BertConfig,
         dtype: DType,
         device: &Device,
         shape: CensusBatch,
+        frozen: bool,
     ) -> Result<Self, ModelError> {
         let CensusBatch {
             batch,
             seq,
             predictions,
         } = shape;
-        let loaded = init::<BertForPreTraining>(config, dtype, device, 1)?;
+        let loaded = if frozen {
+            init_frozen::<BertForPreTraining>(config, dtype, device, 1)?
+        } else {
+            init::<BertForPreTraining>(config, dtype, device, 1)?
+        };
         let mut rng = bertkit_rng::SplitMix64::new(7);
         let mut below = |n: usize| (rng.next_u64() % n as u64) as u32;
         let ids: Vec<u32> = (0..batch * seq).map(|_| below(config.vocab_size)).collect();
@@ -193,10 +199,15 @@ impl PreTrainingPass {
 
     /// The training-mode forward pass and its loss.
     fn loss(&self) -> Result<Tensor, ModelError> {
-        let out =
-            self.loaded
-                .model
-                .forward(&self.inputs, &self.masked, Mode::Train(&self.dropout))?;
+        self.loss_in(Mode::Train(&self.dropout))
+    }
+
+    /// The forward pass in `mode` and its loss.
+    fn loss_in(&self, mode: Mode) -> Result<Tensor, ModelError> {
+        let out = self
+            .loaded
+            .model
+            .forward(&self.inputs, &self.masked, mode)?;
         Ok(loss::pretraining_loss(
             &out.mlm_logits,
             &self.labels,
@@ -225,7 +236,8 @@ pub struct PassProfile {
 
 /// Times `passes` training passes (forward, loss, backward) of `config` with `kernels`, after
 /// one untimed pass, each kernel call timed ([`Profiled`]): where a step's time goes, on any
-/// device.
+/// device. With `inference`, the passes are inference's instead: parameters that track no
+/// gradients (the kernels' inference paths), no dropout, the forward pass and loss only.
 pub fn profile(
     config: &BertConfig,
     kernels: Arc<dyn Kernels>,
@@ -233,8 +245,9 @@ pub fn profile(
     device: &Device,
     shape: CensusBatch,
     passes: usize,
+    inference: bool,
 ) -> Result<PassProfile, ModelError> {
-    let mut pass = PreTrainingPass::build(config, dtype, device, shape)?;
+    let mut pass = PreTrainingPass::build(config, dtype, device, shape, inference)?;
     let profiled = Arc::new(Profiled::new(kernels));
     pass.loaded.model.bert.set_kernels(profiled.clone());
     let passes = passes.max(1);
@@ -247,12 +260,18 @@ pub fn profile(
         }
         device.synchronize()?;
         let started = Instant::now();
-        let total = pass.loss()?;
+        let total = if inference {
+            pass.loss_in(Mode::Eval)?
+        } else {
+            pass.loss()?
+        };
         device.synchronize()?;
         let forwarded = Instant::now();
-        let grads = total.backward()?;
-        device.synchronize()?;
-        drop(grads);
+        if !inference {
+            let grads = total.backward()?;
+            device.synchronize()?;
+            drop(grads);
+        }
         forward += (forwarded - started).as_secs_f64();
         backward += forwarded.elapsed().as_secs_f64();
     }
@@ -311,7 +330,7 @@ mod tests {
             composed.outside_layers.ops + 2 * composed.layer.ops
         );
         // Every kernel the fused pass calls is timed, twice a pass for the two layers' norms.
-        let timed = profile(&config, Arc::new(Fused), DType::F32, cpu, shape, 2).unwrap();
+        let timed = profile(&config, Arc::new(Fused), DType::F32, cpu, shape, 2, false).unwrap();
         assert!(timed.forward_seconds > 0.0 && timed.backward_seconds > 0.0);
         assert_eq!(timed.kernels["residual_layer_norm"].calls, 4, "{timed:?}");
         assert_eq!(timed.kernels["attention"].calls, 2, "{timed:?}");
@@ -334,6 +353,11 @@ mod tests {
         );
         // Outside a profile nothing is timed.
         assert!(crate::kernels::time_backwards(false).is_empty());
+        // Inference's passes: the same kernels called, nothing tracked, no backward pass.
+        let inference = profile(&config, Arc::new(Fused), DType::F32, cpu, shape, 2, true).unwrap();
+        assert_eq!(inference.kernels["attention"].calls, 2, "{inference:?}");
+        assert!(inference.backward_kernels.is_empty(), "{inference:?}");
+        assert!(inference.backward_seconds < 1e-3, "{inference:?}");
         // The count is the graph's: the same pass counted twice gives the same figures.
         assert_eq!(
             pretraining(&config, Arc::new(Fused), DType::F32, cpu, shape).unwrap(),

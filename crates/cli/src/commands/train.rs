@@ -639,12 +639,25 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         seq: g.seq,
         predictions: g.predictions,
     };
-    let p = profile(&config, kernels, dtype, &device, shape, args.passes)?;
+    let p = profile(
+        &config,
+        kernels,
+        dtype,
+        &device,
+        shape,
+        args.passes,
+        args.inference,
+    )?;
     println!(
-        "{} ({} layers), {} kernels, a training pass (forward, loss, backward) at batch {} x {} positions, {} predictions a sequence, {} on {}, mean of {} passes",
+        "{} ({} layers), {} kernels, {} at batch {} x {} positions, {} predictions a sequence, {} on {}, mean of {} passes",
         g.config,
         config.num_hidden_layers,
         args.kernels,
+        if args.inference {
+            "an inference pass (forward and loss, nothing tracked)"
+        } else {
+            "a training pass (forward, loss, backward)"
+        },
         g.batch,
         g.seq,
         g.predictions,

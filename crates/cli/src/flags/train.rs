@@ -192,6 +192,10 @@ pub(crate) struct BenchKernelsArgs {
     /// Timed passes (after one untimed).
     #[arg(long, default_value_t = 3)]
     pub(crate) passes: usize,
+    /// Inference's passes instead of training's: parameters that track no gradients, no
+    /// dropout, no backward pass.
+    #[arg(long)]
+    pub(crate) inference: bool,
     #[command(flatten)]
     pub(crate) products: super::ProductArgs,
 }
