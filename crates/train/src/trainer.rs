@@ -852,9 +852,8 @@ impl Trainer {
         &self,
         batches: &[Batch],
     ) -> Result<BTreeMap<String, Tensor>, TrainError> {
-        Ok(self
-            .accumulate(batches, StepCounts::of(batches))?
-            .into_gradients()?)
+        self.accumulate(batches, StepCounts::of(batches))?
+            .into_gradients()
     }
 
     /// Applies one optimiser step on `batches` (this rank's `accumulation` micro-batches).
