@@ -7,15 +7,19 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor, Var};
 
 use crate::TrainError;
-use crate::optim::{Optimizer, OptimizerConfig, Rule, set_cuda_optimizer};
+use crate::optim::{
+    Optimizer, OptimizerConfig, Rule, cuda_update_in_place, set_cuda_optimizer,
+    set_cuda_update_in_place,
+};
 
 /// The optimiser update on `device` against its reference, as `bertkit check kernels` reports
 /// kernels ([`bertkit_model::kernels::check`]): two steps of LAMB and of AdamW (the second
 /// clipped) over parameters with and without weight decay, one spanning several of the CUDA
 /// kernels' blocks, from the same weights and gradients; the weights and both moments after
 /// them against the reference's. On a CUDA device the reference is the CPU's one-pass update in
-/// f32 (the twin) and the CUDA update is turned on for the process ([`set_cuda_optimizer`]);
-/// on the CPU it is the composed update in f64.
+/// f32 (the twin) and the CUDA update is turned on for the process ([`set_cuda_optimizer`]),
+/// in both its forms: a new state per step, and in place ([`set_cuda_update_in_place`]); on
+/// the CPU it is the composed update in f64.
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {
@@ -69,33 +73,42 @@ pub fn check_update(
         (Device::Cpu, DType::F32)
     };
     let mut checks = Vec::new();
-    for (rule, kernel) in [
-        (Rule::Lamb, "optimizer update (LAMB)"),
-        (Rule::Adamw, "optimizer update (AdamW)"),
-    ] {
-        let want = run(rule, &ref_device, ref_dtype)?;
-        let got = run(rule, device, DType::F32)?;
-        for (value, prefix) in [("weights", ""), ("m", "m."), ("v", "v.")] {
-            // Every parameter's values side by side: one comparison over all of them.
-            let side = |state: &BTreeMap<String, Tensor>| -> Result<Tensor, TrainError> {
-                let mut parts = Vec::with_capacity(shapes.len());
-                for (name, _) in &shapes {
-                    let key = format!("{prefix}{name}");
-                    let Some(t) = state.get(&key) else {
-                        return Err(TrainError::Config(format!("check_update: no {key}")));
-                    };
-                    parts.push(t.flatten_all()?);
-                }
-                Ok(Tensor::cat(&parts, 0)?)
-            };
-            checks.push(KernelCheck {
-                kernel: kernel.to_string(),
-                shape: "4 params",
-                value,
-                gradient: false,
-                worst: worst(&side(&got)?, &side(&want)?)?,
-                tolerance: tolerance(DType::F32),
-            });
+    let forms: &[(bool, &str)] = if device.is_cuda() {
+        &[(false, ""), (true, " in place")]
+    } else {
+        &[(false, "")]
+    };
+    let was_in_place = cuda_update_in_place();
+    for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
+        for &(in_place, form) in forms {
+            let kernel = format!("optimizer update{form} ({name})");
+            let want = run(rule, &ref_device, ref_dtype)?;
+            set_cuda_update_in_place(in_place);
+            let got = run(rule, device, DType::F32);
+            set_cuda_update_in_place(was_in_place);
+            let got = got?;
+            for (value, prefix) in [("weights", ""), ("m", "m."), ("v", "v.")] {
+                // Every parameter's values side by side: one comparison over all of them.
+                let side = |state: &BTreeMap<String, Tensor>| -> Result<Tensor, TrainError> {
+                    let mut parts = Vec::with_capacity(shapes.len());
+                    for (name, _) in &shapes {
+                        let key = format!("{prefix}{name}");
+                        let Some(t) = state.get(&key) else {
+                            return Err(TrainError::Config(format!("check_update: no {key}")));
+                        };
+                        parts.push(t.flatten_all()?);
+                    }
+                    Ok(Tensor::cat(&parts, 0)?)
+                };
+                checks.push(KernelCheck {
+                    kernel: kernel.clone(),
+                    shape: "4 params",
+                    value,
+                    gradient: false,
+                    worst: worst(&side(&got)?, &side(&want)?)?,
+                    tolerance: tolerance(DType::F32),
+                });
+            }
         }
     }
     Ok(checks)

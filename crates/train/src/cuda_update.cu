@@ -102,3 +102,86 @@ extern "C" __global__ void update_weights(const float* w, float* state, const do
         __syncthreads();
     }
 }
+
+// In place: `state` is the group's `[3, rows, numel]` weights, first and second moments,
+// updated where they are (no second state allocated per group per step). The first launch
+// writes the moments and the per-block norms; the second recomputes each element's update
+// from the new moments and the old weight (the same function, so the same value the first
+// launch measured) and writes the weight.
+
+// An element's update `m̂ / (√v̂ + ε) (+ decay · w)` from its new moments.
+__device__ __forceinline__ float update_of(float mi, float vi, float wi, const Constants& c) {
+    const float denominator = sqrtf(vi * c.inv_bc2) + c.eps;
+    float u = (mi * c.inv_bc1) / denominator;
+    if (c.decayed) u = u + wi * c.decay;
+    return u;
+}
+
+extern "C" __global__ void update_moments_in_place(float* state, const float* g, double* norms,
+                                                   int rows, int numel, Constants c) {
+    __shared__ double scratch[32];
+    const size_t total = (size_t)rows * numel;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const size_t base = (size_t)row * numel;
+        const int start = blockIdx.x * CHUNK;
+        const int end = min(start + CHUNK, numel);
+        double w2 = 0.0, u2 = 0.0;
+        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+            const size_t i = base + j;
+            const float gi = g[i] * c.clip;
+            const float wi = state[i];
+            const float mi = state[total + i] * c.b1 + gi * c.one_b1;
+            const float vi = state[2 * total + i] * c.b2 + gi * gi * c.one_b2;
+            state[total + i] = mi;
+            state[2 * total + i] = vi;
+            if (c.trust_ratio) {
+                const float u = update_of(mi, vi, wi, c);
+                w2 += (double)wi * (double)wi;
+                u2 += (double)u * (double)u;
+            }
+        }
+        if (c.trust_ratio) {
+            w2 = block_sum(w2, scratch);
+            u2 = block_sum(u2, scratch);
+            if (threadIdx.x == 0) {
+                double* out = norms + ((size_t)row * gridDim.x + blockIdx.x) * 2;
+                out[0] = w2;
+                out[1] = u2;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void update_weights_in_place(float* state, const double* norms, int rows,
+                                                   int numel, int blocks, float lr, Constants c) {
+    __shared__ float ratio_shared;
+    const size_t total = (size_t)rows * numel;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        if (threadIdx.x == 0) {
+            float ratio = 1.0f;
+            if (c.trust_ratio) {
+                double w2 = 0.0, u2 = 0.0;
+                const double* p = norms + (size_t)row * blocks * 2;
+                for (int b = 0; b < blocks; ++b) {
+                    w2 += p[2 * b];
+                    u2 += p[2 * b + 1];
+                }
+                const double wn = sqrt(w2), un = sqrt(u2);
+                if (wn > 0.0 && un > 0.0) ratio = (float)(wn / un);
+            }
+            ratio_shared = ratio;
+        }
+        __syncthreads();
+        const float ratio = ratio_shared;
+        const size_t base = (size_t)row * numel;
+        const int start = blockIdx.x * CHUNK;
+        const int end = min(start + CHUNK, numel);
+        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+            const size_t i = base + j;
+            const float wi = state[i];
+            const float u = update_of(state[total + i], state[2 * total + i], wi, c);
+            state[i] = wi - u * ratio * lr;
+        }
+        __syncthreads();
+    }
+}

@@ -11,7 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor,
+    CpuStorage, CudaStorage, CustomOp3, InplaceOp2, Layout, Result, Shape, Storage, Tensor,
     backend::BackendStorage, bail,
 };
 
@@ -47,6 +47,80 @@ pub(crate) fn update(
     master
         .contiguous()?
         .apply_op3_no_bwd(&m.contiguous()?, &v.contiguous()?, &op)
+}
+
+/// The update of a group whose weights and moments are one `[3, rows, numel]` f32 `state`
+/// (weights, first and second moments), written in place: no state allocated per group per
+/// step. Two launches, as [`update`]'s; the second recomputes each element's update from the
+/// new moments instead of reading it from a buffer.
+pub(crate) fn update_in_place(state: &Tensor, gradients: &Tensor, s: Scalars) -> Result<()> {
+    let op = UpdateInPlace {
+        constants: Constants::of(s),
+        lr: s.lr as f32,
+    };
+    state.inplace_op2(&gradients.contiguous()?, &op)
+}
+
+struct UpdateInPlace {
+    constants: Constants,
+    lr: f32,
+}
+
+impl InplaceOp2 for UpdateInPlace {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-optimizer-update-in-place"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+        bail!("{}: a CUDA kernel, given CPU tensors", self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        state: &mut CudaStorage,
+        sl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let name = self.name();
+        let (parts, rows, numel) = sl.shape().dims3()?;
+        let Some((start, end)) = sl.contiguous_offsets() else {
+            bail!("{name}: a contiguous state expected")
+        };
+        if parts != 3 || state.dtype() != candle_core::DType::F32 {
+            bail!(
+                "{name}: a [3, rows, numel] f32 state expected, got {:?} {:?}",
+                sl.dims(),
+                state.dtype()
+            )
+        }
+        let g_view = view(name, g, gl, (rows, numel), "gradients")?;
+        let dev = state.device.clone();
+        let blocks = numel.div_ceil(CHUNK).max(1);
+        let norms = dev.alloc_zeros::<f64>(rows * blocks * 2)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, rows.clamp(1, 65_535) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
+        let mut state = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
+        {
+            let func = dev.get_or_load_custom_func("update_moments_in_place", MODULE, PTX)?;
+            let mut b = func.builder();
+            b.arg(&mut state).arg(&g_view).arg(&norms);
+            b.arg(&rows_i).arg(&numel_i).arg(&self.constants);
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        {
+            let func = dev.get_or_load_custom_func("update_weights_in_place", MODULE, PTX)?;
+            let mut b = func.builder();
+            b.arg(&mut state).arg(&norms).arg(&rows_i).arg(&numel_i);
+            b.arg(&blocks_i).arg(&self.lr).arg(&self.constants);
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(())
+    }
 }
 
 struct Update {

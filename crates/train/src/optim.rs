@@ -126,6 +126,9 @@ struct Group {
     master: Tensor,
     m: Tensor,
     v: Tensor,
+    /// The CUDA in-place update's `[3, rows, numel]` buffer, of which `master`, `m` and `v`
+    /// are then views; `None` once any other update has replaced them.
+    packed: Option<Tensor>,
 }
 
 impl Group {
@@ -163,6 +166,19 @@ impl Group {
             .sum(1)?)
     }
 
+    /// The group's state as one `[3, rows, numel]` buffer (weights, first and second moments)
+    /// that `master`, `m` and `v` view: packed once, then updated in place.
+    #[cfg(feature = "cuda")]
+    fn packed_state(&mut self) -> Result<Tensor, TrainError> {
+        if let Some(state) = &self.packed {
+            return Ok(state.clone());
+        }
+        let state = Tensor::stack(&[&self.master, &self.m, &self.v], 0)?;
+        (self.master, self.m, self.v) = (state.get(0)?, state.get(1)?, state.get(2)?);
+        self.packed = Some(state.clone());
+        Ok(state)
+    }
+
     /// Sets the model's parameters from the master weights (cast to each one's dtype). Members
     /// of one dtype are cast together, the whole buffer at once (one launch on CUDA where one
     /// per member took hundreds a step), then each is set from its row.
@@ -198,6 +214,32 @@ pub fn cuda_optimizer() -> bool {
         0 => {
             let on = std::env::var("BERTKIT_CUDA_OPTIMIZER").map_or(true, |v| v != "composed");
             set_cuda_optimizer(on);
+            on
+        }
+        setting => setting == 2,
+    }
+}
+
+/// Whether the CUDA update writes each group's state in place: 0 unset (the environment
+/// decides), 1 no, 2 yes.
+static CUDA_UPDATE_IN_PLACE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Turns the CUDA update's in-place form on or off for this process: the group's weights and
+/// moments packed once into one buffer and updated where they are, instead of a new
+/// `[3, rows, numel]` state allocated per group per step (4 GB a step for BERT-large, handed
+/// back to the driver's pool each step). Unset, it is off unless
+/// `BERTKIT_CUDA_OPTIMIZER=inplace`: not yet run on a GPU (`bertkit check kernels --device
+/// cuda` compares it with the CPU's update).
+pub fn set_cuda_update_in_place(on: bool) {
+    CUDA_UPDATE_IN_PLACE.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the CUDA update writes in place (see [`set_cuda_update_in_place`]).
+pub fn cuda_update_in_place() -> bool {
+    match CUDA_UPDATE_IN_PLACE.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("BERTKIT_CUDA_OPTIMIZER").is_ok_and(|v| v == "inplace");
+            set_cuda_update_in_place(on);
             on
         }
         setting => setting == 2,
@@ -263,6 +305,7 @@ impl Optimizer {
                     m: master.zeros_like()?,
                     v: master.zeros_like()?,
                     master,
+                    packed: None,
                 });
                 offset += chunk.len() * numel;
             }
@@ -383,13 +426,21 @@ impl Optimizer {
                 && self.master_dtype == DType::F32
                 && cuda_optimizer()
             {
+                if cuda_update_in_place() {
+                    let state = group.packed_state()?;
+                    crate::cuda_update::update_in_place(&state, &g, scalars)?;
+                    group.write_back()?;
+                    continue;
+                }
                 // Two launches over the state instead of the composed update's fifteen passes.
                 let state =
                     crate::cuda_update::update(&group.master, &group.m, &group.v, &g, scalars)?;
                 (group.master, group.m, group.v) = (state.get(0)?, state.get(1)?, state.get(2)?);
+                group.packed = None;
                 group.write_back()?;
                 continue;
             }
+            group.packed = None;
             if group.master.device().is_cpu() && self.master_dtype == DType::F32 {
                 // One pass over the state instead of the composed update's fifteen.
                 let (master, m, v) =
@@ -502,6 +553,7 @@ impl Optimizer {
                 stacked(masters, "")?,
             );
             (group.m, group.v, group.master) = (m, v, master);
+            group.packed = None;
             group.write_back()?;
         }
         self.step = step;
