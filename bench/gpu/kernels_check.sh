@@ -4,7 +4,8 @@
 # side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
 # kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420). EXTRA=1 adds the device
 # pool's memory figures, and phase 1 with the pool keeping freed memory and with the optimiser
-# updating in place (none yet run on a device).
+# updating in place (none yet run on a device). PROFILE=1 adds ncu's time per kernel over two
+# training passes (ncu_summary.py).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -48,6 +49,18 @@ if [[ -n ${EXTRA:-} ]]; then
             --config /tmp/keep-$keep.toml --no-eval --device cuda --max-steps 12 --micro-batch 64 \
             --global-batch 64 2>&1 | grep -E "a step|start-up" | sed "s/^/keep=$keep $optimizer: /"
     done
+fi
+if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
+    # Each kernel's own time (ncu replays them one by one: no overlap, no launch gaps) over
+    # two training passes of a 2-layer BERT-large at phase 1's shape: which launches the
+    # layers, the autograd and the heads are made of.
+    log "2d ncu: the kernels of two training passes, 2-layer BERT-large, batch 64 x 128, bf16"
+    python3 -c 'import json,sys; json.dump({"architectures":["BertForPreTraining"],"model_type":"bert","vocab_size":30522,"hidden_size":1024,"num_hidden_layers":2,"num_attention_heads":16,"intermediate_size":4096,"hidden_act":"gelu","hidden_dropout_prob":0.1,"attention_probs_dropout_prob":0.1,"max_position_embeddings":512,"type_vocab_size":2,"initializer_range":0.02,"layer_norm_eps":1e-12}, open("/tmp/large2.json","w"))'
+    timeout 300 ncu --clock-control none --csv --print-units base --metrics gpu__time_duration.sum \
+        $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 --device cuda \
+        --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
+    echo "rc $?"
+    python3 "$here/ncu_summary.py" "$out/ncu.csv" --passes 2 --top 45 || tail -n 5 "$out/ncu.err"
 fi
 log "3 the side-by-side table"
 OUT=$out/side timeout "${SIDE_SECONDS:-420}" \

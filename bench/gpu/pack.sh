@@ -30,7 +30,8 @@ cpu_bin=$(cargo metadata --no-deps --format-version 1 \
     | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release/bertkit
 [[ -x $cpu_bin ]] || cargo build --release --locked -p bertkit
 bash bench/gpu/prepare.sh "$cpu_bin" "$mirror" "$gpu/data" > /dev/null
-cp bench/gpu/side_by_side.sh bench/gpu/torch_peer.py bench/gpu/table.py bench/gpu/kernels_check.sh "$gpu/"
+cp bench/gpu/side_by_side.sh bench/gpu/torch_peer.py bench/gpu/table.py bench/gpu/kernels_check.sh \
+    bench/gpu/ncu_summary.py "$gpu/"
 # What every script run there sources first: CUDA's libraries from PyTorch's nvidia packages,
 # and the binary unpacked to /tmp/bertkit.
 cat > "$gpu/env.sh" <<'ENV'

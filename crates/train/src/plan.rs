@@ -214,11 +214,15 @@ fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activat
         c.intermediate_size as f64,
     );
     let (p, v) = (shape.predictions as f64, c.vocab_size as f64);
+    // Whatever the micro-batch, on both devices: the query/key/value weights concatenated per
+    // layer, and in half precision the decoder's copy of the f32 word embeddings.
+    let per_step = c.num_hidden_layers as f64 * 3.0 * (h * h + h) * b
+        + if half == 1 { v * h * b } else { 0.0 };
     match target {
         Target::Cpu => Activations {
             layer: s * h * CPU_LAYER_HIDDEN[half] + a * s * s * CPU_LAYER_SCORES[half],
             outside: s * h * CPU_EMBEDDING_HIDDEN[half] + p * v * CPU_HEAD_LOGITS[half],
-            per_step: 0.0,
+            per_step,
         },
         Target::Cuda => Activations {
             // Per token, in the compute dtype: the query/key/value product (3h; the attention
@@ -228,10 +232,7 @@ fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activat
             // (h): `kernels/cuda/` keeps nothing else (dropout is recomputed from its keys).
             layer: s * (7.0 * h + 2.0 * i) * b,
             outside: s * h * CUDA_EMBEDDING_HIDDEN + p * v * CUDA_HEAD_LOGITS,
-            // Whatever the micro-batch: the query/key/value weights concatenated per layer,
-            // and in half precision the decoder's copy of the f32 word embeddings.
-            per_step: c.num_hidden_layers as f64 * 3.0 * (h * h + h) * b
-                + if half == 1 { v * h * b } else { 0.0 },
+            per_step,
         },
     }
 }
