@@ -5,7 +5,8 @@
 # kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420). EXTRA=1 adds the device
 # pool's memory figures, and phase 1 with the pool keeping freed memory and with the optimiser
 # updating in place (none yet run on a device). PROFILE=1 adds ncu's time per kernel over two
-# training passes (ncu_summary.py).
+# training passes (ncu_summary.py). SIDE=0 skips the side-by-side table (to split a long run
+# into two device calls).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -61,6 +62,9 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
         --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
     echo "rc $?"
     python3 "$here/ncu_summary.py" "$out/ncu.csv" --passes 2 --top 45 || tail -n 5 "$out/ncu.err"
+fi
+if [[ ${SIDE:-1} == 0 ]]; then
+    exit 0
 fi
 log "3 the side-by-side table"
 OUT=$out/side timeout "${SIDE_SECONDS:-420}" \
