@@ -1,11 +1,11 @@
-//! The optimiser update of one parameter group in one pass over its state, for f32 state on
-//! the CPU: where the composed update makes about fifteen element-wise passes (each a fresh
-//! tensor) over the weights, moments and gradients, this reads each once and writes the new
-//! weights and moments once. The arithmetic is the composed update's, op for op in f32;
+//! The optimiser update of one parameter group in two passes over its state, in place, for
+//! f32 state on the CPU: where the composed update makes about fifteen element-wise passes
+//! (each a fresh tensor) over the weights, moments and gradients, this reads the gradients
+//! once and writes the moments and then the weights where they are. The arithmetic is the composed update's, op for op in f32;
 //! LAMB's per-parameter norms are summed in f64 over fixed blocks, added in order (the same
 //! result on any number of threads).
 
-use candle_core::{Result, Storage, Tensor, bail};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor, bail};
 use rayon::prelude::*;
 
 /// The step's scalars.
@@ -26,71 +26,6 @@ pub(crate) struct Scalars {
 
 /// Elements per parallel task.
 const BLOCK: usize = 1 << 15;
-
-/// The f32 values of a contiguous CPU tensor.
-fn values<'a>(what: &str, storage: &'a Storage, tensor: &Tensor) -> Result<&'a [f32]> {
-    match (storage, tensor.layout().contiguous_offsets()) {
-        (Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((start, end))) => Ok(&v[start..end]),
-        _ => bail!("optimiser update: the {what} are not contiguous f32 on the CPU"),
-    }
-}
-
-/// The group's new `(master, m, v)` from its `[rows, numel]` master weights, moments and
-/// gradients.
-pub(crate) fn update(
-    master: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    gradients: &Tensor,
-    s: Scalars,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (rows, numel) = master.dims2()?;
-    for t in [m, v, gradients] {
-        if t.dims() != [rows, numel] {
-            bail!(
-                "optimiser update: state of shape {:?} for [{rows}, {numel}]",
-                t.dims()
-            )
-        }
-    }
-    let (new_w, new_m, new_v) = {
-        let (ws, _) = master.storage_and_layout();
-        let (ms, _) = m.storage_and_layout();
-        let (vs, _) = v.storage_and_layout();
-        let (gs, _) = gradients.storage_and_layout();
-        let w = values("weights", &ws, master)?;
-        let m = values("first moments", &ms, m)?;
-        let v = values("second moments", &vs, v)?;
-        let g = values("gradients", &gs, gradients)?;
-        let mut new_w = vec![0f32; w.len()];
-        let mut new_m = vec![0f32; w.len()];
-        let mut new_v = vec![0f32; w.len()];
-        for row in 0..rows {
-            let span = row * numel..(row + 1) * numel;
-            update_row(
-                (
-                    &w[span.clone()],
-                    &m[span.clone()],
-                    &v[span.clone()],
-                    &g[span.clone()],
-                ),
-                (
-                    &mut new_w[span.clone()],
-                    &mut new_m[span.clone()],
-                    &mut new_v[span],
-                ),
-                s,
-            );
-        }
-        (new_w, new_m, new_v)
-    };
-    let device = master.device();
-    Ok((
-        Tensor::from_vec(new_w, (rows, numel), device)?,
-        Tensor::from_vec(new_m, (rows, numel), device)?,
-        Tensor::from_vec(new_v, (rows, numel), device)?,
-    ))
-}
 
 /// The step's scalars in f32, as the update uses them (laid out as the CUDA twin's
 /// `struct Constants`, `cuda_update.cu`).
@@ -132,31 +67,109 @@ impl Constants {
     }
 }
 
-/// One parameter: the moments and the update (into `new_w`, as the step before the weights),
-/// then the weights.
-fn update_row(
-    (w, m, v, g): (&[f32], &[f32], &[f32], &[f32]),
-    (new_w, new_m, new_v): (&mut [f32], &mut [f32], &mut [f32]),
+/// f64 partial sums the squared norms keep (vectorisable), added in order at the end.
+const NORM_LANES: usize = 8;
+
+/// The group's `[3, rows, numel]` f32 state (weights, first and second moments) updated in
+/// place by its `[rows, numel]` gradients, without new state buffers a group a step (the form
+/// that returned three new buffers gave the same values, bit for bit, when this replaced it).
+/// `scratch` holds each parameter's update between the two passes; it grows to the largest
+/// parameter once and is kept by the caller for the next step.
+pub(crate) fn update_in_place(
+    state: &Tensor,
+    gradients: &Tensor,
+    s: Scalars,
+    scratch: &mut Vec<f32>,
+) -> Result<()> {
+    let op = InPlace {
+        scalars: s,
+        scratch: std::cell::RefCell::new(std::mem::take(scratch)),
+    };
+    let out = state.inplace_op2(&gradients.contiguous()?, &op);
+    *scratch = op.scratch.into_inner();
+    out
+}
+
+struct InPlace {
+    scalars: Scalars,
+    scratch: std::cell::RefCell<Vec<f32>>,
+}
+
+impl InplaceOp2 for InPlace {
+    fn name(&self) -> &'static str {
+        "bertkit-optimizer-update-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        let name = self.name();
+        let (parts, rows, numel) = l1.shape().dims3()?;
+        if parts != 3 || l2.dims() != [rows, numel] {
+            bail!(
+                "{name}: a [3, rows, numel] state and [rows, numel] gradients expected, got {:?} and {:?}",
+                l1.dims(),
+                l2.dims()
+            )
+        }
+        let (CpuStorage::F32(state), Some((start, end))) = (s1, l1.contiguous_offsets()) else {
+            bail!("{name}: the state is not contiguous f32")
+        };
+        let (CpuStorage::F32(g), Some((g_start, g_end))) = (s2, l2.contiguous_offsets()) else {
+            bail!("{name}: the gradients are not contiguous f32")
+        };
+        let g = &g[g_start..g_end];
+        let total = rows * numel;
+        let (w, moments) = state[start..end].split_at_mut(total);
+        let (m, v) = moments.split_at_mut(total);
+        let mut u = self.scratch.borrow_mut();
+        if u.len() < numel {
+            u.resize(numel, 0.0);
+        }
+        for row in 0..rows {
+            let span = row * numel..(row + 1) * numel;
+            update_row_in_place(
+                (
+                    &mut w[span.clone()],
+                    &mut m[span.clone()],
+                    &mut v[span.clone()],
+                ),
+                &g[span],
+                &mut u[..numel],
+                self.scalars,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One parameter in place: the moments, the update `u` (into `u`) and the norms of w and u;
+/// then the weights. The norms are summed in f64 over fixed blocks in a fixed order (the same
+/// result on any number of threads).
+fn update_row_in_place(
+    (w, m, v): (&mut [f32], &mut [f32], &mut [f32]),
+    g: &[f32],
+    u: &mut [f32],
     s: Scalars,
 ) {
     let f = |x: f64| x as f32;
     let c = Constants::of(s);
     let trust_ratio = c.trust_ratio != 0;
-    // Pass 1: moments and the update `u` (kept in `new_w`), and the squared norms of w and u.
-    let norms: Vec<(f64, f64)> = new_w
+    let w_read: &[f32] = w;
+    let norms: Vec<(f64, f64)> = u
         .par_chunks_mut(BLOCK)
-        .zip(new_m.par_chunks_mut(BLOCK).zip(new_v.par_chunks_mut(BLOCK)))
+        .zip(m.par_chunks_mut(BLOCK).zip(v.par_chunks_mut(BLOCK)))
         .enumerate()
-        .map(|(block, (u_out, (m_out, v_out)))| {
-            let span = block * BLOCK..block * BLOCK + u_out.len();
-            let w = &w[span.clone()];
-            moments(
-                (w, &m[span.clone()], &v[span.clone()], &g[span]),
-                (u_out, m_out, v_out),
-                c,
-            );
+        .map(|(block, (u, (m, v)))| {
+            let span = block * BLOCK..block * BLOCK + u.len();
+            let w = &w_read[span.clone()];
+            moments(w, &g[span], (m, v), u, c);
             if trust_ratio {
-                squared_norms(w, u_out)
+                squared_norms(w, u)
             } else {
                 (0.0, 0.0)
             }
@@ -175,51 +188,43 @@ fn update_row(
     } else {
         1.0
     };
-    // Pass 2: the weights.
     let lr = f(s.lr);
-    new_w
-        .par_chunks_mut(BLOCK)
-        .zip(w.par_chunks(BLOCK))
-        .for_each(|(out, w)| weights(out, w, ratio, lr));
+    w.par_chunks_mut(BLOCK)
+        .zip(u.par_chunks(BLOCK))
+        .for_each(|(w, u)| weights(w, u, ratio, lr));
 }
 
 bertkit_model::vectorised! {
-    /// The moments and the update of a block, element by element. (The gradient times a clip
-    /// of 1, or the update times a trust ratio of 1, is exactly itself.)
-    fn moments(
-        inputs: (&[f32], &[f32], &[f32], &[f32]),
-        outputs: (&mut [f32], &mut [f32], &mut [f32]),
-        c: Constants
-    ) = moments_portable
+    /// A block's moments in place and its update into `u`, element by element. (The
+    /// gradient times a clip of 1, or the update times a trust ratio of 1, is exactly itself.)
+    fn moments(w: &[f32], g: &[f32], mv: (&mut [f32], &mut [f32]), u: &mut [f32], c: Constants) = moments_portable
 }
 
 #[inline(always)]
 fn moments_portable(
-    (w, m, v, g): (&[f32], &[f32], &[f32], &[f32]),
-    (u_out, m_out, v_out): (&mut [f32], &mut [f32], &mut [f32]),
+    w: &[f32],
+    g: &[f32],
+    (m, v): (&mut [f32], &mut [f32]),
+    u: &mut [f32],
     c: Constants,
 ) {
-    let n = u_out.len();
-    let (w, m, v, g) = (&w[..n], &m[..n], &v[..n], &g[..n]);
-    let (m_out, v_out) = (&mut m_out[..n], &mut v_out[..n]);
+    let n = u.len();
+    let (w, g, m, v) = (&w[..n], &g[..n], &mut m[..n], &mut v[..n]);
     for i in 0..n {
         let gi = g[i] * c.clip;
         let mi = m[i] * c.b1 + gi * c.one_b1;
         let vi = v[i] * c.b2 + gi * gi * c.one_b2;
         let denominator = (vi * c.inv_bc2).sqrt() + c.eps;
-        let u = (mi * c.inv_bc1) / denominator;
-        u_out[i] = if c.decayed != 0 {
-            u + w[i] * c.decay
+        let ui = (mi * c.inv_bc1) / denominator;
+        u[i] = if c.decayed != 0 {
+            ui + w[i] * c.decay
         } else {
-            u
+            ui
         };
-        m_out[i] = mi;
-        v_out[i] = vi;
+        m[i] = mi;
+        v[i] = vi;
     }
 }
-
-/// f64 partial sums the squared norms keep (vectorisable), added in order at the end.
-const NORM_LANES: usize = 8;
 
 bertkit_model::vectorised! {
     /// `(Σ w², Σ u²)` in f64 over a block, in [`NORM_LANES`] partial sums added in order.
@@ -239,13 +244,80 @@ fn squared_norms_portable(w: &[f32], u: &[f32]) -> (f64, f64) {
 }
 
 bertkit_model::vectorised! {
-    /// The new weights of a block: `w - (u · ratio) · lr`, with the update `u` in `out`.
-    fn weights(out: &mut [f32], w: &[f32], ratio: f32, lr: f32) = weights_portable
+    /// A block's new weights in place: `w - (u · ratio) · lr`.
+    fn weights(w: &mut [f32], u: &[f32], ratio: f32, lr: f32) = weights_portable
 }
 
 #[inline(always)]
-fn weights_portable(out: &mut [f32], w: &[f32], ratio: f32, lr: f32) {
-    for (o, &w) in out.iter_mut().zip(w) {
-        *o = w - *o * ratio * lr;
+fn weights_portable(w: &mut [f32], u: &[f32], ratio: f32, lr: f32) {
+    for (w, &u) in w.iter_mut().zip(u) {
+        *w -= u * ratio * lr;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    /// The in-place update against a scalar reference (element by element in f32 as the
+    /// composed update, norms in f64), over rows spanning several parallel blocks: the moments
+    /// exactly, the weights to an f32 rounding of the trust ratio.
+    #[test]
+    fn the_update_in_place_matches_a_scalar_reference() {
+        let (rows, numel) = (2, 70_000);
+        let r = |seed: u64, scale: f64| {
+            bertkit_model::kernels::check::values(&[rows, numel], scale, seed, DType::F32).unwrap()
+        };
+        let (w, m, v, g) = (r(1, 0.5), r(2, 0.01), r(3, 0.001).abs().unwrap(), r(4, 0.1));
+        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (w0, m0, v0, g0) = (host(&w), host(&m), host(&v), host(&g));
+        for (decay, trust_ratio) in [(0.01, true), (0.0, false), (0.01, false)] {
+            let s = Scalars {
+                clip: 0.7,
+                beta1: 0.9,
+                beta2: 0.999,
+                inverse_corrections: (1.0 / 0.1, 1.0 / 0.001),
+                eps: 1e-6,
+                decay,
+                lr: 1e-2,
+                trust_ratio,
+            };
+            let state = Tensor::stack(&[&w, &m, &v], 0).unwrap();
+            update_in_place(&state, &g, s, &mut Vec::new()).unwrap();
+            let got = host(&state);
+            let c = Constants::of(s);
+            let n = rows * numel;
+            for row in 0..rows {
+                let span = row * numel..(row + 1) * numel;
+                let (mut u, mut w2, mut u2) = (vec![0f32; numel], 0f64, 0f64);
+                for (k, i) in span.clone().enumerate() {
+                    let gi = g0[i] * c.clip;
+                    let mi = m0[i] * c.b1 + gi * c.one_b1;
+                    let vi = v0[i] * c.b2 + gi * gi * c.one_b2;
+                    assert_eq!((got[n + i], got[2 * n + i]), (mi, vi), "moments at {i}");
+                    let mut ui = (mi * c.inv_bc1) / ((vi * c.inv_bc2).sqrt() + c.eps);
+                    if decay > 0.0 {
+                        ui += w0[i] * c.decay;
+                    }
+                    u[k] = ui;
+                    w2 += f64::from(w0[i]).powi(2);
+                    u2 += f64::from(ui).powi(2);
+                }
+                let ratio = if trust_ratio && decay > 0.0 {
+                    (w2.sqrt() / u2.sqrt()) as f32
+                } else {
+                    1.0
+                };
+                for (k, i) in span.enumerate() {
+                    let want = w0[i] - u[k] * ratio * s.lr as f32;
+                    assert!(
+                        (got[i] - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                        "weight {i}: {} against {want}",
+                        got[i]
+                    );
+                }
+            }
+        }
     }
 }

@@ -126,8 +126,9 @@ struct Group {
     master: Tensor,
     m: Tensor,
     v: Tensor,
-    /// The CUDA in-place update's `[3, rows, numel]` buffer, of which `master`, `m` and `v`
-    /// are then views; `None` once any other update has replaced them.
+    /// The in-place update's `[3, rows, numel]` buffer (the CPU's; CUDA's when turned on), of
+    /// which `master`, `m` and `v` are then views; `None` once any other update has replaced
+    /// them.
     packed: Option<Tensor>,
 }
 
@@ -168,7 +169,6 @@ impl Group {
 
     /// The group's state as one `[3, rows, numel]` buffer (weights, first and second moments)
     /// that `master`, `m` and `v` view: packed once, then updated in place.
-    #[cfg(feature = "cuda")]
     fn packed_state(&mut self) -> Result<Tensor, TrainError> {
         if let Some(state) = &self.packed {
             return Ok(state.clone());
@@ -256,6 +256,9 @@ pub fn cuda_update_in_place() -> bool {
 pub struct Optimizer {
     config: OptimizerConfig,
     groups: Vec<Group>,
+    /// The CPU update's room for one parameter's update between its two passes, kept across
+    /// steps (see `cpu_update::update_in_place`).
+    scratch: Vec<f32>,
     elements: usize,
     step: u64,
     master_dtype: DType,
@@ -313,6 +316,7 @@ impl Optimizer {
         Ok(Optimizer {
             config,
             groups,
+            scratch: Vec::new(),
             elements: offset,
             step: 0,
             master_dtype,
@@ -440,15 +444,15 @@ impl Optimizer {
                 group.write_back()?;
                 continue;
             }
-            group.packed = None;
             if group.master.device().is_cpu() && self.master_dtype == DType::F32 {
-                // One pass over the state instead of the composed update's fifteen.
-                let (master, m, v) =
-                    crate::cpu_update::update(&group.master, &group.m, &group.v, &g, scalars)?;
-                (group.master, group.m, group.v) = (master, m, v);
+                // One pass over the state instead of the composed update's fifteen, in place:
+                // no new state a group a step (fresh pages the kernel must zero and map).
+                let state = group.packed_state()?;
+                crate::cpu_update::update_in_place(&state, &g, scalars, &mut self.scratch)?;
                 group.write_back()?;
                 continue;
             }
+            group.packed = None;
             let g = if clip != 1.0 { g.affine(clip, 0.0)? } else { g };
             group.m = (group.m.affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
             group.v = (group.v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
