@@ -117,7 +117,7 @@ pub fn optimizer_steps(
         };
         let mut bucket = None;
         let flatten = timed(&mut || {
-            bucket = Some(optimizer.flatten(&grads)?);
+            bucket = Some(optimizer.flatten(grads.clone())?);
             Ok(())
         })?;
         let bucket = bucket.expect("set by the timed phase");

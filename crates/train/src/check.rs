@@ -57,7 +57,7 @@ pub fn check_update(
                 let g = values(dims, 0.1, 100 + 10 * step + i as u64, DType::F32)?;
                 grads.insert(name.to_string(), g.to_dtype(dtype)?.to_device(device)?);
             }
-            let bucket = optimizer.flatten(&grads)?;
+            let bucket = optimizer.flatten(grads)?;
             optimizer.step(&bucket, 1e-2, clip)?;
         }
         let mut state = optimizer.master_tensors()?;

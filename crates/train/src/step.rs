@@ -215,8 +215,7 @@ impl Step {
             loss_scale,
             ..
         } = self;
-        let mut bucket = optimizer.flatten(&grads)?;
-        drop(grads);
+        let mut bucket = optimizer.flatten(grads)?;
         reducer.all_reduce_sum(&mut bucket)?;
         let squared_norm = optimizer.squared_norm(&bucket)?.reshape(1)?;
         let loss = match loss {
@@ -427,7 +426,7 @@ mod tests {
         let mut one = Step::begin(&vars, &optimizer, None);
         one.backward(&loss(&vars, 0.3).to_dtype(DType::BF16).unwrap())
             .unwrap();
-        let bucket = optimizer.flatten(&one.grads).unwrap();
+        let bucket = optimizer.flatten(one.grads.clone()).unwrap();
         assert_eq!(bucket.dtype(), DType::F32);
         assert_eq!(bucket.to_vec1::<f32>().unwrap(), first);
     }
