@@ -3,8 +3,8 @@
 # kernels checked against their CPU twins, the optimiser step alone (composed and fused), then the whole
 # side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
 # kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420). EXTRA=1 adds the device
-# pool's memory figures, and phase 1 with the pool keeping freed memory and with the optimiser
-# updating in place (none yet run on a device). PROFILE=1 adds ncu's time per kernel over two
+# pool's memory figures, and phase 1 with the pool keeping freed memory, the optimiser updating
+# in place and the lean feed-forward (none yet run on a device). PROFILE=1 adds ncu's time per kernel over two
 # training passes (ncu_summary.py). SIDE=0 skips the side-by-side table (to split a long run
 # into two device calls).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
@@ -32,23 +32,28 @@ if [[ -n ${EXTRA:-} ]]; then
     # Not yet run on a device: the device pool's high-water mark against the plan, and phase 1
     # with the pool keeping freed memory (BERTKIT_CUDA_POOL_KEEP=1) against without.
     log "2b bench memory on the device (the pool's peak against the plan): phase 1 at micro-batch 64 and the recipe's 256, phase 2 at 8 and the recipe's 64 (bf16)"
-    for shape in "phase1 20 64" "phase1 20 256" "phase2 80 8" "phase2 80 64"; do
-        read -r records predictions micro <<< "$shape"
-        timeout 120 $b bench memory --config "$here/data/pipelines/pretrain-phase1.toml" \
+    for shape in "phase1 20 64 -" "phase1 20 64 lean" "phase1 20 256 -" "phase2 80 8 -" \
+        "phase2 80 8 lean" "phase2 80 64 -"; do
+        read -r records predictions micro ffn <<< "$shape"
+        echo -n "feed-forward $ffn: "
+        BERTKIT_CUDA_FEED_FORWARD=$ffn timeout 120 $b bench memory \
+            --config "$here/data/pipelines/pretrain-phase1.toml" \
             --data "$here/data/records/$records" --preset large --precision bf16 --device cuda \
             --predictions "$predictions" --micro-batch "$micro" --steps 2 2>&1 | tail -n 1
     done
-    log "2c phase 1, 12 steps: the pool keeping freed memory or not, the optimiser's update in place or not"
-    for form in "0 fused" "1 fused" "0 inplace"; do
-        read -r keep optimizer <<< "$form"
+    log "2c phase 1, 12 steps: the pool keeping freed memory, the optimiser's update in place, the lean feed-forward"
+    for form in "0 fused -" "1 fused -" "0 inplace -" "0 fused lean" "1 inplace lean"; do
+        read -r keep optimizer ffn <<< "$form"
         rm -rf /tmp/keep-$keep
         sed -e "s|^output = .*|output = \"/tmp/keep-$keep\"|" \
             -e "s|^records = .*|records = [\"$here/data/records/phase1\"]|" \
             -e 's|^preset = .*|preset = "large"|' -e 's|^precision = .*|precision = "bf16"|' \
             "$here/data/pipelines/pretrain-phase1.toml" > /tmp/keep-$keep.toml
-        BERTKIT_CUDA_POOL_KEEP=$keep BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b pretrain \
+        BERTKIT_CUDA_POOL_KEEP=$keep BERTKIT_CUDA_OPTIMIZER=$optimizer \
+            BERTKIT_CUDA_FEED_FORWARD=$ffn timeout 120 $b pretrain \
             --config /tmp/keep-$keep.toml --no-eval --device cuda --max-steps 12 --micro-batch 64 \
-            --global-batch 64 2>&1 | grep -E "a step|start-up" | sed "s/^/keep=$keep $optimizer: /"
+            --global-batch 64 2>&1 | grep -E "a step|start-up" \
+            | sed "s/^/keep=$keep $optimizer ffn=$ffn: /"
     done
 fi
 if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then

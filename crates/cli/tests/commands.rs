@@ -187,7 +187,7 @@ fn bench_graph_counts_what_fusion_removes() {
 }
 
 /// `bench kernels` on MiniLM's config: a row per kernel the fused forward calls, with the
-/// counts its layers make, and the forward and backward times.
+/// counts its layers make, and the forward and backward times (each fused op's backward too).
 #[test]
 fn bench_kernels_times_each_kernel() {
     let config = require("minilm/config.json");
@@ -212,15 +212,23 @@ fn bench_kernels_times_each_kernel() {
             .unwrap_or_else(|| panic!("no {name} row: {stdout}"));
         line.split_whitespace().nth(1).unwrap().parse().unwrap()
     };
-    // Six layers: an attention and two sublayer ends each; the feed-forward's first product
-    // with GELU in each, and the masked-LM transform's.
+    // Six layers: an attention, two sublayer ends and a feed-forward block each; the
+    // masked-LM transform's linear layer with GELU.
     assert_eq!(calls("attention"), 6, "{stdout}");
     assert_eq!(calls("residual_layer_norm"), 12, "{stdout}");
-    assert_eq!(calls("linear_gelu"), 7, "{stdout}");
-    for row in ["outside the kernels", "forward", "backward"] {
+    assert_eq!(calls("feed_forward"), 6, "{stdout}");
+    assert_eq!(calls("linear_gelu"), 1, "{stdout}");
+    for row in ["outside the kernels", "total"] {
         assert!(
             stdout.lines().any(|l| l.starts_with(row)),
             "{row}: {stdout}"
         );
     }
+    // Forward and backward columns, the fused ops' backward passes timed in the second.
+    assert!(
+        stdout.contains("forward ms") && stdout.contains("backward ms"),
+        "{stdout}"
+    );
+    let attention = stdout.lines().find(|l| l.starts_with("attention")).unwrap();
+    assert_eq!(attention.split_whitespace().count(), 5, "{attention}");
 }

@@ -480,15 +480,14 @@ impl EncoderLayer {
             mode,
             self.hidden_dropout,
         )?;
-        let inner = self.intermediate.forward_gelu(k, &x, self.gelu)?;
-        self.output_norm.residual_forward(
-            k,
-            &self.output.forward(k, &inner)?,
+        let out = k.feed_forward(
             &x,
-            packing,
-            mode,
-            self.hidden_dropout,
-        )
+            (&self.intermediate.weight, self.intermediate.bias.as_ref()),
+            (&self.output.weight, self.output.bias.as_ref()),
+            self.gelu,
+        )?;
+        self.output_norm
+            .residual_forward(k, &out, &x, packing, mode, self.hidden_dropout)
     }
 }
 

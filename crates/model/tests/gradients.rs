@@ -468,6 +468,24 @@ fn the_fused_cpu_kernels_match_the_f64_reference_and_finite_differences() {
                 .unwrap()
         },
     );
+    // A feed-forward block: the second layer's op applies GELU to the first product itself
+    // (one op of ours, its activation recomputed in the backward pass).
+    for (form, seed) in [(Gelu::Erf, 50), (Gelu::Tanh, 55)] {
+        fused_against_f64(
+            &[
+                (tensor(&[2, 3, 7], seed) * 2.0).unwrap(),
+                tensor(&[9, 7], seed + 1),
+                tensor(&[9], seed + 2),
+                tensor(&[6, 9], seed + 3),
+                tensor(&[6], seed + 4),
+            ],
+            0,
+            &|k, t| {
+                k.feed_forward(&t[0], (&t[1], Some(&t[2])), (&t[3], Some(&t[4])), form)
+                    .unwrap()
+            },
+        );
+    }
 }
 
 /// `f(inputs)`'s values and the gradients of `sum(f · r)` for every input, in f32.
@@ -497,8 +515,9 @@ fn values_and_gradients(inputs: &[Tensor], f: &dyn Fn(&[Tensor]) -> Tensor) -> V
 
 /// The fused CPU ops that replaced a chain of ops compute what the chain does to the bit,
 /// values and gradients, so fusing them changed no training run: a sublayer's end (the dropout
-/// op, candle's addition, the fused LayerNorm), with and without dropout, and the linear layer
-/// with GELU (also on the inference path, which keeps no pre-activation).
+/// op, candle's addition, the fused LayerNorm), with and without dropout, the linear layer
+/// with GELU (also on the inference path, which keeps no pre-activation), and the
+/// feed-forward block that keeps only its first product.
 #[test]
 fn fused_chains_are_their_parts_to_the_bit() {
     let cpu = &Device::Cpu;
@@ -578,6 +597,28 @@ fn fused_chains_are_their_parts_to_the_bit() {
             .map(|x| x.to_bits())
             .collect();
         assert_eq!(bits, fused[0], "linear + GELU in place ({form:?})");
+    }
+
+    // The feed-forward block that keeps the first product alone computes what linear + GELU
+    // then linear compute, values and every gradient.
+    let inputs = [
+        (tensor(&[3, 5, 24], 49) * 3.0).unwrap(),
+        tensor(&[40, 24], 50),
+        tensor(&[40], 51),
+        tensor(&[24, 40], 52),
+        tensor(&[24], 53),
+    ];
+    for form in [Gelu::Erf, Gelu::Tanh] {
+        let lean = values_and_gradients(&inputs, &|t| {
+            Fused
+                .feed_forward(&t[0], (&t[1], Some(&t[2])), (&t[3], Some(&t[4])), form)
+                .unwrap()
+        });
+        let pair = values_and_gradients(&inputs, &|t| {
+            let inner = Fused.linear_gelu(&t[0], &t[1], Some(&t[2]), form).unwrap();
+            Fused.linear(&inner, &t[3], Some(&t[4])).unwrap()
+        });
+        assert_eq!(lean, pair, "feed-forward ({form:?})");
     }
 }
 

@@ -8,8 +8,8 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 8 kernels: an output and each input's gradient (3 + 3 × 3 + 1 + 1 + 1 + 4 inputs).
-    assert_eq!(checks.len(), 8 + 19, "{checks:#?}");
+    // 9 kernels: an output and each input's gradient (3 + 3 × 3 + 1 + 5 + 1 + 1 + 4 inputs).
+    assert_eq!(checks.len(), 9 + 24, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         // Not vacuous: f32 against f64 differs somewhere, and well inside the bound.
@@ -25,6 +25,7 @@ fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
         "attention (dropout)",
         "residual_layer_norm (dropout)",
         "linear_gelu (tanh)",
+        "feed_forward (erf)",
     ] {
         assert!(kernels.contains(k), "{k} not checked");
     }

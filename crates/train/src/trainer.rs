@@ -454,9 +454,13 @@ fn check_memory(
     };
     let target = crate::plan::Target::of_device(&config.train.device);
     let predicted = crate::plan::predict(model, &shape, precision, every, target);
-    // The state and the device's runtime are allocated already: what remains to fit is the
-    // rest of the peak.
-    let allocated = predicted.state_bytes + predicted.runtime_bytes;
+    // The state (and on CUDA the runtime: context, cuBLAS) is allocated already: what remains
+    // to fit is the rest of the peak.
+    let allocated = predicted.state_bytes
+        + match target {
+            crate::plan::Target::Cuda => predicted.runtime_bytes,
+            crate::plan::Target::Cpu => 0.0,
+        };
     let needed = predicted.total() - allocated;
     if needed <= free as f64 {
         return Ok(());

@@ -163,6 +163,20 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
         },
+        Case {
+            kernel: "feed_forward (erf)",
+            inputs: vec![
+                ("x", vec![t, h], 1.0),
+                ("weight 1", vec![i, h], w),
+                ("bias 1", vec![i], 0.5),
+                ("weight 2", vec![h, i], 1.0 / (i as f64).sqrt()),
+                ("bias 2", vec![h], 0.5),
+            ],
+            run: |k, x, _, _, _| {
+                k.feed_forward(&x[0], (&x[1], Some(&x[2])), (&x[3], Some(&x[4])), Gelu::Erf)
+            },
+            train: false,
+        },
         attention("attention (eval)", false),
         attention("attention (dropout)", true),
         Case {
@@ -250,8 +264,9 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
-/// (see the module's documentation). On a CUDA device this turns the CUDA kernels on and TF32
-/// off for the process ([`super::set_cuda_kernels`], [`crate::set_tf32`]).
+/// (see the module's documentation). On a CUDA device this turns the CUDA kernels (the lean
+/// feed-forward among them) on and TF32 off for the process ([`super::set_cuda_kernels`],
+/// [`super::set_lean_cuda_feed_forward`], [`crate::set_tf32`]).
 pub fn check_kernels(
     device: &Device,
     dtype: DType,
@@ -259,6 +274,7 @@ pub fn check_kernels(
 ) -> Result<Vec<KernelCheck>> {
     if device.is_cuda() {
         super::set_cuda_kernels(true);
+        super::set_lean_cuda_feed_forward(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
         // error behind the product's.
         crate::set_tf32(false);

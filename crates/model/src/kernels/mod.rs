@@ -105,6 +105,21 @@ pub trait Kernels: Send + Sync + Debug {
         self.gelu(&self.linear(x, weight, bias)?, form)
     }
 
+    /// A feed-forward block, `GELU(x · first.weightᵀ + first.bias) · second.weightᵀ +
+    /// second.bias`: [`Kernels::linear`] of [`Kernels::linear_gelu`]. A kernel set may keep
+    /// less for the backward pass than the two calls would (the fused kernels can keep the
+    /// first product alone and recompute its activation, not hold both).
+    fn feed_forward(
+        &self,
+        x: &Tensor,
+        first: (&Tensor, Option<&Tensor>),
+        second: (&Tensor, Option<&Tensor>),
+        form: Gelu,
+    ) -> Result<Tensor> {
+        let inner = self.linear_gelu(x, first.0, first.1, form)?;
+        self.linear(&inner, second.0, second.1)
+    }
+
     /// Softmax over the last dimension.
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor>;
 
@@ -228,6 +243,32 @@ pub fn cuda_kernels() -> bool {
         0 => {
             let on = std::env::var("BERTKIT_CUDA_KERNELS").map_or(true, |v| v != "composed");
             set_cuda_kernels(on);
+            on
+        }
+        setting => setting == 2,
+    }
+}
+
+/// Whether the CUDA feed-forward keeps only its first product: 0 unset (the environment
+/// decides), 1 no, 2 yes.
+static LEAN_CUDA_FEED_FORWARD: AtomicU8 = AtomicU8::new(0);
+
+/// Turns the lean feed-forward on CUDA on or off for this process: the first product kept
+/// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
+/// the CPU's way, instead of the product and its activation both kept (BERT-large: 1.5 GiB
+/// less at phase 1's micro-batch of 64). It composes kernels that passed their check, but the
+/// composition has not run on a GPU yet: unset, it is off unless
+/// `BERTKIT_CUDA_FEED_FORWARD=lean` (`bertkit check kernels --device cuda` checks it).
+pub fn set_lean_cuda_feed_forward(on: bool) {
+    LEAN_CUDA_FEED_FORWARD.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether the CUDA feed-forward is the lean one (see [`set_lean_cuda_feed_forward`]).
+pub fn lean_cuda_feed_forward() -> bool {
+    match LEAN_CUDA_FEED_FORWARD.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("BERTKIT_CUDA_FEED_FORWARD").is_ok_and(|v| v == "lean");
+            set_lean_cuda_feed_forward(on);
             on
         }
         setting => setting == 2,
@@ -392,6 +433,40 @@ impl Kernels for Fused {
             }
             _ => self.gelu(&self.linear(x, weight, bias)?, form),
         }
+    }
+
+    fn feed_forward(
+        &self,
+        x: &Tensor,
+        (w1, b1): (&Tensor, Option<&Tensor>),
+        (w2, b2): (&Tensor, Option<&Tensor>),
+        form: Gelu,
+    ) -> Result<Tensor> {
+        // Where gradients are tracked, the first product is kept alone: the second layer's
+        // op applies GELU to its input itself and recomputes it in the backward pass, so the
+        // activation (`[tokens, intermediate]`, a quarter of a BERT layer's kept bytes) is
+        // not held beside it. Inference takes the pair with GELU in place.
+        let trains = [Some(x), Some(w1), b1, Some(w2), b2]
+            .into_iter()
+            .flatten()
+            .any(|t| t.track_op());
+        if let (Some(b1), Some(b2), true) = (b1, b2, trains) {
+            #[cfg(feature = "cuda")]
+            if lean_cuda_feed_forward()
+                && on_cuda(&[x, w1, w2])
+                && cuda::bias_fits(w1.dim(0)?)
+                && cuda::bias_fits(w2.dim(0)?)
+            {
+                let pre = cuda::linear(x, w1, b1, None)?;
+                return cuda::gelu_linear(&pre, w2, b2, form);
+            }
+            if on_cpu_in_f32(x) && [w1, b1, w2, b2].iter().all(|t| t.dtype() == DType::F32) {
+                let pre = x.contiguous()?.apply_op3(w1, b1, cpu::Linear)?;
+                return pre.apply_op3(w2, b2, cpu::GeluLinear { form });
+            }
+        }
+        let inner = self.linear_gelu(x, w1, b1, form)?;
+        self.linear(&inner, w2, b2)
     }
 
     fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {

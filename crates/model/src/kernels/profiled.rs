@@ -140,6 +140,18 @@ impl Kernels for Profiled {
         })
     }
 
+    fn feed_forward(
+        &self,
+        x: &Tensor,
+        first: (&Tensor, Option<&Tensor>),
+        second: (&Tensor, Option<&Tensor>),
+        form: Gelu,
+    ) -> Result<Tensor> {
+        self.timed("feed_forward", x, || {
+            self.inner.feed_forward(x, first, second, form)
+        })
+    }
+
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
         self.timed("softmax_last_dim", x, || self.inner.softmax_last_dim(x))
     }

@@ -415,6 +415,82 @@ impl CustomOp3 for LinearGelu {
     }
 }
 
+/// GELU followed by a linear layer, `GELU(x) · Wᵀ + b`: the second layer of a feed-forward
+/// block taking the first's product `x` itself. The activation is computed into a temporary
+/// for the product and again in the backward pass (one element-wise pass), so the graph keeps
+/// `x` alone where [`LinearGelu`] then [`Linear`] keep `x` and its activation both. The same
+/// values as that pair to the bit, forward and backward.
+pub(crate) struct GeluLinear {
+    pub(crate) form: Gelu,
+}
+
+impl CustomOp3 for GeluLinear {
+    fn name(&self) -> &'static str {
+        "bertkit-gelu-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let activated = CpuStorage::F32(gelu_all(contiguous(op, "input", x, x_layout)?, self.form));
+        let (out, shape) = linear_forward(
+            op,
+            (&activated, &Layout::contiguous(x_layout.shape())),
+            (weight, weight_layout),
+            (bias, bias_layout),
+        )?;
+        Ok((CpuStorage::F32(out), shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        crate::kernels::profiled_backward("feed_forward", grad.device(), || {
+            let op = "bertkit-gelu-linear-backward";
+            let (activated, grad_activated, weight_and_bias) = {
+                let (x_storage, x_layout) = x.storage_and_layout();
+                let xs = cpu_slice(op, "input", &x_storage, x_layout)?;
+                let activated = Tensor::from_vec(gelu_all(xs, self.form), x.shape(), x.device())?;
+                let grad = grad.contiguous()?;
+                let (g_storage, g_layout) = grad.storage_and_layout();
+                let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
+                let (grad_activated, grad_weight, grad_bias) =
+                    linear_backward(op, &activated, weight, bias, g)?;
+                (activated, grad_activated, (grad_weight, grad_bias))
+            };
+            drop(activated);
+            let Some(grad_activated) = grad_activated else {
+                bail!("{op}: no gradient for the activation")
+            };
+            let grad_x = {
+                let (x_storage, x_layout) = x.storage_and_layout();
+                let xs = cpu_slice(op, "input", &x_storage, x_layout)?;
+                let (a_storage, a_layout) = grad_activated.storage_and_layout();
+                let ga = cpu_slice(op, "gradient", &a_storage, a_layout)?;
+                gelu_backward_all(xs, ga, self.form)
+            };
+            let (grad_weight, grad_bias) = weight_and_bias;
+            Ok((
+                Some(Tensor::from_vec(grad_x, x.shape(), x.device())?),
+                grad_weight,
+                grad_bias,
+            ))
+        })
+    }
+}
+
 /// The sums of the columns of the row-major `[rows, columns]` matrix `g`: partial sums over
 /// fixed blocks of rows in parallel, then added in order (the same result on any number of
 /// threads).

@@ -118,6 +118,10 @@ fn backward<T: Element>(
 /// zeroed buffer and an addition. `pre` is kept for the backward only with an activation.
 struct LinearOp {
     act: Option<Gelu>,
+    /// The activation applied to the input before the product (`gelu_linear`): the product
+    /// handed over is of `input_act(x)`, recomputed in the backward pass, so that only `x` is
+    /// kept.
+    input_act: Option<Gelu>,
     pre: Handoff,
 }
 
@@ -186,10 +190,10 @@ impl CustomOp3 for LinearOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         crate::kernels::profiled_backward(
-            if self.act.is_some() {
-                "linear_gelu"
-            } else {
-                "linear"
+            match (self.act, self.input_act) {
+                (Some(_), _) => "linear_gelu",
+                (None, Some(_)) => "feed_forward",
+                (None, None) => "linear",
             },
             grad.device(),
             || {
@@ -216,10 +220,23 @@ impl CustomOp3 for LinearOp {
                         (grad, packed)
                     }
                 };
-                let grad_x = grad_pre.matmul(&weight.detach())?.reshape(x.shape())?;
                 let x_rows = x.detach().reshape((rows, in_features))?;
-                let grad_weight = grad_pre.t()?.matmul(&x_rows)?;
-                Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+                let grad_x = grad_pre.matmul(&weight.detach())?;
+                let (input, grad_x) = match self.input_act {
+                    // The product's input was `act(x)`: recomputed, and the gradient taken
+                    // through it.
+                    Some(act) => (
+                        x_rows.apply_op1_no_bwd(&ActOp { act })?,
+                        x_rows.apply_op2_no_bwd(&grad_x, &ActBackwardOp { act })?,
+                    ),
+                    None => (x_rows, grad_x),
+                };
+                let grad_weight = grad_pre.t()?.matmul(&input)?;
+                Ok((
+                    Some(grad_x.reshape(x.shape())?),
+                    Some(grad_weight),
+                    Some(grad_bias),
+                ))
             },
         )
     }
@@ -374,6 +391,29 @@ pub(crate) fn linear(
         .matmul(&weight.detach().t()?)?;
     let op = LinearOp {
         act,
+        input_act: None,
+        pre: Handoff::new(pre),
+    };
+    x.apply_op3(weight, &bias.to_dtype(dtype)?, op)
+}
+
+/// GELU then a linear layer on CUDA, `GELU(x) · weightᵀ + bias`, in `x`'s dtype, as one node
+/// that keeps `x` alone: the activation is a temporary for cuBLAS's product and is recomputed
+/// in the backward pass (the feed-forward's second layer,
+/// [`crate::kernels::Kernels::feed_forward`]). The twin of `cpu::GeluLinear`.
+pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: &Tensor, act: Gelu) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.contiguous()?;
+    let (_, in_features) = weight.dims2()?;
+    let rows = x.elem_count() / in_features.max(1);
+    let pre = x
+        .detach()
+        .reshape((rows, in_features))?
+        .apply_op1_no_bwd(&ActOp { act })?
+        .matmul(&weight.detach().t()?)?;
+    let op = LinearOp {
+        act: None,
+        input_act: Some(act),
         pre: Handoff::new(pre),
     };
     x.apply_op3(weight, &bias.to_dtype(dtype)?, op)

@@ -235,7 +235,7 @@ mod linear;
 mod norm;
 
 pub(crate) use attention::attention;
-pub(crate) use linear::{activation, linear};
+pub(crate) use linear::{activation, gelu_linear, linear};
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
 /// Whether a row of `hidden` fits a LayerNorm backward block's shared memory.
