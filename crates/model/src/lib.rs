@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod loss;
 pub mod packing;
 pub mod params;
+pub mod switch;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -135,7 +136,7 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
                 // default), so cudarc's per-allocation events, which order uses across streams,
                 // have nothing to order; they cost an event record per use.
                 unsafe { gpu.disable_event_tracking() };
-                if std::env::var("BERTKIT_CUDA_POOL_KEEP").is_ok_and(|v| v == "1") {
+                if crate::switch::env_is("BERTKIT_CUDA_POOL_KEEP", "1") {
                     device_pool::keep_freed_memory(gpu);
                 }
             }

@@ -19,6 +19,7 @@
 
 use std::collections::BTreeMap;
 
+use bertkit_model::switch::Switch;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
@@ -196,33 +197,26 @@ impl Group {
     }
 }
 
-/// Whether the optimiser's CUDA update runs on a CUDA device: 0 unset (the environment
-/// decides), 1 off, 2 on.
-static CUDA_OPTIMIZER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// Whether the optimiser's CUDA update runs on a CUDA device.
+static CUDA_OPTIMIZER: Switch =
+    Switch::new(|| !bertkit_model::switch::env_is("BERTKIT_CUDA_OPTIMIZER", "composed"));
 
 /// Turns the optimiser's CUDA update (two launches per parameter group, the twin of the CPU's
 /// one-pass update) on or off for this process; without the `cuda` feature there is none.
 /// Unset, it is on unless `BERTKIT_CUDA_OPTIMIZER=composed` (the composed update, candle's
 /// element-wise ops); it passed its check (`bertkit check kernels --device cuda`) on an H200.
 pub fn set_cuda_optimizer(on: bool) {
-    CUDA_OPTIMIZER.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    CUDA_OPTIMIZER.set(on);
 }
 
 /// Whether the optimiser's CUDA update runs on a CUDA device (see [`set_cuda_optimizer`]).
 pub fn cuda_optimizer() -> bool {
-    match CUDA_OPTIMIZER.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("BERTKIT_CUDA_OPTIMIZER").map_or(true, |v| v != "composed");
-            set_cuda_optimizer(on);
-            on
-        }
-        setting => setting == 2,
-    }
+    CUDA_OPTIMIZER.get()
 }
 
-/// Whether the CUDA update writes each group's state in place: 0 unset (the environment
-/// decides), 1 no, 2 yes.
-static CUDA_UPDATE_IN_PLACE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// Whether the CUDA update writes each group's state in place.
+static CUDA_UPDATE_IN_PLACE: Switch =
+    Switch::new(|| bertkit_model::switch::env_is("BERTKIT_CUDA_OPTIMIZER", "inplace"));
 
 /// Turns the CUDA update's in-place form on or off for this process: the group's weights and
 /// moments packed once into one buffer and updated where they are, instead of a new
@@ -231,19 +225,12 @@ static CUDA_UPDATE_IN_PLACE: std::sync::atomic::AtomicU8 = std::sync::atomic::At
 /// `BERTKIT_CUDA_OPTIMIZER=inplace`: not yet run on a GPU (`bertkit check kernels --device
 /// cuda` compares it with the CPU's update).
 pub fn set_cuda_update_in_place(on: bool) {
-    CUDA_UPDATE_IN_PLACE.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    CUDA_UPDATE_IN_PLACE.set(on);
 }
 
 /// Whether the CUDA update writes in place (see [`set_cuda_update_in_place`]).
 pub fn cuda_update_in_place() -> bool {
-    match CUDA_UPDATE_IN_PLACE.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("BERTKIT_CUDA_OPTIMIZER").is_ok_and(|v| v == "inplace");
-            set_cuda_update_in_place(on);
-            on
-        }
-        setting => setting == 2,
-    }
+    CUDA_UPDATE_IN_PLACE.get()
 }
 
 /// The optimiser over a model's parameters.

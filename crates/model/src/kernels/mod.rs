@@ -26,13 +26,13 @@
 use std::cell::Cell;
 use std::fmt::Debug;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::{D, DType, Layout, Result, Tensor};
 
 pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
 use crate::packing::Packing;
+use crate::switch::Switch;
 
 pub mod check;
 mod composed;
@@ -225,33 +225,26 @@ fn cpu_dropout(
     }
 }
 
-/// Whether [`Fused`] takes its CUDA kernels on a CUDA device: 0 unset (the environment
-/// decides), 1 off, 2 on.
-static CUDA_KERNELS: AtomicU8 = AtomicU8::new(0);
+/// Whether [`Fused`] takes its CUDA kernels on a CUDA device.
+static CUDA_KERNELS: Switch =
+    Switch::new(|| !crate::switch::env_is("BERTKIT_CUDA_KERNELS", "composed"));
 
 /// Turns [`Fused`]'s CUDA kernels on or off for this process (the `cuda` feature; without it
 /// there are none and this changes nothing). Unset, they are on unless the environment says
 /// `BERTKIT_CUDA_KERNELS=composed` (candle's ops, the reference, as before the kernels); they
 /// passed their check (`bertkit check kernels --device cuda`) on an H200 (BENCHMARKS.md).
 pub fn set_cuda_kernels(on: bool) {
-    CUDA_KERNELS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    CUDA_KERNELS.set(on);
 }
 
 /// Whether [`Fused`] takes its CUDA kernels on a CUDA device (see [`set_cuda_kernels`]).
 pub fn cuda_kernels() -> bool {
-    match CUDA_KERNELS.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("BERTKIT_CUDA_KERNELS").map_or(true, |v| v != "composed");
-            set_cuda_kernels(on);
-            on
-        }
-        setting => setting == 2,
-    }
+    CUDA_KERNELS.get()
 }
 
-/// Whether the CUDA feed-forward keeps only its first product: 0 unset (the environment
-/// decides), 1 no, 2 yes.
-static LEAN_CUDA_FEED_FORWARD: AtomicU8 = AtomicU8::new(0);
+/// Whether the CUDA feed-forward keeps only its first product.
+static LEAN_CUDA_FEED_FORWARD: Switch =
+    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_FEED_FORWARD", "lean"));
 
 /// Turns the lean feed-forward on CUDA on or off for this process: the first product kept
 /// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
@@ -260,19 +253,12 @@ static LEAN_CUDA_FEED_FORWARD: AtomicU8 = AtomicU8::new(0);
 /// composition has not run on a GPU yet: unset, it is off unless
 /// `BERTKIT_CUDA_FEED_FORWARD=lean` (`bertkit check kernels --device cuda` checks it).
 pub fn set_lean_cuda_feed_forward(on: bool) {
-    LEAN_CUDA_FEED_FORWARD.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    LEAN_CUDA_FEED_FORWARD.set(on);
 }
 
 /// Whether the CUDA feed-forward is the lean one (see [`set_lean_cuda_feed_forward`]).
 pub fn lean_cuda_feed_forward() -> bool {
-    match LEAN_CUDA_FEED_FORWARD.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("BERTKIT_CUDA_FEED_FORWARD").is_ok_and(|v| v == "lean");
-            set_lean_cuda_feed_forward(on);
-            on
-        }
-        setting => setting == 2,
-    }
+    LEAN_CUDA_FEED_FORWARD.get()
 }
 
 /// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32 or bf16, with the

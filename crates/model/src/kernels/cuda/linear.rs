@@ -381,20 +381,7 @@ pub(crate) fn linear(
     bias: &Tensor,
     act: Option<Gelu>,
 ) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x = x.contiguous()?;
-    let (_, in_features) = weight.dims2()?;
-    let rows = x.elem_count() / in_features.max(1);
-    let pre = x
-        .detach()
-        .reshape((rows, in_features))?
-        .matmul(&weight.detach().t()?)?;
-    let op = LinearOp {
-        act,
-        input_act: None,
-        pre: Handoff::new(pre),
-    };
-    x.apply_op3(weight, &bias.to_dtype(dtype)?, op)
+    linear_node(x, weight, bias, act, None)
 }
 
 /// GELU then a linear layer on CUDA, `GELU(x) · weightᵀ + bias`, in `x`'s dtype, as one node
@@ -402,18 +389,32 @@ pub(crate) fn linear(
 /// in the backward pass (the feed-forward's second layer,
 /// [`crate::kernels::Kernels::feed_forward`]). The twin of `cpu::GeluLinear`.
 pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: &Tensor, act: Gelu) -> Result<Tensor> {
+    linear_node(x, weight, bias, None, Some(act))
+}
+
+/// `act(input_act(x) · weightᵀ + bias)` as one [`LinearOp`]: the product by cuBLAS outside
+/// the graph, handed over.
+fn linear_node(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    act: Option<Gelu>,
+    input_act: Option<Gelu>,
+) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = x.contiguous()?;
     let (_, in_features) = weight.dims2()?;
     let rows = x.elem_count() / in_features.max(1);
-    let pre = x
-        .detach()
-        .reshape((rows, in_features))?
-        .apply_op1_no_bwd(&ActOp { act })?
-        .matmul(&weight.detach().t()?)?;
+    let input = x.detach().reshape((rows, in_features))?;
+    let input = match input_act {
+        Some(act) => input.apply_op1_no_bwd(&ActOp { act })?,
+        None => input,
+    };
+    let pre = input.matmul(&weight.detach().t()?)?;
+    drop(input);
     let op = LinearOp {
-        act: None,
-        input_act: Some(act),
+        act,
+        input_act,
         pre: Handoff::new(pre),
     };
     x.apply_op3(weight, &bias.to_dtype(dtype)?, op)
