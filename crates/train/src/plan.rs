@@ -224,6 +224,11 @@ fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activat
     // layer, and in half precision the decoder's copy of the f32 word embeddings.
     let per_step = c.num_hidden_layers as f64 * 3.0 * (h * h + h) * b
         + if half == 1 { v * h * b } else { 0.0 };
+    let feed_forward_kept = if bertkit_model::kernels::lean_cuda_feed_forward() {
+        1.0
+    } else {
+        2.0
+    };
     match target {
         Target::Cpu => Activations {
             layer: s * h * CPU_LAYER_HIDDEN[half] + a * s * s * CPU_LAYER_SCORES[half],
@@ -234,9 +239,11 @@ fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activat
             // Per token, in the compute dtype: the query/key/value product (3h; the attention
             // keeps only it and recomputes its probabilities in the backward pass), the
             // attention's context (h), its output projection (h) and LayerNorm (h), the
-            // intermediate product and its GELU (2i), the output projection (h) and LayerNorm
-            // (h): `kernels/cuda/` keeps nothing else (dropout is recomputed from its keys).
-            layer: s * (7.0 * h + 2.0 * i) * b,
+            // intermediate product and its GELU (2i; the product alone with the lean
+            // feed-forward, which recomputes the GELU), the output projection (h) and
+            // LayerNorm (h): `kernels/cuda/` keeps nothing else (dropout is recomputed from its
+            // keys).
+            layer: s * (7.0 * h + feed_forward_kept * i) * b,
             outside: s * h * CUDA_EMBEDDING_HIDDEN + p * v * CUDA_HEAD_LOGITS,
             per_step,
         },
@@ -244,7 +251,9 @@ fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activat
 }
 
 /// Predicts the peak bytes of a training step of `c` on micro-batches of `shape` on `target`,
-/// with activation checkpointing every `checkpointing` layers (0 = off).
+/// with activation checkpointing every `checkpointing` layers (0 = off), for the kernels this
+/// process runs (on CUDA, whether the feed-forward is the lean one,
+/// [`bertkit_model::kernels::set_lean_cuda_feed_forward`]).
 pub fn predict(
     c: &BertConfig,
     shape: &Shape,
