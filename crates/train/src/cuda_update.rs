@@ -96,13 +96,7 @@ impl InplaceOp2 for UpdateInPlace {
         }
         let g_view = view(name, g, gl, (rows, numel), "gradients")?;
         let dev = state.device.clone();
-        let blocks = numel.div_ceil(CHUNK).max(1);
-        let norms = dev.alloc_zeros::<f64>(rows * blocks * 2)?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, rows.clamp(1, 65_535) as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let Grid { cfg, norms, blocks } = grid(&dev, rows, numel)?;
         let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
         let mut state = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
         {
@@ -167,15 +161,9 @@ impl CustomOp3 for Update {
         let v_view = view(name, v, vl, shape, "second moments")?;
         let g_view = view(name, g, gl, shape, "gradients")?;
         let dev = &w.device;
-        let blocks = numel.div_ceil(CHUNK).max(1);
         // SAFETY: every element is written by the two launches.
         let mut state = unsafe { dev.alloc::<f32>(3 * rows * numel)? };
-        let norms = dev.alloc_zeros::<f64>(rows * blocks * 2)?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, rows.clamp(1, 65_535) as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let Grid { cfg, norms, blocks } = grid(dev, rows, numel)?;
         let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
         let trust = self.constants.trust_ratio;
         {
@@ -205,6 +193,27 @@ impl CustomOp3 for Update {
             Shape::from((3, rows, numel)),
         ))
     }
+}
+
+/// Both forms' launch shape: a block per `CHUNK` elements of a row (rows along y, strided
+/// past 65,535), and each block's partial norms, zeroed.
+struct Grid {
+    cfg: LaunchConfig,
+    norms: candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>,
+    blocks: usize,
+}
+
+fn grid(dev: &candle_core::cuda_backend::CudaDevice, rows: usize, numel: usize) -> Result<Grid> {
+    let blocks = numel.div_ceil(CHUNK).max(1);
+    Ok(Grid {
+        cfg: LaunchConfig {
+            grid_dim: (blocks as u32, rows.clamp(1, 65_535) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        norms: dev.alloc_zeros::<f64>(rows * blocks * 2)?,
+        blocks,
+    })
 }
 
 /// The contiguous f32 elements of one of the group's `[rows, numel]` buffers.
