@@ -10,10 +10,12 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, IndexOp, Tensor, Var};
 
 use crate::config::Gelu;
 pub use crate::kernels::Mode;
+use crate::kernels::tape::{self, Tape};
 use crate::kernels::{Fused, Kernels};
 use crate::packing::Packing;
 use crate::params::{Init, ParamBuilder, ParamStore};
@@ -451,10 +453,40 @@ impl EncoderLayer {
     /// (transformers' layout); their gradients come back through the concatenation.
     fn projections(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
         let layers = [&self.query, &self.key, &self.value];
-        let weight = Tensor::cat(&layers.map(|l| &l.weight), 0)?;
+        let weight = tape::cat_rows(&layers.map(|l| &l.weight))?;
         let biases: Option<Vec<&Tensor>> = layers.iter().map(|l| l.bias.as_ref()).collect();
-        let bias = biases.map(|b| Tensor::cat(&b, 0)).transpose()?;
+        let bias = biases.map(|b| tape::cat_rows(&b)).transpose()?;
         k.linear(x, &weight, bias.as_ref())
+    }
+
+    /// The layer with its parameters detached (the same storage, tracking nothing), for a
+    /// pass recorded on a tape; each detached parameter is pushed on `seen` beside the
+    /// model's own, so that its gradient can be handed back under the model's.
+    fn detached(&self, seen: &mut Vec<(Tensor, Tensor)>) -> EncoderLayer {
+        let mut layer = self.clone();
+        let mut detach = |t: &mut Tensor| {
+            let own = t.clone();
+            *t = own.detach();
+            seen.push((t.clone(), own));
+        };
+        for linear in [
+            &mut layer.query,
+            &mut layer.key,
+            &mut layer.value,
+            &mut layer.attention_output,
+            &mut layer.intermediate,
+            &mut layer.output,
+        ] {
+            detach(&mut linear.weight);
+            if let Some(bias) = linear.bias.as_mut() {
+                detach(bias);
+            }
+        }
+        for norm in [&mut layer.attention_norm, &mut layer.output_norm] {
+            detach(&mut norm.weight);
+            detach(&mut norm.bias);
+        }
+        layer
     }
 
     /// The layer on packed `x`, `[tokens, hidden]`.
@@ -511,6 +543,105 @@ pub struct BertModel {
     layers: Vec<EncoderLayer>,
     pooler: Option<Linear>,
     kernels: Arc<dyn Kernels>,
+    /// Why the encoder's backward cannot be run by hand with these kernels, once a
+    /// recording found out ([`BertModel::encode_taped`]).
+    tape_refused: std::sync::OnceLock<String>,
+}
+
+/// Gradients by the tensor they belong to (the model's parameters), as candle's
+/// [`GradStore`] holds them; what [`EncoderBackward::backward`] hands back.
+#[derive(Debug, Default, Clone)]
+pub struct Gradients(std::collections::HashMap<candle_core::TensorId, Tensor>);
+
+impl Gradients {
+    /// The gradient of `tensor`, if it has one.
+    pub fn get(&self, tensor: &Tensor) -> Option<&Tensor> {
+        self.0.get(&tensor.id())
+    }
+
+    /// How many tensors have a gradient.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether no tensor has one.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl From<&GradStore> for Gradients {
+    fn from(store: &GradStore) -> Self {
+        let grads = store.get_ids().map(|&id| (id, store.get_id(id).cloned()));
+        Gradients(grads.filter_map(|(id, g)| Some((id, g?))).collect())
+    }
+}
+
+/// Encoder layers' forward pass, kept for its backward pass ([`BertModel::encode_taped`]).
+#[derive(Debug)]
+pub struct EncoderBackward {
+    how: Backward,
+}
+
+#[derive(Debug)]
+enum Backward {
+    /// By hand, over the kernels' ops recorded on a tape; the layers' detached parameters
+    /// beside the model's own.
+    Tape {
+        tape: Tape,
+        input: Tensor,
+        output: Tensor,
+        params: Vec<(Tensor, Tensor)>,
+    },
+    /// candle's autograd, from the layers' output to their input (a variable) and the
+    /// model's parameters.
+    Autograd { input: Var, output: Tensor },
+}
+
+impl EncoderBackward {
+    /// Whether the backward pass runs by hand over the kernels' recorded ops (rather than in
+    /// candle's autograd).
+    pub fn by_hand(&self) -> bool {
+        matches!(self.how, Backward::Tape { .. })
+    }
+
+    /// Back-propagates `grad`, the gradient of the layers' output: the gradient of their
+    /// input, and each parameter's gradient under the model's own parameter tensors.
+    pub fn backward(self, grad: &Tensor) -> Result<(Tensor, Gradients), ModelError> {
+        match self.how {
+            Backward::Tape {
+                tape,
+                input,
+                output,
+                params,
+            } => {
+                let mut leaves = tape.backward(&output, grad.clone())?;
+                let grad_input = leaves.remove(&input.id()).ok_or_else(|| {
+                    ModelError::Input("no gradient reached the encoder layers' input".into())
+                })?;
+                let mut store = Gradients::default();
+                for (seen, own) in params {
+                    if let Some(g) = leaves.remove(&seen.id()) {
+                        store.0.insert(own.id(), g);
+                    }
+                }
+                if !leaves.is_empty() {
+                    return Err(ModelError::Input(format!(
+                        "the encoder's recorded backward left {} gradients for tensors that are                          neither its input nor its parameters (an op outside the tape)",
+                        leaves.len()
+                    )));
+                }
+                Ok((grad_input, store))
+            }
+            Backward::Autograd { input, output } => {
+                let store = (output * grad)?.sum_all()?.backward()?;
+                let grad_input = store.get(input.as_tensor()).cloned().ok_or_else(|| {
+                    ModelError::Input("no gradient reached the encoder layers' input".into())
+                })?;
+                Ok((grad_input, Gradients::from(&store)))
+            }
+        }
+    }
 }
 
 impl BertModel {
@@ -541,12 +672,14 @@ impl BertModel {
             layers,
             pooler,
             kernels: Arc::new(Fused),
+            tape_refused: std::sync::OnceLock::new(),
         })
     }
 
     /// Replaces the kernels (for example with fused CUDA ones).
     pub fn set_kernels(&mut self, kernels: Arc<dyn Kernels>) {
         self.kernels = kernels;
+        self.tape_refused = std::sync::OnceLock::new();
     }
 
     /// The configuration.
@@ -589,6 +722,76 @@ impl BertModel {
             x = layer.forward(k, &x, &inputs.packing, mode)?;
         }
         Ok(x)
+    }
+
+    /// Encoder layers `layers` on the tokens `x`, as [`BertModel::encode`] computes them, with
+    /// what their backward pass needs: the output (tracking nothing) and an
+    /// [`EncoderBackward`] that takes the output's gradient back to `x` and to the layers'
+    /// parameters.
+    ///
+    /// With kernels that record ([`Kernels::records`]: the fused ones) the backward pass runs
+    /// by hand over the ops the forward pass wrote on a [`Tape`] (no zeroed gradient and
+    /// addition per edge as in candle's autograd, each layer's saved tensors freed as its
+    /// backward ends); with others, or where a kernel falls back to candle's ops (the tape
+    /// refuses; the model then stops trying), in candle's autograd from a copy of `x`.
+    pub fn encode_taped(
+        &self,
+        x: &Tensor,
+        inputs: &Inputs,
+        layers: std::ops::Range<usize>,
+        mode: Mode,
+    ) -> Result<(Tensor, EncoderBackward), ModelError> {
+        let k = self.kernels.as_ref();
+        if k.records(x.dtype(), x.device()) && self.tape_refused.get().is_none() {
+            let position = match mode {
+                Mode::Train(source) => Some(source.position()),
+                Mode::Eval => None,
+            };
+            let mut params = Vec::new();
+            let detached: Vec<EncoderLayer> = self.layers[layers.clone()]
+                .iter()
+                .map(|l| l.detached(&mut params))
+                .collect();
+            let input = x.detach();
+            let (output, tape) = tape::record(|| {
+                let mut x = input.clone();
+                for layer in &detached {
+                    x = layer.forward(k, &x, &inputs.packing, mode)?;
+                }
+                Ok(x)
+            })?;
+            match tape {
+                Ok(tape) => {
+                    let how = Backward::Tape {
+                        tape,
+                        input,
+                        output: output.clone(),
+                        params,
+                    };
+                    return Ok((output, EncoderBackward { how }));
+                }
+                Err(why) => {
+                    // The pass is run again under candle's autograd, with the same masks.
+                    let _ = self.tape_refused.set(why);
+                    if let (Mode::Train(source), Some(position)) = (mode, position) {
+                        source.set_position(position);
+                    }
+                }
+            }
+        }
+        let input = Var::from_tensor(&x.detach())?;
+        let output = self.encode(input.as_tensor(), inputs, layers, mode)?;
+        let how = Backward::Autograd {
+            input,
+            output: output.clone(),
+        };
+        Ok((output.detach(), EncoderBackward { how }))
+    }
+
+    /// Why the encoder's backward pass is not run by hand with these kernels, if a recording
+    /// found out ([`BertModel::encode_taped`]).
+    pub fn tape_refused(&self) -> Option<&str> {
+        self.tape_refused.get().map(String::as_str)
     }
 
     /// The embeddings and every layer: the last layer's output for the batch's tokens,
@@ -775,9 +978,14 @@ impl BertArchitecture for BertForQuestionAnswering {
 impl BertForQuestionAnswering {
     /// Start and end logits, each `[batch, seq]` (0 at padding).
     pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<(Tensor, Tensor), ModelError> {
-        let x = self.bert.encode_tokens(inputs, mode)?;
+        self.head(&self.bert.encode_tokens(inputs, mode)?, inputs)
+    }
+
+    /// The span head on the encoder's output for the tokens `x` (`[tokens, hidden]`): start
+    /// and end logits, each `[batch, seq]` (0 at padding).
+    pub fn head(&self, x: &Tensor, inputs: &Inputs) -> Result<(Tensor, Tensor), ModelError> {
         let k = self.bert.kernels.as_ref();
-        let logits = inputs.packing.unpack(&self.qa_outputs.forward(k, &x)?)?;
+        let logits = inputs.packing.unpack(&self.qa_outputs.forward(k, x)?)?;
         Ok((
             logits.i((.., .., 0))?.contiguous()?,
             logits.i((.., .., 1))?.contiguous()?,
@@ -808,10 +1016,15 @@ impl BertArchitecture for BertForSequenceClassification {
 impl BertForSequenceClassification {
     /// Class logits, `[batch, num_labels]` (one column: a regression score).
     pub fn forward(&self, inputs: &Inputs, mode: Mode) -> Result<Tensor, ModelError> {
-        let x = self.bert.encode_tokens(inputs, mode)?;
+        self.head(&self.bert.encode_tokens(inputs, mode)?, inputs, mode)
+    }
+
+    /// The pooler and classifier on the encoder's output for the tokens `x` (`[tokens,
+    /// hidden]`), with the classifier's dropout in training `mode`: `[batch, num_labels]`.
+    pub fn head(&self, x: &Tensor, inputs: &Inputs, mode: Mode) -> Result<Tensor, ModelError> {
         let pooled = self
             .bert
-            .pool(&x, inputs)?
+            .pool(x, inputs)?
             .expect("the classification model has a pooler");
         Ok(self.classifier.forward(
             self.bert.kernels.as_ref(),

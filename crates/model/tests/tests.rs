@@ -6,4 +6,5 @@ mod gradients;
 mod heads;
 mod kernels_check;
 mod minilm_forward;
+mod tape;
 mod weights;

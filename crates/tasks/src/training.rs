@@ -31,7 +31,7 @@ use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
 use bertkit_train::scaler::LossScaler;
 use bertkit_train::schedule::{Decay, Schedule};
 use bertkit_train::step::{GradientReducer, Step};
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use std::path::Path;
 
 use crate::TaskError;
@@ -157,8 +157,11 @@ pub fn shuffled(n: usize, key: u64) -> Vec<usize> {
     order
 }
 
-/// The mean loss (a scalar tensor) of the examples at some indices, in a mode.
-pub type LossFn<'a> = dyn FnMut(&[usize], Mode) -> Result<Tensor, TaskError> + 'a;
+/// A micro-batch's forward and backward passes: `pass(indices, mode, weight, step)` runs the
+/// examples at `indices` through the model in `mode` with [`Step::through_encoder`] (the
+/// encoder, then the task's head), the head's loss being the examples' mean loss times
+/// `weight`, and so adds their gradients to `step`'s.
+pub type PassFn<'a> = dyn FnMut(&[usize], Mode, f64, &mut Step) -> Result<(), TaskError> + 'a;
 
 /// Dev-set figures to log after an epoch: `(name, value)`, logged as `dev_<name>`.
 pub type EpochEval<'a> = dyn FnMut() -> Result<Vec<(String, f64)>, TaskError> + 'a;
@@ -275,15 +278,15 @@ pub struct StepLine {
 }
 
 /// Trains the parameters in `params` on `examples` examples, this process being one of the
-/// `reducer`'s ranks. `loss_of(indices, mode)` returns the mean loss (a scalar) of those
-/// examples; `progress` hears which parameters the checkpoint lacked (initialised fresh), then
+/// `reducer`'s ranks. `pass` runs a micro-batch's forward and backward passes ([`PassFn`]);
+/// `progress` hears which parameters the checkpoint lacked (initialised fresh), then
 /// a line every 20 steps.
 pub fn train(
     params: &ParamStore,
     examples: usize,
     settings: &TrainSettings,
     reducer: &dyn GradientReducer,
-    loss_of: &mut LossFn,
+    pass: &mut PassFn,
     watch: Watch,
     progress: &mut dyn FnMut(&str),
 ) -> Result<TrainLog, TaskError> {
@@ -422,8 +425,7 @@ pub fn train(
             // add up (over micro-batches and ranks) to the batch mean's.
             let weight = part.len() as f64 / batch.len() as f64;
             dropout.start_batch(step_index as u64, (c * micro) as u64);
-            let loss = (loss_of(part, Mode::Train(&dropout))? * weight)?;
-            step.backward(&loss)?;
+            pass(part, Mode::Train(&dropout), weight, &mut step)?;
         }
         let lr = schedule.lr_at(step_index as u64);
         let outcome = step.finish(

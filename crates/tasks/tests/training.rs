@@ -57,7 +57,7 @@ fn run(m: &Loaded<BertForQuestionAnswering>, data: &[Example], accumulation: usi
         data.len(),
         &settings,
         &bertkit_train::step::Local,
-        &mut |indices, mode: Mode| {
+        &mut |indices, mode: Mode, weight, step| {
             let seqs: Vec<(&[u32], &[u32])> = indices
                 .iter()
                 .map(|&i| (data[i].ids.as_slice(), data[i].segments.as_slice()))
@@ -66,8 +66,12 @@ fn run(m: &Loaded<BertForQuestionAnswering>, data: &[Example], accumulation: usi
             let t = |v: Vec<u32>| Tensor::from_vec(v, indices.len(), &Device::Cpu).unwrap();
             let starts = t(indices.iter().map(|&i| data[i].start).collect());
             let ends = t(indices.iter().map(|&i| data[i].end).collect());
-            let (s, e) = m.model.forward(&inputs, mode).unwrap();
-            Ok(qa_loss(&s, &e, &mask, &starts, &ends).unwrap())
+            let qa = &m.model;
+            step.through_encoder(&qa.bert, &inputs, mode, 0, |top, _| {
+                let (s, e) = qa.head(top, &inputs)?;
+                Ok((qa_loss(&s, &e, &mask, &starts, &ends)? * weight)?)
+            })?;
+            Ok(())
         },
         bertkit_tasks::training::Watch::none(),
         &mut |_| {},

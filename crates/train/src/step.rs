@@ -23,6 +23,7 @@
 
 use std::collections::BTreeMap;
 
+use bertkit_model::{BertModel, Gradients, Inputs, Mode};
 use bertkit_stage_io::Ranks;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -166,8 +167,21 @@ impl Step {
     /// way. (On the CPU the step's peak comes earlier, inside the backward pass, and did not
     /// move: BENCHMARKS.md.)
     pub fn accumulate(&mut self, store: &GradStore) -> Result<(), TrainError> {
+        self.add_gradients(|t| store.get(t))
+    }
+
+    /// As [`Step::accumulate`], for gradients handed back by a backward pass run by hand
+    /// ([`bertkit_model::EncoderBackward`]).
+    pub fn accumulate_gradients(&mut self, grads: &Gradients) -> Result<(), TrainError> {
+        self.add_gradients(|t| grads.get(t))
+    }
+
+    fn add_gradients<'g>(
+        &mut self,
+        grad_of: impl Fn(&Tensor) -> Option<&'g Tensor>,
+    ) -> Result<(), TrainError> {
         for (name, var) in &self.vars {
-            let Some(g) = store.get(var.as_tensor()) else {
+            let Some(g) = grad_of(var.as_tensor()) else {
                 continue;
             };
             let g = if self.loss_scale != 1.0 {
@@ -181,6 +195,92 @@ impl Step {
             };
             self.grads.insert(name.clone(), sum);
         }
+        Ok(())
+    }
+
+    /// One micro-batch's forward and backward passes through `bert` and a head: the
+    /// embeddings, the encoder layers, then `head`, which takes the last layer's output for
+    /// the batch's tokens (`[tokens, hidden]`) and returns this micro-batch's share of the
+    /// step's loss (it may [`Step::track`] figures). The head and the embeddings run under
+    /// candle's autograd; the encoder layers' backward runs by hand over the kernels' recorded
+    /// ops where the kernels allow ([`BertModel::encode_taped`]). Gradients are added to the
+    /// step's.
+    ///
+    /// With `checkpoint_every` > 0 (activation checkpointing) only the input of each segment
+    /// of that many layers is kept: the backward pass recomputes each segment (replaying its
+    /// dropout masks) and back-propagates through it before the next; 0 keeps every
+    /// activation of the forward pass.
+    pub fn through_encoder(
+        &mut self,
+        bert: &BertModel,
+        inputs: &Inputs,
+        mode: Mode,
+        checkpoint_every: usize,
+        head: impl FnOnce(&Tensor, &mut Step) -> Result<Tensor, TrainError>,
+    ) -> Result<(), TrainError> {
+        let layers = bert.num_layers();
+        let every = if checkpoint_every == 0 {
+            layers.max(1)
+        } else {
+            checkpoint_every
+        };
+        let (mark, rewind) = (
+            |mode: Mode| match mode {
+                Mode::Train(source) => source.mark(),
+                Mode::Eval => 0,
+            },
+            |mode: Mode, position: u64| {
+                if let Mode::Train(source) = mode {
+                    source.set_position(position)
+                }
+            },
+        );
+        let embedded = bert.embed(inputs, mode)?;
+        let mut x = embedded.detach();
+        let mut kept = None;
+        let mut segments = Vec::new();
+        for start in (0..layers).step_by(every) {
+            let range = start..(start + every).min(layers);
+            if checkpoint_every == 0 {
+                let (y, backward) = bert.encode_taped(&x, inputs, range, mode)?;
+                (x, kept) = (y, Some(backward));
+            } else {
+                segments.push((x.clone(), mark(mode), range.clone()));
+                x = bert.encode(&x, inputs, range, mode)?.detach();
+            }
+        }
+        let top = Var::from_tensor(&x)?;
+        drop(x);
+        let loss = head(top.as_tensor(), self)?;
+        // Where the forward pass (the head's dropout included) left the masks.
+        let end = match mode {
+            Mode::Train(source) => source.position(),
+            Mode::Eval => 0,
+        };
+        let mut upstream = self
+            .backward(&loss)?
+            .get(top.as_tensor())
+            .cloned()
+            .ok_or_else(|| {
+                candle_core::Error::Msg("no gradient reached the encoder's output".into())
+            })?;
+        drop((loss, top));
+        if let Some(backward) = kept {
+            let (grad_input, grads) = backward.backward(&upstream)?;
+            self.accumulate_gradients(&grads)?;
+            upstream = grad_input;
+        }
+        for (input, position, range) in segments.into_iter().rev() {
+            rewind(mode, position);
+            let (_, backward) = bert.encode_taped(&input, inputs, range, mode)?;
+            let (grad_input, grads) = backward.backward(&upstream)?;
+            self.accumulate_gradients(&grads)?;
+            upstream = grad_input;
+        }
+        // The embeddings' gradients through candle's autograd: a loss whose gradient with
+        // respect to the embeddings' output is `upstream`.
+        self.accumulate(&(embedded * &upstream)?.sum_all()?.backward()?)?;
+        rewind(mode, end);
         Ok(())
     }
 
@@ -429,5 +529,71 @@ mod tests {
         let bucket = optimizer.flatten(one.grads.clone()).unwrap();
         assert_eq!(bucket.dtype(), DType::F32);
         assert_eq!(bucket.to_vec1::<f32>().unwrap(), first);
+    }
+
+    /// The encoder pass (embeddings and heads under candle's autograd, the layers' backward
+    /// by hand over the fused kernels' tape, with or without checkpointed segments) adds up
+    /// to the gradients of candle's autograd over the whole graph, for every parameter, with
+    /// dropout on.
+    #[test]
+    fn the_encoder_pass_gives_the_whole_graphs_gradients() {
+        use bertkit_model::bert::{BertForPreTraining, init};
+        use bertkit_model::{BertConfig, DropoutSource, Inputs, MaskedPositions, loss};
+
+        let cpu = &Device::Cpu;
+        let config = BertConfig::tiny(60);
+        let loaded = init::<BertForPreTraining>(&config, DType::F32, cpu, 5).unwrap();
+        let model = &loaded.model;
+        let vars = loaded.params.vars();
+        let optimizer = Optimizer::new(OptimizerConfig::lamb(), vars).unwrap();
+        let ids = Tensor::new(
+            &[[2u32, 11, 12, 13, 3, 21, 22, 3, 0], [2, 31, 32, 33, 34, 35, 3, 41, 3]],
+            cpu,
+        )
+        .unwrap();
+        let mask = ids.ne(0u32).unwrap().to_dtype(DType::U32).unwrap();
+        let inputs = Inputs::new(&config, &ids, None, Some(&mask)).unwrap();
+        let positions = MaskedPositions::from_host((2, 2), &[1, 6, 2, 7], 9, cpu).unwrap();
+        let labels = Tensor::new(&[[11u32, 22], [32, 41]], cpu).unwrap();
+        let weights = Tensor::new(&[[1f32, 1.], [1., 1.]], cpu).unwrap();
+        let nsp = Tensor::new(&[0u32, 1], cpu).unwrap();
+        let objective = |out: bertkit_model::PreTrainingOutput| {
+            loss::pretraining_loss(&out.mlm_logits, &labels, &weights, &out.nsp_logits, &nsp)
+        };
+        let source = DropoutSource::new(9);
+
+        source.start_batch(4, 0);
+        let out = model
+            .forward(&inputs, &positions, Mode::Train(&source))
+            .unwrap();
+        let mut whole = Step::begin(vars, &optimizer, None);
+        whole.backward(&objective(out).unwrap()).unwrap();
+        let whole = whole.into_gradients().unwrap();
+        assert_eq!(whole.len(), vars.len());
+
+        for every in [0, 1, 2] {
+            source.start_batch(4, 0);
+            let mut step = Step::begin(vars, &optimizer, None);
+            step.through_encoder(&model.bert, &inputs, Mode::Train(&source), every, |top, _| {
+                let out = model.heads(top, &inputs, &positions)?;
+                Ok(objective(out)?)
+            })
+            .unwrap();
+            let ours = step.into_gradients().unwrap();
+            assert_eq!(ours.len(), vars.len(), "checkpointing every {every}");
+            for (name, g) in &whole {
+                let (a, b) = (
+                    ours[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+                assert!(scale > 0.0, "{name}: a zero gradient");
+                let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(
+                    worst <= 1e-5 * scale,
+                    "{name}, checkpointing every {every}: {worst} of {scale}"
+                );
+            }
+        }
     }
 }

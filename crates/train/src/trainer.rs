@@ -735,73 +735,19 @@ impl Trainer {
             // the uninterrupted one did.
             self.dropout
                 .start_batch(self.state.step, b.step_offset as u64);
-            match self.config.train.activation_checkpointing {
-                0 => self.forward_backward(&d, counts, &mut step)?,
-                every => self.forward_backward_checkpointed(&d, every, counts, &mut step)?,
-            }
+            let model = &self.model.model;
+            step.through_encoder(
+                &model.bert,
+                &d.inputs,
+                Mode::Train(&self.dropout),
+                self.config.train.activation_checkpointing,
+                |top, step| {
+                    let out = model.heads(top, &d.inputs, &d.positions)?;
+                    objective(&out, &d, counts, step)
+                },
+            )?;
         }
         Ok(step)
-    }
-
-    /// One micro-batch, every activation kept for backward.
-    fn forward_backward(
-        &self,
-        d: &DeviceBatch,
-        counts: StepCounts,
-        step: &mut Step,
-    ) -> Result<(), TrainError> {
-        let mode = Mode::Train(&self.dropout);
-        let out = self.model.model.forward(&d.inputs, &d.positions, mode)?;
-        let loss = objective(&out, d, counts, step)?;
-        step.backward(&loss)?;
-        Ok(())
-    }
-
-    /// One micro-batch with activation checkpointing: only each `every`-layer segment's input
-    /// is kept; backward recomputes the segment (replaying its dropout masks) and chains the
-    /// gradient through the segments by hand.
-    fn forward_backward_checkpointed(
-        &self,
-        d: &DeviceBatch,
-        every: usize,
-        counts: StepCounts,
-        step: &mut Step,
-    ) -> Result<(), TrainError> {
-        let mode = Mode::Train(&self.dropout);
-        let bert = &self.model.model.bert;
-        let layers = bert.num_layers();
-        let embedded = bert.embed(&d.inputs, mode)?;
-        let mut segments = Vec::new();
-        let mut x = embedded.detach();
-        for start in (0..layers).step_by(every) {
-            let range = start..(start + every).min(layers);
-            segments.push((x.clone(), self.dropout.mark(), range.clone()));
-            x = bert.encode(&x, &d.inputs, range, mode)?.detach();
-        }
-        let end = self.dropout.position();
-        let top = candle_core::Var::from_tensor(&x)?;
-        let out = self
-            .model
-            .model
-            .heads(top.as_tensor(), &d.inputs, &d.positions)?;
-        let loss = objective(&out, d, counts, step)?;
-        let g = step.backward(&loss)?;
-        let mut upstream = g.get(top.as_tensor()).cloned().ok_or_else(|| {
-            TrainError::Checkpoint("no gradient reached the encoder output".into())
-        })?;
-        for (input, position, range) in segments.into_iter().rev() {
-            self.dropout.set_position(position);
-            let input = candle_core::Var::from_tensor(&input)?;
-            let y = bert.encode(input.as_tensor(), &d.inputs, range, mode)?;
-            let g = (y * &upstream)?.sum_all()?.backward()?;
-            step.accumulate(&g)?;
-            upstream = g.get(input.as_tensor()).cloned().ok_or_else(|| {
-                TrainError::Checkpoint("no gradient reached a segment input".into())
-            })?;
-        }
-        step.accumulate(&(embedded * &upstream)?.sum_all()?.backward()?)?;
-        self.dropout.set_position(end);
-        Ok(())
     }
 
     /// The held-out figures at the current weights (`[eval]`; `None` without it): forward

@@ -4,7 +4,7 @@
 
 use candle_core::{D, Result, Tensor};
 
-use super::{Gelu, Kernels, Mode, widened};
+use super::{Gelu, Kernels, Mode, tape, widened};
 use crate::packing::Packing;
 
 /// [`Kernels::linear`] from separate ops: the rows flattened, a product with the transposed
@@ -14,6 +14,7 @@ pub(super) fn composed_linear(
     weight: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
+    tape::unrecorded("a linear layer of candle's ops");
     let dims = x.dims().to_vec();
     let (input, leading) = dims.split_last().expect("a tensor with a last dimension");
     let rows: usize = leading.iter().product();
@@ -38,6 +39,7 @@ pub(super) fn composed_attention<K: Kernels + ?Sized>(
     mode: Mode,
     dropout: f64,
 ) -> Result<Tensor> {
+    tape::unrecorded("attention of candle's ops");
     let (batch, seq) = packing.padded_dims();
     let hidden = qkv.dim(D::Minus1)? / 3;
     let head = hidden / heads.max(1);
@@ -72,6 +74,7 @@ pub(super) fn composed_residual_layer_norm<K: Kernels + ?Sized>(
     dropout: f64,
     (weight, bias, eps): (&Tensor, &Tensor, f64),
 ) -> Result<Tensor> {
+    tape::unrecorded("a residual LayerNorm of candle's ops");
     let dropped = mode.dropout_tokens(x, dropout, packing)?;
     kernels.layer_norm(&(dropped + residual)?, weight, bias, eps)
 }
@@ -85,6 +88,7 @@ pub struct Composed;
 
 impl Kernels for Composed {
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+        tape::unrecorded("a LayerNorm of candle's ops");
         let dtype = x.dtype();
         let x = widened(x)?;
         let mean = x.mean_keepdim(D::Minus1)?;
@@ -98,6 +102,7 @@ impl Kernels for Composed {
     }
 
     fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
+        tape::unrecorded("a GELU of candle's ops");
         match form {
             Gelu::Erf => x.gelu_erf(),
             // candle's `gelu` is the tanh form, with a backward pass.
@@ -106,6 +111,7 @@ impl Kernels for Composed {
     }
 
     fn softmax_last_dim(&self, x: &Tensor) -> Result<Tensor> {
+        tape::unrecorded("a softmax of candle's ops");
         let dtype = x.dtype();
         let x = widened(x)?;
         // Subtracting the (constant) row maximum changes nothing mathematically; detached, it

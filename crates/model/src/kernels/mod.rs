@@ -40,6 +40,7 @@ pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod profiled;
+pub mod tape;
 
 pub use composed::Composed;
 use composed::{composed_attention, composed_linear, composed_residual_layer_norm};
@@ -81,6 +82,17 @@ impl Mode<'_> {
 
 /// The hot operations the model uses.
 pub trait Kernels: Send + Sync + Debug {
+    /// Whether these kernels write their ops on a [`tape`] while one records, for tensors of
+    /// `dtype` on `device`, so that a backward pass can be run by hand over them
+    /// ([`crate::bert::BertModel::encode_taped`]). Kernels that say no are run under candle's
+    /// autograd; a kernel that says yes and then falls back to candle's ops for a shape
+    /// ([`tape::unrecorded`]) makes the tape refuse the pass, which then runs again under
+    /// autograd.
+    fn records(&self, dtype: DType, device: &candle_core::Device) -> bool {
+        let _ = (dtype, device);
+        false
+    }
+
     /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`.
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>;
 
@@ -295,9 +307,13 @@ pub fn fused_calls_on_this_thread() -> u64 {
 /// Whether candle's fused ops (which have no backward) may replace the composed ones: nothing
 /// among `inputs` tracks gradients, and the dtype is one candle's fused kernels take (not f64).
 fn may_fuse(inputs: &[&Tensor]) -> bool {
-    inputs
-        .iter()
-        .all(|t| !t.track_op() && t.dtype() != DType::F64)
+    !trains(inputs) && inputs.iter().all(|t| t.dtype() != DType::F64)
+}
+
+/// Whether a gradient will be asked of an op on `inputs`: one of them tracks gradients for
+/// candle's autograd, or a [`tape`] records the pass.
+fn trains(inputs: &[&Tensor]) -> bool {
+    tape::recording() || inputs.iter().any(|t| t.track_op())
 }
 
 fn count_fused() {
@@ -311,7 +327,7 @@ fn is_half(dtype: DType) -> bool {
 /// `x` in f32 if it is in half precision (LayerNorm and softmax are computed in f32).
 fn widened(x: &Tensor) -> Result<Tensor> {
     if is_half(x.dtype()) {
-        x.to_dtype(DType::F32)
+        tape::to_dtype(x, DType::F32)
     } else {
         Ok(x.clone())
     }
@@ -351,6 +367,16 @@ fn on_cpu_in_f32(x: &Tensor) -> bool {
 }
 
 impl Kernels for Fused {
+    fn records(&self, dtype: DType, device: &candle_core::Device) -> bool {
+        match device {
+            // The fused CPU linear layers take f32 only (half precision runs candle's).
+            candle_core::Device::Cpu => dtype == DType::F32,
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(_) => cuda_kernels() && cuda::takes(dtype),
+            _ => false,
+        }
+    }
+
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if on_cuda(&[x]) && cuda::norm_fits(x.dim(D::Minus1)?) {
@@ -359,14 +385,12 @@ impl Kernels for Fused {
         }
         let dtype = x.dtype();
         let wide = widened(x)?;
-        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let f32 = |t: &Tensor| tape::to_dtype(t, DType::F32);
         if on_cpu_in_f32(&wide) {
             count_fused();
             let op = cpu::LayerNorm { eps: eps as f32 };
-            return wide
-                .contiguous()?
-                .apply_op3(&f32(weight)?, &f32(bias)?, op)?
-                .to_dtype(dtype);
+            let normed = tape::apply_op3(&tape::contiguous(&wide)?, &f32(weight)?, &f32(bias)?, op)?;
+            return tape::to_dtype(&normed, dtype);
         }
         if may_fuse(&[&wide, weight, bias]) {
             count_fused();
@@ -391,7 +415,7 @@ impl Kernels for Fused {
         }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
-                x.contiguous()?.apply_op3(weight, bias, cpu::Linear)
+                tape::apply_op3(&tape::contiguous(x)?, weight, bias, cpu::Linear)
             }
             _ => composed_linear(x, weight, bias),
         }
@@ -413,9 +437,8 @@ impl Kernels for Fused {
         }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
-                let trains = [x, weight, bias].iter().any(|t| t.track_op());
-                x.contiguous()?
-                    .apply_op3(weight, bias, cpu::LinearGelu::new(trains, form))
+                let op = cpu::LinearGelu::new(trains(&[x, weight, bias]), form);
+                tape::apply_op3(&tape::contiguous(x)?, weight, bias, op)
             }
             _ => self.gelu(&self.linear(x, weight, bias)?, form),
         }
@@ -432,11 +455,11 @@ impl Kernels for Fused {
         // op applies GELU to its input itself and recomputes it in the backward pass, so the
         // activation (`[tokens, intermediate]`, a quarter of a BERT layer's kept bytes) is
         // not held beside it. Inference takes the pair with GELU in place.
-        let trains = [Some(x), Some(w1), b1, Some(w2), b2]
+        let inputs: Vec<&Tensor> = [Some(x), Some(w1), b1, Some(w2), b2]
             .into_iter()
             .flatten()
-            .any(|t| t.track_op());
-        if let (Some(b1), Some(b2), true) = (b1, b2, trains) {
+            .collect();
+        if let (Some(b1), Some(b2), true) = (b1, b2, trains(&inputs)) {
             #[cfg(feature = "cuda")]
             if lean_cuda_feed_forward()
                 && on_cuda(&[x, w1, w2])
@@ -447,8 +470,8 @@ impl Kernels for Fused {
                 return cuda::gelu_linear(&pre, w2, b2, form);
             }
             if on_cpu_in_f32(x) && [w1, b1, w2, b2].iter().all(|t| t.dtype() == DType::F32) {
-                let pre = x.contiguous()?.apply_op3(w1, b1, cpu::Linear)?;
-                return pre.apply_op3(w2, b2, cpu::GeluLinear { form });
+                let pre = tape::apply_op3(&tape::contiguous(x)?, w1, b1, cpu::Linear)?;
+                return tape::apply_op3(&pre, w2, b2, cpu::GeluLinear { form });
             }
         }
         let inner = self.linear_gelu(x, w1, b1, form)?;
@@ -462,7 +485,7 @@ impl Kernels for Fused {
             return cuda::activation(x, form);
         }
         if on_cpu_in_f32(x) {
-            return x.contiguous()?.apply_op1(cpu::GeluOp { form });
+            return tape::apply_op1(&tape::contiguous(x)?, cpu::GeluOp { form });
         }
         Composed.gelu(x, form)
     }
@@ -495,10 +518,8 @@ impl Kernels for Fused {
             starts: packing.shared_starts(),
             keep,
         };
-        qkv.to_dtype(DType::F32)?
-            .contiguous()?
-            .apply_op1(op)?
-            .to_dtype(dtype)
+        let qkv = tape::contiguous(&tape::to_dtype(qkv, DType::F32)?)?;
+        tape::to_dtype(&tape::apply_op1(&qkv, op)?, dtype)
     }
 
     fn residual_layer_norm(
@@ -531,9 +552,10 @@ impl Kernels for Fused {
             eps: eps as f32,
             keep,
         };
-        x.contiguous()?.apply_op3(
-            &residual.contiguous()?,
-            &Tensor::stack(&[weight, bias], 0)?,
+        tape::apply_op3(
+            &tape::contiguous(x)?,
+            &tape::contiguous(residual)?,
+            &tape::stack_rows(&[weight, bias])?,
             op,
         )
     }

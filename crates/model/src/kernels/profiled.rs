@@ -114,6 +114,10 @@ pub(crate) fn backward<T>(
 }
 
 impl Kernels for Profiled {
+    fn records(&self, dtype: candle_core::DType, device: &Device) -> bool {
+        self.inner.records(dtype, device)
+    }
+
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
         self.timed("layer_norm", x, || {
             self.inner.layer_norm(x, weight, bias, eps)

@@ -286,11 +286,15 @@ pub fn finetune(
         train_set.len(),
         &options.settings,
         options.reducer.as_ref(),
-        &mut |indices, mode| {
+        &mut |indices, mode, weight, step| {
             let refs: Vec<&Encoded> = indices.iter().map(|&i| &train_set[i]).collect();
             let (inputs, labels) = batch_tensors(&refs, &model.config, &options.device)?;
-            let logits = model.model.forward(&inputs, mode)?;
-            Ok(loss::cross_entropy(&logits, &labels)?)
+            let classifier = &model.model;
+            step.through_encoder(&classifier.bert, &inputs, mode, 0, |top, _| {
+                let logits = classifier.head(top, &inputs, mode)?;
+                Ok((loss::cross_entropy(&logits, &labels)? * weight)?)
+            })?;
+            Ok(())
         },
         Watch {
             dir: options.output.as_deref(),

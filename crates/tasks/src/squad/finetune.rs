@@ -358,7 +358,7 @@ pub fn finetune(
         features.len(),
         &options.settings,
         options.reducer.as_ref(),
-        &mut |indices, mode| {
+        &mut |indices, mode, weight, step| {
             let seqs: Vec<(&[u32], &[u32])> =
                 indices.iter().map(|&i| features[i].sequence()).collect();
             let (inputs, mask) = pad(&seqs, &model.config, device)?;
@@ -369,8 +369,12 @@ pub fn finetune(
             };
             let starts = positions(|f| f.start_position, "start_positions")?;
             let ends = positions(|f| f.end_position, "end_positions")?;
-            let (start, end) = model.model.forward(&inputs, mode)?;
-            Ok(qa_loss(&start, &end, &mask, &starts, &ends)?)
+            let qa = &model.model;
+            step.through_encoder(&qa.bert, &inputs, mode, 0, |top, _| {
+                let (start, end) = qa.head(top, &inputs)?;
+                Ok((qa_loss(&start, &end, &mask, &starts, &ends)? * weight)?)
+            })?;
+            Ok(())
         },
         Watch {
             dir: Some(&options.output),

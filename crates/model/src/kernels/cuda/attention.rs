@@ -361,5 +361,5 @@ pub(crate) fn attention(
         heads: h,
         context: Handoff::new(context),
     };
-    qkv.contiguous()?.apply_op1(op)
+    tape::apply_op1(&tape::contiguous(qkv)?, op)
 }

@@ -402,7 +402,7 @@ fn linear_node(
     input_act: Option<Gelu>,
 ) -> Result<Tensor> {
     let dtype = x.dtype();
-    let x = x.contiguous()?;
+    let x = tape::contiguous(x)?;
     let (_, in_features) = weight.dims2()?;
     let rows = x.elem_count() / in_features.max(1);
     let input = x.detach().reshape((rows, in_features))?;
@@ -417,10 +417,10 @@ fn linear_node(
         input_act,
         pre: Handoff::new(pre),
     };
-    x.apply_op3(weight, &bias.to_dtype(dtype)?, op)
+    tape::apply_op3(&x, weight, &tape::to_dtype(bias, dtype)?, op)
 }
 
 /// GELU on CUDA in `y`'s dtype.
 pub(crate) fn activation(y: &Tensor, act: Gelu) -> Result<Tensor> {
-    y.contiguous()?.apply_op1(ActOp { act })
+    tape::apply_op1(&tape::contiguous(y)?, ActOp { act })
 }

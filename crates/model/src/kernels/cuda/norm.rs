@@ -226,9 +226,10 @@ impl CustomOp3 for LayerNormBackwardOp {
 /// [`crate::kernels::Kernels::layer_norm`] on CUDA, in `x`'s dtype (f32 or bf16).
 pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    x.contiguous()?.apply_op3(
-        &weight.to_dtype(dtype)?,
-        &bias.to_dtype(dtype)?,
+    tape::apply_op3(
+        &tape::contiguous(x)?,
+        &tape::to_dtype(weight, dtype)?,
+        &tape::to_dtype(bias, dtype)?,
         LayerNormOp { eps: eps as f32 },
     )
 }
@@ -400,9 +401,13 @@ pub(crate) fn residual_layer_norm(
     (weight, bias, eps): (&Tensor, &Tensor, f64),
 ) -> Result<Tensor> {
     let dtype = x.dtype();
-    let params = Tensor::stack(&[weight.to_dtype(dtype)?, bias.to_dtype(dtype)?], 0)?;
-    x.contiguous()?.apply_op3(
-        &residual.to_dtype(dtype)?.contiguous()?,
+    let params = tape::stack_rows(&[
+        &tape::to_dtype(weight, dtype)?,
+        &tape::to_dtype(bias, dtype)?,
+    ])?;
+    tape::apply_op3(
+        &tape::contiguous(x)?,
+        &tape::contiguous(&tape::to_dtype(residual, dtype)?)?,
         &params,
         ResidualLayerNormOp {
             eps: eps as f32,
