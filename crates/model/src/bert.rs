@@ -523,6 +523,90 @@ impl EncoderLayer {
     }
 }
 
+/// A training pass through the embeddings and the encoder, waiting for its head's gradients
+/// ([`BertModel::encoder_pass`]): the caller runs a head on [`EncoderPass::top`] and its
+/// loss's backward, then [`EncoderPass::backward`] takes the gradient on from there.
+#[derive(Debug)]
+pub struct EncoderPass<'a> {
+    bert: &'a BertModel,
+    inputs: &'a Inputs,
+    mode: Mode<'a>,
+    /// The embeddings' output, tracked (their backward runs in candle's autograd).
+    embedded: Tensor,
+    /// The last layer's output, a variable the head starts from.
+    top: Var,
+    /// The layers' backward when every activation is kept.
+    kept: Option<EncoderBackward>,
+    /// With checkpointing: each segment's input, its first dropout mask and its layers.
+    segments: Vec<(Tensor, u64, std::ops::Range<usize>)>,
+}
+
+impl EncoderPass<'_> {
+    /// The last layer's output for the batch's tokens, `[tokens, hidden]`, where the head
+    /// starts (a variable: the head's backward hands back its gradient).
+    pub fn top(&self) -> &Tensor {
+        self.top.as_tensor()
+    }
+
+    /// Back-propagates from the head's gradients `store` (the backward of a loss computed from
+    /// [`EncoderPass::top`]) through the layers (each checkpointed segment recomputed first,
+    /// its dropout masks replayed) and the embeddings, handing each part's parameter
+    /// gradients to `sink` as they are made (the layers' last first, the embeddings' last;
+    /// the head's are in `store`).
+    pub fn backward<E>(
+        self,
+        store: &GradStore,
+        mut sink: impl FnMut(Gradients) -> Result<(), E>,
+    ) -> Result<(), E>
+    where
+        E: From<ModelError> + From<candle_core::Error>,
+    {
+        let EncoderPass {
+            bert,
+            inputs,
+            mode,
+            embedded,
+            top,
+            kept,
+            segments,
+        } = self;
+        // Where the forward pass (the head's dropout included) left the masks.
+        let end = match mode {
+            Mode::Train(source) => source.position(),
+            Mode::Eval => 0,
+        };
+        let mut upstream = store.get(top.as_tensor()).cloned().ok_or_else(|| {
+            ModelError::Input("no gradient reached the encoder's output".into())
+        })?;
+        drop(top);
+        if let Some(backward) = kept {
+            let (grad_input, grads) = backward.backward(&upstream)?;
+            sink(grads)?;
+            upstream = grad_input;
+        }
+        for (input, position, range) in segments.into_iter().rev() {
+            rewind(mode, position);
+            let (_, backward) = bert.encode_taped(&input, inputs, range, mode)?;
+            let (grad_input, grads) = backward.backward(&upstream)?;
+            sink(grads)?;
+            upstream = grad_input;
+        }
+        // The embeddings' gradients through candle's autograd: a loss whose gradient with
+        // respect to the embeddings' output is `upstream`.
+        let embeddings = (embedded * &upstream)?.sum_all()?.backward()?;
+        sink(Gradients::from(&embeddings))?;
+        rewind(mode, end);
+        Ok(())
+    }
+}
+
+/// Sets the dropout masks back to `position` in training `mode`.
+fn rewind(mode: Mode, position: u64) {
+    if let Mode::Train(source) = mode {
+        source.set_position(position)
+    }
+}
+
 /// What the base model computes.
 #[derive(Debug, Clone)]
 pub struct BertOutput {
@@ -786,6 +870,55 @@ impl BertModel {
             output: output.clone(),
         };
         Ok((output.detach(), EncoderBackward { how }))
+    }
+
+    /// The forward half of a training pass: the embeddings, then the encoder layers, their
+    /// output handed to the caller's head as a variable ([`EncoderPass::top`]); after the
+    /// head's loss and its backward, [`EncoderPass::backward`] goes on through the layers
+    /// (by hand over the kernels' tape where they record, [`BertModel::encode_taped`]) and
+    /// the embeddings. The embeddings and the head run under candle's autograd.
+    ///
+    /// With `checkpoint_every` > 0 (activation checkpointing) only the input of each segment
+    /// of that many layers is kept, and the backward pass recomputes each segment (replaying
+    /// its dropout masks) before back-propagating through it; 0 keeps every activation.
+    pub fn encoder_pass<'a>(
+        &'a self,
+        inputs: &'a Inputs,
+        mode: Mode<'a>,
+        checkpoint_every: usize,
+    ) -> Result<EncoderPass<'a>, ModelError> {
+        let layers = self.layers.len();
+        let every = if checkpoint_every == 0 {
+            layers.max(1)
+        } else {
+            checkpoint_every
+        };
+        let embedded = self.embed(inputs, mode)?;
+        let mut x = embedded.detach();
+        let (mut kept, mut segments) = (None, Vec::new());
+        for start in (0..layers).step_by(every) {
+            let range = start..(start + every).min(layers);
+            if checkpoint_every == 0 {
+                let (y, backward) = self.encode_taped(&x, inputs, range, mode)?;
+                (x, kept) = (y, Some(backward));
+            } else {
+                let position = match mode {
+                    Mode::Train(source) => source.mark(),
+                    Mode::Eval => 0,
+                };
+                segments.push((x.clone(), position, range.clone()));
+                x = self.encode(&x, inputs, range, mode)?.detach();
+            }
+        }
+        Ok(EncoderPass {
+            bert: self,
+            inputs,
+            mode,
+            embedded,
+            top: Var::from_tensor(&x)?,
+            kept,
+            segments,
+        })
     }
 
     /// Why the encoder's backward pass is not run by hand with these kernels, if a recording

@@ -204,10 +204,13 @@ impl PreTrainingPass {
 
     /// The forward pass in `mode` and its loss.
     fn loss_in(&self, mode: Mode) -> Result<Tensor, ModelError> {
-        let out = self
-            .loaded
-            .model
-            .forward(&self.inputs, &self.masked, mode)?;
+        let top = self.loaded.model.bert.encode_tokens(&self.inputs, mode)?;
+        self.loss_from(&top)
+    }
+
+    /// The heads and the loss on the encoder's output `top`.
+    fn loss_from(&self, top: &Tensor) -> Result<Tensor, ModelError> {
+        let out = self.loaded.model.heads(top, &self.inputs, &self.masked)?;
         Ok(loss::pretraining_loss(
             &out.mlm_logits,
             &self.labels,
@@ -228,9 +231,12 @@ pub struct PassProfile {
     /// Each kernel of the forward pass (see [`Profiled`]), by name.
     pub kernels: BTreeMap<&'static str, KernelTime>,
     /// The backward passes of the fused ops, by the name of the kernel whose op each is (and
-    /// `loss` for the fused loss); the rest of the backward pass is candle's autograd: a zeroed
-    /// gradient and an addition for every edge of the graph, and the backward passes of
-    /// candle's own operations (embeddings, gathers, views, the composed kernels' ops).
+    /// `loss` for the fused loss). The pass is training's ([`crate::bert::BertModel::encoder_pass`]):
+    /// the rest of its backward is the encoder's gradients added where two meet (by hand over
+    /// the tape, where the kernels record) and candle's autograd for the embeddings, the heads
+    /// and the loss (a zeroed gradient and an addition for every edge of their graph, and the
+    /// backward passes of candle's own operations); where the kernels do not record, the
+    /// encoder's backward is candle's autograd too.
     pub backward_kernels: BTreeMap<&'static str, KernelTime>,
 }
 
@@ -260,17 +266,22 @@ pub fn profile(
         }
         device.synchronize()?;
         let started = Instant::now();
-        let total = if inference {
-            pass.loss_in(Mode::Eval)?
-        } else {
-            pass.loss()?
-        };
-        device.synchronize()?;
-        let forwarded = Instant::now();
-        if !inference {
-            let grads = total.backward()?;
+        let forwarded;
+        if inference {
+            pass.loss_in(Mode::Eval)?;
             device.synchronize()?;
-            drop(grads);
+            forwarded = Instant::now();
+        } else {
+            // A training pass as training runs it (`train::step`): the encoder's backward by
+            // hand where the kernels record, the rest in candle's autograd.
+            let bert = &pass.loaded.model.bert;
+            let encoder = bert.encoder_pass(&pass.inputs, Mode::Train(&pass.dropout), 0)?;
+            let total = pass.loss_from(encoder.top())?;
+            device.synchronize()?;
+            forwarded = Instant::now();
+            let store = total.backward()?;
+            encoder.backward(&store, |_| Ok::<(), ModelError>(()))?;
+            device.synchronize()?;
         }
         forward += (forwarded - started).as_secs_f64();
         backward += forwarded.elapsed().as_secs_f64();

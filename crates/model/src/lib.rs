@@ -49,7 +49,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 pub use bert::{
     BertArchitecture, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
-    BertModel, BertOutput, EncoderBackward, Gradients, Inputs, Loaded, MaskedPositions, Mode,
+    BertModel, BertOutput, EncoderBackward, EncoderPass, Gradients, Inputs, Loaded, MaskedPositions, Mode,
     PreTrainingOutput,
 };
 pub use config::{BertConfig, Gelu};

@@ -481,7 +481,8 @@ pub fn train(
                 scaler: scaler.clone(),
                 run: identity.clone(),
             };
-            checkpoint::save(
+            let writing = std::time::Instant::now();
+            let dir = checkpoint::save(
                 dir,
                 state.step,
                 &optimizer,
@@ -489,6 +490,13 @@ pub fn train(
                 &state,
                 settings.keep_checkpoints,
             )?;
+            // Said apart from the steps: the step lines' times include it.
+            let write = bertkit_train::trainer::CheckpointWrite {
+                seconds: writing.elapsed().as_secs_f64(),
+                bytes: checkpoint::bytes(&dir),
+                dir,
+            };
+            progress(&write.to_string());
         }
         if (step_index + 1) % 20 == 0 || step_index + 1 == steps {
             progress(&format!(

@@ -198,18 +198,14 @@ impl Step {
         Ok(())
     }
 
-    /// One micro-batch's forward and backward passes through `bert` and a head: the
-    /// embeddings, the encoder layers, then `head`, which takes the last layer's output for
-    /// the batch's tokens (`[tokens, hidden]`) and returns this micro-batch's share of the
-    /// step's loss (it may [`Step::track`] figures). The head and the embeddings run under
-    /// candle's autograd; the encoder layers' backward runs by hand over the kernels' recorded
-    /// ops where the kernels allow ([`BertModel::encode_taped`]). Gradients are added to the
-    /// step's.
-    ///
-    /// With `checkpoint_every` > 0 (activation checkpointing) only the input of each segment
-    /// of that many layers is kept: the backward pass recomputes each segment (replaying its
-    /// dropout masks) and back-propagates through it before the next; 0 keeps every
-    /// activation of the forward pass.
+    /// One micro-batch's forward and backward passes through `bert` and a head
+    /// ([`BertModel::encoder_pass`]): the embeddings, the encoder layers, then `head`, which
+    /// takes the last layer's output for the batch's tokens (`[tokens, hidden]`) and returns
+    /// this micro-batch's share of the step's loss (it may [`Step::track`] figures); its
+    /// backward (scaled, [`Step::backward`]), then the layers' (by hand over the kernels'
+    /// tape where they record) and the embeddings'. Every gradient is added to the step's.
+    /// `checkpoint_every` > 0 checkpoints segments of that many layers (0: every activation
+    /// kept).
     pub fn through_encoder(
         &mut self,
         bert: &BertModel,
@@ -218,70 +214,11 @@ impl Step {
         checkpoint_every: usize,
         head: impl FnOnce(&Tensor, &mut Step) -> Result<Tensor, TrainError>,
     ) -> Result<(), TrainError> {
-        let layers = bert.num_layers();
-        let every = if checkpoint_every == 0 {
-            layers.max(1)
-        } else {
-            checkpoint_every
-        };
-        let (mark, rewind) = (
-            |mode: Mode| match mode {
-                Mode::Train(source) => source.mark(),
-                Mode::Eval => 0,
-            },
-            |mode: Mode, position: u64| {
-                if let Mode::Train(source) = mode {
-                    source.set_position(position)
-                }
-            },
-        );
-        let embedded = bert.embed(inputs, mode)?;
-        let mut x = embedded.detach();
-        let mut kept = None;
-        let mut segments = Vec::new();
-        for start in (0..layers).step_by(every) {
-            let range = start..(start + every).min(layers);
-            if checkpoint_every == 0 {
-                let (y, backward) = bert.encode_taped(&x, inputs, range, mode)?;
-                (x, kept) = (y, Some(backward));
-            } else {
-                segments.push((x.clone(), mark(mode), range.clone()));
-                x = bert.encode(&x, inputs, range, mode)?.detach();
-            }
-        }
-        let top = Var::from_tensor(&x)?;
-        drop(x);
-        let loss = head(top.as_tensor(), self)?;
-        // Where the forward pass (the head's dropout included) left the masks.
-        let end = match mode {
-            Mode::Train(source) => source.position(),
-            Mode::Eval => 0,
-        };
-        let mut upstream = self
-            .backward(&loss)?
-            .get(top.as_tensor())
-            .cloned()
-            .ok_or_else(|| {
-                candle_core::Error::Msg("no gradient reached the encoder's output".into())
-            })?;
-        drop((loss, top));
-        if let Some(backward) = kept {
-            let (grad_input, grads) = backward.backward(&upstream)?;
-            self.accumulate_gradients(&grads)?;
-            upstream = grad_input;
-        }
-        for (input, position, range) in segments.into_iter().rev() {
-            rewind(mode, position);
-            let (_, backward) = bert.encode_taped(&input, inputs, range, mode)?;
-            let (grad_input, grads) = backward.backward(&upstream)?;
-            self.accumulate_gradients(&grads)?;
-            upstream = grad_input;
-        }
-        // The embeddings' gradients through candle's autograd: a loss whose gradient with
-        // respect to the embeddings' output is `upstream`.
-        self.accumulate(&(embedded * &upstream)?.sum_all()?.backward()?)?;
-        rewind(mode, end);
-        Ok(())
+        let pass = bert.encoder_pass(inputs, mode, checkpoint_every)?;
+        let loss = head(pass.top(), self)?;
+        let store = self.backward(&loss)?;
+        drop(loss);
+        pass.backward(&store, |grads| self.accumulate_gradients(&grads))
     }
 
     /// The gradients so far (unscaled, in the master dtype), without stepping.

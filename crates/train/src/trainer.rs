@@ -225,6 +225,24 @@ pub struct CheckpointWrite {
     pub seconds: f64,
 }
 
+impl std::fmt::Display for CheckpointWrite {
+    /// `checkpoint run/checkpoints/step-30: 4.03 GB in 5.80 s (695 MB/s)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let size = if self.bytes >= 1_000_000_000 {
+            format!("{:.2} GB", self.bytes as f64 / 1e9)
+        } else {
+            format!("{:.1} MB", self.bytes as f64 / 1e6)
+        };
+        write!(
+            f,
+            "checkpoint {}: {size} in {:.2} s ({:.0} MB/s)",
+            self.dir.display(),
+            self.seconds,
+            self.bytes as f64 / 1e6 / self.seconds.max(1e-9)
+        )
+    }
+}
+
 /// Where a run's start-up time went, phase by phase, in the order the phases ran (wall
 /// seconds): what `bertkit pretrain` prints before its first step.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -160,17 +160,7 @@ fn run_pretraining(
         println!("{line}");
     }
     for w in &summary.checkpoint_writes {
-        let size = if w.bytes >= 1_000_000_000 {
-            format!("{:.2} GB", w.bytes as f64 / 1e9)
-        } else {
-            format!("{:.1} MB", w.bytes as f64 / 1e6)
-        };
-        println!(
-            "checkpoint {}: {size} in {:.2} s ({:.0} MB/s)",
-            w.dir.display(),
-            w.seconds,
-            w.bytes as f64 / 1e6 / w.seconds.max(1e-9)
-        );
+        println!("{w}");
     }
     Ok(())
 }
@@ -725,7 +715,7 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         ms(p.backward_seconds)
     );
     println!(
-        "(each kernel call and each fused op's backward timed with the device synchronised around it; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, candle's autograd: a zeroed gradient and an addition per graph edge, and the backward of candle's own ops)"
+        "(each kernel call and each fused op's backward timed with the device synchronised around it; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, the encoder's gradients added where two meet (a residual) and the embeddings', heads' and loss's backward in candle's autograd; where the kernels do not record, the encoder's too: a zeroed gradient and an addition per graph edge)"
     );
     Ok(())
 }
