@@ -25,6 +25,8 @@
 //!   folders (its variable names mapped onto these; the reader is `bertkit-tf-checkpoint`).
 //! - [`census`]: the operations and bytes of a training forward pass's graph, per encoder
 //!   layer (what each kernel set asks of a device, counted on any device).
+//! - [`encoder_check`]: the encoder's backward pass by hand (over the kernels' tape,
+//!   [`kernels::tape`]) against candle's autograd on one device, for `bertkit check kernels`.
 //! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
 //!
 //! Dropout is on in [`Mode::Train`] forward passes, with reproducible masks from a
@@ -36,6 +38,7 @@ pub mod bert;
 pub mod census;
 pub mod config;
 pub mod dropout;
+pub mod encoder_check;
 pub mod google;
 mod host;
 pub mod kernels;

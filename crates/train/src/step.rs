@@ -469,9 +469,9 @@ mod tests {
     }
 
     /// The encoder pass (embeddings and heads under candle's autograd, the layers' backward
-    /// by hand over the fused kernels' tape, with or without checkpointed segments) adds up
-    /// to the gradients of candle's autograd over the whole graph, for every parameter, with
-    /// dropout on.
+    /// by hand over the fused kernels' tape, with or without checkpointed segments) gives the
+    /// gradients of candle's autograd over the whole graph, bit for bit but for the order of
+    /// one sum, for every parameter, with dropout on.
     #[test]
     fn the_encoder_pass_gives_the_whole_graphs_gradients() {
         use bertkit_model::bert::{BertForPreTraining, init};
@@ -526,8 +526,16 @@ mod tests {
                 let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                 assert!(scale > 0.0, "{name}: a zero gradient");
                 let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                // The same ops in the same order give the same bits; the tied word
+                // embeddings sum their two gradients (the lookup's and the decoder's) in
+                // another order than the whole graph does.
+                let bound = if name == "embeddings.word_embeddings.weight" {
+                    1e-6 * scale
+                } else {
+                    0.0
+                };
                 assert!(
-                    worst <= 1e-5 * scale,
+                    worst <= bound,
                     "{name}, checkpointing every {every}: {worst} of {scale}"
                 );
             }

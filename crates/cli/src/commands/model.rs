@@ -123,6 +123,9 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
         );
         let started = Instant::now();
         let mut checks = check_kernels(&device, dtype, &shapes)?;
+        checks.extend(bertkit_model::encoder_check::check_encoder_backward(
+            &device, dtype, &shapes,
+        )?);
         if dtype == candle_core::DType::F32 {
             // The optimiser's state is f32 whatever the model's dtype.
             checks.extend(bertkit_train::check::check_update(&device)?);
