@@ -550,14 +550,17 @@ impl EncoderPass<'_> {
 
     /// Back-propagates from the head's gradients `store` (the backward of a loss computed from
     /// [`EncoderPass::top`]) through the layers (each checkpointed segment recomputed first,
-    /// its dropout masks replayed) and the embeddings, handing each part's parameter
-    /// gradients to `sink` as they are made (the layers' last first, the embeddings' last;
-    /// the head's are in `store`).
+    /// its dropout masks replayed), handing each segment's parameter gradients to `sink` as
+    /// they are made (the last layers' first), and through the embeddings, whose gradients
+    /// it returns: the word embeddings may have a gradient in `store` too (a decoder tied to
+    /// them), and adding the two before anything else (`GradStore::extend`) sums them as one
+    /// graph's backward does, so that a micro-batch's gradient is the same bits however the
+    /// caller goes on (accumulated, or summed over data-parallel ranks).
     pub fn backward<E>(
         self,
         store: &GradStore,
         mut sink: impl FnMut(Gradients) -> Result<(), E>,
-    ) -> Result<(), E>
+    ) -> Result<GradStore, E>
     where
         E: From<ModelError> + From<candle_core::Error>,
     {
@@ -594,9 +597,8 @@ impl EncoderPass<'_> {
         // The embeddings' gradients through candle's autograd: a loss whose gradient with
         // respect to the embeddings' output is `upstream`.
         let embeddings = (embedded * &upstream)?.sum_all()?.backward()?;
-        sink(Gradients::from(&embeddings))?;
         rewind(mode, end);
-        Ok(())
+        Ok(embeddings)
     }
 }
 

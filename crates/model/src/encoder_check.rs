@@ -28,12 +28,18 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// Checks the encoder's backward by hand against autograd on `device` in `dtype` at each of
 /// `shapes`: an output line, the input's gradient and the worst of the parameters'. Nothing
 /// when the default kernels do not record in `dtype` on `device` (they run under autograd
-/// there, so there is nothing to compare).
+/// there, so there is nothing to compare). On a CUDA device this turns the CUDA kernels and
+/// the backward by hand on for the process ([`crate::kernels::set_cuda_tape`]).
 pub fn check_encoder_backward(
     device: &Device,
     dtype: DType,
     shapes: &[CheckShape],
 ) -> Result<Vec<KernelCheck>> {
+    if device.is_cuda() {
+        // What is checked is the CUDA kernels' composition by hand: on, whatever the setting.
+        crate::kernels::set_cuda_kernels(true);
+        crate::kernels::set_cuda_tape(true);
+    }
     let mut checks = Vec::new();
     for shape in shapes {
         let config = BertConfig {

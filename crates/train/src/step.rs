@@ -136,15 +136,20 @@ impl Step {
     /// loss scale, and adds the trainable parameters' gradients. Returns the whole gradient
     /// store (scaled), for callers that go on back-propagating by hand.
     pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore, TrainError> {
+        let store = self.scaled_backward(loss)?;
+        self.accumulate(&store)?;
+        Ok(store)
+    }
+
+    /// As [`Step::backward`], without adding the gradients to the step's.
+    fn scaled_backward(&mut self, loss: &Tensor) -> Result<GradStore, TrainError> {
         let value = loss.detach().to_dtype(DType::F64)?.reshape(1)?;
         self.loss = Some(add_up(self.loss.take(), value)?);
-        let store = if self.loss_scale != 1.0 {
+        Ok(if self.loss_scale != 1.0 {
             (loss * self.loss_scale)?.backward()?
         } else {
             loss.backward()?
-        };
-        self.accumulate(&store)?;
-        Ok(store)
+        })
     }
 
     /// Adds a micro-batch's figures (a 1-D tensor of the same length each time: loss parts,
@@ -216,9 +221,13 @@ impl Step {
     ) -> Result<(), TrainError> {
         let pass = bert.encoder_pass(inputs, mode, checkpoint_every)?;
         let loss = head(pass.top(), self)?;
-        let store = self.backward(&loss)?;
+        let mut store = self.scaled_backward(&loss)?;
         drop(loss);
-        pass.backward(&store, |grads| self.accumulate_gradients(&grads))
+        let embeddings = pass.backward(&store, |grads| self.accumulate_gradients(&grads))?;
+        // The head's and the embeddings' gradients as one graph's backward sums them (the
+        // tied word embeddings get one from each), then added to the step's at once.
+        store.extend(embeddings)?;
+        self.accumulate(&store)
     }
 
     /// The gradients so far (unscaled, in the master dtype), without stepping.
@@ -470,8 +479,8 @@ mod tests {
 
     /// The encoder pass (embeddings and heads under candle's autograd, the layers' backward
     /// by hand over the fused kernels' tape, with or without checkpointed segments) gives the
-    /// gradients of candle's autograd over the whole graph, bit for bit but for the order of
-    /// one sum, for every parameter, with dropout on.
+    /// gradients of candle's autograd over the whole graph, bit for bit but for one sum's
+    /// order, for every parameter, with dropout on.
     #[test]
     fn the_encoder_pass_gives_the_whole_graphs_gradients() {
         use bertkit_model::bert::{BertForPreTraining, init};
@@ -526,9 +535,9 @@ mod tests {
                 let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                 assert!(scale > 0.0, "{name}: a zero gradient");
                 let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-                // The same ops in the same order give the same bits; the tied word
-                // embeddings sum their two gradients (the lookup's and the decoder's) in
-                // another order than the whole graph does.
+                // The same ops in the same order give the same bits, but for the tied word
+                // embeddings: the whole graph adds the lookup's rows into the decoder's
+                // gradient one by one, the pass adds the two gradients once made.
                 let bound = if name == "embeddings.word_embeddings.weight" {
                     1e-6 * scale
                 } else {

@@ -273,6 +273,24 @@ pub fn lean_cuda_feed_forward() -> bool {
     LEAN_CUDA_FEED_FORWARD.get()
 }
 
+/// Whether the encoder's backward pass on CUDA runs by hand over the kernels' tape.
+static CUDA_TAPE: Switch =
+    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_BACKWARD", "tape"));
+
+/// Turns the encoder's backward pass by hand ([`tape`]) on or off for CUDA in this process.
+/// It calls the CUDA kernels' own backward passes, which passed their check, in the order
+/// candle's autograd calls them, and gives the same bits on the CPU, but it has not run on a
+/// GPU yet: unset, it is off on CUDA unless `BERTKIT_CUDA_BACKWARD=tape` (`bertkit check
+/// kernels --device cuda` compares it with autograd there). On the CPU it is always on.
+pub fn set_cuda_tape(on: bool) {
+    CUDA_TAPE.set(on);
+}
+
+/// Whether the encoder's backward pass on CUDA runs by hand (see [`set_cuda_tape`]).
+pub fn cuda_tape() -> bool {
+    CUDA_TAPE.get()
+}
+
 /// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32 or bf16, with the
 /// kernels turned on).
 #[cfg(feature = "cuda")]
@@ -372,7 +390,7 @@ impl Kernels for Fused {
             // The fused CPU linear layers take f32 only (half precision runs candle's).
             candle_core::Device::Cpu => dtype == DType::F32,
             #[cfg(feature = "cuda")]
-            candle_core::Device::Cuda(_) => cuda_kernels() && cuda::takes(dtype),
+            candle_core::Device::Cuda(_) => cuda_tape() && cuda_kernels() && cuda::takes(dtype),
             _ => false,
         }
     }
