@@ -578,9 +578,10 @@ impl EncoderPass<'_> {
             Mode::Train(source) => source.position(),
             Mode::Eval => 0,
         };
-        let mut upstream = store.get(top.as_tensor()).cloned().ok_or_else(|| {
-            ModelError::Input("no gradient reached the encoder's output".into())
-        })?;
+        let mut upstream = store
+            .get(top.as_tensor())
+            .cloned()
+            .ok_or_else(|| ModelError::Input("no gradient reached the encoder's output".into()))?;
         drop(top);
         if let Some(backward) = kept {
             let (grad_input, grads) = backward.backward(&upstream)?;

@@ -96,7 +96,11 @@ pub fn check_encoder_backward(
                 tolerance: tolerance(dtype),
             })
         };
-        line("output", false, worst(&f64_cpu(&y)?, &f64_cpu(&reference)?)?);
+        line(
+            "output",
+            false,
+            worst(&f64_cpu(&y)?, &f64_cpu(&reference)?)?,
+        );
         let Some(want) = store.get(input.as_tensor()) else {
             candle_core::bail!("{NAME}: autograd gave the input no gradient")
         };
@@ -113,7 +117,11 @@ pub fn check_encoder_backward(
             };
             // A NaN stays a NaN (f64::max would drop it).
             let w = worst(&f64_cpu(ours)?, &f64_cpu(theirs)?)?;
-            params = if w.is_nan() || params.is_nan() { f64::NAN } else { params.max(w) };
+            params = if w.is_nan() || params.is_nan() {
+                f64::NAN
+            } else {
+                params.max(w)
+            };
         }
         line("params", true, params);
     }

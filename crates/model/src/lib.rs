@@ -52,8 +52,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 pub use bert::{
     BertArchitecture, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
-    BertModel, BertOutput, EncoderBackward, EncoderPass, Gradients, Inputs, Loaded, MaskedPositions, Mode,
-    PreTrainingOutput,
+    BertModel, BertOutput, EncoderBackward, EncoderPass, Gradients, Inputs, Loaded,
+    MaskedPositions, Mode, PreTrainingOutput,
 };
 pub use config::{BertConfig, Gelu};
 pub use dropout::DropoutSource;

@@ -20,7 +20,13 @@ impl Kernels for ClaimsToRecord {
     fn records(&self, _: DType, _: &Device) -> bool {
         true
     }
-    fn layer_norm(&self, x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        eps: f64,
+    ) -> candle_core::Result<Tensor> {
         Composed.layer_norm(x, w, b, eps)
     }
     fn gelu(&self, x: &Tensor, form: Gelu) -> candle_core::Result<Tensor> {
@@ -100,7 +106,9 @@ fn compare(
         .to_dtype(dtype)
         .unwrap();
 
-    let (y, backward) = bert.encode_taped(&x, &inputs, layers.clone(), mode).unwrap();
+    let (y, backward) = bert
+        .encode_taped(&x, &inputs, layers.clone(), mode)
+        .unwrap();
     let by_hand = backward.by_hand();
     assert!(!y.track_op(), "the output is handed back detached");
     let (grad_x, grads) = backward.backward(&upstream).unwrap();

@@ -493,7 +493,10 @@ mod tests {
         let vars = loaded.params.vars();
         let optimizer = Optimizer::new(OptimizerConfig::lamb(), vars).unwrap();
         let ids = Tensor::new(
-            &[[2u32, 11, 12, 13, 3, 21, 22, 3, 0], [2, 31, 32, 33, 34, 35, 3, 41, 3]],
+            &[
+                [2u32, 11, 12, 13, 3, 21, 22, 3, 0],
+                [2, 31, 32, 33, 34, 35, 3, 41, 3],
+            ],
             cpu,
         )
         .unwrap();
@@ -520,10 +523,16 @@ mod tests {
         for every in [0, 1, 2] {
             source.start_batch(4, 0);
             let mut step = Step::begin(vars, &optimizer, None);
-            step.through_encoder(&model.bert, &inputs, Mode::Train(&source), every, |top, _| {
-                let out = model.heads(top, &inputs, &positions)?;
-                Ok(objective(out)?)
-            })
+            step.through_encoder(
+                &model.bert,
+                &inputs,
+                Mode::Train(&source),
+                every,
+                |top, _| {
+                    let out = model.heads(top, &inputs, &positions)?;
+                    Ok(objective(out)?)
+                },
+            )
             .unwrap();
             let ours = step.into_gradients().unwrap();
             assert_eq!(ours.len(), vars.len(), "checkpointing every {every}");
@@ -534,7 +543,10 @@ mod tests {
                 );
                 let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                 assert!(scale > 0.0, "{name}: a zero gradient");
-                let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                let worst = a
+                    .iter()
+                    .zip(&b)
+                    .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
                 // The same ops in the same order give the same bits, but for the tied word
                 // embeddings: the whole graph adds the lookup's rows into the decoder's
                 // gradient one by one, the pass adds the two gradients once made.

@@ -274,8 +274,7 @@ pub fn lean_cuda_feed_forward() -> bool {
 }
 
 /// Whether the encoder's backward pass on CUDA runs by hand over the kernels' tape.
-static CUDA_TAPE: Switch =
-    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_BACKWARD", "tape"));
+static CUDA_TAPE: Switch = Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_BACKWARD", "tape"));
 
 /// Turns the encoder's backward pass by hand ([`tape`]) on or off for CUDA in this process.
 /// It calls the CUDA kernels' own backward passes, which passed their check, in the order
@@ -407,7 +406,8 @@ impl Kernels for Fused {
         if on_cpu_in_f32(&wide) {
             count_fused();
             let op = cpu::LayerNorm { eps: eps as f32 };
-            let normed = tape::apply_op3(&tape::contiguous(&wide)?, &f32(weight)?, &f32(bias)?, op)?;
+            let normed =
+                tape::apply_op3(&tape::contiguous(&wide)?, &f32(weight)?, &f32(bias)?, op)?;
             return tape::to_dtype(&normed, dtype);
         }
         if may_fuse(&[&wide, weight, bias]) {

@@ -65,9 +65,7 @@ impl Node {
                 }
                 grads
             }
-            Grad::Copy => vec![Some(
-                grad.reshape(i[0].shape())?.to_dtype(i[0].dtype())?,
-            )],
+            Grad::Copy => vec![Some(grad.reshape(i[0].shape())?.to_dtype(i[0].dtype())?)],
         })
     }
 

@@ -27,8 +27,8 @@ use candle_core::{
 };
 
 use crate::dropout::DropoutSource;
-use crate::packing::Packing;
 use crate::kernels::tape;
+use crate::packing::Packing;
 
 /// The kernels' PTX (build.rs).
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
