@@ -58,6 +58,14 @@ if [[ -n ${EXTRA:-} ]]; then
             | sed "s/^/keep=$keep $optimizer ffn=$ffn backward=$backward: /"
     done
 fi
+if [[ -n ${EXTRA:-} ]]; then
+    log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16: the encoder's backward in autograd, then by hand"
+    for backward in - tape; do
+        echo "backward $backward:"
+        BERTKIT_CUDA_BACKWARD=$backward timeout 120 $b bench kernels --config large --batch 64 \
+            --seq 128 --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 12
+    done
+fi
 if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
     # Each kernel's own time (ncu replays them one by one: no overlap, no launch gaps) over
     # two training passes of a 2-layer BERT-large at phase 1's shape, the encoder's backward by
