@@ -10,8 +10,10 @@
 //! - [`scaler`]: dynamic loss scaling for fp16.
 //! - [`checkpoint`]: a run's atomic checkpoints (weights, moments, the loop's state), for
 //!   pre-training and fine-tuning.
-//! - [`step`]: one optimiser step (accumulation, loss scaling, the data-parallel reducer, the
-//!   update), shared by pre-training and fine-tuning.
+//! - [`step`]: one optimiser step (a micro-batch's forward and backward passes through the
+//!   encoder and a head, the encoder's backward by hand over the kernels' tape where they
+//!   record; accumulation, loss scaling, the data-parallel reducer, the update), shared by
+//!   pre-training and fine-tuning.
 //! - [`distributed`]: the data-parallel world a launcher started (MPI with the `mpi` feature)
 //!   and its gradient reducer.
 //! - [`logs`]: a run's `metrics.jsonl` and TensorBoard event files, for pre-training and

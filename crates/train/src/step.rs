@@ -2,6 +2,11 @@
 //! crate): gradient accumulation over micro-batches, loss scaling, the reduction across
 //! data-parallel ranks, the finiteness checks and the optimiser update.
 //!
+//! A micro-batch's forward and backward passes through a BERT encoder and a task's head are
+//! [`Step::through_encoder`] ([`bertkit_model::BertModel::encoder_pass`]: the encoder's backward
+//! by hand over the fused kernels' recorded ops, the embeddings and head in candle's
+//! autograd, activation checkpointing by segments), which runs moves 2 below itself.
+//!
 //! A step is used in three moves:
 //! 1. [`Step::begin`] takes the loss scale of the run's fp16 [`LossScaler`] (1 otherwise);
 //! 2. [`Step::backward`] once per micro-batch: the caller's loss (already normalised so that the
