@@ -17,7 +17,7 @@ use crate::config::Gelu;
 pub use crate::kernels::Mode;
 use crate::kernels::tape::{self, Tape};
 use crate::kernels::{Fused, Kernels};
-use crate::packing::Packing;
+use crate::packing::{Packing, RowIndex};
 use crate::params::{Init, ParamBuilder, ParamStore};
 use crate::{BertConfig, ModelError};
 
@@ -112,6 +112,12 @@ pub struct Inputs {
     pub token_type_ids: Tensor,
     /// The tokens (the attention mask's 1s) laid end to end, as the encoder runs them.
     pub packing: Packing,
+    /// The word embeddings' rows the tokens read (their ids, packed).
+    word_rows: RowIndex,
+    /// The segment embeddings' rows the tokens read.
+    type_rows: RowIndex,
+    /// The position embeddings' rows the tokens read (their columns).
+    position_rows: RowIndex,
 }
 
 /// Host-side row-major integers: every value below `limit`, or an error naming the first one
@@ -226,6 +232,7 @@ impl Inputs {
         }
         let shape = (batch, seq);
         let ids = Tensor::from_slice(input_ids, shape, device)?;
+        let token_type_ids_host = token_type_ids;
         let token_type_ids = match token_type_ids {
             Some(t) => Tensor::from_slice(t, shape, device)?,
             None => ids.zeros_like()?,
@@ -234,10 +241,18 @@ impl Inputs {
             Some(m) => Packing::from_mask(shape, m, device)?,
             None => Packing::from_mask(shape, &vec![1; batch * seq], device)?,
         };
+        let word_rows = RowIndex::from_host(packing.pack_host(input_ids), device)?;
+        let type_rows = match token_type_ids_host {
+            Some(t) => RowIndex::from_host(packing.pack_host(t), device)?,
+            None => RowIndex::from_host(vec![0; packing.tokens()], device)?,
+        };
         Ok(Inputs {
             input_ids: ids,
             token_type_ids,
+            position_rows: packing.position_rows(),
             packing,
+            word_rows,
+            type_rows,
         })
     }
 
@@ -388,13 +403,9 @@ impl Embeddings {
     /// The embeddings of the batch's tokens, `[tokens, hidden]`.
     fn forward(&self, k: &dyn Kernels, inputs: &Inputs, mode: Mode) -> candle_core::Result<Tensor> {
         let packing = &inputs.packing;
-        let words = self
-            .word
-            .index_select(&packing.pack(&inputs.input_ids)?, 0)?;
-        let types = self
-            .token_type
-            .index_select(&packing.pack(&inputs.token_type_ids)?, 0)?;
-        let positions = self.position.index_select(packing.positions(), 0)?;
+        let words = k.gather_rows(&self.word, &inputs.word_rows)?;
+        let types = k.gather_rows(&self.token_type, &inputs.type_rows)?;
+        let positions = k.gather_rows(&self.position, &inputs.position_rows)?;
         // The tables are f32 (see `ParamBuilder::get_table`): the sum and its LayerNorm run in
         // f32, and the result is cast to the compute dtype (the LayerNorm's), so the tables'
         // gradients arrive and accumulate in f32.

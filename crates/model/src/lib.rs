@@ -58,7 +58,7 @@ pub use bert::{
 pub use config::{BertConfig, Gelu};
 pub use dropout::DropoutSource;
 pub use kernels::{Composed, Fused, Kernels};
-pub use packing::Packing;
+pub use packing::{Packing, RowIndex};
 pub use params::{ParamBuilder, ParamStore};
 
 /// Why the model could not be built or run.

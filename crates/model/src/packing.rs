@@ -145,6 +145,22 @@ impl Packing {
         &self.columns
     }
 
+    /// The rows of the position embeddings the tokens read (their columns).
+    pub fn position_rows(&self) -> RowIndex {
+        RowIndex::from_parts(self.positions.clone(), Arc::clone(&self.columns))
+    }
+
+    /// The values of a padded `[batch, seq]` array held on the host (row-major) at the
+    /// tokens, in token order.
+    pub fn pack_host(&self, values: &[u32]) -> Vec<u32> {
+        (0..self.batch)
+            .flat_map(|b| {
+                self.row(b)
+                    .map(move |t| values[b * self.seq + self.columns[t] as usize])
+            })
+            .collect()
+    }
+
     /// The tokens' values of a padded `[batch, seq, ...]` tensor, `[tokens, ...]`.
     pub fn pack(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims();
@@ -199,6 +215,100 @@ impl Packing {
     }
 }
 
+/// Which row of a table each token reads (an embedding lookup): the rows in token order on the
+/// device, and, built from the host's copy when a backward pass first asks, the tokens grouped
+/// by the row they read. candle's backward of a row lookup sums a table row's gradients one
+/// token after the other for every row at once (one thread per column: on CUDA a single block
+/// walks all of a batch's tokens); grouped, each row's sum can run apart, still in token
+/// order, so the bits are the same.
+#[derive(Debug, Clone)]
+pub struct RowIndex {
+    /// `[tokens]` u32 on the device.
+    rows: Tensor,
+    /// The same rows on the host.
+    host: Arc<Vec<u32>>,
+    groups: Arc<std::sync::OnceLock<RowGroups>>,
+}
+
+/// A [`RowIndex`]'s tokens grouped by row, on the device (all u32).
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct RowGroups {
+    /// The tokens, ordered by the row they read (and by token within a row).
+    pub(crate) order: Tensor,
+    /// Where each distinct row's tokens start in `order`, and the end of the last
+    /// (`distinct + 1` values).
+    pub(crate) starts: Tensor,
+    /// The distinct rows read, ascending.
+    pub(crate) distinct: Tensor,
+    /// How many distinct rows.
+    pub(crate) count: usize,
+}
+
+impl RowIndex {
+    /// The rows `rows` (one per token, in token order), uploaded to `device`.
+    pub fn from_host(rows: Vec<u32>, device: &Device) -> Result<Self> {
+        Ok(RowIndex {
+            rows: Tensor::from_slice(&rows, rows.len(), device)?,
+            host: Arc::new(rows),
+            groups: Arc::new(std::sync::OnceLock::new()),
+        })
+    }
+
+    /// The rows `rows` already on the device, with their host copy `host`.
+    pub(crate) fn from_parts(rows: Tensor, host: Arc<Vec<u32>>) -> Self {
+        RowIndex {
+            rows,
+            host,
+            groups: Arc::new(std::sync::OnceLock::new()),
+        }
+    }
+
+    /// `[tokens]` u32: the row each token reads.
+    pub fn rows(&self) -> &Tensor {
+        &self.rows
+    }
+
+    /// The row each token reads, on the host.
+    pub fn host_rows(&self) -> &[u32] {
+        &self.host
+    }
+
+    /// The tokens grouped by row (built and uploaded on the first call).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn groups(&self) -> Result<&RowGroups> {
+        if let Some(groups) = self.groups.get() {
+            return Ok(groups);
+        }
+        let (order, starts, distinct) = group_by_row(&self.host);
+        let device = self.rows.device();
+        let groups = RowGroups {
+            count: distinct.len(),
+            order: Tensor::from_vec(order.clone(), order.len(), device)?,
+            starts: Tensor::from_vec(starts.clone(), starts.len(), device)?,
+            distinct: Tensor::from_vec(distinct.clone(), distinct.len(), device)?,
+        };
+        Ok(self.groups.get_or_init(|| groups))
+    }
+}
+
+/// `rows`' tokens ordered by row (stable: by token within a row), where each distinct row's
+/// tokens start (and the end), and the distinct rows ascending.
+fn group_by_row(rows: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut order: Vec<u32> = (0..rows.len() as u32).collect();
+    order.sort_by_key(|&t| rows[t as usize]);
+    let (mut starts, mut distinct) = (Vec::new(), Vec::new());
+    for (i, &t) in order.iter().enumerate() {
+        let row = rows[t as usize];
+        if distinct.last() != Some(&row) {
+            distinct.push(row);
+            starts.push(i as u32);
+        }
+    }
+    starts.push(order.len() as u32);
+    (order, starts, distinct)
+}
+
 /// How many attention probabilities the sequences starting at `starts` (a [`Packing`]'s, the
 /// end of the last one included) have with `heads` heads: `len × len` per sequence and head.
 /// The CPU attention's dropout mask holds one byte per probability, in that order.
@@ -217,6 +327,17 @@ fn with_zero_row(x: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
+
+    /// Tokens grouped by the row they read: by row ascending, by token within a row.
+    #[test]
+    fn rows_group_by_row_then_token() {
+        let (order, starts, distinct) = super::group_by_row(&[5, 2, 5, 0, 2, 5]);
+        assert_eq!(order, [3, 1, 4, 0, 2, 5]);
+        assert_eq!(starts, [0, 1, 3, 6]);
+        assert_eq!(distinct, [0, 2, 5]);
+        assert_eq!(super::group_by_row(&[]), (vec![], vec![0], vec![]));
+    }
+
     use super::*;
 
     #[test]

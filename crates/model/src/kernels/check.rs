@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::{Composed, Fused, Gelu, Kernels, Mode};
 use crate::dropout::DropoutSource;
-use crate::packing::Packing;
+use crate::packing::{Packing, RowIndex};
 
 /// One compared tensor of one kernel.
 #[derive(Debug, Clone)]
@@ -145,6 +145,19 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         train,
     };
     vec![
+        Case {
+            kernel: "gather_rows",
+            // A table of 50 rows read by every token, rows repeated (as words are), one row
+            // read by none.
+            inputs: vec![("table", vec![50, h], 1.0)],
+            run: |k, x, p, _, _| {
+                let rows = (0..p.tokens())
+                    .map(|t| ((t * 7 + t / 3) % 49) as u32)
+                    .collect();
+                k.gather_rows(&x[0], &RowIndex::from_host(rows, x[0].device())?)
+            },
+            train: false,
+        },
         norm("layer_norm", false, |k, x, _, _, _| {
             k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
         }),
@@ -265,8 +278,9 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
 /// (see the module's documentation). On a CUDA device this turns the CUDA kernels (the lean
-/// feed-forward among them) on and TF32 off for the process ([`super::set_cuda_kernels`],
-/// [`super::set_lean_cuda_feed_forward`], [`crate::set_tf32`]).
+/// feed-forward and the embedding lookup among them) on and TF32 off for the process
+/// ([`super::set_cuda_kernels`], [`super::set_lean_cuda_feed_forward`],
+/// [`super::set_cuda_embeddings`], [`crate::set_tf32`]).
 pub fn check_kernels(
     device: &Device,
     dtype: DType,
@@ -275,6 +289,7 @@ pub fn check_kernels(
     if device.is_cuda() {
         super::set_cuda_kernels(true);
         super::set_lean_cuda_feed_forward(true);
+        super::set_cuda_embeddings(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
         // error behind the product's.
         crate::set_tf32(false);

@@ -31,7 +31,7 @@ use candle_core::{D, DType, Layout, Result, Tensor};
 
 pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
-use crate::packing::Packing;
+use crate::packing::{Packing, RowIndex};
 use crate::switch::Switch;
 
 pub mod check;
@@ -91,6 +91,13 @@ pub trait Kernels: Send + Sync + Debug {
     fn records(&self, dtype: DType, device: &candle_core::Device) -> bool {
         let _ = (dtype, device);
         false
+    }
+
+    /// The rows of `table` (`[rows, width]`) the tokens read (an embedding lookup):
+    /// `[tokens, width]`. Its backward sums each row's gradients in token order, whichever
+    /// kernel runs it.
+    fn gather_rows(&self, table: &Tensor, index: &RowIndex) -> Result<Tensor> {
+        table.index_select(index.rows(), 0)
     }
 
     /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`.
@@ -290,6 +297,25 @@ pub fn cuda_tape() -> bool {
     CUDA_TAPE.get()
 }
 
+/// Whether embedding lookups on CUDA take our kernel.
+static CUDA_EMBEDDINGS: Switch =
+    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_EMBEDDINGS", "fused"));
+
+/// Turns our CUDA embedding lookup ([`Kernels::gather_rows`]) on or off for this process:
+/// the forward gathers the rows in parallel and the backward sums each table row's gradients
+/// apart, in token order (the bits of candle's backward), where candle's backward walks every
+/// token of the batch in one block of threads (one thread per column), one after the other.
+/// Checked by `bertkit check kernels --device cuda`, not yet run on a GPU: unset, it is off
+/// unless `BERTKIT_CUDA_EMBEDDINGS=fused`.
+pub fn set_cuda_embeddings(on: bool) {
+    CUDA_EMBEDDINGS.set(on);
+}
+
+/// Whether embedding lookups on CUDA take our kernel (see [`set_cuda_embeddings`]).
+pub fn cuda_embeddings() -> bool {
+    CUDA_EMBEDDINGS.get()
+}
+
 /// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32 or bf16, with the
 /// kernels turned on).
 #[cfg(feature = "cuda")]
@@ -392,6 +418,14 @@ impl Kernels for Fused {
             candle_core::Device::Cuda(_) => cuda_tape() && cuda_kernels() && cuda::takes(dtype),
             _ => false,
         }
+    }
+
+    fn gather_rows(&self, table: &Tensor, index: &RowIndex) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if cuda_embeddings() && on_cuda(&[table]) {
+            return cuda::gather_rows(table, index);
+        }
+        table.index_select(index.rows(), 0)
     }
 
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {

@@ -118,6 +118,12 @@ impl Kernels for Profiled {
         self.inner.records(dtype, device)
     }
 
+    fn gather_rows(&self, table: &Tensor, index: &crate::packing::RowIndex) -> Result<Tensor> {
+        self.timed("gather_rows", table, || {
+            self.inner.gather_rows(table, index)
+        })
+    }
+
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
         self.timed("layer_norm", x, || {
             self.inner.layer_norm(x, weight, bias, eps)

@@ -414,6 +414,38 @@ __device__ void attention_softmax_backward(const T* scores, const T* grad_probs,
 }
 
 // ---------------------------------------------------------------------------------------------
+// Embedding lookups: rows of a table gathered per token, and the backward summing each row's
+// gradients apart (a block per distinct row, a thread per column), in token order from zero as
+// candle's backward of a lookup does, so the sums are its bits.
+
+template <typename T>
+__device__ void gather_rows(const T* table, const uint32_t* rows, T* out, int tokens, int cols) {
+    const size_t n = (size_t)tokens * cols;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / cols, c = i % cols;
+        out[i] = table[(size_t)rows[t] * cols + c];
+    }
+}
+
+template <typename T>
+__device__ void gather_rows_backward(const T* grad, const uint32_t* order, const uint32_t* starts,
+                                     const uint32_t* distinct, T* grad_table, int groups,
+                                     int cols) {
+    for (int k = blockIdx.x; k < groups; k += gridDim.x) {
+        const uint32_t begin = starts[k], end = starts[k + 1];
+        T* dst = grad_table + (size_t)distinct[k] * cols;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            T sum = from_f32<T>(0.0f);
+            for (uint32_t i = begin; i < end; ++i) {
+                sum = from_f32<T>(to_f32(sum) + to_f32(grad[(size_t)order[i] * cols + c]));
+            }
+            dst[c] = sum;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Entry points, one per dtype.
 
 #define ENTRY_POINTS(T, SUFFIX)                                                                   \
@@ -459,6 +491,15 @@ __device__ void attention_softmax_backward(const T* scores, const T* grad_probs,
         int seq, float scale, Dropout d) {                                                      \
         attention_softmax_forward<T>(scores, probs, scatter, tokens, batch, heads, seq, scale,  \
                                      d);                                                        \
+    }                                                                                           \
+    extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* rows, T* out,  \
+                                                    int tokens, int cols) {                     \
+        gather_rows<T>(table, rows, out, tokens, cols);                                         \
+    }                                                                                           \
+    extern "C" __global__ void gather_rows_backward_##SUFFIX(                                    \
+        const T* grad, const uint32_t* order, const uint32_t* starts, const uint32_t* distinct, \
+        T* grad_table, int groups, int cols) {                                                  \
+        gather_rows_backward<T>(grad, order, starts, distinct, grad_table, groups, cols);       \
     }                                                                                           \
     extern "C" __global__ void attention_softmax_backward_##SUFFIX(                              \
         const T* scores, const T* grad_probs, T* grad_scores, const uint32_t* scatter,          \

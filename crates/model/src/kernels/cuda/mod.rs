@@ -232,10 +232,12 @@ fn column_sums<T: Element>(
 }
 
 mod attention;
+mod gather;
 mod linear;
 mod norm;
 
 pub(crate) use attention::attention;
+pub(crate) use gather::gather_rows;
 pub(crate) use linear::{activation, gelu_linear, linear};
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
