@@ -1132,7 +1132,11 @@ impl BertForQuestionAnswering {
     /// and end logits, each `[batch, seq]` (0 at padding).
     pub fn head(&self, x: &Tensor, inputs: &Inputs) -> Result<(Tensor, Tensor), ModelError> {
         let k = self.bert.kernels.as_ref();
-        let logits = inputs.packing.unpack(&self.qa_outputs.forward(k, x)?)?;
+        let logits = inputs
+            .packing
+            .unpack_with(&self.qa_outputs.forward(k, x)?, |t, rows| {
+                k.gather_rows(t, rows)
+            })?;
         Ok((
             logits.i((.., .., 0))?.contiguous()?,
             logits.i((.., .., 1))?.contiguous()?,

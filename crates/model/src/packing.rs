@@ -35,6 +35,8 @@ pub struct Packing {
     gather: Tensor,
     /// `[batch · seq]` u32: each padded place's token, or `tokens` (a zero row) for padding.
     scatter: Tensor,
+    /// The same as the rows a padded output reads from the tokens and a zero row.
+    scatter_rows: RowIndex,
     /// `[batch]` u32: the place in [`Packing::scatter`]'s numbering of each row's column 0.
     firsts: Tensor,
     /// Whether some row's column 0 is padding (its first place is then the zero row).
@@ -72,6 +74,7 @@ impl Packing {
         }
         let firsts: Vec<u32> = (0..batch).map(|b| scatter[b * seq]).collect();
         let first_is_padding = firsts.iter().any(|&t| t as usize == tokens);
+        let scatter_tensor = Tensor::from_slice(&scatter, batch * seq, device)?;
         let bias: Vec<f32> = mask
             .iter()
             .map(|&m| if m == 1 { 0.0 } else { MASK_BIAS as f32 })
@@ -82,7 +85,8 @@ impl Packing {
             seq,
             gather: Tensor::from_slice(&gather, tokens, device)?,
             positions: Tensor::from_slice(&columns, tokens, device)?,
-            scatter: Tensor::from_vec(scatter, batch * seq, device)?,
+            scatter_rows: RowIndex::from_parts(scatter_tensor.clone(), Arc::new(scatter)),
+            scatter: scatter_tensor,
             firsts: Tensor::from_vec(firsts, batch, device)?,
             first_is_padding,
             starts: Arc::new(starts),
@@ -178,10 +182,18 @@ impl Packing {
 
     /// A packed `[tokens, width]` tensor padded back to `[batch, seq, width]`, zeros at padding.
     pub fn unpack(&self, x: &Tensor) -> Result<Tensor> {
+        self.unpack_with(x, |t, rows| t.index_select(rows.rows(), 0))
+    }
+
+    /// As [`Packing::unpack`], the rows gathered by `gather` (a kernel set's
+    /// [`crate::Kernels::gather_rows`], whose backward may be faster than `index_select`'s).
+    pub fn unpack_with(
+        &self,
+        x: &Tensor,
+        gather: impl FnOnce(&Tensor, &RowIndex) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let width = self.width(x)?;
-        with_zero_row(x)?
-            .index_select(&self.scatter, 0)?
-            .reshape((self.batch, self.seq, width))
+        gather(&with_zero_row(x)?, &self.scatter_rows)?.reshape((self.batch, self.seq, width))
     }
 
     /// The rows of packed `x` (`[tokens, width]`) at `places` (`[n]` u32, places `b · seq +
