@@ -328,6 +328,8 @@ impl Inputs {
 #[derive(Debug, Clone)]
 pub struct MaskedPositions {
     positions: Tensor,
+    /// The same on the host.
+    host: Arc<Vec<u32>>,
     /// The sequence length the positions were checked against.
     seq: usize,
 }
@@ -357,6 +359,7 @@ impl MaskedPositions {
         )?;
         Ok(MaskedPositions {
             positions: Tensor::from_slice(positions, (batch, predictions), device)?,
+            host: Arc::new(positions.to_vec()),
             seq,
         })
     }
@@ -1076,12 +1079,17 @@ impl BertForPreTraining {
                 masked_positions.seq
             )));
         }
-        let offsets = Tensor::arange(0u32, batch as u32, x.device())?
-            .affine(seq as f64, 0.0)?
-            .unsqueeze(1)?;
-        let places = positions.broadcast_add(&offsets)?.flatten_all()?;
-        let picked = inputs.packing.select(x, &places)?;
+        // Each masked position's place in the padded batch, `row · seq + position`.
+        let places: Vec<u32> = masked_positions
+            .host
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| ((i / predictions.max(1)) * seq) as u32 + p)
+            .collect();
         let k = self.bert.kernels.as_ref();
+        let picked = inputs
+            .packing
+            .select_with(x, &places, |t, rows| k.gather_rows(t, rows))?;
         let t = self
             .transform
             .forward_gelu(k, &picked, self.bert.config().gelu())?;

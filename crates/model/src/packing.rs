@@ -196,12 +196,35 @@ impl Packing {
         gather(&with_zero_row(x)?, &self.scatter_rows)?.reshape((self.batch, self.seq, width))
     }
 
-    /// The rows of packed `x` (`[tokens, width]`) at `places` (`[n]` u32, places `b · seq +
-    /// column` of the padded batch), `[n, width]`; zeros where a place is padding.
-    pub fn select(&self, x: &Tensor, places: &Tensor) -> Result<Tensor> {
+    /// The rows of packed `x` (`[tokens, width]`) at `places` (places `b · seq + column` of the
+    /// padded batch, on the host), `[n, width]`; zeros where a place is padding.
+    pub fn select(&self, x: &Tensor, places: &[u32]) -> Result<Tensor> {
+        self.select_with(x, places, |t, rows| t.index_select(rows.rows(), 0))
+    }
+
+    /// As [`Packing::select`], the rows gathered by `gather` (a kernel set's
+    /// [`crate::Kernels::gather_rows`]).
+    pub fn select_with(
+        &self,
+        x: &Tensor,
+        places: &[u32],
+        gather: impl FnOnce(&Tensor, &RowIndex) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         self.width(x)?;
-        let tokens = self.scatter.index_select(places, 0)?;
-        with_zero_row(x)?.index_select(&tokens, 0)
+        let scatter = self.scatter_rows.host_rows();
+        let tokens = places
+            .iter()
+            .map(|&place| match scatter.get(place as usize) {
+                Some(&t) => Ok(t),
+                None => candle_core::bail!(
+                    "packing: place {place} of a [{}, {}] batch",
+                    self.batch,
+                    self.seq
+                ),
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        let rows = RowIndex::from_host(tokens, self.scatter.device())?;
+        gather(&with_zero_row(x)?, &rows)
     }
 
     /// Each row's column 0 (the `[CLS]` token) of packed `x`, `[batch, width]`; zeros for a
@@ -375,9 +398,9 @@ mod tests {
             back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             vec![0., 1., 2., 0., 4., 0., 6., 7., 0., 9., 10., 0.]
         );
-        let places = Tensor::new(&[2u32, 5, 8, 11], cpu).unwrap();
+        assert!(p.select(&packed, &[12]).is_err());
         assert_eq!(
-            p.select(&packed, &places)
+            p.select(&packed, &[2, 5, 8, 11])
                 .unwrap()
                 .flatten_all()
                 .unwrap()
