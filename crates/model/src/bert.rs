@@ -547,19 +547,33 @@ pub struct EncoderPass<'a> {
     mode: Mode<'a>,
     /// The embeddings' output, tracked (their backward runs in candle's autograd).
     embedded: Tensor,
-    /// The last layer's output, a variable the head starts from.
-    top: Var,
+    /// The last layer's output, where the head starts.
+    top: Top,
     /// The layers' backward when every activation is kept.
     kept: Option<EncoderBackward>,
     /// With checkpointing: each segment's input, its first dropout mask and its layers.
     segments: Vec<(Tensor, u64, std::ops::Range<usize>)>,
 }
 
+/// Where a head starts.
+#[derive(Debug)]
+enum Top {
+    /// A variable: the layers' backward runs apart from the head's, from the gradient the
+    /// head's backward hands back.
+    Var(Var),
+    /// The layers' tracked output: one graph from the embeddings to the loss, whose backward
+    /// is the whole pass's (kernels that do not record, every activation kept).
+    Graph(Tensor),
+}
+
 impl EncoderPass<'_> {
     /// The last layer's output for the batch's tokens, `[tokens, hidden]`, where the head
-    /// starts (a variable: the head's backward hands back its gradient).
+    /// starts.
     pub fn top(&self) -> &Tensor {
-        self.top.as_tensor()
+        match &self.top {
+            Top::Var(v) => v.as_tensor(),
+            Top::Graph(t) => t,
+        }
     }
 
     /// Back-propagates from the head's gradients `store` (the backward of a loss computed from
@@ -569,12 +583,13 @@ impl EncoderPass<'_> {
     /// it returns: the word embeddings may have a gradient in `store` too (a decoder tied to
     /// them), and adding the two before anything else (`GradStore::extend`) sums them as one
     /// graph's backward does, so that a micro-batch's gradient is the same bits however the
-    /// caller goes on (accumulated, or summed over data-parallel ranks).
+    /// caller goes on (accumulated, or summed over data-parallel ranks). `None` when the pass
+    /// was one graph: `store` holds every gradient already.
     pub fn backward<E>(
         self,
         store: &GradStore,
         mut sink: impl FnMut(Gradients) -> Result<(), E>,
-    ) -> Result<GradStore, E>
+    ) -> Result<Option<GradStore>, E>
     where
         E: From<ModelError> + From<candle_core::Error>,
     {
@@ -591,6 +606,10 @@ impl EncoderPass<'_> {
         let end = match mode {
             Mode::Train(source) => source.position(),
             Mode::Eval => 0,
+        };
+        let top = match top {
+            Top::Var(top) => top,
+            Top::Graph(_) => return Ok(None),
         };
         let mut upstream = store
             .get(top.as_tensor())
@@ -613,7 +632,7 @@ impl EncoderPass<'_> {
         // respect to the embeddings' output is `upstream`.
         let embeddings = (embedded * &upstream)?.sum_all()?.backward()?;
         rewind(mode, end);
-        Ok(embeddings)
+        Ok(Some(embeddings))
     }
 }
 
@@ -843,7 +862,7 @@ impl BertModel {
         mode: Mode,
     ) -> Result<(Tensor, EncoderBackward), ModelError> {
         let k = self.kernels.as_ref();
-        if k.records(x.dtype(), x.device()) && self.tape_refused.get().is_none() {
+        if self.backward_by_hand(x) {
             let position = match mode {
                 Mode::Train(source) => Some(source.position()),
                 Mode::Eval => None,
@@ -897,7 +916,9 @@ impl BertModel {
     ///
     /// With `checkpoint_every` > 0 (activation checkpointing) only the input of each segment
     /// of that many layers is kept, and the backward pass recomputes each segment (replaying
-    /// its dropout masks) before back-propagating through it; 0 keeps every activation.
+    /// its dropout masks) before back-propagating through it; 0 keeps every activation. With
+    /// kernels that do not record and every activation kept, the pass is one graph and its
+    /// backward candle's, whole.
     pub fn encoder_pass<'a>(
         &'a self,
         inputs: &'a Inputs,
@@ -911,6 +932,19 @@ impl BertModel {
             checkpoint_every
         };
         let embedded = self.embed(inputs, mode)?;
+        if checkpoint_every == 0 && !self.backward_by_hand(&embedded) {
+            // Nothing to run apart: one graph, as candle's autograd takes it.
+            let top = self.encode(&embedded, inputs, 0..layers, mode)?;
+            return Ok(EncoderPass {
+                bert: self,
+                inputs,
+                mode,
+                embedded,
+                top: Top::Graph(top),
+                kept: None,
+                segments: Vec::new(),
+            });
+        }
         let mut x = embedded.detach();
         let (mut kept, mut segments) = (None, Vec::new());
         for start in (0..layers).step_by(every) {
@@ -932,10 +966,16 @@ impl BertModel {
             inputs,
             mode,
             embedded,
-            top: Var::from_tensor(&x)?,
+            top: Top::Var(Var::from_tensor(&x)?),
             kept,
             segments,
         })
+    }
+
+    /// Whether the layers' backward on tensors like `x` is tried by hand: the kernels record
+    /// in `x`'s dtype on its device and no recording was refused.
+    fn backward_by_hand(&self, x: &Tensor) -> bool {
+        self.kernels.records(x.dtype(), x.device()) && self.tape_refused.get().is_none()
     }
 
     /// Why the encoder's backward pass is not run by hand with these kernels, if a recording

@@ -231,7 +231,9 @@ impl Step {
         let embeddings = pass.backward(&store, |grads| self.accumulate_gradients(&grads))?;
         // The head's and the embeddings' gradients as one graph's backward sums them (the
         // tied word embeddings get one from each), then added to the step's at once.
-        store.extend(embeddings)?;
+        if let Some(embeddings) = embeddings {
+            store.extend(embeddings)?;
+        }
         self.accumulate(&store)
     }
 
@@ -565,6 +567,38 @@ mod tests {
                     "{name}, checkpointing every {every}: {worst} of {scale}"
                 );
             }
+        }
+
+        // Kernels that do not record, every activation kept: the pass is the whole graph,
+        // the same bits for every parameter.
+        let mut composed = model.clone();
+        composed
+            .bert
+            .set_kernels(std::sync::Arc::new(bertkit_model::Composed));
+        source.start_batch(4, 0);
+        let out = composed
+            .forward(&inputs, &positions, Mode::Train(&source))
+            .unwrap();
+        let mut whole = Step::begin(vars, &optimizer, None);
+        whole.backward(&objective(out).unwrap()).unwrap();
+        source.start_batch(4, 0);
+        let mut step = Step::begin(vars, &optimizer, None);
+        step.through_encoder(
+            &composed.bert,
+            &inputs,
+            Mode::Train(&source),
+            0,
+            |top, _| Ok(objective(composed.heads(top, &inputs, &positions)?)?),
+        )
+        .unwrap();
+        let (ours, whole) = (
+            step.into_gradients().unwrap(),
+            whole.into_gradients().unwrap(),
+        );
+        assert_eq!(ours.len(), vars.len());
+        for (name, g) in &whole {
+            let same = (&ours[name] - g).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0, "{name}");
         }
     }
 }
