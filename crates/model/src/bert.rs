@@ -103,13 +103,9 @@ fn dropout(x: &Tensor, p: f64, mode: Mode) -> candle_core::Result<Tensor> {
     mode.dropout(x, p)
 }
 
-/// Checked model inputs: `u32` ids and where the tokens are.
+/// Checked model inputs: where the tokens are and the embedding rows they read.
 #[derive(Debug, Clone)]
 pub struct Inputs {
-    /// Token ids, `[batch, seq]`, u32.
-    pub input_ids: Tensor,
-    /// Segment ids, `[batch, seq]`, u32.
-    pub token_type_ids: Tensor,
     /// The tokens (the attention mask's 1s) laid end to end, as the encoder runs them.
     pub packing: Packing,
     /// The word embeddings' rows the tokens read (their ids, packed).
@@ -231,24 +227,16 @@ impl Inputs {
             }
         }
         let shape = (batch, seq);
-        let ids = Tensor::from_slice(input_ids, shape, device)?;
-        let token_type_ids_host = token_type_ids;
-        let token_type_ids = match token_type_ids {
-            Some(t) => Tensor::from_slice(t, shape, device)?,
-            None => ids.zeros_like()?,
-        };
         let packing = match attention_mask {
             Some(m) => Packing::from_mask(shape, m, device)?,
             None => Packing::from_mask(shape, &vec![1; batch * seq], device)?,
         };
         let word_rows = RowIndex::from_host(packing.pack_host(input_ids), device)?;
-        let type_rows = match token_type_ids_host {
+        let type_rows = match token_type_ids {
             Some(t) => RowIndex::from_host(packing.pack_host(t), device)?,
             None => RowIndex::from_host(vec![0; packing.tokens()], device)?,
         };
         Ok(Inputs {
-            input_ids: ids,
-            token_type_ids,
             position_rows: packing.position_rows(),
             packing,
             word_rows,
@@ -603,10 +591,7 @@ impl EncoderPass<'_> {
             segments,
         } = self;
         // Where the forward pass (the head's dropout included) left the masks.
-        let end = match mode {
-            Mode::Train(source) => source.position(),
-            Mode::Eval => 0,
-        };
+        let end = position(mode);
         let top = match top {
             Top::Var(top) => top,
             Top::Graph(_) => return Ok(None),
@@ -633,6 +618,14 @@ impl EncoderPass<'_> {
         let embeddings = (embedded * &upstream)?.sum_all()?.backward()?;
         rewind(mode, end);
         Ok(Some(embeddings))
+    }
+}
+
+/// Where the dropout masks are in training `mode` (0 in evaluation, which draws none).
+fn position(mode: Mode) -> u64 {
+    match mode {
+        Mode::Train(source) => source.position(),
+        Mode::Eval => 0,
     }
 }
 
@@ -678,22 +671,14 @@ impl Gradients {
     pub fn get(&self, tensor: &Tensor) -> Option<&Tensor> {
         self.0.get(&tensor.id())
     }
-
-    /// How many tensors have a gradient.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Whether no tensor has one.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
 }
 
 impl From<&GradStore> for Gradients {
     fn from(store: &GradStore) -> Self {
-        let grads = store.get_ids().map(|&id| (id, store.get_id(id).cloned()));
-        Gradients(grads.filter_map(|(id, g)| Some((id, g?))).collect())
+        let grads = store
+            .get_ids()
+            .filter_map(|&id| Some((id, store.get_id(id)?.clone())));
+        Gradients(grads.collect())
     }
 }
 
@@ -747,7 +732,8 @@ impl EncoderBackward {
                 }
                 if !leaves.is_empty() {
                     return Err(ModelError::Input(format!(
-                        "the encoder's recorded backward left {} gradients for tensors that are                          neither its input nor its parameters (an op outside the tape)",
+                        "the encoder's recorded backward left {} gradients for tensors that are \
+                         neither its input nor its parameters (an op outside the tape)",
                         leaves.len()
                     )));
                 }
@@ -863,10 +849,7 @@ impl BertModel {
     ) -> Result<(Tensor, EncoderBackward), ModelError> {
         let k = self.kernels.as_ref();
         if self.backward_by_hand(x) {
-            let position = match mode {
-                Mode::Train(source) => Some(source.position()),
-                Mode::Eval => None,
-            };
+            let start = position(mode);
             let mut params = Vec::new();
             let detached: Vec<EncoderLayer> = self.layers[layers.clone()]
                 .iter()
@@ -893,9 +876,7 @@ impl BertModel {
                 Err(why) => {
                     // The pass is run again under candle's autograd, with the same masks.
                     let _ = self.tape_refused.set(why);
-                    if let (Mode::Train(source), Some(position)) = (mode, position) {
-                        source.set_position(position);
-                    }
+                    rewind(mode, start);
                 }
             }
         }

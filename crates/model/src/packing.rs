@@ -33,10 +33,9 @@ pub struct Packing {
     positions: Tensor,
     /// `[tokens]` u32: each token's place `b · seq + column` in the flattened padded batch.
     gather: Tensor,
-    /// `[batch · seq]` u32: each padded place's token, or `tokens` (a zero row) for padding.
-    scatter: Tensor,
-    /// The same as the rows a padded output reads from the tokens and a zero row.
-    scatter_rows: RowIndex,
+    /// Each padded place's token, or `tokens` (a zero row) for padding (`[batch · seq]`): the
+    /// rows a padded output reads from the tokens and a zero row.
+    scatter: RowIndex,
     /// `[batch]` u32: the place in [`Packing::scatter`]'s numbering of each row's column 0.
     firsts: Tensor,
     /// Whether some row's column 0 is padding (its first place is then the zero row).
@@ -74,7 +73,6 @@ impl Packing {
         }
         let firsts: Vec<u32> = (0..batch).map(|b| scatter[b * seq]).collect();
         let first_is_padding = firsts.iter().any(|&t| t as usize == tokens);
-        let scatter_tensor = Tensor::from_slice(&scatter, batch * seq, device)?;
         let bias: Vec<f32> = mask
             .iter()
             .map(|&m| if m == 1 { 0.0 } else { MASK_BIAS as f32 })
@@ -85,8 +83,7 @@ impl Packing {
             seq,
             gather: Tensor::from_slice(&gather, tokens, device)?,
             positions: Tensor::from_slice(&columns, tokens, device)?,
-            scatter_rows: RowIndex::from_parts(scatter_tensor.clone(), Arc::new(scatter)),
-            scatter: scatter_tensor,
+            scatter: RowIndex::from_host(scatter, device)?,
             firsts: Tensor::from_vec(firsts, batch, device)?,
             first_is_padding,
             starts: Arc::new(starts),
@@ -134,7 +131,7 @@ impl Packing {
     /// (the CUDA attention kernels' way from tokens to padded heads).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn scatter_places(&self) -> &Tensor {
-        &self.scatter
+        self.scatter.rows()
     }
 
     /// `[tokens]` u32: each token's place `b · seq + column` in the flattened padded batch
@@ -193,7 +190,7 @@ impl Packing {
         gather: impl FnOnce(&Tensor, &RowIndex) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let width = self.width(x)?;
-        gather(&with_zero_row(x)?, &self.scatter_rows)?.reshape((self.batch, self.seq, width))
+        gather(&with_zero_row(x)?, &self.scatter)?.reshape((self.batch, self.seq, width))
     }
 
     /// The rows of packed `x` (`[tokens, width]`) at `places` (places `b · seq + column` of the
@@ -211,7 +208,7 @@ impl Packing {
         gather: impl FnOnce(&Tensor, &RowIndex) -> Result<Tensor>,
     ) -> Result<Tensor> {
         self.width(x)?;
-        let scatter = self.scatter_rows.host_rows();
+        let scatter = self.scatter.host_rows();
         let tokens = places
             .iter()
             .map(|&place| match scatter.get(place as usize) {
@@ -223,7 +220,7 @@ impl Packing {
                 ),
             })
             .collect::<Result<Vec<u32>>>()?;
-        let rows = RowIndex::from_host(tokens, self.scatter.device())?;
+        let rows = RowIndex::from_host(tokens, self.positions.device())?;
         gather(&with_zero_row(x)?, &rows)
     }
 
@@ -319,9 +316,9 @@ impl RowIndex {
         let device = self.rows.device();
         let groups = RowGroups {
             count: distinct.len(),
-            order: Tensor::from_vec(order.clone(), order.len(), device)?,
-            starts: Tensor::from_vec(starts.clone(), starts.len(), device)?,
-            distinct: Tensor::from_vec(distinct.clone(), distinct.len(), device)?,
+            order: Tensor::from_slice(&order, order.len(), device)?,
+            starts: Tensor::from_slice(&starts, starts.len(), device)?,
+            distinct: Tensor::from_slice(&distinct, distinct.len(), device)?,
         };
         Ok(self.groups.get_or_init(|| groups))
     }
@@ -362,18 +359,17 @@ fn with_zero_row(x: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     /// Tokens grouped by the row they read: by row ascending, by token within a row.
     #[test]
     fn rows_group_by_row_then_token() {
-        let (order, starts, distinct) = super::group_by_row(&[5, 2, 5, 0, 2, 5]);
+        let (order, starts, distinct) = group_by_row(&[5, 2, 5, 0, 2, 5]);
         assert_eq!(order, [3, 1, 4, 0, 2, 5]);
         assert_eq!(starts, [0, 1, 3, 6]);
         assert_eq!(distinct, [0, 2, 5]);
-        assert_eq!(super::group_by_row(&[]), (vec![], vec![0], vec![]));
+        assert_eq!(group_by_row(&[]), (vec![], vec![0], vec![]));
     }
-
-    use super::*;
 
     #[test]
     fn tokens_keep_their_columns_and_padding_unpacks_to_zeros() {

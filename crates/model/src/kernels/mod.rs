@@ -518,11 +518,10 @@ impl Kernels for Fused {
                 && cuda::bias_fits(w1.dim(0)?)
                 && cuda::bias_fits(w2.dim(0)?)
             {
-                let pre = cuda::linear(x, w1, b1, None)?;
-                return cuda::gelu_linear(&pre, w2, b2, form);
+                return cuda::gelu_linear(&self.linear(x, w1, Some(b1))?, w2, b2, form);
             }
             if on_cpu_in_f32(x) && [w1, b1, w2, b2].iter().all(|t| t.dtype() == DType::F32) {
-                let pre = tape::apply_op3(&tape::contiguous(x)?, w1, b1, cpu::Linear)?;
+                let pre = self.linear(x, w1, Some(b1))?;
                 return tape::apply_op3(&pre, w2, b2, cpu::GeluLinear { form });
             }
         }

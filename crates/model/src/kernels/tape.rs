@@ -106,16 +106,6 @@ impl std::fmt::Debug for Tape {
 pub type LeafGradients = HashMap<TensorId, Tensor>;
 
 impl Tape {
-    /// How many ops were recorded.
-    pub fn len(&self) -> usize {
-        self.nodes.len()
-    }
-
-    /// Whether nothing was recorded.
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
-    }
-
     /// Back-propagates `grad`, the gradient of `output` (what the recorded pass returned):
     /// each op's backward in reverse order, freeing the op's saved tensors after it. Returns
     /// the gradients of the tensors the recorded ops took but did not produce. A gradient that
