@@ -7,5 +7,7 @@ include!("ptx.rs");
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed=ptx.rs");
+    // kernels.cu includes flash.cu.
+    println!("cargo::rerun-if-changed=src/kernels/cuda/flash.cu");
     compile_ptx("src/kernels/cuda/kernels.cu", "kernels.ptx");
 }

@@ -57,7 +57,8 @@ pub struct CheckShape {
 
 impl CheckShape {
     /// The shapes `bertkit check kernels` runs: a small one with odd lengths (a row of one
-    /// token, a length not a multiple of a warp) and BERT-base's widths at 128 positions.
+    /// token, a length not a multiple of a warp), BERT-base's widths at 128 positions, and the
+    /// longest rows (512: eight tiles of the one-pass attention, rows ending inside a tile).
     pub fn defaults() -> Vec<CheckShape> {
         vec![
             CheckShape {
@@ -75,6 +76,14 @@ impl CheckShape {
                 hidden: 768,
                 heads: 12,
                 intermediate: 3072,
+            },
+            CheckShape {
+                name: "long-512",
+                lengths: vec![512, 200, 65, 1],
+                seq: 512,
+                hidden: 128,
+                heads: 2,
+                intermediate: 512,
             },
         ]
     }
@@ -113,6 +122,9 @@ struct Case {
     inputs: Vec<(&'static str, Vec<usize>, f64)>,
     run: Run,
     train: bool,
+    /// Run with attention in one pass over key tiles ([`super::set_cuda_flash_attention`]):
+    /// only where those kernels take the shape (CUDA, bf16, heads of 64).
+    flash: bool,
 }
 
 fn cases(s: &CheckShape) -> Vec<Case> {
@@ -127,6 +139,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ],
         run,
         train,
+        flash: false,
     };
     let linear = |kernel, run: Run| Case {
         kernel,
@@ -137,12 +150,14 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ],
         run,
         train: false,
+        flash: false,
     };
-    let attention = |kernel, train| Case {
+    let attention = |kernel, train, flash| Case {
         kernel,
         inputs: vec![("qkv", vec![t, 3 * h], 1.0)],
         run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
         train,
+        flash,
     };
     vec![
         Case {
@@ -157,6 +172,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.gather_rows(&x[0], &RowIndex::from_host(rows, x[0].device())?)
             },
             train: false,
+            flash: false,
         },
         norm("layer_norm", false, |k, x, _, _, _| {
             k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
@@ -175,6 +191,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             inputs: vec![("x", vec![t, i], 3.0)],
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
+            flash: false,
         },
         Case {
             kernel: "feed_forward (erf)",
@@ -189,9 +206,12 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.feed_forward(&x[0], (&x[1], Some(&x[2])), (&x[3], Some(&x[4])), Gelu::Erf)
             },
             train: false,
+            flash: false,
         },
-        attention("attention (eval)", false),
-        attention("attention (dropout)", true),
+        attention("attention (eval)", false, false),
+        attention("attention (dropout)", true, false),
+        attention("attention flash (eval)", false, true),
+        attention("attention flash (dropout)", true, true),
         Case {
             kernel: "residual_layer_norm (dropout)",
             inputs: vec![
@@ -204,6 +224,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
             },
             train: true,
+            flash: false,
         },
     ]
 }
@@ -280,7 +301,8 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// (see the module's documentation). On a CUDA device this turns the CUDA kernels (the lean
 /// feed-forward and the embedding lookup among them) on and TF32 off for the process
 /// ([`super::set_cuda_kernels`], [`super::set_lean_cuda_feed_forward`],
-/// [`super::set_cuda_embeddings`], [`crate::set_tf32`]).
+/// [`super::set_cuda_embeddings`], [`crate::set_tf32`]); the one-pass attention is on for its
+/// own rows only and off afterwards ([`super::set_cuda_flash_attention`]).
 pub fn check_kernels(
     device: &Device,
     dtype: DType,
@@ -302,6 +324,14 @@ pub fn check_kernels(
     let mut checks = Vec::new();
     for shape in shapes {
         for (c, case) in cases(shape).iter().enumerate() {
+            // The one-pass attention only where it takes the shape: elsewhere its rows would
+            // repeat the kernels around cuBLAS under another name.
+            let flash_takes =
+                device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads;
+            if case.flash && !flash_takes {
+                continue;
+            }
+            super::set_cuda_flash_attention(case.flash);
             let inputs = case
                 .inputs
                 .iter()
@@ -323,5 +353,6 @@ pub fn check_kernels(
             }
         }
     }
+    super::set_cuda_flash_attention(false);
     Ok(checks)
 }

@@ -297,6 +297,26 @@ pub fn cuda_tape() -> bool {
     CUDA_TAPE.get()
 }
 
+/// Whether attention on CUDA runs in one pass over key tiles.
+static CUDA_FLASH_ATTENTION: Switch =
+    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_ATTENTION", "flash"));
+
+/// Turns attention in one pass over key tiles on CUDA on or off for this process (bf16, heads
+/// of 64, GPUs of compute capability 8.0 and later: the products on tensor cores, the scores
+/// never written to memory, the queries, keys and values read from the tokens where they are).
+/// Other shapes and dtypes keep the kernels around cuBLAS. Checked by `bertkit check kernels
+/// --device cuda` (its `attention flash` rows), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_ATTENTION=flash`.
+pub fn set_cuda_flash_attention(on: bool) {
+    CUDA_FLASH_ATTENTION.set(on);
+}
+
+/// Whether attention on CUDA takes the one-pass kernels where they apply (see
+/// [`set_cuda_flash_attention`]).
+pub fn cuda_flash_attention() -> bool {
+    CUDA_FLASH_ATTENTION.get()
+}
+
 /// Whether embedding lookups on CUDA take our kernel.
 static CUDA_EMBEDDINGS: Switch =
     Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_EMBEDDINGS", "fused"));

@@ -12,16 +12,16 @@ use super::*;
 
 /// The shapes every attention kernel takes.
 #[derive(Debug, Clone)]
-struct Heads {
-    places: Places,
-    heads: usize,
-    head: usize,
-    scale: f32,
-    dropout: DeviceDropout,
+pub(super) struct Heads {
+    pub(super) places: Places,
+    pub(super) heads: usize,
+    pub(super) head: usize,
+    pub(super) scale: f32,
+    pub(super) dropout: DeviceDropout,
 }
 
 impl Heads {
-    fn hidden(&self) -> usize {
+    pub(super) fn hidden(&self) -> usize {
         self.heads * self.head
     }
 }
@@ -337,7 +337,8 @@ fn probabilities(h: &Heads, qkv: &Tensor) -> Result<Probabilities> {
     })
 }
 
-/// [`crate::kernels::Kernels::attention`] on CUDA (f32 or bf16, sequences up to [`MAX_SEQ`]).
+/// [`crate::kernels::Kernels::attention`] on CUDA (f32 or bf16, sequences up to [`MAX_SEQ`]);
+/// in one pass over key tiles ([`super::flash`]) where that is turned on and takes the shapes.
 pub(crate) fn attention(
     qkv: &Tensor,
     packing: &Packing,
@@ -353,6 +354,9 @@ pub(crate) fn attention(
         scale: (1.0 / (head as f64).sqrt()) as f32,
         dropout,
     };
+    if crate::kernels::cuda_flash_attention() && super::flash::takes(qkv, &h) {
+        return super::flash::attention(qkv, h);
+    }
     let context = {
         let Probabilities { v, probs, .. } = probabilities(&h, &qkv.detach())?;
         probs.matmul(&v)?

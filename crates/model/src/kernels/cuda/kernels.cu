@@ -510,3 +510,8 @@ __device__ void gather_rows_backward(const T* grad, const uint32_t* order, const
 
 ENTRY_POINTS(float, f32)
 ENTRY_POINTS(bf16, bf16)
+
+// ---------------------------------------------------------------------------------------------
+// Attention in one pass over key tiles (bf16, tensor cores): its own file, the helpers above.
+
+#include "flash.cu"

@@ -232,6 +232,7 @@ fn column_sums<T: Element>(
 }
 
 mod attention;
+mod flash;
 mod gather;
 mod linear;
 mod norm;

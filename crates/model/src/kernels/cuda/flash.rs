@@ -1,0 +1,217 @@
+//! Attention in one pass over key tiles on CUDA (`flash.cu`): bf16, heads of 64, rows up to
+//! [`MAX_SEQ`], the products on tensor cores. The twin of `cpu::Attention`, as the kernels
+//! around cuBLAS (`attention.rs`) are: the same probabilities, the same dropout masks.
+//!
+//! Where `attention.rs` writes the padded queries, keys and values, the scores and the
+//! probabilities of every head of the batch (at BERT-large's phase 1, 100 MB of padded heads and
+//! 67 MB of scores and probabilities a layer, each written and read again, and recomputed in the
+//! backward), these kernels read the tokens' `[tokens, 3 · hidden]` in place, keep a tile of
+//! scores in shared memory and write the context to the tokens' rows. What the backward needs
+//! besides `qkv` and the context is each query's log-sum-exp (`[batch, heads, seq]` f32, handed
+//! from the forward to the backward); it recomputes the probabilities from it, and sums every
+//! gradient in one block in a fixed order (no atomics: a run repeats its bits).
+
+use super::attention::Heads;
+use super::*;
+
+/// Elements of a 16-byte load, the kernels' unit: each input's first element must sit on one.
+const ALIGN: usize = 8;
+/// Queries (or keys) a block of the kernels covers (`FLASH_TILE`).
+const TILE: usize = 64;
+/// Threads a block (`FLASH_THREADS`).
+const THREADS: u32 = 128;
+
+/// Whether the one-pass kernels take attention over `qkv` at these shapes: bf16, heads of 64,
+/// `qkv` contiguous from an aligned element.
+pub(super) fn takes(qkv: &Tensor, h: &Heads) -> bool {
+    qkv.dtype() == DType::BF16 && h.head == 64 && aligned(qkv)
+}
+
+fn aligned(t: &Tensor) -> bool {
+    t.is_contiguous() && t.layout().start_offset().is_multiple_of(ALIGN)
+}
+
+/// `t` contiguous from an aligned element: itself, or a copy.
+fn aligned_copy(t: &Tensor) -> Result<Tensor> {
+    if aligned(t) { Ok(t.clone()) } else { t.copy() }
+}
+
+/// The attention of `qkv` (`[tokens, 3 · hidden]` bf16) within the packed rows of `h`, to the
+/// tokens' `[tokens, hidden]`.
+pub(super) fn attention(qkv: &Tensor, h: Heads) -> Result<Tensor> {
+    let op = Flash {
+        heads: h,
+        lse: Mutex::new(None),
+    };
+    tape::apply_op1(qkv, op)
+}
+
+/// The kernels' grid: (query or key tiles, heads, rows).
+fn grid(h: &Heads) -> LaunchConfig {
+    let p = &h.places;
+    LaunchConfig {
+        grid_dim: (
+            p.seq.div_ceil(TILE).max(1) as u32,
+            h.heads as u32,
+            p.batch as u32,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The shape arguments every kernel takes after its buffers.
+fn shape_args(h: &Heads) -> [i32; 4] {
+    let p = &h.places;
+    [p.tokens, p.batch, h.heads, p.seq].map(|v| v as i32)
+}
+
+/// Checks a bf16 input of `[tokens, cols]` from an aligned element and returns its elements.
+fn input<'a>(
+    name: &str,
+    what: &str,
+    s: &'a CudaStorage,
+    l: &Layout,
+    tokens: usize,
+    cols: usize,
+) -> Result<CudaView<'a, half::bf16>> {
+    if l.dims() != [tokens, cols] {
+        bail!(
+            "{name}: {what} [{tokens}, {cols}] expected, got {:?}",
+            l.dims()
+        )
+    }
+    if !l.start_offset().is_multiple_of(ALIGN) {
+        bail!("{name}: {what} must start on a 16-byte boundary")
+    }
+    view::<half::bf16>(name, what, s, l)
+}
+
+/// The forward, holding each query's log-sum-exp from the forward to the backward.
+struct Flash {
+    heads: Heads,
+    lse: Mutex<Option<CudaSlice<f32>>>,
+}
+
+impl CustomOp1 for Flash {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-flash-attention"
+    }
+
+    cuda_only!(1);
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let name = self.name();
+        let h = &self.heads;
+        let p = &h.places;
+        let qkv = input(name, "qkv", s, l, p.tokens, 3 * h.hidden())?;
+        let dev = &s.device;
+        // SAFETY: every token's context and every place's log-sum-exp is written.
+        let mut context = unsafe { dev.alloc::<half::bf16>(p.tokens * h.hidden())? };
+        let mut lse = unsafe { dev.alloc::<f32>(p.batch * h.heads * p.seq)? };
+        let args = shape_args(h);
+        with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
+            launch!(half::bf16, dev, "flash_attention_forward", grid(h), |b| {
+                b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
+                for a in &args {
+                    b.arg(a);
+                }
+                b.arg(&h.scale).arg(&h.dropout);
+            })
+        })?;
+        match self.lse.lock() {
+            Ok(mut held) => *held = Some(lse),
+            Err(_) => bail!("{name}: a poisoned lock"),
+        }
+        Ok((wrap(context, dev), Shape::from((p.tokens, h.hidden()))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        crate::kernels::profiled_backward("attention", grad.device(), || {
+            let name = self.name();
+            let lse = match self.lse.lock() {
+                Ok(mut held) => held.take(),
+                Err(_) => bail!("{name}: a poisoned lock"),
+            };
+            let Some(lse) = lse else {
+                bail!("{name}: the backward run twice, or before the forward")
+            };
+            let op = FlashBackward {
+                heads: &self.heads,
+                lse,
+            };
+            let grad = aligned_copy(&grad.detach())?;
+            let grad_qkv = aligned_copy(&qkv.detach())?.apply_op3_no_bwd(
+                &aligned_copy(&out.detach())?,
+                &grad,
+                &op,
+            )?;
+            Ok(Some(grad_qkv))
+        })
+    }
+}
+
+/// The backward from `qkv`, the context and its gradient: `qkv`'s gradient.
+struct FlashBackward<'a> {
+    heads: &'a Heads,
+    lse: CudaSlice<f32>,
+}
+
+impl CustomOp3 for FlashBackward<'_> {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-flash-attention-backward"
+    }
+
+    cuda_only!(3);
+
+    fn cuda_fwd(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+        o: &CudaStorage,
+        ol: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let name = self.name();
+        let h = self.heads;
+        let p = &h.places;
+        let hidden = h.hidden();
+        let qkv = input(name, "qkv", s, l, p.tokens, 3 * hidden)?;
+        let context = input(name, "context", o, ol, p.tokens, hidden)?;
+        let grad = input(name, "gradient", g, gl, p.tokens, hidden)?;
+        let dev = &s.device;
+        let queries = p.batch * h.heads * p.seq;
+        // SAFETY: the first launch writes every place's delta; the last two every token's
+        // query, key and value gradients (each token is one place of the padded batch).
+        let mut delta = unsafe { dev.alloc::<f32>(queries)? };
+        let mut grad_qkv = unsafe { dev.alloc::<half::bf16>(p.tokens * 3 * hidden)? };
+        let args = shape_args(h);
+        with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
+            launch!(
+                half::bf16,
+                dev,
+                "flash_attention_delta",
+                config(queries.div_ceil(8), 256, 0),
+                |b| {
+                    b.arg(&context).arg(&grad).arg(&mut delta).arg(&scatter);
+                    for a in &args {
+                        b.arg(a);
+                    }
+                }
+            )?;
+            for kernel in ["flash_attention_backward_kv", "flash_attention_backward_q"] {
+                launch!(half::bf16, dev, kernel, grid(h), |b| {
+                    b.arg(&qkv).arg(&grad).arg(&self.lse).arg(&delta);
+                    b.arg(&mut grad_qkv).arg(&scatter);
+                    for a in &args {
+                        b.arg(a);
+                    }
+                    b.arg(&h.scale).arg(&h.dropout);
+                })?;
+            }
+            Ok(())
+        })?;
+        Ok((wrap(grad_qkv, dev), Shape::from((p.tokens, 3 * hidden))))
+    }
+}
