@@ -10,7 +10,8 @@
 #                                       the mirror's dev-v1.1.json, first 38 articles / last 10)
 #   make test                           every test (what CI runs); installs pyarrow and
 #                                       tensorboard, and OpenMPI for the data-parallel tests,
-#                                       when missing
+#                                       when missing; with g++, also the CUDA kernels that the
+#                                       CPU emulation runs (make cuda-emulated)
 #   make lint                           rustfmt check and clippy
 #   make fuzz [FUZZ_SECONDS=60] [FUZZ_TARGETS=a,b] [FUZZ_EXECUTIONS=N]  libFuzzer on every
 #                                       parser of user input; FUZZ_EXECUTIONS stops a target once
@@ -49,7 +50,7 @@ PYTHON_OK := import sys, pyarrow, tensorboard; sys.exit(int(pyarrow.__version__.
 ENWIKI_CHUNK := wikipedia/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2
 
 PHONY_TRAIN := pretrain-phase1 pretrain-phase2 finetune-glue finetune-squad
-.PHONY: all build build-train require-gpu demo data test lint fuzz mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records bench-scale bench-gpu clean
+.PHONY: all build build-train require-gpu demo data test cuda-emulated lint fuzz mpi-deps $(PHONY_TRAIN) bench-format bench-shard bench-records bench-scale bench-gpu clean
 
 all: build
 
@@ -169,6 +170,18 @@ test: mpi-deps
 	fi; \
 	echo "== cargo test (pyarrow and tensorboard from $$py)"; \
 	BERTKIT_PYTHON="$$py" $(CARGO) test --workspace --locked --features bertkit/mpi
+	@$(MAKE) --no-print-directory cuda-emulated
+
+# The CUDA kernels the CPU emulation compiles (bench/gpu/emulate: the one-pass attention),
+# run against the same attention in f64, without a GPU. Needs g++ (C++20); where there is none
+# it says so and checks nothing.
+cuda-emulated:
+	@if command -v g++ >/dev/null 2>&1; then \
+		echo "== the one-pass attention's CUDA kernels on the CPU emulation (bench/gpu/emulate)"; \
+		bash bench/gpu/emulate/run.sh; \
+	else \
+		echo "== not checked: the CUDA kernels' CPU emulation needs g++"; \
+	fi
 
 lint: mpi-deps
 	$(CARGO) fmt --all -- --check

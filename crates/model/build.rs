@@ -7,7 +7,8 @@ include!("ptx.rs");
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed=ptx.rs");
-    // kernels.cu includes flash.cu.
+    // kernels.cu includes these.
+    println!("cargo::rerun-if-changed=src/kernels/cuda/common.cuh");
     println!("cargo::rerun-if-changed=src/kernels/cuda/flash.cu");
     compile_ptx("src/kernels/cuda/kernels.cu", "kernels.ptx");
 }

@@ -1,5 +1,5 @@
 // Attention in one pass over key tiles, bf16 on tensor cores (`flash.rs`): included by
-// `kernels.cu` after its helpers (the dropout keys, the reductions).
+// `kernels.cu`; `bench/gpu/emulate` also compiles it on the CPU against a reference.
 //
 // The same attention as `attention_softmax_*` and cuBLAS's products around them (each query's
 // softmax over its row's token keys, scaled, the probabilities dropped as the CPU draws them),
@@ -21,6 +21,8 @@
 // / 2`, columns `32 · (lane % 2)` on).
 
 #include <mma.h>
+
+#include "common.cuh"
 
 #define FLASH_HEAD 64
 #define FLASH_TILE 64

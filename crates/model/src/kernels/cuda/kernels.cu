@@ -9,86 +9,7 @@
 // draws it (`dropout.rs`: splitmix64 of the mask's key, the row's place in its step, the
 // element's indices), so the CUDA and CPU kernels drop the same elements.
 
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-typedef __nv_bfloat16 bf16;
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
-
-// ---------------------------------------------------------------------------------------------
-// Dropout keys (dropout.rs).
-
-// bertkit_rng::splitmix64.
-__device__ __forceinline__ uint64_t splitmix(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-// A mask's keys, as `kernels::cuda::DeviceDropout` (#[repr(C)]): `on` 0 means no dropout.
-struct Dropout {
-    uint64_t key;
-    uint64_t first_row;
-    uint64_t threshold;
-    float scale;
-    int32_t on;
-};
-
-// dropout.rs `row_key`: row `row` of a batch whose first row is `first_row` of its step.
-__device__ __forceinline__ uint64_t row_key(const Dropout& d, uint64_t row) {
-    return splitmix(d.key ^ splitmix(d.first_row + row));
-}
-
-// dropout.rs `line_key` for one index.
-__device__ __forceinline__ uint64_t line_key(uint64_t key, uint64_t index) {
-    return splitmix(key ^ splitmix(index + 1));
-}
-
-// dropout.rs `keeps`: the factor of element `j` of the line keyed `line`: `scale` or 0.
-__device__ __forceinline__ float keep_factor(const Dropout& d, uint64_t line, uint64_t j) {
-    return (splitmix(line + j) >> 40) >= d.threshold ? d.scale : 0.0f;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Reductions.
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// The sum over the block (a multiple of 32 threads), returned to every thread; `scratch` holds
-// 32 floats.
-__device__ float block_sum(float v, float* scratch) {
-    v = warp_sum(v);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.0f;
-    return warp_sum(v);
-}
-
-// Sums of per-block partial column sums: `out[c] = sum_p partial[p * cols + c]`.
-template <typename T>
-__device__ void column_sums(const float* partial, T* out, int parts, int cols) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
-        float s = 0.0f;
-        for (int p = 0; p < parts; ++p) s += partial[(size_t)p * cols + c];
-        out[c] = from_f32<T>(s);
-    }
-}
+#include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // LayerNorm, with an optional residual and dropout before it (a sublayer's end).
@@ -337,18 +258,6 @@ __device__ __forceinline__ void query_probabilities(const T* in, const uint32_t*
     const float inv = 1.0f / warp_sum(s);
 #pragma unroll
     for (int k = 0; k < MAX_KEYS_PER_LANE; ++k) p[k] *= inv;
-}
-
-// The query rows of a `[batch, heads, seq, seq]` tensor a warp visits: `visit(q, b, h, i)` for
-// each, the grid's warps strided over them.
-template <typename Visit>
-__device__ __forceinline__ void for_each_query(int batch, int heads, int seq, Visit visit) {
-    const int warps = blockDim.x >> 5;
-    const size_t queries = (size_t)batch * heads * seq;
-    for (size_t q = (size_t)blockIdx.x * warps + (threadIdx.x >> 5); q < queries;
-         q += (size_t)gridDim.x * warps) {
-        visit(q, (int)(q / ((size_t)seq * heads)), (int)((q / seq) % heads), (int)(q % seq));
-    }
 }
 
 template <typename T>

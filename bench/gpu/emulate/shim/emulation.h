@@ -1,0 +1,92 @@
+// Compiling bertkit's CUDA kernels on the CPU (`-include emulation.h`, with this folder on the
+// include path for `cuda_bf16.h` and `mma.h`): each block's threads are real threads, so that
+// `__syncthreads`, `__syncwarp` and the warp shuffles synchronise as on a GPU, and `__shared__`
+// arrays are function statics shared by the block's threads (blocks run one after another).
+// Enough for the kernels whose code is plain C++ over these primitives; it checks their
+// indexing, tiling and synchronisation, not the GPU's speed or its rounding of `expf`.
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(n)
+
+struct EmulatedDim {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+inline thread_local EmulatedDim threadIdx, blockIdx;
+inline EmulatedDim blockDim, gridDim;
+
+struct uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+// The block's barriers and the warps' exchange slots, set up by `emulate_launch`.
+struct EmulatedBlock {
+    std::barrier<>* block;
+    std::vector<std::barrier<>*> warps;
+    std::vector<double> slots;
+};
+inline EmulatedBlock* emulated_block = nullptr;
+
+inline int emulated_lane() { return threadIdx.x & 31; }
+
+inline void __syncthreads() { emulated_block->block->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    emulated_block->warps[threadIdx.x >> 5]->arrive_and_wait();
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    double* slots = emulated_block->slots.data() + warp * 32;
+    slots[lane] = (double)v;
+    __syncwarp();
+    const T other = (T)slots[lane ^ mask];
+    __syncwarp();
+    return other;
+}
+
+// Runs `kernel` over the grid, a block at a time, each with `threads` real threads (a whole
+// number of warps).
+inline void emulate_launch(EmulatedDim grid, unsigned threads, const std::function<void()>& kernel) {
+    gridDim = grid;
+    blockDim = {threads, 1, 1};
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                std::barrier<> block((std::ptrdiff_t)threads);
+                EmulatedBlock state{&block, {}, std::vector<double>(threads)};
+                std::vector<std::unique_ptr<std::barrier<>>> owned;
+                for (unsigned w = 0; w < threads / 32; ++w) {
+                    owned.push_back(std::make_unique<std::barrier<>>(32));
+                    state.warps.push_back(owned.back().get());
+                }
+                emulated_block = &state;
+                std::vector<std::thread> pool;
+                for (unsigned t = 0; t < threads; ++t) {
+                    pool.emplace_back([&, t] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        kernel();
+                    });
+                }
+                for (auto& th : pool) th.join();
+                emulated_block = nullptr;
+            }
+}
