@@ -5,6 +5,7 @@
 // Enough for the kernels whose code is plain C++ over these primitives; it checks their
 // indexing, tiling and synchronisation, not the GPU's speed or its rounding of `expf`.
 #pragma once
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +36,8 @@ struct uint4 {
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::max;
+using std::min;
 
 // The block's barriers and the warps' exchange slots, set up by `emulate_launch`.
 struct EmulatedBlock {

@@ -131,6 +131,23 @@ __device__ __forceinline__ void flash_store_rows(FragC (&acc)[4], float* scratch
     __syncwarp();
 }
 
+// One past the last token place of a row (0 for a row of padding only), from its places, for
+// the whole block: the tiles past it hold no token, as queries or as keys, and are skipped
+// (a batch is as long as its longest row; the others end sooner).
+__device__ int flash_row_end(const uint32_t* places, int seq, int tokens) {
+    __shared__ int ends[FLASH_WARPS];
+    int end = 0;
+    for (int i = threadIdx.x; i < seq; i += blockDim.x) {
+        if (places[i] < (uint32_t)tokens) end = i + 1;
+    }
+    for (int o = 16; o > 0; o >>= 1) end = max(end, __shfl_xor_sync(0xffffffffu, end, o));
+    if ((threadIdx.x & 31) == 0) ends[threadIdx.x >> 5] = end;
+    __syncthreads();
+    end = 0;
+    for (int w = 0; w < FLASH_WARPS; ++w) end = max(end, ends[w]);
+    return end;
+}
+
 // The forward: grid (query tiles, heads, batch). Writes the context `[tokens, hidden]` and each
 // query's log-sum-exp of its scaled scores (`lse`, `[batch, heads, seq]`).
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
@@ -147,6 +164,14 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     const int hidden = heads * FLASH_HEAD;
     const size_t stride = 3 * (size_t)hidden;
     const uint32_t* places = scatter + (size_t)b * seq;
+    const int end = flash_row_end(places, seq, tokens);
+    if (q0 >= end) {
+        // Padding only: no context; the log-sum-exp the backward reads for a whole tile.
+        for (int i = q0 + threadIdx.x; i < min(q0 + FLASH_TILE, seq); i += blockDim.x) {
+            lse[((size_t)b * heads + h) * seq + i] = 0.0f;
+        }
+        return;
+    }
 
     // The queries, through the keys' tile, into registers.
     flash_load_tile(keys, qkv, stride, h * FLASH_HEAD, places, q0, seq, tokens, nullptr);
@@ -165,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     for (int k = 0; k < 32; ++k) o[k] = 0.0f;
     float m = -INFINITY, l = 0.0f;
 
-    for (int k0 = 0; k0 < seq; k0 += FLASH_TILE) {
+    for (int k0 = 0; k0 < end; k0 += FLASH_TILE) {
         flash_load_tile(keys, qkv, stride, hidden + h * FLASH_HEAD, places, k0, seq, tokens,
                         key_valid);
         flash_load_tile(values, qkv, stride, 2 * hidden + h * FLASH_HEAD, places, k0, seq,
@@ -275,6 +300,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     const size_t stride = 3 * (size_t)hidden;
     const uint32_t* places = scatter + (size_t)b * seq;
     const size_t rows = ((size_t)b * heads + h) * seq;
+    const int end = flash_row_end(places, seq, tokens);
+    if (k0 >= end) return;  // padding keys only: no gradient to write
 
     // The warp's keys and values into registers, through the shared tiles.
     flash_load_tile(queries, qkv, stride, hidden + h * FLASH_HEAD, places, k0, seq, tokens,
@@ -301,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         wmma::fill_fragment(dv[n], 0.0f);
     }
 
-    for (int q0 = 0; q0 < seq; q0 += FLASH_TILE) {
+    for (int q0 = 0; q0 < end; q0 += FLASH_TILE) {
         flash_load_tile(queries, qkv, stride, h * FLASH_HEAD, places, q0, seq, tokens,
                         query_valid);
         flash_load_tile(grads, grad, hidden, h * FLASH_HEAD, places, q0, seq, tokens, nullptr);
@@ -365,6 +392,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     const int hidden = heads * FLASH_HEAD;
     const size_t stride = 3 * (size_t)hidden;
     const uint32_t* places = scatter + (size_t)b * seq;
+    const int end = flash_row_end(places, seq, tokens);
+    if (q0 >= end) return;  // padding queries only: no gradient to write
 
     // The warp's queries and their dO into registers, through the shared tiles.
     flash_load_tile(keys, qkv, stride, h * FLASH_HEAD, places, q0, seq, tokens, nullptr);
@@ -388,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
 #pragma unroll
     for (int n = 0; n < 4; ++n) wmma::fill_fragment(dq[n], 0.0f);
 
-    for (int k0 = 0; k0 < seq; k0 += FLASH_TILE) {
+    for (int k0 = 0; k0 < end; k0 += FLASH_TILE) {
         flash_load_tile(keys, qkv, stride, hidden + h * FLASH_HEAD, places, k0, seq, tokens,
                         key_valid);
         flash_load_tile(values, qkv, stride, 2 * hidden + h * FLASH_HEAD, places, k0, seq,
