@@ -293,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     __shared__ __align__(32) float scratch[FLASH_WARPS][16 * FLASH_LDF];
     __shared__ __align__(32) bf16 part[FLASH_WARPS][16 * FLASH_LD];
     __shared__ float tile_lse[FLASH_TILE], tile_delta[FLASH_TILE];
+    __shared__ uint64_t tile_line[FLASH_TILE];  // each query's dropout line, drawn once a tile
     __shared__ int query_valid[FLASH_TILE];
     const int k0 = blockIdx.x * FLASH_TILE, h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1;
@@ -336,6 +337,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
             const int i = q0 + threadIdx.x;
             tile_lse[threadIdx.x] = i < seq ? lse[rows + i] : 0.0f;
             tile_delta[threadIdx.x] = i < seq ? delta[rows + i] : 0.0f;
+            tile_line[threadIdx.x] = d.on ? line_key(head_key, i) : 0;
         }
         __syncthreads();
         // Sᵀ: the warp's keys against the tile's queries.
@@ -346,9 +348,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
 #pragma unroll
         for (int k = 0; k < 32; ++k) {
             const int c = half * 32 + k;
-            const uint64_t line = d.on ? line_key(head_key, q0 + c) : 0;
             p[k] = flash_probability(s_row[k] * scale, tile_lse[c], key && query_valid[c], d,
-                                     line, j, k, kept);
+                                     tile_line[c], j, k, kept);
             p_row[k] = __float2bfloat16(p[k] * flash_keep(d, kept, k));
         }
         __syncwarp();
