@@ -172,12 +172,13 @@ test: mpi-deps
 	BERTKIT_PYTHON="$$py" $(CARGO) test --workspace --locked --features bertkit/mpi
 	@$(MAKE) --no-print-directory cuda-emulated
 
-# The CUDA kernels the CPU emulation compiles (bench/gpu/emulate: the one-pass attention),
-# run against the same attention in f64, without a GPU. Needs g++ (C++20); where there is none
-# it says so and checks nothing.
+# The CUDA kernels not yet run on a GPU, compiled for the CPU emulation (bench/gpu/emulate: the
+# one-pass attention, the embedding lookup, the optimiser's in-place update) and run against
+# their references, without a GPU. Needs g++ (C++20); where there is none it says so and checks
+# nothing.
 cuda-emulated:
 	@if command -v g++ >/dev/null 2>&1; then \
-		echo "== the one-pass attention's CUDA kernels on the CPU emulation (bench/gpu/emulate)"; \
+		echo "== CUDA kernels not yet run on a GPU, on the CPU emulation (bench/gpu/emulate)"; \
 		bash bench/gpu/emulate/run.sh; \
 	else \
 		echo "== not checked: the CUDA kernels' CPU emulation needs g++"; \

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Builds and runs the CPU emulation of the one-pass attention kernels (flash_check.cpp): their
-# indexing, tiling and synchronisation checked without a GPU, before a device run spends time on
-# them. Needs g++ 11 or later (C++20 <barrier>). Usage: bash bench/gpu/emulate/run.sh
+# Builds and runs the CPU emulation of bertkit's CUDA kernels that have not yet run on a GPU
+# (check.cpp: the one-pass attention, the embedding lookup, the optimiser's in-place update):
+# their indexing, tiling and synchronisation checked without a GPU, before a device run spends
+# time on them. Needs g++ 11 or later (C++20 <barrier>). Usage: bash bench/gpu/emulate/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-kernels=$here/../../../crates/model/src/kernels/cuda
-out=${TMPDIR:-/tmp}/bertkit-flash-emulation
-g++ -std=c++20 -O2 -pthread -Wall -Wno-unknown-pragmas -I "$here/shim" -I "$kernels" \
-    -include "$here/shim/emulation.h" "$here/flash_check.cpp" -o "$out"
+root=$here/../../..
+out=${TMPDIR:-/tmp}/bertkit-cuda-emulation
+g++ -std=c++20 -O2 -pthread -Wall -Wno-unknown-pragmas -I "$here/shim" \
+    -I "$root/crates/model/src/kernels/cuda" -I "$root/crates/train/src" \
+    -include "$here/shim/emulation.h" "$here/check.cpp" -o "$out"
 "$out"

@@ -39,15 +39,20 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::max;
 using std::min;
 
-// The block's barriers and the warps' exchange slots, set up by `emulate_launch`.
+// The block's barriers, the warps' exchange slots and its dynamic shared memory, set up by
+// `emulate_launch`.
 struct EmulatedBlock {
     std::barrier<>* block;
     std::vector<std::barrier<>*> warps;
     std::vector<double> slots;
+    std::vector<double> dynamic_shared;
 };
 inline EmulatedBlock* emulated_block = nullptr;
 
 inline int emulated_lane() { return threadIdx.x & 31; }
+
+// `extern __shared__ T name[]` (common.cuh's DYNAMIC_SHARED): the block's buffer.
+#define DYNAMIC_SHARED(T, name) T* name = (T*)emulated_block->dynamic_shared.data()
 
 inline void __syncthreads() { emulated_block->block->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
@@ -66,15 +71,17 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) {
 }
 
 // Runs `kernel` over the grid, a block at a time, each with `threads` real threads (a whole
-// number of warps).
-inline void emulate_launch(EmulatedDim grid, unsigned threads, const std::function<void()>& kernel) {
+// number of warps) and `shared_bytes` of dynamic shared memory.
+inline void emulate_launch(EmulatedDim grid, unsigned threads, const std::function<void()>& kernel,
+                           size_t shared_bytes = 0) {
     gridDim = grid;
     blockDim = {threads, 1, 1};
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 std::barrier<> block((std::ptrdiff_t)threads);
-                EmulatedBlock state{&block, {}, std::vector<double>(threads)};
+                EmulatedBlock state{&block, {}, std::vector<double>(threads),
+                                    std::vector<double>((shared_bytes + 7) / 8)};
                 std::vector<std::unique_ptr<std::barrier<>>> owned;
                 for (unsigned w = 0; w < threads / 32; ++w) {
                     owned.push_back(std::make_unique<std::barrier<>>(32));

@@ -9,6 +9,12 @@
 
 typedef __nv_bfloat16 bf16;
 
+// A kernel's dynamic shared memory (the launch's `shared_mem_bytes`) as `T name[]`; the CPU
+// emulation (`bench/gpu/emulate`) defines its own.
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 template <typename T> __device__ __forceinline__ T from_f32(float x);

@@ -40,7 +40,7 @@ template <typename T>
 __device__ void layer_norm_forward(const T* x, const T* residual, const T* weight, const T* bias,
                                    T* y, int rows, int hidden, float eps, Dropout d,
                                    const uint32_t* places, int seq) {
-    extern __shared__ float shared[];
+    DYNAMIC_SHARED(float, shared);
     float* row = shared;
     float* scratch = shared + hidden;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -69,7 +69,7 @@ template <typename T>
 __device__ void layer_norm_backward(const T* x, const T* residual, const T* weight, const T* grad,
                                     T* grad_sum, T* grad_x, float* partial, int rows, int hidden,
                                     float eps, Dropout d, const uint32_t* places, int seq) {
-    extern __shared__ float shared[];
+    DYNAMIC_SHARED(float, shared);
     float* row = shared;
     float* grad_weight = shared + hidden;
     float* grad_bias = shared + 2 * hidden;
@@ -168,7 +168,7 @@ __device__ void bias_act_forward(const T* y, const T* bias, T* out, int rows, in
 template <typename T>
 __device__ void bias_act_backward(const T* y, const T* bias, const T* grad, T* grad_y,
                                   float* partial, int rows, int cols, int act) {
-    extern __shared__ float grad_bias[];
+    DYNAMIC_SHARED(float, grad_bias);
     if (partial)
         for (int c = threadIdx.x; c < cols; c += blockDim.x) grad_bias[c] = 0.0f;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {

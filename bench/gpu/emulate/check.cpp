@@ -1,13 +1,20 @@
-// The one-pass attention kernels (`crates/model/src/kernels/cuda/flash.cu`) run on the CPU
-// through the emulation (`shim/`), against the attention computed directly in f64 from the
-// same bf16 inputs and the same dropout keys: the context, and the gradients of the queries,
-// keys and values. Rows of several lengths (a row of one token, rows ending inside a tile,
-// padding), one to three key tiles. Prints a line per compared tensor; exits 1 if any differs
-// beyond the bound or holds a NaN (an element a kernel never wrote is a NaN).
+// bertkit's CUDA kernels that have not yet run on a GPU, run on the CPU through the emulation
+// (`shim/`) before a device run spends time on them:
 //
-// `bash bench/gpu/emulate/run.sh` builds and runs it (g++ 11 or later).
+// - the one-pass attention (`crates/model/src/kernels/cuda/flash.cu`) against the attention
+//   computed directly in f64 from the same bf16 inputs and dropout keys: the context and the
+//   gradients of the queries, keys and values, at rows of several lengths (a row of one token,
+//   rows ending inside a tile, padding) over one to three key tiles;
+// - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
+//   gathered and summed by hand in token order (the same bits, f32 and bf16);
+// - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
+//   against its two-buffer form, which passed on an H200: the same bits, LAMB and AdamW.
+//
+// Prints a line per compared tensor; exits 1 if any differs beyond its bound or holds a NaN (an
+// element a kernel never wrote is a NaN). `bash bench/gpu/emulate/run.sh` builds and runs it.
 
-#include "flash.cu"
+#include "kernels.cu"
+#include "cuda_update.cu"
 
 #include <algorithm>
 #include <random>
@@ -175,6 +182,128 @@ bool run(const Case& c) {
     return ok;
 }
 
+// The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a
+// gradient through it, in `T`, against the same done by hand.
+template <typename T>
+bool check_gather(const char* name, int table_rows, int cols, int tokens) {
+    std::mt19937_64 rng(99 + cols);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<T> table((size_t)table_rows * cols), grad((size_t)tokens * cols);
+    for (auto& x : table) x = from_f32<T>(u(rng));
+    for (auto& x : grad) x = from_f32<T>(u(rng));
+    std::vector<uint32_t> rows(tokens);
+    for (int t = 0; t < tokens; ++t) rows[t] = (uint32_t)((t * 7 + t / 3) % (table_rows - 1));
+    // RowIndex's groups: the tokens ordered by row (stably), where each row's start, the rows.
+    std::vector<uint32_t> order(tokens);
+    for (int t = 0; t < tokens; ++t) order[t] = t;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t a, uint32_t b) { return rows[a] < rows[b]; });
+    std::vector<uint32_t> starts, distinct;
+    for (int i = 0; i < tokens; ++i) {
+        if (i == 0 || rows[order[i]] != rows[order[i - 1]]) {
+            starts.push_back(i);
+            distinct.push_back(rows[order[i]]);
+        }
+    }
+    starts.push_back(tokens);
+    const int groups = (int)distinct.size();
+
+    std::vector<T> out((size_t)tokens * cols);
+    const size_t n = (size_t)tokens * cols;
+    emulate_launch({(unsigned)std::min<size_t>((n + 255) / 256, 7), 1, 1}, 256, [&] {
+        gather_rows<T>(table.data(), rows.data(), out.data(), tokens, cols);
+    });
+    std::vector<T> grad_table((size_t)table_rows * cols, from_f32<T>(0.0f));
+    const unsigned threads = std::min(1024u, (unsigned)(((cols + 3) / 4 + 31) / 32 * 32));
+    emulate_launch({(unsigned)std::min(groups, 5), 1, 1}, threads, [&] {
+        gather_rows_backward<T>(grad.data(), order.data(), starts.data(), distinct.data(),
+                                grad_table.data(), groups, cols);
+    });
+
+    size_t gathered_wrong = 0, summed_wrong = 0;
+    for (int t = 0; t < tokens; ++t)
+        for (int c = 0; c < cols; ++c)
+            gathered_wrong += to_f32(out[(size_t)t * cols + c]) !=
+                              to_f32(table[(size_t)rows[t] * cols + c]);
+    for (int r = 0; r < table_rows; ++r)
+        for (int c = 0; c < cols; ++c) {
+            T sum = from_f32<T>(0.0f);
+            for (int t = 0; t < tokens; ++t)
+                if ((int)rows[t] == r) sum = from_f32<T>(to_f32(sum) + to_f32(grad[(size_t)t * cols + c]));
+            const float got = to_f32(grad_table[(size_t)r * cols + c]);
+            summed_wrong += !(got == to_f32(sum));
+        }
+    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "output", gathered_wrong, n,
+                gathered_wrong ? "FAILED" : "ok");
+    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "dtable", summed_wrong,
+                (size_t)table_rows * cols, summed_wrong ? "FAILED" : "ok");
+    return gathered_wrong == 0 && summed_wrong == 0;
+}
+
+// Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update
+// of the same weights, moments and gradients: the same bits.
+bool check_update(const char* name, bool lamb, bool decayed) {
+    const int rows = 3, numel = 2 * CHUNK + 777;
+    const size_t total = (size_t)rows * numel;
+    std::mt19937_64 rng(7 + lamb + 2 * decayed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> w(total), m(total, 0.0f), v(total, 0.0f), g(total);
+    for (auto& x : w) x = 0.02f * normal(rng);
+    std::vector<float> state(3 * total);  // in place: weights, first, second moments
+    std::copy(w.begin(), w.end(), state.begin());
+    std::copy(m.begin(), m.end(), state.begin() + total);
+    std::copy(v.begin(), v.end(), state.begin() + 2 * total);
+    const int blocks = (numel + CHUNK - 1) / CHUNK;
+    const EmulatedDim grid{(unsigned)blocks, (unsigned)rows, 1};
+    size_t differ = 0;
+    for (int step = 1; step <= 2; ++step) {
+        for (auto& x : g) x = 1e-3f * normal(rng);
+        const double b1 = 0.9, b2 = 0.999;
+        Constants c{};
+        c.clip = 0.5f;
+        c.b1 = (float)b1;
+        c.one_b1 = (float)(1.0 - b1);
+        c.b2 = (float)b2;
+        c.one_b2 = (float)(1.0 - b2);
+        c.inv_bc1 = (float)(1.0 / (1.0 - std::pow(b1, step)));
+        c.inv_bc2 = (float)(1.0 / (1.0 - std::pow(b2, step)));
+        c.eps = 1e-6f;
+        c.decay = decayed ? 0.01f : 0.0f;
+        c.decayed = decayed;
+        c.trust_ratio = lamb;
+        const float lr = 1e-3f;
+        // The two-buffer form, which ran on an H200.
+        std::vector<float> fresh(3 * total, NAN);
+        std::vector<double> norms((size_t)rows * blocks * 2, 0.0);
+        emulate_launch(grid, THREADS, [&] {
+            update_moments(w.data(), m.data(), v.data(), g.data(), fresh.data(), norms.data(),
+                           rows, numel, c);
+        });
+        emulate_launch(grid, THREADS, [&] {
+            update_weights(w.data(), fresh.data(), norms.data(), rows, numel, blocks, lr,
+                           c.trust_ratio);
+        });
+        std::copy(fresh.begin(), fresh.begin() + total, w.begin());
+        std::copy(fresh.begin() + total, fresh.begin() + 2 * total, m.begin());
+        std::copy(fresh.begin() + 2 * total, fresh.end(), v.begin());
+        // In place.
+        std::fill(norms.begin(), norms.end(), 0.0);
+        emulate_launch(grid, THREADS, [&] {
+            update_moments_in_place(state.data(), g.data(), norms.data(), rows, numel, c);
+        });
+        emulate_launch(grid, THREADS, [&] {
+            update_weights_in_place(state.data(), norms.data(), rows, numel, blocks, lr, c);
+        });
+        for (size_t i = 0; i < total; ++i) {
+            differ += !(state[i] == w[i]) + !(state[total + i] == m[i]) +
+                      !(state[2 * total + i] == v[i]);
+        }
+    }
+    std::printf("  %-28s %-8s %zu of %zu values differ after 2 steps %s\n", name, "state", differ,
+                3 * total, differ ? "FAILED" : "ok");
+    return differ == 0;
+}
+
 }  // namespace
 
 int main() {
@@ -186,6 +315,13 @@ int main() {
     bool ok = true;
     std::printf("one-pass attention (flash.cu) on the CPU emulation against f64:\n");
     for (const auto& c : cases) ok = run(c) && ok;
+    std::printf("embedding lookup (gather_rows, kernels.cu) against the rows by hand:\n");
+    ok = check_gather<float>("gather_rows f32", 50, 70, 300) && ok;
+    ok = check_gather<bf16>("gather_rows bf16", 50, 1030, 200) && ok;
+    std::printf("optimiser update in place (cuda_update.cu) against the two-buffer update:\n");
+    ok = check_update("LAMB, decayed", true, true) && ok;
+    ok = check_update("LAMB, not decayed", true, false) && ok;
+    ok = check_update("AdamW, decayed", false, true) && ok;
     std::printf(ok ? "all within bounds\n" : "FAILED\n");
     return ok ? 0 : 1;
 }
