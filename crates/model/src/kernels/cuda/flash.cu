@@ -54,7 +54,9 @@ __device__ __forceinline__ void flash_load_tile(bf16* tile, const bf16* src, siz
         const int i = first + row;
         const uint32_t t = i < seq ? places[i] : (uint32_t)tokens;
         uint4 value = make_uint4(0, 0, 0, 0);
-        if (t < (uint32_t)tokens) value = *(const uint4*)(src + (size_t)t * stride + col + part * 8);
+        if (t < (uint32_t)tokens) {
+            value = *(const uint4*)(src + (size_t)t * stride + col + part * 8);
+        }
         *(uint4*)(tile + row * FLASH_LD + part * 8) = value;
         if (valid && part == 0) valid[row] = t < (uint32_t)tokens;
     }
@@ -148,6 +150,52 @@ __device__ int flash_row_end(const uint32_t* places, int seq, int tokens) {
     return end;
 }
 
+// Where a block works: the first place of its tile (`first`: of queries, or of keys), its head
+// and row, the warp, the lane's row of the warp's 16 (`r`) and half of that row (`half`), the
+// row's places and where its tokens end.
+struct FlashBlock {
+    int first, h, b, warp, r, half, hidden, end;
+    size_t stride;  // of `qkv`'s rows: 3 · hidden
+    const uint32_t* places;
+
+    // The column of this head's part (0: queries, 1: keys, 2: values) in `qkv`.
+    __device__ int column(int part) const { return part * hidden + h * FLASH_HEAD; }
+};
+
+__device__ FlashBlock flash_block(const uint32_t* scatter, int tokens, int heads, int seq) {
+    FlashBlock k;
+    k.first = blockIdx.x * FLASH_TILE;
+    k.h = blockIdx.y;
+    k.b = blockIdx.z;
+    k.warp = threadIdx.x >> 5;
+    k.r = (threadIdx.x & 31) >> 1;
+    k.half = threadIdx.x & 1;
+    k.hidden = heads * FLASH_HEAD;
+    k.stride = 3 * (size_t)k.hidden;
+    k.places = scatter + (size_t)k.b * seq;
+    k.end = flash_row_end(k.places, seq, tokens);
+    return k;
+}
+
+// The warp's 16 rows of the block's tile of a `[tokens, stride]` matrix (64 columns from `col`)
+// into fragments, through the shared `tile`; the whole block.
+__device__ void flash_stage(FragA (&f)[4], bf16* tile, const bf16* src, size_t stride, int col,
+                            const FlashBlock& k, int seq, int tokens) {
+    flash_load_tile(tile, src, stride, col, k.places, k.first, seq, tokens, nullptr);
+    __syncthreads();
+    flash_fragments(f, tile, k.warp);
+    __syncthreads();
+}
+
+// The row's keys and values of the tile from `k0` into `keys` and `values` (and which are
+// tokens into `key_valid`); the whole block, synchronised after.
+__device__ void flash_load_keys_values(bf16* keys, bf16* values, int* key_valid, const bf16* qkv,
+                                       const FlashBlock& k, int k0, int seq, int tokens) {
+    flash_load_tile(keys, qkv, k.stride, k.column(1), k.places, k0, seq, tokens, key_valid);
+    flash_load_tile(values, qkv, k.stride, k.column(2), k.places, k0, seq, tokens, nullptr);
+    __syncthreads();
+}
+
 // The forward: grid (query tiles, heads, batch). Writes the context `[tokens, hidden]` and each
 // query's log-sum-exp of its scaled scores (`lse`, `[batch, heads, seq]`).
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
@@ -159,63 +207,50 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     __shared__ __align__(32) float scratch[FLASH_WARPS][16 * FLASH_LDF];
     __shared__ __align__(32) bf16 probs[FLASH_WARPS][16 * FLASH_LD];
     __shared__ int key_valid[FLASH_TILE];
-    const int q0 = blockIdx.x * FLASH_TILE, h = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1;
-    const int hidden = heads * FLASH_HEAD;
-    const size_t stride = 3 * (size_t)hidden;
-    const uint32_t* places = scatter + (size_t)b * seq;
-    const int end = flash_row_end(places, seq, tokens);
-    if (q0 >= end) {
+    const FlashBlock k = flash_block(scatter, tokens, heads, seq);
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    if (k.first >= k.end) {
         // Padding only: no context; the log-sum-exp the backward reads for a whole tile.
-        for (int i = q0 + threadIdx.x; i < min(q0 + FLASH_TILE, seq); i += blockDim.x) {
-            lse[((size_t)b * heads + h) * seq + i] = 0.0f;
+        for (int i = k.first + threadIdx.x; i < min(k.first + FLASH_TILE, seq); i += blockDim.x) {
+            lse[rows + i] = 0.0f;
         }
         return;
     }
-
-    // The queries, through the keys' tile, into registers.
-    flash_load_tile(keys, qkv, stride, h * FLASH_HEAD, places, q0, seq, tokens, nullptr);
-    __syncthreads();
     FragA q[4];
-    flash_fragments(q, keys, warp);
-    __syncthreads();
+    flash_stage(q, keys, qkv, k.stride, k.column(0), k, seq, tokens);
 
-    const int i = q0 + warp * 16 + r;
-    const bool query = i < seq && places[i] < (uint32_t)tokens;
-    const uint64_t line = d.on ? line_key(line_key(row_key(d, b), h), i) : 0;
-    float* mine = scratch[warp];
-    bf16* p_row = probs[warp] + r * FLASH_LD + half * 32;
+    const int i = k.first + k.warp * 16 + k.r;
+    const bool query = i < seq && k.places[i] < (uint32_t)tokens;
+    const uint64_t line = d.on ? line_key(line_key(row_key(d, k.b), k.h), i) : 0;
+    float* mine = scratch[k.warp];
+    const float* s_row = mine + k.r * FLASH_LDF + k.half * 32;
+    bf16* p_row = probs[k.warp] + k.r * FLASH_LD + k.half * 32;
     float o[32];
 #pragma unroll
-    for (int k = 0; k < 32; ++k) o[k] = 0.0f;
+    for (int c = 0; c < 32; ++c) o[c] = 0.0f;
     float m = -INFINITY, l = 0.0f;
 
-    for (int k0 = 0; k0 < end; k0 += FLASH_TILE) {
-        flash_load_tile(keys, qkv, stride, hidden + h * FLASH_HEAD, places, k0, seq, tokens,
-                        key_valid);
-        flash_load_tile(values, qkv, stride, 2 * hidden + h * FLASH_HEAD, places, k0, seq,
-                        tokens, nullptr);
-        __syncthreads();
+    for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
+        flash_load_keys_values(keys, values, key_valid, qkv, k, k0, seq, tokens);
         flash_product<true>(q, keys, mine);
         __syncwarp();
         float s[32];
         float tile_max = -INFINITY;
-        const float* s_row = mine + r * FLASH_LDF + half * 32;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            s[k] = key_valid[half * 32 + k] ? s_row[k] * scale : -INFINITY;
-            tile_max = fmaxf(tile_max, s[k]);
+        for (int c = 0; c < 32; ++c) {
+            s[c] = key_valid[k.half * 32 + c] ? s_row[c] * scale : -INFINITY;
+            tile_max = fmaxf(tile_max, s[c]);
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
         const float m_new = fmaxf(m, tile_max);
         const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
         float sum = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const float p = s[k] == -INFINITY ? 0.0f : expf(s[k] - m_new);
+        for (int c = 0; c < 32; ++c) {
+            const float p = s[c] == -INFINITY ? 0.0f : expf(s[c] - m_new);
             sum += p;
-            const float kept = d.on ? p * keep_factor(d, line, k0 + half * 32 + k) : p;
-            p_row[k] = __float2bfloat16(kept);
+            const float kept = d.on ? p * keep_factor(d, line, k0 + k.half * 32 + c) : p;
+            p_row[c] = __float2bfloat16(kept);
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         l = l * alpha + sum;
@@ -224,25 +259,25 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         FragC pv[4];
 #pragma unroll
         for (int n = 0; n < 4; ++n) wmma::fill_fragment(pv[n], 0.0f);
-        flash_accumulate(pv, probs[warp], values);
+        flash_accumulate(pv, probs[k.warp], values);
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
             wmma::store_matrix_sync(mine + n * 16, pv[n], FLASH_LDF, wmma::mem_row_major);
         }
         __syncwarp();
 #pragma unroll
-        for (int k = 0; k < 32; ++k) o[k] = o[k] * alpha + s_row[k];
+        for (int c = 0; c < 32; ++c) o[c] = o[c] * alpha + s_row[c];
         // Every warp done with this tile's keys and values before the next overwrites them.
         __syncthreads();
     }
     if (query) {
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        bf16* out = context + (size_t)places[i] * hidden + h * FLASH_HEAD + half * 32;
+        bf16* out = context + (size_t)k.places[i] * k.hidden + k.column(0) + k.half * 32;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) out[k] = __float2bfloat16(o[k] * inv);
+        for (int c = 0; c < 32; ++c) out[c] = __float2bfloat16(o[c] * inv);
     }
     // Every place's, padding's 0 (the backward reads a whole tile's).
-    if (half == 0 && i < seq) lse[((size_t)b * heads + h) * seq + i] = query ? m + logf(l) : 0.0f;
+    if (k.half == 0 && i < seq) lse[rows + i] = query ? m + logf(l) : 0.0f;
 }
 
 // `delta[b, h, i] = Σ dO·O` over the head's columns of query `i` (0 for padding): a warp a
@@ -295,33 +330,19 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     __shared__ float tile_lse[FLASH_TILE], tile_delta[FLASH_TILE];
     __shared__ uint64_t tile_line[FLASH_TILE];  // each query's dropout line, drawn once a tile
     __shared__ int query_valid[FLASH_TILE];
-    const int k0 = blockIdx.x * FLASH_TILE, h = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1;
-    const int hidden = heads * FLASH_HEAD;
-    const size_t stride = 3 * (size_t)hidden;
-    const uint32_t* places = scatter + (size_t)b * seq;
-    const size_t rows = ((size_t)b * heads + h) * seq;
-    const int end = flash_row_end(places, seq, tokens);
-    if (k0 >= end) return;  // padding keys only: no gradient to write
-
-    // The warp's keys and values into registers, through the shared tiles.
-    flash_load_tile(queries, qkv, stride, hidden + h * FLASH_HEAD, places, k0, seq, tokens,
-                    nullptr);
-    flash_load_tile(grads, qkv, stride, 2 * hidden + h * FLASH_HEAD, places, k0, seq, tokens,
-                    nullptr);
-    __syncthreads();
+    const FlashBlock k = flash_block(scatter, tokens, heads, seq);
+    if (k.first >= k.end) return;  // padding keys only: no gradient to write
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
     FragA k_frag[4], v_frag[4];
-    flash_fragments(k_frag, queries, warp);
-    flash_fragments(v_frag, grads, warp);
-    __syncthreads();
+    flash_stage(k_frag, queries, qkv, k.stride, k.column(1), k, seq, tokens);
+    flash_stage(v_frag, grads, qkv, k.stride, k.column(2), k, seq, tokens);
 
-    const int j = k0 + warp * 16 + r;
-    const bool key = j < seq && places[j] < (uint32_t)tokens;
-    const uint64_t head_key = d.on ? line_key(row_key(d, b), h) : 0;
-    float* mine = scratch[warp];
-    bf16* mine_bf = part[warp];
-    const float* s_row = mine + r * FLASH_LDF + half * 32;
-    bf16* p_row = mine_bf + r * FLASH_LD + half * 32;
+    const int j = k.first + k.warp * 16 + k.r;
+    const bool key = j < seq && k.places[j] < (uint32_t)tokens;
+    const uint64_t head_key = d.on ? line_key(row_key(d, k.b), k.h) : 0;
+    float* mine = scratch[k.warp];
+    const float* s_row = mine + k.r * FLASH_LDF + k.half * 32;
+    bf16* p_row = part[k.warp] + k.r * FLASH_LD + k.half * 32;
     FragC dk[4], dv[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
@@ -329,10 +350,10 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         wmma::fill_fragment(dv[n], 0.0f);
     }
 
-    for (int q0 = 0; q0 < end; q0 += FLASH_TILE) {
-        flash_load_tile(queries, qkv, stride, h * FLASH_HEAD, places, q0, seq, tokens,
+    for (int q0 = 0; q0 < k.end; q0 += FLASH_TILE) {
+        flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, q0, seq, tokens,
                         query_valid);
-        flash_load_tile(grads, grad, hidden, h * FLASH_HEAD, places, q0, seq, tokens, nullptr);
+        flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, q0, seq, tokens, nullptr);
         if (threadIdx.x < FLASH_TILE) {
             const int i = q0 + threadIdx.x;
             tile_lse[threadIdx.x] = i < seq ? lse[rows + i] : 0.0f;
@@ -346,34 +367,33 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         float p[32];
         uint32_t kept = 0;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const int c = half * 32 + k;
-            p[k] = flash_probability(s_row[k] * scale, tile_lse[c], key && query_valid[c], d,
-                                     tile_line[c], j, k, kept);
-            p_row[k] = __float2bfloat16(p[k] * flash_keep(d, kept, k));
+        for (int c = 0; c < 32; ++c) {
+            const int q = k.half * 32 + c;
+            p[c] = flash_probability(s_row[c] * scale, tile_lse[q], key && query_valid[q], d,
+                                     tile_line[q], j, c, kept);
+            p_row[c] = __float2bfloat16(p[c] * flash_keep(d, kept, c));
         }
         __syncwarp();
         // dV += dropped Pᵀ · dO.
-        flash_accumulate(dv, mine_bf, grads);
+        flash_accumulate(dv, part[k.warp], grads);
         __syncwarp();
         // dPᵀ (of the dropped probabilities): the warp's values against the tile's dO.
         flash_product<true>(v_frag, grads, mine);
         __syncwarp();
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const int c = half * 32 + k;
-            const float ds = p[k] * (s_row[k] * flash_keep(d, kept, k) - tile_delta[c]);
-            p_row[k] = __float2bfloat16(scale * ds);
+        for (int c = 0; c < 32; ++c) {
+            const float dp = s_row[c] * flash_keep(d, kept, c);
+            const float ds = p[c] * (dp - tile_delta[k.half * 32 + c]);
+            p_row[c] = __float2bfloat16(scale * ds);
         }
         __syncwarp();
         // dK += dSᵀ · Q.
-        flash_accumulate(dk, mine_bf, queries);
+        flash_accumulate(dk, part[k.warp], queries);
         __syncthreads();
     }
-    flash_store_rows(dk, mine, grad_qkv, stride, hidden + h * FLASH_HEAD, places,
-                     k0 + warp * 16, seq, tokens);
-    flash_store_rows(dv, mine, grad_qkv, stride, 2 * hidden + h * FLASH_HEAD, places,
-                     k0 + warp * 16, seq, tokens);
+    const int first = k.first + k.warp * 16;
+    flash_store_rows(dk, mine, grad_qkv, k.stride, k.column(1), k.places, first, seq, tokens);
+    flash_store_rows(dv, mine, grad_qkv, k.stride, k.column(2), k.places, first, seq, tokens);
 }
 
 // The queries' gradient: grid (query tiles, heads, batch); each warp's 16 queries summed over
@@ -388,68 +408,52 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     __shared__ __align__(32) float scratch[FLASH_WARPS][16 * FLASH_LDF];
     __shared__ __align__(32) bf16 part[FLASH_WARPS][16 * FLASH_LD];
     __shared__ int key_valid[FLASH_TILE];
-    const int q0 = blockIdx.x * FLASH_TILE, h = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1;
-    const int hidden = heads * FLASH_HEAD;
-    const size_t stride = 3 * (size_t)hidden;
-    const uint32_t* places = scatter + (size_t)b * seq;
-    const int end = flash_row_end(places, seq, tokens);
-    if (q0 >= end) return;  // padding queries only: no gradient to write
-
-    // The warp's queries and their dO into registers, through the shared tiles.
-    flash_load_tile(keys, qkv, stride, h * FLASH_HEAD, places, q0, seq, tokens, nullptr);
-    flash_load_tile(values, grad, hidden, h * FLASH_HEAD, places, q0, seq, tokens, nullptr);
-    __syncthreads();
+    const FlashBlock k = flash_block(scatter, tokens, heads, seq);
+    if (k.first >= k.end) return;  // padding queries only: no gradient to write
     FragA q_frag[4], g_frag[4];
-    flash_fragments(q_frag, keys, warp);
-    flash_fragments(g_frag, values, warp);
-    __syncthreads();
+    flash_stage(q_frag, keys, qkv, k.stride, k.column(0), k, seq, tokens);
+    flash_stage(g_frag, values, grad, k.hidden, k.column(0), k, seq, tokens);
 
-    const int i = q0 + warp * 16 + r;
-    const bool query = i < seq && places[i] < (uint32_t)tokens;
-    const size_t at = ((size_t)b * heads + h) * seq + i;
+    const int i = k.first + k.warp * 16 + k.r;
+    const bool query = i < seq && k.places[i] < (uint32_t)tokens;
+    const size_t at = ((size_t)k.b * heads + k.h) * seq + i;
     const float q_lse = query ? lse[at] : 0.0f, q_delta = query ? delta[at] : 0.0f;
-    const uint64_t line = d.on ? line_key(line_key(row_key(d, b), h), i) : 0;
-    float* mine = scratch[warp];
-    bf16* mine_bf = part[warp];
-    const float* s_row = mine + r * FLASH_LDF + half * 32;
-    bf16* p_row = mine_bf + r * FLASH_LD + half * 32;
+    const uint64_t line = d.on ? line_key(line_key(row_key(d, k.b), k.h), i) : 0;
+    float* mine = scratch[k.warp];
+    const float* s_row = mine + k.r * FLASH_LDF + k.half * 32;
+    bf16* p_row = part[k.warp] + k.r * FLASH_LD + k.half * 32;
     FragC dq[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) wmma::fill_fragment(dq[n], 0.0f);
 
-    for (int k0 = 0; k0 < end; k0 += FLASH_TILE) {
-        flash_load_tile(keys, qkv, stride, hidden + h * FLASH_HEAD, places, k0, seq, tokens,
-                        key_valid);
-        flash_load_tile(values, qkv, stride, 2 * hidden + h * FLASH_HEAD, places, k0, seq,
-                        tokens, nullptr);
-        __syncthreads();
+    for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
+        flash_load_keys_values(keys, values, key_valid, qkv, k, k0, seq, tokens);
         flash_product<true>(q_frag, keys, mine);
         __syncwarp();
         float p[32];
         uint32_t kept = 0;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const int c = half * 32 + k;
-            p[k] = flash_probability(s_row[k] * scale, q_lse, query && key_valid[c], d, line,
-                                     k0 + c, k, kept);
+        for (int c = 0; c < 32; ++c) {
+            const int col = k.half * 32 + c;
+            p[c] = flash_probability(s_row[c] * scale, q_lse, query && key_valid[col], d, line,
+                                     k0 + col, c, kept);
         }
         __syncwarp();
         // dP (of the dropped probabilities): the warp's dO against the tile's values.
         flash_product<true>(g_frag, values, mine);
         __syncwarp();
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const float ds = p[k] * (s_row[k] * flash_keep(d, kept, k) - q_delta);
-            p_row[k] = __float2bfloat16(scale * ds);
+        for (int c = 0; c < 32; ++c) {
+            const float ds = p[c] * (s_row[c] * flash_keep(d, kept, c) - q_delta);
+            p_row[c] = __float2bfloat16(scale * ds);
         }
         __syncwarp();
         // dQ += dS · K.
-        flash_accumulate(dq, mine_bf, keys);
+        flash_accumulate(dq, part[k.warp], keys);
         __syncthreads();
     }
-    flash_store_rows(dq, mine, grad_qkv, stride, h * FLASH_HEAD, places, q0 + warp * 16, seq,
-                     tokens);
+    flash_store_rows(dq, mine, grad_qkv, k.stride, k.column(0), k.places, k.first + k.warp * 16,
+                     seq, tokens);
 }
 
 #endif
