@@ -17,6 +17,8 @@ use crate::{BertConfig, ModelError};
 
 /// The name the report gives the check.
 pub const NAME: &str = "encoder backward by hand";
+/// Its name with the one-pass attention on ([`crate::kernels::set_cuda_flash_attention`]).
+pub const FLASH_NAME: &str = "encoder backward by hand (flash)";
 
 fn model_error(e: ModelError) -> candle_core::Error {
     match e {
@@ -29,7 +31,9 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// `shapes`: an output line, the input's gradient and the worst of the parameters'. Nothing
 /// when the default kernels do not record in `dtype` on `device` (they run under autograd
 /// there, so there is nothing to compare). On a CUDA device this turns the CUDA kernels and
-/// the backward by hand on for the process ([`crate::kernels::set_cuda_tape`]).
+/// the backward by hand on for the process ([`crate::kernels::set_cuda_tape`]), and in bf16
+/// checks the shapes with heads of 64 a second time with the one-pass attention on
+/// ([`FLASH_NAME`]; off again afterwards).
 pub fn check_encoder_backward(
     device: &Device,
     dtype: DType,
@@ -42,88 +46,109 @@ pub fn check_encoder_backward(
     }
     let mut checks = Vec::new();
     for shape in shapes {
-        let config = BertConfig {
-            vocab_size: 8,
-            hidden_size: shape.hidden,
-            num_hidden_layers: 2,
-            num_attention_heads: shape.heads,
-            intermediate_size: shape.intermediate,
-            max_position_embeddings: shape.seq,
-            ..BertConfig::tiny(8)
-        };
-        let loaded = init::<BertModel>(&config, dtype, device, 21).map_err(model_error)?;
-        let bert = &loaded.model;
-        let (batch, seq) = (shape.lengths.len(), shape.seq);
-        let mask: Vec<u32> = shape
-            .lengths
-            .iter()
-            .flat_map(|&len| (0..seq).map(move |c| u32::from(c < len)))
-            .collect();
-        let ids = vec![1u32; batch * seq];
-        let inputs = Inputs::from_host(&config, (batch, seq), &ids, None, Some(&mask), device)
-            .map_err(model_error)?;
-        let tokens: usize = shape.lengths.iter().sum();
-        let on_device = |t: Tensor| t.to_device(device)?.to_dtype(dtype);
-        let x = on_device(values(&[tokens, shape.hidden], 2.0, 7, dtype)?)?;
-        let upstream = on_device(values(&[tokens, shape.hidden], 1.0, 8, dtype)?)?;
-        let source = DropoutSource::new(5);
-        source.start_batch(0, 0);
-        let mode = Mode::Train(&source);
-
-        let (y, backward) = bert
-            .encode_taped(&x, &inputs, 0..2, mode)
-            .map_err(model_error)?;
-        if !backward.by_hand() {
+        crate::kernels::set_cuda_flash_attention(false);
+        if !check_shape(device, dtype, shape, NAME, &mut checks)? {
             return Ok(Vec::new());
         }
-        let (grad_x, grads) = backward.backward(&upstream).map_err(model_error)?;
-
-        source.start_batch(0, 0);
-        let input = Var::from_tensor(&x)?;
-        let reference = bert
-            .encode(input.as_tensor(), &inputs, 0..2, mode)
-            .map_err(model_error)?;
-        let store = (&reference * &upstream)?.sum_all()?.backward()?;
-
-        let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
-        let mut line = |value: &'static str, gradient: bool, worst: f64| {
-            checks.push(KernelCheck {
-                kernel: NAME.to_string(),
-                shape: shape.name,
-                value,
-                gradient,
-                worst,
-                tolerance: tolerance(dtype),
-            })
-        };
-        line(
-            "output",
-            false,
-            worst(&f64_cpu(&y)?, &f64_cpu(&reference)?)?,
-        );
-        let Some(want) = store.get(input.as_tensor()) else {
-            candle_core::bail!("{NAME}: autograd gave the input no gradient")
-        };
-        line("x", true, worst(&f64_cpu(&grad_x)?, &f64_cpu(want)?)?);
-        let mut params = 0f64;
-        for (name, var) in loaded.params.vars() {
-            if !name.starts_with("encoder.layer.") {
-                continue;
-            }
-            let (Some(ours), Some(theirs)) =
-                (grads.get(var.as_tensor()), store.get(var.as_tensor()))
-            else {
-                candle_core::bail!("{NAME}: no gradient for {name}")
-            };
-            // A NaN stays a NaN (f64::max would drop it).
-            let w = worst(&f64_cpu(ours)?, &f64_cpu(theirs)?)?;
-            params = if w.is_nan() || params.is_nan() {
-                f64::NAN
-            } else {
-                params.max(w)
-            };
+        if device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads {
+            crate::kernels::set_cuda_flash_attention(true);
+            let checked = check_shape(device, dtype, shape, FLASH_NAME, &mut checks);
+            crate::kernels::set_cuda_flash_attention(false);
+            checked?;
         }
-        line("params", true, params);
     }
     Ok(checks)
+}
+
+/// One shape of [`check_encoder_backward`], reported as `check`: false when the kernels do not
+/// record there.
+fn check_shape(
+    device: &Device,
+    dtype: DType,
+    shape: &CheckShape,
+    check: &'static str,
+    checks: &mut Vec<KernelCheck>,
+) -> Result<bool> {
+    let config = BertConfig {
+        vocab_size: 8,
+        hidden_size: shape.hidden,
+        num_hidden_layers: 2,
+        num_attention_heads: shape.heads,
+        intermediate_size: shape.intermediate,
+        max_position_embeddings: shape.seq,
+        ..BertConfig::tiny(8)
+    };
+    let loaded = init::<BertModel>(&config, dtype, device, 21).map_err(model_error)?;
+    let bert = &loaded.model;
+    let (batch, seq) = (shape.lengths.len(), shape.seq);
+    let mask: Vec<u32> = shape
+        .lengths
+        .iter()
+        .flat_map(|&len| (0..seq).map(move |c| u32::from(c < len)))
+        .collect();
+    let ids = vec![1u32; batch * seq];
+    let inputs = Inputs::from_host(&config, (batch, seq), &ids, None, Some(&mask), device)
+        .map_err(model_error)?;
+    let tokens: usize = shape.lengths.iter().sum();
+    let on_device = |t: Tensor| t.to_device(device)?.to_dtype(dtype);
+    let x = on_device(values(&[tokens, shape.hidden], 2.0, 7, dtype)?)?;
+    let upstream = on_device(values(&[tokens, shape.hidden], 1.0, 8, dtype)?)?;
+    let source = DropoutSource::new(5);
+    source.start_batch(0, 0);
+    let mode = Mode::Train(&source);
+
+    let (y, backward) = bert
+        .encode_taped(&x, &inputs, 0..2, mode)
+        .map_err(model_error)?;
+    if !backward.by_hand() {
+        return Ok(false);
+    }
+    let (grad_x, grads) = backward.backward(&upstream).map_err(model_error)?;
+
+    source.start_batch(0, 0);
+    let input = Var::from_tensor(&x)?;
+    let reference = bert
+        .encode(input.as_tensor(), &inputs, 0..2, mode)
+        .map_err(model_error)?;
+    let store = (&reference * &upstream)?.sum_all()?.backward()?;
+
+    let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
+    let mut line = |value: &'static str, gradient: bool, worst: f64| {
+        checks.push(KernelCheck {
+            kernel: check.to_string(),
+            shape: shape.name,
+            value,
+            gradient,
+            worst,
+            tolerance: tolerance(dtype),
+        })
+    };
+    line(
+        "output",
+        false,
+        worst(&f64_cpu(&y)?, &f64_cpu(&reference)?)?,
+    );
+    let Some(want) = store.get(input.as_tensor()) else {
+        candle_core::bail!("{check}: autograd gave the input no gradient")
+    };
+    line("x", true, worst(&f64_cpu(&grad_x)?, &f64_cpu(want)?)?);
+    let mut params = 0f64;
+    for (name, var) in loaded.params.vars() {
+        if !name.starts_with("encoder.layer.") {
+            continue;
+        }
+        let (Some(ours), Some(theirs)) = (grads.get(var.as_tensor()), store.get(var.as_tensor()))
+        else {
+            candle_core::bail!("{check}: no gradient for {name}")
+        };
+        // A NaN stays a NaN (f64::max would drop it).
+        let w = worst(&f64_cpu(ours)?, &f64_cpu(theirs)?)?;
+        params = if w.is_nan() || params.is_nan() {
+            f64::NAN
+        } else {
+            params.max(w)
+        };
+    }
+    line("params", true, params);
+    Ok(true)
 }
