@@ -203,6 +203,32 @@ fn largest_group(c: &BertConfig) -> f64 {
     .unwrap_or(0) as f64
 }
 
+/// The CUDA kernel choices of this process that change what a step keeps.
+#[derive(Debug, Clone, Copy)]
+struct CudaKernels {
+    /// [`bertkit_model::kernels::set_lean_cuda_feed_forward`].
+    lean_feed_forward: bool,
+    /// [`bertkit_model::kernels::set_cuda_flash_attention`].
+    one_pass_attention: bool,
+}
+
+impl CudaKernels {
+    fn current() -> Self {
+        CudaKernels {
+            lean_feed_forward: bertkit_model::kernels::lean_cuda_feed_forward(),
+            one_pass_attention: bertkit_model::kernels::cuda_flash_attention(),
+        }
+    }
+
+    /// Whether `c`'s attention runs in one pass at `precision`: bf16 (the plan's half
+    /// precision; fp16 runs candle's ops on CUDA) with heads of 64.
+    fn one_pass(&self, c: &BertConfig, precision: Precision) -> bool {
+        self.one_pass_attention
+            && precision == Precision::Half
+            && c.hidden_size == 64 * c.num_attention_heads
+    }
+}
+
 /// What one micro-batch keeps for its backward pass on `target`: bytes per sequence by one
 /// encoder layer, outside the layers, and (CUDA) bytes per step whatever the micro-batch.
 struct Activations {
@@ -211,7 +237,13 @@ struct Activations {
     per_step: f64,
 }
 
-fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activations {
+fn activations(
+    c: &BertConfig,
+    shape: &Shape,
+    b: f64,
+    target: Target,
+    kernels: CudaKernels,
+) -> Activations {
     let half = usize::from(b == 2.0);
     let (s, h, a, i) = (
         shape.seq as f64,
@@ -224,11 +256,7 @@ fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activat
     // layer, and in half precision the decoder's copy of the f32 word embeddings.
     let per_step = c.num_hidden_layers as f64 * 3.0 * (h * h + h) * b
         + if half == 1 { v * h * b } else { 0.0 };
-    let feed_forward_kept = if bertkit_model::kernels::lean_cuda_feed_forward() {
-        1.0
-    } else {
-        2.0
-    };
+    let feed_forward_kept = if kernels.lean_feed_forward { 1.0 } else { 2.0 };
     match target {
         Target::Cpu => Activations {
             layer: s * h * CPU_LAYER_HIDDEN[half] + a * s * s * CPU_LAYER_SCORES[half],
@@ -253,7 +281,8 @@ fn activations(c: &BertConfig, shape: &Shape, b: f64, target: Target) -> Activat
 /// Predicts the peak bytes of a training step of `c` on micro-batches of `shape` on `target`,
 /// with activation checkpointing every `checkpointing` layers (0 = off), for the kernels this
 /// process runs (on CUDA, whether the feed-forward is the lean one,
-/// [`bertkit_model::kernels::set_lean_cuda_feed_forward`]).
+/// [`bertkit_model::kernels::set_lean_cuda_feed_forward`], and whether attention runs in one
+/// pass, [`bertkit_model::kernels::set_cuda_flash_attention`]).
 pub fn predict(
     c: &BertConfig,
     shape: &Shape,
@@ -261,8 +290,26 @@ pub fn predict(
     checkpointing: usize,
     target: Target,
 ) -> Prediction {
+    predict_with(
+        c,
+        shape,
+        precision,
+        checkpointing,
+        target,
+        CudaKernels::current(),
+    )
+}
+
+fn predict_with(
+    c: &BertConfig,
+    shape: &Shape,
+    precision: Precision,
+    checkpointing: usize,
+    target: Target,
+    kernels: CudaKernels,
+) -> Prediction {
     if precision == Precision::F64 {
-        let f32 = predict(c, shape, Precision::F32, checkpointing, target);
+        let f32 = predict_with(c, shape, Precision::F32, checkpointing, target, kernels);
         return Prediction {
             state_bytes: 2.0 * f32.state_bytes,
             activation_bytes: 2.0 * f32.activation_bytes,
@@ -280,7 +327,7 @@ pub fn predict(
         c.hidden_size as f64,
         c.num_attention_heads as f64,
     );
-    let kept = activations(c, shape, b, target);
+    let kept = activations(c, shape, b, target, kernels);
     let layers = c.num_hidden_layers as f64;
     let encoder = match checkpointing {
         0 => layers * kept.layer,
@@ -290,9 +337,11 @@ pub fn predict(
             (layers / segment).ceil() * s * h * b + segment * kept.layer
         }
     };
-    // CUDA's attention backward recomputes one layer's scores and probabilities and holds
-    // their gradients beside them: four `[a, s, s]` tensors a sequence, one layer at a time.
+    // CUDA's attention backward around cuBLAS recomputes one layer's scores and probabilities
+    // and holds their gradients beside them: four `[a, s, s]` tensors a sequence, one layer at
+    // a time. In one pass it keeps each query's log-sum-exp instead (`a·s` f32 a layer).
     let recomputed = match target {
+        Target::Cuda if kernels.one_pass(c, precision) => layers * a * s * 4.0,
         Target::Cuda => 4.0 * a * s * s * b,
         Target::Cpu => 0.0,
     };
@@ -445,6 +494,42 @@ mod tests {
         assert!(cpu.runtime_bytes < cuda.runtime_bytes);
         assert_eq!(Target::of_device("cuda:1"), Target::Cuda);
         assert_eq!(Target::of_device("cpu"), Target::Cpu);
+    }
+
+    /// The one-pass attention keeps no `[a, s, s]` tensor: phase 2's micro-batch of 8 needs
+    /// four of BERT-large's bf16 `[16, 512, 512]` less (each query's log-sum-exp instead), in
+    /// bf16 with heads of 64 only.
+    #[test]
+    fn one_pass_attention_drops_the_recomputed_scores() {
+        let c = BertConfig::large();
+        let shape = Shape {
+            seq: 512,
+            predictions: 80,
+            micro_batch: 8,
+        };
+        let kernels = |one_pass_attention| CudaKernels {
+            lean_feed_forward: false,
+            one_pass_attention,
+        };
+        let peak = |precision, one_pass, c: &BertConfig| {
+            predict_with(c, &shape, precision, 0, Target::Cuda, kernels(one_pass)).total()
+        };
+        let (a, s) = (16.0, 512.0);
+        let dropped = 8.0 * (4.0 * a * s * s * 2.0 - 24.0 * a * s * 4.0);
+        let saved = peak(Precision::Half, false, &c) - peak(Precision::Half, true, &c);
+        assert!((saved - dropped).abs() < 1.0, "{saved} against {dropped}");
+        assert_eq!(
+            peak(Precision::F32, false, &c),
+            peak(Precision::F32, true, &c)
+        );
+        let heads_of_32 = BertConfig {
+            num_attention_heads: 32,
+            ..BertConfig::large()
+        };
+        assert_eq!(
+            peak(Precision::Half, false, &heads_of_32),
+            peak(Precision::Half, true, &heads_of_32)
+        );
     }
 
     #[test]
