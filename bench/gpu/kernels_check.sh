@@ -5,8 +5,9 @@
 # kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420). EXTRA=1 adds the device
 # pool's memory figures, and phase 1 with the pool keeping freed memory, the optimiser updating
 # in place, the lean feed-forward, the encoder's backward by hand (BERTKIT_CUDA_BACKWARD=tape)
-# our embedding lookups (BERTKIT_CUDA_EMBEDDINGS=fused) and attention in one pass over key tiles
-# (BERTKIT_CUDA_ATTENTION=flash); none yet run on a device. PROFILE=1 adds ncu's time per kernel over two
+# our embedding lookups (BERTKIT_CUDA_EMBEDDINGS=fused), attention in one pass over key tiles
+# (BERTKIT_CUDA_ATTENTION=flash) and our loss kernel (BERTKIT_CUDA_LOSS=fused); none yet run on
+# a device (bench/gpu/emulate ran their CUDA code on the CPU). PROFILE=1 adds ncu's time per kernel over two
 # training passes (ncu_summary.py). SIDE=0 skips the side-by-side table (to split a long run
 # into two device calls).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
@@ -34,20 +35,26 @@ if [[ -n ${EXTRA:-} ]]; then
     # Not yet run on a device: the device pool's high-water mark against the plan, and phase 1
     # with the pool keeping freed memory (BERTKIT_CUDA_POOL_KEEP=1) against without.
     log "2b bench memory on the device (the pool's peak against the plan): phase 1 at micro-batch 64 and the recipe's 256, phase 2 at 8 and the recipe's 64 (bf16)"
-    for shape in "phase1 20 64 - -" "phase1 20 64 lean -" "phase1 20 64 - tape" \
-        "phase1 20 256 - -" "phase2 80 8 - -" "phase2 80 8 lean -" "phase2 80 64 - -"; do
-        read -r records predictions micro ffn backward <<< "$shape"
-        echo -n "feed-forward $ffn, backward $backward: "
-        BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward timeout 120 $b bench memory \
+    for shape in "phase1 20 64 - - -" "phase1 20 64 lean - -" "phase1 20 64 - tape -" \
+        "phase1 20 64 lean tape all" "phase1 20 256 - - -" "phase2 80 8 - - -" \
+        "phase2 80 8 lean - -" "phase2 80 8 lean tape all" "phase2 80 64 - - -"; do
+        read -r records predictions micro ffn backward more <<< "$shape"
+        # "all": the one-pass attention and the loss kernel too.
+        attention=-; loss=-
+        [[ $more == all ]] && attention=flash && loss=fused
+        echo -n "feed-forward $ffn, backward $backward, attention $attention, loss $loss: "
+        BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
+            BERTKIT_CUDA_ATTENTION=$attention BERTKIT_CUDA_LOSS=$loss timeout 120 $b bench memory \
             --config "$here/data/pipelines/pretrain-phase1.toml" \
             --data "$here/data/records/$records" --preset large --precision bf16 --device cuda \
             --predictions "$predictions" --micro-batch "$micro" --steps 2 2>&1 | tail -n 1
     done
     log "2c phase 1, 12 steps: the pool keeping freed memory, the optimiser's update in place, the lean feed-forward, the backward by hand, the one-pass attention, then all of them without and with it"
-    for form in "0 fused - - - -" "1 fused - - - -" "0 inplace - - - -" "0 fused lean - - -" \
-        "0 fused - tape - -" "0 fused - - - flash" "1 inplace lean tape fused -" \
-        "1 inplace lean tape fused flash"; do
-        read -r keep optimizer ffn backward embeddings attention <<< "$form"
+    for form in "0 fused - - - - -" "1 fused - - - - -" "0 inplace - - - - -" \
+        "0 fused lean - - - -" "0 fused - tape - - -" "0 fused - - - flash -" \
+        "0 fused - - - - fused" "1 inplace lean tape fused - -" \
+        "1 inplace lean tape fused flash fused"; do
+        read -r keep optimizer ffn backward embeddings attention loss <<< "$form"
         rm -rf /tmp/keep-$keep
         sed -e "s|^output = .*|output = \"/tmp/keep-$keep\"|" \
             -e "s|^records = .*|records = [\"$here/data/records/phase1\"]|" \
@@ -55,19 +62,20 @@ if [[ -n ${EXTRA:-} ]]; then
             "$here/data/pipelines/pretrain-phase1.toml" > /tmp/keep-$keep.toml
         BERTKIT_CUDA_POOL_KEEP=$keep BERTKIT_CUDA_OPTIMIZER=$optimizer \
             BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
-            BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention timeout 120 $b pretrain \
+            BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention \
+            BERTKIT_CUDA_LOSS=$loss timeout 120 $b pretrain \
             --config /tmp/keep-$keep.toml --no-eval --device cuda --max-steps 12 --micro-batch 64 \
             --global-batch 64 2>&1 | grep -E "a step|start-up" \
-            | sed "s/^/keep=$keep $optimizer ffn=$ffn backward=$backward embeddings=$embeddings attention=$attention: /"
+            | sed "s/^/keep=$keep $optimizer ffn=$ffn backward=$backward embeddings=$embeddings attention=$attention loss=$loss: /"
     done
 fi
 if [[ -n ${EXTRA:-} ]]; then
     log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16: as it is, the encoder's backward by hand, with the embedding lookups too, and with the one-pass attention"
-    for form in "- - -" "tape - -" "tape fused -" "tape fused flash"; do
-        read -r backward embeddings attention <<< "$form"
-        echo "backward $backward, embeddings $embeddings, attention $attention:"
+    for form in "- - - -" "tape - - -" "tape fused - -" "tape fused flash fused"; do
+        read -r backward embeddings attention loss <<< "$form"
+        echo "backward $backward, embeddings $embeddings, attention $attention, loss $loss:"
         BERTKIT_CUDA_BACKWARD=$backward BERTKIT_CUDA_EMBEDDINGS=$embeddings \
-            BERTKIT_CUDA_ATTENTION=$attention timeout 120 \
+            BERTKIT_CUDA_ATTENTION=$attention BERTKIT_CUDA_LOSS=$loss timeout 120 \
             $b bench kernels --config large --batch 64 \
             --seq 128 --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 12
     done
@@ -78,7 +86,8 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
     # hand, the one-pass attention: which launches the layers, the autograd and the heads are made of.
     log "2d ncu: the kernels of two training passes, 2-layer BERT-large, batch 64 x 128, bf16"
     python3 -c 'import json,sys; json.dump({"architectures":["BertForPreTraining"],"model_type":"bert","vocab_size":30522,"hidden_size":1024,"num_hidden_layers":2,"num_attention_heads":16,"intermediate_size":4096,"hidden_act":"gelu","hidden_dropout_prob":0.1,"attention_probs_dropout_prob":0.1,"max_position_embeddings":512,"type_vocab_size":2,"initializer_range":0.02,"layer_norm_eps":1e-12}, open("/tmp/large2.json","w"))'
-    BERTKIT_CUDA_BACKWARD=tape BERTKIT_CUDA_EMBEDDINGS=fused BERTKIT_CUDA_ATTENTION=flash timeout 300 ncu --clock-control none --csv --print-units base --metrics gpu__time_duration.sum \
+    BERTKIT_CUDA_BACKWARD=tape BERTKIT_CUDA_EMBEDDINGS=fused BERTKIT_CUDA_ATTENTION=flash \
+        BERTKIT_CUDA_LOSS=fused timeout 300 ncu --clock-control none --csv --print-units base --metrics gpu__time_duration.sum \
         $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 --device cuda \
         --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
     echo "rc $?"

@@ -10,5 +10,6 @@ fn main() {
     // kernels.cu includes these.
     println!("cargo::rerun-if-changed=src/kernels/cuda/common.cuh");
     println!("cargo::rerun-if-changed=src/kernels/cuda/flash.cu");
+    println!("cargo::rerun-if-changed=src/kernels/cuda/loss.cu");
     compile_ptx("src/kernels/cuda/kernels.cu", "kernels.ptx");
 }

@@ -7,6 +7,8 @@
 //   rows ending inside a tile, padding) over one to three key tiles;
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
 //   gathered and summed by hand in token order (the same bits, f32 and bf16);
+// - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32 and bf16, a
+//   vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
 //   against its two-buffer form, which passed on an H200: the same bits, LAMB and AdamW.
 //
@@ -304,6 +306,55 @@ bool check_update(const char* name, bool lamb, bool decayed) {
     return differ == 0;
 }
 
+// The negative log-likelihood of `rows` rows of `classes` logits in `T` and its backward
+// (`loss.cu`), against the same in f64 from the same inputs.
+template <typename T>
+bool check_nll(const char* name, int rows, int classes) {
+    std::mt19937_64 rng(5 + classes);
+    std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+    std::vector<T> logits((size_t)rows * classes);
+    for (auto& x : logits) x = from_f32<T>(u(rng));
+    std::vector<uint32_t> labels(rows);
+    std::vector<float> grad(rows);
+    for (int r = 0; r < rows; ++r) {
+        labels[r] = (uint32_t)((r * 31 + 7) % classes);
+        grad[r] = u(rng);
+    }
+    std::vector<float> nll(rows, NAN), lse(rows, NAN);
+    const unsigned threads = std::min(1024u, (unsigned)(((classes + 3) / 4 + 31) / 32 * 32));
+    emulate_launch({5, 1, 1}, threads, [&] {
+        nll_forward<T>(logits.data(), labels.data(), nll.data(), lse.data(), rows, classes);
+    });
+    std::vector<T> grad_logits(logits.size(), from_f32<T>(NAN));
+    emulate_launch({5, 1, 1}, threads, [&] {
+        nll_backward<T>(logits.data(), labels.data(), lse.data(), grad.data(),
+                        grad_logits.data(), rows, classes);
+    });
+    std::vector<double> got_nll(nll.begin(), nll.end()), want_nll(rows), got_grad, want_grad;
+    for (int r = 0; r < rows; ++r) {
+        const T* x = &logits[(size_t)r * classes];
+        double m = -INFINITY, s = 0.0;
+        for (int c = 0; c < classes; ++c) m = std::max(m, (double)to_f32(x[c]));
+        for (int c = 0; c < classes; ++c) s += std::exp(to_f32(x[c]) - m);
+        const double l = m + std::log(s);
+        want_nll[r] = l - to_f32(x[labels[r]]);
+        for (int c = 0; c < classes; ++c) {
+            got_grad.push_back(to_f32(grad_logits[(size_t)r * classes + c]));
+            want_grad.push_back(grad[r] * (std::exp(to_f32(x[c]) - l) - (c == (int)labels[r])));
+        }
+    }
+    const double bound = std::is_same<T, float>::value ? 1e-5 : 1e-2;
+    bool ok = true;
+    for (auto [what, w] : {std::pair{"output", worst(got_nll, want_nll)},
+                           std::pair{"dlogits", worst(got_grad, want_grad)}}) {
+        const bool passed = w <= bound;
+        ok = ok && passed;
+        std::printf("  %-28s %-8s %.3e  (bound %.0e) %s\n", name, what, w, bound,
+                    passed ? "ok" : "FAILED");
+    }
+    return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -318,6 +369,9 @@ int main() {
     std::printf("embedding lookup (gather_rows, kernels.cu) against the rows by hand:\n");
     ok = check_gather<float>("gather_rows f32", 50, 70, 300) && ok;
     ok = check_gather<bf16>("gather_rows bf16", 50, 1030, 200) && ok;
+    std::printf("negative log-likelihood (loss.cu) against f64:\n");
+    ok = check_nll<float>("nll f32", 37, 517) && ok;
+    ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;
     std::printf("optimiser update in place (cuda_update.cu) against the two-buffer update:\n");
     ok = check_update("LAMB, decayed", true, true) && ok;
     ok = check_update("LAMB, not decayed", true, false) && ok;

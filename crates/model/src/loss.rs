@@ -33,8 +33,13 @@ pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
 
 /// Per-row negative log-likelihood of `labels` (`[rows]`, u32) under `logits` (`[rows, classes]`).
 /// On the CPU in f32 one fused op of ours (forward and backward each one pass over the logits;
-/// the masked-LM logits are `[slots, vocabulary]`); elsewhere composed ops.
+/// the masked-LM logits are `[slots, vocabulary]`), on CUDA its twin where turned on
+/// ([`crate::kernels::set_cuda_loss`]: f32 or bf16 logits as they are); elsewhere composed ops.
 pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(nll) = crate::kernels::cuda_nll(logits, labels) {
+        return nll;
+    }
     let logits = if logits.dtype() == DType::F64 {
         logits.clone()
     } else {

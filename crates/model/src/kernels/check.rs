@@ -213,6 +213,19 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         attention("attention flash (eval)", false, true),
         attention("attention flash (dropout)", true, true),
         Case {
+            kernel: "nll",
+            // A row of logits per token over 517 classes, labels spread over them.
+            inputs: vec![("logits", vec![t, 517], 4.0)],
+            run: |_, x, _, _, _| {
+                let rows = x[0].dim(0)?;
+                let labels: Vec<u32> = (0..rows).map(|r| ((r * 31 + 7) % 517) as u32).collect();
+                let labels = Tensor::from_vec(labels, rows, x[0].device())?;
+                crate::loss::nll_per_row(&x[0], &labels)
+            },
+            train: false,
+            flash: false,
+        },
+        Case {
             kernel: "residual_layer_norm (dropout)",
             inputs: vec![
                 ("x", vec![t, h], 2.0),
@@ -301,7 +314,8 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// (see the module's documentation). On a CUDA device this turns the CUDA kernels (the lean
 /// feed-forward and the embedding lookup among them) on and TF32 off for the process
 /// ([`super::set_cuda_kernels`], [`super::set_lean_cuda_feed_forward`],
-/// [`super::set_cuda_embeddings`], [`crate::set_tf32`]); the one-pass attention is on for its
+/// [`super::set_cuda_embeddings`], [`super::set_cuda_loss`], [`crate::set_tf32`]); the
+/// one-pass attention is on for its
 /// own rows only and off afterwards ([`super::set_cuda_flash_attention`]).
 pub fn check_kernels(
     device: &Device,
@@ -312,6 +326,7 @@ pub fn check_kernels(
         super::set_cuda_kernels(true);
         super::set_lean_cuda_feed_forward(true);
         super::set_cuda_embeddings(true);
+        super::set_cuda_loss(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
         // error behind the product's.
         crate::set_tf32(false);

@@ -317,6 +317,33 @@ pub fn cuda_flash_attention() -> bool {
     CUDA_FLASH_ATTENTION.get()
 }
 
+/// Whether the losses on CUDA take our kernel.
+static CUDA_LOSS: Switch = Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_LOSS", "fused"));
+
+/// Turns our CUDA loss kernel on or off for this process: the negative log-likelihood of each
+/// row of logits (the masked-LM head's `[slots, vocabulary]`, the classifiers') in one pass
+/// over f32 or bf16 logits as they are, keeping only each row's log-sum-exp, and its backward
+/// in one more, where candle's ops take the logits to f32 and through a log-softmax whose
+/// every intermediate autograd keeps. Checked by `bertkit check kernels --device cuda` (its
+/// `nll` rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_LOSS=fused`.
+pub fn set_cuda_loss(on: bool) {
+    CUDA_LOSS.set(on);
+}
+
+/// Whether the losses on CUDA take our kernel (see [`set_cuda_loss`]).
+pub fn cuda_loss() -> bool {
+    CUDA_LOSS.get()
+}
+
+/// The negative log-likelihood of each row of `logits` (`[rows, classes]`) for `labels`
+/// (`[rows]` u32) through our CUDA kernel, where it takes them (see [`set_cuda_loss`]):
+/// `None` elsewhere.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor>> {
+    (cuda_loss() && on_cuda(&[logits]) && labels.dtype() == DType::U32)
+        .then(|| cuda::nll(logits, labels))
+}
+
 /// Whether embedding lookups on CUDA take our kernel.
 static CUDA_EMBEDDINGS: Switch =
     Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_EMBEDDINGS", "fused"));

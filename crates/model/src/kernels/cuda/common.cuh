@@ -69,16 +69,27 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The sum over the block (a multiple of 32 threads), returned to every thread; `scratch` holds
-// 32 floats.
-__device__ float block_sum(float v, float* scratch) {
-    v = warp_sum(v);
+// A reduction over the block (a multiple of 32 threads) by a warp's `Reduce`, returned to every
+// thread; `scratch` holds 32 floats, `none` is the reduction's identity.
+template <float (*Reduce)(float)>
+__device__ float block_reduce(float v, float* scratch, float none) {
+    v = Reduce(v);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.0f;
-    return warp_sum(v);
+    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : none;
+    return Reduce(v);
+}
+
+// The sum over the block, returned to every thread; `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    return block_reduce<warp_sum>(v, scratch, 0.0f);
+}
+
+// The maximum over the block, returned to every thread; `scratch` holds 32 floats.
+__device__ float block_max(float v, float* scratch) {
+    return block_reduce<warp_max>(v, scratch, -INFINITY);
 }
 
 // Sums of per-block partial column sums: `out[c] = sum_p partial[p * cols + c]`.

@@ -424,3 +424,8 @@ ENTRY_POINTS(bf16, bf16)
 // Attention in one pass over key tiles (bf16, tensor cores): its own file, the helpers above.
 
 #include "flash.cu"
+
+// ---------------------------------------------------------------------------------------------
+// The masked-LM and classification losses: their own file, the helpers above.
+
+#include "loss.cu"

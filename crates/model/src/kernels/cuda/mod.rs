@@ -235,11 +235,13 @@ mod attention;
 mod flash;
 mod gather;
 mod linear;
+mod loss;
 mod norm;
 
 pub(crate) use attention::attention;
 pub(crate) use gather::gather_rows;
 pub(crate) use linear::{activation, gelu_linear, linear};
+pub(crate) use loss::nll;
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
 /// Whether a row of `hidden` fits a LayerNorm backward block's shared memory.
