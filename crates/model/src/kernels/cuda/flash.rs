@@ -31,9 +31,14 @@ fn aligned(t: &Tensor) -> bool {
     t.is_contiguous() && t.layout().start_offset().is_multiple_of(ALIGN)
 }
 
-/// `t` contiguous from an aligned element: itself, or a copy.
+/// `t` contiguous from an aligned element: itself, or a copy from the first element of a
+/// fresh buffer (`Tensor::copy` would keep the layout, offset and all).
 fn aligned_copy(t: &Tensor) -> Result<Tensor> {
-    if aligned(t) { Ok(t.clone()) } else { t.copy() }
+    if aligned(t) {
+        Ok(t.clone())
+    } else {
+        t.force_contiguous()
+    }
 }
 
 /// The attention of `qkv` (`[tokens, 3 · hidden]` bf16) within the packed rows of `h`, to the
