@@ -198,8 +198,7 @@ impl Group {
 }
 
 /// Whether the optimiser's CUDA update runs on a CUDA device.
-static CUDA_OPTIMIZER: Switch =
-    Switch::new(|| !bertkit_model::switch::env_is("BERTKIT_CUDA_OPTIMIZER", "composed"));
+static CUDA_OPTIMIZER: Switch = Switch::opt_out("BERTKIT_CUDA_OPTIMIZER", "composed");
 
 /// Turns the optimiser's CUDA update (two launches per parameter group, the twin of the CPU's
 /// one-pass update) on or off for this process; without the `cuda` feature there is none.
@@ -215,8 +214,7 @@ pub fn cuda_optimizer() -> bool {
 }
 
 /// Whether the CUDA update writes each group's state in place.
-static CUDA_UPDATE_IN_PLACE: Switch =
-    Switch::new(|| bertkit_model::switch::env_is("BERTKIT_CUDA_OPTIMIZER", "inplace"));
+static CUDA_UPDATE_IN_PLACE: Switch = Switch::opt_in("BERTKIT_CUDA_OPTIMIZER", "inplace");
 
 /// Turns the CUDA update's in-place form on or off for this process: the group's weights and
 /// moments packed once into one buffer and updated where they are, instead of a new
@@ -226,6 +224,15 @@ static CUDA_UPDATE_IN_PLACE: Switch =
 /// cuda` compares it with the CPU's update).
 pub fn set_cuda_update_in_place(on: bool) {
     CUDA_UPDATE_IN_PLACE.set(on);
+}
+
+/// The CUDA settings still off by default that `bertkit check kernels --device cuda` checks:
+/// the model's kernels' ([`bertkit_model::kernels::cuda_settings_off_by_default`]) and the
+/// optimiser's update in place, as the environment turns each on (`VARIABLE=value`).
+pub fn cuda_settings_off_by_default() -> Vec<String> {
+    let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
+    settings.extend(CUDA_UPDATE_IN_PLACE.turned_on_by());
+    settings
 }
 
 /// Whether the CUDA update writes in place (see [`set_cuda_update_in_place`]).

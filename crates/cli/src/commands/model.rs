@@ -150,5 +150,16 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
         return Err(format!("{failed} of {checked} kernel values out of bounds").into());
     }
     println!("all {checked} kernel values within bounds");
+    if device.is_cuda() {
+        // What these checks cover that a run does not take unless told.
+        let settings = bertkit_train::optim::cuda_settings_off_by_default();
+        if !settings.is_empty() {
+            println!(
+                "checked here, off by default until recorded on a GPU (BENCHMARKS.md); to use \
+                 them: {}",
+                settings.join(" ")
+            );
+        }
+    }
     Ok(())
 }

@@ -245,8 +245,7 @@ fn cpu_dropout(
 }
 
 /// Whether [`Fused`] takes its CUDA kernels on a CUDA device.
-static CUDA_KERNELS: Switch =
-    Switch::new(|| !crate::switch::env_is("BERTKIT_CUDA_KERNELS", "composed"));
+static CUDA_KERNELS: Switch = Switch::opt_out("BERTKIT_CUDA_KERNELS", "composed");
 
 /// Turns [`Fused`]'s CUDA kernels on or off for this process (the `cuda` feature; without it
 /// there are none and this changes nothing). Unset, they are on unless the environment says
@@ -262,8 +261,7 @@ pub fn cuda_kernels() -> bool {
 }
 
 /// Whether the CUDA feed-forward keeps only its first product.
-static LEAN_CUDA_FEED_FORWARD: Switch =
-    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_FEED_FORWARD", "lean"));
+static LEAN_CUDA_FEED_FORWARD: Switch = Switch::opt_in("BERTKIT_CUDA_FEED_FORWARD", "lean");
 
 /// Turns the lean feed-forward on CUDA on or off for this process: the first product kept
 /// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
@@ -281,7 +279,7 @@ pub fn lean_cuda_feed_forward() -> bool {
 }
 
 /// Whether the encoder's backward pass on CUDA runs by hand over the kernels' tape.
-static CUDA_TAPE: Switch = Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_BACKWARD", "tape"));
+static CUDA_TAPE: Switch = Switch::opt_in("BERTKIT_CUDA_BACKWARD", "tape");
 
 /// Turns the encoder's backward pass by hand ([`tape`]) on or off for CUDA in this process.
 /// It calls the CUDA kernels' own backward passes, which passed their check, in the order
@@ -298,8 +296,7 @@ pub fn cuda_tape() -> bool {
 }
 
 /// Whether attention on CUDA runs in one pass over key tiles.
-static CUDA_FLASH_ATTENTION: Switch =
-    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_ATTENTION", "flash"));
+static CUDA_FLASH_ATTENTION: Switch = Switch::opt_in("BERTKIT_CUDA_ATTENTION", "flash");
 
 /// Turns attention in one pass over key tiles on CUDA on or off for this process (bf16, heads
 /// of 64, GPUs of compute capability 8.0 and later: the products on tensor cores, the scores
@@ -318,7 +315,7 @@ pub fn cuda_flash_attention() -> bool {
 }
 
 /// Whether the losses on CUDA take our kernel.
-static CUDA_LOSS: Switch = Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_LOSS", "fused"));
+static CUDA_LOSS: Switch = Switch::opt_in("BERTKIT_CUDA_LOSS", "fused");
 
 /// Turns our CUDA loss kernel on or off for this process: the negative log-likelihood of each
 /// row of logits (the masked-LM head's `[slots, vocabulary]`, the classifiers') in one pass
@@ -345,8 +342,7 @@ pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor
 }
 
 /// Whether embedding lookups on CUDA take our kernel.
-static CUDA_EMBEDDINGS: Switch =
-    Switch::new(|| crate::switch::env_is("BERTKIT_CUDA_EMBEDDINGS", "fused"));
+static CUDA_EMBEDDINGS: Switch = Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS", "fused");
 
 /// Turns our CUDA embedding lookup ([`Kernels::gather_rows`]) on or off for this process:
 /// the forward gathers the rows in parallel and the backward sums each table row's gradients
@@ -361,6 +357,22 @@ pub fn set_cuda_embeddings(on: bool) {
 /// Whether embedding lookups on CUDA take our kernel (see [`set_cuda_embeddings`]).
 pub fn cuda_embeddings() -> bool {
     CUDA_EMBEDDINGS.get()
+}
+
+/// The CUDA kernels' settings still off by default (each until a device run has checked it),
+/// as the environment turns each on (`VARIABLE=value`); `bertkit check kernels --device cuda`
+/// checks the kernels behind every one of them.
+pub fn cuda_settings_off_by_default() -> Vec<String> {
+    [
+        &LEAN_CUDA_FEED_FORWARD,
+        &CUDA_TAPE,
+        &CUDA_EMBEDDINGS,
+        &CUDA_FLASH_ATTENTION,
+        &CUDA_LOSS,
+    ]
+    .iter()
+    .filter_map(|s| s.turned_on_by())
+    .collect()
 }
 
 /// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32 or bf16, with the
