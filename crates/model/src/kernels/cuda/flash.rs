@@ -46,7 +46,7 @@ fn aligned_copy(t: &Tensor) -> Result<Tensor> {
 pub(super) fn attention(qkv: &Tensor, h: Heads) -> Result<Tensor> {
     let op = Flash {
         heads: h,
-        lse: Mutex::new(None),
+        lse: Handoff::empty(),
     };
     tape::apply_op1(qkv, op)
 }
@@ -95,7 +95,7 @@ fn input<'a>(
 /// The forward, holding each query's log-sum-exp from the forward to the backward.
 struct Flash {
     heads: Heads,
-    lse: Mutex<Option<CudaSlice<f32>>>,
+    lse: Handoff<CudaSlice<f32>>,
 }
 
 impl CustomOp1 for Flash {
@@ -124,23 +124,13 @@ impl CustomOp1 for Flash {
                 b.arg(&h.scale).arg(&h.dropout);
             })
         })?;
-        match self.lse.lock() {
-            Ok(mut held) => *held = Some(lse),
-            Err(_) => bail!("{name}: a poisoned lock"),
-        }
+        self.lse.put(name, lse)?;
         Ok((wrap(context, dev), Shape::from((p.tokens, h.hidden()))))
     }
 
     fn bwd(&self, qkv: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         crate::kernels::profiled_backward("attention", grad.device(), || {
-            let name = self.name();
-            let lse = match self.lse.lock() {
-                Ok(mut held) => held.take(),
-                Err(_) => bail!("{name}: a poisoned lock"),
-            };
-            let Some(lse) = lse else {
-                bail!("{name}: the backward run twice, or before the forward")
-            };
+            let lse = self.lse.take(self.name())?;
             let op = FlashBackward {
                 heads: &self.heads,
                 lse,

@@ -13,7 +13,7 @@ use super::*;
 /// bf16) and `labels` `[rows]` u32 (checked on the host by `loss::labels`).
 pub(crate) fn nll(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     let op = Nll {
-        lse: Mutex::new(None),
+        lse: Handoff::empty(),
     };
     logits.contiguous()?.apply_op2(&labels.contiguous()?, op)
 }
@@ -38,7 +38,7 @@ fn row_config(rows: usize, classes: usize) -> LaunchConfig {
 }
 
 struct Nll {
-    lse: Mutex<Option<CudaSlice<f32>>>,
+    lse: Handoff<CudaSlice<f32>>,
 }
 
 impl CustomOp2 for Nll {
@@ -73,10 +73,7 @@ impl CustomOp2 for Nll {
                 b.arg(&logits).arg(&labels).arg(&mut nll).arg(&mut lse);
                 b.arg(&rows_i).arg(&classes_i);
             })?;
-            match op.lse.lock() {
-                Ok(mut held) => *held = Some(lse),
-                Err(_) => bail!("{name}: a poisoned lock"),
-            }
+            op.lse.put(name, lse)?;
             Ok((
                 CudaStorage::wrap_cuda_slice(nll, dev.clone()),
                 Shape::from(rows),
@@ -93,14 +90,7 @@ impl CustomOp2 for Nll {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         crate::kernels::profiled_backward("loss", grad.device(), || {
-            let name = self.name();
-            let lse = match self.lse.lock() {
-                Ok(mut held) => held.take(),
-                Err(_) => bail!("{name}: a poisoned lock"),
-            };
-            let Some(lse) = lse else {
-                bail!("{name}: the backward run twice, or before the forward")
-            };
+            let lse = self.lse.take(self.name())?;
             let grad = grad.to_dtype(DType::F32)?.contiguous()?;
             let op = NllBackward { lse };
             let grad_logits = logits.apply_op3_no_bwd(labels, &grad, &op)?;

@@ -278,31 +278,49 @@ impl Places {
     }
 }
 
-/// A tensor an op hands from its forward to its backward once, then lets go.
-#[derive(Debug, Default)]
-struct Handoff(Mutex<Option<Tensor>>);
+/// What an op hands from its forward to its backward once, then lets go: a tensor, or a
+/// buffer the forward's kernel filled (`put` there, as the op's forward takes `&self`).
+#[derive(Debug)]
+struct Handoff<T = Tensor>(Mutex<Option<T>>);
 
-impl Handoff {
-    fn new(t: Tensor) -> Self {
+impl<T> Handoff<T> {
+    fn new(t: T) -> Self {
         Handoff(Mutex::new(Some(t)))
     }
 
+    /// Nothing yet: the forward [`Handoff::put`]s it.
+    fn empty() -> Self {
+        Handoff(Mutex::new(None))
+    }
+
+    fn put(&self, op: &str, t: T) -> Result<()> {
+        match self.0.lock() {
+            Ok(mut held) => {
+                *held = Some(t);
+                Ok(())
+            }
+            Err(_) => bail!("{op}: a poisoned lock"),
+        }
+    }
+
+    fn take(&self, op: &str) -> Result<T> {
+        match self.0.lock() {
+            Ok(mut t) => match t.take() {
+                Some(t) => Ok(t),
+                None => bail!("{op}: run twice, or before what it takes was handed over"),
+            },
+            Err(_) => bail!("{op}: a poisoned lock"),
+        }
+    }
+}
+
+impl Handoff {
     /// The tensor, kept for a later [`Handoff::take`].
     fn peek(&self, op: &str) -> Result<Tensor> {
         match self.0.lock() {
             Ok(t) => match &*t {
                 Some(t) => Ok(t.clone()),
                 None => bail!("{op}: already handed over"),
-            },
-            Err(_) => bail!("{op}: a poisoned lock"),
-        }
-    }
-
-    fn take(&self, op: &str) -> Result<Tensor> {
-        match self.0.lock() {
-            Ok(mut t) => match t.take() {
-                Some(t) => Ok(t),
-                None => bail!("{op}: run twice"),
             },
             Err(_) => bail!("{op}: a poisoned lock"),
         }
