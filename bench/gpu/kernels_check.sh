@@ -7,7 +7,9 @@
 # in place, the lean feed-forward, the encoder's backward by hand (BERTKIT_CUDA_BACKWARD=tape)
 # our embedding lookups (BERTKIT_CUDA_EMBEDDINGS=fused), attention in one pass over key tiles
 # (BERTKIT_CUDA_ATTENTION=flash) and our loss kernel (BERTKIT_CUDA_LOSS=fused); none yet run on
-# a device (bench/gpu/emulate ran their CUDA code on the CPU). PROFILE=1 adds ncu's time per kernel over two
+# a device (bench/gpu/emulate ran their CUDA code on the CPU). ALL_ON=1 turns on, for the rest
+# of the call, every setting the check passes (and the pool keeping freed memory): with SIDE, the
+# table for all of them at once. PROFILE=1 adds ncu's time per kernel over two
 # training passes (ncu_summary.py). SIDE=0 skips the side-by-side table (to split a long run
 # into two device calls).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
@@ -23,8 +25,21 @@ $b --version
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 log "1 bertkit check kernels --device cuda"
 timeout 180 $b check kernels --device cuda --dtype f32,bf16 > "$out/check.txt" 2>&1
-echo "rc $? (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
+check_rc=$?
+echo "rc $check_rc (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
 grep -v " ok$" "$out/check.txt"
+if [[ -n ${ALL_ON:-} ]]; then
+    # ALL_ON=1: every setting the check just passed (its last line names them), and the pool
+    # keeping freed memory, for the rest of the call; nothing when the check failed.
+    if [[ $check_rc == 0 ]]; then
+        settings=$(sed -n 's/.*to use them: //p' "$out/check.txt")
+        # shellcheck disable=SC2086
+        export $settings BERTKIT_CUDA_POOL_KEEP=1
+        log "ALL_ON: $settings BERTKIT_CUDA_POOL_KEEP=1"
+    else
+        log "ALL_ON: the check failed; the defaults stay"
+    fi
+fi
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
 for optimizer in composed fused inplace; do
     log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer"
