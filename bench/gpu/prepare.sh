@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The data side_by_side.sh runs on, into DIR: the demo pipeline's phase-1 and phase-2 records
 # (pipelines/demo.toml from MIRROR, the shared data layout), the offline SQuAD split of
-# dev-v1.1, the bert-base-uncased vocabulary and the recipes (pipelines/). About 12 MB.
+# dev-v1.1, GLUE's MRPC, the bert-base-uncased vocabulary and the recipes (pipelines/). About
+# 14 MB.
 #
 # Usage: bench/gpu/prepare.sh BERTKIT MIRROR DIR
 set -euo pipefail
@@ -13,6 +14,7 @@ cd "$repo"
 rm -rf "$dir" && mkdir -p "$dir/records"
 cp -r out/demo/records/phase1 out/demo/records/phase2 "$dir/records/"
 "$bertkit" split squad --input "$mirror/squad/dev-v1.1.json" -o "$dir/squad" > /dev/null
+mkdir -p "$dir/glue/MRPC" && cp "$mirror"/glue/MRPC/{train,dev}.tsv "$dir/glue/MRPC/"
 cp "$mirror/minilm/vocab.txt" "$dir/"
 cp -r pipelines "$dir/"
 du -sh "$dir"

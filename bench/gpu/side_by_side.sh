@@ -7,6 +7,8 @@
 #   3. inference (seq 128, batch 64, bf16);
 #   4. phase-2 pre-training steps (seq 512, micro-batch 8, 80 predictions), from phase 1;
 #   5. SQuAD fine-tuning steps (seq 384, batch 32) from the phase-1 weights;
+#   6. GLUE MRPC fine-tuning steps (batch 32) from the same (bertkit on MRPC's real pairs,
+#      unpadded; PyTorch on ids padded to 128, run_glue.py's default);
 # and, for the record, where bertkit's training pass spends its time per kernel.
 # bertkit's side runs its real commands on the demo records and the SQuAD split; PyTorch's is
 # bench/gpu/torch_peer.py on random ids of the same shapes (masked-LM head on the masked
@@ -14,7 +16,7 @@
 #
 # Usage: bench/gpu/side_by_side.sh --bertkit BIN --python PY --data DIR
 #   DIR: records/phase1 and records/phase2 (pipelines/demo.toml's), squad/train.json and
-#   squad/dev.json (`bertkit split squad`), vocab.txt, pipelines/ (the recipes).
+#   squad/dev.json (`bertkit split squad`), glue/MRPC, vocab.txt, pipelines/ (the recipes).
 # Environment: DEVICE (cuda; cpu runs the plumbing on tiny shapes), MODEL (large; or a
 # config.json), QUICK=1 (phase 1 only), OUT (where logs and results.jsonl go; default a
 # temporary folder). `make bench-gpu` builds and prepares all of it; `bench/gpu/pack.sh`
@@ -42,9 +44,9 @@ results=$out/results.jsonl
 work=$(mktemp -d)
 # Shapes: the recipes' on a GPU; tiny ones for a dry run on the CPU.
 if [[ $device == cpu ]]; then
-    p1_batch=4 p2_batch=2 squad_batch=4 steps=3 warmup=1 dtype=f32 squad_seq=128
+    p1_batch=4 p2_batch=2 squad_batch=4 glue_batch=4 steps=3 warmup=1 dtype=f32 squad_seq=128
 else
-    p1_batch=64 p2_batch=8 squad_batch=32 steps=12 warmup=4 dtype=bf16 squad_seq=384
+    p1_batch=64 p2_batch=8 squad_batch=32 glue_batch=32 steps=12 warmup=4 dtype=bf16 squad_seq=384
 fi
 if [[ $model == large || $model == base ]]; then
     model_line="preset = \"$model\""
@@ -165,6 +167,18 @@ PY
     "$py" "$here/torch_peer.py" squad --config "$model" --seq "$squad_seq" --batch "$squad_batch" \
         --steps "$squad_steps" --warmup "$warmup" --dtype "$dtype" --device "$device" \
         2>"$out/torch-squad.err" | sed 's/^{/{"side": "torch", /' >> "$results"
+    tail -n 1 "$results"
+
+    log "6 GLUE MRPC fine-tuning: seq 128, batch $glue_batch, $squad_steps steps"
+    "$bertkit" finetune glue --task mrpc --model "$work/squad-model" --data "$data/glue/MRPC" \
+        -o "$work/mrpc" --device "$device" --dtype "$dtype" --batch "$glue_batch" \
+        --max-seq-length 128 --max-steps "$squad_steps" > "$out/mrpc.log" 2>&1
+    rc=$?
+    grep -E "^MRPC:" "$out/mrpc.log"
+    result "{\"side\": \"bertkit\", \"work\": \"glue\", \"rc\": $rc, \"seq_per_s\": $(median_windows_per_s "$work/mrpc/metrics.jsonl" "$warmup" "$glue_batch")}"
+    "$py" "$here/torch_peer.py" glue --config "$model" --seq 128 --batch "$glue_batch" \
+        --steps "$squad_steps" --warmup "$warmup" --dtype "$dtype" --device "$device" \
+        2>"$out/torch-glue.err" | sed 's/^{/{"side": "torch", /' >> "$results"
     tail -n 1 "$results"
 fi
 

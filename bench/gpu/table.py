@@ -18,6 +18,7 @@ def main(path):
         "phase2": "phase 2 pre-training, seq/s",
         "infer": "inference, seq/s",
         "squad": "SQuAD fine-tuning, windows/s",
+        "glue": "GLUE MRPC fine-tuning, examples/s",
     }
     for work, label in names.items():
         sides = by.get(work, {})

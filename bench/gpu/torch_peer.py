@@ -4,6 +4,7 @@ device and shapes: one JSON line per measurement on stdout.
     python torch_peer.py pretrain --config large --seq 128 --batch 64 --predictions 20 --steps 12
     python torch_peer.py infer    --config large --seq 128 --batch 64
     python torch_peer.py squad    --config large --seq 384 --batch 32 --steps 20
+    python torch_peer.py glue     --config large --seq 128 --batch 32 --steps 20
     python torch_peer.py forward  --model DIR --input ids.safetensors --bertkit out.safetensors
 
 Each runs on `--device` (cuda by default; cpu for a dry run of the plumbing), `--dtype` bf16 by
@@ -21,7 +22,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertModel
+from transformers import (
+    BertConfig,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertModel,
+)
 
 SIZES = {
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
@@ -117,27 +124,42 @@ def infer(args, device):
          seq_per_s=round(args.batch / seconds, 2), peak_bytes=peak_bytes(device))
 
 
-def squad(args, device):
-    c = config(args.config, args.seq)
-    model = BertForQuestionAnswering(c).to(device).train()
+def finetune(args, device, work, model, targets):
+    """Fine-tuning steps of `model` on random ids of the asked shape, `targets` (the forward's
+    label arguments, made from a generator) its labels: AdamW, fused on CUDA."""
+    model = model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-5, fused=device.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(5, c.vocab_size, (args.batch, args.seq), generator=g).to(device)
-    starts = torch.randint(0, args.seq, (args.batch,), generator=g).to(device)
-    ends = torch.randint(0, args.seq, (args.batch,), generator=g).to(device)
+    vocab = model.config.vocab_size
+    ids = torch.randint(5, vocab, (args.batch, args.seq), generator=g).to(device)
+    labels = {k: v(g).to(device) for k, v in targets.items()}
     dtype = getattr(torch, args.dtype)
 
     def step(_):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(input_ids=ids, start_positions=starts, end_positions=ends).loss
+            loss = model(input_ids=ids, **labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     seconds = timed(args.steps, args.warmup, device, step)
-    emit(work="squad", seq=args.seq, batch=args.batch, dtype=args.dtype,
+    emit(work=work, seq=args.seq, batch=args.batch, dtype=args.dtype,
          steps_per_s=round(1 / seconds, 3), windows_per_s=round(args.batch / seconds, 2),
          peak_bytes=peak_bytes(device))
+
+
+def squad(args, device):
+    positions = lambda g: torch.randint(0, args.seq, (args.batch,), generator=g)
+    finetune(args, device, "squad", BertForQuestionAnswering(config(args.config, args.seq)),
+             {"start_positions": positions, "end_positions": positions})
+
+
+def glue(args, device):
+    """MRPC's shape: pairs of sentences padded to `--seq` (run_glue.py's default), 2 labels."""
+    c = config(args.config, args.seq)
+    c.num_labels = 2
+    classes = lambda g: torch.randint(0, 2, (args.batch,), generator=g)
+    finetune(args, device, "glue", BertForSequenceClassification(c), {"labels": classes})
 
 
 def forward(args, device):
@@ -157,7 +179,7 @@ def forward(args, device):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("work", choices=["pretrain", "infer", "squad", "forward"])
+    ap.add_argument("work", choices=["pretrain", "infer", "squad", "glue", "forward"])
     ap.add_argument("--config", default="large")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
@@ -173,7 +195,8 @@ def main():
     args.dtype = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}.get(args.dtype, args.dtype)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    {"pretrain": pretrain, "infer": infer, "squad": squad, "forward": forward}[args.work](args, device)
+    works = {"pretrain": pretrain, "infer": infer, "squad": squad, "glue": glue, "forward": forward}
+    works[args.work](args, device)
 
 
 if __name__ == "__main__":
