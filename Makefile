@@ -23,7 +23,7 @@
 #                                       (DIR: a google-research/bert checkout)
 #   make bench-gpu [BENCH_GPU_PYTHON=python3]  bertkit beside PyTorch + transformers on this
 #                                       machine's GPU: phase 1 and 2 steps, inference, SQuAD
-#                                       steps, the forward check; one table of ratios
+#                                       and MRPC steps, the forward check; one table of ratios
 #                                       (bench/gpu/pack.sh packs it for a machine reached
 #                                       through one call)
 #   make bench-scale [GB=1,4,10] [GOOGLE_BERT=DIR]  make data's chain on a generated, diverse
