@@ -2,7 +2,7 @@
 # On a GPU machine, from a pack (bench/gpu/pack.sh, which copies this file): the fused CUDA
 # kernels checked against their CPU twins, the optimiser step alone (composed and fused), then the whole
 # side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
-# kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 420). EXTRA=1 adds the device
+# kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 480). EXTRA=1 adds the device
 # pool's memory figures, and phase 1 with the pool keeping freed memory, the optimiser updating
 # in place, the lean feed-forward, the encoder's backward by hand (BERTKIT_CUDA_BACKWARD=tape)
 # our embedding lookups (BERTKIT_CUDA_EMBEDDINGS=fused), attention in one pass over key tiles
@@ -11,7 +11,7 @@
 # of the call, every setting the check passes (and the pool keeping freed memory): with SIDE, the
 # table for all of them at once. PROFILE=1 adds ncu's time per kernel over two
 # training passes (ncu_summary.py). SIDE=0 skips the side-by-side table (to split a long run
-# into two device calls).
+# into two device calls); OPTIMIZER=0 skips the optimiser step alone (2).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -42,6 +42,7 @@ if [[ -n ${ALL_ON:-} ]]; then
 fi
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
 for optimizer in composed fused inplace; do
+    [[ ${OPTIMIZER:-1} == 0 ]] && break
     log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer"
     BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b bench optimizer --config large --dtype bf16 \
         --device cuda 2>&1 | tail -n 2
@@ -112,7 +113,7 @@ if [[ ${SIDE:-1} == 0 ]]; then
     exit 0
 fi
 log "3 the side-by-side table"
-OUT=$out/side timeout "${SIDE_SECONDS:-420}" \
+OUT=$out/side timeout "${SIDE_SECONDS:-480}" \
     bash "$here/side_by_side.sh" --bertkit "$b" --python python3 --data "$here/data"
 echo "rc $?"
 grep -h "checkpoint\|first step" "$out"/side/phase*.log 2>/dev/null
