@@ -312,11 +312,11 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
 /// (see the module's documentation). On a CUDA device this turns the CUDA kernels (the lean
-/// feed-forward and the embedding lookup among them) on and TF32 off for the process
+/// feed-forward, the embedding lookup and the loss among them) on and TF32 off for the process
 /// ([`super::set_cuda_kernels`], [`super::set_lean_cuda_feed_forward`],
 /// [`super::set_cuda_embeddings`], [`super::set_cuda_loss`], [`crate::set_tf32`]); the
-/// one-pass attention is on for its
-/// own rows only and off afterwards ([`super::set_cuda_flash_attention`]).
+/// one-pass attention is on for its own rows only and off afterwards
+/// ([`super::set_cuda_flash_attention`]).
 pub fn check_kernels(
     device: &Device,
     dtype: DType,
