@@ -29,6 +29,8 @@ struct Case {
     int seq;
     int heads;
     bool dropout;
+    /// Places inside a row's length that are padding too (row, place): a mask with holes.
+    std::vector<std::pair<int, int>> holes = {};
 };
 
 float bf(bf16 x) { return __bfloat162float(x); }
@@ -54,17 +56,23 @@ double worst(const std::vector<double>& got, const std::vector<double>& want) {
 bool run(const Case& c) {
     const int batch = (int)c.lengths.size(), heads = c.heads, seq = c.seq;
     const int hidden = heads * FLASH_HEAD;
+    // Each row's token places (the packing's order: row by row, place by place), then the
+    // scatter from places to tokens (`tokens` for padding).
+    std::vector<std::vector<int>> places(batch);
+    for (int b = 0; b < batch; ++b)
+        for (int i = 0; i < c.lengths[b]; ++i)
+            if (std::find(c.holes.begin(), c.holes.end(), std::pair{b, i}) == c.holes.end())
+                places[b].push_back(i);
     int tokens = 0;
-    std::vector<uint32_t> scatter(batch * seq);
     std::vector<int> row_start(batch);
     for (int b = 0; b < batch; ++b) {
         row_start[b] = tokens;
-        for (int i = 0; i < seq; ++i) scatter[b * seq + i] = i < c.lengths[b] ? tokens + i : 0;
-        tokens += c.lengths[b];
+        tokens += (int)places[b].size();
     }
-    for (auto& s : scatter) (void)s;
+    std::vector<uint32_t> scatter(batch * seq, (uint32_t)tokens);
     for (int b = 0; b < batch; ++b)
-        for (int i = c.lengths[b]; i < seq; ++i) scatter[b * seq + i] = (uint32_t)tokens;
+        for (size_t k = 0; k < places[b].size(); ++k)
+            scatter[b * seq + places[b][k]] = (uint32_t)(row_start[b] + k);
     std::mt19937_64 rng(1234 + seq);
     const auto qkv = random_bf16((size_t)tokens * 3 * hidden, rng);
     const auto grad = random_bf16((size_t)tokens * hidden, rng);
@@ -110,12 +118,14 @@ bool run(const Case& c) {
     auto at = [&](int t, int part, int h, int e) {
         return (size_t)t * 3 * hidden + (size_t)part * hidden + h * FLASH_HEAD + e;
     };
+    // Token `t0 + i` of row `b` is at place `places[b][i]`: the dropout's keys take places.
     for (int b = 0; b < batch; ++b) {
-        const int len = c.lengths[b], t0 = row_start[b];
+        const int len = (int)places[b].size(), t0 = row_start[b];
         for (int h = 0; h < heads; ++h) {
             std::vector<double> p((size_t)len * len), keep((size_t)len * len, 1.0);
             for (int i = 0; i < len; ++i) {
-                const uint64_t line = d.on ? line_key(line_key(row_key(d, b), h), i) : 0;
+                const uint64_t line =
+                    d.on ? line_key(line_key(row_key(d, b), h), places[b][i]) : 0;
                 double m = -INFINITY;
                 for (int j = 0; j < len; ++j) {
                     double s = 0.0;
@@ -123,7 +133,7 @@ bool run(const Case& c) {
                         s += (double)bf(qkv[at(t0 + i, 0, h, e)]) * bf(qkv[at(t0 + j, 1, h, e)]);
                     p[i * len + j] = s * scale;
                     m = std::max(m, s * scale);
-                    if (d.on) keep[i * len + j] = keep_factor(d, line, j);
+                    if (d.on) keep[i * len + j] = keep_factor(d, line, places[b][j]);
                 }
                 double sum = 0.0;
                 for (int j = 0; j < len; ++j) sum += p[i * len + j] = std::exp(p[i * len + j] - m);
@@ -362,6 +372,8 @@ int main() {
         {"3 rows (130, 64, 1), eval", {130, 64, 1}, 130, 2, false},
         {"3 rows (130, 64, 1), dropout", {130, 64, 1}, 130, 2, true},
         {"rows of 64, 63 and 200", {64, 63, 200}, 200, 1, true},
+        // Masks with holes (a row's first place, places inside and across tiles).
+        {"masks with holes, dropout", {150, 90}, 150, 2, true, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
     };
     bool ok = true;
     std::printf("one-pass attention (flash.cu) on the CPU emulation against f64:\n");
