@@ -6,7 +6,9 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$here/../../..
-out=${TMPDIR:-/tmp}/bertkit-cuda-emulation
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+out=$dir/check
 g++ -std=c++20 -O2 -pthread -Wall -Wno-unknown-pragmas -I "$here/shim" \
     -I "$root/crates/model/src/kernels/cuda" -I "$root/crates/train/src" \
     -include "$here/shim/emulation.h" "$here/check.cpp" -o "$out"
