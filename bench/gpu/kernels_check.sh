@@ -55,12 +55,13 @@ if [[ -n ${EXTRA:-} ]]; then
         "phase1 20 64 lean tape all" "phase1 20 256 - - -" "phase2 80 8 - - -" \
         "phase2 80 8 lean - -" "phase2 80 8 lean tape all" "phase2 80 64 - - -"; do
         read -r records predictions micro ffn backward more <<< "$shape"
-        # "all": the one-pass attention and the loss kernel too.
-        attention=-; loss=-
-        [[ $more == all ]] && attention=flash && loss=fused
-        echo -n "feed-forward $ffn, backward $backward, attention $attention, loss $loss: "
+        # "all": the embedding lookups, the one-pass attention and the loss kernel too.
+        embeddings=-; attention=-; loss=-
+        [[ $more == all ]] && embeddings=fused && attention=flash && loss=fused
+        echo -n "feed-forward $ffn, backward $backward, embeddings $embeddings, attention $attention, loss $loss: "
         BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
-            BERTKIT_CUDA_ATTENTION=$attention BERTKIT_CUDA_LOSS=$loss timeout 120 $b bench memory \
+            BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention \
+            BERTKIT_CUDA_LOSS=$loss timeout 120 $b bench memory \
             --config "$here/data/pipelines/pretrain-phase1.toml" \
             --data "$here/data/records/$records" --preset large --precision bf16 --device cuda \
             --predictions "$predictions" --micro-batch "$micro" --steps 2 2>&1 | tail -n 1

@@ -70,18 +70,21 @@ recipe() { # phase records [init]
         ${3:+-e "s|^init = .*|init = \"$3\"|"} \
         "$data/pipelines/pretrain-$1.toml" > "$work/$1.toml"
 }
-# Median seq/s of a run's steps after the warm-up.
+# Median seq/s of a run's steps after the warm-up (null when the run left no metrics: a
+# failed run must not cost the table its other rows).
 median_seq_per_s() {
-    python3 -c 'import json,statistics,sys
-rows=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+    python3 -c 'import json,os,statistics,sys
+path=sys.argv[1]
+rows=[json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
 rows=[r for r in rows if "seq_per_s" in r][int(sys.argv[2]):]
 print(round(statistics.median(r["seq_per_s"] for r in rows),2) if rows else "null")' "$1" "$2"
 }
 # Median windows/s of a fine-tuning run's steps after the warm-up (its metrics carry each
-# step's time since the start).
+# step's time since the start; null as above).
 median_windows_per_s() { # metrics warmup batch
-    python3 -c 'import json,statistics,sys
-t=[json.loads(l)["seconds"] for l in open(sys.argv[1]) if l.strip()]
+    python3 -c 'import json,os,statistics,sys
+path=sys.argv[1]
+t=[json.loads(l)["seconds"] for l in open(path) if l.strip()] if os.path.exists(path) else []
 d=[b-a for a,b in zip([0]+t,t)][int(sys.argv[2]):]
 print(round(int(sys.argv[3])/statistics.median(d),2) if d else "null")' "$1" "$2" "$3"
 }

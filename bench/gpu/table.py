@@ -6,7 +6,14 @@ import sys
 
 
 def main(path):
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = []
+    for line in open(path):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                # One broken row (a run that failed half-way) must not cost the others.
+                print(f"(skipped an unreadable row: {line.strip()})")
     by = {}
     for r in rows:
         work = r.get("phase") or r.get("work")
