@@ -81,7 +81,7 @@ if [[ -n ${EXTRA:-} ]]; then
             BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
             BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention \
             BERTKIT_CUDA_LOSS=$loss timeout 120 $b pretrain \
-            --config /tmp/keep-$keep.toml --no-eval --device cuda --max-steps 12 --micro-batch 64 \
+            --config /tmp/keep-$keep.toml --no-eval --no-checkpoints --device cuda --max-steps 12 --micro-batch 64 \
             --global-batch 64 2>&1 | grep -E "a step|start-up" \
             | sed "s/^/keep=$keep $optimizer ffn=$ffn backward=$backward embeddings=$embeddings attention=$attention loss=$loss: /"
     done

@@ -166,6 +166,10 @@ pub struct RunOptions {
     /// alone (not made, not held), as [`crate::bench::training_steps`] measures a run that may
     /// be going on in it.
     pub steps_only: bool,
+    /// Write checkpoints (every `checkpoint_every` steps and at the end); off for a benchmark
+    /// or a smoke test that will not be resumed (BERT-large's is 4 GB): the run folder then
+    /// gets its metrics and logs only.
+    pub checkpoints: bool,
 }
 
 impl Default for RunOptions {
@@ -176,6 +180,7 @@ impl Default for RunOptions {
             reducer: Rc::new(Local),
             measure_peak: false,
             steps_only: false,
+            checkpoints: true,
         }
     }
 }
@@ -908,7 +913,7 @@ impl Trainer {
 
     /// Runs to `total_steps` (or `max_steps`), calling `progress` after each step; rank 0
     /// appends to `metrics.jsonl` and checkpoints every `checkpoint_every` steps and at the
-    /// end.
+    /// end (unless [`RunOptions::checkpoints`] is off).
     pub fn run(
         &mut self,
         progress: &mut dyn FnMut(&StepMetrics),
@@ -952,6 +957,7 @@ impl Trainer {
             progress(&m);
             metrics.push(m);
             if writes
+                && self.options.checkpoints
                 && (self
                     .state
                     .step

@@ -359,6 +359,35 @@ fn activation_checkpointing_gives_the_same_gradients() {
     }
 }
 
+/// A benchmark's run writes no checkpoint, not even the last, and the same steps as a run that
+/// does (the same losses): only its metrics and logs land in the run folder.
+#[test]
+fn a_run_without_checkpoints_writes_none_and_steps_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = records(dir.path());
+    let mut with = config(&records, &dir.path().join("with"));
+    with.schedule.total_steps = 4;
+    with.train.checkpoint_every = 2;
+    with.data.micro_batch = 4;
+    with.train.global_batch = 4;
+    let mut without = with.clone();
+    without.output = dir.path().join("without");
+    let written = run_to_end(with, RunOptions::default());
+    let skipped = run_to_end(
+        without.clone(),
+        RunOptions {
+            checkpoints: false,
+            ..Default::default()
+        },
+    );
+    assert_eq!(written.checkpoint_writes.len(), 2);
+    assert!(skipped.checkpoint_writes.is_empty());
+    assert!(bertkit_train::checkpoint::list(&without.output).is_empty());
+    assert_eq!(figures(&written.metrics), figures(&skipped.metrics));
+    let lines = std::fs::read_to_string(without.output.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 4);
+}
+
 #[test]
 fn a_resumed_run_equals_an_uninterrupted_one() {
     let dir = tempfile::tempdir().unwrap();

@@ -67,7 +67,7 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
     if let Some(global) = args.global_batch {
         config.train.global_batch = global;
     }
-    let (max_steps, resume) = (args.max_steps, args.resume);
+    let (max_steps, resume, no_checkpoints) = (args.max_steps, args.resume, args.no_checkpoints);
     let device = config.train.device.clone();
     super::as_rank(args.ranks.ranks()?, &device, |reducer| {
         let options = bertkit_train::trainer::RunOptions {
@@ -76,6 +76,7 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
             reducer,
             measure_peak: true,
             steps_only: false,
+            checkpoints: !no_checkpoints,
         };
         run_pretraining(config, options, max_steps)
     })

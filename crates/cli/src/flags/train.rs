@@ -30,6 +30,10 @@ pub(crate) struct PretrainArgs {
     /// Continue from the newest checkpoint of the run folder.
     #[arg(long)]
     pub(crate) resume: bool,
+    /// Write no checkpoint, not even the last (a benchmark or smoke test that will not be
+    /// resumed: BERT-large's checkpoint is 4 GB); metrics and logs as usual.
+    #[arg(long, conflicts_with = "resume")]
+    pub(crate) no_checkpoints: bool,
     /// Device instead of the config's: cpu, cuda, cuda:N.
     #[arg(long)]
     pub(crate) device: Option<String>,
