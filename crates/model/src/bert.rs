@@ -613,12 +613,17 @@ impl EncoderPass<'_> {
             sink(grads)?;
             upstream = grad_input;
         }
-        // The embeddings' gradients through candle's autograd: a loss whose gradient with
-        // respect to the embeddings' output is `upstream`.
-        let embeddings = (embedded * &upstream)?.sum_all()?.backward()?;
+        // The embeddings' gradients through candle's autograd.
+        let embeddings = backward_from(&embedded, &upstream)?;
         rewind(mode, end);
         Ok(Some(embeddings))
     }
+}
+
+/// candle's backward from `output` given its gradient `grad`: the backward of the loss
+/// `Σ output · grad`, whose gradient with respect to `output` is `grad`.
+pub(crate) fn backward_from(output: &Tensor, grad: &Tensor) -> candle_core::Result<GradStore> {
+    (output * grad)?.sum_all()?.backward()
 }
 
 /// Where the dropout masks are in training `mode` (0 in evaluation, which draws none).
@@ -740,7 +745,7 @@ impl EncoderBackward {
                 Ok((grad_input, store))
             }
             Backward::Autograd { input, output } => {
-                let store = (output * grad)?.sum_all()?.backward()?;
+                let store = backward_from(&output, grad)?;
                 let grad_input = store.get(input.as_tensor()).cloned().ok_or_else(|| {
                     ModelError::Input("no gradient reached the encoder layers' input".into())
                 })?;

@@ -81,15 +81,11 @@ fn check_shape(
     let loaded = init::<BertModel>(&config, dtype, device, 21).map_err(model_error)?;
     let bert = &loaded.model;
     let (batch, seq) = (shape.lengths.len(), shape.seq);
-    let mask: Vec<u32> = shape
-        .lengths
-        .iter()
-        .flat_map(|&len| (0..seq).map(move |c| u32::from(c < len)))
-        .collect();
+    let mask = shape.mask();
     let ids = vec![1u32; batch * seq];
     let inputs = Inputs::from_host(&config, (batch, seq), &ids, None, Some(&mask), device)
         .map_err(model_error)?;
-    let tokens: usize = shape.lengths.iter().sum();
+    let tokens = shape.tokens();
     let on_device = |t: Tensor| t.to_device(device)?.to_dtype(dtype);
     let x = on_device(values(&[tokens, shape.hidden], 2.0, 7, dtype)?)?;
     let upstream = on_device(values(&[tokens, shape.hidden], 1.0, 8, dtype)?)?;
@@ -110,7 +106,7 @@ fn check_shape(
     let reference = bert
         .encode(input.as_tensor(), &inputs, 0..2, mode)
         .map_err(model_error)?;
-    let store = (&reference * &upstream)?.sum_all()?.backward()?;
+    let store = crate::bert::backward_from(&reference, &upstream)?;
 
     let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
     let mut line = |value: &'static str, gradient: bool, worst: f64| {

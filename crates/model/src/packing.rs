@@ -27,10 +27,9 @@ pub struct Packing {
     seq: usize,
     /// Row `b`'s tokens are `starts[b]..starts[b + 1]` (`batch + 1` values).
     starts: Arc<Vec<usize>>,
-    /// Each token's column (position) in its row.
-    columns: Arc<Vec<u32>>,
-    /// `[tokens]` u32: each token's column, for the position embeddings.
-    positions: Tensor,
+    /// Each token's column (position) in its row: on the host, and on the device as the rows
+    /// the position embeddings read.
+    positions: RowIndex,
     /// `[tokens]` u32: each token's place `b · seq + column` in the flattened padded batch.
     gather: Tensor,
     /// Each padded place's token, or `tokens` (a zero row) for padding (`[batch · seq]`): the
@@ -82,12 +81,11 @@ impl Packing {
             batch,
             seq,
             gather: Tensor::from_slice(&gather, tokens, device)?,
-            positions: Tensor::from_slice(&columns, tokens, device)?,
+            positions: RowIndex::from_host(columns, device)?,
             scatter: RowIndex::from_host(scatter, device)?,
             firsts: Tensor::from_vec(firsts, batch, device)?,
             first_is_padding,
             starts: Arc::new(starts),
-            columns: Arc::new(columns),
         })
     }
 
@@ -98,7 +96,7 @@ impl Packing {
 
     /// The number of tokens.
     pub fn tokens(&self) -> usize {
-        self.columns.len()
+        self.columns().len()
     }
 
     /// Where each row's tokens start, and the end of the last (`batch + 1` values).
@@ -113,7 +111,7 @@ impl Packing {
 
     /// Each token's column as a `[tokens]` u32 tensor (its position id).
     pub fn positions(&self) -> &Tensor {
-        &self.positions
+        self.positions.rows()
     }
 
     /// [`Packing::starts`], shared (for a kernel to keep).
@@ -143,12 +141,12 @@ impl Packing {
 
     /// Each token's column (position) in its padded row.
     pub fn columns(&self) -> &[u32] {
-        &self.columns
+        self.positions.host_rows()
     }
 
     /// The rows of the position embeddings the tokens read (their columns).
     pub fn position_rows(&self) -> RowIndex {
-        RowIndex::from_parts(self.positions.clone(), Arc::clone(&self.columns))
+        self.positions.clone()
     }
 
     /// The values of a padded `[batch, seq]` array held on the host (row-major) at the
@@ -157,7 +155,7 @@ impl Packing {
         (0..self.batch)
             .flat_map(|b| {
                 self.row(b)
-                    .map(move |t| values[b * self.seq + self.columns[t] as usize])
+                    .map(move |t| values[b * self.seq + self.columns()[t] as usize])
             })
             .collect()
     }
@@ -220,7 +218,7 @@ impl Packing {
                 ),
             })
             .collect::<Result<Vec<u32>>>()?;
-        let rows = RowIndex::from_host(tokens, self.positions.device())?;
+        let rows = RowIndex::from_host(tokens, self.positions.rows().device())?;
         gather(&with_zero_row(x)?, &rows)
     }
 
@@ -285,15 +283,6 @@ impl RowIndex {
             host: Arc::new(rows),
             groups: Arc::new(std::sync::OnceLock::new()),
         })
-    }
-
-    /// The rows `rows` already on the device, with their host copy `host`.
-    pub(crate) fn from_parts(rows: Tensor, host: Arc<Vec<u32>>) -> Self {
-        RowIndex {
-            rows,
-            host,
-            groups: Arc::new(std::sync::OnceLock::new()),
-        }
     }
 
     /// `[tokens]` u32: the row each token reads.

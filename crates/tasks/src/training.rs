@@ -481,21 +481,17 @@ pub fn train(
                 scaler: scaler.clone(),
                 run: identity.clone(),
             };
-            let writing = std::time::Instant::now();
-            let dir = checkpoint::save(
-                dir,
-                state.step,
-                &optimizer,
-                &c.config_json,
-                &state,
-                settings.keep_checkpoints,
-            )?;
             // Said apart from the steps: the step lines' times include it.
-            let write = bertkit_train::trainer::CheckpointWrite {
-                seconds: writing.elapsed().as_secs_f64(),
-                bytes: checkpoint::bytes(&dir),
-                dir,
-            };
+            let write = bertkit_train::trainer::CheckpointWrite::timed(|| {
+                checkpoint::save(
+                    dir,
+                    state.step,
+                    &optimizer,
+                    &c.config_json,
+                    &state,
+                    settings.keep_checkpoints,
+                )
+            })?;
             progress(&write.to_string());
         }
         if (step_index + 1) % 20 == 0 || step_index + 1 == steps {

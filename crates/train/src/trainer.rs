@@ -230,6 +230,21 @@ pub struct CheckpointWrite {
     pub seconds: f64,
 }
 
+impl CheckpointWrite {
+    /// Runs `write` (a [`checkpoint::save`], returning the checkpoint's folder) and measures it.
+    pub fn timed(
+        write: impl FnOnce() -> Result<PathBuf, TrainError>,
+    ) -> Result<CheckpointWrite, TrainError> {
+        let started = Instant::now();
+        let dir = write()?;
+        Ok(CheckpointWrite {
+            seconds: started.elapsed().as_secs_f64(),
+            bytes: checkpoint::bytes(&dir),
+            dir,
+        })
+    }
+}
+
 impl std::fmt::Display for CheckpointWrite {
     /// `checkpoint run/checkpoints/step-30: 4.03 GB in 5.80 s (695 MB/s)`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -964,13 +979,7 @@ impl Trainer {
                     .is_multiple_of(self.config.train.checkpoint_every)
                     || self.state.step == last)
             {
-                let started = Instant::now();
-                let dir = self.save_checkpoint()?;
-                checkpoint_writes.push(CheckpointWrite {
-                    seconds: started.elapsed().as_secs_f64(),
-                    bytes: checkpoint::bytes(&dir),
-                    dir,
-                });
+                checkpoint_writes.push(CheckpointWrite::timed(|| self.save_checkpoint())?);
             }
         }
         Ok(RunSummary {

@@ -88,11 +88,13 @@ impl CheckShape {
         ]
     }
 
-    fn tokens(&self) -> usize {
+    /// The batch's tokens (the lengths' sum).
+    pub(crate) fn tokens(&self) -> usize {
         self.lengths.iter().sum()
     }
 
-    fn mask(&self) -> Vec<u32> {
+    /// The `[batch, seq]` attention mask, row-major: 1 for a token.
+    pub(crate) fn mask(&self) -> Vec<u32> {
         self.lengths
             .iter()
             .flat_map(|&len| (0..self.seq).map(move |c| u32::from(c < len)))
@@ -282,7 +284,7 @@ fn run_side(
     let upstream = values(y.dims(), 1.0, SEED + 99, dtype)?
         .to_device(device)?
         .to_dtype(y.dtype())?;
-    let grads = (&y * &upstream)?.sum_all()?.backward()?;
+    let grads = crate::bert::backward_from(&y, &upstream)?;
     let mut out = vec![y.to_device(&Device::Cpu)?.to_dtype(DType::F64)?];
     for (v, (name, _, _)) in vars.iter().zip(&case.inputs) {
         let Some(g) = grads.get(v.as_tensor()) else {
