@@ -4,7 +4,7 @@
 # side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
 # kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 480). EXTRA=1 adds the device
 # pool's memory figures, and phase 1 with the pool keeping freed memory, the optimiser updating
-# in place, the lean feed-forward, the encoder's backward by hand (BERTKIT_CUDA_BACKWARD=tape)
+# in place (its bucket and parameters copied in one launch each), the lean feed-forward, the encoder's backward by hand (BERTKIT_CUDA_BACKWARD=tape)
 # our embedding lookups (BERTKIT_CUDA_EMBEDDINGS=fused), attention in one pass over key tiles
 # (BERTKIT_CUDA_ATTENTION=flash) and our loss kernel (BERTKIT_CUDA_LOSS=fused); none yet run on
 # a device (bench/gpu/emulate ran their CUDA code on the CPU). ALL_ON=1 turns on, for the rest

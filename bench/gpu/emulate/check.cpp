@@ -10,7 +10,11 @@
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32 and bf16, a
 //   vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
-//   against its two-buffer form, which passed on an H200: the same bits, LAMB and AdamW.
+//   against its two-buffer form, which passed on an H200: the same bits, LAMB and AdamW; and
+//   the parameters it sets (f32, bf16, f16 rows) against the new weights cast by hand;
+// - the gradient bucket filled in one launch (`pieces_to_flat`, the same file) against the
+//   pieces copied and cast by hand: absent gradients, pieces of every size across the blocks'
+//   stretches, each element type, a grid smaller than the index (blocks that loop).
 //
 // Prints a line per compared tensor; exits 1 if any differs beyond its bound or holds a NaN (an
 // element a kernel never wrote is a NaN). `bash bench/gpu/emulate/run.sh` builds and runs it.
@@ -262,6 +266,14 @@ bool check_update(const char* name, bool lamb, bool decayed) {
     std::vector<float> w(total), m(total, 0.0f), v(total, 0.0f), g(total);
     for (auto& x : w) x = 0.02f * normal(rng);
     std::vector<float> state(3 * total);  // in place: weights, first, second moments
+    // The parameters the in-place update sets, a row of each element type.
+    std::vector<float> p32(numel, NAN);
+    std::vector<bf16> p16(numel);
+    std::vector<__half> ph(numel);
+    const DeviceTensor params[rows] = {{(uint64_t)p32.data(), ELEMENT_F32, 0},
+                                       {(uint64_t)p16.data(), ELEMENT_BF16, 0},
+                                       {(uint64_t)ph.data(), ELEMENT_F16, 0}};
+    size_t params_differ = 0;
     std::copy(w.begin(), w.end(), state.begin());
     std::copy(m.begin(), m.end(), state.begin() + total);
     std::copy(v.begin(), v.end(), state.begin() + 2 * total);
@@ -304,15 +316,75 @@ bool check_update(const char* name, bool lamb, bool decayed) {
             update_moments_in_place(state.data(), g.data(), norms.data(), rows, numel, c);
         });
         emulate_launch(grid, THREADS, [&] {
-            update_weights_in_place(state.data(), norms.data(), rows, numel, blocks, lr, c);
+            update_weights_in_place(state.data(), norms.data(), rows, numel, blocks, lr, c,
+                                    step == 1 ? nullptr : params);
         });
         for (size_t i = 0; i < total; ++i) {
             differ += !(state[i] == w[i]) + !(state[total + i] == m[i]) +
                       !(state[2 * total + i] == v[i]);
         }
     }
+    // Set at the second step, from its weights.
+    for (int j = 0; j < numel; ++j) {
+        params_differ += !(p32[j] == w[j]);
+        params_differ += __bfloat162float(p16[j]) != __bfloat162float(__float2bfloat16(w[numel + j]));
+        params_differ += __half2float(ph[j]) != __half2float(__float2half(w[2 * numel + j]));
+    }
     std::printf("  %-28s %-8s %zu of %zu values differ after 2 steps %s\n", name, "state", differ,
                 3 * total, differ ? "FAILED" : "ok");
+    std::printf("  %-28s %-8s %zu of %zu parameters differ from their weights %s\n", name,
+                "params", params_differ, total, params_differ ? "FAILED" : "ok");
+    return differ == 0 && params_differ == 0;
+}
+
+// The flat buffer `pieces_to_flat` fills, against each piece copied and cast by hand: every
+// element written (the buffer starts as NaN), the same bits (the casts to f32 are exact).
+bool check_pieces(const char* name, unsigned grid) {
+    // (numel, type; -1: absent): pieces inside one block's stretch, across several, empty.
+    const std::vector<std::pair<size_t, int>> shape = {
+        {5, ELEMENT_F32},  {PIECES_CHUNK, ELEMENT_BF16}, {1, ELEMENT_F16}, {20000, -1},
+        {0, ELEMENT_F32},  {3, ELEMENT_F32},             {100, -1},        {9000, ELEMENT_F16},
+        {PIECES_CHUNK - 3, ELEMENT_BF16}, {17, ELEMENT_F32}};
+    std::mt19937_64 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<std::vector<float>> f32s;
+    std::vector<std::vector<bf16>> bf16s;
+    std::vector<std::vector<__half>> f16s;
+    size_t total = 0;
+    for (auto [numel, type] : shape) total += numel;
+    std::vector<float> flat(total, NAN), want(total);
+    std::vector<Piece> pieces;
+    size_t start = 0;
+    for (auto [numel, type] : shape) {
+        DeviceTensor t{0, type < 0 ? ELEMENT_F32 : type, 0};
+        for (size_t j = 0; j < numel; ++j) want[start + j] = type < 0 ? 0.0f : normal(rng);
+        if (type == ELEMENT_F32) {
+            f32s.emplace_back(want.begin() + start, want.begin() + start + numel);
+            t.address = (uint64_t)f32s.back().data();
+        } else if (type == ELEMENT_BF16) {
+            bf16s.emplace_back(numel);
+            for (size_t j = 0; j < numel; ++j) {
+                bf16s.back()[j] = __float2bfloat16(want[start + j]);
+                want[start + j] = __bfloat162float(bf16s.back()[j]);
+            }
+            t.address = (uint64_t)bf16s.back().data();
+        } else if (type == ELEMENT_F16) {
+            f16s.emplace_back(numel);
+            for (size_t j = 0; j < numel; ++j) {
+                f16s.back()[j] = __float2half(want[start + j]);
+                want[start + j] = __half2float(f16s.back()[j]);
+            }
+            t.address = (uint64_t)f16s.back().data();
+        }
+        pieces.push_back({t, (uint64_t)(flat.data() + start), start, numel});
+        start += numel;
+    }
+    emulate_launch({grid, 1, 1}, THREADS,
+                   [&] { pieces_to_flat(pieces.data(), (int)pieces.size(), total); });
+    size_t differ = 0;
+    for (size_t i = 0; i < total; ++i) differ += !(flat[i] == want[i]);
+    std::printf("  %-28s %-8s %zu of %zu values differ %s\n", name, "bucket", differ, total,
+                differ ? "FAILED" : "ok");
     return differ == 0;
 }
 
@@ -388,6 +460,9 @@ int main() {
     ok = check_update("LAMB, decayed", true, true) && ok;
     ok = check_update("LAMB, not decayed", true, false) && ok;
     ok = check_update("AdamW, decayed", false, true) && ok;
+    std::printf("the gradient bucket in one launch (cuda_update.cu) against copies by hand:\n");
+    ok = check_pieces("a block per stretch", 8) && ok;
+    ok = check_pieces("two blocks, looping", 2) && ok;
     std::printf(ok ? "all within bounds\n" : "FAILED\n");
     return ok ? 0 : 1;
 }

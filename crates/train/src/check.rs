@@ -15,11 +15,13 @@ use crate::optim::{
 /// The optimiser update on `device` against its reference, as `bertkit check kernels` reports
 /// kernels ([`bertkit_model::kernels::check`]): two steps of LAMB and of AdamW (the second
 /// clipped) over parameters with and without weight decay, one spanning several of the CUDA
-/// kernels' blocks, from the same weights and gradients; the weights and both moments after
-/// them against the reference's. On a CUDA device the reference is the CPU's one-pass update in
-/// f32 (the twin) and the CUDA update is turned on for the process ([`set_cuda_optimizer`]),
-/// in both its forms: a new state per step, and in place ([`set_cuda_update_in_place`]); on
-/// the CPU it is the composed update in f64.
+/// kernels' blocks, one without a gradient at the first step, from the same weights and
+/// gradients; the weights, both moments and the parameters after them against the
+/// reference's. On a CUDA device the reference is the CPU's one-pass update in f32 (the twin)
+/// and the CUDA update is turned on for the process ([`set_cuda_optimizer`]), in both its
+/// forms: a new state per step, and in place ([`set_cuda_update_in_place`]: the bucket
+/// gathered and the parameters set by its kernels), the latter also with bf16 parameters and
+/// gradients; on the CPU it is the composed update in f64.
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {
@@ -54,6 +56,9 @@ pub fn check_update(
         for (step, clip) in [(0u64, 1.0), (1, 0.5)] {
             let mut grads = BTreeMap::new();
             for (i, (name, dims)) in shapes.iter().enumerate() {
+                if step == 0 && i == 2 {
+                    continue; // no gradient: zeros in the bucket
+                }
                 let g = values(dims, 0.1, 100 + 10 * step + i as u64, DType::F32)?;
                 grads.insert(name.to_string(), g.to_dtype(dtype)?.to_device(device)?);
             }
@@ -62,32 +67,48 @@ pub fn check_update(
         }
         let mut state = optimizer.master_tensors()?;
         state.extend(optimizer.moment_tensors()?);
+        for (name, var) in &vars {
+            state.insert(
+                format!("param.{name}"),
+                var.as_tensor().to_device(&Device::Cpu)?,
+            );
+        }
         state
             .into_iter()
             .map(|(k, t)| Ok((k, t.to_dtype(DType::F64)?)))
             .collect()
     };
-    let (ref_device, ref_dtype) = if device.is_cpu() {
-        (Device::Cpu, DType::F64)
-    } else {
-        (Device::Cpu, DType::F32)
-    };
     let mut checks = Vec::new();
-    let forms: &[(bool, &str)] = if device.is_cuda() {
-        &[(false, ""), (true, " in place")]
+    // (in place, the row's name, the parameters' dtype)
+    let forms: &[(bool, &str, DType)] = if device.is_cuda() {
+        &[
+            (false, "", DType::F32),
+            (true, " in place", DType::F32),
+            (true, " in place, bf16", DType::BF16),
+        ]
     } else {
-        &[(false, "")]
+        &[(false, "", DType::F32)]
     };
     let was_in_place = cuda_update_in_place();
     for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
-        for &(in_place, form) in forms {
+        for &(in_place, form, dtype) in forms {
             let kernel = format!("optimizer update{form} ({name})");
-            let want = run(rule, &ref_device, ref_dtype)?;
+            // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
+            let want = run(
+                rule,
+                &Device::Cpu,
+                if device.is_cpu() { DType::F64 } else { dtype },
+            )?;
             set_cuda_update_in_place(in_place);
-            let got = run(rule, device, DType::F32);
+            let got = run(rule, device, dtype);
             set_cuda_update_in_place(was_in_place);
             let got = got?;
-            for (value, prefix) in [("weights", ""), ("m", "m."), ("v", "v.")] {
+            for (value, prefix) in [
+                ("weights", ""),
+                ("m", "m."),
+                ("v", "v."),
+                ("parameters", "param."),
+            ] {
                 // Every parameter's values side by side: one comparison over all of them.
                 let side = |state: &BTreeMap<String, Tensor>| -> Result<Tensor, TrainError> {
                     let mut parts = Vec::with_capacity(shapes.len());
@@ -106,7 +127,11 @@ pub fn check_update(
                     value,
                     gradient: false,
                     worst: worst(&side(&got)?, &side(&want)?)?,
-                    tolerance: tolerance(DType::F32),
+                    tolerance: tolerance(if prefix == "param." {
+                        dtype
+                    } else {
+                        DType::F32
+                    }),
                 });
             }
         }
@@ -119,12 +144,12 @@ mod tests {
     use super::*;
 
     /// `check_update` on the CPU: the one-pass f32 update against the composed one in f64,
-    /// weights and both moments after two steps of each rule; close, but not equal (not
-    /// vacuous).
+    /// weights, both moments and the parameters after two steps of each rule; close, but not
+    /// equal (not vacuous).
     #[test]
     fn the_update_check_passes_on_the_cpu() {
         let checks = check_update(&candle_core::Device::Cpu).unwrap();
-        assert_eq!(checks.len(), 6, "{checks:?}");
+        assert_eq!(checks.len(), 8, "{checks:?}");
         for c in &checks {
             assert!(c.passed() && !c.gradient, "{c:?}");
             assert!(c.worst > 0.0 && c.worst < c.tolerance / 10.0, "{c:?}");

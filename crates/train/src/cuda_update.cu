@@ -1,8 +1,12 @@
 // The optimiser update of one parameter group on CUDA: the device half of `cuda_update.rs`,
 // the twin of `cpu_update.rs` (the same f32 arithmetic, element by element; LAMB's squared
 // norms in f64). Two launches per group where the composed update made about fifteen passes:
-// the moments and the update with per-block partial norms, then the weights.
+// the moments and the update with per-block partial norms, then the weights. And the copies
+// around it in one launch each, whatever the number of parameters: every gradient into the
+// flat bucket, and (in place) every parameter set from its new weights.
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 // The step's scalars in f32 (`cpu_update::Constants`), as `cuda_update::Constants`
@@ -16,6 +20,38 @@ struct Constants {
 // Elements a block covers in a row.
 #define CHUNK 4096
 #define THREADS 256
+
+// A tensor on the device as the copies take it (`cuda_update::DeviceTensor`, #[repr(C)]): the
+// address of its first element and its element type; address 0 is none (an absent gradient,
+// which reads as zeros; a parameter not to set).
+struct DeviceTensor {
+    uint64_t address;
+    int32_t dtype;  // ELEMENT_*
+    int32_t unused;
+};
+
+// Element types (`cuda_update::Element`).
+#define ELEMENT_F32 0
+#define ELEMENT_BF16 1
+#define ELEMENT_F16 2
+
+__device__ __forceinline__ float load_f32(const DeviceTensor& t, uint64_t j) {
+    if (t.address == 0) return 0.0f;
+    switch (t.dtype) {
+        case ELEMENT_BF16: return __bfloat162float(((const __nv_bfloat16*)t.address)[j]);
+        case ELEMENT_F16: return __half2float(((const __half*)t.address)[j]);
+        default: return ((const float*)t.address)[j];
+    }
+}
+
+__device__ __forceinline__ void store_f32(const DeviceTensor& t, uint64_t j, float x) {
+    if (t.address == 0) return;
+    switch (t.dtype) {
+        case ELEMENT_BF16: ((__nv_bfloat16*)t.address)[j] = __float2bfloat16(x); break;
+        case ELEMENT_F16: ((__half*)t.address)[j] = __float2half(x); break;
+        default: ((float*)t.address)[j] = x;
+    }
+}
 
 __device__ double block_sum(double v, double* scratch) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -152,8 +188,11 @@ extern "C" __global__ void update_moments_in_place(float* state, const float* g,
     }
 }
 
+// `params` (`[rows]`, or null): each row's parameter, set from its new weights in its own
+// type, so that no cast of the group and no copy per parameter follows the update.
 extern "C" __global__ void update_weights_in_place(float* state, const double* norms, int rows,
-                                                   int numel, int blocks, float lr, Constants c) {
+                                                   int numel, int blocks, float lr, Constants c,
+                                                   const DeviceTensor* params) {
     __shared__ float ratio_shared;
     const size_t total = (size_t)rows * numel;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
@@ -180,8 +219,63 @@ extern "C" __global__ void update_weights_in_place(float* state, const double* n
             const size_t i = base + j;
             const float wi = state[i];
             const float u = update_of(state[total + i], state[2 * total + i], wi, c);
-            state[i] = wi - u * ratio * lr;
+            const float w = wi - u * ratio * lr;
+            state[i] = w;
+            if (params != nullptr) store_f32(params[row], j, w);
         }
         __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gradient bucket in one launch.
+
+// A tensor's piece of a flat f32 buffer (`cuda_update::Piece`, #[repr(C)]): the `numel`
+// elements of `tensor` are the f32s at `flat`; the pieces, in order, tile one index
+// `[0, total)` (each starts at `start`, where the one before ends), which the blocks share out.
+struct Piece {
+    DeviceTensor tensor;
+    uint64_t flat;
+    uint64_t start;
+    uint64_t numel;
+};
+
+// Elements of the pieces' index a block copies.
+#define PIECES_CHUNK 8192
+
+__device__ __forceinline__ uint64_t smaller(uint64_t a, uint64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ uint64_t larger(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+// The first piece that ends after index `i`.
+__device__ int piece_at(const Piece* pieces, int count, uint64_t i) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (pieces[mid].start + pieces[mid].numel <= i) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+// Every piece's elements as f32 into its part of the flat buffer (an absent tensor as zeros):
+// the flat gradient bucket filled from every parameter's gradient at once, where a copy and
+// a cast per parameter took two launches each. Each block takes `PIECES_CHUNK` elements of the
+// index at a time, the pieces that cross it one after another.
+extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64_t total) {
+    const uint64_t stride = (uint64_t)gridDim.x * PIECES_CHUNK;
+    for (uint64_t begin = (uint64_t)blockIdx.x * PIECES_CHUNK; begin < total; begin += stride) {
+        const uint64_t end = smaller(begin + PIECES_CHUNK, total);
+        for (int p = piece_at(pieces, count, begin); p < count && pieces[p].start < end; ++p) {
+            const Piece piece = pieces[p];
+            const uint64_t from = larger(begin, piece.start) - piece.start;
+            const uint64_t to = smaller(end, piece.start + piece.numel) - piece.start;
+            float* flat = (float*)piece.flat;
+            for (uint64_t j = from + threadIdx.x; j < to; j += blockDim.x) {
+                flat[j] = load_f32(piece.tensor, j);
+            }
+        }
     }
 }

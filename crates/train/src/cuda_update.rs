@@ -5,14 +5,20 @@
 //! keeps as views. `bertkit check kernels --device cuda` compares it with the CPU's update
 //! ([`crate::check::check_update`]); on by default since that passed on an H200
 //! (`BERTKIT_CUDA_OPTIMIZER=composed` turns it off).
+//!
+//! In place (`BERTKIT_CUDA_OPTIMIZER=inplace`, not yet run on a GPU) the copies around the
+//! update take one launch each too, however many parameters: [`gather`] fills the flat gradient
+//! bucket from every gradient (a copy and a cast per parameter before: ~800 launches a
+//! BERT-large step with the write-back), and [`update_in_place`] sets each parameter from its
+//! new weights as it writes them (no cast of the group, no copy per parameter).
 
-use candle_core::cuda_backend::WrapErr;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, InplaceOp2, Layout, Result, Shape, Storage, Tensor,
-    backend::BackendStorage, bail,
+    CpuStorage, CudaStorage, CustomOp3, DType, Device, InplaceOp2, Layout, Result, Shape, Storage,
+    Tensor, Var, backend::BackendStorage, bail,
 };
 
 use crate::cpu_update::{Constants, Scalars};
@@ -52,11 +58,22 @@ pub(crate) fn update(
 /// The update of a group whose weights and moments are one `[3, rows, numel]` f32 `state`
 /// (weights, first and second moments), written in place: no state allocated per group per
 /// step. Two launches, as [`update`]'s; the second recomputes each element's update from the
-/// new moments instead of reading it from a buffer.
-pub(crate) fn update_in_place(state: &Tensor, gradients: &Tensor, s: Scalars) -> Result<()> {
+/// new moments instead of reading it from a buffer, and sets `params` (the group's
+/// parameters, one a row, in their own dtype) from the new weights.
+pub(crate) fn update_in_place(
+    state: &Tensor,
+    gradients: &Tensor,
+    s: Scalars,
+    params: &[Var],
+) -> Result<()> {
     let op = UpdateInPlace {
         constants: Constants::of(s),
         lr: s.lr as f32,
+        params: params
+            .iter()
+            .map(|p| DeviceTensor::of(p.as_tensor()))
+            .collect::<Result<_>>()?,
+        numel: params.iter().map(|p| p.elem_count()).collect(),
     };
     state.inplace_op2(&gradients.contiguous()?, &op)
 }
@@ -64,6 +81,9 @@ pub(crate) fn update_in_place(state: &Tensor, gradients: &Tensor, s: Scalars) ->
 struct UpdateInPlace {
     constants: Constants,
     lr: f32,
+    /// Where each row's parameter is, and its size.
+    params: Vec<DeviceTensor>,
+    numel: Vec<usize>,
 }
 
 impl InplaceOp2 for UpdateInPlace {
@@ -95,7 +115,14 @@ impl InplaceOp2 for UpdateInPlace {
             )
         }
         let g_view = view(name, g, gl, (rows, numel), "gradients")?;
+        if self.params.len() != rows || self.numel.iter().any(|&n| n != numel) {
+            bail!(
+                "{name}: {rows} parameters of {numel} elements expected, got {:?}",
+                self.numel
+            )
+        }
         let dev = state.device.clone();
+        let params = upload(&dev, &self.params)?;
         let Grid { cfg, norms, blocks } = grid(&dev, rows, numel)?;
         let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
         let mut state = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
@@ -110,7 +137,14 @@ impl InplaceOp2 for UpdateInPlace {
             let func = dev.get_or_load_custom_func("update_weights_in_place", MODULE, PTX)?;
             let mut b = func.builder();
             b.arg(&mut state).arg(&norms).arg(&rows_i).arg(&numel_i);
-            b.arg(&blocks_i).arg(&self.lr).arg(&self.constants);
+            b.arg(&blocks_i)
+                .arg(&self.lr)
+                .arg(&self.constants)
+                .arg(&params);
+            // SAFETY: the arguments `update_weights_in_place` declares, in order; `params`
+            // holds a row's parameter each, of `numel` elements (checked above), which the
+            // optimiser holds past the launch (it owns the variables); on candle's one stream
+            // the writes come after every earlier use of the parameters, before any later.
             unsafe { b.launch(cfg) }.w()?;
         }
         Ok(())
@@ -235,4 +269,151 @@ fn view<'a>(
         bail!("{name}: contiguous {what} expected")
     };
     Ok(s.as_cuda_slice::<f32>()?.slice(start..end))
+}
+
+/// Element types as the copies take them (`ELEMENT_*` in `cuda_update.cu`).
+fn element(dtype: DType) -> Result<(i32, u64)> {
+    Ok(match dtype {
+        DType::F32 => (0, 4),
+        DType::BF16 => (1, 2),
+        DType::F16 => (2, 2),
+        other => bail!("the optimiser's copies take f32, bf16 or f16 tensors, not {other:?}"),
+    })
+}
+
+/// A tensor on the device as the copies take it (`struct DeviceTensor` in `cuda_update.cu`):
+/// the address of its first element and its element type; address 0 is none.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DeviceTensor {
+    address: u64,
+    dtype: i32,
+    unused: i32,
+}
+
+// SAFETY: a plain `#[repr(C)]` value, laid out as the kernels' `struct DeviceTensor`.
+unsafe impl DeviceRepr for DeviceTensor {}
+
+impl DeviceTensor {
+    /// Where the elements of `t` (contiguous, f32, bf16 or f16, on a CUDA device) are. The
+    /// address is good while `t`'s storage lives: the caller keeps `t` until its launch is
+    /// queued (a storage freed before then could be handed, in stream order, to an allocation
+    /// that writes it before the launch reads it).
+    fn of(t: &Tensor) -> Result<Self> {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(s) = &*storage else {
+            bail!("the optimiser's copies: a tensor on the CUDA device expected")
+        };
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            bail!("the optimiser's copies: a contiguous tensor expected")
+        };
+        let (dtype, size) = element(s.dtype())?;
+        let stream = s.device.cuda_stream();
+        let base = match &s.slice {
+            CudaStorageSlice::F32(slice) => slice.device_ptr(&stream).0,
+            CudaStorageSlice::BF16(slice) => slice.device_ptr(&stream).0,
+            CudaStorageSlice::F16(slice) => slice.device_ptr(&stream).0,
+            _ => bail!("the optimiser's copies: {:?} storage", s.dtype()),
+        };
+        Ok(DeviceTensor {
+            address: base + start as u64 * size,
+            dtype,
+            unused: 0,
+        })
+    }
+}
+
+/// A tensor's piece of a flat f32 buffer (`struct Piece` in `cuda_update.cu`): its `numel`
+/// elements are the f32s at `flat`, starting at `start` of the pieces' one index.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    tensor: DeviceTensor,
+    flat: u64,
+    start: u64,
+    numel: u64,
+}
+
+// SAFETY: a plain `#[repr(C)]` value, laid out as the kernels' `struct Piece`.
+unsafe impl DeviceRepr for Piece {}
+
+/// Elements of the pieces' index a block copies (`PIECES_CHUNK` in `cuda_update.cu`).
+const PIECES_CHUNK: usize = 8192;
+
+/// `values` copied to the device (a small table a launch reads).
+fn upload<T: DeviceRepr + 'static>(
+    dev: &candle_core::CudaDevice,
+    values: &[T],
+) -> Result<CudaSlice<T>> {
+    // SAFETY: every element is written by the copy (at least one, so the slice is a real one).
+    let mut slice = unsafe { dev.alloc::<T>(values.len().max(1))? };
+    if !values.is_empty() {
+        dev.memcpy_htod(values, &mut slice)?;
+    }
+    Ok(slice)
+}
+
+/// The flat gradient bucket, `[elements]` f32 on `device`, from every parameter's gradient in
+/// one launch: `gradients` in the bucket's order, each with its number of elements (`None`:
+/// an absent gradient, zeros in the bucket), together exactly `elements`. Gradients are f32,
+/// bf16 or f16, each cast as it is copied.
+pub(crate) fn gather(
+    gradients: &[(Option<Tensor>, usize)],
+    elements: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let Device::Cuda(dev) = device else {
+        bail!("the gradient bucket's gather: a CUDA device expected")
+    };
+    // SAFETY: every element is written by the launch (the pieces tile the bucket).
+    let bucket = unsafe { Tensor::empty(elements, DType::F32, device)? };
+    let flat = DeviceTensor::of(&bucket)?.address;
+    // Held until the launch is queued (see `DeviceTensor::of`).
+    let mut sources = Vec::with_capacity(gradients.len());
+    let mut pieces = Vec::with_capacity(gradients.len());
+    let mut start = 0usize;
+    for (gradient, numel) in gradients {
+        let tensor = match gradient {
+            Some(g) if g.elem_count() != *numel => bail!(
+                "the gradient bucket's gather: a gradient of {} elements for a piece of {numel}",
+                g.elem_count()
+            ),
+            Some(g) => {
+                let g = g.contiguous()?;
+                let tensor = DeviceTensor::of(&g)?;
+                sources.push(g);
+                tensor
+            }
+            None => DeviceTensor::default(),
+        };
+        pieces.push(Piece {
+            tensor,
+            flat: flat + 4 * start as u64,
+            start: start as u64,
+            numel: *numel as u64,
+        });
+        start += numel;
+    }
+    if start != elements {
+        bail!("the gradient bucket's gather: pieces of {start} elements for a bucket of {elements}")
+    }
+    if pieces.is_empty() || elements == 0 {
+        return Ok(bucket);
+    }
+    let table = upload(dev, &pieces)?;
+    let (count, total) = (pieces.len() as i32, elements as u64);
+    let func = dev.get_or_load_custom_func("pieces_to_flat", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&table).arg(&count).arg(&total);
+    let cfg = LaunchConfig {
+        grid_dim: (elements.div_ceil(PIECES_CHUNK).min(1 << 16) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments `pieces_to_flat` declares, in order; the table's pieces tile
+    // `[0, elements)` of the bucket (checked above), each reading a live gradient (`sources`)
+    // of its size.
+    unsafe { b.launch(cfg) }.w()?;
+    drop(sources);
+    Ok(bucket)
 }

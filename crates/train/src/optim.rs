@@ -142,6 +142,26 @@ impl Group {
         self.shape.iter().product()
     }
 
+    /// The gradient of member `name` taken out of `grads` (`None` if it has none), its shape
+    /// checked against the group's.
+    fn take_gradient(
+        &self,
+        grads: &mut BTreeMap<String, Tensor>,
+        name: &str,
+    ) -> Result<Option<Tensor>, TrainError> {
+        let Some(g) = grads.remove(name) else {
+            return Ok(None);
+        };
+        if g.dims() != self.shape.as_slice() {
+            return Err(TrainError::Config(format!(
+                "the gradient of {name} has shape {:?}, the parameter {:?}",
+                g.dims(),
+                self.shape
+            )));
+        }
+        Ok(Some(g))
+    }
+
     /// This group's rows of the flat gradient bucket (a view).
     fn gradients(&self, bucket: &Tensor) -> Result<Tensor, TrainError> {
         let (count, numel) = (self.count(), self.numel());
@@ -219,7 +239,9 @@ static CUDA_UPDATE_IN_PLACE: Switch = Switch::opt_in("BERTKIT_CUDA_OPTIMIZER", "
 /// Turns the CUDA update's in-place form on or off for this process: the group's weights and
 /// moments packed once into one buffer and updated where they are, instead of a new
 /// `[3, rows, numel]` state allocated per group per step (4 GB a step for BERT-large, handed
-/// back to the driver's pool each step). Unset, it is off unless
+/// back to the driver's pool each step); the parameters set by the update's kernel as it
+/// writes their weights, and the gradient bucket filled in one launch (two launches a
+/// parameter each before). Unset, it is off unless
 /// `BERTKIT_CUDA_OPTIMIZER=inplace`: not yet run on a GPU (`bertkit check kernels --device
 /// cuda` compares it with the CPU's update).
 pub fn set_cuda_update_in_place(on: bool) {
@@ -341,10 +363,29 @@ impl Optimizer {
     /// and one group in flight (putting all groups side by side first, then joining them, held
     /// every gradient three times over: measured as the step's peak on BERT-large with
     /// activation checkpointing, BENCHMARKS.md).
+    ///
+    /// In place on CUDA ([`set_cuda_update_in_place`]) the bucket is filled in one launch from
+    /// every gradient at once: the peak is the same (the bucket beside every gradient, as at
+    /// the first group here).
     pub fn flatten(&self, mut grads: BTreeMap<String, Tensor>) -> Result<Tensor, TrainError> {
         let Some(first) = self.groups.first() else {
             return Err(TrainError::Config("an optimiser without parameters".into()));
         };
+        #[cfg(feature = "cuda")]
+        if self.in_place_on_cuda() {
+            let mut gradients = Vec::with_capacity(self.groups.iter().map(Group::count).sum());
+            for group in &self.groups {
+                for name in &group.names {
+                    gradients.push((group.take_gradient(&mut grads, name)?, group.numel()));
+                }
+            }
+            let device = first.master.device();
+            return Ok(crate::cuda_update::gather(
+                &gradients,
+                self.elements,
+                device,
+            )?);
+        }
         let bucket = Tensor::zeros(self.elements, self.master_dtype, first.master.device())?;
         for group in &self.groups {
             // A group's gradients are put side by side in their own dtype and cast together
@@ -352,16 +393,9 @@ impl Optimizer {
             let mut members = Vec::with_capacity(group.count());
             let mut offsets = Vec::with_capacity(group.count());
             for (i, name) in group.names.iter().enumerate() {
-                let Some(g) = grads.remove(name) else {
+                let Some(g) = group.take_gradient(&mut grads, name)? else {
                     continue; // left as the bucket's zeros
                 };
-                if g.dims() != group.shape.as_slice() {
-                    return Err(TrainError::Config(format!(
-                        "the gradient of {name} has shape {:?}, the parameter {:?}",
-                        g.dims(),
-                        group.shape
-                    )));
-                }
                 members.push(g.flatten_all()?);
                 offsets.push(group.offset + i * group.numel());
             }
@@ -382,6 +416,18 @@ impl Optimizer {
             }
         }
         Ok(bucket)
+    }
+
+    /// Whether the step runs in place on CUDA (the state, the bucket and the write-back: see
+    /// [`set_cuda_update_in_place`]).
+    #[cfg(feature = "cuda")]
+    fn in_place_on_cuda(&self) -> bool {
+        self.groups
+            .first()
+            .is_some_and(|g| g.master.device().is_cuda())
+            && self.master_dtype == DType::F32
+            && cuda_optimizer()
+            && cuda_update_in_place()
     }
 
     /// The squared L2 norm of a flat gradient bucket, as an f64 scalar on the device (nothing
@@ -440,9 +486,9 @@ impl Optimizer {
                 && cuda_optimizer()
             {
                 if cuda_update_in_place() {
+                    // The parameters are set by the update's kernel.
                     let state = group.packed_state()?;
-                    crate::cuda_update::update_in_place(&state, &g, scalars)?;
-                    group.write_back()?;
+                    crate::cuda_update::update_in_place(&state, &g, scalars, &group.vars)?;
                     continue;
                 }
                 // Two launches over the state instead of the composed update's fifteen passes.
