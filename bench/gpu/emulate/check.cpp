@@ -12,9 +12,10 @@
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
 //   against its two-buffer form, which passed on an H200: the same bits, LAMB and AdamW; and
 //   the parameters it sets (f32, bf16, f16 rows) against the new weights cast by hand;
-// - the gradient bucket filled in one launch (`pieces_to_flat`, the same file) against the
-//   pieces copied and cast by hand: absent gradients, pieces of every size across the blocks'
-//   stretches, each element type, a grid smaller than the index (blocks that loop).
+// - the gradient bucket made and added to in one launch (`pieces_to_flat`, the same file)
+//   against the pieces copied, cast and added by hand: absent gradients, pieces of every size
+//   across the blocks' stretches, each element type, a grid smaller than the index (blocks
+//   that loop), unscaled on the way.
 //
 // Prints a line per compared tensor; exits 1 if any differs beyond its bound or holds a NaN (an
 // element a kernel never wrote is a NaN). `bash bench/gpu/emulate/run.sh` builds and runs it.
@@ -380,12 +381,33 @@ bool check_pieces(const char* name, unsigned grid) {
         start += numel;
     }
     emulate_launch({grid, 1, 1}, THREADS,
-                   [&] { pieces_to_flat(pieces.data(), (int)pieces.size(), total); });
+                   [&] { pieces_to_flat(pieces.data(), (int)pieces.size(), total, 1.0f, 0); });
     size_t differ = 0;
     for (size_t i = 0; i < total; ++i) differ += !(flat[i] == want[i]);
-    std::printf("  %-28s %-8s %zu of %zu values differ %s\n", name, "bucket", differ, total,
+    std::printf("  %-28s %-8s %zu of %zu values differ %s\n", name, "made", differ, total,
                 differ ? "FAILED" : "ok");
-    return differ == 0;
+    // The same gradients added again, unscaled by 1/4: only the present pieces, one after
+    // another in the kernel's index, each still pointing at its part of the bucket.
+    std::vector<Piece> present;
+    std::vector<float> sum = want;
+    uint64_t index = 0;
+    for (const Piece& p : pieces) {
+        if (p.tensor.address == 0) continue;
+        present.push_back({p.tensor, p.flat, index, p.numel});
+        for (size_t j = 0; j < p.numel; ++j) {
+            const size_t i = p.start + j;
+            sum[i] = want[i] + want[i] * 0.25f;
+        }
+        index += p.numel;
+    }
+    emulate_launch({grid, 1, 1}, THREADS, [&] {
+        pieces_to_flat(present.data(), (int)present.size(), index, 0.25f, 1);
+    });
+    size_t added = 0;
+    for (size_t i = 0; i < total; ++i) added += !(flat[i] == sum[i]);
+    std::printf("  %-28s %-8s %zu of %zu values differ %s\n", name, "added", added, total,
+                added ? "FAILED" : "ok");
+    return differ == 0 && added == 0;
 }
 
 // The negative log-likelihood of `rows` rows of `classes` logits in `T` and its backward

@@ -16,7 +16,7 @@ use crate::optim::{
 /// kernels ([`bertkit_model::kernels::check`]): two steps of LAMB and of AdamW (the second
 /// clipped) over parameters with and without weight decay, one spanning several of the CUDA
 /// kernels' blocks, one without a gradient at the first step, from the same weights and
-/// gradients; the weights, both moments and the parameters after them against the
+/// gradients (two micro-batches a step, summed at a loss scale as a step sums them); the weights, both moments and the parameters after them against the
 /// reference's. On a CUDA device the reference is the CPU's one-pass update in f32 (the twin)
 /// and the CUDA update is turned on for the process ([`set_cuda_optimizer`]), in both its
 /// forms: a new state per step, and in place ([`set_cuda_update_in_place`]: the bucket
@@ -54,15 +54,19 @@ pub fn check_update(
         };
         let mut optimizer = Optimizer::new(config, &vars)?;
         for (step, clip) in [(0u64, 1.0), (1, 0.5)] {
-            let mut grads = BTreeMap::new();
-            for (i, (name, dims)) in shapes.iter().enumerate() {
-                if step == 0 && i == 2 {
-                    continue; // no gradient: zeros in the bucket
+            // Two micro-batches' gradients at a loss scale of 4, as a step sums them.
+            let mut sums = optimizer.gradient_sums(4.0);
+            for micro in 0..2u64 {
+                for (i, (name, dims)) in shapes.iter().enumerate() {
+                    if step == 0 && i == 2 {
+                        continue; // no gradient: zeros in the bucket
+                    }
+                    let seed = 100 + 10 * step + 5 * micro + i as u64;
+                    let g = values(dims, 0.4, seed, DType::F32)?;
+                    sums.add(name, &g.to_dtype(dtype)?.to_device(device)?)?;
                 }
-                let g = values(dims, 0.1, 100 + 10 * step + i as u64, DType::F32)?;
-                grads.insert(name.to_string(), g.to_dtype(dtype)?.to_device(device)?);
             }
-            let bucket = optimizer.flatten(grads)?;
+            let bucket = sums.into_bucket(&optimizer)?;
             optimizer.step(&bucket, 1e-2, clip)?;
         }
         let mut state = optimizer.master_tensors()?;

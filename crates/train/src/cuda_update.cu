@@ -228,7 +228,7 @@ extern "C" __global__ void update_weights_in_place(float* state, const double* n
 }
 
 // ---------------------------------------------------------------------------------------------
-// The gradient bucket in one launch.
+// The gradient bucket in one launch (`bucket.rs`; its CPU twin is `Gather::cpu` there).
 
 // A tensor's piece of a flat f32 buffer (`cuda_update::Piece`, #[repr(C)]): the `numel`
 // elements of `tensor` are the f32s at `flat`; the pieces, in order, tile one index
@@ -260,11 +260,13 @@ __device__ int piece_at(const Piece* pieces, int count, uint64_t i) {
     return lo;
 }
 
-// Every piece's elements as f32 into its part of the flat buffer (an absent tensor as zeros):
-// the flat gradient bucket filled from every parameter's gradient at once, where a copy and
-// a cast per parameter took two launches each. Each block takes `PIECES_CHUNK` elements of the
-// index at a time, the pieces that cross it one after another.
-extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64_t total) {
+// Every piece's elements as f32 times `unscale` into (or, `accumulate`, onto) its part of the
+// flat buffer (an absent tensor as zeros): the flat gradient bucket made or added to from
+// every parameter's gradient at once, where a cast and an addition per parameter took a
+// launch each. Each block takes `PIECES_CHUNK` elements of the index at a time, the pieces
+// that cross it one after another.
+extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64_t total,
+                                          float unscale, int accumulate) {
     const uint64_t stride = (uint64_t)gridDim.x * PIECES_CHUNK;
     for (uint64_t begin = (uint64_t)blockIdx.x * PIECES_CHUNK; begin < total; begin += stride) {
         const uint64_t end = smaller(begin + PIECES_CHUNK, total);
@@ -274,7 +276,9 @@ extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64
             const uint64_t to = smaller(end, piece.start + piece.numel) - piece.start;
             float* flat = (float*)piece.flat;
             for (uint64_t j = from + threadIdx.x; j < to; j += blockDim.x) {
-                flat[j] = load_f32(piece.tensor, j);
+                const float x = unscale == 1.0f ? load_f32(piece.tensor, j)
+                                                : load_f32(piece.tensor, j) * unscale;
+                flat[j] = accumulate ? flat[j] + x : x;
             }
         }
     }

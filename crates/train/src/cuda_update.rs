@@ -7,18 +7,18 @@
 //! (`BERTKIT_CUDA_OPTIMIZER=composed` turns it off).
 //!
 //! In place (`BERTKIT_CUDA_OPTIMIZER=inplace`, not yet run on a GPU) the copies around the
-//! update take one launch each too, however many parameters: [`gather`] fills the flat gradient
-//! bucket from every gradient (a copy and a cast per parameter before: ~800 launches a
-//! BERT-large step with the write-back), and [`update_in_place`] sets each parameter from its
-//! new weights as it writes them (no cast of the group, no copy per parameter).
+//! update take one launch each too, however many parameters: [`gather`] makes or adds to the
+//! flat gradient bucket from every gradient (`crate::bucket`; a cast and a copy or an addition
+//! per parameter before), and [`update_in_place`] sets each parameter from its new weights as
+//! it writes them (no cast of the group, no copy per parameter).
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, DType, Device, InplaceOp2, Layout, Result, Shape, Storage,
-    Tensor, Var, backend::BackendStorage, bail,
+    CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Storage, Tensor,
+    Var, backend::BackendStorage, bail,
 };
 
 use crate::cpu_update::{Constants, Scalars};
@@ -353,31 +353,45 @@ fn upload<T: DeviceRepr + 'static>(
     Ok(slice)
 }
 
-/// The flat gradient bucket, `[elements]` f32 on `device`, from every parameter's gradient in
-/// one launch: `gradients` in the bucket's order, each with its number of elements (`None`:
-/// an absent gradient, zeros in the bucket), together exactly `elements`. Gradients are f32,
-/// bf16 or f16, each cast as it is copied.
+/// The gradient bucket's gather on CUDA (`bucket::Gather`, whose CPU twin is a loop): each of
+/// `pieces` (a gradient, or `None` for zeros; its offset in the bucket and size) times
+/// `unscale` cast into (`accumulate`: added onto) its part of the f32 `bucket`, in one launch.
+/// Copying, the pieces tile the bucket; adding, they are the gradients to add, in order.
 pub(crate) fn gather(
-    gradients: &[(Option<Tensor>, usize)],
-    elements: usize,
-    device: &Device,
-) -> Result<Tensor> {
-    let Device::Cuda(dev) = device else {
-        bail!("the gradient bucket's gather: a CUDA device expected")
+    bucket: &mut CudaStorage,
+    layout: &Layout,
+    pieces: &[(Option<&Tensor>, usize, usize)],
+    unscale: f32,
+    accumulate: bool,
+) -> Result<()> {
+    let name = "the gradient bucket's gather";
+    let Some((first, end)) = layout.contiguous_offsets() else {
+        bail!("{name}: a contiguous bucket expected")
     };
-    // SAFETY: every element is written by the launch (the pieces tile the bucket).
-    let bucket = unsafe { Tensor::empty(elements, DType::F32, device)? };
-    let flat = DeviceTensor::of(&bucket)?.address;
+    if bucket.dtype() != DType::F32 {
+        bail!("{name}: an f32 bucket expected, got {:?}", bucket.dtype())
+    }
+    let dev = bucket.device.clone();
+    let elements = end - first;
+    let flat = {
+        let stream = dev.cuda_stream();
+        bucket.as_cuda_slice::<f32>()?.device_ptr(&stream).0 + 4 * first as u64
+    };
     // Held until the launch is queued (see `DeviceTensor::of`).
-    let mut sources = Vec::with_capacity(gradients.len());
-    let mut pieces = Vec::with_capacity(gradients.len());
-    let mut start = 0usize;
-    for (gradient, numel) in gradients {
+    let mut sources = Vec::with_capacity(pieces.len());
+    let mut table = Vec::with_capacity(pieces.len());
+    let (mut start, mut next) = (0usize, 0usize);
+    for &(gradient, offset, numel) in pieces {
+        if offset < next || offset + numel > elements || (!accumulate && offset != next) {
+            bail!("{name}: a piece of {numel} at {offset} after {next}, in a bucket of {elements}")
+        }
         let tensor = match gradient {
-            Some(g) if g.elem_count() != *numel => bail!(
-                "the gradient bucket's gather: a gradient of {} elements for a piece of {numel}",
-                g.elem_count()
-            ),
+            Some(g) if g.elem_count() != numel => {
+                bail!(
+                    "{name}: a gradient of {} elements for a piece of {numel}",
+                    g.elem_count()
+                )
+            }
             Some(g) => {
                 let g = g.contiguous()?;
                 let tensor = DeviceTensor::of(&g)?;
@@ -386,34 +400,39 @@ pub(crate) fn gather(
             }
             None => DeviceTensor::default(),
         };
-        pieces.push(Piece {
+        table.push(Piece {
             tensor,
-            flat: flat + 4 * start as u64,
+            flat: flat + 4 * offset as u64,
             start: start as u64,
-            numel: *numel as u64,
+            numel: numel as u64,
         });
         start += numel;
+        next = offset + numel;
     }
-    if start != elements {
-        bail!("the gradient bucket's gather: pieces of {start} elements for a bucket of {elements}")
+    if !accumulate && next != elements {
+        bail!("{name}: pieces of {next} elements for a bucket of {elements}")
     }
-    if pieces.is_empty() || elements == 0 {
-        return Ok(bucket);
+    if table.is_empty() || start == 0 {
+        return Ok(());
     }
-    let table = upload(dev, &pieces)?;
-    let (count, total) = (pieces.len() as i32, elements as u64);
+    let table = upload(&dev, &table)?;
+    let (count, total, accumulate) = (pieces.len() as i32, start as u64, accumulate as i32);
     let func = dev.get_or_load_custom_func("pieces_to_flat", MODULE, PTX)?;
     let mut b = func.builder();
-    b.arg(&table).arg(&count).arg(&total);
+    b.arg(&table)
+        .arg(&count)
+        .arg(&total)
+        .arg(&unscale)
+        .arg(&accumulate);
     let cfg = LaunchConfig {
-        grid_dim: (elements.div_ceil(PIECES_CHUNK).min(1 << 16) as u32, 1, 1),
+        grid_dim: (start.div_ceil(PIECES_CHUNK).min(1 << 16) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments `pieces_to_flat` declares, in order; the table's pieces tile
-    // `[0, elements)` of the bucket (checked above), each reading a live gradient (`sources`)
-    // of its size.
+    // SAFETY: the arguments `pieces_to_flat` declares, in order; the table's pieces lie
+    // inside the bucket (checked above) and follow one another in the kernel's index, each
+    // reading a live gradient (`sources`) of its size.
     unsafe { b.launch(cfg) }.w()?;
     drop(sources);
-    Ok(bucket)
+    Ok(())
 }

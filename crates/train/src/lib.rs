@@ -28,6 +28,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+mod bucket;
 pub mod check;
 pub mod checkpoint;
 pub mod config;

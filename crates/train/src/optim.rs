@@ -18,12 +18,14 @@
 //! reads nothing back to the host, so on CUDA a step queues its kernels without waiting.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use bertkit_model::switch::Switch;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
+use crate::bucket::{Entry, FlatSums, GradientSums, Layout};
 
 /// Which update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -272,10 +274,11 @@ pub fn cuda_update_in_place() -> bool {
 pub struct Optimizer {
     config: OptimizerConfig,
     groups: Vec<Group>,
+    /// Where each parameter's gradient sits in the flat bucket (the groups' members in order).
+    layout: Arc<Layout>,
     /// The CPU update's room for one parameter's update between its two passes, kept across
     /// steps (see `cpu_update::update_in_place`).
     scratch: Vec<f32>,
-    elements: usize,
     step: u64,
     master_dtype: DType,
 }
@@ -300,6 +303,7 @@ impl Optimizer {
                 .push((name, var));
         }
         let mut groups = Vec::new();
+        let mut entries = Vec::new();
         let mut offset = 0;
         for ((shape, decay), members) in by_kind {
             let numel: usize = shape.iter().product::<usize>().max(1);
@@ -315,6 +319,13 @@ impl Optimizer {
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 let master = Tensor::stack(&rows, 0)?;
+                for (i, (name, _)) in chunk.iter().enumerate() {
+                    entries.push(Entry {
+                        name: (*name).clone(),
+                        shape: shape.clone(),
+                        offset: offset + i * numel,
+                    });
+                }
                 groups.push(Group {
                     names: chunk.iter().map(|(n, _)| (*n).clone()).collect(),
                     vars: chunk.iter().map(|(_, v)| (*v).clone()).collect(),
@@ -332,8 +343,8 @@ impl Optimizer {
         Ok(Optimizer {
             config,
             groups,
+            layout: Arc::new(Layout::new(entries)?),
             scratch: Vec::new(),
-            elements: offset,
             step: 0,
             master_dtype,
         })
@@ -351,42 +362,65 @@ impl Optimizer {
 
     /// Scalars in the flat gradient bucket (every trainable parameter's).
     pub fn elements(&self) -> usize {
-        self.elements
+        self.layout.elements()
     }
 
     /// The flat gradient bucket: every parameter's gradient in the optimiser's order, in the
     /// master dtype, one 1-D tensor (what one all-reduce call takes). A parameter without a
-    /// gradient contributes zeros.
-    ///
-    /// The gradients are taken and each is let go once its group is in the bucket, which is
-    /// filled group by group: the step's peak here is the bucket, the gradients not yet copied
-    /// and one group in flight (putting all groups side by side first, then joining them, held
-    /// every gradient three times over: measured as the step's peak on BERT-large with
-    /// activation checkpointing, BENCHMARKS.md).
-    ///
-    /// In place on CUDA ([`set_cuda_update_in_place`]) the bucket is filled in one launch from
-    /// every gradient at once: the peak is the same (the bucket beside every gradient, as at
-    /// the first group here).
-    pub fn flatten(&self, mut grads: BTreeMap<String, Tensor>) -> Result<Tensor, TrainError> {
+    /// gradient contributes zeros. The gradients are added as a step adds them
+    /// ([`Optimizer::gradient_sums`]).
+    pub fn flatten(&self, grads: BTreeMap<String, Tensor>) -> Result<Tensor, TrainError> {
+        let mut sums = self.gradient_sums(1.0);
+        for (name, g) in grads {
+            sums.add(&name, &g)?;
+        }
+        sums.into_bucket(self)
+    }
+
+    /// A step's gradient sums for gradients computed at `loss_scale`: the flat bucket on the
+    /// CPU, and on CUDA in place ([`set_cuda_update_in_place`]); by parameter otherwise, until
+    /// the bucket's gather has passed its check on a GPU.
+    pub(crate) fn gradient_sums(&self, loss_scale: f64) -> GradientSums {
+        let flat = self.device().is_cpu() || self.in_place_on_cuda();
+        if flat {
+            GradientSums::Flat(FlatSums::new(
+                self.layout.clone(),
+                self.master_dtype,
+                loss_scale,
+            ))
+        } else {
+            GradientSums::ByName {
+                master: self.master_dtype,
+                loss_scale,
+                sums: BTreeMap::new(),
+            }
+        }
+    }
+
+    /// The device the state lives on.
+    pub(crate) fn device(&self) -> candle_core::Device {
+        self.groups
+            .first()
+            .map_or(candle_core::Device::Cpu, |g| g.master.device().clone())
+    }
+
+    /// The flat gradient bucket from gradients by name, group by group: each group's gradients
+    /// are taken and let go once the group is in the bucket, so the peak here is the bucket,
+    /// the gradients not yet copied and one group in flight (putting all groups side by side
+    /// first, then joining them, held every gradient three times over: measured as the step's
+    /// peak on BERT-large with activation checkpointing, BENCHMARKS.md).
+    pub(crate) fn flatten_by_name(
+        &self,
+        mut grads: BTreeMap<String, Tensor>,
+    ) -> Result<Tensor, TrainError> {
         let Some(first) = self.groups.first() else {
             return Err(TrainError::Config("an optimiser without parameters".into()));
         };
-        #[cfg(feature = "cuda")]
-        if self.in_place_on_cuda() {
-            let mut gradients = Vec::with_capacity(self.groups.iter().map(Group::count).sum());
-            for group in &self.groups {
-                for name in &group.names {
-                    gradients.push((group.take_gradient(&mut grads, name)?, group.numel()));
-                }
-            }
-            let device = first.master.device();
-            return Ok(crate::cuda_update::gather(
-                &gradients,
-                self.elements,
-                device,
-            )?);
-        }
-        let bucket = Tensor::zeros(self.elements, self.master_dtype, first.master.device())?;
+        let bucket = Tensor::zeros(
+            self.layout.elements(),
+            self.master_dtype,
+            first.master.device(),
+        )?;
         for group in &self.groups {
             // A group's gradients are put side by side in their own dtype and cast together
             // (one launch on CUDA, not one per parameter) when they share one.
@@ -420,11 +454,9 @@ impl Optimizer {
 
     /// Whether the step runs in place on CUDA (the state, the bucket and the write-back: see
     /// [`set_cuda_update_in_place`]).
-    #[cfg(feature = "cuda")]
     fn in_place_on_cuda(&self) -> bool {
-        self.groups
-            .first()
-            .is_some_and(|g| g.master.device().is_cuda())
+        cfg!(feature = "cuda")
+            && self.device().is_cuda()
             && self.master_dtype == DType::F32
             && cuda_optimizer()
             && cuda_update_in_place()
@@ -456,11 +488,11 @@ impl Optimizer {
     /// its gradients first scaled by `clip` (see [`Optimizer::clip_factor`]). Everything runs on
     /// the device; the model's parameters are then set from the master weights.
     pub fn step(&mut self, bucket: &Tensor, lr: f64, clip: f64) -> Result<(), TrainError> {
-        if bucket.dims() != [self.elements] {
+        if bucket.dims() != [self.layout.elements()] {
             return Err(TrainError::Config(format!(
                 "a gradient bucket of shape {:?} for {} parameters",
                 bucket.dims(),
-                self.elements
+                self.layout.elements()
             )));
         }
         let c = &self.config;

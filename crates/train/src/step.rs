@@ -34,6 +34,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use crate::TrainError;
+use crate::bucket::GradientSums;
 use crate::optim::Optimizer;
 use crate::scaler::LossScaler;
 
@@ -83,9 +84,8 @@ impl GradientReducer for Local {
 pub struct Step {
     /// The trainable parameters (cheap handles on the same storage).
     vars: BTreeMap<String, Var>,
-    master: DType,
     loss_scale: f64,
-    grads: BTreeMap<String, Tensor>,
+    grads: GradientSums,
     /// The step's loss so far (f64, on the device).
     loss: Option<Tensor>,
     /// The caller's figures so far (f64, on the device).
@@ -122,11 +122,11 @@ impl Step {
         optimizer: &Optimizer,
         scaler: Option<&LossScaler>,
     ) -> Self {
+        let loss_scale = scaler.map_or(1.0, |s| s.scale);
         Step {
             vars: vars.clone(),
-            master: optimizer.master_dtype(),
-            loss_scale: scaler.map_or(1.0, |s| s.scale),
-            grads: BTreeMap::new(),
+            loss_scale,
+            grads: optimizer.gradient_sums(loss_scale),
             loss: None,
             figures: None,
         }
@@ -168,14 +168,14 @@ impl Step {
 
     /// Adds the trainable parameters' gradients in `store` (computed from the scaled loss).
     ///
-    /// A parameter's first gradient of the step is kept as backward made it (in the compute
-    /// dtype) unless it must be unscaled: it is cast to the master dtype when a second one
-    /// arrives or when the bucket is made ([`Optimizer::flatten`] casts a group at once), not
-    /// here, while the micro-batch's activations are still alive: with one micro-batch a step
-    /// the f32 copies (4 bytes a parameter) are never held beside the activations, and one
-    /// pass over the gradients leaves the step's traffic. The sums are the same values either
-    /// way. (On the CPU the step's peak comes earlier, inside the backward pass, and did not
-    /// move: BENCHMARKS.md.)
+    /// A micro-batch's gradients are kept as backward made them (in the compute dtype, scaled)
+    /// and go into the flat bucket all at once, cast to the master dtype and unscaled, when the
+    /// next micro-batch's meet them or the step ends (`crate::bucket`), not here, while the
+    /// micro-batch's activations are still alive: with one micro-batch a step the f32 copies
+    /// (4 bytes a parameter) are never held beside the activations, and one pass over the
+    /// gradients leaves the step's traffic. The sums are the same values either way. (On the
+    /// CPU the step's peak comes earlier, inside the backward pass, and did not move:
+    /// BENCHMARKS.md.)
     pub fn accumulate(&mut self, store: &GradStore) -> Result<(), TrainError> {
         self.add_gradients(|t| store.get(t))
     }
@@ -191,19 +191,9 @@ impl Step {
         grad_of: impl Fn(&Tensor) -> Option<&'g Tensor>,
     ) -> Result<(), TrainError> {
         for (name, var) in &self.vars {
-            let Some(g) = grad_of(var.as_tensor()) else {
-                continue;
-            };
-            let g = if self.loss_scale != 1.0 {
-                (g.to_dtype(self.master)? / self.loss_scale)?
-            } else {
-                g.clone()
-            };
-            let sum = match self.grads.remove(name) {
-                None => g,
-                Some(sum) => (sum.to_dtype(self.master)? + g.to_dtype(self.master)?)?,
-            };
-            self.grads.insert(name.clone(), sum);
+            if let Some(g) = grad_of(var.as_tensor()) {
+                self.grads.add(name, g)?;
+            }
         }
         Ok(())
     }
@@ -239,11 +229,7 @@ impl Step {
 
     /// The gradients so far (unscaled, in the master dtype), without stepping.
     pub fn into_gradients(self) -> Result<BTreeMap<String, Tensor>, TrainError> {
-        let master = self.master;
-        self.grads
-            .into_iter()
-            .map(|(name, g)| Ok((name, g.to_dtype(master)?)))
-            .collect()
+        self.grads.into_gradients()
     }
 
     /// Ends the step: flattens the gradients into one bucket, has the reducer sum it over the
@@ -268,7 +254,7 @@ impl Step {
             loss_scale,
             ..
         } = self;
-        let mut bucket = optimizer.flatten(grads)?;
+        let mut bucket = grads.into_bucket(optimizer)?;
         reducer.all_reduce_sum(&mut bucket)?;
         let squared_norm = optimizer.squared_norm(&bucket)?.reshape(1)?;
         let loss = match loss {
@@ -436,9 +422,10 @@ mod tests {
         assert_eq!(g(whole), vec![1.0, -2.0, 3.0]);
     }
 
-    /// In half precision a micro-batch's gradients stay in the compute dtype until a second
-    /// micro-batch's meet them (then both are cast and added in f32) or the bucket is made:
-    /// one micro-batch holds no f32 copies, and the values are those of casting first.
+    /// In half precision a micro-batch's gradients stay in the compute dtype until the next
+    /// micro-batch's meet them (then they go into the f32 bucket, and the new ones are held)
+    /// or the bucket is made: one micro-batch holds no f32 copies, and the values are those
+    /// of casting first, in both forms of the sums (the flat bucket, by name).
     #[test]
     fn half_precision_gradients_are_cast_when_they_meet() {
         let cpu = &Device::Cpu;
@@ -450,36 +437,47 @@ mod tests {
                 .unwrap(),
         );
         let optimizer = Optimizer::new(OptimizerConfig::lamb(), &vars).unwrap();
-        let mut step = Step::begin(&vars, &optimizer, None);
-        step.backward(&loss(&vars, 0.3).to_dtype(DType::BF16).unwrap())
-            .unwrap();
-        assert_eq!(step.grads["encoder.weight"].dtype(), DType::BF16);
-        let first: Vec<f32> = step.grads["encoder.weight"]
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        step.backward(&loss(&vars, 0.9).to_dtype(DType::BF16).unwrap())
-            .unwrap();
-        assert_eq!(step.grads["encoder.weight"].dtype(), DType::F32);
-        let mut second = Step::begin(&vars, &optimizer, None);
-        second
-            .backward(&loss(&vars, 0.9).to_dtype(DType::BF16).unwrap())
-            .unwrap();
-        let second: Vec<f32> = second.into_gradients().unwrap()["encoder.weight"]
-            .to_vec1()
-            .unwrap();
-        let sum: Vec<f32> = step.into_gradients().unwrap()["encoder.weight"]
-            .to_vec1()
-            .unwrap();
-        for i in 0..w.len() {
-            assert_eq!(sum[i], first[i] + second[i], "element {i}");
+        // The bf16 gradient of one micro-batch, as f32.
+        let gradient = |factor: f64| -> Vec<f32> {
+            let store = loss(&vars, factor)
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .backward()
+                .unwrap();
+            let g = store.get(vars["encoder.weight"].as_tensor()).unwrap();
+            assert_eq!(g.dtype(), DType::BF16);
+            g.to_dtype(DType::F32).unwrap().to_vec1().unwrap()
+        };
+        let (first, second) = (gradient(0.3), gradient(0.9));
+        let by_name = GradientSums::ByName {
+            master: DType::F32,
+            loss_scale: 1.0,
+            sums: BTreeMap::new(),
+        };
+        for sums in [optimizer.gradient_sums(1.0), by_name] {
+            let flat = matches!(sums, GradientSums::Flat(_));
+            let mut step = Step::begin(&vars, &optimizer, None);
+            step.grads = sums;
+            step.backward(&loss(&vars, 0.3).to_dtype(DType::BF16).unwrap())
+                .unwrap();
+            assert_eq!(step.grads.held_dtype("encoder.weight"), Some(DType::BF16));
+            step.backward(&loss(&vars, 0.9).to_dtype(DType::BF16).unwrap())
+                .unwrap();
+            // The flat sums hold the second micro-batch's as made, the first in the bucket.
+            let held = if flat { DType::BF16 } else { DType::F32 };
+            assert_eq!(step.grads.held_dtype("encoder.weight"), Some(held));
+            let sum: Vec<f32> = step.into_gradients().unwrap()["encoder.weight"]
+                .to_vec1()
+                .unwrap();
+            for i in 0..w.len() {
+                assert_eq!(sum[i], first[i] + second[i], "element {i}, flat {flat}");
+            }
         }
         // The bucket casts what is still in the compute dtype.
         let mut one = Step::begin(&vars, &optimizer, None);
         one.backward(&loss(&vars, 0.3).to_dtype(DType::BF16).unwrap())
             .unwrap();
-        let bucket = optimizer.flatten(one.grads.clone()).unwrap();
+        let bucket = one.grads.into_bucket(&optimizer).unwrap();
         assert_eq!(bucket.dtype(), DType::F32);
         assert_eq!(bucket.to_vec1::<f32>().unwrap(), first);
     }

@@ -1,0 +1,581 @@
+//! The flat gradient bucket: every trainable parameter's gradient in one 1-D tensor in the
+//! optimiser's order (what one all-reduce call takes, what the update reads group by group).
+//! [`Layout`] says where each parameter sits; [`FlatSums`] adds a step's gradients into it,
+//! micro-batch by micro-batch, every parameter in one pass ([`Gather`]: one launch on CUDA,
+//! its CPU twin a loop over the parameters in parallel).
+//!
+//! A micro-batch's gradients are held as the backward made them (the compute dtype, times the
+//! loss scale) until the next micro-batch's meet them or the step ends: then all of them go
+//! into the bucket at once, cast to the master dtype and unscaled on the way. So one
+//! micro-batch a step never holds the master-dtype copies beside its activations, and from the
+//! second on the sums are the bucket itself, added to in place (where the sums by name made a
+//! cast and an addition per parameter per micro-batch: on CUDA two launches and a fresh f32
+//! tensor each, ~800 launches a BERT-large micro-batch, and the bucket made at the end by as
+//! many again).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, DType, InplaceOp1, Tensor, WithDType, bail};
+
+use crate::TrainError;
+
+/// One parameter's place in the bucket.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub(crate) name: String,
+    pub(crate) shape: Vec<usize>,
+    /// Where its gradient starts in the bucket.
+    pub(crate) offset: usize,
+}
+
+impl Entry {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Where each trainable parameter's gradient sits in the flat bucket: one after another, in
+/// the optimiser's order (groups by shape and weight decay, members by name), the same on
+/// every rank.
+#[derive(Debug)]
+pub(crate) struct Layout {
+    entries: Vec<Entry>,
+    by_name: HashMap<String, usize>,
+    elements: usize,
+}
+
+impl Layout {
+    /// The layout of `entries`, which must follow one another from offset 0.
+    pub(crate) fn new(entries: Vec<Entry>) -> Result<Self, TrainError> {
+        let mut elements = 0;
+        for e in &entries {
+            if e.offset != elements {
+                return Err(TrainError::Config(format!(
+                    "the gradient bucket: {} at {}, where the one before ends at {elements}",
+                    e.name, e.offset
+                )));
+            }
+            elements += e.numel();
+        }
+        let by_name = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.clone(), i))
+            .collect();
+        Ok(Layout {
+            entries,
+            by_name,
+            elements,
+        })
+    }
+
+    /// Scalars in the bucket.
+    pub(crate) fn elements(&self) -> usize {
+        self.elements
+    }
+}
+
+/// A step's gradient sums as the flat bucket (see the module's documentation).
+#[derive(Debug)]
+pub(crate) struct FlatSums {
+    layout: Arc<Layout>,
+    /// The bucket's dtype (the optimiser's master dtype).
+    dtype: DType,
+    /// What the gradients are multiplied by on their way in: 1 / the loss scale.
+    unscale: f64,
+    /// The sums of the micro-batches already added; `None` until a second one arrives.
+    bucket: Option<Tensor>,
+    /// The gradients not yet added, by entry.
+    pending: Vec<Option<Tensor>>,
+    pending_count: usize,
+    /// The entries that have had a gradient this step.
+    seen: Vec<bool>,
+}
+
+impl FlatSums {
+    /// Sums in `dtype` over `layout`, of gradients computed at loss scale `loss_scale`.
+    pub(crate) fn new(layout: Arc<Layout>, dtype: DType, loss_scale: f64) -> Self {
+        let entries = layout.entries.len();
+        FlatSums {
+            layout,
+            dtype,
+            unscale: 1.0 / loss_scale,
+            bucket: None,
+            pending: vec![None; entries],
+            pending_count: 0,
+            seen: vec![false; entries],
+        }
+    }
+
+    /// Adds parameter `name`'s gradient `g` (as the backward made it): held, and added to the
+    /// bucket with the others when the next gradient of the same parameter arrives (the next
+    /// micro-batch) or the sums are taken.
+    pub(crate) fn add(&mut self, name: &str, g: &Tensor) -> Result<(), TrainError> {
+        let Some(&i) = self.layout.by_name.get(name) else {
+            return Err(TrainError::Config(format!(
+                "a gradient for {name}, which the optimiser does not hold"
+            )));
+        };
+        let entry = &self.layout.entries[i];
+        if g.dims() != entry.shape.as_slice() {
+            return Err(TrainError::Config(format!(
+                "the gradient of {name} has shape {:?}, the parameter {:?}",
+                g.dims(),
+                entry.shape
+            )));
+        }
+        if self.pending[i].is_some() {
+            self.flush()?;
+        }
+        self.pending[i] = Some(g.clone());
+        self.pending_count += 1;
+        self.seen[i] = true;
+        Ok(())
+    }
+
+    /// Adds the held gradients to the bucket in one pass (the first time: makes it, zeros
+    /// where a parameter has no gradient).
+    fn flush(&mut self) -> Result<(), TrainError> {
+        if self.pending_count == 0 {
+            return Ok(());
+        }
+        self.pending_count = 0;
+        let pending = std::mem::replace(&mut self.pending, vec![None; self.layout.entries.len()]);
+        let accumulate = self.bucket.is_some();
+        let mut pieces = Vec::with_capacity(pending.len());
+        for (entry, gradient) in self.layout.entries.iter().zip(pending) {
+            if gradient.is_none() && accumulate {
+                continue; // adds nothing
+            }
+            pieces.push(Piece {
+                gradient,
+                offset: entry.offset,
+                numel: entry.numel(),
+            });
+        }
+        let bucket = match self.bucket.take() {
+            Some(bucket) => bucket,
+            None => {
+                let device = pieces
+                    .iter()
+                    .find_map(|p| p.gradient.as_ref())
+                    .map(|g| g.device().clone())
+                    .expect("a gradient is pending");
+                // SAFETY: every element is written by the gather below (its pieces are every
+                // entry, which tile the bucket).
+                unsafe { Tensor::empty(self.layout.elements, self.dtype, &device)? }
+            }
+        };
+        gather(&bucket, pieces, self.unscale, accumulate)?;
+        self.bucket = Some(bucket);
+        Ok(())
+    }
+
+    /// The bucket of the step's sums (zeros if no gradient arrived), on `device`.
+    pub(crate) fn into_bucket(
+        mut self,
+        device: &candle_core::Device,
+    ) -> Result<Tensor, TrainError> {
+        self.flush()?;
+        Ok(match self.bucket {
+            Some(bucket) => bucket,
+            None => Tensor::zeros(self.layout.elements, self.dtype, device)?,
+        })
+    }
+
+    /// The sums by parameter (views of the bucket), for the parameters that had a gradient.
+    pub(crate) fn into_gradients(mut self) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        let mut out = BTreeMap::new();
+        self.flush()?;
+        let Some(bucket) = self.bucket else {
+            return Ok(out);
+        };
+        for (entry, &seen) in self.layout.entries.iter().zip(&self.seen) {
+            if seen {
+                let g = bucket
+                    .narrow(0, entry.offset, entry.numel())?
+                    .reshape(entry.shape.as_slice())?;
+                out.insert(entry.name.clone(), g);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A parameter's gradient and its place in the bucket (`None`: no gradient, zeros).
+struct Piece {
+    gradient: Option<Tensor>,
+    offset: usize,
+    numel: usize,
+}
+
+/// Copies (or, `accumulate`, adds) `pieces`' gradients times `unscale` into `bucket`, cast to
+/// its dtype, in one pass.
+fn gather(
+    bucket: &Tensor,
+    pieces: Vec<Piece>,
+    unscale: f64,
+    accumulate: bool,
+) -> Result<(), TrainError> {
+    let pieces = if bucket.device().is_cpu() {
+        // The CPU twin reads the bucket's dtype (a cast per parameter where they differ; the
+        // CUDA kernel casts as it reads).
+        pieces
+            .into_iter()
+            .map(|p| {
+                Ok(Piece {
+                    gradient: p.gradient.map(|g| g.to_dtype(bucket.dtype())).transpose()?,
+                    ..p
+                })
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?
+    } else {
+        pieces
+    };
+    bucket.inplace_op1(&Gather {
+        pieces,
+        unscale,
+        accumulate,
+    })?;
+    Ok(())
+}
+
+/// The bucket's gather as an in-place op on it: on CUDA `pieces_to_flat` (`cuda_update.cu`),
+/// on the CPU its twin.
+struct Gather {
+    pieces: Vec<Piece>,
+    unscale: f64,
+    accumulate: bool,
+}
+
+impl Gather {
+    /// The CPU twin: each piece's elements (in the bucket's dtype `T`) times `unscale`, into
+    /// or onto its part of `flat`, the pieces in parallel.
+    fn cpu<T: WithDType>(&self, flat: &mut [T]) -> candle_core::Result<()> {
+        use rayon::prelude::*;
+        let unscale = T::from_f64(self.unscale);
+        // Each piece's part of `flat`, split off in order (the pieces are in bucket order).
+        let mut parts = Vec::with_capacity(self.pieces.len());
+        let mut rest = flat;
+        let mut at = 0;
+        for p in &self.pieces {
+            if p.offset < at || p.offset + p.numel - at > rest.len() {
+                bail!(
+                    "the gradient bucket's gather: a piece at {} out of order",
+                    p.offset
+                )
+            }
+            let (_, tail) = rest.split_at_mut(p.offset - at);
+            let (part, tail) = tail.split_at_mut(p.numel);
+            parts.push((p, part));
+            rest = tail;
+            at = p.offset + p.numel;
+        }
+        parts.into_par_iter().try_for_each(|(p, out)| {
+            let Some(g) = &p.gradient else {
+                if !self.accumulate {
+                    out.fill(T::from_f64(0.0));
+                }
+                return Ok(());
+            };
+            let (storage, layout) = g.storage_and_layout();
+            let candle_core::Storage::Cpu(storage) = &*storage else {
+                bail!("the gradient bucket's gather: a gradient off the CPU")
+            };
+            let Some((start, end)) = layout.contiguous_offsets() else {
+                bail!("the gradient bucket's gather: a strided gradient")
+            };
+            let g = &storage.as_slice::<T>()?[start..end];
+            let one = self.unscale == 1.0;
+            match (self.accumulate, one) {
+                (false, true) => out.copy_from_slice(g),
+                (false, false) => out.iter_mut().zip(g).for_each(|(o, &x)| *o = x * unscale),
+                (true, true) => out.iter_mut().zip(g).for_each(|(o, &x)| *o += x),
+                (true, false) => out.iter_mut().zip(g).for_each(|(o, &x)| *o += x * unscale),
+            }
+            Ok(())
+        })
+    }
+}
+
+impl InplaceOp1 for Gather {
+    fn name(&self) -> &'static str {
+        "bertkit-gradient-bucket-gather"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("{}: a contiguous bucket expected", self.name())
+        };
+        match storage {
+            CpuStorage::F32(flat) => self.cpu(&mut flat[start..end]),
+            CpuStorage::F64(flat) => self.cpu(&mut flat[start..end]),
+            other => {
+                use candle_core::backend::BackendStorage;
+                bail!(
+                    "{}: an f32 or f64 bucket expected, got {:?}",
+                    self.name(),
+                    other.dtype()
+                )
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let pieces: Vec<_> = self
+            .pieces
+            .iter()
+            .map(|p| (p.gradient.as_ref(), p.offset, p.numel))
+            .collect();
+        crate::cuda_update::gather(
+            storage,
+            layout,
+            &pieces,
+            self.unscale as f32,
+            self.accumulate,
+        )
+    }
+}
+
+/// A step's gradient sums: the flat bucket ([`FlatSums`]), or by parameter (on CUDA until the
+/// bucket's gather has passed its check on a GPU, [`crate::optim::set_cuda_update_in_place`]):
+/// each first gradient kept as the backward made it unless it must be unscaled, cast to the
+/// master dtype and added when a second arrives; the bucket made group by group at the end.
+#[derive(Debug)]
+pub(crate) enum GradientSums {
+    Flat(FlatSums),
+    ByName {
+        master: DType,
+        loss_scale: f64,
+        sums: BTreeMap<String, Tensor>,
+    },
+}
+
+impl GradientSums {
+    /// Adds parameter `name`'s gradient `g`, computed at the step's loss scale.
+    pub(crate) fn add(&mut self, name: &str, g: &Tensor) -> Result<(), TrainError> {
+        match self {
+            GradientSums::Flat(flat) => flat.add(name, g),
+            GradientSums::ByName {
+                master,
+                loss_scale,
+                sums,
+            } => {
+                let g = if *loss_scale != 1.0 {
+                    (g.to_dtype(*master)? / *loss_scale)?
+                } else {
+                    g.clone()
+                };
+                let sum = match sums.remove(name) {
+                    None => g,
+                    Some(sum) => (sum.to_dtype(*master)? + g.to_dtype(*master)?)?,
+                };
+                sums.insert(name.to_string(), sum);
+                Ok(())
+            }
+        }
+    }
+
+    /// The flat bucket of the sums ([`crate::optim::Optimizer::flatten`]'s layout).
+    pub(crate) fn into_bucket(
+        self,
+        optimizer: &crate::optim::Optimizer,
+    ) -> Result<Tensor, TrainError> {
+        match self {
+            GradientSums::Flat(flat) => flat.into_bucket(&optimizer.device()),
+            GradientSums::ByName { sums, .. } => optimizer.flatten_by_name(sums),
+        }
+    }
+
+    /// The sums by parameter (unscaled, in the master dtype), for the parameters that had a
+    /// gradient.
+    pub(crate) fn into_gradients(self) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        match self {
+            GradientSums::Flat(flat) => flat.into_gradients(),
+            GradientSums::ByName { master, sums, .. } => sums
+                .into_iter()
+                .map(|(name, g)| Ok((name, g.to_dtype(master)?)))
+                .collect(),
+        }
+    }
+
+    /// The dtype parameter `name`'s gradient is held in now (a test's view of when casts
+    /// happen): the compute dtype while held as made, the master dtype once added.
+    #[cfg(test)]
+    pub(crate) fn held_dtype(&self, name: &str) -> Option<DType> {
+        match self {
+            GradientSums::Flat(flat) => {
+                let i = flat.layout.by_name[name];
+                match &flat.pending[i] {
+                    Some(g) => Some(g.dtype()),
+                    None => flat.bucket.as_ref().map(Tensor::dtype),
+                }
+            }
+            GradientSums::ByName { sums, .. } => sums.get(name).map(Tensor::dtype),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn layout() -> Arc<Layout> {
+        let entries = [
+            ("a", vec![3, 2]),
+            ("b", vec![5]),
+            ("c", vec![1]),
+            ("d", vec![4, 4]),
+        ];
+        let mut offset = 0;
+        let entries = entries
+            .into_iter()
+            .map(|(name, shape)| {
+                let e = Entry {
+                    name: name.to_string(),
+                    shape,
+                    offset,
+                };
+                offset += e.numel();
+                e
+            })
+            .collect();
+        Arc::new(Layout::new(entries).unwrap())
+    }
+
+    fn gradient(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((seed * 31 + i as u64 * 7) % 23) as f32 * 0.37 - 4.0)
+            .collect();
+        Tensor::from_vec(values, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    /// Three micro-batches, a parameter missing from some, gradients in f32 and bf16, at a loss
+    /// scale: the flat bucket holds the bits of the sums by name (cast and added one
+    /// parameter at a time), in an f32 and an f64 bucket; only the parameters that had a
+    /// gradient come back by name, and the bucket has zeros for the others.
+    #[test]
+    fn the_flat_sums_are_the_sums_by_name() {
+        let layout = layout();
+        for (master, loss_scale) in [(DType::F32, 1.0), (DType::F32, 1024.0), (DType::F64, 8.0)] {
+            let mut flat = GradientSums::Flat(FlatSums::new(layout.clone(), master, loss_scale));
+            let mut by_name = GradientSums::ByName {
+                master,
+                loss_scale,
+                sums: BTreeMap::new(),
+            };
+            for micro in 0..3u64 {
+                for (i, e) in layout.entries.iter().enumerate() {
+                    // "c" never has one; "b" only from the second micro-batch on.
+                    if e.name == "c" || (e.name == "b" && micro == 0) {
+                        continue;
+                    }
+                    let dtype = if i % 2 == 0 { DType::BF16 } else { DType::F32 };
+                    let g = gradient(&e.shape, micro * 10 + i as u64, dtype);
+                    flat.add(&e.name, &g).unwrap();
+                    by_name.add(&e.name, &g).unwrap();
+                }
+            }
+            let want = by_name.into_gradients().unwrap();
+            let got = flat.into_gradients().unwrap();
+            assert_eq!(
+                got.keys().collect::<Vec<_>>(),
+                ["a", "b", "d"],
+                "{master:?} {loss_scale}"
+            );
+            for (name, w) in &want {
+                let (g, w) = (&got[name], w);
+                assert_eq!(g.dims(), w.dims());
+                assert_eq!(g.dtype(), master);
+                let g: Vec<f64> = g
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let w: Vec<f64> = w
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert_eq!(g, w, "{name} {master:?} {loss_scale}");
+                assert!(g.iter().any(|&x| x != 0.0));
+            }
+        }
+    }
+
+    /// A micro-batch's gradients wait until the next one's meet them, then go in together:
+    /// the bucket appears with the second micro-batch, and a step of one micro-batch makes it
+    /// only at the end, zeros where a parameter had none.
+    #[test]
+    fn gradients_wait_for_the_next_micro_batch() {
+        let layout = layout();
+        let mut sums = FlatSums::new(layout.clone(), DType::F32, 1.0);
+        let a = gradient(&[3, 2], 1, DType::F32);
+        let d = gradient(&[4, 4], 2, DType::F32);
+        sums.add("a", &a).unwrap();
+        sums.add("d", &d).unwrap();
+        assert!(sums.bucket.is_none());
+        sums.add("a", &a).unwrap();
+        assert!(sums.bucket.is_some());
+        assert_eq!(sums.pending_count, 1);
+        let bucket: Vec<f32> = sums.into_bucket(&Device::Cpu).unwrap().to_vec1().unwrap();
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let d: Vec<f32> = d.flatten_all().unwrap().to_vec1().unwrap();
+        let mut want: Vec<f32> = a.iter().map(|x| x + x).collect();
+        want.extend([0.0; 6]); // b and c: no gradient
+        want.extend(&d);
+        assert_eq!(bucket, want);
+        let empty = FlatSums::new(layout, DType::F32, 1.0);
+        let zeros: Vec<f32> = empty.into_bucket(&Device::Cpu).unwrap().to_vec1().unwrap();
+        assert_eq!(zeros, vec![0.0; 28]);
+    }
+
+    /// Gradients the layout does not hold, or of the wrong shape, and layouts with gaps are
+    /// refused with the parameter's name.
+    #[test]
+    fn bad_gradients_and_layouts_are_refused() {
+        let mut sums = FlatSums::new(layout(), DType::F32, 1.0);
+        let err = sums.add("e", &gradient(&[1], 0, DType::F32)).unwrap_err();
+        assert!(err.to_string().contains("a gradient for e"), "{err}");
+        let err = sums
+            .add("a", &gradient(&[2, 3], 0, DType::F32))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("gradient of a has shape [2, 3]"),
+            "{err}"
+        );
+        let gap = vec![
+            Entry {
+                name: "x".into(),
+                shape: vec![2],
+                offset: 0,
+            },
+            Entry {
+                name: "y".into(),
+                shape: vec![2],
+                offset: 3,
+            },
+        ];
+        let err = Layout::new(gap).unwrap_err();
+        assert!(err.to_string().contains("y at 3"), "{err}");
+    }
+}
