@@ -15,7 +15,7 @@
 // - the gradient bucket made and added to in one launch (`pieces_to_flat`, the same file)
 //   against the pieces copied, cast and added by hand: absent gradients, pieces of every size
 //   across the blocks' stretches, each element type, a grid smaller than the index (blocks
-//   that loop), unscaled on the way.
+//   that loop), unscaled on the way; and its squared norm against f64 by hand.
 //
 // Prints a line per compared tensor; exits 1 if any differs beyond its bound or holds a NaN (an
 // element a kernel never wrote is a NaN). `bash bench/gpu/emulate/run.sh` builds and runs it.
@@ -410,6 +410,28 @@ bool check_pieces(const char* name, unsigned grid) {
     return differ == 0 && added == 0;
 }
 
+// The bucket's squared norm in two launches (`squares_partial`, `sum_partials`) against the
+// squares added in f64 by hand (the order differs: within 1e-12 of the sum).
+bool check_squares(const char* name, unsigned blocks) {
+    const size_t n = 200000 + 77;
+    std::mt19937_64 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> x(n);
+    double want = 0.0;
+    for (auto& v : x) {
+        v = normal(rng);
+        want += (double)v * (double)v;
+    }
+    std::vector<double> partials(blocks, NAN);
+    double got = NAN;
+    emulate_launch({blocks, 1, 1}, THREADS, [&] { squares_partial(x.data(), n, partials.data()); });
+    emulate_launch({1, 1, 1}, THREADS, [&] { sum_partials(partials.data(), (int)blocks, &got); });
+    const double error = std::fabs(got - want) / want;
+    const bool ok = error < 1e-12;
+    std::printf("  %-28s %-8s %.3e  (bound 1e-12) %s\n", name, "norm", error, ok ? "ok" : "FAILED");
+    return ok;
+}
+
 // The negative log-likelihood of `rows` rows of `classes` logits in `T` and its backward
 // (`loss.cu`), against the same in f64 from the same inputs.
 template <typename T>
@@ -485,6 +507,9 @@ int main() {
     std::printf("the gradient bucket in one launch (cuda_update.cu) against copies by hand:\n");
     ok = check_pieces("a block per stretch", 8) && ok;
     ok = check_pieces("two blocks, looping", 2) && ok;
+    std::printf("the bucket's squared norm (cuda_update.cu) against f64 by hand:\n");
+    ok = check_squares("3 blocks, looping", 3) && ok;
+    ok = check_squares("64 blocks", 64) && ok;
     std::printf(ok ? "all within bounds\n" : "FAILED\n");
     return ok ? 0 : 1;
 }

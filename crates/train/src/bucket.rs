@@ -347,6 +347,57 @@ impl InplaceOp1 for Gather {
     }
 }
 
+/// The squared L2 norm of the flat bucket, an f64 scalar on its device (nothing read back): in
+/// f64 over fixed blocks, in two launches on CUDA (`squares_partial`, `sum_partials`), its CPU
+/// twin in parallel over the same kind of blocks, so that no squared copy of the bucket is
+/// made and a step repeats its figure.
+pub(crate) fn squared_norm(bucket: &Tensor) -> Result<Tensor, TrainError> {
+    Ok(bucket.apply_op1_no_bwd(&SquaredNorm)?)
+}
+
+struct SquaredNorm;
+
+impl candle_core::CustomOp1 for SquaredNorm {
+    fn name(&self) -> &'static str {
+        "bertkit-gradient-bucket-squared-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("{}: a contiguous bucket expected", self.name())
+        };
+        let sum = match storage {
+            CpuStorage::F32(x) => crate::cpu_update::sum_of_squares(&x[start..end]),
+            CpuStorage::F64(x) => x[start..end].iter().map(|x| x * x).sum(),
+            other => {
+                use candle_core::backend::BackendStorage;
+                bail!(
+                    "{}: an f32 or f64 bucket expected, got {:?}",
+                    self.name(),
+                    other.dtype()
+                )
+            }
+        };
+        Ok((CpuStorage::F64(vec![sum]), candle_core::Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        Ok((
+            crate::cuda_update::squared_norm(storage, layout)?,
+            candle_core::Shape::from(()),
+        ))
+    }
+}
+
 /// A step's gradient sums: the flat bucket ([`FlatSums`]), or by parameter (on CUDA until the
 /// bucket's gather has passed its check on a GPU, [`crate::optim::set_cuda_update_in_place`]):
 /// each first gradient kept as the backward made it unless it must be unscaled, cast to the
@@ -547,6 +598,31 @@ mod tests {
         let empty = FlatSums::new(layout, DType::F32, 1.0);
         let zeros: Vec<f32> = empty.into_bucket(&Device::Cpu).unwrap().to_vec1().unwrap();
         assert_eq!(zeros, vec![0.0; 28]);
+    }
+
+    /// The bucket's squared norm in f64 over blocks, against the squares added one by one in
+    /// f64 (f32 and f64 buckets, several blocks and a part of one; an empty bucket is 0).
+    #[test]
+    fn the_squared_norm_is_summed_in_f64() {
+        for n in [0usize, 5, 3 * 4096 + 17, 100_003] {
+            let values: Vec<f32> = (0..n)
+                .map(|i| ((i * 37) % 101) as f32 * 0.013 - 0.6)
+                .collect();
+            let want: f64 = values.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+            for dtype in [DType::F32, DType::F64] {
+                let bucket = Tensor::new(values.as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let got = squared_norm(&bucket).unwrap();
+                assert_eq!(got.dtype(), DType::F64);
+                let got = got.to_scalar::<f64>().unwrap();
+                assert!(
+                    (got - want).abs() <= 1e-12 * want,
+                    "{n} {dtype:?}: {got} {want}"
+                );
+            }
+        }
     }
 
     /// Gradients the layout does not hold, or of the wrong shape, and layouts with gaps are

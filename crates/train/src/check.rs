@@ -16,8 +16,9 @@ use crate::optim::{
 /// kernels ([`bertkit_model::kernels::check`]): two steps of LAMB and of AdamW (the second
 /// clipped) over parameters with and without weight decay, one spanning several of the CUDA
 /// kernels' blocks, one without a gradient at the first step, from the same weights and
-/// gradients (two micro-batches a step, summed at a loss scale as a step sums them); the weights, both moments and the parameters after them against the
-/// reference's. On a CUDA device the reference is the CPU's one-pass update in f32 (the twin)
+/// gradients (two micro-batches a step, summed at a loss scale as a step sums them); each
+/// step's squared gradient norm, and the weights, both moments and the parameters after them,
+/// against the reference's. On a CUDA device the reference is the CPU's one-pass update in f32 (the twin)
 /// and the CUDA update is turned on for the process ([`set_cuda_optimizer`]), in both its
 /// forms: a new state per step, and in place ([`set_cuda_update_in_place`]: the bucket
 /// gathered and the parameters set by its kernels), the latter also with bf16 parameters and
@@ -53,6 +54,7 @@ pub fn check_update(
             ..OptimizerConfig::lamb()
         };
         let mut optimizer = Optimizer::new(config, &vars)?;
+        let mut norms = Vec::new();
         for (step, clip) in [(0u64, 1.0), (1, 0.5)] {
             // Two micro-batches' gradients at a loss scale of 4, as a step sums them.
             let mut sums = optimizer.gradient_sums(4.0);
@@ -67,9 +69,11 @@ pub fn check_update(
                 }
             }
             let bucket = sums.into_bucket(&optimizer)?;
+            norms.push(optimizer.squared_norm(&bucket)?.to_device(&Device::Cpu)?);
             optimizer.step(&bucket, 1e-2, clip)?;
         }
         let mut state = optimizer.master_tensors()?;
+        state.insert("norm".into(), Tensor::stack(&norms, 0)?);
         state.extend(optimizer.moment_tensors()?);
         for (name, var) in &vars {
             state.insert(
@@ -138,6 +142,15 @@ pub fn check_update(
                     }),
                 });
             }
+            // The squared gradient norm of each step's bucket.
+            checks.push(KernelCheck {
+                kernel: kernel.clone(),
+                shape: "4 params",
+                value: "squared norm",
+                gradient: false,
+                worst: worst(&got["norm"], &want["norm"])?,
+                tolerance: tolerance(DType::F32),
+            });
         }
     }
     Ok(checks)
@@ -148,12 +161,12 @@ mod tests {
     use super::*;
 
     /// `check_update` on the CPU: the one-pass f32 update against the composed one in f64,
-    /// weights, both moments and the parameters after two steps of each rule; close, but not
-    /// equal (not vacuous).
+    /// weights, both moments, the parameters and the gradient norms after two steps of each
+    /// rule; close, but not equal (not vacuous).
     #[test]
     fn the_update_check_passes_on_the_cpu() {
         let checks = check_update(&candle_core::Device::Cpu).unwrap();
-        assert_eq!(checks.len(), 8, "{checks:?}");
+        assert_eq!(checks.len(), 10, "{checks:?}");
         for c in &checks {
             assert!(c.passed() && !c.gradient, "{c:?}");
             assert!(c.worst > 0.0 && c.worst < c.tolerance / 10.0, "{c:?}");

@@ -244,6 +244,29 @@ fn squared_norms_portable(w: &[f32], u: &[f32]) -> (f64, f64) {
 }
 
 bertkit_model::vectorised! {
+    /// `Σ x²` in f64 over a block, in [`NORM_LANES`] partial sums added in order.
+    fn squared_norm(x: &[f32]) -> f64 = squared_norm_portable
+}
+
+#[inline(always)]
+fn squared_norm_portable(x: &[f32]) -> f64 {
+    let mut sums = [0f64; NORM_LANES];
+    for x in x.chunks(NORM_LANES) {
+        for (sum, &x) in sums.iter_mut().zip(x) {
+            *sum += f64::from(x) * f64::from(x);
+        }
+    }
+    sums.iter().sum()
+}
+
+/// `Σ x²` of a flat f32 buffer in f64, over fixed blocks in parallel added in order (the same
+/// result on any number of threads).
+pub(crate) fn sum_of_squares(x: &[f32]) -> f64 {
+    let blocks: Vec<f64> = x.par_chunks(BLOCK).map(squared_norm).collect();
+    blocks.iter().sum()
+}
+
+bertkit_model::vectorised! {
     /// A block's new weights in place: `w - (u · ratio) · lr`.
     fn weights(w: &mut [f32], u: &[f32], ratio: f32, lr: f32) = weights_portable
 }

@@ -283,3 +283,30 @@ extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The bucket's squared norm in two launches (`bucket.rs`; its CPU twin is `SquaredNorm::cpu`).
+
+// Each block's share of `Σ x²` over `flat` (`n` f32s) in f64, the blocks' threads striding
+// the whole buffer: `partials[blockIdx.x]`. The grid is fixed, so the sums are the same run
+// to run.
+extern "C" __global__ void squares_partial(const float* flat, uint64_t n, double* partials) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const double x = flat[i];
+        s += x * x;
+    }
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+// `out[0] = Σ partials` (one block).
+extern "C" __global__ void sum_partials(const double* partials, int count, double* out) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) s += partials[i];
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) out[0] = s;
+}

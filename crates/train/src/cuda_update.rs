@@ -436,3 +436,50 @@ pub(crate) fn gather(
     drop(sources);
     Ok(())
 }
+
+/// Blocks of the squared norm's first launch (a fixed grid: the same sums run to run).
+const SQUARES_BLOCKS: usize = 1024;
+
+/// `Σ x²` of an f32 bucket in f64 (`[1]` on the device), in two launches: each block's share,
+/// then their sum (`bucket::squared_norm`, whose CPU twin sums fixed blocks too).
+pub(crate) fn squared_norm(bucket: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
+    let name = "the gradient bucket's squared norm";
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{name}: a contiguous bucket expected")
+    };
+    if bucket.dtype() != DType::F32 {
+        bail!("{name}: an f32 bucket expected, got {:?}", bucket.dtype())
+    }
+    let dev = &bucket.device;
+    let flat = bucket.as_cuda_slice::<f32>()?.slice(start..end);
+    let n = (end - start) as u64;
+    // SAFETY: each written by the launches below (a partial a block, then the sum).
+    let (partials, mut out) = unsafe { (dev.alloc::<f64>(SQUARES_BLOCKS)?, dev.alloc::<f64>(1)?) };
+    {
+        let func = dev.get_or_load_custom_func("squares_partial", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&flat).arg(&n).arg(&partials);
+        let cfg = LaunchConfig {
+            grid_dim: (SQUARES_BLOCKS as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments `squares_partial` declares, in order; `partials` holds a value
+        // per block of the grid.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    {
+        let count = SQUARES_BLOCKS as i32;
+        let func = dev.get_or_load_custom_func("sum_partials", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&partials).arg(&count).arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above, for `sum_partials`: `count` partials in, one value out.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}

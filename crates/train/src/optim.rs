@@ -242,8 +242,8 @@ static CUDA_UPDATE_IN_PLACE: Switch = Switch::opt_in("BERTKIT_CUDA_OPTIMIZER", "
 /// moments packed once into one buffer and updated where they are, instead of a new
 /// `[3, rows, numel]` state allocated per group per step (4 GB a step for BERT-large, handed
 /// back to the driver's pool each step); the parameters set by the update's kernel as it
-/// writes their weights, and the gradient bucket filled in one launch (two launches a
-/// parameter each before). Unset, it is off unless
+/// writes their weights, the gradient bucket made and added to in one launch a micro-batch
+/// (two launches a parameter each before), its norm in two. Unset, it is off unless
 /// `BERTKIT_CUDA_OPTIMIZER=inplace`: not yet run on a GPU (`bertkit check kernels --device
 /// cuda` compares it with the CPU's update).
 pub fn set_cuda_update_in_place(on: bool) {
@@ -452,8 +452,8 @@ impl Optimizer {
         Ok(bucket)
     }
 
-    /// Whether the step runs in place on CUDA (the state, the bucket and the write-back: see
-    /// [`set_cuda_update_in_place`]).
+    /// Whether the step runs in place on CUDA (the state, the bucket, its norm and the
+    /// write-back: see [`set_cuda_update_in_place`]).
     fn in_place_on_cuda(&self) -> bool {
         cfg!(feature = "cuda")
             && self.device().is_cuda()
@@ -463,8 +463,14 @@ impl Optimizer {
     }
 
     /// The squared L2 norm of a flat gradient bucket, as an f64 scalar on the device (nothing
-    /// is read back).
+    /// is read back): summed in f64 over the whole bucket on the CPU and on CUDA in place
+    /// ([`set_cuda_update_in_place`]); otherwise group by group, each parameter's squares
+    /// summed along its last dimension in the master dtype, then in f64.
     pub fn squared_norm(&self, bucket: &Tensor) -> Result<Tensor, TrainError> {
+        if self.device().is_cpu() || self.in_place_on_cuda() {
+            // Over the whole bucket at once (`bucket::squared_norm`).
+            return crate::bucket::squared_norm(bucket);
+        }
         let per_group = self
             .groups
             .iter()

@@ -120,7 +120,7 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
             args.device
         );
         println!(
-            "  {:<30} {:<9} {:<9} {:>11} {:>10}",
+            "  {:<40} {:<9} {:<12} {:>11} {:>10}",
             "kernel", "shape", "value", "worst", "bound"
         );
         let started = Instant::now();
@@ -140,7 +140,7 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
             };
             let verdict = if c.passed() { "ok" } else { "FAILED" };
             println!(
-                "  {:<30} {:<9} {:<9} {:>11.3e} {:>10.1e} {verdict}",
+                "  {:<40} {:<9} {:<12} {:>11.3e} {:>10.1e} {verdict}",
                 c.kernel, c.shape, value, c.worst, c.tolerance
             );
             checked += 1;
