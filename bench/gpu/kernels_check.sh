@@ -29,15 +29,16 @@ check_rc=$?
 echo "rc $check_rc (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
 grep -v " ok$" "$out/check.txt"
 if [[ -n ${ALL_ON:-} ]]; then
-    # ALL_ON=1: every setting the check just passed (its last line names them), and the pool
-    # keeping freed memory, for the rest of the call; nothing when the check failed.
-    if [[ $check_rc == 0 ]]; then
-        settings=$(sed -n 's/.*to use them: //p' "$out/check.txt")
+    # ALL_ON=1: every setting whose kernels the check just passed (its line "to use them: ..."
+    # names them, also when another setting's kernel failed; none when a kernel taken by
+    # default failed), and the pool keeping freed memory, for the rest of the call.
+    settings=$(sed -n 's/.*to use them: //p' "$out/check.txt")
+    if [[ -n $settings ]]; then
         # shellcheck disable=SC2086
         export $settings BERTKIT_CUDA_POOL_KEEP=1
         log "ALL_ON: $settings BERTKIT_CUDA_POOL_KEEP=1"
     else
-        log "ALL_ON: the check failed; the defaults stay"
+        log "ALL_ON: no setting passed (check rc $check_rc); the defaults stay"
     fi
 fi
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)

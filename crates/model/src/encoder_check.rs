@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::bert::{BertModel, Inputs, Mode, init};
 use crate::dropout::DropoutSource;
-use crate::kernels::check::{CheckShape, KernelCheck, tolerance, values, worst};
+use crate::kernels::check::{CheckShape, KernelCheck, needing, tolerance, values, worst};
 use crate::{BertConfig, ModelError};
 
 /// The name the report gives the check.
@@ -109,6 +109,15 @@ fn check_shape(
     let store = crate::bert::backward_from(&reference, &upstream)?;
 
     let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
+    // The backward by hand, and the one-pass attention where this check runs with it.
+    let needs = if check == FLASH_NAME {
+        needing(&[
+            &crate::kernels::CUDA_TAPE,
+            &crate::kernels::CUDA_FLASH_ATTENTION,
+        ])
+    } else {
+        needing(&[&crate::kernels::CUDA_TAPE])
+    };
     let mut line = |value: &'static str, gradient: bool, worst: f64| {
         checks.push(KernelCheck {
             kernel: check.to_string(),
@@ -117,6 +126,7 @@ fn check_shape(
             gradient,
             worst,
             tolerance: tolerance(dtype),
+            needs: needs.clone(),
         })
     };
     line(

@@ -38,3 +38,48 @@ fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
         assert!(kernels.contains(k), "{k} not checked");
     }
 }
+
+/// Each line names the settings still off by default that its kernel runs only with, and
+/// `settings_passed` turns on those no failed line needs: the embedding lookup's failure
+/// keeps its setting off and no other; a failed kernel taken by default keeps all of them off.
+#[test]
+fn a_failed_kernel_keeps_only_its_own_setting_off() {
+    use bertkit_model::kernels::check::settings_passed;
+    let shapes = CheckShape::defaults();
+    let mut checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
+    let needs = |kernel: &str| {
+        let c = checks.iter().find(|c| c.kernel == kernel).unwrap();
+        c.needs.clone()
+    };
+    assert_eq!(needs("gather_rows"), ["BERTKIT_CUDA_EMBEDDINGS=fused"]);
+    assert_eq!(
+        needs("feed_forward (erf)"),
+        ["BERTKIT_CUDA_FEED_FORWARD=lean"]
+    );
+    assert_eq!(needs("nll"), ["BERTKIT_CUDA_LOSS=fused"]);
+    assert!(needs("layer_norm").is_empty() && needs("attention (dropout)").is_empty());
+    let settings = bertkit_model::kernels::cuda_settings_off_by_default();
+    assert!(settings.len() >= 5, "{settings:?}");
+
+    let (on, off) = settings_passed(&checks, settings.clone());
+    assert_eq!((on, off.len()), (settings.clone(), 0));
+
+    let lookup = checks
+        .iter()
+        .position(|c| c.kernel == "gather_rows")
+        .unwrap();
+    checks[lookup].worst = f64::NAN;
+    let (on, off) = settings_passed(&checks, settings.clone());
+    assert_eq!(off, ["BERTKIT_CUDA_EMBEDDINGS=fused"]);
+    assert_eq!(on.len(), settings.len() - 1);
+    assert!(!on.contains(&off[0]));
+
+    let norm = checks
+        .iter()
+        .position(|c| c.kernel == "layer_norm")
+        .unwrap();
+    checks[norm].worst = 1.0;
+    let (on, off) = settings_passed(&checks, settings.clone());
+    assert!(on.is_empty());
+    assert_eq!(off, settings);
+}

@@ -8,8 +8,8 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::TrainError;
 use crate::optim::{
-    Optimizer, OptimizerConfig, Rule, cuda_update_in_place, set_cuda_optimizer,
-    set_cuda_update_in_place,
+    CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig, Rule, cuda_update_in_place,
+    set_cuda_optimizer, set_cuda_update_in_place,
 };
 
 /// The optimiser update on `device` against its reference, as `bertkit check kernels` reports
@@ -26,7 +26,7 @@ use crate::optim::{
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {
-    use bertkit_model::kernels::check::{KernelCheck, tolerance, values, worst};
+    use bertkit_model::kernels::check::{KernelCheck, needing, tolerance, values, worst};
     use candle_core::Device;
     if device.is_cuda() {
         set_cuda_optimizer(true);
@@ -101,6 +101,11 @@ pub fn check_update(
     for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
         for &(in_place, form, dtype) in forms {
             let kernel = format!("optimizer update{form} ({name})");
+            let needs = if in_place {
+                needing(&[&CUDA_UPDATE_IN_PLACE])
+            } else {
+                Vec::new()
+            };
             // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
             let want = run(
                 rule,
@@ -140,6 +145,7 @@ pub fn check_update(
                     } else {
                         DType::F32
                     }),
+                    needs: needs.clone(),
                 });
             }
             // The squared gradient norm of each step's bucket.
@@ -150,6 +156,7 @@ pub fn check_update(
                 gradient: false,
                 worst: worst(&got["norm"], &want["norm"])?,
                 tolerance: tolerance(DType::F32),
+                needs,
             });
         }
     }

@@ -236,7 +236,8 @@ pub fn cuda_optimizer() -> bool {
 }
 
 /// Whether the CUDA update writes each group's state in place.
-static CUDA_UPDATE_IN_PLACE: Switch = Switch::opt_in("BERTKIT_CUDA_OPTIMIZER", "inplace");
+pub(crate) static CUDA_UPDATE_IN_PLACE: Switch =
+    Switch::opt_in("BERTKIT_CUDA_OPTIMIZER", "inplace");
 
 /// Turns the CUDA update's in-place form on or off for this process: the group's weights and
 /// moments packed once into one buffer and updated where they are, instead of a new

@@ -29,6 +29,32 @@ pub struct KernelCheck {
     pub worst: f64,
     /// The most [`KernelCheck::worst`] may be.
     pub tolerance: f64,
+    /// The settings still off by default that the checked kernel runs only with
+    /// (`VARIABLE=value`, [`crate::switch::Switch::turned_on_by`]); empty for a kernel runs
+    /// take by default. A failed line keeps these settings off and nothing else: `bertkit
+    /// check kernels` names the others as safe to turn on.
+    pub needs: Vec<String>,
+}
+
+/// Of `settings` (off by default, `VARIABLE=value`), those no failed line of `checks` needs
+/// (to turn on) and those some failed line needs (to leave off). Where a kernel taken by
+/// default failed, every setting is left off: what the others were checked beside is wrong.
+pub fn settings_passed(
+    checks: &[KernelCheck],
+    settings: Vec<String>,
+) -> (Vec<String>, Vec<String>) {
+    let failed: Vec<&KernelCheck> = checks.iter().filter(|c| !c.passed()).collect();
+    if failed.iter().any(|c| c.needs.is_empty()) {
+        return (Vec::new(), settings);
+    }
+    settings
+        .into_iter()
+        .partition(|s| !failed.iter().any(|c| c.needs.contains(s)))
+}
+
+/// The settings among `switches` still off by default, as [`KernelCheck::needs`] names them.
+pub fn needing(switches: &[&crate::switch::Switch]) -> Vec<String> {
+    switches.iter().filter_map(|s| s.turned_on_by()).collect()
 }
 
 impl KernelCheck {
@@ -127,6 +153,8 @@ struct Case {
     /// Run with attention in one pass over key tiles ([`super::set_cuda_flash_attention`]):
     /// only where those kernels take the shape (CUDA, bf16, heads of 64).
     flash: bool,
+    /// The setting off by default the kernel runs only with on CUDA ([`KernelCheck::needs`]).
+    needs: Option<&'static crate::switch::Switch>,
 }
 
 fn cases(s: &CheckShape) -> Vec<Case> {
@@ -142,6 +170,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train,
         flash: false,
+        needs: None,
     };
     let linear = |kernel, run: Run| Case {
         kernel,
@@ -153,6 +182,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train: false,
         flash: false,
+        needs: None,
     };
     let attention = |kernel, train, flash| Case {
         kernel,
@@ -160,6 +190,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
         train,
         flash,
+        needs: flash.then_some(&super::CUDA_FLASH_ATTENTION),
     };
     vec![
         Case {
@@ -175,6 +206,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             flash: false,
+            needs: Some(&super::CUDA_EMBEDDINGS),
         },
         norm("layer_norm", false, |k, x, _, _, _| {
             k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
@@ -194,6 +226,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
             flash: false,
+            needs: None,
         },
         Case {
             kernel: "feed_forward (erf)",
@@ -209,6 +242,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             flash: false,
+            needs: Some(&super::LEAN_CUDA_FEED_FORWARD),
         },
         attention("attention (eval)", false, false),
         attention("attention (dropout)", true, false),
@@ -226,6 +260,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             flash: false,
+            needs: Some(&super::CUDA_LOSS),
         },
         Case {
             kernel: "residual_layer_norm (dropout)",
@@ -240,6 +275,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: true,
             flash: false,
+            needs: None,
         },
     ]
 }
@@ -366,6 +402,7 @@ pub fn check_kernels(
                     gradient: value != "output",
                     worst: worst(got, want)?,
                     tolerance: tolerance(dtype),
+                    needs: needing(case.needs.as_slice()),
                 });
             }
         }

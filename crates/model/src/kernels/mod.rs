@@ -261,7 +261,8 @@ pub fn cuda_kernels() -> bool {
 }
 
 /// Whether the CUDA feed-forward keeps only its first product.
-static LEAN_CUDA_FEED_FORWARD: Switch = Switch::opt_in("BERTKIT_CUDA_FEED_FORWARD", "lean");
+pub(crate) static LEAN_CUDA_FEED_FORWARD: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FEED_FORWARD", "lean");
 
 /// Turns the lean feed-forward on CUDA on or off for this process: the first product kept
 /// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
@@ -279,7 +280,7 @@ pub fn lean_cuda_feed_forward() -> bool {
 }
 
 /// Whether the encoder's backward pass on CUDA runs by hand over the kernels' tape.
-static CUDA_TAPE: Switch = Switch::opt_in("BERTKIT_CUDA_BACKWARD", "tape");
+pub(crate) static CUDA_TAPE: Switch = Switch::opt_in("BERTKIT_CUDA_BACKWARD", "tape");
 
 /// Turns the encoder's backward pass by hand ([`tape`]) on or off for CUDA in this process.
 /// It calls the CUDA kernels' own backward passes, which passed their check, in the order
@@ -296,7 +297,7 @@ pub fn cuda_tape() -> bool {
 }
 
 /// Whether attention on CUDA runs in one pass over key tiles.
-static CUDA_FLASH_ATTENTION: Switch = Switch::opt_in("BERTKIT_CUDA_ATTENTION", "flash");
+pub(crate) static CUDA_FLASH_ATTENTION: Switch = Switch::opt_in("BERTKIT_CUDA_ATTENTION", "flash");
 
 /// Turns attention in one pass over key tiles on CUDA on or off for this process (bf16, heads
 /// of 64, GPUs of compute capability 8.0 and later: the products on tensor cores, the scores
@@ -315,7 +316,7 @@ pub fn cuda_flash_attention() -> bool {
 }
 
 /// Whether the losses on CUDA take our kernel.
-static CUDA_LOSS: Switch = Switch::opt_in("BERTKIT_CUDA_LOSS", "fused");
+pub(crate) static CUDA_LOSS: Switch = Switch::opt_in("BERTKIT_CUDA_LOSS", "fused");
 
 /// Turns our CUDA loss kernel on or off for this process: the negative log-likelihood of each
 /// row of logits (the masked-LM head's `[slots, vocabulary]`, the classifiers') in one pass
@@ -342,7 +343,7 @@ pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor
 }
 
 /// Whether embedding lookups on CUDA take our kernel.
-static CUDA_EMBEDDINGS: Switch = Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS", "fused");
+pub(crate) static CUDA_EMBEDDINGS: Switch = Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS", "fused");
 
 /// Turns our CUDA embedding lookup ([`Kernels::gather_rows`]) on or off for this process:
 /// the forward gathers the rows in parallel and the backward sums each table row's gradients
