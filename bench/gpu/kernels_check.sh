@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # On a GPU machine, from a pack (bench/gpu/pack.sh, which copies this file): the fused CUDA
-# kernels checked against their CPU twins, the optimiser step alone (composed and fused), then the whole
-# side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass per
-# kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 480). EXTRA=1 adds the device
-# pool's memory figures, and phase 1 with the pool keeping freed memory, the optimiser updating
-# in place (its bucket and parameters copied in one launch each), the lean feed-forward, the encoder's backward by hand (BERTKIT_CUDA_BACKWARD=tape)
-# our embedding lookups (BERTKIT_CUDA_EMBEDDINGS=fused), attention in one pass over key tiles
-# (BERTKIT_CUDA_ATTENTION=flash) and our loss kernel (BERTKIT_CUDA_LOSS=fused); none yet run on
-# a device (bench/gpu/emulate ran their CUDA code on the CPU). ALL_ON=1 turns on, for the rest
-# of the call, every setting the check passes (and the pool keeping freed memory): with SIDE, the
-# table for all of them at once. PROFILE=1 adds ncu's time per kernel over two
-# training passes (ncu_summary.py). SIDE=0 skips the side-by-side table (to split a long run
-# into two device calls); OPTIMIZER=0 skips the optimiser step alone (2).
+# kernels checked against their CPU twins (f32, bf16, f16), the optimiser step alone (composed
+# and fused), then the whole side-by-side table beside PyTorch (side_by_side.sh, which also
+# profiles a training pass per kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit,
+# 480). EXTRA=1 adds the device pool's memory figures, and phase 1 with the pool keeping freed
+# memory, the optimiser updating in place (its bucket, norm and parameters in one or two
+# launches each), the lean feed-forward, the encoder's backward by hand
+# (BERTKIT_CUDA_BACKWARD=tape), our embedding lookups (BERTKIT_CUDA_EMBEDDINGS=fused),
+# attention in one pass over key tiles (BERTKIT_CUDA_ATTENTION=flash), our loss kernel
+# (BERTKIT_CUDA_LOSS=fused) and, in fp16, the kernels' f16 forms (BERTKIT_CUDA_FP16=fused);
+# none yet run on a device (bench/gpu/emulate ran their CUDA code on the CPU). ALL_ON=1 turns
+# on, for the rest of the call, every setting whose kernels the check passes (and the pool
+# keeping freed memory): with SIDE, the table for all of them at once. PROFILE=1 adds ncu's
+# time per kernel over two training passes (ncu_summary.py). SIDE=0 skips the side-by-side
+# table (to split a long run into two device calls); OPTIMIZER=0 skips the optimiser step
+# alone (2).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -24,7 +27,7 @@ log "environment"
 $b --version
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 log "1 bertkit check kernels --device cuda"
-timeout 180 $b check kernels --device cuda --dtype f32,bf16 > "$out/check.txt" 2>&1
+timeout 180 $b check kernels --device cuda --dtype f32,bf16,f16 > "$out/check.txt" 2>&1
 check_rc=$?
 echo "rc $check_rc (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
 grep -v " ok$" "$out/check.txt"
@@ -88,6 +91,18 @@ if [[ -n ${EXTRA:-} ]]; then
     done
 fi
 if [[ -n ${EXTRA:-} ]]; then
+    # fp16 (GPUs without bf16): candle's ops, as before, against the kernels' f16 forms.
+    log "2f phase 1 in fp16, 12 steps: candle's ops, then the CUDA kernels' f16 forms"
+    for fp16 in - fused; do
+        sed -e 's|^output = .*|output = "/tmp/fp16"|' \
+            -e "s|^records = .*|records = [\"$here/data/records/phase1\"]|" \
+            -e 's|^preset = .*|preset = "large"|' -e 's|^precision = .*|precision = "fp16"|' \
+            "$here/data/pipelines/pretrain-phase1.toml" > /tmp/fp16.toml
+        rm -rf /tmp/fp16
+        BERTKIT_CUDA_FP16=$fp16 timeout 120 $b pretrain --config /tmp/fp16.toml --no-eval \
+            --no-checkpoints --device cuda --max-steps 12 --micro-batch 64 --global-batch 64 \
+            2>&1 | grep -E "a step|start-up|loss" | tail -n 3 | sed "s/^/fp16 kernels $fp16: /"
+    done
     # Each kernel call is timed between two synchronisations, and at each one the pool hands
     # freed memory back to the driver unless it keeps it: the last two rows apart by that.
     log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16: as it is, the encoder's backward by hand, with the embedding lookups too, with the one-pass attention and the loss kernel, and that with the pool keeping freed memory"

@@ -6,9 +6,9 @@
 //   gradients of the queries, keys and values, at rows of several lengths (a row of one token,
 //   rows ending inside a tile, padding) over one to three key tiles;
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
-//   gathered and summed by hand in token order (the same bits, f32 and bf16);
-// - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32 and bf16, a
-//   vocabulary's width);
+//   gathered and summed by hand in token order (the same bits, f32, bf16 and f16);
+// - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
+//   a vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
 //   against its two-buffer form, which passed on an H200: the same bits, LAMB and AdamW; and
 //   the parameters it sets (f32, bf16, f16 rows) against the new weights cast by hand;
@@ -497,9 +497,11 @@ int main() {
     std::printf("embedding lookup (gather_rows, kernels.cu) against the rows by hand:\n");
     ok = check_gather<float>("gather_rows f32", 50, 70, 300) && ok;
     ok = check_gather<bf16>("gather_rows bf16", 50, 1030, 200) && ok;
+    ok = check_gather<f16>("gather_rows f16", 50, 130, 200) && ok;
     std::printf("negative log-likelihood (loss.cu) against f64:\n");
     ok = check_nll<float>("nll f32", 37, 517) && ok;
     ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;
+    ok = check_nll<f16>("nll f16", 23, 30522) && ok;
     std::printf("optimiser update in place (cuda_update.cu) against the two-buffer update:\n");
     ok = check_update("LAMB, decayed", true, true) && ok;
     ok = check_update("LAMB, not decayed", true, false) && ok;

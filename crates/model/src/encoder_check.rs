@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::bert::{BertModel, Inputs, Mode, init};
 use crate::dropout::DropoutSource;
-use crate::kernels::check::{CheckShape, KernelCheck, needing, tolerance, values, worst};
+use crate::kernels::check::{CheckShape, KernelCheck, needing_in, tolerance, values, worst};
 use crate::{BertConfig, ModelError};
 
 /// The name the report gives the check.
@@ -43,6 +43,7 @@ pub fn check_encoder_backward(
         // What is checked is the CUDA kernels' composition by hand: on, whatever the setting.
         crate::kernels::set_cuda_kernels(true);
         crate::kernels::set_cuda_tape(true);
+        crate::kernels::set_cuda_fp16(true);
     }
     let mut checks = Vec::new();
     for shape in shapes {
@@ -111,12 +112,15 @@ fn check_shape(
     let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
     // The backward by hand, and the one-pass attention where this check runs with it.
     let needs = if check == FLASH_NAME {
-        needing(&[
-            &crate::kernels::CUDA_TAPE,
-            &crate::kernels::CUDA_FLASH_ATTENTION,
-        ])
+        needing_in(
+            dtype,
+            &[
+                &crate::kernels::CUDA_TAPE,
+                &crate::kernels::CUDA_FLASH_ATTENTION,
+            ],
+        )
     } else {
-        needing(&[&crate::kernels::CUDA_TAPE])
+        needing_in(dtype, &[&crate::kernels::CUDA_TAPE])
     };
     let mut line = |value: &'static str, gradient: bool, worst: f64| {
         checks.push(KernelCheck {

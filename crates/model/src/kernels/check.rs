@@ -36,9 +36,10 @@ pub struct KernelCheck {
     pub needs: Vec<String>,
 }
 
-/// Of `settings` (off by default, `VARIABLE=value`), those no failed line of `checks` needs
-/// (to turn on) and those some failed line needs (to leave off). Where a kernel taken by
-/// default failed, every setting is left off: what the others were checked beside is wrong.
+/// Of `settings` (off by default, `VARIABLE=value`), those some line of `checks` needs and no
+/// failed line needs (checked: to turn on), and the others (failed, or not checked: to leave
+/// off). Where a kernel taken by default failed, every setting is left off: what the others
+/// were checked beside is wrong.
 pub fn settings_passed(
     checks: &[KernelCheck],
     settings: Vec<String>,
@@ -47,14 +48,24 @@ pub fn settings_passed(
     if failed.iter().any(|c| c.needs.is_empty()) {
         return (Vec::new(), settings);
     }
-    settings
-        .into_iter()
-        .partition(|s| !failed.iter().any(|c| c.needs.contains(s)))
+    settings.into_iter().partition(|s| {
+        checks.iter().any(|c| c.needs.contains(s)) && !failed.iter().any(|c| c.needs.contains(s))
+    })
 }
 
 /// The settings among `switches` still off by default, as [`KernelCheck::needs`] names them.
 pub fn needing(switches: &[&crate::switch::Switch]) -> Vec<String> {
     switches.iter().filter_map(|s| s.turned_on_by()).collect()
+}
+
+/// [`needing`] for a kernel run in `dtype`: in f16 the CUDA kernels' f16 forms too
+/// ([`super::set_cuda_fp16`]).
+pub fn needing_in(dtype: DType, switches: &[&crate::switch::Switch]) -> Vec<String> {
+    let mut needs = needing(switches);
+    if dtype == DType::F16 {
+        needs.extend(needing(&[&super::CUDA_FP16]));
+    }
+    needs
 }
 
 impl KernelCheck {
@@ -350,9 +361,10 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
 /// (see the module's documentation). On a CUDA device this turns the CUDA kernels (the lean
-/// feed-forward, the embedding lookup and the loss among them) on and TF32 off for the process
-/// ([`super::set_cuda_kernels`], [`super::set_lean_cuda_feed_forward`],
-/// [`super::set_cuda_embeddings`], [`super::set_cuda_loss`], [`crate::set_tf32`]); the
+/// feed-forward, the embedding lookup, the loss and the f16 forms among them) on and TF32 off
+/// for the process ([`super::set_cuda_kernels`], [`super::set_lean_cuda_feed_forward`],
+/// [`super::set_cuda_embeddings`], [`super::set_cuda_loss`], [`super::set_cuda_fp16`],
+/// [`crate::set_tf32`]); the
 /// one-pass attention is on for its own rows only and off afterwards
 /// ([`super::set_cuda_flash_attention`]).
 pub fn check_kernels(
@@ -365,6 +377,7 @@ pub fn check_kernels(
         super::set_lean_cuda_feed_forward(true);
         super::set_cuda_embeddings(true);
         super::set_cuda_loss(true);
+        super::set_cuda_fp16(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
         // error behind the product's.
         crate::set_tf32(false);
@@ -402,7 +415,7 @@ pub fn check_kernels(
                     gradient: value != "output",
                     worst: worst(got, want)?,
                     tolerance: tolerance(dtype),
-                    needs: needing(case.needs.as_slice()),
+                    needs: needing_in(dtype, case.needs.as_slice()),
                 });
             }
         }

@@ -360,6 +360,24 @@ pub fn cuda_embeddings() -> bool {
     CUDA_EMBEDDINGS.get()
 }
 
+/// Whether the CUDA kernels take f16 tensors.
+pub(crate) static CUDA_FP16: Switch = Switch::opt_in("BERTKIT_CUDA_FP16", "fused");
+
+/// Turns the CUDA kernels' f16 forms on or off for this process: fp16 runs (GPUs without bf16,
+/// before compute capability 8.0: V100, T4) take the fused kernels as bf16 runs do, computing
+/// in f32, instead of candle's ops. The same code as the f32 and bf16 forms that passed their
+/// check, another element type: checked by `bertkit check kernels --device cuda --dtype f16`,
+/// not yet run on a GPU, so off unless `BERTKIT_CUDA_FP16=fused`. (The one-pass attention
+/// stays bf16 only.)
+pub fn set_cuda_fp16(on: bool) {
+    CUDA_FP16.set(on);
+}
+
+/// Whether the CUDA kernels take f16 tensors (see [`set_cuda_fp16`]).
+pub fn cuda_fp16() -> bool {
+    CUDA_FP16.get()
+}
+
 /// The CUDA kernels' settings still off by default (each until a device run has checked it),
 /// as the environment turns each on (`VARIABLE=value`); `bertkit check kernels --device cuda`
 /// checks the kernels behind every one of them.
@@ -370,6 +388,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         &CUDA_EMBEDDINGS,
         &CUDA_FLASH_ATTENTION,
         &CUDA_LOSS,
+        &CUDA_FP16,
     ]
     .iter()
     .filter_map(|s| s.turned_on_by())

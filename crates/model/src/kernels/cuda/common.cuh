@@ -1,13 +1,16 @@
 // The helpers every bertkit CUDA kernel shares (`kernels.cu` and the `flash.cu` it includes):
-// element types, the dropout's keys, warp and block reductions. A header of its own so that
-// `bench/gpu/emulate` can compile the kernels that need no more than this on the CPU.
+// element types (f32, bf16, f16), the dropout's keys, warp and block reductions. A header of
+// its own so that `bench/gpu/emulate` can compile the kernels that need no more than this on
+// the CPU.
 
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 typedef __nv_bfloat16 bf16;
+typedef __half f16;
 
 // A kernel's dynamic shared memory (the launch's `shared_mem_bytes`) as `T name[]`; the CPU
 // emulation (`bench/gpu/emulate`) defines its own.
@@ -17,9 +20,11 @@ typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(f16 x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T from_f32(float x);
 template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ f16 from_f32<f16>(float x) { return __float2half(x); }
 
 // ---------------------------------------------------------------------------------------------
 // Dropout keys (dropout.rs).

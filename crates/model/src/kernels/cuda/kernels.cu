@@ -419,6 +419,9 @@ __device__ void gather_rows_backward(const T* grad, const uint32_t* order, const
 
 ENTRY_POINTS(float, f32)
 ENTRY_POINTS(bf16, bf16)
+// Half precision for GPUs without bf16 (before compute capability 8.0): fp16 runs
+// (`BERTKIT_CUDA_FP16=fused`).
+ENTRY_POINTS(f16, f16)
 
 // ---------------------------------------------------------------------------------------------
 // Attention in one pass over key tiles (bf16, tensor cores): its own file, the helpers above.

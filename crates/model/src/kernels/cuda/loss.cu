@@ -58,3 +58,4 @@ __device__ void nll_backward(const T* logits, const uint32_t* labels, const floa
 
 NLL_ENTRY_POINTS(float, f32)
 NLL_ENTRY_POINTS(bf16, bf16)
+NLL_ENTRY_POINTS(f16, f16)

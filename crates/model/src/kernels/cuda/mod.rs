@@ -4,7 +4,8 @@
 //!
 //! The device code is `kernels.cu`, compiled to PTX by the crate's build script and loaded on
 //! candle's device the first time a kernel runs; launches go on candle's stream. Every kernel
-//! reads f32 or bf16 and computes in f32. Products stay in cuBLAS (candle's `matmul`); around
+//! reads f32 or bf16 (f16 too where turned on, [`crate::kernels::set_cuda_fp16`]) and computes
+//! in f32. Products stay in cuBLAS (candle's `matmul`); around
 //! them a kernel does what candle's generic ops did in several launches, each writing a tensor.
 //!
 //! The twins: each op computes what its `kernels::cpu` namesake (or the composed ops) computes,
@@ -89,9 +90,18 @@ impl Element for half::bf16 {
     const SUFFIX: &'static str = "bf16";
 }
 
-/// Whether the CUDA kernels take `dtype`.
+impl Element for half::f16 {
+    const SUFFIX: &'static str = "f16";
+}
+
+/// Whether the CUDA kernels take `dtype`: f32 and bf16, and f16 where turned on
+/// ([`crate::kernels::set_cuda_fp16`]).
 pub(crate) fn takes(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::BF16)
+    match dtype {
+        DType::F32 | DType::BF16 => true,
+        DType::F16 => crate::kernels::cuda_fp16(),
+        _ => false,
+    }
 }
 
 /// Launches kernel `$name` for element type `$T` on candle's stream, the arguments pushed by
@@ -159,7 +169,8 @@ macro_rules! by_dtype {
         match candle_core::backend::BackendStorage::dtype($storage) {
             DType::F32 => $f::<f32>($($arg),*),
             DType::BF16 => $f::<half::bf16>($($arg),*),
-            other => bail!("{}: f32 or bf16 expected, got {other:?}", $op),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            other => bail!("{}: f32, bf16 or f16 expected, got {other:?}", $op),
         }
     };
 }
