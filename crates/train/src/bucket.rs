@@ -553,20 +553,11 @@ mod tests {
                 let (g, w) = (&got[name], w);
                 assert_eq!(g.dims(), w.dims());
                 assert_eq!(g.dtype(), master);
-                let g: Vec<f64> = g
-                    .flatten_all()
-                    .unwrap()
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                let w: Vec<f64> = w
-                    .flatten_all()
-                    .unwrap()
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let f64s = |t: &Tensor| -> Vec<f64> {
+                    let t = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+                    t.to_vec1().unwrap()
+                };
+                let (g, w) = (f64s(g), f64s(w));
                 assert_eq!(g, w, "{name} {master:?} {loss_scale}");
                 assert!(g.iter().any(|&x| x != 0.0));
             }
