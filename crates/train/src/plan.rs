@@ -179,8 +179,25 @@ const CUDA_HEAD_LOGITS: f64 = 25.0;
 /// rest of this account were 1.18 GiB at phase 1's shape and 1.20 GiB at phase 2's
 /// (BENCHMARKS.md), the same whatever the activations.
 const CUDA_RUNTIME_BYTES: f64 = 1.2 * (1u64 << 30) as f64;
-/// The optimiser's temporaries, in copies of its largest group (measured: 1.2–1.3).
+/// CUDA's optimiser temporaries, in copies of its largest group (measured: 1.2–1.3).
 const OPTIMIZER_TEMPORARIES: f64 = 1.3;
+
+/// Bytes the optimiser's update holds beyond its state and the bucket on `target`: on the CPU
+/// one parameter's update (the in-place update's room, the largest parameter's: the bucket is
+/// gathered and each group updated in place, `crate::bucket`); on CUDA copies of its largest
+/// group (its default update makes a new state a group).
+fn optimizer_temporaries(c: &BertConfig, target: Target) -> f64 {
+    match target {
+        Target::Cpu => {
+            let (h, i) = (c.hidden_size, c.intermediate_size);
+            4.0 * [c.vocab_size * h, i * h, h * h, c.max_position_embeddings * h]
+                .into_iter()
+                .max()
+                .unwrap_or(0) as f64
+        }
+        Target::Cuda => OPTIMIZER_TEMPORARIES * 4.0 * largest_group(c),
+    }
+}
 
 /// Elements of the optimiser's largest group (see [`crate::optim`]: parameters of one shape,
 /// at most [`crate::optim::GROUP_ELEMENTS`] elements a group unless one parameter is larger).
@@ -360,9 +377,10 @@ fn predict_with(
         shape.micro_batch as f64 * (encoder + kept.outside + recomputed) + kept.per_step;
     // At the end of backward: backward's parameter gradients (tables in f32, the rest in the
     // compute dtype) and, in half precision, their f32 copies in the accumulator. At the
-    // update: the accumulator and the flat bucket (f32 each) and the optimiser's temporaries.
+    // update: the gradients and the flat bucket (the sums by name and the bucket on CUDA; the
+    // last micro-batch's gradients and the bucket on the CPU) and the optimiser's temporaries.
     let backward_grads = 4.0 * tables + b * (p - tables) + if half { 4.0 * p } else { 0.0 };
-    let update = 8.0 * p + OPTIMIZER_TEMPORARIES * 4.0 * largest_group(c);
+    let update = 8.0 * p + optimizer_temporaries(c, target);
     let (activation_bytes, transient_bytes) = if activations + backward_grads > update {
         (activations, backward_grads)
     } else {
