@@ -5,8 +5,9 @@
 //! its CPU twin a loop over the parameters in parallel).
 //!
 //! A micro-batch's gradients are held as the backward made them (the compute dtype, times the
-//! loss scale) until the next micro-batch's meet them or the step ends: then all of them go
-//! into the bucket at once, cast to the master dtype and unscaled on the way. So one
+//! loss scale) until the next micro-batch begins (or its gradients meet them, or the step
+//! ends): then all of them go into the bucket at once, cast to the master dtype and unscaled
+//! on the way. So one
 //! micro-batch a step never holds the master-dtype copies beside its activations, and from the
 //! second on the sums are the bucket itself, added to in place (where the sums by name made a
 //! cast and an addition per parameter per micro-batch: on CUDA two launches and a fresh f32
@@ -135,7 +136,9 @@ impl FlatSums {
     }
 
     /// Adds the held gradients to the bucket in one pass (the first time: makes it, zeros
-    /// where a parameter has no gradient).
+    /// where a parameter has no gradient). A step calls it as a micro-batch begins
+    /// ([`GradientSums::settle`]), so that the last one's gradients are not held beside the
+    /// bucket through this one's passes.
     fn flush(&mut self) -> Result<(), TrainError> {
         if self.pending_count == 0 {
             return Ok(());
@@ -437,6 +440,17 @@ impl GradientSums {
         }
     }
 
+    /// As a micro-batch begins: the gradients held from the last one go into the bucket now,
+    /// before this one's activations exist, rather than when this one's first gradient meets
+    /// them (which would hold them, 2–4 bytes a parameter, through its whole forward and
+    /// backward beside the bucket). Nothing to do for the sums by name, nor before the first.
+    pub(crate) fn settle(&mut self) -> Result<(), TrainError> {
+        match self {
+            GradientSums::Flat(flat) => flat.flush(),
+            GradientSums::ByName { .. } => Ok(()),
+        }
+    }
+
     /// The flat bucket of the sums ([`crate::optim::Optimizer::flatten`]'s layout).
     pub(crate) fn into_bucket(
         self,
@@ -614,6 +628,46 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A micro-batch's beginning settles the last one's gradients into the bucket: none held
+    /// afterwards; the sums are the same as when the next gradients meet them.
+    #[test]
+    fn a_micro_batch_begins_with_the_last_ones_gradients_in_the_bucket() {
+        let a = gradient(&[3, 2], 1, DType::BF16);
+        let mut settled = GradientSums::Flat(FlatSums::new(layout(), DType::F32, 2.0));
+        let mut met = GradientSums::Flat(FlatSums::new(layout(), DType::F32, 2.0));
+        settled.settle().unwrap(); // nothing yet
+        for sums in [&mut settled, &mut met] {
+            sums.add("a", &a).unwrap();
+        }
+        settled.settle().unwrap();
+        let GradientSums::Flat(flat) = &settled else {
+            unreachable!()
+        };
+        assert_eq!(flat.pending_count, 0);
+        assert!(flat.pending.iter().all(Option::is_none) && flat.bucket.is_some());
+        assert_eq!(settled.held_dtype("a"), Some(DType::F32));
+        for sums in [&mut settled, &mut met] {
+            sums.add("a", &a).unwrap();
+        }
+        let f32s = |sums: GradientSums| -> Vec<f32> {
+            let g = sums.into_gradients().unwrap().remove("a").unwrap();
+            g.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let (settled, met) = (f32s(settled), f32s(met));
+        assert_eq!(settled, met);
+        let a: Vec<f32> = a
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(
+            settled,
+            a.iter().map(|x| x / 2.0 + x / 2.0).collect::<Vec<_>>()
+        );
     }
 
     /// Gradients the layout does not hold, or of the wrong shape, and layouts with gaps are

@@ -190,10 +190,15 @@ fn optimizer_temporaries(c: &BertConfig, target: Target) -> f64 {
     match target {
         Target::Cpu => {
             let (h, i) = (c.hidden_size, c.intermediate_size);
-            4.0 * [c.vocab_size * h, i * h, h * h, c.max_position_embeddings * h]
-                .into_iter()
-                .max()
-                .unwrap_or(0) as f64
+            4.0 * [
+                c.vocab_size * h,
+                i * h,
+                h * h,
+                c.max_position_embeddings * h,
+            ]
+            .into_iter()
+            .max()
+            .unwrap_or(0) as f64
         }
         Target::Cuda => OPTIMIZER_TEMPORARIES * 4.0 * largest_group(c),
     }

@@ -141,6 +141,7 @@ impl Step {
     /// loss scale, and adds the trainable parameters' gradients. Returns the whole gradient
     /// store (scaled), for callers that go on back-propagating by hand.
     pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore, TrainError> {
+        self.grads.settle()?;
         let store = self.scaled_backward(loss)?;
         self.accumulate(&store)?;
         Ok(store)
@@ -214,6 +215,8 @@ impl Step {
         checkpoint_every: usize,
         head: impl FnOnce(&Tensor, &mut Step) -> Result<Tensor, TrainError>,
     ) -> Result<(), TrainError> {
+        // The last micro-batch's gradients into the sums before this one's activations exist.
+        self.grads.settle()?;
         let pass = bert.encoder_pass(inputs, mode, checkpoint_every)?;
         let loss = head(pass.top(), self)?;
         let mut store = self.scaled_backward(&loss)?;
