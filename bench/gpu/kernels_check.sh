@@ -23,6 +23,17 @@ out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 b=/tmp/bertkit
 log() { echo "=== $(date -u +%T) $*"; }
+# BERT-large phase 1 for 12 steps at micro-batch 64 from the shipped recipe, in precision $2,
+# writing nothing but its logs under /tmp/$1 (the settings come from the caller's environment).
+phase1() {
+    rm -rf "/tmp/$1"
+    sed -e "s|^output = .*|output = \"/tmp/$1\"|" \
+        -e "s|^records = .*|records = [\"$here/data/records/phase1\"]|" \
+        -e 's|^preset = .*|preset = "large"|' -e "s|^precision = .*|precision = \"$2\"|" \
+        "$here/data/pipelines/pretrain-phase1.toml" > "/tmp/$1.toml"
+    timeout 120 $b pretrain --config "/tmp/$1.toml" --no-eval --no-checkpoints --device cuda \
+        --max-steps 12 --micro-batch 64 --global-batch 64 2>&1
+}
 log "environment"
 $b --version
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -76,17 +87,10 @@ if [[ -n ${EXTRA:-} ]]; then
         "0 fused - - - - fused" "1 inplace lean tape fused - -" \
         "1 inplace lean tape fused flash fused"; do
         read -r keep optimizer ffn backward embeddings attention loss <<< "$form"
-        rm -rf /tmp/keep-$keep
-        sed -e "s|^output = .*|output = \"/tmp/keep-$keep\"|" \
-            -e "s|^records = .*|records = [\"$here/data/records/phase1\"]|" \
-            -e 's|^preset = .*|preset = "large"|' -e 's|^precision = .*|precision = "bf16"|' \
-            "$here/data/pipelines/pretrain-phase1.toml" > /tmp/keep-$keep.toml
         BERTKIT_CUDA_POOL_KEEP=$keep BERTKIT_CUDA_OPTIMIZER=$optimizer \
             BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
             BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention \
-            BERTKIT_CUDA_LOSS=$loss timeout 120 $b pretrain \
-            --config /tmp/keep-$keep.toml --no-eval --no-checkpoints --device cuda --max-steps 12 --micro-batch 64 \
-            --global-batch 64 2>&1 | grep -E "a step|start-up" \
+            BERTKIT_CUDA_LOSS=$loss phase1 "keep-$keep" bf16 | grep -E "a step|start-up" \
             | sed "s/^/keep=$keep $optimizer ffn=$ffn backward=$backward embeddings=$embeddings attention=$attention loss=$loss: /"
     done
 fi
@@ -94,14 +98,8 @@ if [[ -n ${EXTRA:-} ]]; then
     # fp16 (GPUs without bf16): candle's ops, as before, against the kernels' f16 forms.
     log "2f phase 1 in fp16, 12 steps: candle's ops, then the CUDA kernels' f16 forms"
     for fp16 in - fused; do
-        sed -e 's|^output = .*|output = "/tmp/fp16"|' \
-            -e "s|^records = .*|records = [\"$here/data/records/phase1\"]|" \
-            -e 's|^preset = .*|preset = "large"|' -e 's|^precision = .*|precision = "fp16"|' \
-            "$here/data/pipelines/pretrain-phase1.toml" > /tmp/fp16.toml
-        rm -rf /tmp/fp16
-        BERTKIT_CUDA_FP16=$fp16 timeout 120 $b pretrain --config /tmp/fp16.toml --no-eval \
-            --no-checkpoints --device cuda --max-steps 12 --micro-batch 64 --global-batch 64 \
-            2>&1 | grep -E "a step|start-up|loss" | tail -n 3 | sed "s/^/fp16 kernels $fp16: /"
+        BERTKIT_CUDA_FP16=$fp16 phase1 fp16 fp16 | grep -E "a step|start-up|loss" | tail -n 3 \
+            | sed "s/^/fp16 kernels $fp16: /"
     done
     # Each kernel call is timed between two synchronisations, and at each one the pool hands
     # freed memory back to the driver unless it keeps it: the last two rows apart by that.

@@ -75,6 +75,23 @@ impl Layout {
     pub(crate) fn elements(&self) -> usize {
         self.elements
     }
+
+    /// The entry of parameter `name`, whose gradient `g` must have its shape.
+    pub(crate) fn index_of(&self, name: &str, g: &Tensor) -> Result<usize, TrainError> {
+        let Some(&i) = self.by_name.get(name) else {
+            return Err(TrainError::Config(format!(
+                "a gradient for {name}, which the optimiser does not hold"
+            )));
+        };
+        let shape = &self.entries[i].shape;
+        if g.dims() != shape.as_slice() {
+            return Err(TrainError::Config(format!(
+                "the gradient of {name} has shape {:?}, the parameter {shape:?}",
+                g.dims(),
+            )));
+        }
+        Ok(i)
+    }
 }
 
 /// A step's gradient sums as the flat bucket (see the module's documentation).
@@ -113,19 +130,7 @@ impl FlatSums {
     /// bucket with the others when the next gradient of the same parameter arrives (the next
     /// micro-batch) or the sums are taken.
     pub(crate) fn add(&mut self, name: &str, g: &Tensor) -> Result<(), TrainError> {
-        let Some(&i) = self.layout.by_name.get(name) else {
-            return Err(TrainError::Config(format!(
-                "a gradient for {name}, which the optimiser does not hold"
-            )));
-        };
-        let entry = &self.layout.entries[i];
-        if g.dims() != entry.shape.as_slice() {
-            return Err(TrainError::Config(format!(
-                "the gradient of {name} has shape {:?}, the parameter {:?}",
-                g.dims(),
-                entry.shape
-            )));
-        }
+        let i = self.layout.index_of(name, g)?;
         if self.pending[i].is_some() {
             self.flush()?;
         }

@@ -144,26 +144,6 @@ impl Group {
         self.shape.iter().product()
     }
 
-    /// The gradient of member `name` taken out of `grads` (`None` if it has none), its shape
-    /// checked against the group's.
-    fn take_gradient(
-        &self,
-        grads: &mut BTreeMap<String, Tensor>,
-        name: &str,
-    ) -> Result<Option<Tensor>, TrainError> {
-        let Some(g) = grads.remove(name) else {
-            return Ok(None);
-        };
-        if g.dims() != self.shape.as_slice() {
-            return Err(TrainError::Config(format!(
-                "the gradient of {name} has shape {:?}, the parameter {:?}",
-                g.dims(),
-                self.shape
-            )));
-        }
-        Ok(Some(g))
-    }
-
     /// This group's rows of the flat gradient bucket (a view).
     fn gradients(&self, bucket: &Tensor) -> Result<Tensor, TrainError> {
         let (count, numel) = (self.count(), self.numel());
@@ -382,8 +362,7 @@ impl Optimizer {
     /// CPU, and on CUDA in place ([`set_cuda_update_in_place`]); by parameter otherwise, until
     /// the bucket's gather has passed its check on a GPU.
     pub(crate) fn gradient_sums(&self, loss_scale: f64) -> GradientSums {
-        let flat = self.device().is_cpu() || self.in_place_on_cuda();
-        if flat {
+        if self.on_flat_bucket() {
             GradientSums::Flat(FlatSums::new(
                 self.layout.clone(),
                 self.master_dtype,
@@ -428,9 +407,10 @@ impl Optimizer {
             let mut members = Vec::with_capacity(group.count());
             let mut offsets = Vec::with_capacity(group.count());
             for (i, name) in group.names.iter().enumerate() {
-                let Some(g) = group.take_gradient(&mut grads, name)? else {
+                let Some(g) = grads.remove(name) else {
                     continue; // left as the bucket's zeros
                 };
+                self.layout.index_of(name, &g)?;
                 members.push(g.flatten_all()?);
                 offsets.push(group.offset + i * group.numel());
             }
@@ -453,14 +433,17 @@ impl Optimizer {
         Ok(bucket)
     }
 
-    /// Whether the step runs in place on CUDA (the state, the bucket, its norm and the
-    /// write-back: see [`set_cuda_update_in_place`]).
-    fn in_place_on_cuda(&self) -> bool {
-        cfg!(feature = "cuda")
-            && self.device().is_cuda()
-            && self.master_dtype == DType::F32
-            && cuda_optimizer()
-            && cuda_update_in_place()
+    /// Whether the step's gradients are summed and measured on the flat bucket
+    /// (`crate::bucket`): on the CPU, and on CUDA in place (the state, the bucket, its norm and
+    /// the write-back: see [`set_cuda_update_in_place`]).
+    fn on_flat_bucket(&self) -> bool {
+        let device = self.device();
+        device.is_cpu()
+            || (cfg!(feature = "cuda")
+                && device.is_cuda()
+                && self.master_dtype == DType::F32
+                && cuda_optimizer()
+                && cuda_update_in_place())
     }
 
     /// The squared L2 norm of a flat gradient bucket, as an f64 scalar on the device (nothing
@@ -468,7 +451,7 @@ impl Optimizer {
     /// ([`set_cuda_update_in_place`]); otherwise group by group, each parameter's squares
     /// summed along its last dimension in the master dtype, then in f64.
     pub fn squared_norm(&self, bucket: &Tensor) -> Result<Tensor, TrainError> {
-        if self.device().is_cpu() || self.in_place_on_cuda() {
+        if self.on_flat_bucket() {
             // Over the whole bucket at once (`bucket::squared_norm`).
             return crate::bucket::squared_norm(bucket);
         }

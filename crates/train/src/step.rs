@@ -171,7 +171,7 @@ impl Step {
     ///
     /// A micro-batch's gradients are kept as backward made them (in the compute dtype, scaled)
     /// and go into the flat bucket all at once, cast to the master dtype and unscaled, when the
-    /// next micro-batch's meet them or the step ends (`crate::bucket`), not here, while the
+    /// next micro-batch begins or the step ends (`crate::bucket`), not here, while the
     /// micro-batch's activations are still alive: with one micro-batch a step the f32 copies
     /// (4 bytes a parameter) are never held beside the activations, and one pass over the
     /// gradients leaves the step's traffic. The sums are the same values either way. (On the
@@ -426,7 +426,7 @@ mod tests {
     }
 
     /// In half precision a micro-batch's gradients stay in the compute dtype until the next
-    /// micro-batch's meet them (then they go into the f32 bucket, and the new ones are held)
+    /// micro-batch begins (then they go into the f32 bucket, and the new ones are held)
     /// or the bucket is made: one micro-batch holds no f32 copies, and the values are those
     /// of casting first, in both forms of the sums (the flat bucket, by name).
     #[test]
