@@ -101,18 +101,21 @@ if [[ -n ${EXTRA:-} ]]; then
         BERTKIT_CUDA_FP16=$fp16 phase1 fp16 fp16 | grep -E "a step|start-up|loss" | tail -n 3 \
             | sed "s/^/fp16 kernels $fp16: /"
     done
-    # Each kernel call is timed between two synchronisations, and at each one the pool hands
-    # freed memory back to the driver unless it keeps it: the last two rows apart by that.
-    log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16: as it is, the encoder's backward by hand, with the embedding lookups too, with the one-pass attention and the loss kernel, and that with the pool keeping freed memory"
-    for form in "- - - - 0" "tape - - - 0" "tape fused - - 0" "tape fused flash fused 0" \
-        "tape fused flash fused 1"; do
-        read -r backward embeddings attention loss keep <<< "$form"
-        echo "backward $backward, embeddings $embeddings, attention $attention, loss $loss, pool keep $keep:"
+    # Synchronised, each kernel call is timed between two synchronisations, and at each one
+    # the pool hands freed memory back to the driver unless it keeps it; by events, the GPU's
+    # own time with the host running ahead (one synchronisation a pass, as a training step).
+    # The last four rows apart by those two.
+    log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16: as it is, the encoder's backward by hand, with the embedding lookups, the one-pass attention and the loss kernel too, then that with the pool keeping freed memory, each clock"
+    for form in "- - - - 0 synchronised" "tape - - - 0 events" "tape fused flash fused 0 events" \
+        "tape fused flash fused 0 synchronised" "tape fused flash fused 1 synchronised" \
+        "tape fused flash fused 1 events"; do
+        read -r backward embeddings attention loss keep clock <<< "$form"
+        echo "backward $backward, embeddings $embeddings, attention $attention, loss $loss, pool keep $keep, clock $clock:"
         BERTKIT_CUDA_POOL_KEEP=$keep BERTKIT_CUDA_BACKWARD=$backward \
             BERTKIT_CUDA_EMBEDDINGS=$embeddings \
             BERTKIT_CUDA_ATTENTION=$attention BERTKIT_CUDA_LOSS=$loss timeout 120 \
-            $b bench kernels --config large --batch 64 \
-            --seq 128 --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 12
+            $b bench kernels --config large --batch 64 --seq 128 --dtype bf16 --device cuda \
+            --passes 2 --clock "$clock" 2>&1 | tail -n 12
     done
 fi
 if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then

@@ -18,8 +18,9 @@
 #   DIR: records/phase1 and records/phase2 (pipelines/demo.toml's), squad/train.json and
 #   squad/dev.json (`bertkit split squad`), glue/MRPC, vocab.txt, pipelines/ (the recipes).
 # Environment: DEVICE (cuda; cpu runs the plumbing on tiny shapes), MODEL (large; or a
-# config.json), QUICK=1 (phase 1 only), OUT (where logs and results.jsonl go; default a
-# temporary folder). `make bench-gpu` builds and prepares all of it; `bench/gpu/pack.sh`
+# config.json), QUICK=1 (phase 1 only), CLOCK (how the per-kernel profile times each call:
+# events, the default, or synchronised; `bertkit bench kernels --clock`), OUT (where logs and
+# results.jsonl go; default a temporary folder). `make bench-gpu` builds and prepares all of it; `bench/gpu/pack.sh`
 # packs it for a machine reached through one call.
 set -uo pipefail
 
@@ -143,9 +144,9 @@ PY
         --steps 20 --warmup 5 --device "$device" 2>"$out/torch-infer.err" | sed 's/^{/{"side": "torch", /' >> "$results"
     tail -n 1 "$results"
 
-    log "3b where a training pass's time goes, per kernel (seq 128, batch $p1_batch, $dtype)"
+    log "3b where a training pass's time goes, per kernel (seq 128, batch $p1_batch, $dtype, clock ${CLOCK:-events})"
     "$bertkit" bench kernels --config "$model" --batch "$p1_batch" --seq 128 --dtype "$dtype" \
-        --device "$device" --passes 2 2>&1 | tail -n 16
+        --device "$device" --passes 2 --clock "${CLOCK:-events}" 2>&1 | tail -n 16
     log "3c where an inference pass's time goes, per kernel (seq 128, batch $p1_batch, $dtype)"
     "$bertkit" bench kernels --config "$model" --batch "$p1_batch" --seq 128 --dtype "$dtype" \
         --device "$device" --passes 2 --inference 2>&1 | tail -n 10

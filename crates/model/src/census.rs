@@ -14,12 +14,11 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::bert::{BertForPreTraining, Loaded, init, init_frozen};
-use crate::kernels::{KernelTime, Profiled};
+use crate::kernels::{Clock, KernelTime, Mark, Profiled};
 use crate::{BertConfig, DropoutSource, Inputs, Kernels, MaskedPositions, Mode, ModelError, loss};
 
 /// Operations and the bytes they write.
@@ -224,7 +223,9 @@ impl PreTrainingPass {
 /// Where a training pass's time goes, per pass (the mean over the timed passes).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PassProfile {
-    /// The forward pass and loss, the device synchronised at both ends.
+    /// How the times were read.
+    pub clock: Clock,
+    /// The forward pass and loss.
     pub forward_seconds: f64,
     /// The backward pass.
     pub backward_seconds: f64,
@@ -241,9 +242,12 @@ pub struct PassProfile {
 }
 
 /// Times `passes` training passes (forward, loss, backward) of `config` with `kernels`, after
-/// one untimed pass, each kernel call timed ([`Profiled`]): where a step's time goes, on any
-/// device. With `inference`, the passes are inference's instead: parameters that track no
-/// gradients (the kernels' inference paths), no dropout, the forward pass and loss only.
+/// one untimed pass, each kernel call timed by `clock` ([`Profiled`]; the device synchronised
+/// once between passes, as a training step reads its loss back once): where a step's time
+/// goes, on any device. With `inference`, the passes are inference's instead: parameters that
+/// track no gradients (the kernels' inference paths), no dropout, the forward pass and loss
+/// only.
+#[allow(clippy::too_many_arguments)]
 pub fn profile(
     config: &BertConfig,
     kernels: Arc<dyn Kernels>,
@@ -252,39 +256,45 @@ pub fn profile(
     shape: CensusBatch,
     passes: usize,
     inference: bool,
+    clock: Clock,
 ) -> Result<PassProfile, ModelError> {
     let mut pass = PreTrainingPass::build(config, dtype, device, shape, inference)?;
-    let profiled = Arc::new(Profiled::new(kernels));
+    let profiled = Arc::new(Profiled::new(kernels, clock));
     pass.loaded.model.bert.set_kernels(profiled.clone());
     let passes = passes.max(1);
-    let (mut forward, mut backward) = (0.0, 0.0);
+    // Each timed pass's start, end of forward and end of backward, read at the end.
+    let mut marks = Vec::with_capacity(passes);
     for i in 0..=passes {
         if i == 1 {
-            profiled.take();
-            crate::kernels::time_backwards(true);
-            (forward, backward) = (0.0, 0.0);
+            profiled.take()?;
+            crate::kernels::time_backwards(Some(clock))?;
         }
         device.synchronize()?;
-        let started = Instant::now();
+        let started = Mark::now(device, clock)?;
         let forwarded;
         if inference {
             pass.loss_in(Mode::Eval)?;
-            device.synchronize()?;
-            forwarded = Instant::now();
+            forwarded = Mark::now(device, clock)?;
         } else {
             // A training pass as training runs it (`train::step`): the encoder's backward by
             // hand where the kernels record, the rest in candle's autograd.
             let bert = &pass.loaded.model.bert;
             let encoder = bert.encoder_pass(&pass.inputs, Mode::Train(&pass.dropout), 0)?;
             let total = pass.loss_from(encoder.top())?;
-            device.synchronize()?;
-            forwarded = Instant::now();
+            forwarded = Mark::now(device, clock)?;
             let store = total.backward()?;
             drop(encoder.backward(&store, |_| Ok::<(), ModelError>(()))?);
-            device.synchronize()?;
         }
-        forward += (forwarded - started).as_secs_f64();
-        backward += forwarded.elapsed().as_secs_f64();
+        let ended = Mark::now(device, clock)?;
+        if i > 0 {
+            marks.push((started, forwarded, ended));
+        }
+    }
+    device.synchronize()?;
+    let (mut forward, mut backward) = (0.0, 0.0);
+    for (started, forwarded, ended) in &marks {
+        forward += started.seconds_to(forwarded)?;
+        backward += forwarded.seconds_to(ended)?;
     }
     let n = passes as f64;
     let per_pass = |times: BTreeMap<&'static str, KernelTime>| {
@@ -300,10 +310,11 @@ pub fn profile(
             .collect()
     };
     Ok(PassProfile {
+        clock,
         forward_seconds: forward / n,
         backward_seconds: backward / n,
-        kernels: per_pass(profiled.take()),
-        backward_kernels: per_pass(crate::kernels::time_backwards(false)),
+        kernels: per_pass(profiled.take()?),
+        backward_kernels: per_pass(crate::kernels::time_backwards(None)?),
     })
 }
 
@@ -341,7 +352,17 @@ mod tests {
             composed.outside_layers.ops + 2 * composed.layer.ops
         );
         // Every kernel the fused pass calls is timed, twice a pass for the two layers' norms.
-        let timed = profile(&config, Arc::new(Fused), DType::F32, cpu, shape, 2, false).unwrap();
+        let timed = profile(
+            &config,
+            Arc::new(Fused),
+            DType::F32,
+            cpu,
+            shape,
+            2,
+            false,
+            Clock::Synchronised,
+        )
+        .unwrap();
         assert!(timed.forward_seconds > 0.0 && timed.backward_seconds > 0.0);
         assert_eq!(timed.kernels["residual_layer_norm"].calls, 4, "{timed:?}");
         assert_eq!(timed.kernels["attention"].calls, 2, "{timed:?}");
@@ -376,9 +397,46 @@ mod tests {
             "{timed:?}"
         );
         // Outside a profile nothing is timed.
-        assert!(crate::kernels::time_backwards(false).is_empty());
+        assert!(crate::kernels::time_backwards(None).unwrap().is_empty());
+        // By the other clock (on the CPU the host's, without synchronising), the same calls.
+        let by_events = profile(
+            &config,
+            Arc::new(Fused),
+            DType::F32,
+            cpu,
+            shape,
+            2,
+            false,
+            Clock::Events,
+        )
+        .unwrap();
+        assert_eq!(by_events.clock, Clock::Events);
+        let calls = |t: &BTreeMap<&'static str, KernelTime>| {
+            t.iter().map(|(n, k)| (*n, k.calls)).collect::<Vec<_>>()
+        };
+        assert_eq!(calls(&by_events.kernels), calls(&timed.kernels));
+        assert_eq!(
+            calls(&by_events.backward_kernels),
+            calls(&timed.backward_kernels)
+        );
+        let in_kernels: f64 = by_events.kernels.values().map(|k| k.seconds).sum();
+        assert!(
+            in_kernels > 0.0 && in_kernels < by_events.forward_seconds,
+            "{by_events:?}"
+        );
+        assert!(crate::kernels::time_backwards(None).unwrap().is_empty());
         // Inference's passes: the same kernels called, nothing tracked, no backward pass.
-        let inference = profile(&config, Arc::new(Fused), DType::F32, cpu, shape, 2, true).unwrap();
+        let inference = profile(
+            &config,
+            Arc::new(Fused),
+            DType::F32,
+            cpu,
+            shape,
+            2,
+            true,
+            Clock::Synchronised,
+        )
+        .unwrap();
         assert_eq!(inference.kernels["attention"].calls, 2, "{inference:?}");
         assert!(inference.backward_kernels.is_empty(), "{inference:?}");
         assert!(inference.backward_seconds < 1e-3, "{inference:?}");

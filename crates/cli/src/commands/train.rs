@@ -644,6 +644,7 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         shape,
         args.passes,
         args.inference,
+        args.clock,
     )?;
     println!(
         "{} ({} layers), {} kernels, {} at batch {} x {} positions, {} predictions a sequence, {} on {}, mean of {} passes",
@@ -716,7 +717,13 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         ms(p.backward_seconds)
     );
     println!(
-        "(each kernel call and each fused op's backward timed with the device synchronised around it; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, the encoder's gradients added where two meet (a residual) and the embeddings', heads' and loss's backward in candle's autograd; where the kernels do not record, the encoder's too: a zeroed gradient and an addition per graph edge)"
+        "(each kernel call and each fused op's backward timed {}; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, the encoder's gradients added where two meet (a residual) and the embeddings', heads' and loss's backward in candle's autograd; where the kernels do not record, the encoder's too: a zeroed gradient and an addition per graph edge)",
+        match p.clock {
+            bertkit_model::kernels::Clock::Synchronised =>
+                "with the device synchronised around it (the host's clock)",
+            bertkit_model::kernels::Clock::Events =>
+                "by events on the device's stream (its own time, the host launching ahead; on the CPU the host's clock)",
+        }
     );
     Ok(())
 }

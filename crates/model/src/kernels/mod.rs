@@ -44,8 +44,8 @@ pub mod tape;
 
 pub use composed::Composed;
 use composed::{composed_attention, composed_linear, composed_residual_layer_norm};
-pub use profiled::{KernelTime, Profiled};
-pub(crate) use profiled::{backward as profiled_backward, time_backwards};
+pub use profiled::{Clock, KernelTime, Profiled};
+pub(crate) use profiled::{Mark, backward as profiled_backward, time_backwards};
 
 /// Inference, or training with dropout masks from a source.
 #[derive(Debug, Clone, Copy)]

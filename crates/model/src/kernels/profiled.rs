@@ -1,5 +1,5 @@
 //! [`Profiled`]: any kernel set, with each call timed; and the fused ops' backward passes,
-//! timed while a profile is taken ([`time_backwards`]).
+//! timed while a profile is taken ([`time_backwards`]), by either [`Clock`].
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -11,15 +11,117 @@ use candle_core::{Device, Result, Tensor};
 use super::{Gelu, Kernels, Mode};
 use crate::packing::Packing;
 
-/// The kernels `inner` with each call timed per method: the device is synchronised before and
-/// after each call, so that a GPU's queued work is counted to the call that launched it (which
-/// slows the pass a little; for profiling, never for training). The forward passes only: a
-/// backward pass runs in candle's autograd, which calls the fused ops' backward passes (timed
-/// apart by [`time_backwards`]) between its own operations.
+/// How a profile reads the time a call takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Clock {
+    /// The device synchronised before and after each call, the host's clock read: a GPU's
+    /// queued work is counted to the call that launched it, and so is whatever the host does
+    /// while the GPU waits (launching, allocating), which training hides by running ahead.
+    #[default]
+    Synchronised,
+    /// Events recorded on the device's stream around each call, read once the passes have
+    /// run: the GPU's own time between them, the host launching ahead as in training (one
+    /// synchronisation a pass). Where the device has no queue (the CPU: each op runs as it is
+    /// called), the host's clock.
+    Events,
+}
+
+impl std::str::FromStr for Clock {
+    type Err = String;
+
+    fn from_str(name: &str) -> std::result::Result<Self, String> {
+        match name {
+            "synchronised" | "synchronized" | "sync" => Ok(Clock::Synchronised),
+            "events" => Ok(Clock::Events),
+            other => Err(format!("clock {other:?}: synchronised or events")),
+        }
+    }
+}
+
+/// A point in a device's work as a [`Clock`] reads it.
+pub(crate) enum Mark {
+    /// The host's clock (after synchronising the device, with [`Clock::Synchronised`]).
+    Host(Instant),
+    /// An event recorded on candle's CUDA stream, timing on.
+    #[cfg(feature = "cuda")]
+    Event(candle_core::cuda_backend::cudarc::driver::CudaEvent),
+}
+
+impl Mark {
+    /// The point `device` has reached by `clock`.
+    pub(crate) fn now(device: &Device, clock: Clock) -> Result<Mark> {
+        match (clock, device) {
+            #[cfg(feature = "cuda")]
+            (Clock::Events, Device::Cuda(dev)) => {
+                use candle_core::cuda_backend::WrapErr;
+                use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+                // `CU_EVENT_DEFAULT`: an event that keeps its time (cudarc's own default
+                // turns timing off).
+                let event = dev
+                    .cuda_stream()
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .w()?;
+                Ok(Mark::Event(event))
+            }
+            (Clock::Events, _) => Ok(Mark::Host(Instant::now())),
+            (Clock::Synchronised, _) => {
+                device.synchronize()?;
+                Ok(Mark::Host(Instant::now()))
+            }
+        }
+    }
+
+    /// Seconds from this point to `end` (for events, once the device has reached both).
+    pub(crate) fn seconds_to(&self, end: &Mark) -> Result<f64> {
+        match (self, end) {
+            (Mark::Host(start), Mark::Host(end)) => {
+                Ok(end.saturating_duration_since(*start).as_secs_f64())
+            }
+            #[cfg(feature = "cuda")]
+            (Mark::Event(start), Mark::Event(end)) => {
+                use candle_core::cuda_backend::WrapErr;
+                Ok(f64::from(start.elapsed_ms(end).w()?) / 1e3)
+            }
+            #[cfg(feature = "cuda")]
+            _ => candle_core::bail!("a span's ends were read by two clocks"),
+        }
+    }
+}
+
+/// One timed call, read when the profile is taken.
+struct Span {
+    name: &'static str,
+    start: Mark,
+    end: Mark,
+}
+
+/// Each name's calls and seconds.
+fn read(spans: Vec<Span>) -> Result<BTreeMap<&'static str, KernelTime>> {
+    let mut times = BTreeMap::<&'static str, KernelTime>::new();
+    for span in spans {
+        let seconds = span.start.seconds_to(&span.end)?;
+        let t = times.entry(span.name).or_default();
+        t.calls += 1;
+        t.seconds += seconds;
+    }
+    Ok(times)
+}
+
+/// The kernels `inner` with each call timed per method by a [`Clock`]. The forward passes
+/// only: a backward pass runs in candle's autograd (or by hand over the tape), which calls
+/// the fused ops' backward passes (timed apart by [`time_backwards`]) between its own
+/// operations.
 #[derive(Debug)]
 pub struct Profiled {
     inner: Arc<dyn Kernels>,
-    times: Mutex<BTreeMap<&'static str, KernelTime>>,
+    clock: Clock,
+    spans: Mutex<Vec<Span>>,
+}
+
+impl std::fmt::Debug for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
 }
 
 /// What the calls of one kernel took.
@@ -27,23 +129,26 @@ pub struct Profiled {
 pub struct KernelTime {
     /// Calls.
     pub calls: u64,
-    /// Seconds in them, the device synchronised.
+    /// Seconds in them, by the profile's [`Clock`].
     pub seconds: f64,
 }
 
 impl Profiled {
-    /// `inner`, timed.
-    pub fn new(inner: Arc<dyn Kernels>) -> Self {
+    /// `inner`, timed by `clock`.
+    pub fn new(inner: Arc<dyn Kernels>, clock: Clock) -> Self {
         Profiled {
             inner,
-            times: Mutex::new(BTreeMap::new()),
+            clock,
+            spans: Mutex::new(Vec::new()),
         }
     }
 
-    /// Each kernel's calls and time since the start or the last [`Profiled::take`], by name;
-    /// the count starts again.
-    pub fn take(&self) -> BTreeMap<&'static str, KernelTime> {
-        std::mem::take(&mut *self.times.lock().expect("not poisoned"))
+    /// Each kernel's calls and time since the start or the last [`Profiled::take`], by name
+    /// (with [`Clock::Events`], once the device has run them); the count starts again.
+    pub fn take(&self) -> Result<BTreeMap<&'static str, KernelTime>> {
+        read(std::mem::take(
+            &mut *self.spans.lock().expect("not poisoned"),
+        ))
     }
 
     fn timed(
@@ -52,62 +157,55 @@ impl Profiled {
         on: &Tensor,
         call: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
-        on.device().synchronize()?;
-        let started = Instant::now();
+        let start = Mark::now(on.device(), self.clock)?;
         let out = call()?;
-        out.device().synchronize()?;
-        let seconds = started.elapsed().as_secs_f64();
-        let mut times = self.times.lock().expect("not poisoned");
-        let t = times.entry(name).or_default();
-        t.calls += 1;
-        t.seconds += seconds;
+        let end = Mark::now(out.device(), self.clock)?;
+        self.spans
+            .lock()
+            .expect("not poisoned")
+            .push(Span { name, start, end });
         Ok(out)
     }
 }
 
 thread_local! {
-    /// The fused ops' backward passes timed on this thread, while [`time_backwards`] is on.
-    /// Per thread because candle's autograd calls an op's backward on the thread that called
-    /// `backward()`: a profile taken on one thread never counts another's passes.
-    static BACKWARDS: RefCell<Option<BTreeMap<&'static str, KernelTime>>> =
-        const { RefCell::new(None) };
+    /// The fused ops' backward passes timed on this thread, and by which clock, while
+    /// [`time_backwards`] is on. Per thread because candle's autograd calls an op's backward
+    /// on the thread that called `backward()`: a profile taken on one thread never counts
+    /// another's passes.
+    static BACKWARDS: RefCell<Option<(Clock, Vec<Span>)>> = const { RefCell::new(None) };
 }
 
-/// Starts (`true`, from zero) or stops timing the fused ops' backward passes on this thread;
-/// returns what was timed since the last start.
-pub(crate) fn time_backwards(on: bool) -> BTreeMap<&'static str, KernelTime> {
-    BACKWARDS.with(|b| {
+/// Starts (`Some`, from zero, by that clock) or stops timing the fused ops' backward passes on
+/// this thread; returns what was timed since the last start.
+pub(crate) fn time_backwards(clock: Option<Clock>) -> Result<BTreeMap<&'static str, KernelTime>> {
+    let taken = BACKWARDS.with(|b| {
         let mut b = b.borrow_mut();
-        let taken = b.take().unwrap_or_default();
-        if on {
-            *b = Some(BTreeMap::new());
-        }
+        let taken = b.take().map(|(_, spans)| spans).unwrap_or_default();
+        *b = clock.map(|c| (c, Vec::new()));
         taken
-    })
+    });
+    read(taken)
 }
 
 /// Runs the backward pass of a fused op of kernel `name` (the [`Kernels`] method whose op it
-/// is); while [`time_backwards`] is on, timed with `device` synchronised around it, so that the
-/// autograd's own queued work (its zeroed gradients and additions, the backward passes of
-/// candle's ops) is not counted to the op.
+/// is); while [`time_backwards`] is on, timed by its clock (synchronised: the autograd's own
+/// queued work, its zeroed gradients and additions and the backward passes of candle's ops,
+/// is not counted to the op).
 pub(crate) fn backward<T>(
     name: &'static str,
     device: &Device,
     call: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
-    if !BACKWARDS.with(|b| b.borrow().is_some()) {
+    let Some(clock) = BACKWARDS.with(|b| b.borrow().as_ref().map(|(c, _)| *c)) else {
         return call();
-    }
-    device.synchronize()?;
-    let started = Instant::now();
+    };
+    let start = Mark::now(device, clock)?;
     let out = call()?;
-    device.synchronize()?;
-    let seconds = started.elapsed().as_secs_f64();
+    let end = Mark::now(device, clock)?;
     BACKWARDS.with(|b| {
-        if let Some(times) = b.borrow_mut().as_mut() {
-            let t = times.entry(name).or_default();
-            t.calls += 1;
-            t.seconds += seconds;
+        if let Some((_, spans)) = b.borrow_mut().as_mut() {
+            spans.push(Span { name, start, end });
         }
     });
     Ok(out)
