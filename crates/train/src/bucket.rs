@@ -226,21 +226,6 @@ fn gather(
     unscale: f64,
     accumulate: bool,
 ) -> Result<(), TrainError> {
-    let pieces = if bucket.device().is_cpu() {
-        // The CPU twin reads the bucket's dtype (a cast per parameter where they differ; the
-        // CUDA kernel casts as it reads).
-        pieces
-            .into_iter()
-            .map(|p| {
-                Ok(Piece {
-                    gradient: p.gradient.map(|g| g.to_dtype(bucket.dtype())).transpose()?,
-                    ..p
-                })
-            })
-            .collect::<Result<Vec<_>, TrainError>>()?
-    } else {
-        pieces
-    };
     bucket.inplace_op1(&Gather {
         pieces,
         unscale,
@@ -258,11 +243,10 @@ struct Gather {
 }
 
 impl Gather {
-    /// The CPU twin: each piece's elements (in the bucket's dtype `T`) times `unscale`, into
-    /// or onto its part of `flat`, the pieces in parallel.
+    /// The CPU twin: each piece's elements (any float type, cast to the bucket's `T` as read)
+    /// times `unscale`, into or onto its part of `flat`, the pieces in parallel.
     fn cpu<T: WithDType>(&self, flat: &mut [T]) -> candle_core::Result<()> {
         use rayon::prelude::*;
-        let unscale = T::from_f64(self.unscale);
         // Each piece's part of `flat`, split off in order (the pieces are in bucket order).
         let mut parts = Vec::with_capacity(self.pieces.len());
         let mut rest = flat;
@@ -294,16 +278,50 @@ impl Gather {
             let Some((start, end)) = layout.contiguous_offsets() else {
                 bail!("the gradient bucket's gather: a strided gradient")
             };
-            let g = &storage.as_slice::<T>()?[start..end];
-            let one = self.unscale == 1.0;
-            match (self.accumulate, one) {
-                (false, true) => out.copy_from_slice(g),
-                (false, false) => out.iter_mut().zip(g).for_each(|(o, &x)| *o = x * unscale),
-                (true, true) => out.iter_mut().zip(g).for_each(|(o, &x)| *o += x),
-                (true, false) => out.iter_mut().zip(g).for_each(|(o, &x)| *o += x * unscale),
+            // Each gradient as the backward pass made it, cast as it is read (as the CUDA
+            // kernel does): no cast copy of the gradients beside the bucket.
+            // (Through f32 where the type is narrower: the compiler folds f32 -> f64 -> f32
+            // away, and the loops vectorise.)
+            match storage {
+                CpuStorage::F32(g) => {
+                    self.piece(out, &g[start..end], |x| T::from_f64(f64::from(x)))
+                }
+                CpuStorage::BF16(g) => {
+                    self.piece(out, &g[start..end], |x| T::from_f64(f64::from(x.to_f32())))
+                }
+                CpuStorage::F16(g) => {
+                    self.piece(out, &g[start..end], |x| T::from_f64(f64::from(x.to_f32())))
+                }
+                CpuStorage::F64(g) => self.piece(out, &g[start..end], T::from_f64),
+                other => {
+                    use candle_core::backend::BackendStorage;
+                    bail!(
+                        "the gradient bucket's gather: a {:?} gradient",
+                        other.dtype()
+                    )
+                }
             }
             Ok(())
         })
+    }
+
+    /// One gradient `g` times the unscale factor into or onto `out`, each element first
+    /// cast to the bucket's `T` (`cast`: exact from a narrower type), then multiplied and
+    /// added in `T`: what casting the gradient and then copying it gave, bit for bit.
+    fn piece<S: Copy, T: WithDType>(&self, out: &mut [T], g: &[S], cast: impl Fn(S) -> T) {
+        let unscale = T::from_f64(self.unscale);
+        match (self.accumulate, self.unscale == 1.0) {
+            (false, true) => out.iter_mut().zip(g).for_each(|(o, &x)| *o = cast(x)),
+            (false, false) => out
+                .iter_mut()
+                .zip(g)
+                .for_each(|(o, &x)| *o = cast(x) * unscale),
+            (true, true) => out.iter_mut().zip(g).for_each(|(o, &x)| *o += cast(x)),
+            (true, false) => out
+                .iter_mut()
+                .zip(g)
+                .for_each(|(o, &x)| *o += cast(x) * unscale),
+        }
     }
 }
 

@@ -125,6 +125,9 @@ pub struct Shape {
     pub predictions: usize,
     /// Sequences per micro-batch.
     pub micro_batch: usize,
+    /// Micro-batches a step: from the second on, each backward pass's gradients sit beside
+    /// the f32 sums of the ones before.
+    pub accumulation: usize,
 }
 
 /// Predicted peak bytes of a training step, in three parts.
@@ -179,14 +182,16 @@ const CUDA_HEAD_LOGITS: f64 = 25.0;
 /// rest of this account were 1.18 GiB at phase 1's shape and 1.20 GiB at phase 2's
 /// (BENCHMARKS.md), the same whatever the activations.
 const CUDA_RUNTIME_BYTES: f64 = 1.2 * (1u64 << 30) as f64;
-/// CUDA's optimiser temporaries, in copies of its largest group (measured: 1.2–1.3).
+/// CUDA's optimiser temporaries, in copies of its largest group (measured: 1.2–1.3), where
+/// its update makes a new state a group (not in place).
 const OPTIMIZER_TEMPORARIES: f64 = 1.3;
 
-/// Bytes the optimiser's update holds beyond its state and the bucket on `target`: on the CPU
-/// one parameter's update (the in-place update's room, the largest parameter's: the bucket is
-/// gathered and each group updated in place, `crate::bucket`); on CUDA copies of its largest
-/// group (its default update makes a new state a group).
-fn optimizer_temporaries(c: &BertConfig, target: Target) -> f64 {
+/// Bytes the optimiser's update holds beyond its state, the bucket and the gradients settling
+/// into it, on `target`: on the CPU one parameter's update (the in-place update's room, the
+/// largest parameter's: `crate::bucket`, each group updated in place); on CUDA in place only
+/// a few partial sums a group (nothing the plan counts), otherwise copies of its largest group
+/// (its update makes a new state a group).
+fn optimizer_temporaries(c: &BertConfig, target: Target, kernels: CudaKernels) -> f64 {
     match target {
         Target::Cpu => {
             let (h, i) = (c.hidden_size, c.intermediate_size);
@@ -200,6 +205,7 @@ fn optimizer_temporaries(c: &BertConfig, target: Target) -> f64 {
             .max()
             .unwrap_or(0) as f64
         }
+        Target::Cuda if kernels.update_in_place => 0.0,
         Target::Cuda => OPTIMIZER_TEMPORARIES * 4.0 * largest_group(c),
     }
 }
@@ -234,6 +240,9 @@ struct CudaKernels {
     one_pass_attention: bool,
     /// [`bertkit_model::kernels::set_cuda_loss`].
     fused_loss: bool,
+    /// The optimiser's update in place ([`crate::optim::set_cuda_update_in_place`]): the
+    /// gradients settle into the flat bucket as on the CPU, and no new state is made.
+    update_in_place: bool,
 }
 
 impl CudaKernels {
@@ -242,6 +251,7 @@ impl CudaKernels {
             lean_feed_forward: bertkit_model::kernels::lean_cuda_feed_forward(),
             one_pass_attention: bertkit_model::kernels::cuda_flash_attention(),
             fused_loss: bertkit_model::kernels::cuda_loss(),
+            update_in_place: crate::optim::cuda_optimizer() && crate::optim::cuda_update_in_place(),
         }
     }
 
@@ -353,7 +363,6 @@ fn predict_with(
     let p = parameters(c) as f64;
     let tables = table_parameters(c) as f64;
     let b = precision.bytes();
-    let half = precision == Precision::Half;
     let state = 4.0 * tables + b * (p - tables) + 12.0 * p;
     let (s, h, a) = (
         shape.seq as f64,
@@ -380,12 +389,18 @@ fn predict_with(
     };
     let activations =
         shape.micro_batch as f64 * (encoder + kept.outside + recomputed) + kept.per_step;
-    // At the end of backward: backward's parameter gradients (tables in f32, the rest in the
-    // compute dtype) and, in half precision, their f32 copies in the accumulator. At the
-    // update: the gradients and the flat bucket (the sums by name and the bucket on CUDA; the
-    // last micro-batch's gradients and the bucket on the CPU) and the optimiser's temporaries.
-    let backward_grads = 4.0 * tables + b * (p - tables) + if half { 4.0 * p } else { 0.0 };
-    let update = 8.0 * p + optimizer_temporaries(c, target);
+    // At the end of backward: its parameter gradients as made (tables in f32, the rest in the
+    // compute dtype; no f32 copies, `crate::bucket`) and, from a step's second micro-batch on,
+    // the f32 sums of those before. At the update: the flat f32 bucket with a micro-batch's
+    // gradients settling into it, then the update's temporaries (the CPU, and CUDA in place);
+    // or, CUDA's update by name, the f32 sums by name beside the bucket and copies of a group.
+    let made = 4.0 * tables + b * (p - tables);
+    let backward_grads = made + if shape.accumulation > 1 { 4.0 * p } else { 0.0 };
+    let temporaries = optimizer_temporaries(c, target, kernels);
+    let update = match target {
+        Target::Cuda if !kernels.update_in_place => 8.0 * p + temporaries,
+        _ => 4.0 * p + made.max(temporaries),
+    };
     let (activation_bytes, transient_bytes) = if activations + backward_grads > update {
         (activations, backward_grads)
     } else {
@@ -415,7 +430,9 @@ pub struct Plan {
 pub const USABLE: f64 = 0.9;
 
 /// The largest micro-batch of `seq`-long sequences with `predictions` masked slots whose
-/// predicted peak on `target` fits in [`USABLE`] of `memory` bytes.
+/// predicted peak on `target` fits in [`USABLE`] of `memory` bytes, in steps of several
+/// micro-batches (the recipes' global batches are many micro-batches; a step of one holds 4
+/// bytes a parameter less).
 pub fn plan(
     c: &BertConfig,
     seq: usize,
@@ -432,6 +449,7 @@ pub fn plan(
                 seq,
                 predictions,
                 micro_batch,
+                accumulation: 2,
             },
             precision,
             checkpointing,
@@ -504,10 +522,13 @@ mod tests {
         for (seq, predictions, micro_batch, measured_mib) in
             [(128, 20, 64, 15_023.0), (512, 80, 8, 11_695.0)]
         {
+            // That build held each gradient's f32 copy beside the backward pass's (4 bytes a
+            // parameter, as a step of several micro-batches holds the sums so far now).
             let shape = Shape {
                 seq,
                 predictions,
                 micro_batch,
+                accumulation: 2,
             };
             let predicted = predict(&c, &shape, Precision::Half, 0, Target::Cuda).total() / mib;
             let error = predicted / measured_mib - 1.0;
@@ -521,6 +542,7 @@ mod tests {
             seq: 128,
             predictions: 20,
             micro_batch: 64,
+            accumulation: 1,
         };
         let cpu = predict(&c, &shape, Precision::Half, 0, Target::Cpu);
         let cuda = predict(&c, &shape, Precision::Half, 0, Target::Cuda);
@@ -539,12 +561,14 @@ mod tests {
             seq: 128,
             predictions: 20,
             micro_batch: 64,
+            accumulation: 1,
         };
         let peak = |fused_loss| {
             let kernels = CudaKernels {
                 lean_feed_forward: false,
                 one_pass_attention: false,
                 fused_loss,
+                update_in_place: false,
             };
             predict_with(&c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
         };
@@ -563,11 +587,13 @@ mod tests {
             seq: 512,
             predictions: 80,
             micro_batch: 8,
+            accumulation: 1,
         };
         let kernels = |one_pass_attention| CudaKernels {
             lean_feed_forward: false,
             one_pass_attention,
             fused_loss: false,
+            update_in_place: false,
         };
         let peak = |precision, one_pass, c: &BertConfig| {
             predict_with(c, &shape, precision, 0, Target::Cuda, kernels(one_pass)).total()
@@ -588,6 +614,68 @@ mod tests {
             peak(Precision::Half, false, &heads_of_32),
             peak(Precision::Half, true, &heads_of_32)
         );
+    }
+
+    /// Where the update is the peak (BERT-large, bf16, checkpointing every layer, one
+    /// sequence), CUDA's update in place holds the bucket and the gradients settling into it
+    /// (f32 tables, bf16 the rest), where its update by name held the f32 sums by name beside
+    /// the bucket and 1.3 copies of the largest group. A step of several micro-batches holds
+    /// the f32 sums beside each backward pass's gradients; one micro-batch a step does not.
+    #[test]
+    fn the_update_in_place_and_one_micro_batch_a_step_hold_less() {
+        let c = BertConfig::large();
+        let shape = |accumulation| Shape {
+            seq: 128,
+            predictions: 20,
+            micro_batch: 1,
+            accumulation,
+        };
+        let kernels = |update_in_place| CudaKernels {
+            lean_feed_forward: false,
+            one_pass_attention: false,
+            fused_loss: false,
+            update_in_place,
+        };
+        let at = |in_place, accumulation| {
+            predict_with(
+                &c,
+                &shape(accumulation),
+                Precision::Half,
+                1,
+                Target::Cuda,
+                kernels(in_place),
+            )
+        };
+        let (p, tables) = (parameters(&c) as f64, table_parameters(&c) as f64);
+        let (by_name, in_place) = (at(false, 1), at(true, 1));
+        assert_eq!(by_name.activation_bytes, 0.0, "{by_name:?}");
+        assert_eq!(in_place.activation_bytes, 0.0, "{in_place:?}");
+        let made = 4.0 * tables + 2.0 * (p - tables);
+        let group = OPTIMIZER_TEMPORARIES * 4.0 * largest_group(&c);
+        let saved = by_name.total() - in_place.total();
+        assert!(
+            (saved - (4.0 * p + group - made)).abs() < 1.0,
+            "{saved}: {by_name:?} {in_place:?}"
+        );
+        // At micro-batch 64 the activations make the peak: the sums so far add 4 bytes a
+        // parameter there.
+        let big = |accumulation| Shape {
+            micro_batch: 64,
+            ..shape(accumulation)
+        };
+        let peak = |accumulation| {
+            predict_with(
+                &c,
+                &big(accumulation),
+                Precision::Half,
+                0,
+                Target::Cuda,
+                kernels(true),
+            )
+        };
+        assert!(peak(1).activation_bytes > 0.0);
+        assert!((peak(2).total() - peak(1).total() - 4.0 * p).abs() < 1.0);
+        assert_eq!(peak(2).total(), peak(8).total());
     }
 
     #[test]
@@ -616,6 +704,7 @@ mod tests {
                 seq: 128,
                 predictions: 20,
                 micro_batch: p80.micro_batch + 1,
+                accumulation: 2,
             },
             Precision::Half,
             0,

@@ -489,6 +489,7 @@ fn check_memory(
         seq,
         predictions: config.data.max_predictions,
         micro_batch: config.data.micro_batch,
+        accumulation,
     };
     let target = crate::plan::Target::of_device(&config.train.device);
     let predicted = crate::plan::predict(model, &shape, precision, every, target);

@@ -735,6 +735,7 @@ fn the_shipped_recipes_fit_an_80_gb_gpu() {
                 seq,
                 predictions: recipe.data.max_predictions,
                 micro_batch: recipe.data.micro_batch,
+                accumulation: recipe.accumulation(1).unwrap(),
             },
             Precision::parse(&recipe.train.precision).unwrap(),
             recipe.train.activation_checkpointing,

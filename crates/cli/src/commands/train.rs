@@ -270,6 +270,7 @@ pub(crate) fn plan(args: PlanArgs) -> Result<()> {
                 seq,
                 predictions,
                 micro_batch: micro.max(1),
+                accumulation: accumulate.unwrap_or(2),
             },
             precision,
             every,
@@ -395,7 +396,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
     if let Some(micro) = args.micro_batch {
         config.data.micro_batch = micro;
     }
-    config.train.global_batch = config.data.micro_batch;
+    config.train.global_batch = config.data.micro_batch * args.accumulation.max(1);
     // Training steps alone: no held-out evaluation.
     config.eval = None;
     if let Some(precision) = args.precision {
@@ -430,6 +431,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
             seq: run.seq_len,
             predictions: run.predictions,
             micro_batch: run.micro_batch,
+            accumulation: run.accumulation,
         },
         bertkit_train::plan::Precision::parse(&config.train.precision)?,
         config.train.activation_checkpointing,
@@ -453,6 +455,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
                 "seq": run.seq_len,
                 "predictions": run.predictions,
                 "micro_batch": run.micro_batch,
+                "accumulation": run.accumulation,
                 "precision": config.train.precision,
                 "checkpointing": config.train.activation_checkpointing,
                 "measured_peak_bytes": peak,
@@ -472,11 +475,16 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
     } else {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(
-            "{} layers x {}, seq {}, micro-batch {}, {}, checkpointing {}: peak {:.3} GiB measured ({:.3} GiB before the first step; {counted}), {:.3} GiB predicted ({:+.1}%), least step {:.1} s",
+            "{} layers x {}, seq {}, micro-batch {}{}, {}, checkpointing {}: peak {:.3} GiB measured ({:.3} GiB before the first step; {counted}), {:.3} GiB predicted ({:+.1}%), least step {:.1} s",
             run.model.num_hidden_layers,
             run.model.hidden_size,
             run.seq_len,
             run.micro_batch,
+            if run.accumulation > 1 {
+                format!(" x {} a step", run.accumulation)
+            } else {
+                String::new()
+            },
             config.train.precision,
             config.train.activation_checkpointing,
             gib(peak as f64),

@@ -242,9 +242,13 @@ pub(crate) struct BenchMemoryArgs {
     /// Masked-LM slots per sequence instead of the config's.
     #[arg(long)]
     pub(crate) predictions: Option<usize>,
-    /// Sequences per micro-batch instead of the config's (one micro-batch per step).
+    /// Sequences per micro-batch instead of the config's.
     #[arg(long)]
     pub(crate) micro_batch: Option<usize>,
+    /// Micro-batches a step (the step's gradients summed over them; the recipes' global
+    /// batches are many).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) accumulation: usize,
     /// f32, bf16 or fp16 instead of the config's.
     #[arg(long)]
     pub(crate) precision: Option<String>,
