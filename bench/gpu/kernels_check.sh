@@ -65,21 +65,25 @@ done
 if [[ -n ${EXTRA:-} ]]; then
     # Not yet run on a device: the device pool's high-water mark against the plan, and phase 1
     # with the pool keeping freed memory (BERTKIT_CUDA_POOL_KEEP=1) against without.
-    log "2b bench memory on the device (the pool's peak against the plan): phase 1 at micro-batch 64 and the recipe's 256, phase 2 at 8 and the recipe's 64 (bf16)"
-    for shape in "phase1 20 64 - - -" "phase1 20 64 lean - -" "phase1 20 64 - tape -" \
-        "phase1 20 64 lean tape all" "phase1 20 256 - - -" "phase2 80 8 - - -" \
-        "phase2 80 8 lean - -" "phase2 80 8 lean tape all" "phase2 80 64 - - -"; do
-        read -r records predictions micro ffn backward more <<< "$shape"
+    log "2b bench memory on the device (the pool's peak against the plan): phase 1 at micro-batch 64 and the recipe's 256, phase 2 at 8 and the recipe's 64 (bf16); then two micro-batches a step, and with checkpointing every layer (where the update makes the peak) the update by name and in place"
+    for shape in "phase1 20 64 - - - 1 fused 0" "phase1 20 64 lean - - 1 fused 0" \
+        "phase1 20 64 - tape - 1 fused 0" "phase1 20 64 lean tape all 1 fused 0" \
+        "phase1 20 256 - - - 1 fused 0" "phase2 80 8 - - - 1 fused 0" \
+        "phase2 80 8 lean - - 1 fused 0" "phase2 80 8 lean tape all 1 fused 0" \
+        "phase2 80 64 - - - 1 fused 0" "phase1 20 64 - - - 2 fused 0" \
+        "phase1 20 8 - - - 1 fused 1" "phase1 20 8 - - - 1 inplace 1"; do
+        read -r records predictions micro ffn backward more accumulation optimizer every <<< "$shape"
         # "all": the embedding lookups, the one-pass attention and the loss kernel too.
         embeddings=-; attention=-; loss=-
         [[ $more == all ]] && embeddings=fused && attention=flash && loss=fused
-        echo -n "feed-forward $ffn, backward $backward, embeddings $embeddings, attention $attention, loss $loss: "
+        echo -n "feed-forward $ffn, backward $backward, embeddings $embeddings, attention $attention, loss $loss, optimizer $optimizer: "
         BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
             BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention \
-            BERTKIT_CUDA_LOSS=$loss timeout 120 $b bench memory \
+            BERTKIT_CUDA_LOSS=$loss BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b bench memory \
             --config "$here/data/pipelines/pretrain-phase1.toml" \
             --data "$here/data/records/$records" --preset large --precision bf16 --device cuda \
-            --predictions "$predictions" --micro-batch "$micro" --steps 2 2>&1 | tail -n 1
+            --predictions "$predictions" --micro-batch "$micro" --accumulation "$accumulation" \
+            --checkpointing "$every" --steps 2 2>&1 | tail -n 1
     done
     log "2c phase 1, 12 steps: the pool keeping freed memory, the optimiser's update in place, the lean feed-forward, the backward by hand, the one-pass attention, then all of them without and with it"
     for form in "0 fused - - - - -" "1 fused - - - - -" "0 inplace - - - - -" \
