@@ -351,18 +351,21 @@ mod tests {
             composed.total.ops,
             composed.outside_layers.ops + 2 * composed.layer.ops
         );
+        let timed_by = |inference, clock| {
+            profile(
+                &config,
+                Arc::new(Fused),
+                DType::F32,
+                cpu,
+                shape,
+                2,
+                inference,
+                clock,
+            )
+            .unwrap()
+        };
         // Every kernel the fused pass calls is timed, twice a pass for the two layers' norms.
-        let timed = profile(
-            &config,
-            Arc::new(Fused),
-            DType::F32,
-            cpu,
-            shape,
-            2,
-            false,
-            Clock::Synchronised,
-        )
-        .unwrap();
+        let timed = timed_by(false, Clock::Synchronised);
         assert!(timed.forward_seconds > 0.0 && timed.backward_seconds > 0.0);
         assert_eq!(timed.kernels["residual_layer_norm"].calls, 4, "{timed:?}");
         assert_eq!(timed.kernels["attention"].calls, 2, "{timed:?}");
@@ -399,17 +402,7 @@ mod tests {
         // Outside a profile nothing is timed.
         assert!(crate::kernels::time_backwards(None).unwrap().is_empty());
         // By the other clock (on the CPU the host's, without synchronising), the same calls.
-        let by_events = profile(
-            &config,
-            Arc::new(Fused),
-            DType::F32,
-            cpu,
-            shape,
-            2,
-            false,
-            Clock::Events,
-        )
-        .unwrap();
+        let by_events = timed_by(false, Clock::Events);
         assert_eq!(by_events.clock, Clock::Events);
         let calls = |t: &BTreeMap<&'static str, KernelTime>| {
             t.iter().map(|(n, k)| (*n, k.calls)).collect::<Vec<_>>()
@@ -426,17 +419,7 @@ mod tests {
         );
         assert!(crate::kernels::time_backwards(None).unwrap().is_empty());
         // Inference's passes: the same kernels called, nothing tracked, no backward pass.
-        let inference = profile(
-            &config,
-            Arc::new(Fused),
-            DType::F32,
-            cpu,
-            shape,
-            2,
-            true,
-            Clock::Synchronised,
-        )
-        .unwrap();
+        let inference = timed_by(true, Clock::Synchronised);
         assert_eq!(inference.kernels["attention"].calls, 2, "{inference:?}");
         assert!(inference.backward_kernels.is_empty(), "{inference:?}");
         assert!(inference.backward_seconds < 1e-3, "{inference:?}");
