@@ -12,7 +12,9 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::bert::{BertModel, Inputs, Mode, init};
 use crate::dropout::DropoutSource;
-use crate::kernels::check::{CheckShape, KernelCheck, needing_in, tolerance, values, worst};
+use crate::kernels::check::{
+    CheckShape, KernelCheck, device_broken, needing_in, tolerance, values, worst,
+};
 use crate::{BertConfig, ModelError};
 
 /// The name the report gives the check.
@@ -48,17 +50,62 @@ pub fn check_encoder_backward(
     let mut checks = Vec::new();
     for shape in shapes {
         crate::kernels::set_cuda_flash_attention(false);
-        if !check_shape(device, dtype, shape, NAME, &mut checks)? {
-            return Ok(Vec::new());
+        match check_shape(device, dtype, shape, NAME, &mut checks) {
+            Ok(true) => {}
+            Ok(false) => return Ok(Vec::new()),
+            Err(e) => {
+                if not_run(device, dtype, shape, NAME, &e, &mut checks) {
+                    return Ok(checks);
+                }
+            }
         }
         if device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads {
             crate::kernels::set_cuda_flash_attention(true);
             let checked = check_shape(device, dtype, shape, FLASH_NAME, &mut checks);
             crate::kernels::set_cuda_flash_attention(false);
-            checked?;
+            if let Err(e) = checked
+                && not_run(device, dtype, shape, FLASH_NAME, &e, &mut checks)
+            {
+                return Ok(checks);
+            }
         }
     }
     Ok(checks)
+}
+
+/// The settings check `check` runs with: the backward by hand, and the one-pass attention
+/// where it runs with it.
+fn needs(check: &str, dtype: DType) -> Vec<String> {
+    if check == FLASH_NAME {
+        needing_in(
+            dtype,
+            &[
+                &crate::kernels::CUDA_TAPE,
+                &crate::kernels::CUDA_FLASH_ATTENTION,
+            ],
+        )
+    } else {
+        needing_in(dtype, &[&crate::kernels::CUDA_TAPE])
+    }
+}
+
+/// Reports `check` at `shape` as not run (`error`); whether the device broke (the check
+/// stops).
+fn not_run(
+    device: &Device,
+    dtype: DType,
+    shape: &CheckShape,
+    check: &'static str,
+    error: &candle_core::Error,
+    checks: &mut Vec<KernelCheck>,
+) -> bool {
+    checks.push(KernelCheck::not_run(
+        check.to_string(),
+        shape.name,
+        needs(check, dtype),
+        error,
+    ));
+    device_broken(device).is_some()
 }
 
 /// One shape of [`check_encoder_backward`], reported as `check`: false when the kernels do not
@@ -110,18 +157,7 @@ fn check_shape(
     let store = crate::bert::backward_from(&reference, &upstream)?;
 
     let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
-    // The backward by hand, and the one-pass attention where this check runs with it.
-    let needs = if check == FLASH_NAME {
-        needing_in(
-            dtype,
-            &[
-                &crate::kernels::CUDA_TAPE,
-                &crate::kernels::CUDA_FLASH_ATTENTION,
-            ],
-        )
-    } else {
-        needing_in(dtype, &[&crate::kernels::CUDA_TAPE])
-    };
+    let needs = needs(check, dtype);
     let mut line = |value: &'static str, gradient: bool, worst: f64| {
         checks.push(KernelCheck {
             kernel: check.to_string(),
@@ -131,6 +167,7 @@ fn check_shape(
             worst,
             tolerance: tolerance(dtype),
             needs: needs.clone(),
+            error: None,
         })
     };
     line(

@@ -96,3 +96,36 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     assert!(on.is_empty());
     assert_eq!(off, settings);
 }
+
+/// A kernel that fails to run (here attention, given a width its heads do not divide) is a
+/// failed line with its error, keeping off only what it needs; the kernels after it are still
+/// checked.
+#[test]
+fn a_kernel_that_fails_to_run_is_a_failed_line_and_the_check_goes_on() {
+    let shape = CheckShape {
+        name: "odd-heads",
+        heads: 5,
+        ..CheckShape::defaults().remove(0)
+    };
+    let checks = check_kernels(&Device::Cpu, DType::F32, &[shape]).unwrap();
+    let errors: Vec<_> = checks.iter().filter(|c| c.error.is_some()).collect();
+    assert_eq!(
+        errors.iter().map(|c| c.kernel.as_str()).collect::<Vec<_>>(),
+        ["attention (eval)", "attention (dropout)"],
+        "{checks:#?}"
+    );
+    for c in &errors {
+        assert!(!c.passed() && c.needs.is_empty(), "{c:?}");
+        assert!(c.error.as_deref().is_some_and(|e| !e.is_empty()), "{c:?}");
+    }
+    // The kernels before and after attention ran and passed.
+    for kernel in ["layer_norm", "nll", "residual_layer_norm (dropout)"] {
+        assert!(
+            checks
+                .iter()
+                .any(|c| c.kernel == kernel && c.passed() && c.error.is_none()),
+            "{kernel}: {checks:#?}"
+        );
+    }
+    assert!(bertkit_model::kernels::check::device_broken(&Device::Cpu).is_none());
+}

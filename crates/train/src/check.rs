@@ -26,7 +26,10 @@ use crate::optim::{
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {
-    use bertkit_model::kernels::check::{KernelCheck, needing, tolerance, values, worst};
+    use bertkit_model::kernels::check::{
+        KernelCheck, device_broken, needing, tolerance, values, worst,
+    };
+    const SHAPE: &str = "4 params";
     use candle_core::Device;
     if device.is_cuda() {
         set_cuda_optimizer(true);
@@ -107,57 +110,72 @@ pub fn check_update(
                 Vec::new()
             };
             // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
-            let want = run(
-                rule,
-                &Device::Cpu,
-                if device.is_cpu() { DType::F64 } else { dtype },
-            )?;
-            set_cuda_update_in_place(in_place);
-            let got = run(rule, device, dtype);
-            set_cuda_update_in_place(was_in_place);
-            let got = got?;
-            for (value, prefix) in [
-                ("weights", ""),
-                ("m", "m."),
-                ("v", "v."),
-                ("parameters", "param."),
-            ] {
-                // Every parameter's values side by side: one comparison over all of them.
-                let side = |state: &BTreeMap<String, Tensor>| -> Result<Tensor, TrainError> {
-                    let mut parts = Vec::with_capacity(shapes.len());
-                    for (name, _) in &shapes {
-                        let key = format!("{prefix}{name}");
-                        let Some(t) = state.get(&key) else {
-                            return Err(TrainError::Config(format!("check_update: no {key}")));
-                        };
-                        parts.push(t.flatten_all()?);
-                    }
-                    Ok(Tensor::cat(&parts, 0)?)
-                };
-                checks.push(KernelCheck {
+            let lines = || -> Result<Vec<KernelCheck>, TrainError> {
+                let want = run(
+                    rule,
+                    &Device::Cpu,
+                    if device.is_cpu() { DType::F64 } else { dtype },
+                )?;
+                set_cuda_update_in_place(in_place);
+                let got = run(rule, device, dtype);
+                set_cuda_update_in_place(was_in_place);
+                let got = got?;
+                let mut lines = Vec::new();
+                for (value, prefix) in [
+                    ("weights", ""),
+                    ("m", "m."),
+                    ("v", "v."),
+                    ("parameters", "param."),
+                ] {
+                    // Every parameter's values side by side: one comparison over all of them.
+                    let side = |state: &BTreeMap<String, Tensor>| -> Result<Tensor, TrainError> {
+                        let mut parts = Vec::with_capacity(shapes.len());
+                        for (name, _) in &shapes {
+                            let key = format!("{prefix}{name}");
+                            let Some(t) = state.get(&key) else {
+                                return Err(TrainError::Config(format!("check_update: no {key}")));
+                            };
+                            parts.push(t.flatten_all()?);
+                        }
+                        Ok(Tensor::cat(&parts, 0)?)
+                    };
+                    lines.push(KernelCheck {
+                        kernel: kernel.clone(),
+                        shape: SHAPE,
+                        value,
+                        gradient: false,
+                        worst: worst(&side(&got)?, &side(&want)?)?,
+                        tolerance: tolerance(if prefix == "param." {
+                            dtype
+                        } else {
+                            DType::F32
+                        }),
+                        needs: needs.clone(),
+                        error: None,
+                    });
+                }
+                // The squared gradient norm of each step's bucket.
+                lines.push(KernelCheck {
                     kernel: kernel.clone(),
-                    shape: "4 params",
-                    value,
+                    shape: SHAPE,
+                    value: "squared norm",
                     gradient: false,
-                    worst: worst(&side(&got)?, &side(&want)?)?,
-                    tolerance: tolerance(if prefix == "param." {
-                        dtype
-                    } else {
-                        DType::F32
-                    }),
+                    worst: worst(&got["norm"], &want["norm"])?,
+                    tolerance: tolerance(DType::F32),
                     needs: needs.clone(),
+                    error: None,
                 });
+                Ok(lines)
+            };
+            match lines() {
+                Ok(lines) => checks.extend(lines),
+                Err(e) => {
+                    checks.push(KernelCheck::not_run(kernel, SHAPE, needs, &e));
+                    if device_broken(device).is_some() {
+                        return Ok(checks);
+                    }
+                }
             }
-            // The squared gradient norm of each step's bucket.
-            checks.push(KernelCheck {
-                kernel: kernel.clone(),
-                shape: "4 params",
-                value: "squared norm",
-                gradient: false,
-                worst: worst(&got["norm"], &want["norm"])?,
-                tolerance: tolerance(DType::F32),
-                needs,
-            });
         }
     }
     Ok(checks)

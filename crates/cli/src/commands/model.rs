@@ -95,8 +95,33 @@ pub(crate) fn check(command: CheckCommand) -> Result<()> {
     }
 }
 
+/// One line of `bertkit check kernels`: a kernel's value, its worst difference and the bound;
+/// or, where it could not run, its error.
+fn print_check(c: &bertkit_model::kernels::check::KernelCheck) {
+    let value = if c.gradient {
+        format!("d{}", c.value)
+    } else {
+        c.value.to_string()
+    };
+    match &c.error {
+        Some(error) => println!(
+            "  {:<40} {:<9} {:<12} {:>11} {:>10} FAILED: {error}",
+            c.kernel, c.shape, value, "", ""
+        ),
+        None => println!(
+            "  {:<40} {:<9} {:<12} {:>11.3e} {:>10.1e} {}",
+            c.kernel,
+            c.shape,
+            value,
+            c.worst,
+            c.tolerance,
+            if c.passed() { "ok" } else { "FAILED" }
+        ),
+    }
+}
+
 fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
-    use bertkit_model::kernels::check::{CheckShape, check_kernels};
+    use bertkit_model::kernels::check::{CheckShape, KernelCheck, check_kernels, device_broken};
     let device = bertkit_model::parse_device(&args.device)?;
     let reference = if device.is_cpu() {
         "the composed ops in f64 on the CPU"
@@ -106,6 +131,7 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
     let shapes = CheckShape::defaults();
     let mut all = Vec::new();
     let mut dtypes = Vec::new();
+    let mut broken = None;
     for name in args
         .dtype
         .split(',')
@@ -123,28 +149,43 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
             "kernel", "shape", "value", "worst", "bound"
         );
         let started = Instant::now();
-        let mut checks = check_kernels(&device, dtype, &shapes)?;
-        checks.extend(bertkit_model::encoder_check::check_encoder_backward(
-            &device, dtype, &shapes,
-        )?);
-        if dtype == candle_core::DType::F32 {
+        // Each group's lines as it ends; where a kernel's error broke the device, the checks
+        // stop there (what is left is not run, so not turned on).
+        let groups: [&dyn Fn() -> Result<Vec<KernelCheck>>; 3] = [
+            &|| Ok(check_kernels(&device, dtype, &shapes)?),
+            &|| {
+                Ok(bertkit_model::encoder_check::check_encoder_backward(
+                    &device, dtype, &shapes,
+                )?)
+            },
             // The optimiser's state is f32 whatever the model's dtype.
-            checks.extend(bertkit_train::check::check_update(&device)?);
-        }
-        for c in checks {
-            let value = if c.gradient {
-                format!("d{}", c.value)
-            } else {
-                c.value.to_string()
-            };
-            let verdict = if c.passed() { "ok" } else { "FAILED" };
-            println!(
-                "  {:<40} {:<9} {:<12} {:>11.3e} {:>10.1e} {verdict}",
-                c.kernel, c.shape, value, c.worst, c.tolerance
-            );
-            all.push(c);
+            &|| {
+                Ok(if dtype == candle_core::DType::F32 {
+                    bertkit_train::check::check_update(&device)?
+                } else {
+                    Vec::new()
+                })
+            },
+        ];
+        for group in groups {
+            let checks = group()?;
+            let errors = checks.iter().any(|c| c.error.is_some());
+            for c in checks {
+                print_check(&c);
+                all.push(c);
+            }
+            if errors && let Some(e) = device_broken(&device) {
+                broken = Some(e);
+                break;
+            }
         }
         println!("  ({:.1} s)", started.elapsed().as_secs_f64());
+        if let Some(e) = &broken {
+            println!(
+                "the device failed after the kernel that could not run ({e}): the checks after it did not run"
+            );
+            break;
+        }
     }
     let (checked, failed) = (all.len(), all.iter().filter(|c| !c.passed()).count());
     if failed == 0 {
@@ -160,7 +201,7 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
             bertkit_train::optim::cuda_settings_off_by_default(),
         );
         if !off.is_empty() {
-            println!("failed here, leave off: {}", off.join(" "));
+            println!("failed or not checked here, leave off: {}", off.join(" "));
         }
         if !passed.is_empty() {
             println!(

@@ -34,6 +34,9 @@ pub struct KernelCheck {
     /// take by default. A failed line keeps these settings off and nothing else: `bertkit
     /// check kernels` names the others as safe to turn on.
     pub needs: Vec<String>,
+    /// Why the kernel could not run, where it could not ([`KernelCheck::not_run`]; the line
+    /// fails).
+    pub error: Option<String>,
 }
 
 /// Of `settings` (off by default, `VARIABLE=value`), those some line of `checks` needs and no
@@ -73,6 +76,34 @@ impl KernelCheck {
     pub fn passed(&self) -> bool {
         self.worst <= self.tolerance
     }
+
+    /// The line of a kernel that failed to run (an error where its values would be): a failed
+    /// line, which keeps the settings it `needs` off and no others.
+    pub fn not_run(
+        kernel: String,
+        shape: &'static str,
+        needs: Vec<String>,
+        error: &dyn std::fmt::Display,
+    ) -> Self {
+        KernelCheck {
+            kernel,
+            shape,
+            value: "(error)",
+            gradient: false,
+            worst: f64::NAN,
+            tolerance: f64::NAN,
+            needs,
+            error: Some(error.to_string()),
+        }
+    }
+}
+
+/// Whether `device` still runs work, after a kernel's error: an error that breaks a GPU's
+/// context (an illegal address, say) fails every later call there, so a check stops at it
+/// rather than report every later kernel as failed (and so leave off settings it never
+/// checked). The device's error where it is broken.
+pub fn device_broken(device: &Device) -> Option<String> {
+    device.synchronize().err().map(|e| e.to_string())
 }
 
 /// A batch the kernels are checked at.
@@ -366,7 +397,9 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// [`super::set_cuda_embeddings`], [`super::set_cuda_loss`], [`super::set_cuda_fp16`],
 /// [`crate::set_tf32`]); the
 /// one-pass attention is on for its own rows only and off afterwards
-/// ([`super::set_cuda_flash_attention`]).
+/// ([`super::set_cuda_flash_attention`]). A kernel that fails to run gives a failed line with
+/// its error ([`KernelCheck::not_run`]) and the check goes on, unless the error broke the
+/// device ([`device_broken`]): then the lines end there.
 pub fn check_kernels(
     device: &Device,
     dtype: DType,
@@ -398,25 +431,48 @@ pub fn check_kernels(
                 continue;
             }
             super::set_cuda_flash_attention(case.flash);
-            let inputs = case
-                .inputs
-                .iter()
-                .enumerate()
-                .map(|(i, (_, dims, scale))| values(dims, *scale, (c * 16 + i) as u64, dtype))
-                .collect::<Result<Vec<_>>>()?;
-            let want = run_side(case, shape, &inputs, reference, &Device::Cpu, ref_dtype)?;
-            let got = run_side(case, shape, &inputs, &Fused, device, dtype)?;
-            let names = std::iter::once("output").chain(case.inputs.iter().map(|(n, _, _)| *n));
-            for ((value, got), want) in names.zip(&got).zip(&want) {
-                checks.push(KernelCheck {
-                    kernel: case.kernel.to_string(),
-                    shape: shape.name,
-                    value,
-                    gradient: value != "output",
-                    worst: worst(got, want)?,
-                    tolerance: tolerance(dtype),
-                    needs: needing_in(dtype, case.needs.as_slice()),
-                });
+            let needs = needing_in(dtype, case.needs.as_slice());
+            let run = || -> Result<Vec<KernelCheck>> {
+                let inputs = case
+                    .inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (_, dims, scale))| values(dims, *scale, (c * 16 + i) as u64, dtype))
+                    .collect::<Result<Vec<_>>>()?;
+                let want = run_side(case, shape, &inputs, reference, &Device::Cpu, ref_dtype)?;
+                let got = run_side(case, shape, &inputs, &Fused, device, dtype)?;
+                let names = std::iter::once("output").chain(case.inputs.iter().map(|(n, _, _)| *n));
+                names
+                    .zip(&got)
+                    .zip(&want)
+                    .map(|((value, got), want)| {
+                        Ok(KernelCheck {
+                            kernel: case.kernel.to_string(),
+                            shape: shape.name,
+                            value,
+                            gradient: value != "output",
+                            worst: worst(got, want)?,
+                            tolerance: tolerance(dtype),
+                            needs: needs.clone(),
+                            error: None,
+                        })
+                    })
+                    .collect()
+            };
+            match run() {
+                Ok(lines) => checks.extend(lines),
+                Err(e) => {
+                    checks.push(KernelCheck::not_run(
+                        case.kernel.to_string(),
+                        shape.name,
+                        needs,
+                        &e,
+                    ));
+                    if device_broken(device).is_some() {
+                        super::set_cuda_flash_attention(false);
+                        return Ok(checks);
+                    }
+                }
             }
         }
     }
