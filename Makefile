@@ -97,10 +97,11 @@ endef
 export NO_GPU NO_NVCC
 
 # The compute capability the CUDA kernels are built for: the GPUs' own, as nvidia-smi reports
-# it (90 on H100/H200, 80 on A100), so the driver need not compile PTX at every start. candle
+# it (90 on H100/H200, 80 on A100), so the PTX is written for the card's architecture (the
+# driver compiles PTX for the GPU at a machine's first run either way, and caches it). candle
 # builds its kernels for one capability; with several kinds of GPU the lowest is taken (its
-# code runs on the newer ones through the driver's JIT). Without a GPU here, 80 (runs on A100
-# and, JIT-compiled at start, on H100/H200); CUDA_COMPUTE_CAP=90 builds for a Hopper elsewhere.
+# code runs on the newer ones). Without a GPU here, 80 (runs on A100 and on H100/H200);
+# CUDA_COMPUTE_CAP=90 builds for a Hopper elsewhere.
 GPU_COMPUTE_CAP := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null \
 	| tr -d ' .' | grep -E '^[0-9]+$$' | sort -n | head -n 1)
 CUDA_COMPUTE_CAP ?= $(or $(GPU_COMPUTE_CAP),80)
