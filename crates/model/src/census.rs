@@ -304,6 +304,7 @@ pub fn profile(
                 let per_pass = KernelTime {
                     calls: t.calls / passes as u64,
                     seconds: t.seconds / n,
+                    flops: t.flops / n,
                 };
                 (name, per_pass)
             })
@@ -374,6 +375,20 @@ mod tests {
         assert_eq!(timed.kernels["feed_forward"].calls, 2, "{timed:?}");
         let in_kernels: f64 = timed.kernels.values().map(|k| k.seconds).sum();
         assert!(in_kernels < timed.forward_seconds, "{timed:?}");
+        // The products' operations a pass: each layer's feed-forward block two products of
+        // `[tokens, h]` by `[h, i]`'s size, attention `4·len²·h` a sequence (all full here).
+        let (tokens, h, i) = (
+            (shape.batch * shape.seq) as f64,
+            config.hidden_size as f64,
+            config.intermediate_size as f64,
+        );
+        assert_eq!(
+            timed.kernels["feed_forward"].flops,
+            2.0 * 2.0 * 2.0 * tokens * h * i
+        );
+        let attention = 2.0 * shape.batch as f64 * 4.0 * (shape.seq as f64).powi(2) * h;
+        assert_eq!(timed.kernels["attention"].flops, attention);
+        assert_eq!(timed.kernels["layer_norm"].flops, 0.0);
         // Each fused op's backward pass is timed once per forward call, under its kernel's
         // name (a feed-forward block's first product is a linear layer's); together they are
         // part of the backward pass, not all of it.

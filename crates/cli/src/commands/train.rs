@@ -672,8 +672,8 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         args.passes.max(1)
     );
     println!(
-        "{:<22} {:>8} {:>12} {:>12} {:>13}",
-        "", "calls", "forward ms", "of forward", "backward ms"
+        "{:<22} {:>8} {:>12} {:>12} {:>11} {:>13}",
+        "", "calls", "forward ms", "of forward", "TFLOP/s", "backward ms"
     );
     let ms = |s: f64| s * 1e3;
     let share = |s: f64| 100.0 * s / p.forward_seconds.max(1e-12);
@@ -700,32 +700,39 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
             .or(p.backward_kernels.get(name))
             .map_or(0, |t| t.calls);
         println!(
-            "{name:<22} {calls:>8} {:>12} {:>12} {:>13}",
+            "{name:<22} {calls:>8} {:>12} {:>12} {:>11} {:>13}",
             cell(forward),
             forward.map_or("".to_string(), |t| format!("{:.1}%", share(t.seconds))),
+            forward.filter(|t| t.flops > 0.0 && t.seconds > 0.0).map_or(
+                "".to_string(),
+                |t| format!("{:.2}", t.flops / t.seconds / 1e12)
+            ),
             cell(p.backward_kernels.get(name)),
         );
     }
     let in_kernels: f64 = p.kernels.values().map(|t| t.seconds).sum();
     let in_backwards: f64 = p.backward_kernels.values().map(|t| t.seconds).sum();
     println!(
-        "{:<22} {:>8} {:>12.2} {:>11.1}% {:>13.2}",
+        "{:<22} {:>8} {:>12.2} {:>11.1}% {:>11} {:>13.2}",
         "outside the kernels",
         "",
         ms(p.forward_seconds - in_kernels),
         share(p.forward_seconds - in_kernels),
+        "",
         ms(p.backward_seconds - in_backwards),
     );
+    let flops: f64 = p.kernels.values().map(|t| t.flops).sum();
     println!(
-        "{:<22} {:>8} {:>12.2} {:>12} {:>13.2}",
+        "{:<22} {:>8} {:>12.2} {:>12} {:>11.2} {:>13.2}",
         "total",
         "",
         ms(p.forward_seconds),
         "",
+        flops / p.forward_seconds.max(1e-12) / 1e12,
         ms(p.backward_seconds)
     );
     println!(
-        "(each kernel call and each fused op's backward timed {}; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, the encoder's gradients added where two meet (a residual) and the embeddings', heads' and loss's backward in candle's autograd; where the kernels do not record, the encoder's too: a zeroed gradient and an addition per graph edge)",
+        "(each kernel call and each fused op's backward timed {}; TFLOP/s: the kernel's matrix products (the linear layers', attention's within each sequence) over its time, the whole forward pass's over the pass; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, the encoder's gradients added where two meet (a residual) and the embeddings', heads' and loss's backward in candle's autograd; where the kernels do not record, the encoder's too: a zeroed gradient and an addition per graph edge)",
         match p.clock {
             bertkit_model::kernels::Clock::Synchronised =>
                 "with the device synchronised around it (the host's clock)",

@@ -93,9 +93,11 @@ struct Span {
     name: &'static str,
     start: Mark,
     end: Mark,
+    /// The call's matrix products' floating-point operations (0 where none are counted).
+    flops: f64,
 }
 
-/// Each name's calls and seconds.
+/// Each name's calls, seconds and counted operations.
 fn read(spans: Vec<Span>) -> Result<BTreeMap<&'static str, KernelTime>> {
     let mut times = BTreeMap::<&'static str, KernelTime>::new();
     for span in spans {
@@ -103,8 +105,31 @@ fn read(spans: Vec<Span>) -> Result<BTreeMap<&'static str, KernelTime>> {
         let t = times.entry(span.name).or_default();
         t.calls += 1;
         t.seconds += seconds;
+        t.flops += span.flops;
     }
     Ok(times)
+}
+
+/// The floating-point operations of `x · weightᵀ` (`weight` `[out, in]`): two a multiply-add.
+fn product_flops(x: &Tensor, weight: &Tensor) -> f64 {
+    match weight.dims() {
+        [out, inner] if *inner > 0 => 2.0 * (x.elem_count() / inner * inner * out) as f64,
+        _ => 0.0,
+    }
+}
+
+/// The floating-point operations of attention's two products within each sequence of
+/// `packing` (`q · kᵀ` and `p · v`, over the tokens of a row, not its padding) at `hidden`
+/// (the heads' widths together).
+fn attention_flops(packing: &Packing, hidden: usize) -> f64 {
+    let starts = packing.starts();
+    starts
+        .windows(2)
+        .map(|w| {
+            let len = (w[1] - w[0]) as f64;
+            4.0 * len * len * hidden as f64
+        })
+        .sum()
 }
 
 /// The kernels `inner` with each call timed per method by a [`Clock`]. The forward passes
@@ -131,6 +156,10 @@ pub struct KernelTime {
     pub calls: u64,
     /// Seconds in them, by the profile's [`Clock`].
     pub seconds: f64,
+    /// The floating-point operations of their matrix products (the linear layers' and
+    /// attention's within each sequence; 0 for a kernel without products): with
+    /// [`KernelTime::seconds`], the rate the products ran at, kernel time around them included.
+    pub flops: f64,
 }
 
 impl Profiled {
@@ -157,13 +186,26 @@ impl Profiled {
         on: &Tensor,
         call: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
+        self.timed_flops(name, on, 0.0, call)
+    }
+
+    /// [`Profiled::timed`] for a call whose products make `flops` operations.
+    fn timed_flops(
+        &self,
+        name: &'static str,
+        on: &Tensor,
+        flops: f64,
+        call: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let start = Mark::now(on.device(), self.clock)?;
         let out = call()?;
         let end = Mark::now(out.device(), self.clock)?;
-        self.spans
-            .lock()
-            .expect("not poisoned")
-            .push(Span { name, start, end });
+        self.spans.lock().expect("not poisoned").push(Span {
+            name,
+            start,
+            end,
+            flops,
+        });
         Ok(out)
     }
 }
@@ -205,7 +247,12 @@ pub(crate) fn backward<T>(
     let end = Mark::now(device, clock)?;
     BACKWARDS.with(|b| {
         if let Some((_, spans)) = b.borrow_mut().as_mut() {
-            spans.push(Span { name, start, end });
+            spans.push(Span {
+                name,
+                start,
+                end,
+                flops: 0.0,
+            });
         }
     });
     Ok(out)
@@ -229,7 +276,9 @@ impl Kernels for Profiled {
     }
 
     fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.timed("linear", x, || self.inner.linear(x, weight, bias))
+        self.timed_flops("linear", x, product_flops(x, weight), || {
+            self.inner.linear(x, weight, bias)
+        })
     }
 
     fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
@@ -243,7 +292,7 @@ impl Kernels for Profiled {
         bias: Option<&Tensor>,
         form: Gelu,
     ) -> Result<Tensor> {
-        self.timed("linear_gelu", x, || {
+        self.timed_flops("linear_gelu", x, product_flops(x, weight), || {
             self.inner.linear_gelu(x, weight, bias, form)
         })
     }
@@ -255,7 +304,8 @@ impl Kernels for Profiled {
         second: (&Tensor, Option<&Tensor>),
         form: Gelu,
     ) -> Result<Tensor> {
-        self.timed("feed_forward", x, || {
+        // Two products of the same size: `[rows, h]` by `[h, i]`, then `[rows, i]` by `[i, h]`.
+        self.timed_flops("feed_forward", x, 2.0 * product_flops(x, first.0), || {
             self.inner.feed_forward(x, first, second, form)
         })
     }
@@ -272,7 +322,8 @@ impl Kernels for Profiled {
         mode: Mode,
         dropout: f64,
     ) -> Result<Tensor> {
-        self.timed("attention", qkv, || {
+        let hidden = qkv.dims().last().copied().unwrap_or(0) / 3;
+        self.timed_flops("attention", qkv, attention_flops(packing, hidden), || {
             self.inner.attention(qkv, packing, heads, mode, dropout)
         })
     }
