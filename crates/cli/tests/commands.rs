@@ -224,11 +224,23 @@ fn bench_kernels_times_each_kernel() {
             "{row}: {stdout}"
         );
     }
-    // Forward and backward columns, the fused ops' backward passes timed in the second.
+    // Forward and backward columns, the fused ops' backward passes timed in the second, and
+    // the rate of a kernel's matrix products between them.
     assert!(
-        stdout.contains("forward ms") && stdout.contains("backward ms"),
+        stdout.contains("forward ms")
+            && stdout.contains("backward ms")
+            && stdout.contains("TFLOP/s"),
         "{stdout}"
     );
     let attention = stdout.lines().find(|l| l.starts_with("attention")).unwrap();
-    assert_eq!(attention.split_whitespace().count(), 5, "{attention}");
+    let columns: Vec<&str> = attention.split_whitespace().collect();
+    assert_eq!(columns.len(), 6, "{attention}");
+    let rate: f64 = columns[4].parse().unwrap();
+    assert!(rate.is_finite() && rate >= 0.0, "{attention}");
+    // A kernel without products has no rate: five columns.
+    let norm = stdout
+        .lines()
+        .find(|l| l.starts_with("residual_layer_norm"))
+        .unwrap();
+    assert_eq!(norm.split_whitespace().count(), 5, "{norm}");
 }
