@@ -11,7 +11,9 @@
 # (BERTKIT_CUDA_LOSS=fused) and, in fp16, the kernels' f16 forms (BERTKIT_CUDA_FP16=fused);
 # none yet run on a device (bench/gpu/emulate ran their CUDA code on the CPU). ALL_ON=1 turns
 # on, for the rest of the call, every setting whose kernels the check passes (and the pool
-# keeping freed memory): with SIDE, the table for all of them at once. PROFILE=1 adds ncu's
+# keeping freed memory): with SIDE, the table for all of them at once. The EXTRA rows run
+# without any setting the check failed (a row left with none of its own is skipped, saying
+# so). PROFILE=1 adds ncu's
 # time per kernel over two training passes (ncu_summary.py). SIDE=0 skips the side-by-side
 # table (to split a long run into two device calls); OPTIMIZER=0 skips the optimiser step
 # alone (2).
@@ -55,6 +57,26 @@ if [[ -n ${ALL_ON:-} ]]; then
         log "ALL_ON: no setting passed (check rc $check_rc); the defaults stay"
     fi
 fi
+# The settings the check failed (its line "failed or not checked here, leave off: ..."; all
+# of them when a kernel taken by default failed): the rows below run without them rather than
+# spend the call on a kernel known wrong. `take VAR NAME` sets the shell variable NAME to "-"
+# where VAR=$NAME failed, noting it in $dropped; `nothing_left VALUES...` then says a row is
+# skipped when it dropped something and none of its own settings is left (it would repeat a
+# row without them).
+leave_off=" $(sed -n 's/.*leave off: //p' "$out/check.txt") "
+take() {
+    local value=${!2}
+    if [[ $value != - && $leave_off == *" $1=$value "* ]]; then
+        dropped+=" $1=$value"
+        printf -v "$2" %s -
+    fi
+}
+nothing_left() {
+    [[ -z $dropped ]] && return 1
+    local v
+    for v in "$@"; do [[ $v != - && $v != 0 ]] && return 1; done
+    echo "skipped (${dropped# } failed its check)"
+}
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
 for optimizer in composed fused inplace; do
     [[ ${OPTIMIZER:-1} == 0 ]] && break
@@ -75,7 +97,13 @@ if [[ -n ${EXTRA:-} ]]; then
         # "all": the embedding lookups, the one-pass attention and the loss kernel too.
         embeddings=-; attention=-; loss=-
         [[ $more == all ]] && embeddings=fused && attention=flash && loss=fused
-        echo -n "feed-forward $ffn, backward $backward, embeddings $embeddings, attention $attention, loss $loss, optimizer $optimizer: "
+        dropped=
+        take BERTKIT_CUDA_FEED_FORWARD ffn; take BERTKIT_CUDA_BACKWARD backward
+        take BERTKIT_CUDA_EMBEDDINGS embeddings; take BERTKIT_CUDA_ATTENTION attention
+        take BERTKIT_CUDA_LOSS loss; take BERTKIT_CUDA_OPTIMIZER optimizer
+        echo -n "feed-forward $ffn, backward $backward, embeddings $embeddings, attention $attention, loss $loss, optimizer $optimizer${dropped:+ (without$dropped)}: "
+        nothing_left "$ffn" "$backward" "$embeddings" "$attention" "$loss" "${optimizer/fused/-}" \
+            && continue
         BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
             BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention \
             BERTKIT_CUDA_LOSS=$loss BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b bench memory \
@@ -90,11 +118,21 @@ if [[ -n ${EXTRA:-} ]]; then
         "0 fused - - - - fused" "1 inplace lean tape fused - -" \
         "1 inplace lean tape fused flash fused"; do
         read -r keep optimizer ffn backward embeddings attention loss <<< "$form"
+        dropped=
+        take BERTKIT_CUDA_OPTIMIZER optimizer; take BERTKIT_CUDA_FEED_FORWARD ffn
+        take BERTKIT_CUDA_BACKWARD backward; take BERTKIT_CUDA_EMBEDDINGS embeddings
+        take BERTKIT_CUDA_ATTENTION attention; take BERTKIT_CUDA_LOSS loss
+        label="keep=$keep $optimizer ffn=$ffn backward=$backward embeddings=$embeddings attention=$attention loss=$loss${dropped:+ (without$dropped)}"
+        if why=$(nothing_left "$keep" "${optimizer/fused/-}" "$ffn" "$backward" "$embeddings" \
+            "$attention" "$loss"); then
+            echo "$label: $why"
+            continue
+        fi
         BERTKIT_CUDA_POOL_KEEP=$keep BERTKIT_CUDA_OPTIMIZER=$optimizer \
             BERTKIT_CUDA_FEED_FORWARD=$ffn BERTKIT_CUDA_BACKWARD=$backward \
             BERTKIT_CUDA_EMBEDDINGS=$embeddings BERTKIT_CUDA_ATTENTION=$attention \
             BERTKIT_CUDA_LOSS=$loss phase1 "keep-$keep" bf16 | grep -E "a step|start-up" \
-            | sed "s/^/keep=$keep $optimizer ffn=$ffn backward=$backward embeddings=$embeddings attention=$attention loss=$loss: /"
+            | sed "s|^|$label: |"
     done
 fi
 if [[ -n ${EXTRA:-} ]]; then
@@ -107,7 +145,11 @@ if [[ -n ${EXTRA:-} ]]; then
         "tape fused flash fused 0 synchronised" "tape fused flash fused 1 synchronised" \
         "tape fused flash fused 1 events"; do
         read -r backward embeddings attention loss keep clock <<< "$form"
-        echo "backward $backward, embeddings $embeddings, attention $attention, loss $loss, pool keep $keep, clock $clock:"
+        dropped=
+        take BERTKIT_CUDA_BACKWARD backward; take BERTKIT_CUDA_EMBEDDINGS embeddings
+        take BERTKIT_CUDA_ATTENTION attention; take BERTKIT_CUDA_LOSS loss
+        echo "backward $backward, embeddings $embeddings, attention $attention, loss $loss, pool keep $keep, clock $clock${dropped:+ (without$dropped)}:"
+        nothing_left "$backward" "$embeddings" "$attention" "$loss" "$keep" && continue
         BERTKIT_CUDA_POOL_KEEP=$keep BERTKIT_CUDA_BACKWARD=$backward \
             BERTKIT_CUDA_EMBEDDINGS=$embeddings \
             BERTKIT_CUDA_ATTENTION=$attention BERTKIT_CUDA_LOSS=$loss timeout 120 \
@@ -119,6 +161,12 @@ if [[ -n ${EXTRA:-} ]]; then
     # fp16 (GPUs without bf16): candle's ops, as before, against the kernels' f16 forms.
     log "2f phase 1 in fp16, 12 steps: candle's ops, then the CUDA kernels' f16 forms"
     for fp16 in - fused; do
+        dropped=
+        take BERTKIT_CUDA_FP16 fp16
+        if why=$(nothing_left "$fp16"); then
+            echo "fp16 kernels fused: $why"
+            continue
+        fi
         BERTKIT_CUDA_FP16=$fp16 phase1 fp16 fp16 | grep -E "a step|start-up|loss" | tail -n 3 \
             | sed "s/^/fp16 kernels $fp16: /"
     done
