@@ -394,8 +394,14 @@ fn predict_with(
     // the f32 sums of those before. At the update: the flat f32 bucket with a micro-batch's
     // gradients settling into it, then the update's temporaries (the CPU, and CUDA in place);
     // or, CUDA's update by name, the f32 sums by name beside the bucket and copies of a group.
+    // On the CPU in half precision the fused kernels run in f32: the gradients pass through
+    // f32 before their cast back (BERT-large bf16, micro-batch 16: 0.72 GiB over the account
+    // without these 4 bytes a parameter; BENCHMARKS.md), as the sums do from the second
+    // micro-batch on.
     let made = 4.0 * tables + b * (p - tables);
-    let backward_grads = made + if shape.accumulation > 1 { 4.0 * p } else { 0.0 };
+    let f32_beside =
+        shape.accumulation > 1 || (target == Target::Cpu && precision == Precision::Half);
+    let backward_grads = made + if f32_beside { 4.0 * p } else { 0.0 };
     let temporaries = optimizer_temporaries(c, target, kernels);
     let update = match target {
         Target::Cuda if !kernels.update_in_place => 8.0 * p + temporaries,
