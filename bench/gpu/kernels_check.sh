@@ -154,7 +154,7 @@ if [[ -n ${EXTRA:-} ]]; then
             BERTKIT_CUDA_EMBEDDINGS=$embeddings \
             BERTKIT_CUDA_ATTENTION=$attention BERTKIT_CUDA_LOSS=$loss timeout 120 \
             $b bench kernels --config large --batch 64 --seq 128 --dtype bf16 --device cuda \
-            --passes 2 --clock "$clock" 2>&1 | tail -n 12
+            --passes 2 --clock "$clock" 2>&1 | tail -n 14
     done
 fi
 if [[ -n ${EXTRA:-} ]]; then
