@@ -149,7 +149,7 @@ PY
         --device "$device" --passes 2 --clock "${CLOCK:-events}" 2>&1 | tail -n 16
     log "3c where an inference pass's time goes, per kernel (seq 128, batch $p1_batch, $dtype, clock ${CLOCK:-events})"
     "$bertkit" bench kernels --config "$model" --batch "$p1_batch" --seq 128 --dtype "$dtype" \
-        --device "$device" --passes 2 --inference --clock "${CLOCK:-events}" 2>&1 | tail -n 10
+        --device "$device" --passes 2 --inference --clock "${CLOCK:-events}" 2>&1 | tail -n 12
 
     log "4 phase 2 from phase 1: seq 512, micro-batch $p2_batch"
     recipe phase2 phase2 "$work/phase1"
