@@ -338,6 +338,18 @@ bool check_update(const char* name, bool lamb, bool decayed) {
     return differ == 0 && params_differ == 0;
 }
 
+// `numel` values from `want` held in a new buffer of `held` as type `T` (`to` rounds each,
+// `from` reads it back into `want`, so that `want` is what the buffer holds): its address.
+template <typename T, typename To, typename From>
+uint64_t held_as(std::vector<std::vector<T>>& held, float* want, size_t numel, To to, From from) {
+    held.emplace_back(numel);
+    for (size_t j = 0; j < numel; ++j) {
+        held.back()[j] = to(want[j]);
+        want[j] = from(held.back()[j]);
+    }
+    return (uint64_t)held.back().data();
+}
+
 // The flat buffer `pieces_to_flat` fills, against each piece copied and cast by hand: every
 // element written (the buffer starts as NaN), the same bits (the casts to f32 are exact).
 bool check_pieces(const char* name, unsigned grid) {
@@ -363,19 +375,9 @@ bool check_pieces(const char* name, unsigned grid) {
             f32s.emplace_back(want.begin() + start, want.begin() + start + numel);
             t.address = (uint64_t)f32s.back().data();
         } else if (type == ELEMENT_BF16) {
-            bf16s.emplace_back(numel);
-            for (size_t j = 0; j < numel; ++j) {
-                bf16s.back()[j] = __float2bfloat16(want[start + j]);
-                want[start + j] = __bfloat162float(bf16s.back()[j]);
-            }
-            t.address = (uint64_t)bf16s.back().data();
+            t.address = held_as(bf16s, &want[start], numel, __float2bfloat16, __bfloat162float);
         } else if (type == ELEMENT_F16) {
-            f16s.emplace_back(numel);
-            for (size_t j = 0; j < numel; ++j) {
-                f16s.back()[j] = __float2half(want[start + j]);
-                want[start + j] = __half2float(f16s.back()[j]);
-            }
-            t.address = (uint64_t)f16s.back().data();
+            t.address = held_as(f16s, &want[start], numel, __float2half, __half2float);
         }
         pieces.push_back({t, (uint64_t)(flat.data() + start), start, numel});
         start += numel;

@@ -175,7 +175,11 @@ impl FlatSums {
                 unsafe { Tensor::empty(self.layout.elements, self.dtype, &device)? }
             }
         };
-        gather(&bucket, pieces, self.unscale, accumulate)?;
+        bucket.inplace_op1(&Gather {
+            pieces,
+            unscale: self.unscale,
+            accumulate,
+        })?;
         self.bucket = Some(bucket);
         Ok(())
     }
@@ -218,24 +222,9 @@ struct Piece {
     numel: usize,
 }
 
-/// Copies (or, `accumulate`, adds) `pieces`' gradients times `unscale` into `bucket`, cast to
-/// its dtype, in one pass.
-fn gather(
-    bucket: &Tensor,
-    pieces: Vec<Piece>,
-    unscale: f64,
-    accumulate: bool,
-) -> Result<(), TrainError> {
-    bucket.inplace_op1(&Gather {
-        pieces,
-        unscale,
-        accumulate,
-    })?;
-    Ok(())
-}
-
-/// The bucket's gather as an in-place op on it: on CUDA `pieces_to_flat` (`cuda_update.cu`),
-/// on the CPU its twin.
+/// The bucket's gather as an in-place op on it: `pieces`' gradients times `unscale` copied (or,
+/// `accumulate`, added) into the bucket, cast to its dtype, in one pass: on CUDA
+/// `pieces_to_flat` (`cuda_update.cu`), on the CPU its twin.
 struct Gather {
     pieces: Vec<Piece>,
     unscale: f64,
