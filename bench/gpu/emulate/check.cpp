@@ -1,12 +1,14 @@
-// bertkit's CUDA kernels that have not yet run on a GPU, run on the CPU through the emulation
-// (`shim/`) before a device run spends time on them:
+// bertkit's CUDA kernels run on the CPU through the emulation (`shim/`): each new kernel before
+// a device run spends time on it, and after its run (these all passed on an H200 on
+// 2026-11-27, the backward in pieces excepted) as a check of every change to them:
 //
 // - the one-pass attention (`crates/model/src/kernels/cuda/flash.cu`) against the attention
 //   computed directly in f64 from the same bf16 inputs and dropout keys: the context and the
 //   gradients of the queries, keys and values, at rows of several lengths (a row of one token,
 //   rows ending inside a tile, padding) over one to three key tiles;
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
-//   gathered and summed by hand in token order (the same bits, f32, bf16 and f16);
+//   gathered and summed by hand in token order (the same bits, f32, bf16 and f16), and the
+//   backward in pieces against the pieces' f32 sums by hand, in order;
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
 //   a vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
@@ -250,11 +252,49 @@ bool check_gather(const char* name, int table_rows, int cols, int tokens) {
             const float got = to_f32(grad_table[(size_t)r * cols + c]);
             summed_wrong += !(got == to_f32(sum));
         }
+    // The backward in pieces (RowGroups' split_rows, pieces of at most 5 tokens here) against
+    // the same sums by hand: each piece in f32 in token order, then each row's pieces in order.
+    const uint32_t piece = 5;
+    std::vector<uint32_t> piece_starts, row_pieces;
+    for (int k = 0; k < groups; ++k) {
+        row_pieces.push_back((uint32_t)piece_starts.size());
+        for (uint32_t i = starts[k]; i < starts[k + 1]; i += piece) piece_starts.push_back(i);
+    }
+    row_pieces.push_back((uint32_t)piece_starts.size());
+    piece_starts.push_back(starts.back());
+    const int pieces = (int)piece_starts.size() - 1;
+    std::vector<float> partial((size_t)pieces * cols, std::nanf(""));
+    std::vector<T> in_pieces((size_t)table_rows * cols, from_f32<T>(0.0f));
+    emulate_launch({(unsigned)std::min(pieces, 6), 1, 1}, threads, [&] {
+        gather_rows_backward_pieces<T>(grad.data(), order.data(), piece_starts.data(),
+                                       partial.data(), pieces, cols);
+    });
+    emulate_launch({(unsigned)std::min(groups, 4), 1, 1}, threads, [&] {
+        gather_rows_backward_rows<T>(partial.data(), row_pieces.data(), distinct.data(),
+                                     in_pieces.data(), groups, cols);
+    });
+    size_t pieces_wrong = 0;
+    for (int r = 0; r < table_rows; ++r)
+        for (int c = 0; c < cols; ++c) {
+            std::vector<int> mine;
+            for (int t = 0; t < tokens; ++t)
+                if ((int)rows[t] == r) mine.push_back(t);
+            float sum = 0.0f;
+            for (size_t p0 = 0; p0 < mine.size(); p0 += piece) {
+                float part = 0.0f;
+                for (size_t i = p0; i < std::min(mine.size(), p0 + piece); ++i)
+                    part += to_f32(grad[(size_t)mine[i] * cols + c]);
+                sum += part;
+            }
+            pieces_wrong += !(to_f32(in_pieces[(size_t)r * cols + c]) == to_f32(from_f32<T>(sum)));
+        }
     std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "output", gathered_wrong, n,
                 gathered_wrong ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "dtable", summed_wrong,
                 (size_t)table_rows * cols, summed_wrong ? "FAILED" : "ok");
-    return gathered_wrong == 0 && summed_wrong == 0;
+    std::printf("  %-28s %-8s %zu of %zu elements differ %s (%d pieces)\n", name, "pieces",
+                pieces_wrong, (size_t)table_rows * cols, pieces_wrong ? "FAILED" : "ok", pieces);
+    return gathered_wrong == 0 && summed_wrong == 0 && pieces_wrong == 0;
 }
 
 // Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update

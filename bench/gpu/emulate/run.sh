@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds and runs the CPU emulation of bertkit's CUDA kernels that have not yet run on a GPU
-# (check.cpp: the one-pass attention, the embedding lookup, the optimiser's in-place update):
+# Builds and runs the CPU emulation of bertkit's CUDA kernels written in plain CUDA C (check.cpp:
+# the one-pass attention, the embedding lookup, the loss, the optimiser's in-place update):
 # their indexing, tiling and synchronisation checked without a GPU, before a device run spends
 # time on them. Needs g++ 11 or later (C++20 <barrier>). Usage: bash bench/gpu/emulate/run.sh
 set -euo pipefail

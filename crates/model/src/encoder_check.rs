@@ -35,7 +35,7 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// there, so there is nothing to compare). On a CUDA device this turns the CUDA kernels and
 /// the backward by hand on for the process ([`crate::kernels::set_cuda_tape`]), and in bf16
 /// checks the shapes with heads of 64 a second time with the one-pass attention on
-/// ([`FLASH_NAME`]; off again afterwards).
+/// ([`FLASH_NAME`]; as it was afterwards).
 pub fn check_encoder_backward(
     device: &Device,
     dtype: DType,
@@ -47,6 +47,14 @@ pub fn check_encoder_backward(
         crate::kernels::set_cuda_tape(true);
         crate::kernels::set_cuda_fp16(true);
     }
+    let flash_before = crate::kernels::cuda_flash_attention();
+    let checks = check_shapes(device, dtype, shapes);
+    crate::kernels::set_cuda_flash_attention(flash_before);
+    checks
+}
+
+/// [`check_encoder_backward`]'s shapes, the one-pass attention set for each.
+fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<Vec<KernelCheck>> {
     let mut checks = Vec::new();
     for shape in shapes {
         crate::kernels::set_cuda_flash_attention(false);

@@ -140,7 +140,7 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
                 // default), so cudarc's per-allocation events, which order uses across streams,
                 // have nothing to order; they cost an event record per use.
                 unsafe { gpu.disable_event_tracking() };
-                if crate::switch::env_is("BERTKIT_CUDA_POOL_KEEP", "1") {
+                if !crate::switch::env_is("BERTKIT_CUDA_POOL_KEEP", "0") {
                     device_pool::keep_freed_memory(gpu);
                 }
             }
@@ -204,8 +204,9 @@ mod device_pool {
 
     /// Keeps freed memory in the pool instead of returning it to the driver at each
     /// synchronisation (the pool's release threshold, 0 by default, raised to all of it), so
-    /// a step reuses the last step's memory as PyTorch's caching allocator does. Off unless
-    /// `BERTKIT_CUDA_POOL_KEEP=1`: not yet measured on a device. A failure leaves the default.
+    /// a step reuses the last step's memory as PyTorch's caching allocator does (on an H200,
+    /// BERT-large's phase-1 step 153 -> 132 ms; BENCHMARKS.md, 2026-11-27). On unless
+    /// `BERTKIT_CUDA_POOL_KEEP=0`. A failure leaves the driver's default.
     pub(super) fn keep_freed_memory(gpu: &candle_core::CudaDevice) {
         if let Some(pool) = default_pool(gpu) {
             let mut threshold: u64 = u64::MAX;

@@ -273,7 +273,19 @@ pub(crate) struct RowGroups {
     pub(crate) distinct: Tensor,
     /// How many distinct rows.
     pub(crate) count: usize,
+    /// Each row's tokens cut into pieces of at most [`ROW_PIECE`] (in `order`): where each
+    /// piece starts, and the end of the last (`pieces + 1` values).
+    pub(crate) piece_starts: Tensor,
+    /// Where each distinct row's pieces start, and the end of the last (`count + 1` values).
+    pub(crate) row_pieces: Tensor,
+    /// How many pieces.
+    pub(crate) pieces: usize,
 }
+
+/// The most tokens of a row one piece of a lookup's backward sums ([`RowGroups::piece_starts`]):
+/// enough that a piece's block has work, few enough that a row read by thousands of tokens is
+/// summed by many blocks.
+pub(crate) const ROW_PIECE: usize = 64;
 
 impl RowIndex {
     /// The rows `rows` (one per token, in token order), uploaded to `device`.
@@ -302,9 +314,13 @@ impl RowIndex {
             return Ok(groups);
         }
         let (order, starts, distinct) = group_by_row(&self.host);
+        let (piece_starts, row_pieces) = split_rows(&starts, ROW_PIECE);
         let device = self.rows.device();
         let groups = RowGroups {
             count: distinct.len(),
+            pieces: piece_starts.len() - 1,
+            piece_starts: Tensor::from_slice(&piece_starts, piece_starts.len(), device)?,
+            row_pieces: Tensor::from_slice(&row_pieces, row_pieces.len(), device)?,
             order: Tensor::from_slice(&order, order.len(), device)?,
             starts: Tensor::from_slice(&starts, starts.len(), device)?,
             distinct: Tensor::from_slice(&distinct, distinct.len(), device)?,
@@ -328,6 +344,20 @@ fn group_by_row(rows: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     }
     starts.push(order.len() as u32);
     (order, starts, distinct)
+}
+
+/// Each row's tokens (between consecutive `starts`, [`group_by_row`]'s) cut into pieces of at
+/// most `piece`: where each piece starts (and the end of the last), and where each row's
+/// pieces start (and the end of the last).
+fn split_rows(starts: &[u32], piece: usize) -> (Vec<u32>, Vec<u32>) {
+    let (mut piece_starts, mut row_pieces) = (Vec::new(), Vec::new());
+    for w in starts.windows(2) {
+        row_pieces.push(piece_starts.len() as u32);
+        piece_starts.extend((w[0]..w[1]).step_by(piece));
+    }
+    row_pieces.push(piece_starts.len() as u32);
+    piece_starts.push(*starts.last().unwrap_or(&0));
+    (piece_starts, row_pieces)
 }
 
 /// How many attention probabilities the sequences starting at `starts` (a [`Packing`]'s, the
@@ -358,6 +388,16 @@ mod tests {
         assert_eq!(starts, [0, 1, 3, 6]);
         assert_eq!(distinct, [0, 2, 5]);
         assert_eq!(group_by_row(&[]), (vec![], vec![0], vec![]));
+    }
+
+    /// Rows of 1, 2 and 7 tokens in pieces of at most 3: one, one and three pieces, in order,
+    /// covering every token once.
+    #[test]
+    fn rows_split_into_pieces_in_order() {
+        let (pieces, rows) = split_rows(&[0, 1, 3, 10], 3);
+        assert_eq!(pieces, [0, 1, 3, 6, 9, 10]);
+        assert_eq!(rows, [0, 1, 2, 5]);
+        assert_eq!(split_rows(&[0], 3), (vec![0], vec![0]));
     }
 
     #[test]

@@ -40,57 +40,55 @@ fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
 }
 
 /// Each line names the settings still off by default that its kernel runs only with, and
-/// `settings_passed` turns on those some line checked and no failed line needs: the embedding
-/// lookup's failure keeps its setting off and no other; a failed kernel taken by default keeps
-/// all of them off.
+/// `settings_passed` turns on those some line checked and no failed line needs: one checked
+/// setting's failure keeps it off and not another's; a setting no line checks stays off; a
+/// failed kernel taken by default keeps all of them off.
 #[test]
 fn a_failed_kernel_keeps_only_its_own_setting_off() {
     use bertkit_model::kernels::check::settings_passed;
     let shapes = CheckShape::defaults();
     let mut checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    let needs = |kernel: &str| {
-        let c = checks.iter().find(|c| c.kernel == kernel).unwrap();
-        c.needs.clone()
+    let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
+        checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    assert_eq!(needs("gather_rows"), ["BERTKIT_CUDA_EMBEDDINGS=fused"]);
-    assert_eq!(
-        needs("feed_forward (erf)"),
-        ["BERTKIT_CUDA_FEED_FORWARD=lean"]
-    );
-    assert_eq!(needs("nll"), ["BERTKIT_CUDA_LOSS=fused"]);
-    assert!(needs("layer_norm").is_empty() && needs("attention (dropout)").is_empty());
-    let settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert!(settings.len() >= 6, "{settings:?}");
-    // What these lines check: a setting no line needs (here the backward by hand, the one-pass
-    // attention, f16) is not checked, so it stays off.
-    let (on, off) = settings_passed(&checks, settings.clone());
-    assert_eq!(
-        on,
-        [
-            "BERTKIT_CUDA_FEED_FORWARD=lean",
-            "BERTKIT_CUDA_EMBEDDINGS=fused",
-            "BERTKIT_CUDA_LOSS=fused"
-        ]
-    );
-    assert_eq!(on.len() + off.len(), settings.len());
-    assert!(off.contains(&"BERTKIT_CUDA_BACKWARD=tape".to_string()));
+    let needs = |kernel: &str| checks[position(&checks, kernel)].needs.clone();
+    // The lookup's backward in pieces is off by default; the kernels that passed on a GPU
+    // (the lean feed-forward, the loss, LayerNorm) need nothing.
+    assert_eq!(needs("gather_rows"), ["BERTKIT_CUDA_EMBEDDINGS=pieces"]);
+    for kernel in [
+        "layer_norm",
+        "attention (dropout)",
+        "feed_forward (erf)",
+        "nll",
+    ] {
+        assert!(needs(kernel).is_empty(), "{kernel}");
+    }
+    let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
+    assert!(settings.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
+    // A second checked setting (a line of its own), and one no line checks.
+    let mut other = checks[position(&checks, "layer_norm")].clone();
+    other.kernel = "other".to_string();
+    other.needs = vec!["BERTKIT_OTHER=on".to_string()];
+    checks.push(other);
+    settings.extend([
+        "BERTKIT_OTHER=on".to_string(),
+        "BERTKIT_UNCHECKED=on".to_string(),
+    ]);
 
-    let lookup = checks
-        .iter()
-        .position(|c| c.kernel == "gather_rows")
-        .unwrap();
+    let (on, off) = settings_passed(&checks, settings.clone());
+    assert!(on.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
+    assert!(on.contains(&"BERTKIT_OTHER=on".to_string()));
+    assert!(off.contains(&"BERTKIT_UNCHECKED=on".to_string()));
+    assert_eq!(on.len() + off.len(), settings.len());
+
+    let lookup = position(&checks, "gather_rows");
     checks[lookup].worst = f64::NAN;
     let (on, off) = settings_passed(&checks, settings.clone());
-    assert_eq!(
-        on,
-        ["BERTKIT_CUDA_FEED_FORWARD=lean", "BERTKIT_CUDA_LOSS=fused"]
-    );
-    assert!(off.contains(&"BERTKIT_CUDA_EMBEDDINGS=fused".to_string()));
+    assert!(on.contains(&"BERTKIT_OTHER=on".to_string()));
+    assert!(off.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
+    assert!(!on.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
 
-    let norm = checks
-        .iter()
-        .position(|c| c.kernel == "layer_norm")
-        .unwrap();
+    let norm = position(&checks, "layer_norm");
     checks[norm].worst = 1.0;
     let (on, off) = settings_passed(&checks, settings.clone());
     assert!(on.is_empty());

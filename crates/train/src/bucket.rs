@@ -413,8 +413,8 @@ impl candle_core::CustomOp1 for SquaredNorm {
     }
 }
 
-/// A step's gradient sums: the flat bucket ([`FlatSums`]), or by parameter (on CUDA until the
-/// bucket's gather has passed its check on a GPU, [`crate::optim::set_cuda_update_in_place`]):
+/// A step's gradient sums: the flat bucket ([`FlatSums`]), or by parameter (on CUDA with the
+/// update by name or the composed one, [`crate::optim::set_cuda_update_in_place`]):
 /// each first gradient kept as the backward made it unless it must be unscaled, cast to the
 /// master dtype and added when a second arrives; the bucket made group by group at the end.
 #[derive(Debug)]

@@ -217,16 +217,18 @@ pub fn cuda_optimizer() -> bool {
 
 /// Whether the CUDA update writes each group's state in place.
 pub(crate) static CUDA_UPDATE_IN_PLACE: Switch =
-    Switch::opt_in("BERTKIT_CUDA_OPTIMIZER", "inplace");
+    Switch::opt_out("BERTKIT_CUDA_OPTIMIZER", "by-name");
 
 /// Turns the CUDA update's in-place form on or off for this process: the group's weights and
 /// moments packed once into one buffer and updated where they are, instead of a new
 /// `[3, rows, numel]` state allocated per group per step (4 GB a step for BERT-large, handed
 /// back to the driver's pool each step); the parameters set by the update's kernel as it
 /// writes their weights, the gradient bucket made and added to in one launch a micro-batch
-/// (two launches a parameter each before), its norm in two. Unset, it is off unless
-/// `BERTKIT_CUDA_OPTIMIZER=inplace`: not yet run on a GPU (`bertkit check kernels --device
-/// cuda` compares it with the CPU's update).
+/// (two launches a parameter each before), its norm in two. Unset, it is on unless
+/// `BERTKIT_CUDA_OPTIMIZER=by-name` (the update by parameter group, the sums by name) or
+/// `composed`; it passed its check (`bertkit check kernels --device cuda` compares it with the
+/// CPU's update) on an H200, where BERT-large's phase-1 step went from 153 to 136 ms with it
+/// alone (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_update_in_place(on: bool) {
     CUDA_UPDATE_IN_PLACE.set(on);
 }
@@ -359,8 +361,8 @@ impl Optimizer {
     }
 
     /// A step's gradient sums for gradients computed at `loss_scale`: the flat bucket on the
-    /// CPU, and on CUDA in place ([`set_cuda_update_in_place`]); by parameter otherwise, until
-    /// the bucket's gather has passed its check on a GPU.
+    /// CPU, and on CUDA in place ([`set_cuda_update_in_place`]); by parameter otherwise (the
+    /// CUDA update by name or the composed one).
     pub(crate) fn gradient_sums(&self, loss_scale: f64) -> GradientSums {
         if self.on_flat_bucket() {
             GradientSums::Flat(FlatSums::new(

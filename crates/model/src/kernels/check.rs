@@ -248,7 +248,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             flash: false,
-            needs: Some(&super::CUDA_EMBEDDINGS),
+            needs: Some(&super::CUDA_EMBEDDINGS_IN_PIECES),
         },
         norm("layer_norm", false, |k, x, _, _, _| {
             k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
@@ -409,6 +409,7 @@ pub fn check_kernels(
         super::set_cuda_kernels(true);
         super::set_lean_cuda_feed_forward(true);
         super::set_cuda_embeddings(true);
+        super::set_cuda_embeddings_in_pieces(true);
         super::set_cuda_loss(true);
         super::set_cuda_fp16(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
@@ -420,6 +421,8 @@ pub fn check_kernels(
     } else {
         (&Fused, DType::F32)
     };
+    // The one-pass attention as it was, once its rows and the others have run.
+    let flash_before = super::cuda_flash_attention();
     let mut checks = Vec::new();
     for shape in shapes {
         for (c, case) in cases(shape).iter().enumerate() {
@@ -469,13 +472,13 @@ pub fn check_kernels(
                         &e,
                     ));
                     if device_broken(device).is_some() {
-                        super::set_cuda_flash_attention(false);
+                        super::set_cuda_flash_attention(flash_before);
                         return Ok(checks);
                     }
                 }
             }
         }
     }
-    super::set_cuda_flash_attention(false);
+    super::set_cuda_flash_attention(flash_before);
     Ok(checks)
 }

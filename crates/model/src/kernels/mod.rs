@@ -262,14 +262,14 @@ pub fn cuda_kernels() -> bool {
 
 /// Whether the CUDA feed-forward keeps only its first product.
 pub(crate) static LEAN_CUDA_FEED_FORWARD: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FEED_FORWARD", "lean");
+    Switch::opt_out("BERTKIT_CUDA_FEED_FORWARD", "full");
 
 /// Turns the lean feed-forward on CUDA on or off for this process: the first product kept
 /// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
 /// the CPU's way, instead of the product and its activation both kept (BERT-large: 1.5 GiB
-/// less at phase 1's micro-batch of 64). It composes kernels that passed their check, but the
-/// composition has not run on a GPU yet: unset, it is off unless
-/// `BERTKIT_CUDA_FEED_FORWARD=lean` (`bertkit check kernels --device cuda` checks it).
+/// less at phase 1's micro-batch of 64: 11.2 GiB against 12.6 measured on an H200). Unset, it
+/// is on unless `BERTKIT_CUDA_FEED_FORWARD=full`; it passed its check on an H200
+/// (BENCHMARKS.md, 2026-11-27).
 pub fn set_lean_cuda_feed_forward(on: bool) {
     LEAN_CUDA_FEED_FORWARD.set(on);
 }
@@ -280,13 +280,14 @@ pub fn lean_cuda_feed_forward() -> bool {
 }
 
 /// Whether the encoder's backward pass on CUDA runs by hand over the kernels' tape.
-pub(crate) static CUDA_TAPE: Switch = Switch::opt_in("BERTKIT_CUDA_BACKWARD", "tape");
+pub(crate) static CUDA_TAPE: Switch = Switch::opt_out("BERTKIT_CUDA_BACKWARD", "autograd");
 
 /// Turns the encoder's backward pass by hand ([`tape`]) on or off for CUDA in this process.
 /// It calls the CUDA kernels' own backward passes, which passed their check, in the order
-/// candle's autograd calls them, and gives the same bits on the CPU, but it has not run on a
-/// GPU yet: unset, it is off on CUDA unless `BERTKIT_CUDA_BACKWARD=tape` (`bertkit check
-/// kernels --device cuda` compares it with autograd there). On the CPU it is always on.
+/// candle's autograd calls them, and gives the same bits on the CPU. Unset, it is on unless
+/// `BERTKIT_CUDA_BACKWARD=autograd`; it passed its check (`bertkit check kernels --device
+/// cuda` compares it with autograd) on an H200 (BENCHMARKS.md, 2026-11-27). On the CPU it is
+/// always on.
 pub fn set_cuda_tape(on: bool) {
     CUDA_TAPE.set(on);
 }
@@ -297,14 +298,16 @@ pub fn cuda_tape() -> bool {
 }
 
 /// Whether attention on CUDA runs in one pass over key tiles.
-pub(crate) static CUDA_FLASH_ATTENTION: Switch = Switch::opt_in("BERTKIT_CUDA_ATTENTION", "flash");
+pub(crate) static CUDA_FLASH_ATTENTION: Switch =
+    Switch::opt_out("BERTKIT_CUDA_ATTENTION", "cublas");
 
 /// Turns attention in one pass over key tiles on CUDA on or off for this process (bf16, heads
 /// of 64, GPUs of compute capability 8.0 and later: the products on tensor cores, the scores
 /// never written to memory, the queries, keys and values read from the tokens where they are).
-/// Other shapes and dtypes keep the kernels around cuBLAS. Checked by `bertkit check kernels
-/// --device cuda` (its `attention flash` rows), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_ATTENTION=flash`.
+/// Other shapes and dtypes keep the kernels around cuBLAS. Unset, it is on unless
+/// `BERTKIT_CUDA_ATTENTION=cublas` (the kernels around cuBLAS everywhere); it passed its check
+/// (`bertkit check kernels --device cuda`, its `attention flash` rows) on an H200
+/// (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_flash_attention(on: bool) {
     CUDA_FLASH_ATTENTION.set(on);
 }
@@ -316,14 +319,15 @@ pub fn cuda_flash_attention() -> bool {
 }
 
 /// Whether the losses on CUDA take our kernel.
-pub(crate) static CUDA_LOSS: Switch = Switch::opt_in("BERTKIT_CUDA_LOSS", "fused");
+pub(crate) static CUDA_LOSS: Switch = Switch::opt_out("BERTKIT_CUDA_LOSS", "composed");
 
 /// Turns our CUDA loss kernel on or off for this process: the negative log-likelihood of each
 /// row of logits (the masked-LM head's `[slots, vocabulary]`, the classifiers') in one pass
 /// over f32 or bf16 logits as they are, keeping only each row's log-sum-exp, and its backward
 /// in one more, where candle's ops take the logits to f32 and through a log-softmax whose
-/// every intermediate autograd keeps. Checked by `bertkit check kernels --device cuda` (its
-/// `nll` rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_LOSS=fused`.
+/// every intermediate autograd keeps. Unset, it is on unless `BERTKIT_CUDA_LOSS=composed`; it
+/// passed its check (`bertkit check kernels --device cuda`, its `nll` rows) on an H200
+/// (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_loss(on: bool) {
     CUDA_LOSS.set(on);
 }
@@ -343,14 +347,14 @@ pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor
 }
 
 /// Whether embedding lookups on CUDA take our kernel.
-pub(crate) static CUDA_EMBEDDINGS: Switch = Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS", "fused");
+pub(crate) static CUDA_EMBEDDINGS: Switch = Switch::opt_out("BERTKIT_CUDA_EMBEDDINGS", "composed");
 
 /// Turns our CUDA embedding lookup ([`Kernels::gather_rows`]) on or off for this process:
 /// the forward gathers the rows in parallel and the backward sums each table row's gradients
 /// apart, in token order (the bits of candle's backward), where candle's backward walks every
 /// token of the batch in one block of threads (one thread per column), one after the other.
-/// Checked by `bertkit check kernels --device cuda`, not yet run on a GPU: unset, it is off
-/// unless `BERTKIT_CUDA_EMBEDDINGS=fused`.
+/// Unset, it is on unless `BERTKIT_CUDA_EMBEDDINGS=composed`; it passed its check (`bertkit
+/// check kernels --device cuda`) on an H200 (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_embeddings(on: bool) {
     CUDA_EMBEDDINGS.set(on);
 }
@@ -360,15 +364,35 @@ pub fn cuda_embeddings() -> bool {
     CUDA_EMBEDDINGS.get()
 }
 
+/// Whether our CUDA embedding lookup's backward sums each row's tokens in pieces.
+pub(crate) static CUDA_EMBEDDINGS_IN_PIECES: Switch =
+    Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS", "pieces");
+
+/// Turns the lookup's backward in pieces on or off for this process: each table row's tokens
+/// summed in pieces of at most 64 by as many blocks, then each row's pieces in order, in f32
+/// (two launches), where the backward by row gives each row one block that adds its tokens
+/// one after the other (on an H200 the token types of a BERT-large batch, two rows of 4,096
+/// tokens each, took 1.3 ms). Checked by `bertkit check kernels --device cuda`, not yet run on
+/// a GPU: unset, it is off unless `BERTKIT_CUDA_EMBEDDINGS=pieces`.
+pub fn set_cuda_embeddings_in_pieces(on: bool) {
+    CUDA_EMBEDDINGS_IN_PIECES.set(on);
+}
+
+/// Whether the lookup's backward runs in pieces (see [`set_cuda_embeddings_in_pieces`]).
+pub fn cuda_embeddings_in_pieces() -> bool {
+    CUDA_EMBEDDINGS_IN_PIECES.get()
+}
+
 /// Whether the CUDA kernels take f16 tensors.
-pub(crate) static CUDA_FP16: Switch = Switch::opt_in("BERTKIT_CUDA_FP16", "fused");
+pub(crate) static CUDA_FP16: Switch = Switch::opt_out("BERTKIT_CUDA_FP16", "composed");
 
 /// Turns the CUDA kernels' f16 forms on or off for this process: fp16 runs (GPUs without bf16,
 /// before compute capability 8.0: V100, T4) take the fused kernels as bf16 runs do, computing
 /// in f32, instead of candle's ops. The same code as the f32 and bf16 forms that passed their
-/// check, another element type: checked by `bertkit check kernels --device cuda --dtype f16`,
-/// not yet run on a GPU, so off unless `BERTKIT_CUDA_FP16=fused`. (The one-pass attention
-/// stays bf16 only.)
+/// check, another element type. Unset, it is on unless `BERTKIT_CUDA_FP16=composed`; it
+/// passed its check (`bertkit check kernels --device cuda --dtype f16`) on an H200, where
+/// BERT-large's fp16 phase-1 step went from 1.03 s to 0.158 s (BENCHMARKS.md, 2026-11-27).
+/// (The one-pass attention stays bf16 only.)
 pub fn set_cuda_fp16(on: bool) {
     CUDA_FP16.set(on);
 }
@@ -386,6 +410,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         &LEAN_CUDA_FEED_FORWARD,
         &CUDA_TAPE,
         &CUDA_EMBEDDINGS,
+        &CUDA_EMBEDDINGS_IN_PIECES,
         &CUDA_FLASH_ATTENTION,
         &CUDA_LOSS,
         &CUDA_FP16,

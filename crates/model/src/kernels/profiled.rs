@@ -17,12 +17,12 @@ pub enum Clock {
     /// The device synchronised before and after each call, the host's clock read: a GPU's
     /// queued work is counted to the call that launched it, and so is whatever the host does
     /// while the GPU waits (launching, allocating), which training hides by running ahead.
-    #[default]
     Synchronised,
     /// Events recorded on the device's stream around each call, read once the passes have
     /// run: the GPU's own time between them, the host launching ahead as in training (one
     /// synchronisation a pass). Where the device has no queue (the CPU: each op runs as it is
-    /// called), the host's clock.
+    /// called), the host's clock. The default: what a training step sees.
+    #[default]
     Events,
 }
 
