@@ -67,7 +67,12 @@ row_settings() {
     (($# > 0 && ${#kept[@]} == 0))
 }
 # Each row: the settings it adds to the defaults (none: the defaults), "|", its label.
-rows() { printf '%s\n' "- | the defaults" "BERTKIT_CUDA_EMBEDDINGS=pieces | the lookups' backward in pieces"; }
+rows() {
+    printf '%s\n' "- | the defaults" \
+        "BERTKIT_CUDA_EMBEDDINGS=pieces | the lookups' backward in pieces" \
+        "BERTKIT_CUDA_ADD=fused | the gradient sums' addition" \
+        "BERTKIT_CUDA_EMBEDDINGS=pieces BERTKIT_CUDA_ADD=fused | all of them"
+}
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
 for optimizer in composed by-name -; do
     [[ ${OPTIMIZER:-1} == 0 ]] && break
@@ -90,6 +95,7 @@ if [[ -n ${EXTRA:-} ]]; then
         row=${row% } label=${label# }; [[ $row == - ]] && row=
         # shellcheck disable=SC2086
         if row_settings $row; then echo "$label: skipped (${dropped# } failed its check)"; continue; fi
+        label+=${dropped:+ (without$dropped)}
         (
             ((${#kept[@]})) && export "${kept[@]}"
             phase1 row bf16 | grep -E "a step|start-up" | sed "s|^|$label: |"
@@ -99,9 +105,9 @@ if [[ -n ${EXTRA:-} ]]; then
     log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16, each row's settings"
     while IFS='|' read -r row label; do
         row=${row% } label=${label# }; [[ $row == - ]] && row=
-        echo "$label:"
         # shellcheck disable=SC2086
-        if row_settings $row; then echo "skipped (${dropped# } failed its check)"; continue; fi
+        if row_settings $row; then echo "$label: skipped (${dropped# } failed its check)"; continue; fi
+        echo "$label${dropped:+ (without$dropped)}:"
         env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 64 --seq 128 \
             --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 14
     done < <(rows)

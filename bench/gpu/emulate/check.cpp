@@ -9,6 +9,8 @@
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
 //   gathered and summed by hand in token order (the same bits, f32, bf16 and f16), and the
 //   backward in pieces against the pieces' f32 sums by hand, in order;
+// - the gradients' sum (`add_tensors`, the same file) against sums by hand, 16-byte aligned and
+//   not;
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
 //   a vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
@@ -297,6 +299,28 @@ bool check_gather(const char* name, int table_rows, int cols, int tokens) {
     return gathered_wrong == 0 && summed_wrong == 0 && pieces_wrong == 0;
 }
 
+// `a + b` over `n` elements (`add_tensors` in `kernels.cu`) from `offset` elements into the
+// buffers (an offset that breaks 16-byte alignment takes the element-a-thread path), on a
+// grid smaller than the work, against the sums by hand in f32 rounded once.
+template <typename T>
+bool check_add(const char* name, size_t n, size_t offset, unsigned grid) {
+    std::mt19937_64 rng(7 + n);
+    std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+    std::vector<T> a(n + offset), b(n + offset), out(n + offset, from_f32<T>(0.0f));
+    for (auto& x : a) x = from_f32<T>(u(rng));
+    for (auto& x : b) x = from_f32<T>(u(rng));
+    emulate_launch({grid, 1, 1}, 64, [&] {
+        add_tensors<T>(a.data() + offset, b.data() + offset, out.data() + offset, n);
+    });
+    size_t wrong = 0;
+    for (size_t i = offset; i < n + offset; ++i)
+        wrong += !(to_f32(out[i]) == to_f32(from_f32<T>(to_f32(a[i]) + to_f32(b[i]))));
+    for (size_t i = 0; i < offset; ++i) wrong += to_f32(out[i]) != 0.0f;
+    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "sum", wrong, n,
+                wrong ? "FAILED" : "ok");
+    return wrong == 0;
+}
+
 // Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update
 // of the same weights, moments and gradients: the same bits.
 bool check_update(const char* name, bool lamb, bool decayed) {
@@ -540,6 +564,12 @@ int main() {
     ok = check_gather<float>("gather_rows f32", 50, 70, 300) && ok;
     ok = check_gather<bf16>("gather_rows bf16", 50, 1030, 200) && ok;
     ok = check_gather<f16>("gather_rows f16", 50, 130, 200) && ok;
+    std::printf("the gradients' sum (add_tensors, kernels.cu) against the sums by hand:\n");
+    ok = check_add<float>("add f32, aligned", 10007, 0, 3) && ok;
+    ok = check_add<float>("add f32, unaligned", 1001, 1, 2) && ok;
+    ok = check_add<bf16>("add bf16, aligned", 8 * 1000 + 5, 0, 3) && ok;
+    ok = check_add<bf16>("add bf16, unaligned", 999, 3, 2) && ok;
+    ok = check_add<f16>("add f16, aligned", 4096, 0, 5) && ok;
     std::printf("negative log-likelihood (loss.cu) against f64:\n");
     ok = check_nll<float>("nll f32", 37, 517) && ok;
     ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;

@@ -32,8 +32,9 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// Checks the encoder's backward by hand against autograd on `device` in `dtype` at each of
 /// `shapes`: an output line, the input's gradient and the worst of the parameters'. Nothing
 /// when the default kernels do not record in `dtype` on `device` (they run under autograd
-/// there, so there is nothing to compare). On a CUDA device this turns the CUDA kernels and
-/// the backward by hand on for the process ([`crate::kernels::set_cuda_tape`]), and in bf16
+/// there, so there is nothing to compare). On a CUDA device this turns the CUDA kernels, the
+/// backward by hand ([`crate::kernels::set_cuda_tape`]) and our addition for its gradient sums
+/// ([`crate::kernels::set_cuda_add`]) on for the process, and in bf16
 /// checks the shapes with heads of 64 a second time with the one-pass attention on
 /// ([`FLASH_NAME`]; as it was afterwards).
 pub fn check_encoder_backward(
@@ -46,6 +47,7 @@ pub fn check_encoder_backward(
         crate::kernels::set_cuda_kernels(true);
         crate::kernels::set_cuda_tape(true);
         crate::kernels::set_cuda_fp16(true);
+        crate::kernels::set_cuda_add(true);
     }
     let flash_before = crate::kernels::cuda_flash_attention();
     let checks = check_shapes(device, dtype, shapes);
@@ -89,11 +91,15 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
             dtype,
             &[
                 &crate::kernels::CUDA_TAPE,
+                &crate::kernels::CUDA_ADD,
                 &crate::kernels::CUDA_FLASH_ATTENTION,
             ],
         )
     } else {
-        needing_in(dtype, &[&crate::kernels::CUDA_TAPE])
+        needing_in(
+            dtype,
+            &[&crate::kernels::CUDA_TAPE, &crate::kernels::CUDA_ADD],
+        )
     }
 }
 

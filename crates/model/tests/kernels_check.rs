@@ -8,13 +8,13 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 11 kernels: an output and each input's gradient (1 + 3 + 3 × 3 + 1 + 5 + 1 + 1 + 1 + 4
-    // inputs; the one-pass attention's rows only on CUDA).
-    assert_eq!(checks.len(), 11 + 26, "{checks:#?}");
+    // 12 kernels: an output and each input's gradient (1 + 2 + 3 + 3 × 3 + 1 + 5 + 1 + 1 + 1 +
+    // 4 inputs; the one-pass attention's rows only on CUDA).
+    assert_eq!(checks.len(), 12 + 28, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
-        if c.kernel == "gather_rows" && !c.gradient {
-            // Copied rows: exact in any dtype.
+        if (c.kernel == "gather_rows" && !c.gradient) || (c.kernel == "add" && c.gradient) {
+            // Copied rows, a sum's gradient passed through: exact in any dtype.
             assert_eq!(c.worst, 0.0, "{c:?}");
             continue;
         }
@@ -52,9 +52,11 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
     let needs = |kernel: &str| checks[position(&checks, kernel)].needs.clone();
-    // The lookup's backward in pieces is off by default; the kernels that passed on a GPU
+    // The lookup's backward in pieces and our addition are off by default; the kernels that
+    // passed on a GPU
     // (the lean feed-forward, the loss, LayerNorm) need nothing.
     assert_eq!(needs("gather_rows"), ["BERTKIT_CUDA_EMBEDDINGS=pieces"]);
+    assert_eq!(needs("add"), ["BERTKIT_CUDA_ADD=fused"]);
     for kernel in [
         "layer_norm",
         "attention (dropout)",

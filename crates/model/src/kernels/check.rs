@@ -250,6 +250,15 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             flash: false,
             needs: Some(&super::CUDA_EMBEDDINGS_IN_PIECES),
         },
+        Case {
+            kernel: "add",
+            // The tape's gradient sums ([`super::add_gradients`]), at a layer's width.
+            inputs: vec![("a", vec![t, h], 1.0), ("b", vec![t, h], 1.0)],
+            run: |_, x, _, _, _| super::add_gradients(&x[0], &x[1]),
+            train: false,
+            flash: false,
+            needs: Some(&super::CUDA_ADD),
+        },
         norm("layer_norm", false, |k, x, _, _, _| {
             k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
         }),
@@ -410,6 +419,7 @@ pub fn check_kernels(
         super::set_lean_cuda_feed_forward(true);
         super::set_cuda_embeddings(true);
         super::set_cuda_embeddings_in_pieces(true);
+        super::set_cuda_add(true);
         super::set_cuda_loss(true);
         super::set_cuda_fp16(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's

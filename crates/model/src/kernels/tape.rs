@@ -139,7 +139,7 @@ fn add_into(grads: &mut LeafGradients, tensor: &Tensor, grad: Tensor, from: &str
         )
     }
     let sum = match grads.remove(&tensor.id()) {
-        Some(sum) => (sum + grad)?,
+        Some(sum) => super::add_gradients(&sum, &grad)?,
         None => grad,
     };
     grads.insert(tensor.id(), sum);

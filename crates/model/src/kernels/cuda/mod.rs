@@ -242,6 +242,7 @@ fn column_sums<T: Element>(
     )
 }
 
+mod add;
 mod attention;
 mod flash;
 mod gather;
@@ -249,6 +250,7 @@ mod linear;
 mod loss;
 mod norm;
 
+pub(crate) use add::add;
 pub(crate) use attention::attention;
 pub(crate) use gather::gather_rows;
 pub(crate) use linear::{activation, gelu_linear, linear};

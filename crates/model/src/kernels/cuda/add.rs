@@ -1,0 +1,71 @@
+//! Two tensors' sum on CUDA ([`crate::kernels::add_gradients`]): the tape's gradients where two
+//! meet (a residual's and a sublayer's, a layer's input), in one launch that reads and writes 16
+//! bytes a thread, each element added in f32 and rounded once (`add_tensors` in `kernels.cu`).
+//! candle's addition gives each element a thread of its own: on an H200, 70 µs for a BERT-large
+//! batch's `[8192, 1024]` bf16 gradients, about 0.7 TB/s. The twin is candle's addition on the
+//! CPU (bf16 and f16 through f32, rounded once: the same bits).
+
+use super::*;
+
+/// `a + b`, both contiguous, of one shape and dtype.
+struct AddTensors;
+
+impl CustomOp2 for AddTensors {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-add"
+    }
+
+    cuda_only!(2);
+
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: &AddTensors,
+            (a, al): (&CudaStorage, &Layout),
+            (b, bl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)> {
+            let name = op.name();
+            if al.dims() != bl.dims() {
+                bail!("{name}: {:?} and {:?}", al.dims(), bl.dims())
+            }
+            let n = al.shape().elem_count();
+            let (x, y) = (view::<T>(name, "a", a, al)?, view::<T>(name, "b", b, bl)?);
+            let dev = &a.device;
+            // SAFETY: the kernel writes every element.
+            let mut out = unsafe { dev.alloc::<T>(n)? };
+            // A thread per 16 bytes, grid-stride past 65,535 blocks.
+            let threads = n.div_ceil(16 / std::mem::size_of::<T>());
+            launch!(
+                T,
+                dev,
+                "add_tensors",
+                config(threads.div_ceil(256).min(65_535), 256, 0),
+                |bld| {
+                    bld.arg(&x).arg(&y).arg(&mut out).arg(&n);
+                }
+            )?;
+            Ok((wrap(out, dev), al.shape().clone()))
+        }
+        by_dtype!(self.name(), a, run(self, (a, al), (b, bl)))
+    }
+
+    fn bwd(
+        &self,
+        _a: &Tensor,
+        _b: &Tensor,
+        _sum: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), Some(grad.clone())))
+    }
+}
+
+/// `a + b` through [`AddTensors`] (CUDA tensors of one shape and dtype the kernels take).
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.contiguous()?.apply_op2(&b.contiguous()?, AddTensors)
+}
