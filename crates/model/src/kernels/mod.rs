@@ -402,6 +402,25 @@ pub fn cuda_add() -> bool {
     CUDA_ADD.get()
 }
 
+/// Whether LayerNorm on CUDA runs a warp per row.
+pub(crate) static CUDA_NORM_WARP: Switch = Switch::opt_in("BERTKIT_CUDA_NORM", "warp");
+
+/// Turns LayerNorm (and a sublayer's end) with a warp per row on or off for CUDA in this
+/// process, for rows of at most 1,024 a multiple of 32: the row in the lanes' registers, its
+/// sums in a warp's shuffles, where the block per row synchronises its threads four times a
+/// row (on an H200, BERT-large's `[8192, 1024]` bf16 backward took 102 µs, about 0.8 TB/s).
+/// Checked by `bertkit check kernels --device cuda` (its `layer_norm` and
+/// `residual_layer_norm` rows, and the encoder's backward by hand, which runs it), not yet
+/// run on a GPU: unset, it is off unless `BERTKIT_CUDA_NORM=warp`.
+pub fn set_cuda_norm_warp(on: bool) {
+    CUDA_NORM_WARP.set(on);
+}
+
+/// Whether LayerNorm on CUDA runs a warp per row (see [`set_cuda_norm_warp`]).
+pub fn cuda_norm_warp() -> bool {
+    CUDA_NORM_WARP.get()
+}
+
 /// `a + b`: two gradients of one tensor where they meet ([`tape`]), through our CUDA addition
 /// where it takes them ([`set_cuda_add`]), candle's elsewhere (the CPU: the twin).
 pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -441,6 +460,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         &CUDA_EMBEDDINGS,
         &CUDA_EMBEDDINGS_IN_PIECES,
         &CUDA_ADD,
+        &CUDA_NORM_WARP,
         &CUDA_FLASH_ATTENTION,
         &CUDA_LOSS,
         &CUDA_FP16,

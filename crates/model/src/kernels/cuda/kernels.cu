@@ -123,6 +123,147 @@ __device__ void layer_norm_backward(const T* x, const T* residual, const T* weig
 }
 
 // ---------------------------------------------------------------------------------------------
+// The same LayerNorm, a warp per row (`norm.rs`, rows of at most 32 · NORM_LANE_MAX a multiple
+// of 32): lane `l` holds the row's columns `l, l + 32, ...` in registers, every sum is a warp's
+// shuffles, and no thread waits on a block's barrier until the backward's last step; the block
+// per row above synchronises its threads four times a row. The same statistics (two passes
+// over the row), the same gradients, summed in another order.
+
+#define NORM_LANE_MAX 32
+
+// The row's input, `dropout(x) + residual`, into `v` (lane `lane`'s columns).
+template <typename T>
+__device__ __forceinline__ void load_row_warp(const T* x, const T* residual, int r, int hidden,
+                                              const Dropout& d, const uint32_t* places, int seq,
+                                              int lane, float (&v)[NORM_LANE_MAX]) {
+    const size_t at = (size_t)r * hidden;
+    uint64_t line = 0;
+    if (d.on) {
+        const uint32_t place = places[r];
+        line = line_key(row_key(d, place / seq), place % seq);
+    }
+    const int per = hidden >> 5;
+#pragma unroll
+    for (int k = 0; k < NORM_LANE_MAX; ++k) {
+        if (k < per) {
+            const int j = k * 32 + lane;
+            float value = to_f32(x[at + j]);
+            if (d.on) value *= keep_factor(d, line, j);
+            if (residual) value += to_f32(residual[at + j]);
+            v[k] = value;
+        }
+    }
+}
+
+// The row's mean and 1 / standard deviation (biased variance, two passes) from `v`.
+__device__ __forceinline__ void row_statistics_warp(const float (&v)[NORM_LANE_MAX], int hidden,
+                                                    float eps, float& mean, float& rstd) {
+    const int per = hidden >> 5;
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_LANE_MAX; ++k) s += k < per ? v[k] : 0.0f;
+    mean = warp_sum(s) / hidden;
+    float q = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_LANE_MAX; ++k) {
+        const float c = k < per ? v[k] - mean : 0.0f;
+        q += c * c;
+    }
+    rstd = rsqrtf(warp_sum(q) / hidden + eps);
+}
+
+template <typename T>
+__device__ void layer_norm_forward_warp(const T* x, const T* residual, const T* weight,
+                                        const T* bias, T* y, int rows, int hidden, float eps,
+                                        Dropout d, const uint32_t* places, int seq) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, per = hidden >> 5;
+    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
+        float v[NORM_LANE_MAX];
+        load_row_warp(x, residual, r, hidden, d, places, seq, lane, v);
+        float mean, rstd;
+        row_statistics_warp(v, hidden, eps, mean, rstd);
+        const size_t at = (size_t)r * hidden;
+#pragma unroll
+        for (int k = 0; k < NORM_LANE_MAX; ++k) {
+            if (k < per) {
+                const int j = k * 32 + lane;
+                y[at + j] = from_f32<T>((v[k] - mean) * rstd * to_f32(weight[j]) + to_f32(bias[j]));
+            }
+        }
+    }
+}
+
+// The backward: each warp's rows, its weight's and bias's gradients kept in registers, then the
+// block's warps add theirs into shared memory one warp after the other (a fixed order) and the
+// block writes its partial sums, `[blocks, 2 · hidden]` as the block per row's.
+template <typename T>
+__device__ void layer_norm_backward_warp(const T* x, const T* residual, const T* weight,
+                                         const T* grad, T* grad_sum, T* grad_x, float* partial,
+                                         int rows, int hidden, float eps, Dropout d,
+                                         const uint32_t* places, int seq) {
+    DYNAMIC_SHARED(float, shared);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int per = hidden >> 5;
+    float grad_weight[NORM_LANE_MAX], grad_bias[NORM_LANE_MAX];
+#pragma unroll
+    for (int k = 0; k < NORM_LANE_MAX; ++k) grad_weight[k] = grad_bias[k] = 0.0f;
+    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
+        float v[NORM_LANE_MAX];
+        load_row_warp(x, residual, r, hidden, d, places, seq, lane, v);
+        float mean, rstd;
+        row_statistics_warp(v, hidden, eps, mean, rstd);
+        const size_t at = (size_t)r * hidden;
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_LANE_MAX; ++k) {
+            if (k < per) {
+                const int j = k * 32 + lane;
+                v[k] = (v[k] - mean) * rstd;  // the normed value from here on
+                const float g = to_f32(grad[at + j]);
+                const float dn = g * to_f32(weight[j]);
+                a += dn;
+                b += dn * v[k];
+                grad_weight[k] += g * v[k];
+                grad_bias[k] += g;
+            }
+        }
+        a = warp_sum(a) / hidden;
+        b = warp_sum(b) / hidden;
+        uint64_t line = 0;
+        if (grad_x && d.on) {
+            const uint32_t place = places[r];
+            line = line_key(row_key(d, place / seq), place % seq);
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_LANE_MAX; ++k) {
+            if (k < per) {
+                const int j = k * 32 + lane;
+                const float dn = to_f32(grad[at + j]) * to_f32(weight[j]);
+                const float ds = rstd * (dn - a - v[k] * b);
+                grad_sum[at + j] = from_f32<T>(ds);
+                if (grad_x) grad_x[at + j] = from_f32<T>(d.on ? ds * keep_factor(d, line, j) : ds);
+            }
+        }
+    }
+    for (int j = threadIdx.x; j < 2 * hidden; j += blockDim.x) shared[j] = 0.0f;
+    __syncthreads();
+    for (int w = 0; w < warps; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int k = 0; k < NORM_LANE_MAX; ++k) {
+                if (k < per) {
+                    shared[k * 32 + lane] += grad_weight[k];
+                    shared[hidden + k * 32 + lane] += grad_bias[k];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* mine = partial + (size_t)blockIdx.x * 2 * hidden;
+    for (int j = threadIdx.x; j < 2 * hidden; j += blockDim.x) mine[j] = shared[j];
+}
+
+// ---------------------------------------------------------------------------------------------
 // A linear layer's end: the bias and the activation (0: none, 1: GELU with erf, 2: GELU's tanh
 // form, its gate written as a logistic as on the CPU).
 
@@ -440,6 +581,19 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
         int seq) {                                                                              \
         layer_norm_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows,      \
                                hidden, eps, d, places, seq);                                    \
+    }                                                                                           \
+    extern "C" __global__ void layer_norm_forward_warp_##SUFFIX(                                 \
+        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
+        int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
+        layer_norm_forward_warp<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places,  \
+                                   seq);                                                        \
+    }                                                                                           \
+    extern "C" __global__ void layer_norm_backward_warp_##SUFFIX(                                \
+        const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum, T* grad_x,  \
+        float* partial, int rows, int hidden, float eps, Dropout d, const uint32_t* places,     \
+        int seq) {                                                                              \
+        layer_norm_backward_warp<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows, \
+                                    hidden, eps, d, places, seq);                               \
     }                                                                                           \
     extern "C" __global__ void bias_act_forward_##SUFFIX(const T* y, const T* bias, T* out,      \
                                                          int rows, int cols, int act) {         \
