@@ -13,6 +13,7 @@
 //   not;
 // - LayerNorm a warp per row (`layer_norm_*_warp`, the same file) against f64, forward and
 //   backward, residual and dropout;
+// - a linear layer's end backward (`bias_act_backward`) on rows wider than a block's bias sums;
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
 //   a vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
@@ -388,6 +389,51 @@ bool check_norm(const char* name, int rows, int hidden, unsigned blocks, double 
     return ok;
 }
 
+// A linear layer's end backward (`bias_act_backward` in `kernels.cu`) on rows wider than one
+// block's bias sums (`BIAS_CHUNK` columns: a block per chunk as well), with GELU (`act` 1) or
+// without, against f64 by hand: the activation's gradient and the bias's, from the blocks'
+// partial sums.
+bool check_bias(const char* name, int rows, int cols, int act, unsigned blocks) {
+    std::mt19937_64 rng(5 + cols + act);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    std::vector<float> y((size_t)rows * cols), grad((size_t)rows * cols), bias(cols);
+    for (auto* v : {&y, &grad, &bias}) for (auto& e : *v) e = u(rng);
+    std::vector<float> grad_y(act ? (size_t)rows * cols : 0);
+    std::vector<float> partial((size_t)blocks * cols, std::nanf(""));
+    const unsigned chunks = (unsigned)((cols + BIAS_CHUNK - 1) / BIAS_CHUNK);
+    emulate_launch({blocks, chunks, 1}, 256, [&] {
+        bias_act_backward<float>(y.data(), bias.data(), grad.data(),
+                                 act ? grad_y.data() : nullptr, partial.data(), rows, cols, act);
+    }, std::min(cols, BIAS_CHUNK) * sizeof(float));
+    std::vector<double> got_b(cols, 0.0), want_b(cols, 0.0), got_g, want_g;
+    for (unsigned k = 0; k < blocks; ++k)
+        for (int c = 0; c < cols; ++c) got_b[c] += partial[(size_t)k * cols + c];
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) {
+            const size_t at = (size_t)r * cols + c;
+            double g = grad[at];
+            if (act) {
+                const double v = (double)y[at] + bias[c];
+                const double cdf = 0.5 * (1.0 + std::erf(v / std::sqrt(2.0)));
+                g *= cdf + v * std::exp(-0.5 * v * v) / std::sqrt(2.0 * 3.14159265358979323846);
+                got_g.push_back(grad_y[at]);
+                want_g.push_back(g);
+            }
+            want_b[c] += g;
+        }
+    bool ok = true;
+    const auto report = [&](const char* what, const std::vector<double>& g,
+                            const std::vector<double>& want) {
+        const double e = worst(g, want);
+        ok = ok && e <= 1e-5;
+        std::printf("  %-28s %-8s %.3e  (bound 1e-05) %s\n", name, what, e,
+                    e <= 1e-5 ? "ok" : "FAILED");
+    };
+    if (act) report("dy", got_g, want_g);
+    report("dbias", got_b, want_b);
+    return ok;
+}
+
 // `a + b` over `n` elements (`add_tensors` in `kernels.cu`) from `offset` elements into the
 // buffers (an offset that breaks 16-byte alignment takes the element-a-thread path), on a
 // grid smaller than the work, against the sums by hand in f32 rounded once.
@@ -658,6 +704,10 @@ int main() {
     ok = check_norm<float>("norm f32, 96 wide", 21, 96, 1, 1e-5) && ok;
     ok = check_norm<bf16>("norm bf16, 1024 wide", 19, 1024, 3, 1e-2) && ok;
     ok = check_norm<f16>("norm f16, 64 wide", 17, 64, 1, 1e-2) && ok;
+    std::printf("a linear layer's end backward (bias_act_backward, kernels.cu) against f64:\n");
+    ok = check_bias("bias, 2 chunks", 7, BIAS_CHUNK + 300, 0, 3) && ok;
+    ok = check_bias("bias + GELU, 2 chunks", 5, BIAS_CHUNK + 40, 1, 2) && ok;
+    ok = check_bias("bias + GELU, one chunk", 9, 1000, 1, 4) && ok;
     std::printf("the gradients' sum (add_tensors, kernels.cu) against the sums by hand:\n");
     ok = check_add<float>("add f32, aligned", 10007, 0, 3) && ok;
     ok = check_add<float>("add f32, unaligned", 1001, 1, 2) && ok;

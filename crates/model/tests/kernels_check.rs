@@ -8,9 +8,9 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 12 kernels: an output and each input's gradient (1 + 2 + 3 + 3 × 3 + 1 + 5 + 1 + 1 + 1 +
-    // 4 inputs; the one-pass attention's rows only on CUDA).
-    assert_eq!(checks.len(), 12 + 28, "{checks:#?}");
+    // 13 kernels: an output and each input's gradient (1 + 2 + 3 + 4 × 3 + 1 + 5 + 1 + 1 + 1 +
+    // 4 inputs; the one-pass attention's and the warp-per-row norm's rows only on CUDA).
+    assert_eq!(checks.len(), 13 + 31, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         if (c.kernel == "gather_rows" && !c.gradient) || (c.kernel == "add" && c.gradient) {
@@ -57,6 +57,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // (the lean feed-forward, the loss, LayerNorm) need nothing.
     assert_eq!(needs("gather_rows"), ["BERTKIT_CUDA_EMBEDDINGS=pieces"]);
     assert_eq!(needs("add"), ["BERTKIT_CUDA_ADD=fused"]);
+    assert_eq!(needs("linear (wide)"), ["BERTKIT_CUDA_LINEAR=wide"]);
     for kernel in [
         "layer_norm",
         "attention (dropout)",

@@ -105,6 +105,10 @@ pub struct StepOutcome {
     pub loss_scale: f64,
     /// Whether the optimiser applied the step (false: an fp16 overflow, skipped).
     pub applied: bool,
+    /// Seconds the host waited at the step's one read-back for the device to finish the
+    /// passes (on a GPU: the device's work the host had not caught up with; on the CPU, where
+    /// each op runs as it is called, about nothing).
+    pub wait_seconds: f64,
 }
 
 /// `sum + x`, starting from nothing.
@@ -267,7 +271,10 @@ impl Step {
         let mut read = vec![loss, squared_norm];
         read.extend(figures);
         // The step's one read-back.
-        let mut host = Tensor::cat(&read, 0)?.to_vec1::<f64>()?;
+        let read = Tensor::cat(&read, 0)?;
+        let waiting = std::time::Instant::now();
+        let mut host = read.to_vec1::<f64>()?;
+        let wait_seconds = waiting.elapsed().as_secs_f64();
         let grad_norm = host.remove(1).sqrt();
         reducer.all_reduce_sum_host(&mut host)?;
         let (loss, figures) = (host[0], host[1..].to_vec());
@@ -291,6 +298,7 @@ impl Step {
             grad_norm,
             loss_scale,
             applied,
+            wait_seconds,
         })
     }
 }

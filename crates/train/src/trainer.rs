@@ -69,6 +69,12 @@ pub struct StepMetrics {
     pub skipped: bool,
     /// Wall seconds of the step (data already loaded; evaluation and checkpoint excluded).
     pub step_seconds: f64,
+    /// Of `step_seconds`, those the host waited for the device at the step's read-back
+    /// ([`crate::step::StepOutcome::wait_seconds`]): near the whole step, the device is what
+    /// bounds the pace; near zero on a GPU, the host is (launching, loading). Absent (0) in
+    /// the metrics of runs before it was kept.
+    #[serde(default)]
+    pub wait_seconds: f64,
     /// Sequences per second.
     pub seq_per_s: f64,
     /// Real (unpadded) tokens per second.
@@ -100,6 +106,7 @@ impl StepMetrics {
             ("train/loss_scale", self.loss_scale),
             ("train/skipped", f64::from(u8::from(self.skipped))),
             ("perf/step_seconds", self.step_seconds),
+            ("perf/wait_seconds", self.wait_seconds),
             ("perf/seq_per_s", self.seq_per_s),
             ("perf/tokens_per_s", self.tokens_per_s),
             ("perf/tflops", self.tflops),
@@ -902,6 +909,7 @@ impl Trainer {
             loss_scale: outcome.loss_scale,
             skipped: !outcome.applied,
             step_seconds: seconds,
+            wait_seconds: outcome.wait_seconds,
             seq_per_s: sequences / seconds,
             tokens_per_s: tokens / seconds,
             tflops,

@@ -177,20 +177,28 @@ fn startup_line(startup: &bertkit_train::trainer::StartupTimes) -> String {
     format!("start-up {:.1} s: {}", startup.total(), phases.join(", "))
 }
 
-/// `first step 16.0 s, then 0.98 s a step (median of 11)`: the first step pays for one-time
-/// work (kernel compilation, the allocator's first blocks, cuBLAS's choices); the median of
-/// the others is the run's pace.
+/// `first step 16.0 s, then 0.98 s a step (median of 11), 0.91 s of it waiting on the device`:
+/// the first step pays for one-time work (kernel compilation, the allocator's first blocks,
+/// cuBLAS's choices); the median of the others is the run's pace, and the median wait at the
+/// step's read-back says what bounds it (on a GPU, a wait near the whole step: the device; near
+/// nothing: the host). The wait is left out where there was none to speak of (the CPU).
 fn step_times_line(metrics: &[bertkit_train::trainer::StepMetrics]) -> Option<String> {
+    let median = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
     let (first, rest) = metrics.split_first()?;
     let mut line = format!("first step {:.2} s", first.step_seconds);
     if !rest.is_empty() {
-        let mut times: Vec<f64> = rest.iter().map(|m| m.step_seconds).collect();
-        times.sort_by(f64::total_cmp);
+        let step = median(&mut rest.iter().map(|m| m.step_seconds).collect());
+        let wait = median(&mut rest.iter().map(|m| m.wait_seconds).collect());
         line.push_str(&format!(
-            ", then {:.3} s a step (median of {})",
-            times[times.len() / 2],
-            times.len()
+            ", then {step:.3} s a step (median of {})",
+            rest.len()
         ));
+        if wait >= 0.001 {
+            line.push_str(&format!(", {wait:.3} s of it waiting on the device"));
+        }
     }
     Some(line)
 }
@@ -771,4 +779,45 @@ fn bench_inference(args: BenchInferenceArgs) -> Result<()> {
         )
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics(step: u64, seconds: f64, wait: f64) -> bertkit_train::trainer::StepMetrics {
+        serde_json::from_value(serde_json::json!({
+            "step": step, "loss": 1.0, "mlm_loss": 0.5, "nsp_loss": 0.5, "mlm_accuracy": 0.0,
+            "nsp_accuracy": 0.5, "lr": 1e-4, "grad_norm": 1.0, "loss_scale": 1.0,
+            "skipped": false, "step_seconds": seconds, "wait_seconds": wait, "seq_per_s": 1.0,
+            "tokens_per_s": 1.0, "tflops": 1.0,
+        }))
+        .unwrap()
+    }
+
+    /// The pace is the median of the steps after the first, and so is the wait at the
+    /// read-back, said only where there was one to speak of.
+    #[test]
+    fn the_step_line_gives_the_median_step_and_its_wait() {
+        let run = [
+            metrics(1, 2.0, 1.5),
+            metrics(2, 0.10, 0.08),
+            metrics(3, 0.30, 0.02),
+            metrics(4, 0.12, 0.07),
+        ];
+        assert_eq!(
+            step_times_line(&run).unwrap(),
+            "first step 2.00 s, then 0.120 s a step (median of 3), 0.070 s of it waiting on the device"
+        );
+        let cpu: Vec<_> = run
+            .iter()
+            .map(|m| metrics(m.step, m.step_seconds, 0.0))
+            .collect();
+        assert_eq!(
+            step_times_line(&cpu).unwrap(),
+            "first step 2.00 s, then 0.120 s a step (median of 3)"
+        );
+        assert_eq!(step_times_line(&run[..1]).unwrap(), "first step 2.00 s");
+        assert!(step_times_line(&[]).is_none());
+    }
 }

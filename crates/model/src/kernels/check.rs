@@ -292,6 +292,21 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         linear("linear", |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
+        Case {
+            kernel: "linear (wide)",
+            // Wider than a block's bias sums (the masked-LM decoder's rows): two chunks. On
+            // rows of 64 at every shape, to keep the CPU's reference products small.
+            inputs: vec![
+                ("x", vec![t, 64], 1.0),
+                ("weight", vec![12_300, 64], 0.125),
+                ("bias", vec![12_300], 0.5),
+            ],
+            run: |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2])),
+            train: false,
+            flash: false,
+            norm_warp: false,
+            needs: Some(&super::CUDA_WIDE_LINEAR),
+        },
         linear("linear_gelu (erf)", |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
         }),
@@ -437,6 +452,7 @@ pub fn check_kernels(
         super::set_cuda_embeddings(true);
         super::set_cuda_embeddings_in_pieces(true);
         super::set_cuda_add(true);
+        super::set_cuda_wide_linear(true);
         super::set_cuda_loss(true);
         super::set_cuda_fp16(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's

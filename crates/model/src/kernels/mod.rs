@@ -421,6 +421,25 @@ pub fn cuda_norm_warp() -> bool {
     CUDA_NORM_WARP.get()
 }
 
+/// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
+pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_in("BERTKIT_CUDA_LINEAR", "wide");
+
+/// Turns our CUDA linear layer on or off for this process for outputs wider than 12,288
+/// columns (the masked-LM decoder's 30,522 words): the bias's gradient summed by a block per
+/// chunk of columns. Without it such a layer is candle's product, broadcast addition and
+/// autograd, whose bias gradient is a reduction of one block per column (on an H200, 0.39 ms a
+/// BERT-large phase-1 pass, in bf16). Checked by `bertkit check kernels --device cuda` (its
+/// `linear (wide)` rows), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_LINEAR=wide`.
+pub fn set_cuda_wide_linear(on: bool) {
+    CUDA_WIDE_LINEAR.set(on);
+}
+
+/// Whether the CUDA linear kernels take wide outputs (see [`set_cuda_wide_linear`]).
+pub fn cuda_wide_linear() -> bool {
+    CUDA_WIDE_LINEAR.get()
+}
+
 /// `a + b`: two gradients of one tensor where they meet ([`tape`]), through our CUDA addition
 /// where it takes them ([`set_cuda_add`]), candle's elsewhere (the CPU: the twin).
 pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -461,6 +480,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         &CUDA_EMBEDDINGS_IN_PIECES,
         &CUDA_ADD,
         &CUDA_NORM_WARP,
+        &CUDA_WIDE_LINEAR,
         &CUDA_FLASH_ATTENTION,
         &CUDA_LOSS,
         &CUDA_FP16,

@@ -267,6 +267,10 @@ __device__ void layer_norm_backward_warp(const T* x, const T* residual, const T*
 // A linear layer's end: the bias and the activation (0: none, 1: GELU with erf, 2: GELU's tanh
 // form, its gate written as a logistic as on the CPU).
 
+// The most columns one block of `bias_act_backward` sums the bias of (its shared memory, 48
+// KiB of f32; `linear.rs`'s BIAS_CHUNK).
+#define BIAS_CHUNK 12288
+
 __device__ __forceinline__ float activation(float v, int act) {
     if (act == 1) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     if (act == 2) {
@@ -309,12 +313,16 @@ __device__ void bias_act_forward(const T* y, const T* bias, T* out, int rows, in
 template <typename T>
 __device__ void bias_act_backward(const T* y, const T* bias, const T* grad, T* grad_y,
                                   float* partial, int rows, int cols, int act) {
+    // The block's columns: all of them, or (rows wider than BIAS_CHUNK, the masked-LM
+    // decoder's 30,522) the chunk `blockIdx.y` of BIAS_CHUNK, whose bias sums fit the shared
+    // memory.
     DYNAMIC_SHARED(float, grad_bias);
+    const int first = blockIdx.y * BIAS_CHUNK, end = min(cols, first + BIAS_CHUNK);
     if (partial)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) grad_bias[c] = 0.0f;
+        for (int c = first + threadIdx.x; c < end; c += blockDim.x) grad_bias[c - first] = 0.0f;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const size_t at = (size_t)r * cols;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        for (int c = first + threadIdx.x; c < end; c += blockDim.x) {
             float g = to_f32(grad[at + c]);
             if (act != 0) {
                 float v = to_f32(y[at + c]);
@@ -322,12 +330,12 @@ __device__ void bias_act_backward(const T* y, const T* bias, const T* grad, T* g
                 g *= activation_slope(v, act);
                 grad_y[at + c] = from_f32<T>(g);
             }
-            if (partial) grad_bias[c] += g;
+            if (partial) grad_bias[c - first] += g;
         }
     }
     if (partial)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            partial[(size_t)blockIdx.x * cols + c] = grad_bias[c];
+        for (int c = first + threadIdx.x; c < end; c += blockDim.x)
+            partial[(size_t)blockIdx.x * cols + c] = grad_bias[c - first];
 }
 
 // ---------------------------------------------------------------------------------------------

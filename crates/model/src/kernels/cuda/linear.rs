@@ -76,31 +76,35 @@ fn backward<T: Element>(
     let (rows_i, cols_i) = (rows as i32, cols as i32);
     {
         let (mut grad_y, _) = out.split_at_mut(n);
-        let shared = if bias.is_some() { cols } else { 0 };
-        launch!(
-            T,
-            dev,
-            "bias_act_backward",
-            config(blocks, 256, shared),
-            |b| {
-                b.arg(y);
-                match bias {
-                    Some(bias) => b.arg(bias),
-                    None => b.arg(&NULL),
-                };
-                b.arg(grad);
-                if act != 0 {
-                    b.arg(&mut grad_y);
-                } else {
-                    b.arg(&NULL);
-                }
-                match &partial {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&NULL),
-                };
-                b.arg(&rows_i).arg(&cols_i).arg(&act);
+        // Rows wider than a block's shared memory holds bias sums for: a block per chunk of
+        // BIAS_CHUNK columns as well (`bias_act_backward`).
+        let shared = if bias.is_some() {
+            cols.min(BIAS_CHUNK)
+        } else {
+            0
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, cols.div_ceil(BIAS_CHUNK) as u32, 1),
+            ..config(blocks, 256, shared)
+        };
+        launch!(T, dev, "bias_act_backward", cfg, |b| {
+            b.arg(y);
+            match bias {
+                Some(bias) => b.arg(bias),
+                None => b.arg(&NULL),
+            };
+            b.arg(grad);
+            if act != 0 {
+                b.arg(&mut grad_y);
+            } else {
+                b.arg(&NULL);
             }
-        )?;
+            match &partial {
+                Some(p) => b.arg(p),
+                None => b.arg(&NULL),
+            };
+            b.arg(&rows_i).arg(&cols_i).arg(&act);
+        })?;
     }
     if let Some(partial) = &partial {
         let mut grad_bias = out.slice_mut(n..);

@@ -262,10 +262,15 @@ pub(crate) fn norm_fits(hidden: usize) -> bool {
     3 * hidden + 32 <= SHARED_FLOATS
 }
 
-/// Whether a bias of `cols` fits a bias backward block's shared memory.
+/// Whether the linear kernels take outputs of `cols` columns: the bias's backward sums at most
+/// [`BIAS_CHUNK`] columns a block, wider rows only in chunks once turned on.
 pub(crate) fn bias_fits(cols: usize) -> bool {
-    cols <= SHARED_FLOATS
+    cols <= BIAS_CHUNK || crate::kernels::cuda_wide_linear()
 }
+
+/// The most columns one block of the bias's backward sums (`BIAS_CHUNK` in `kernels.cu`: its
+/// shared memory); wider rows take a block per chunk ([`crate::kernels::set_cuda_wide_linear`]).
+const BIAS_CHUNK: usize = SHARED_FLOATS;
 
 /// A packing's device tensors the attention and dropout kernels read: each padded place's token
 /// and each token's place.
