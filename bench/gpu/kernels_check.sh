@@ -69,11 +69,8 @@ row_settings() {
 # Each row: the settings it adds to the defaults (none: the defaults), "|", its label.
 rows() {
     printf '%s\n' "- | the defaults" \
-        "BERTKIT_CUDA_EMBEDDINGS=pieces | the lookups' backward in pieces" \
-        "BERTKIT_CUDA_ADD=fused | the gradient sums' addition" \
         "BERTKIT_CUDA_NORM=warp | LayerNorm a warp per row" \
-        "BERTKIT_CUDA_LINEAR=wide | the decoder through our linear layer" \
-        "BERTKIT_CUDA_EMBEDDINGS=pieces BERTKIT_CUDA_ADD=fused BERTKIT_CUDA_NORM=warp BERTKIT_CUDA_LINEAR=wide | all of them"
+        "BERTKIT_CUDA_FEED_FORWARD=full | the feed-forward keeping its activation"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
 for optimizer in composed by-name -; do

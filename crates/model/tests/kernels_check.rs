@@ -51,45 +51,44 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    let needs = |kernel: &str| checks[position(&checks, kernel)].needs.clone();
-    // The lookup's backward in pieces and our addition are off by default; the kernels that
-    // passed on a GPU
-    // (the lean feed-forward, the loss, LayerNorm) need nothing.
-    assert_eq!(needs("gather_rows"), ["BERTKIT_CUDA_EMBEDDINGS=pieces"]);
-    assert_eq!(needs("add"), ["BERTKIT_CUDA_ADD=fused"]);
-    assert_eq!(needs("linear (wide)"), ["BERTKIT_CUDA_LINEAR=wide"]);
-    for kernel in [
-        "layer_norm",
-        "attention (dropout)",
-        "feed_forward (erf)",
-        "nll",
-    ] {
-        assert!(needs(kernel).is_empty(), "{kernel}");
+    // Every kernel the CPU checks has passed on a GPU: none needs a setting (the
+    // warp-per-row norm's rows, off by default, run on CUDA only).
+    for c in &checks {
+        assert!(c.needs.is_empty(), "{c:?}");
     }
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert!(settings.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
-    // A second checked setting (a line of its own), and one no line checks.
-    let mut other = checks[position(&checks, "layer_norm")].clone();
-    other.kernel = "other".to_string();
-    other.needs = vec!["BERTKIT_OTHER=on".to_string()];
-    checks.push(other);
-    settings.extend([
-        "BERTKIT_OTHER=on".to_string(),
-        "BERTKIT_UNCHECKED=on".to_string(),
-    ]);
+    assert!(settings.contains(&"BERTKIT_CUDA_NORM=warp".to_string()));
+    // Two checked settings (lines of their own), and one no line checks.
+    for (kernel, setting) in [
+        ("gather_rows", "BERTKIT_LOOKUP=on"),
+        ("layer_norm", "BERTKIT_OTHER=on"),
+    ] {
+        let mut line = checks[position(&checks, kernel)].clone();
+        line.kernel = format!("{kernel} (setting)");
+        line.needs = vec![setting.to_string()];
+        checks.push(line);
+    }
+    settings.extend(
+        [
+            "BERTKIT_LOOKUP=on",
+            "BERTKIT_OTHER=on",
+            "BERTKIT_UNCHECKED=on",
+        ]
+        .map(String::from),
+    );
 
     let (on, off) = settings_passed(&checks, settings.clone());
-    assert!(on.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
+    assert!(on.contains(&"BERTKIT_LOOKUP=on".to_string()));
     assert!(on.contains(&"BERTKIT_OTHER=on".to_string()));
     assert!(off.contains(&"BERTKIT_UNCHECKED=on".to_string()));
     assert_eq!(on.len() + off.len(), settings.len());
 
-    let lookup = position(&checks, "gather_rows");
+    let lookup = position(&checks, "gather_rows (setting)");
     checks[lookup].worst = f64::NAN;
     let (on, off) = settings_passed(&checks, settings.clone());
     assert!(on.contains(&"BERTKIT_OTHER=on".to_string()));
-    assert!(off.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
-    assert!(!on.contains(&"BERTKIT_CUDA_EMBEDDINGS=pieces".to_string()));
+    assert!(off.contains(&"BERTKIT_LOOKUP=on".to_string()));
+    assert!(!on.contains(&"BERTKIT_LOOKUP=on".to_string()));
 
     let norm = position(&checks, "layer_norm");
     checks[norm].worst = 1.0;

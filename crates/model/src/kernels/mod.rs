@@ -366,14 +366,15 @@ pub fn cuda_embeddings() -> bool {
 
 /// Whether our CUDA embedding lookup's backward sums each row's tokens in pieces.
 pub(crate) static CUDA_EMBEDDINGS_IN_PIECES: Switch =
-    Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS", "pieces");
+    Switch::opt_out("BERTKIT_CUDA_EMBEDDINGS", "by-row");
 
 /// Turns the lookup's backward in pieces on or off for this process: each table row's tokens
 /// summed in pieces of at most 64 by as many blocks, then each row's pieces in order, in f32
 /// (two launches), where the backward by row gives each row one block that adds its tokens
 /// one after the other (on an H200 the token types of a BERT-large batch, two rows of 4,096
-/// tokens each, took 1.3 ms). Checked by `bertkit check kernels --device cuda`, not yet run on
-/// a GPU: unset, it is off unless `BERTKIT_CUDA_EMBEDDINGS=pieces`.
+/// tokens each, took 1.3 ms; in pieces the lookups' backward fell from 3.57 to 0.27 ms a
+/// BERT-large phase-1 pass). Unset, it is on unless `BERTKIT_CUDA_EMBEDDINGS=by-row`; it
+/// passed its check on an H200 (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_embeddings_in_pieces(on: bool) {
     CUDA_EMBEDDINGS_IN_PIECES.set(on);
 }
@@ -384,15 +385,15 @@ pub fn cuda_embeddings_in_pieces() -> bool {
 }
 
 /// Whether the tape's gradient sums on CUDA take our addition.
-pub(crate) static CUDA_ADD: Switch = Switch::opt_in("BERTKIT_CUDA_ADD", "fused");
+pub(crate) static CUDA_ADD: Switch = Switch::opt_out("BERTKIT_CUDA_ADD", "composed");
 
 /// Turns our CUDA addition for the backward pass's gradient sums ([`tape`]: where a tensor's
 /// gradients from two ops meet, a layer's input and a residual's) on or off for this process:
 /// 16 bytes a thread where candle's addition takes one element a thread (on an H200, 70 µs for
-/// a BERT-large batch's `[8192, 1024]` bf16 sum, about 0.7 TB/s, two such a layer). Checked
-/// by `bertkit check kernels --device cuda` (its `add` rows, and the encoder's backward by
-/// hand, which sums through it), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_ADD=fused`.
+/// a BERT-large batch's `[8192, 1024]` bf16 sum, about 0.7 TB/s, two such a layer; ours 13
+/// µs). Unset, it is on unless `BERTKIT_CUDA_ADD=composed`; it passed its check (its `add`
+/// rows, and the encoder's backward by hand, which sums through it) on an H200 (BENCHMARKS.md,
+/// 2026-11-27).
 pub fn set_cuda_add(on: bool) {
     CUDA_ADD.set(on);
 }
@@ -409,9 +410,11 @@ pub(crate) static CUDA_NORM_WARP: Switch = Switch::opt_in("BERTKIT_CUDA_NORM", "
 /// process, for rows of at most 1,024 a multiple of 32: the row in the lanes' registers, its
 /// sums in a warp's shuffles, where the block per row synchronises its threads four times a
 /// row (on an H200, BERT-large's `[8192, 1024]` bf16 backward took 102 µs, about 0.8 TB/s).
-/// Checked by `bertkit check kernels --device cuda` (its `layer_norm` and
-/// `residual_layer_norm` rows, and the encoder's backward by hand, which runs it), not yet
-/// run on a GPU: unset, it is off unless `BERTKIT_CUDA_NORM=warp`.
+/// It passed its check (its `layer_norm (warp)` and `residual_layer_norm (dropout, warp)`
+/// rows, and the encoder's backward by hand) on an H200 but ran slower there: 185 µs for that
+/// backward against the block per row's 102 (its 136 registers a thread leave an SM 12 warps;
+/// each row's sums wait on each other), so it stays off unless `BERTKIT_CUDA_NORM=warp`
+/// (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_norm_warp(on: bool) {
     CUDA_NORM_WARP.set(on);
 }
@@ -422,15 +425,14 @@ pub fn cuda_norm_warp() -> bool {
 }
 
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
-pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_in("BERTKIT_CUDA_LINEAR", "wide");
+pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
 /// Turns our CUDA linear layer on or off for this process for outputs wider than 12,288
 /// columns (the masked-LM decoder's 30,522 words): the bias's gradient summed by a block per
 /// chunk of columns. Without it such a layer is candle's product, broadcast addition and
 /// autograd, whose bias gradient is a reduction of one block per column (on an H200, 0.39 ms a
-/// BERT-large phase-1 pass, in bf16). Checked by `bertkit check kernels --device cuda` (its
-/// `linear (wide)` rows), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_LINEAR=wide`.
+/// BERT-large phase-1 pass, in bf16). Unset, it is on unless `BERTKIT_CUDA_LINEAR=narrow`;
+/// it passed its check (its `linear (wide)` rows) on an H200 (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_wide_linear(on: bool) {
     CUDA_WIDE_LINEAR.set(on);
 }
