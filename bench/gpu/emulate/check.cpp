@@ -11,8 +11,6 @@
 //   backward in pieces against the pieces' f32 sums by hand, in order;
 // - the gradients' sum (`add_tensors`, the same file) against sums by hand, 16-byte aligned and
 //   not;
-// - LayerNorm a warp per row (`layer_norm_*_warp`, the same file) against f64, forward and
-//   backward, residual and dropout;
 // - a linear layer's end backward (`bias_act_backward`) on rows wider than a block's bias sums;
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
 //   a vocabulary's width);
@@ -300,93 +298,6 @@ bool check_gather(const char* name, int table_rows, int cols, int tokens) {
     std::printf("  %-28s %-8s %zu of %zu elements differ %s (%d pieces)\n", name, "pieces",
                 pieces_wrong, (size_t)table_rows * cols, pieces_wrong ? "FAILED" : "ok", pieces);
     return gathered_wrong == 0 && summed_wrong == 0 && pieces_wrong == 0;
-}
-
-// LayerNorm a warp per row (`layer_norm_*_warp` in `kernels.cu`) of `rows` rows of `hidden`,
-// with a residual and dropout, forward and backward (the sum's and x's gradients, the weight's
-// and bias's from the blocks' partial sums), on a grid smaller than the rows, against f64 by
-// hand from the same inputs and dropout keys.
-template <typename T>
-bool check_norm(const char* name, int rows, int hidden, unsigned blocks, double bound) {
-    std::mt19937_64 rng(11 + hidden);
-    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-    const size_t n = (size_t)rows * hidden;
-    std::vector<T> x(n), res(n), grad(n), w(hidden), b(hidden);
-    for (auto* v : {&x, &res, &grad}) for (auto& e : *v) e = from_f32<T>(u(rng));
-    for (auto& e : w) e = from_f32<T>(1.0f + 0.25f * u(rng));
-    for (auto& e : b) e = from_f32<T>(0.25f * u(rng));
-    const int seq = 8;
-    std::vector<uint32_t> places(rows);
-    for (int r = 0; r < rows; ++r) places[r] = (uint32_t)(r + r / 5);  // holes, as packing leaves
-    Dropout d{};
-    d.key = 0xabcdefull;
-    d.first_row = 2;
-    d.threshold = (uint64_t)(0.1 * (1 << 24));
-    d.scale = 1.0f / 0.9f;
-    d.on = 1;
-    const float eps = 1e-12f;
-    std::vector<T> y(n), grad_sum(n), grad_x(n);
-    std::vector<float> partial((size_t)blocks * 2 * hidden, std::nanf(""));
-    emulate_launch({blocks, 1, 1}, 128, [&] {
-        layer_norm_forward_warp<T>(x.data(), res.data(), w.data(), b.data(), y.data(), rows,
-                                   hidden, eps, d, places.data(), seq);
-    });
-    emulate_launch({blocks, 1, 1}, 128, [&] {
-        layer_norm_backward_warp<T>(x.data(), res.data(), w.data(), grad.data(), grad_sum.data(),
-                                    grad_x.data(), partial.data(), rows, hidden, eps, d,
-                                    places.data(), seq);
-    }, 2 * hidden * sizeof(float));
-    std::vector<double> got_y, want_y, got_s, want_s, got_x, want_x, got_p(2 * hidden, 0.0),
-        want_p(2 * hidden, 0.0);
-    for (int r = 0; r < rows; ++r) {
-        const uint64_t line = line_key(row_key(d, places[r] / seq), places[r] % seq);
-        std::vector<double> v(hidden), keep(hidden);
-        double mean = 0.0, var = 0.0;
-        for (int j = 0; j < hidden; ++j) {
-            keep[j] = keep_factor(d, line, j);
-            v[j] = (double)to_f32(x[(size_t)r * hidden + j]) * keep[j] +
-                   to_f32(res[(size_t)r * hidden + j]);
-            mean += v[j] / hidden;
-        }
-        for (int j = 0; j < hidden; ++j) var += (v[j] - mean) * (v[j] - mean) / hidden;
-        const double rstd = 1.0 / std::sqrt(var + eps);
-        double a = 0.0, bb = 0.0;
-        for (int j = 0; j < hidden; ++j) {
-            const size_t at = (size_t)r * hidden + j;
-            const double normed = (v[j] - mean) * rstd, g = to_f32(grad[at]);
-            got_y.push_back(to_f32(y[at]));
-            want_y.push_back(normed * to_f32(w[j]) + to_f32(b[j]));
-            a += g * to_f32(w[j]) / hidden;
-            bb += g * to_f32(w[j]) * normed / hidden;
-            want_p[j] += g * normed;
-            want_p[hidden + j] += g;
-        }
-        for (int j = 0; j < hidden; ++j) {
-            const size_t at = (size_t)r * hidden + j;
-            const double normed = (v[j] - mean) * rstd;
-            const double ds = rstd * (to_f32(grad[at]) * to_f32(w[j]) - a - normed * bb);
-            got_s.push_back(to_f32(grad_sum[at]));
-            want_s.push_back(ds);
-            got_x.push_back(to_f32(grad_x[at]));
-            want_x.push_back(ds * keep[j]);
-        }
-    }
-    for (unsigned k = 0; k < blocks; ++k)
-        for (int j = 0; j < 2 * hidden; ++j) got_p[j] += partial[(size_t)k * 2 * hidden + j];
-    bool ok = true;
-    const auto report = [&](const char* what, const std::vector<double>& g,
-                            const std::vector<double>& want) {
-        const double e = worst(g, want);
-        const bool pass = e <= bound;
-        ok = ok && pass;
-        std::printf("  %-28s %-8s %.3e  (bound %.0e) %s\n", name, what, e, bound,
-                    pass ? "ok" : "FAILED");
-    };
-    report("output", got_y, want_y);
-    report("dsum", got_s, want_s);
-    report("dx", got_x, want_x);
-    report("dparams", got_p, want_p);
-    return ok;
 }
 
 // A linear layer's end backward (`bias_act_backward` in `kernels.cu`) on rows wider than one
@@ -699,11 +610,6 @@ int main() {
     ok = check_gather<float>("gather_rows f32", 50, 70, 300) && ok;
     ok = check_gather<bf16>("gather_rows bf16", 50, 1030, 200) && ok;
     ok = check_gather<f16>("gather_rows f16", 50, 130, 200) && ok;
-    std::printf("LayerNorm a warp per row (layer_norm_*_warp, kernels.cu) against f64:\n");
-    ok = check_norm<float>("norm f32, 1024 wide", 37, 1024, 2, 1e-5) && ok;
-    ok = check_norm<float>("norm f32, 96 wide", 21, 96, 1, 1e-5) && ok;
-    ok = check_norm<bf16>("norm bf16, 1024 wide", 19, 1024, 3, 1e-2) && ok;
-    ok = check_norm<f16>("norm f16, 64 wide", 17, 64, 1, 1e-2) && ok;
     std::printf("a linear layer's end backward (bias_act_backward, kernels.cu) against f64:\n");
     ok = check_bias("bias, 2 chunks", 7, BIAS_CHUNK + 300, 0, 3) && ok;
     ok = check_bias("bias + GELU, 2 chunks", 5, BIAS_CHUNK + 40, 1, 2) && ok;

@@ -33,9 +33,8 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// `shapes`: an output line, the input's gradient and the worst of the parameters'. Nothing
 /// when the default kernels do not record in `dtype` on `device` (they run under autograd
 /// there, so there is nothing to compare). On a CUDA device this turns the CUDA kernels, the
-/// backward by hand ([`crate::kernels::set_cuda_tape`]), our addition for its gradient sums
-/// ([`crate::kernels::set_cuda_add`]) and LayerNorm a warp per row
-/// ([`crate::kernels::set_cuda_norm_warp`]) on for the process, and in bf16
+/// backward by hand ([`crate::kernels::set_cuda_tape`]) and our addition for its gradient sums
+/// ([`crate::kernels::set_cuda_add`]) on for the process, and in bf16
 /// checks the shapes with heads of 64 a second time with the one-pass attention on
 /// ([`FLASH_NAME`]; as it was afterwards).
 pub fn check_encoder_backward(
@@ -49,7 +48,6 @@ pub fn check_encoder_backward(
         crate::kernels::set_cuda_tape(true);
         crate::kernels::set_cuda_fp16(true);
         crate::kernels::set_cuda_add(true);
-        crate::kernels::set_cuda_norm_warp(true);
     }
     let flash_before = crate::kernels::cuda_flash_attention();
     let checks = check_shapes(device, dtype, shapes);
@@ -94,18 +92,13 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
             &[
                 &crate::kernels::CUDA_TAPE,
                 &crate::kernels::CUDA_ADD,
-                &crate::kernels::CUDA_NORM_WARP,
                 &crate::kernels::CUDA_FLASH_ATTENTION,
             ],
         )
     } else {
         needing_in(
             dtype,
-            &[
-                &crate::kernels::CUDA_TAPE,
-                &crate::kernels::CUDA_ADD,
-                &crate::kernels::CUDA_NORM_WARP,
-            ],
+            &[&crate::kernels::CUDA_TAPE, &crate::kernels::CUDA_ADD],
         )
     }
 }

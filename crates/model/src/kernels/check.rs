@@ -195,9 +195,6 @@ struct Case {
     /// Run with attention in one pass over key tiles ([`super::set_cuda_flash_attention`]):
     /// only where those kernels take the shape (CUDA, bf16, heads of 64).
     flash: bool,
-    /// Run with LayerNorm a warp per row ([`super::set_cuda_norm_warp`]): on CUDA only (on the
-    /// CPU its rows would repeat the others').
-    norm_warp: bool,
     /// The setting off by default the kernel runs only with on CUDA ([`KernelCheck::needs`]).
     needs: Option<&'static crate::switch::Switch>,
 }
@@ -205,7 +202,7 @@ struct Case {
 fn cases(s: &CheckShape) -> Vec<Case> {
     let (t, h, i) = (s.tokens(), s.hidden, s.intermediate);
     let w = 1.0 / (h as f64).sqrt();
-    let norm = |kernel, train, norm_warp, run: Run| Case {
+    let norm = |kernel, train, run: Run| Case {
         kernel,
         inputs: vec![
             ("x", vec![t, h], 2.0),
@@ -215,24 +212,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train,
         flash: false,
-        norm_warp,
-        needs: norm_warp.then_some(&super::CUDA_NORM_WARP),
-    };
-    let residual_norm = |kernel, norm_warp| Case {
-        kernel,
-        inputs: vec![
-            ("x", vec![t, h], 2.0),
-            ("residual", vec![t, h], 2.0),
-            ("weight", vec![h], 1.0),
-            ("bias", vec![h], 0.5),
-        ],
-        run: |k, x, p, mode, _| {
-            k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
-        },
-        train: true,
-        flash: false,
-        norm_warp,
-        needs: norm_warp.then_some(&super::CUDA_NORM_WARP),
+        needs: None,
     };
     let linear = |kernel, run: Run| Case {
         kernel,
@@ -244,7 +224,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train: false,
         flash: false,
-        norm_warp: false,
         needs: None,
     };
     let attention = |kernel, train, flash| Case {
@@ -253,7 +232,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
         train,
         flash,
-        norm_warp: false,
         needs: flash.then_some(&super::CUDA_FLASH_ATTENTION),
     };
     vec![
@@ -270,7 +248,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             flash: false,
-            norm_warp: false,
             needs: Some(&super::CUDA_EMBEDDINGS_IN_PIECES),
         },
         Case {
@@ -280,13 +257,9 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |_, x, _, _, _| super::add_gradients(&x[0], &x[1]),
             train: false,
             flash: false,
-            norm_warp: false,
             needs: Some(&super::CUDA_ADD),
         },
-        norm("layer_norm", false, false, |k, x, _, _, _| {
-            k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
-        }),
-        norm("layer_norm (warp)", false, true, |k, x, _, _, _| {
+        norm("layer_norm", false, |k, x, _, _, _| {
             k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
         }),
         linear("linear", |k, x, _, _, _| {
@@ -304,7 +277,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2])),
             train: false,
             flash: false,
-            norm_warp: false,
             needs: Some(&super::CUDA_WIDE_LINEAR),
         },
         linear("linear_gelu (erf)", |k, x, _, _, _| {
@@ -319,7 +291,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
             flash: false,
-            norm_warp: false,
             needs: None,
         },
         Case {
@@ -336,7 +307,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             flash: false,
-            norm_warp: false,
             needs: Some(&super::LEAN_CUDA_FEED_FORWARD),
         },
         attention("attention (eval)", false, false),
@@ -355,11 +325,23 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             flash: false,
-            norm_warp: false,
             needs: Some(&super::CUDA_LOSS),
         },
-        residual_norm("residual_layer_norm (dropout)", false),
-        residual_norm("residual_layer_norm (dropout, warp)", true),
+        Case {
+            kernel: "residual_layer_norm (dropout)",
+            inputs: vec![
+                ("x", vec![t, h], 2.0),
+                ("residual", vec![t, h], 2.0),
+                ("weight", vec![h], 1.0),
+                ("bias", vec![h], 0.5),
+            ],
+            run: |k, x, p, mode, _| {
+                k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
+            },
+            train: true,
+            flash: false,
+            needs: None,
+        },
     ]
 }
 
@@ -464,8 +446,8 @@ pub fn check_kernels(
     } else {
         (&Fused, DType::F32)
     };
-    // The one-pass attention and the norm's form as they were, once the rows have run.
-    let (flash_before, warp_before) = (super::cuda_flash_attention(), super::cuda_norm_warp());
+    // The one-pass attention as it was, once its rows and the others have run.
+    let flash_before = super::cuda_flash_attention();
     let mut checks = Vec::new();
     for shape in shapes {
         for (c, case) in cases(shape).iter().enumerate() {
@@ -473,11 +455,10 @@ pub fn check_kernels(
             // repeat the kernels around cuBLAS under another name.
             let flash_takes =
                 device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads;
-            if (case.flash && !flash_takes) || (case.norm_warp && !device.is_cuda()) {
+            if case.flash && !flash_takes {
                 continue;
             }
             super::set_cuda_flash_attention(case.flash);
-            super::set_cuda_norm_warp(case.norm_warp);
             let needs = needing_in(dtype, case.needs.as_slice());
             let run = || -> Result<Vec<KernelCheck>> {
                 let inputs = case
@@ -517,7 +498,6 @@ pub fn check_kernels(
                     ));
                     if device_broken(device).is_some() {
                         super::set_cuda_flash_attention(flash_before);
-                        super::set_cuda_norm_warp(warp_before);
                         return Ok(checks);
                     }
                 }
@@ -525,6 +505,5 @@ pub fn check_kernels(
         }
     }
     super::set_cuda_flash_attention(flash_before);
-    super::set_cuda_norm_warp(warp_before);
     Ok(checks)
 }

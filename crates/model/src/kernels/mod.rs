@@ -403,27 +403,6 @@ pub fn cuda_add() -> bool {
     CUDA_ADD.get()
 }
 
-/// Whether LayerNorm on CUDA runs a warp per row.
-pub(crate) static CUDA_NORM_WARP: Switch = Switch::opt_in("BERTKIT_CUDA_NORM", "warp");
-
-/// Turns LayerNorm (and a sublayer's end) with a warp per row on or off for CUDA in this
-/// process, for rows of at most 1,024 a multiple of 32: the row in the lanes' registers, its
-/// sums in a warp's shuffles, where the block per row synchronises its threads four times a
-/// row (on an H200, BERT-large's `[8192, 1024]` bf16 backward took 102 µs, about 0.8 TB/s).
-/// It passed its check (its `layer_norm (warp)` and `residual_layer_norm (dropout, warp)`
-/// rows, and the encoder's backward by hand) on an H200 but ran slower there: 185 µs for that
-/// backward against the block per row's 102 (its 136 registers a thread leave an SM 12 warps;
-/// each row's sums wait on each other), so it stays off unless `BERTKIT_CUDA_NORM=warp`
-/// (BENCHMARKS.md, 2026-11-27).
-pub fn set_cuda_norm_warp(on: bool) {
-    CUDA_NORM_WARP.set(on);
-}
-
-/// Whether LayerNorm on CUDA runs a warp per row (see [`set_cuda_norm_warp`]).
-pub fn cuda_norm_warp() -> bool {
-    CUDA_NORM_WARP.get()
-}
-
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -481,7 +460,6 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         &CUDA_EMBEDDINGS,
         &CUDA_EMBEDDINGS_IN_PIECES,
         &CUDA_ADD,
-        &CUDA_NORM_WARP,
         &CUDA_WIDE_LINEAR,
         &CUDA_FLASH_ATTENTION,
         &CUDA_LOSS,

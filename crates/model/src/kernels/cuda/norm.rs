@@ -1,7 +1,6 @@
 //! LayerNorm and a sublayer's end (`LayerNorm(dropout(x) + residual)`) on CUDA: a block per
-//! row, or a warp per row ([`crate::kernels::set_cuda_norm_warp`]), the row's statistics
-//! recomputed in the backward rather than stored; the twins of `cpu::LayerNorm` and
-//! `cpu::ResidualLayerNorm`.
+//! row, the row's statistics recomputed in the backward rather than stored; the twins of
+//! `cpu::LayerNorm` and `cpu::ResidualLayerNorm`.
 
 use super::*;
 
@@ -14,20 +13,6 @@ struct NormShape {
     dropout: DeviceDropout,
     /// The packing's padded row length (the dropout keys' places), or 1.
     seq: usize,
-}
-
-/// The longest row the kernels with a warp per row take (`NORM_LANE_MAX` columns a lane).
-const WARP_ROW_MAX: usize = 32 * 32;
-/// Warps a block of the warp-per-row kernels: four, as the backward's lanes keep their columns'
-/// parameter gradients in registers (136 a thread for sm_90: three blocks of four warps fit an
-/// SM's registers where one block of eight would).
-const ROW_WARPS: usize = 4;
-
-/// Whether the rows of `hidden` go to the kernels with a warp per row: turned on
-/// ([`crate::kernels::set_cuda_norm_warp`]) and a multiple of 32 no longer than
-/// [`WARP_ROW_MAX`].
-fn warp_rows(hidden: usize) -> bool {
-    crate::kernels::cuda_norm_warp() && hidden.is_multiple_of(32) && hidden <= WARP_ROW_MAX
 }
 
 /// The forward kernel: `y = norm(dropout(x) + residual) · weight + bias`.
@@ -44,14 +29,8 @@ fn forward<T: Element>(
     // SAFETY: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(s.rows * s.hidden)? };
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
-    let (name, cfg) = if warp_rows(s.hidden) {
-        let blocks = s.rows.div_ceil(ROW_WARPS).min(65_535);
-        ("layer_norm_forward_warp", config(blocks, 32 * ROW_WARPS, 0))
-    } else {
-        let cfg = config(s.rows, row_threads(s.hidden), s.hidden + 32);
-        ("layer_norm_forward", cfg)
-    };
-    launch!(T, dev, name, cfg, |b| {
+    let cfg = config(s.rows, row_threads(s.hidden), s.hidden + 32);
+    launch!(T, dev, "layer_norm_forward", cfg, |b| {
         b.arg(x);
         match residual {
             Some(r) => b.arg(r),
@@ -86,25 +65,14 @@ fn backward<T: Element>(
     // SAFETY: every element is written: the gradients by the first kernel, the parameters' by
     // the column sums.
     let mut out = unsafe { dev.alloc::<T>(parts * n + 2 * h)? };
-    let warp = warp_rows(s.hidden);
-    let blocks = if warp {
-        s.rows.div_ceil(ROW_WARPS).clamp(1, MAX_BACKWARD_BLOCKS)
-    } else {
-        s.rows.clamp(1, MAX_BACKWARD_BLOCKS)
-    };
+    let blocks = s.rows.clamp(1, MAX_BACKWARD_BLOCKS);
     let partial = dev.alloc_zeros::<f32>(blocks * 2 * h)?;
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
     {
         let (mut grad_sum, mut rest) = out.split_at_mut(n);
         let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
-        let (name, cfg) = if warp {
-            let cfg = config(blocks, 32 * ROW_WARPS, 2 * s.hidden);
-            ("layer_norm_backward_warp", cfg)
-        } else {
-            let cfg = config(blocks, row_threads(s.hidden), 3 * s.hidden + 32);
-            ("layer_norm_backward", cfg)
-        };
-        launch!(T, dev, name, cfg, |b| {
+        let cfg = config(blocks, row_threads(s.hidden), 3 * s.hidden + 32);
+        launch!(T, dev, "layer_norm_backward", cfg, |b| {
             b.arg(x);
             match residual {
                 Some(r) => b.arg(r),
