@@ -49,7 +49,7 @@ if [[ -n ${ALL_ON:-} ]]; then
         export $settings
         log "ALL_ON: $settings"
     else
-        log "ALL_ON: no setting passed (check rc $check_rc); the defaults stay"
+        log "ALL_ON: no setting to turn on (none off by default passed; check rc $check_rc); the defaults stay"
     fi
 fi
 # The settings the check failed (its line "failed or not checked here, leave off: ..."; all
