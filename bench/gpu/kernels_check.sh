@@ -69,6 +69,7 @@ row_settings() {
 # Each row: the settings it adds to the defaults (none: the defaults), "|", its label.
 rows() {
     printf '%s\n' "- | the defaults" \
+        "BERTKIT_CUDA_FLASH_STORES=vector | the one-pass attention's 16-byte stores" \
         "BERTKIT_CUDA_FEED_FORWARD=full | the feed-forward keeping its activation"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)

@@ -36,7 +36,8 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// backward by hand ([`crate::kernels::set_cuda_tape`]) and our addition for its gradient sums
 /// ([`crate::kernels::set_cuda_add`]) on for the process, and in bf16
 /// checks the shapes with heads of 64 a second time with the one-pass attention on
-/// ([`FLASH_NAME`]; as it was afterwards).
+/// ([`FLASH_NAME`]; as it was afterwards; its 16-byte stores,
+/// [`crate::kernels::set_cuda_flash_vector_stores`], on for the process too).
 pub fn check_encoder_backward(
     device: &Device,
     dtype: DType,
@@ -48,6 +49,7 @@ pub fn check_encoder_backward(
         crate::kernels::set_cuda_tape(true);
         crate::kernels::set_cuda_fp16(true);
         crate::kernels::set_cuda_add(true);
+        crate::kernels::set_cuda_flash_vector_stores(true);
     }
     let flash_before = crate::kernels::cuda_flash_attention();
     let checks = check_shapes(device, dtype, shapes);
@@ -93,6 +95,7 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
                 &crate::kernels::CUDA_TAPE,
                 &crate::kernels::CUDA_ADD,
                 &crate::kernels::CUDA_FLASH_ATTENTION,
+                &crate::kernels::CUDA_FLASH_VECTOR_STORES,
             ],
         )
     } else {

@@ -232,7 +232,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
         train,
         flash,
-        needs: flash.then_some(&super::CUDA_FLASH_ATTENTION),
+        needs: flash.then_some(&super::CUDA_FLASH_VECTOR_STORES),
     };
     vec![
         Case {
@@ -435,6 +435,7 @@ pub fn check_kernels(
         super::set_cuda_embeddings_in_pieces(true);
         super::set_cuda_add(true);
         super::set_cuda_wide_linear(true);
+        super::set_cuda_flash_vector_stores(true);
         super::set_cuda_loss(true);
         super::set_cuda_fp16(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's

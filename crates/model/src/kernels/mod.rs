@@ -403,6 +403,28 @@ pub fn cuda_add() -> bool {
     CUDA_ADD.get()
 }
 
+/// Whether the one-pass attention stores its results 16 bytes at a time.
+pub(crate) static CUDA_FLASH_VECTOR_STORES: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_STORES", "vector");
+
+/// Turns the one-pass attention's 16-byte stores on or off for this process: each lane writes
+/// its 32 results (the context, the queries', keys' and values' gradients) as four 16-byte
+/// stores instead of 32 two-byte ones. A warp's lanes each write a row of their own, so a
+/// two-byte store instruction touches 32 cache sectors for 64 bytes; on an H200 the kernels
+/// ran with L2 at 47% of its peak and DRAM at 7% (BENCHMARKS.md, 2026-11-27). The same values
+/// (`bench/gpu/emulate` compares the bits); checked by `bertkit check kernels --device cuda`
+/// (its `attention flash` rows and the encoder's with the one-pass attention), not yet run on
+/// a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_STORES=vector`.
+pub fn set_cuda_flash_vector_stores(on: bool) {
+    CUDA_FLASH_VECTOR_STORES.set(on);
+}
+
+/// Whether the one-pass attention stores 16 bytes at a time (see
+/// [`set_cuda_flash_vector_stores`]).
+pub fn cuda_flash_vector_stores() -> bool {
+    CUDA_FLASH_VECTOR_STORES.get()
+}
+
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -461,6 +483,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         &CUDA_EMBEDDINGS_IN_PIECES,
         &CUDA_ADD,
         &CUDA_WIDE_LINEAR,
+        &CUDA_FLASH_VECTOR_STORES,
         &CUDA_FLASH_ATTENTION,
         &CUDA_LOSS,
         &CUDA_FP16,

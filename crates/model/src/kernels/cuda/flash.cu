@@ -111,8 +111,30 @@ __device__ __forceinline__ void flash_fragments(FragA (&a)[4], const bf16* tile,
     }
 }
 
+// A lane's 32 values (`from[k] · scale`) as bf16 at `to`: one 2-byte store each, or (`Vec`,
+// `to` 16-byte aligned, as every row's head of 64 is) four 16-byte stores, so that a warp's
+// store touches a quarter of the cache sectors (each lane writes its own row).
+template <bool Vec, typename Values>
+__device__ __forceinline__ void flash_store_32(bf16* to, const Values& from, float scale) {
+    if (Vec) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            bf16 pack[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) pack[k] = __float2bfloat16(from[q * 8 + k] * scale);
+            uint4 v;
+            memcpy(&v, pack, sizeof v);
+            reinterpret_cast<uint4*>(to)[q] = v;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 32; ++k) to[k] = __float2bfloat16(from[k] * scale);
+    }
+}
+
 // The warp's `[16, 64]` accumulators written to 64 columns from `col` of the tokens' rows
 // (`[tokens, stride]`), row `first + r` the padded place; through the warp's f32 scratch.
+template <bool Vec>
 __device__ __forceinline__ void flash_store_rows(FragC (&acc)[4], float* scratch, bf16* dst,
                                                  size_t stride, int col, const uint32_t* places,
                                                  int first, int seq, int tokens) {
@@ -126,9 +148,7 @@ __device__ __forceinline__ void flash_store_rows(FragC (&acc)[4], float* scratch
     const uint32_t t = i < seq ? places[i] : (uint32_t)tokens;
     if (t < (uint32_t)tokens) {
         const float* from = scratch + r * FLASH_LDF + half * 32;
-        bf16* to = dst + (size_t)t * stride + col + half * 32;
-#pragma unroll
-        for (int k = 0; k < 32; ++k) to[k] = __float2bfloat16(from[k]);
+        flash_store_32<Vec>(dst + (size_t)t * stride + col + half * 32, from, 1.0f);
     }
     __syncwarp();
 }
@@ -198,10 +218,10 @@ __device__ void flash_load_keys_values(bf16* keys, bf16* values, int* key_valid,
 
 // The forward: grid (query tiles, heads, batch). Writes the context `[tokens, hidden]` and each
 // query's log-sum-exp of its scaled scores (`lse`, `[batch, heads, seq]`).
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_forward_bf16(const bf16* qkv, bf16* context, float* lse,
-                                 const uint32_t* scatter, int tokens, int batch, int heads,
-                                 int seq, float scale, Dropout d) {
+template <bool Vec>
+__device__ __forceinline__ void flash_forward(const bf16* qkv, bf16* context, float* lse,
+                                              const uint32_t* scatter, int tokens, int batch,
+                                              int heads, int seq, float scale, Dropout d) {
     __shared__ __align__(32) bf16 keys[FLASH_TILE * FLASH_LD];
     __shared__ __align__(32) bf16 values[FLASH_TILE * FLASH_LD];
     __shared__ __align__(32) float scratch[FLASH_WARPS][16 * FLASH_LDF];
@@ -272,9 +292,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     }
     if (query) {
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        bf16* out = context + (size_t)k.places[i] * k.hidden + k.column(0) + k.half * 32;
-#pragma unroll
-        for (int c = 0; c < 32; ++c) out[c] = __float2bfloat16(o[c] * inv);
+        flash_store_32<Vec>(context + (size_t)k.places[i] * k.hidden + k.column(0) + k.half * 32,
+                            o, inv);
     }
     // Every place's, padding's 0 (the backward reads a whole tile's).
     if (k.half == 0 && i < seq) lse[rows + i] = query ? m + logf(l) : 0.0f;
@@ -318,11 +337,12 @@ __device__ __forceinline__ float flash_keep(const Dropout& d, uint32_t kept, int
 // The keys' and values' gradients: grid (key tiles, heads, batch); each warp's 16 keys summed
 // over every query tile, written to the key and value columns of `grad_qkv` (`[tokens, 3 ·
 // hidden]`).
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_backward_kv_bf16(const bf16* qkv, const bf16* grad, const float* lse,
-                                     const float* delta, bf16* grad_qkv,
-                                     const uint32_t* scatter, int tokens, int batch, int heads,
-                                     int seq, float scale, Dropout d) {
+template <bool Vec>
+__device__ __forceinline__ void flash_backward_kv(const bf16* qkv, const bf16* grad,
+                                                  const float* lse, const float* delta,
+                                                  bf16* grad_qkv, const uint32_t* scatter,
+                                                  int tokens, int batch, int heads, int seq,
+                                                  float scale, Dropout d) {
     __shared__ __align__(32) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(32) bf16 grads[FLASH_TILE * FLASH_LD];
     __shared__ __align__(32) float scratch[FLASH_WARPS][16 * FLASH_LDF];
@@ -392,17 +412,20 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         __syncthreads();
     }
     const int first = k.first + k.warp * 16;
-    flash_store_rows(dk, mine, grad_qkv, k.stride, k.column(1), k.places, first, seq, tokens);
-    flash_store_rows(dv, mine, grad_qkv, k.stride, k.column(2), k.places, first, seq, tokens);
+    flash_store_rows<Vec>(dk, mine, grad_qkv, k.stride, k.column(1), k.places, first, seq,
+                          tokens);
+    flash_store_rows<Vec>(dv, mine, grad_qkv, k.stride, k.column(2), k.places, first, seq,
+                          tokens);
 }
 
 // The queries' gradient: grid (query tiles, heads, batch); each warp's 16 queries summed over
 // every key tile, written to the query columns of `grad_qkv`.
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_backward_q_bf16(const bf16* qkv, const bf16* grad, const float* lse,
-                                    const float* delta, bf16* grad_qkv,
-                                    const uint32_t* scatter, int tokens, int batch, int heads,
-                                    int seq, float scale, Dropout d) {
+template <bool Vec>
+__device__ __forceinline__ void flash_backward_q(const bf16* qkv, const bf16* grad,
+                                                 const float* lse, const float* delta,
+                                                 bf16* grad_qkv, const uint32_t* scatter,
+                                                 int tokens, int batch, int heads, int seq,
+                                                 float scale, Dropout d) {
     __shared__ __align__(32) bf16 keys[FLASH_TILE * FLASH_LD];
     __shared__ __align__(32) bf16 values[FLASH_TILE * FLASH_LD];
     __shared__ __align__(32) float scratch[FLASH_WARPS][16 * FLASH_LDF];
@@ -452,8 +475,46 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         flash_accumulate(dq, part[k.warp], keys);
         __syncthreads();
     }
-    flash_store_rows(dq, mine, grad_qkv, k.stride, k.column(0), k.places, k.first + k.warp * 16,
-                     seq, tokens);
+    flash_store_rows<Vec>(dq, mine, grad_qkv, k.stride, k.column(0), k.places,
+                          k.first + k.warp * 16, seq, tokens);
+}
+
+// The entry points: each body with its results stored two bytes at a time, and (`_vec`) 16
+// bytes at a time (`crate::kernels::set_cuda_flash_vector_stores`).
+#define FLASH_FORWARD_ARGS                                                                      \
+    const bf16 *qkv, bf16 *context, float *lse, const uint32_t *scatter, int tokens, int batch, \
+        int heads, int seq, float scale, Dropout d
+#define FLASH_BACKWARD_ARGS                                                                     \
+    const bf16 *qkv, const bf16 *grad, const float *lse, const float *delta, bf16 *grad_qkv,    \
+        const uint32_t *scatter, int tokens, int batch, int heads, int seq, float scale,        \
+        Dropout d
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_attention_forward_bf16(FLASH_FORWARD_ARGS) {
+    flash_forward<false>(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_attention_forward_vec_bf16(FLASH_FORWARD_ARGS) {
+    flash_forward<true>(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_attention_backward_kv_bf16(FLASH_BACKWARD_ARGS) {
+    flash_backward_kv<false>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                             scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_attention_backward_kv_vec_bf16(FLASH_BACKWARD_ARGS) {
+    flash_backward_kv<true>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                            scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_attention_backward_q_bf16(FLASH_BACKWARD_ARGS) {
+    flash_backward_q<false>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                            scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_attention_backward_q_vec_bf16(FLASH_BACKWARD_ARGS) {
+    flash_backward_q<true>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                           scale, d);
 }
 
 #endif

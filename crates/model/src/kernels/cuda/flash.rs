@@ -14,6 +14,16 @@
 use super::attention::Heads;
 use super::*;
 
+/// `kernel`'s entry point for the stores turned on: its results two bytes at a time, or 16
+/// (`_vec`, [`crate::kernels::set_cuda_flash_vector_stores`]).
+fn stores(kernel: &str) -> String {
+    if crate::kernels::cuda_flash_vector_stores() {
+        format!("{kernel}_vec")
+    } else {
+        kernel.to_string()
+    }
+}
+
 /// Elements of a 16-byte load, the kernels' unit: each input's first element must sit on one.
 const ALIGN: usize = 8;
 /// Queries (or keys) a block of the kernels covers (`FLASH_TILE`).
@@ -116,13 +126,19 @@ impl CustomOp1 for Flash {
         let mut lse = unsafe { dev.alloc::<f32>(p.batch * h.heads * p.seq)? };
         let args = shape_args(h);
         with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
-            launch!(half::bf16, dev, "flash_attention_forward", grid(h), |b| {
-                b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
-                for a in &args {
-                    b.arg(a);
+            launch!(
+                half::bf16,
+                dev,
+                stores("flash_attention_forward"),
+                grid(h),
+                |b| {
+                    b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
+                    for a in &args {
+                        b.arg(a);
+                    }
+                    b.arg(&h.scale).arg(&h.dropout);
                 }
-                b.arg(&h.scale).arg(&h.dropout);
-            })
+            )
         })?;
         self.lse.put(name, lse)?;
         Ok((wrap(context, dev), Shape::from((p.tokens, h.hidden()))))
@@ -196,7 +212,7 @@ impl CustomOp3 for FlashBackward<'_> {
                 }
             )?;
             for kernel in ["flash_attention_backward_kv", "flash_attention_backward_q"] {
-                launch!(half::bf16, dev, kernel, grid(h), |b| {
+                launch!(half::bf16, dev, stores(kernel), grid(h), |b| {
                     b.arg(&qkv).arg(&grad).arg(&self.lse).arg(&delta);
                     b.arg(&mut grad_qkv).arg(&scatter);
                     for a in &args {
