@@ -414,12 +414,10 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
-/// (see the module's documentation). On a CUDA device this turns the CUDA kernels (the lean
-/// feed-forward, the embedding lookup, the loss and the f16 forms among them) on and TF32 off
-/// for the process ([`super::set_cuda_kernels`], [`super::set_lean_cuda_feed_forward`],
-/// [`super::set_cuda_embeddings`], [`super::set_cuda_loss`], [`super::set_cuda_fp16`],
-/// [`crate::set_tf32`]); the
-/// one-pass attention is on for its own rows only and off afterwards
+/// (see the module's documentation). On a CUDA device this turns every CUDA kernel on (those
+/// on by default and those not yet, [`cuda_settings_off_by_default`](super::cuda_settings_off_by_default))
+/// and TF32 off for the process ([`super::set_cuda_kernels`], [`crate::set_tf32`], ...); the
+/// one-pass attention runs for its own rows only and is as it was afterwards
 /// ([`super::set_cuda_flash_attention`]). A kernel that fails to run gives a failed line with
 /// its error ([`KernelCheck::not_run`]) and the check goes on, unless the error broke the
 /// device ([`device_broken`]): then the lines end there.

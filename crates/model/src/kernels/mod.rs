@@ -267,9 +267,9 @@ pub(crate) static LEAN_CUDA_FEED_FORWARD: Switch =
 /// Turns the lean feed-forward on CUDA on or off for this process: the first product kept
 /// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
 /// the CPU's way, instead of the product and its activation both kept (BERT-large: 1.5 GiB
-/// less at phase 1's micro-batch of 64: 11.2 GiB against 12.6 measured on an H200). Unset, it
-/// is on unless `BERTKIT_CUDA_FEED_FORWARD=full`; it passed its check on an H200
-/// (BENCHMARKS.md, 2026-11-27).
+/// less at phase 1's micro-batch of 64: 11.2 GiB against 12.6 measured on an H200, for ~4 ms
+/// more a pass: the GELU recomputed). Unset, it is on unless `BERTKIT_CUDA_FEED_FORWARD=full`;
+/// it passed its check on an H200 (BENCHMARKS.md, 2026-11-27).
 pub fn set_lean_cuda_feed_forward(on: bool) {
     LEAN_CUDA_FEED_FORWARD.set(on);
 }
@@ -351,8 +351,9 @@ pub(crate) static CUDA_EMBEDDINGS: Switch = Switch::opt_out("BERTKIT_CUDA_EMBEDD
 
 /// Turns our CUDA embedding lookup ([`Kernels::gather_rows`]) on or off for this process:
 /// the forward gathers the rows in parallel and the backward sums each table row's gradients
-/// apart, in token order (the bits of candle's backward), where candle's backward walks every
-/// token of the batch in one block of threads (one thread per column), one after the other.
+/// apart (in pieces, [`set_cuda_embeddings_in_pieces`]; by row, in token order, the bits of
+/// candle's backward), where candle's backward walks every token of the batch in one block of
+/// threads (one thread per column), one after the other.
 /// Unset, it is on unless `BERTKIT_CUDA_EMBEDDINGS=composed`; it passed its check (`bertkit
 /// check kernels --device cuda`) on an H200 (BENCHMARKS.md, 2026-11-27).
 pub fn set_cuda_embeddings(on: bool) {
