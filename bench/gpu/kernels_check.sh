@@ -9,7 +9,9 @@
 # beside the defaults, and fp16. ALL_ON=1 turns on, for the rest of the call, every setting
 # whose kernels the check passes: with SIDE, the table for all of them at once. The EXTRA rows
 # run without any setting the check failed (a row left with none of its own is skipped, saying
-# so). PROFILE=1 adds ncu's time per kernel over two training passes (ncu_summary.py). SIDE=0
+# so). PROFILE=1 adds ncu's time per kernel over two training passes (ncu_summary.py), and the
+# sections (throughput, occupancy, stalls) of the attention's, LayerNorm's and the optimiser's
+# update kernels. SIDE=0
 # skips the side-by-side table (to split a long run into two device calls); OPTIMIZER=0 skips
 # the optimiser step alone (2).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
@@ -124,6 +126,20 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
         --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
     echo "rc $?"
     python3 "$here/ncu_summary.py" "$out/ncu.csv" --passes 2 --top 45 || tail -n 5 "$out/ncu.err"
+    # Why the costliest kernels take what they take (throughput, occupancy, stall reasons):
+    # the one-pass attention's and LayerNorm's backward over those passes, and the optimiser's
+    # in-place update over BERT-large's step. Whole sections in the logs, the headlines here.
+    log "2d' ncu sections: the attention's and LayerNorm's kernels, the optimiser's update"
+    timeout 120 ncu --clock-control none -k regex:'flash|layer_norm_backward' --launch-count 8 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json --batch 64 \
+        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu-layers.txt" 2>&1
+    timeout 120 ncu --clock-control none -k regex:'update_|pieces_to_flat|squares' \
+        --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
+        --device cuda --steps 1 > "$out/ncu-update.txt" 2>&1
+    grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" \
+        "$out/ncu-layers.txt" "$out/ncu-update.txt" | cut -c1-110
 fi
 if [[ ${SIDE:-1} == 0 ]]; then
     exit 0
