@@ -72,14 +72,20 @@ row_settings() {
 rows() {
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_STORES=vector | the one-pass attention's 16-byte stores" \
+        "BERTKIT_CUDA_TRUST_RATIOS=apart | LAMB's trust ratios in a launch of their own" \
         "BERTKIT_CUDA_FEED_FORWARD=full | the feed-forward keeping its activation"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
-for optimizer in composed by-name -; do
+for form in "composed -" "by-name -" "- -" "- apart"; do
     [[ ${OPTIMIZER:-1} == 0 ]] && break
-    log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer"
-    BERTKIT_CUDA_OPTIMIZER=$optimizer timeout 120 $b bench optimizer --config large --dtype bf16 \
-        --device cuda 2>&1 | tail -n 2
+    read -r optimizer ratios <<< "$form"
+    log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios"
+    if [[ $ratios != - && $leave_off == *" BERTKIT_CUDA_TRUST_RATIOS=$ratios "* ]]; then
+        echo "skipped (BERTKIT_CUDA_TRUST_RATIOS=$ratios failed its check)"
+        continue
+    fi
+    BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios timeout 120 $b bench \
+        optimizer --config large --dtype bf16 --device cuda 2>&1 | tail -n 2
 done
 if [[ -n ${EXTRA:-} ]]; then
     log "2b bench memory on the device (the pool's peak against the plan), the defaults: phase 1 at micro-batch 64 and the recipe's 256, phase 2 at 8 and the recipe's 64 (bf16), phase 1 with two micro-batches a step"

@@ -395,7 +395,7 @@ bool check_add(const char* name, size_t n, size_t offset, unsigned grid) {
 
 // Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update
 // of the same weights, moments and gradients: the same bits.
-bool check_update(const char* name, bool lamb, bool decayed) {
+bool check_update(const char* name, bool lamb, bool decayed, bool apart) {
     const int rows = 3, numel = 2 * CHUNK + 777;
     const size_t total = (size_t)rows * numel;
     std::mt19937_64 rng(7 + lamb + 2 * decayed);
@@ -416,7 +416,24 @@ bool check_update(const char* name, bool lamb, bool decayed) {
     std::copy(v.begin(), v.end(), state.begin() + 2 * total);
     const int blocks = (numel + CHUNK - 1) / CHUNK;
     const EmulatedDim grid{(unsigned)blocks, (unsigned)rows, 1};
-    size_t differ = 0;
+    size_t differ = 0, ratios_wrong = 0;
+    // LAMB's trust ratios in a launch of their own (`trust_ratios`, `apart`), on a grid smaller
+    // than the rows, against the partial norms summed by hand; or each block's own (null).
+    std::vector<float> ratios(rows, NAN);
+    const auto ratios_of = [&](const std::vector<double>& norms) -> const float* {
+        if (!apart || !lamb) return nullptr;
+        emulate_launch({2, 1, 1}, THREADS, [&] { trust_ratios(norms.data(), rows, blocks, ratios.data()); });
+        for (int r = 0; r < rows; ++r) {
+            double w2 = 0.0, u2 = 0.0;
+            for (int b = 0; b < blocks; ++b) {
+                w2 += norms[((size_t)r * blocks + b) * 2];
+                u2 += norms[((size_t)r * blocks + b) * 2 + 1];
+            }
+            const double want = std::sqrt(w2) / std::sqrt(u2);
+            ratios_wrong += !(std::fabs(ratios[r] - want) <= 1e-6 * want);
+        }
+        return ratios.data();
+    };
     for (int step = 1; step <= 2; ++step) {
         for (auto& x : g) x = 1e-3f * normal(rng);
         const double b1 = 0.9, b2 = 0.999;
@@ -440,9 +457,10 @@ bool check_update(const char* name, bool lamb, bool decayed) {
             update_moments(w.data(), m.data(), v.data(), g.data(), fresh.data(), norms.data(),
                            rows, numel, c);
         });
+        const float* fresh_ratios = ratios_of(norms);
         emulate_launch(grid, THREADS, [&] {
             update_weights(w.data(), fresh.data(), norms.data(), rows, numel, blocks, lr,
-                           c.trust_ratio);
+                           c.trust_ratio, fresh_ratios);
         });
         std::copy(fresh.begin(), fresh.begin() + total, w.begin());
         std::copy(fresh.begin() + total, fresh.begin() + 2 * total, m.begin());
@@ -452,9 +470,10 @@ bool check_update(const char* name, bool lamb, bool decayed) {
         emulate_launch(grid, THREADS, [&] {
             update_moments_in_place(state.data(), g.data(), norms.data(), rows, numel, c);
         });
+        const float* in_place_ratios = ratios_of(norms);
         emulate_launch(grid, THREADS, [&] {
             update_weights_in_place(state.data(), norms.data(), rows, numel, blocks, lr, c,
-                                    step == 1 ? nullptr : params);
+                                    step == 1 ? nullptr : params, in_place_ratios);
         });
         for (size_t i = 0; i < total; ++i) {
             differ += !(state[i] == w[i]) + !(state[total + i] == m[i]) +
@@ -471,7 +490,10 @@ bool check_update(const char* name, bool lamb, bool decayed) {
                 3 * total, differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu of %zu parameters differ from their weights %s\n", name,
                 "params", params_differ, total, params_differ ? "FAILED" : "ok");
-    return differ == 0 && params_differ == 0;
+    if (apart && lamb)
+        std::printf("  %-28s %-8s %zu of %d trust ratios differ from the sums by hand %s\n", name,
+                    "ratios", ratios_wrong, 2 * 2 * rows, ratios_wrong ? "FAILED" : "ok");
+    return differ == 0 && params_differ == 0 && ratios_wrong == 0;
 }
 
 // `numel` values from `want` held in a new buffer of `held` as type `T` (`to` rounds each,
@@ -651,9 +673,10 @@ int main() {
     ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;
     ok = check_nll<f16>("nll f16", 23, 30522) && ok;
     std::printf("optimiser update in place (cuda_update.cu) against the two-buffer update:\n");
-    ok = check_update("LAMB, decayed", true, true) && ok;
-    ok = check_update("LAMB, not decayed", true, false) && ok;
-    ok = check_update("AdamW, decayed", false, true) && ok;
+    ok = check_update("LAMB, decayed", true, true, false) && ok;
+    ok = check_update("LAMB, not decayed", true, false, false) && ok;
+    ok = check_update("AdamW, decayed", false, true, false) && ok;
+    ok = check_update("LAMB, ratios apart", true, true, true) && ok;
     std::printf("the gradient bucket in one launch (cuda_update.cu) against copies by hand:\n");
     ok = check_pieces("a block per stretch", 8) && ok;
     ok = check_pieces("two blocks, looping", 2) && ok;

@@ -8,8 +8,8 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::TrainError;
 use crate::optim::{
-    CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig, Rule, cuda_update_in_place,
-    set_cuda_optimizer, set_cuda_update_in_place,
+    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig, Rule,
+    cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place, set_trust_ratios_apart,
 };
 
 /// The optimiser update on `device` against its reference, as `bertkit check kernels` reports
@@ -22,7 +22,8 @@ use crate::optim::{
 /// and the CUDA update is turned on for the process ([`set_cuda_optimizer`]), in both its
 /// forms: a new state per step, and in place ([`set_cuda_update_in_place`]: the bucket
 /// gathered and the parameters set by its kernels), the latter also with bf16 parameters and
-/// gradients; on the CPU it is the composed update in f64.
+/// gradients, LAMB's trust ratios in a launch of their own ([`set_trust_ratios_apart`]); on
+/// the CPU it is the composed update in f64.
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {
@@ -33,6 +34,7 @@ pub fn check_update(
     use candle_core::Device;
     if device.is_cuda() {
         set_cuda_optimizer(true);
+        set_trust_ratios_apart(true);
     }
     let shapes: [(&str, &[usize]); 4] = [
         ("encoder.layer.0.attention.self.query.weight", &[64, 48]),
@@ -104,11 +106,14 @@ pub fn check_update(
     for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
         for &(in_place, form, dtype) in forms {
             let kernel = format!("optimizer update{form} ({name})");
-            let needs = if in_place {
+            let mut needs = if in_place {
                 needing(&[&CUDA_UPDATE_IN_PLACE])
             } else {
                 Vec::new()
             };
+            if rule == Rule::Lamb && device.is_cuda() {
+                needs.extend(needing(&[&CUDA_TRUST_RATIOS_APART]));
+            }
             // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
             let lines = || -> Result<Vec<KernelCheck>, TrainError> {
                 let want = run(

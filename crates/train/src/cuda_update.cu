@@ -104,17 +104,44 @@ extern "C" __global__ void update_moments(const float* w, const float* m, const 
     }
 }
 
+// Each row's trust ratio `‖w‖ / ‖u‖` (1 when either is 0) from its blocks' partial norms
+// (`norms`, `[rows, blocks, 2]`), a block per row summing them in parallel, into `ratios`
+// (`[rows]`) for the weights' launch to read (`cuda_update::set_trust_ratios_apart`). Without
+// it each block of the weights' launch has its first thread add up every partial of its row:
+// the row's blocks times over, one after the other (BERT-large's word embeddings are one row
+// of 7,630 blocks).
+extern "C" __global__ void trust_ratios(const double* norms, int rows, int blocks,
+                                        float* ratios) {
+    __shared__ double scratch[32];
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const double* p = norms + (size_t)row * blocks * 2;
+        double w2 = 0.0, u2 = 0.0;
+        for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
+            w2 += p[2 * b];
+            u2 += p[2 * b + 1];
+        }
+        w2 = block_sum(w2, scratch);
+        u2 = block_sum(u2, scratch);
+        if (threadIdx.x == 0) {
+            const double wn = sqrt(w2), un = sqrt(u2);
+            ratios[row] = wn > 0.0 && un > 0.0 ? (float)(wn / un) : 1.0f;
+        }
+    }
+}
+
 // The new weights `w - (u · ratio) · lr` into `state`'s first part, the row's trust ratio
 // `‖w‖ / ‖u‖` (1 when either is 0, or without the trust ratio) from the partial norms added in
 // block order.
 extern "C" __global__ void update_weights(const float* w, float* state, const double* norms,
                                           int rows, int numel, int blocks, float lr,
-                                          int trust_ratio) {
+                                          int trust_ratio, const float* ratios) {
     __shared__ float ratio_shared;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         if (threadIdx.x == 0) {
             float ratio = 1.0f;
-            if (trust_ratio) {
+            if (trust_ratio && ratios != nullptr) {
+                ratio = ratios[row];
+            } else if (trust_ratio) {
                 double w2 = 0.0, u2 = 0.0;
                 const double* p = norms + (size_t)row * blocks * 2;
                 for (int b = 0; b < blocks; ++b) {
@@ -192,13 +219,16 @@ extern "C" __global__ void update_moments_in_place(float* state, const float* g,
 // type, so that no cast of the group and no copy per parameter follows the update.
 extern "C" __global__ void update_weights_in_place(float* state, const double* norms, int rows,
                                                    int numel, int blocks, float lr, Constants c,
-                                                   const DeviceTensor* params) {
+                                                   const DeviceTensor* params,
+                                                   const float* ratios) {
     __shared__ float ratio_shared;
     const size_t total = (size_t)rows * numel;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         if (threadIdx.x == 0) {
             float ratio = 1.0f;
-            if (c.trust_ratio) {
+            if (c.trust_ratio && ratios != nullptr) {
+                ratio = ratios[row];
+            } else if (c.trust_ratio) {
                 double w2 = 0.0, u2 = 0.0;
                 const double* p = norms + (size_t)row * blocks * 2;
                 for (int b = 0; b < blocks; ++b) {

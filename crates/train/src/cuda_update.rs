@@ -32,6 +32,39 @@ const MODULE: &str = "bertkit-optimizer";
 const CHUNK: usize = 4096;
 /// Threads a block (a multiple of 32, as the kernels' reductions need).
 const THREADS: u32 = 256;
+/// The null pointer, for a kernel's optional buffer.
+const NULL: u64 = 0;
+
+/// Each row's trust ratio from its blocks' partial norms in a launch of its own
+/// (`trust_ratios` in `cuda_update.cu`, [`crate::optim::set_trust_ratios_apart`]), where it is
+/// turned on and the rule has one: `[rows]` f32 for the weights' launch; `None` otherwise (each
+/// of that launch's blocks adds up its row's partials itself).
+fn trust_ratios(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    norms: &CudaSlice<f64>,
+    rows: usize,
+    blocks: usize,
+    trust_ratio: bool,
+) -> Result<Option<CudaSlice<f32>>> {
+    if !(trust_ratio && crate::optim::trust_ratios_apart()) {
+        return Ok(None);
+    }
+    // SAFETY: the launch writes every row's ratio.
+    let mut ratios = unsafe { dev.alloc::<f32>(rows)? };
+    let func = dev.get_or_load_custom_func("trust_ratios", MODULE, PTX)?;
+    let mut b = func.builder();
+    let (rows_i, blocks_i) = (rows as i32, blocks as i32);
+    b.arg(norms).arg(&rows_i).arg(&blocks_i).arg(&mut ratios);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments `trust_ratios` declares, in order; `norms` holds `rows · blocks · 2`
+    // values and `ratios` `rows`.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(Some(ratios))
+}
 
 // SAFETY: a plain `#[repr(C)]` value, laid out as the kernels' `struct Constants`.
 unsafe impl DeviceRepr for Constants {}
@@ -134,6 +167,7 @@ impl InplaceOp2 for UpdateInPlace {
             b.arg(&rows_i).arg(&numel_i).arg(&self.constants);
             unsafe { b.launch(cfg) }.w()?;
         }
+        let ratios = trust_ratios(&dev, &norms, rows, blocks, self.constants.trust_ratio != 0)?;
         {
             let func = dev.get_or_load_custom_func("update_weights_in_place", MODULE, PTX)?;
             let mut b = func.builder();
@@ -142,6 +176,10 @@ impl InplaceOp2 for UpdateInPlace {
                 .arg(&self.lr)
                 .arg(&self.constants)
                 .arg(&params);
+            match &ratios {
+                Some(r) => b.arg(r),
+                None => b.arg(&NULL),
+            };
             // SAFETY: the arguments `update_weights_in_place` declares, in order; `params`
             // holds a row's parameter each, of `numel` elements (checked above), which the
             // optimiser holds past the launch (it owns the variables); on candle's one stream
@@ -211,6 +249,7 @@ impl CustomOp3 for Update {
             // `3 · rows · numel` and `norms` `rows · blocks · 2` values, what the grid covers.
             unsafe { b.launch(cfg) }.w()?;
         }
+        let ratios = trust_ratios(dev, &norms, rows, blocks, trust != 0)?;
         {
             let func = dev.get_or_load_custom_func("update_weights", MODULE, PTX)?;
             let mut b = func.builder();
@@ -220,6 +259,10 @@ impl CustomOp3 for Update {
                 .arg(&rows_i)
                 .arg(&numel_i);
             b.arg(&blocks_i).arg(&self.lr).arg(&trust);
+            match &ratios {
+                Some(r) => b.arg(r),
+                None => b.arg(&NULL),
+            };
             // SAFETY: as above, for `update_weights`.
             unsafe { b.launch(cfg) }.w()?;
         }

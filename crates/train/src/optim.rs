@@ -233,12 +233,34 @@ pub fn set_cuda_update_in_place(on: bool) {
     CUDA_UPDATE_IN_PLACE.set(on);
 }
 
+/// Whether the CUDA update sums each row's partial norms once, in a launch of its own.
+pub(crate) static CUDA_TRUST_RATIOS_APART: Switch =
+    Switch::opt_in("BERTKIT_CUDA_TRUST_RATIOS", "apart");
+
+/// Turns LAMB's trust ratios on CUDA in a launch of their own on or off for this process: a
+/// block per parameter row adds up its blocks' partial norms in parallel, once, where each
+/// block of the weights' launch has its first thread add up all of its row's partials (the
+/// row's blocks times over: BERT-large's word embeddings are one row of 7,630 blocks; on an
+/// H200 the in-place update took 12.1 ms for what moves in ~4 at the card's bandwidth).
+/// Checked by `bertkit check kernels --device cuda` (its LAMB rows), not yet run on a GPU:
+/// unset, it is off unless `BERTKIT_CUDA_TRUST_RATIOS=apart`.
+pub fn set_trust_ratios_apart(on: bool) {
+    CUDA_TRUST_RATIOS_APART.set(on);
+}
+
+/// Whether LAMB's trust ratios on CUDA take a launch of their own (see
+/// [`set_trust_ratios_apart`]).
+pub fn trust_ratios_apart() -> bool {
+    CUDA_TRUST_RATIOS_APART.get()
+}
+
 /// The CUDA settings still off by default that `bertkit check kernels --device cuda` checks:
 /// the model's kernels' ([`bertkit_model::kernels::cuda_settings_off_by_default`]) and the
 /// optimiser's update in place, as the environment turns each on (`VARIABLE=value`).
 pub fn cuda_settings_off_by_default() -> Vec<String> {
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     settings.extend(CUDA_UPDATE_IN_PLACE.turned_on_by());
+    settings.extend(CUDA_TRUST_RATIOS_APART.turned_on_by());
     settings
 }
 
