@@ -73,6 +73,8 @@ rows() {
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_STORES=vector | the one-pass attention's 16-byte stores" \
         "BERTKIT_CUDA_TRUST_RATIOS=apart | LAMB's trust ratios in a launch of their own" \
+        "BERTKIT_CUDA_NORM_GRID=wide | LayerNorm's backward over a wider grid" \
+        "BERTKIT_CUDA_FLASH_STORES=vector BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM_GRID=wide | all three" \
         "BERTKIT_CUDA_FEED_FORWARD=full | the feed-forward keeping its activation"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)

@@ -50,6 +50,7 @@ pub fn check_encoder_backward(
         crate::kernels::set_cuda_fp16(true);
         crate::kernels::set_cuda_add(true);
         crate::kernels::set_cuda_flash_vector_stores(true);
+        crate::kernels::set_cuda_norm_wide_grid(true);
     }
     let flash_before = crate::kernels::cuda_flash_attention();
     let checks = check_shapes(device, dtype, shapes);
@@ -96,12 +97,17 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
                 &crate::kernels::CUDA_ADD,
                 &crate::kernels::CUDA_FLASH_ATTENTION,
                 &crate::kernels::CUDA_FLASH_VECTOR_STORES,
+                &crate::kernels::CUDA_NORM_WIDE_GRID,
             ],
         )
     } else {
         needing_in(
             dtype,
-            &[&crate::kernels::CUDA_TAPE, &crate::kernels::CUDA_ADD],
+            &[
+                &crate::kernels::CUDA_TAPE,
+                &crate::kernels::CUDA_ADD,
+                &crate::kernels::CUDA_NORM_WIDE_GRID,
+            ],
         )
     }
 }

@@ -51,13 +51,24 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // The kernels the CPU checks have all passed on a GPU: none needs a setting. Off by
-    // default: the one-pass attention's 16-byte stores (its rows run on CUDA only).
-    for c in &checks {
-        assert!(c.needs.is_empty(), "{c:?}");
-    }
+    // Off by default: the one-pass attention's 16-byte stores (its rows run on CUDA only) and
+    // LayerNorm's wider grid, which the norm rows need; the other kernels need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert_eq!(settings, ["BERTKIT_CUDA_FLASH_STORES=vector"]);
+    assert_eq!(
+        settings,
+        [
+            "BERTKIT_CUDA_FLASH_STORES=vector",
+            "BERTKIT_CUDA_NORM_GRID=wide"
+        ]
+    );
+    for c in &checks {
+        let want: &[&str] = if c.kernel.contains("layer_norm") {
+            &["BERTKIT_CUDA_NORM_GRID=wide"]
+        } else {
+            &[]
+        };
+        assert_eq!(c.needs, want, "{c:?}");
+    }
     // Two checked settings (lines of their own), and one no line checks.
     for (kernel, setting) in [
         ("gather_rows", "BERTKIT_LOOKUP=on"),
@@ -90,8 +101,9 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     assert!(off.contains(&"BERTKIT_LOOKUP=on".to_string()));
     assert!(!on.contains(&"BERTKIT_LOOKUP=on".to_string()));
 
-    let norm = position(&checks, "layer_norm");
-    checks[norm].worst = 1.0;
+    // A kernel every run takes (the linear layer, which needs nothing) failed: all off.
+    let linear = position(&checks, "linear");
+    checks[linear].worst = 1.0;
     let (on, off) = settings_passed(&checks, settings.clone());
     assert!(on.is_empty());
     assert_eq!(off, settings);

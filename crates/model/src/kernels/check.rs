@@ -212,7 +212,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train,
         flash: false,
-        needs: None,
+        needs: Some(&super::CUDA_NORM_WIDE_GRID),
     };
     let linear = |kernel, run: Run| Case {
         kernel,
@@ -340,7 +340,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: true,
             flash: false,
-            needs: None,
+            needs: Some(&super::CUDA_NORM_WIDE_GRID),
         },
     ]
 }
@@ -434,6 +434,7 @@ pub fn check_kernels(
         super::set_cuda_add(true);
         super::set_cuda_wide_linear(true);
         super::set_cuda_flash_vector_stores(true);
+        super::set_cuda_norm_wide_grid(true);
         super::set_cuda_loss(true);
         super::set_cuda_fp16(true);
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's

@@ -426,6 +426,26 @@ pub fn cuda_flash_vector_stores() -> bool {
     CUDA_FLASH_VECTOR_STORES.get()
 }
 
+/// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
+pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_in("BERTKIT_CUDA_NORM_GRID", "wide");
+
+/// Turns LayerNorm's backward on CUDA (and a sublayer's end's) over a wider grid on or off for
+/// this process: up to 2,048 blocks, four rows a block at BERT-large's 8,192 tokens, where 512
+/// blocks take 16 rows each, one after the other, each row waiting on four block-wide sums (on
+/// an H200 that backward took 102 µs for `[8192, 1024]` bf16, about a quarter of the card's
+/// bandwidth). The same kernel; more partial sums of the weight's and bias's gradients, added
+/// by the same second launch. Checked by `bertkit check kernels --device cuda` (its norm rows
+/// at 778 tokens), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_NORM_GRID=wide`.
+pub fn set_cuda_norm_wide_grid(on: bool) {
+    CUDA_NORM_WIDE_GRID.set(on);
+}
+
+/// Whether LayerNorm's backward on CUDA takes the wider grid (see
+/// [`set_cuda_norm_wide_grid`]).
+pub fn cuda_norm_wide_grid() -> bool {
+    CUDA_NORM_WIDE_GRID.get()
+}
+
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -485,6 +505,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         &CUDA_ADD,
         &CUDA_WIDE_LINEAR,
         &CUDA_FLASH_VECTOR_STORES,
+        &CUDA_NORM_WIDE_GRID,
         &CUDA_FLASH_ATTENTION,
         &CUDA_LOSS,
         &CUDA_FP16,

@@ -47,6 +47,11 @@ fn forward<T: Element>(
     Ok(y)
 }
 
+/// Blocks of the backward kernel with its wider grid ([`crate::kernels::set_cuda_norm_wide_grid`]):
+/// four rows a block at BERT-large's 8,192 tokens, where [`MAX_BACKWARD_BLOCKS`] gives each
+/// block 16 rows one after the other, each row four block-wide sums.
+const NORM_BACKWARD_BLOCKS: usize = 2048;
+
 /// The backward kernel, packed as `[rows + rows (with `grad_x`) + 2, hidden]`: the sum's
 /// gradient, `x`'s through the dropout when asked, then the weight's and the bias's.
 #[allow(clippy::too_many_arguments)]
@@ -65,7 +70,12 @@ fn backward<T: Element>(
     // SAFETY: every element is written: the gradients by the first kernel, the parameters' by
     // the column sums.
     let mut out = unsafe { dev.alloc::<T>(parts * n + 2 * h)? };
-    let blocks = s.rows.clamp(1, MAX_BACKWARD_BLOCKS);
+    let most = if crate::kernels::cuda_norm_wide_grid() {
+        NORM_BACKWARD_BLOCKS
+    } else {
+        MAX_BACKWARD_BLOCKS
+    };
+    let blocks = s.rows.clamp(1, most);
     let partial = dev.alloc_zeros::<f32>(blocks * 2 * h)?;
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
     {
