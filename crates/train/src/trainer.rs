@@ -70,9 +70,9 @@ pub struct StepMetrics {
     /// Wall seconds of the step (data already loaded; evaluation and checkpoint excluded).
     pub step_seconds: f64,
     /// Of `step_seconds`, those the host waited for the device at the step's read-back
-    /// ([`crate::step::StepOutcome::wait_seconds`]): near the whole step, the device is what
-    /// bounds the pace; near zero on a GPU, the host is (launching, loading). Absent (0) in
-    /// the metrics of runs before it was kept.
+    /// ([`crate::step::StepOutcome::wait_seconds`]): on a GPU, a wait says the device bounds the
+    /// pace (the host had launched the step's work and waited for it); none says the host does
+    /// (launching, loading). Absent (0) in the metrics of runs before it was kept.
     #[serde(default)]
     pub wait_seconds: f64,
     /// Sequences per second.

@@ -180,8 +180,8 @@ fn startup_line(startup: &bertkit_train::trainer::StartupTimes) -> String {
 /// `first step 16.0 s, then 0.98 s a step (median of 11), 0.91 s of it waiting on the device`:
 /// the first step pays for one-time work (kernel compilation, the allocator's first blocks,
 /// cuBLAS's choices); the median of the others is the run's pace, and the median wait at the
-/// step's read-back says what bounds it (on a GPU, a wait near the whole step: the device; near
-/// nothing: the host). The wait is left out where there was none to speak of (the CPU).
+/// step's read-back says what bounds it (on a GPU, a wait: the device; none: the host). The
+/// wait is left out where there was none to speak of (the CPU).
 fn step_times_line(metrics: &[bertkit_train::trainer::StepMetrics]) -> Option<String> {
     let median = |values: &mut Vec<f64>| {
         values.sort_by(f64::total_cmp);
