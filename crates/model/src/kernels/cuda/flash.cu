@@ -488,33 +488,20 @@ __device__ __forceinline__ void flash_backward_q(const bf16* qkv, const bf16* gr
     const bf16 *qkv, const bf16 *grad, const float *lse, const float *delta, bf16 *grad_qkv,    \
         const uint32_t *scatter, int tokens, int batch, int heads, int seq, float scale,        \
         Dropout d
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_forward_bf16(FLASH_FORWARD_ARGS) {
-    flash_forward<false>(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_forward_vec_bf16(FLASH_FORWARD_ARGS) {
-    flash_forward<true>(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_backward_kv_bf16(FLASH_BACKWARD_ARGS) {
-    flash_backward_kv<false>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
-                             scale, d);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_backward_kv_vec_bf16(FLASH_BACKWARD_ARGS) {
-    flash_backward_kv<true>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
-                            scale, d);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_backward_q_bf16(FLASH_BACKWARD_ARGS) {
-    flash_backward_q<false>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
-                            scale, d);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_attention_backward_q_vec_bf16(FLASH_BACKWARD_ARGS) {
-    flash_backward_q<true>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
-                           scale, d);
-}
+// `NAME_bf16` and `NAME_vec_bf16`, running `BODY<false>` and `BODY<true>` on the arguments
+// `ARGS` declares (passed on as `...`).
+#define FLASH_ENTRIES(NAME, BODY, ARGS, ...)                                                    \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS) NAME##_bf16(ARGS) {             \
+        BODY<false>(__VA_ARGS__);                                                               \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS) NAME##_vec_bf16(ARGS) {         \
+        BODY<true>(__VA_ARGS__);                                                                \
+    }
+FLASH_ENTRIES(flash_attention_forward, flash_forward, FLASH_FORWARD_ARGS, qkv, context, lse,
+              scatter, tokens, batch, heads, seq, scale, d)
+FLASH_ENTRIES(flash_attention_backward_kv, flash_backward_kv, FLASH_BACKWARD_ARGS, qkv, grad, lse,
+              delta, grad_qkv, scatter, tokens, batch, heads, seq, scale, d)
+FLASH_ENTRIES(flash_attention_backward_q, flash_backward_q, FLASH_BACKWARD_ARGS, qkv, grad, lse,
+              delta, grad_qkv, scatter, tokens, batch, heads, seq, scale, d)
 
 #endif
