@@ -173,13 +173,14 @@ test: mpi-deps
 	BERTKIT_PYTHON="$$py" $(CARGO) test --workspace --locked --features bertkit/mpi
 	@$(MAKE) --no-print-directory cuda-emulated
 
-# The CUDA kernels not yet run on a GPU, compiled for the CPU emulation (bench/gpu/emulate: the
-# one-pass attention, the embedding lookup, the optimiser's in-place update) and run against
-# their references, without a GPU. Needs g++ (C++20); where there is none it says so and checks
-# nothing.
+# The CUDA kernels written in plain CUDA C, compiled for the CPU emulation (bench/gpu/emulate:
+# the one-pass attention, the embedding lookup, the loss, the gradient sums, the bias backward,
+# the optimiser's update) and run against their references, without a GPU: each new kernel
+# before its device run, all of them after every change. Needs g++ (C++20); where there is none
+# it says so and checks nothing.
 cuda-emulated:
 	@if command -v g++ >/dev/null 2>&1; then \
-		echo "== CUDA kernels not yet run on a GPU, on the CPU emulation (bench/gpu/emulate)"; \
+		echo "== the CUDA kernels on the CPU emulation (bench/gpu/emulate)"; \
 		bash bench/gpu/emulate/run.sh; \
 	else \
 		echo "== not checked: the CUDA kernels' CPU emulation needs g++"; \
