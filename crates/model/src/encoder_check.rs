@@ -32,12 +32,10 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// Checks the encoder's backward by hand against autograd on `device` in `dtype` at each of
 /// `shapes`: an output line, the input's gradient and the worst of the parameters'. Nothing
 /// when the default kernels do not record in `dtype` on `device` (they run under autograd
-/// there, so there is nothing to compare). On a CUDA device this turns the CUDA kernels, the
-/// backward by hand ([`crate::kernels::set_cuda_tape`]) and our addition for its gradient sums
-/// ([`crate::kernels::set_cuda_add`]) on for the process, and in bf16
-/// checks the shapes with heads of 64 a second time with the one-pass attention on
-/// ([`FLASH_NAME`]; as it was afterwards; its 16-byte stores,
-/// [`crate::kernels::set_cuda_flash_vector_stores`], on for the process too).
+/// there, so there is nothing to compare). On a CUDA device this turns every CUDA kernel on
+/// for the process, the backward by hand among them
+/// ([`crate::kernels::turn_cuda_kernels_on`]), and in bf16 checks the shapes with heads of 64 a
+/// second time with the one-pass attention on ([`FLASH_NAME`]; as it was afterwards).
 pub fn check_encoder_backward(
     device: &Device,
     dtype: DType,
@@ -45,12 +43,7 @@ pub fn check_encoder_backward(
 ) -> Result<Vec<KernelCheck>> {
     if device.is_cuda() {
         // What is checked is the CUDA kernels' composition by hand: on, whatever the setting.
-        crate::kernels::set_cuda_kernels(true);
-        crate::kernels::set_cuda_tape(true);
-        crate::kernels::set_cuda_fp16(true);
-        crate::kernels::set_cuda_add(true);
-        crate::kernels::set_cuda_flash_vector_stores(true);
-        crate::kernels::set_cuda_norm_wide_grid(true);
+        crate::kernels::turn_cuda_kernels_on();
     }
     let flash_before = crate::kernels::cuda_flash_attention();
     let checks = check_shapes(device, dtype, shapes);
@@ -86,30 +79,17 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
     Ok(checks)
 }
 
-/// The settings check `check` runs with: the backward by hand, and the one-pass attention
-/// where it runs with it.
+/// The settings still off by default that check `check` runs with: the backward by hand's
+/// (its sums, LayerNorm's grid), and the one-pass attention's where it runs with it.
 fn needs(check: &str, dtype: DType) -> Vec<String> {
+    use crate::kernels::{
+        CUDA_ADD, CUDA_FLASH_ATTENTION, CUDA_FLASH_VECTOR_STORES, CUDA_NORM_WIDE_GRID, CUDA_TAPE,
+    };
+    let mut switches = vec![&CUDA_TAPE, &CUDA_ADD, &CUDA_NORM_WIDE_GRID];
     if check == FLASH_NAME {
-        needing_in(
-            dtype,
-            &[
-                &crate::kernels::CUDA_TAPE,
-                &crate::kernels::CUDA_ADD,
-                &crate::kernels::CUDA_FLASH_ATTENTION,
-                &crate::kernels::CUDA_FLASH_VECTOR_STORES,
-                &crate::kernels::CUDA_NORM_WIDE_GRID,
-            ],
-        )
-    } else {
-        needing_in(
-            dtype,
-            &[
-                &crate::kernels::CUDA_TAPE,
-                &crate::kernels::CUDA_ADD,
-                &crate::kernels::CUDA_NORM_WIDE_GRID,
-            ],
-        )
+        switches.extend([&CUDA_FLASH_ATTENTION, &CUDA_FLASH_VECTOR_STORES]);
     }
+    needing_in(dtype, &switches)
 }
 
 /// Reports `check` at `shape` as not run (`error`); whether the device broke (the check

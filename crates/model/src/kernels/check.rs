@@ -416,7 +416,7 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
 /// (see the module's documentation). On a CUDA device this turns every CUDA kernel on (those
 /// on by default and those not yet, [`cuda_settings_off_by_default`](super::cuda_settings_off_by_default))
-/// and TF32 off for the process ([`super::set_cuda_kernels`], [`crate::set_tf32`], ...); the
+/// and TF32 off for the process ([`super::turn_cuda_kernels_on`], [`crate::set_tf32`]); the
 /// one-pass attention runs for its own rows only and is as it was afterwards
 /// ([`super::set_cuda_flash_attention`]). A kernel that fails to run gives a failed line with
 /// its error ([`KernelCheck::not_run`]) and the check goes on, unless the error broke the
@@ -427,16 +427,7 @@ pub fn check_kernels(
     shapes: &[CheckShape],
 ) -> Result<Vec<KernelCheck>> {
     if device.is_cuda() {
-        super::set_cuda_kernels(true);
-        super::set_lean_cuda_feed_forward(true);
-        super::set_cuda_embeddings(true);
-        super::set_cuda_embeddings_in_pieces(true);
-        super::set_cuda_add(true);
-        super::set_cuda_wide_linear(true);
-        super::set_cuda_flash_vector_stores(true);
-        super::set_cuda_norm_wide_grid(true);
-        super::set_cuda_loss(true);
-        super::set_cuda_fp16(true);
+        super::turn_cuda_kernels_on();
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
         // error behind the product's.
         crate::set_tf32(false);

@@ -493,26 +493,40 @@ pub fn cuda_fp16() -> bool {
     CUDA_FP16.get()
 }
 
+/// Every setting of the model's CUDA kernels, in one list: what is still off by default
+/// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
+static CUDA_SWITCHES: [&Switch; 12] = [
+    &CUDA_KERNELS,
+    &LEAN_CUDA_FEED_FORWARD,
+    &CUDA_TAPE,
+    &CUDA_EMBEDDINGS,
+    &CUDA_EMBEDDINGS_IN_PIECES,
+    &CUDA_ADD,
+    &CUDA_WIDE_LINEAR,
+    &CUDA_FLASH_VECTOR_STORES,
+    &CUDA_NORM_WIDE_GRID,
+    &CUDA_FLASH_ATTENTION,
+    &CUDA_LOSS,
+    &CUDA_FP16,
+];
+
 /// The CUDA kernels' settings still off by default (each until a device run has checked it),
 /// as the environment turns each on (`VARIABLE=value`); `bertkit check kernels --device cuda`
 /// checks the kernels behind every one of them.
 pub fn cuda_settings_off_by_default() -> Vec<String> {
-    [
-        &LEAN_CUDA_FEED_FORWARD,
-        &CUDA_TAPE,
-        &CUDA_EMBEDDINGS,
-        &CUDA_EMBEDDINGS_IN_PIECES,
-        &CUDA_ADD,
-        &CUDA_WIDE_LINEAR,
-        &CUDA_FLASH_VECTOR_STORES,
-        &CUDA_NORM_WIDE_GRID,
-        &CUDA_FLASH_ATTENTION,
-        &CUDA_LOSS,
-        &CUDA_FP16,
-    ]
-    .iter()
-    .filter_map(|s| s.turned_on_by())
-    .collect()
+    CUDA_SWITCHES
+        .iter()
+        .filter_map(|s| s.turned_on_by())
+        .collect()
+}
+
+/// Turns every CUDA kernel setting on for the process, those on by default and those not yet:
+/// what the checks compare (`check::check_kernels`, `encoder_check`), whatever the
+/// environment says.
+pub(crate) fn turn_cuda_kernels_on() {
+    for s in &CUDA_SWITCHES {
+        s.set(true);
+    }
 }
 
 /// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32 or bf16, with the
