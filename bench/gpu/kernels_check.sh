@@ -72,9 +72,10 @@ row_settings() {
 rows() {
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_STORES=vector | the one-pass attention's 16-byte stores" \
+        "BERTKIT_CUDA_FLASH=registers | the one-pass attention's scores in registers" \
         "BERTKIT_CUDA_TRUST_RATIOS=apart | LAMB's trust ratios in a launch of their own" \
         "BERTKIT_CUDA_NORM_GRID=wide | LayerNorm's backward over a wider grid" \
-        "BERTKIT_CUDA_FLASH_STORES=vector BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM_GRID=wide | all three" \
+        "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM_GRID=wide | the scores in registers, the ratios apart, the wider grid" \
         "BERTKIT_CUDA_FEED_FORWARD=full | the feed-forward keeping its activation"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
@@ -146,8 +147,16 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
         --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
         --device cuda --steps 1 > "$out/ncu-update.txt" 2>&1
+    # The attention with its scores in registers, where its check passed.
+    if [[ $leave_off != *" BERTKIT_CUDA_FLASH=registers "* ]]; then
+        BERTKIT_CUDA_FLASH=registers timeout 120 ncu --clock-control none \
+            -k regex:'flash_registers' --launch-count 6 --section SpeedOfLight \
+            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+            $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 \
+            --device cuda --passes 1 > "$out/ncu-registers.txt" 2>&1
+    fi
     grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" \
-        "$out/ncu-layers.txt" "$out/ncu-update.txt" | cut -c1-110
+        "$out/ncu-layers.txt" "$out/ncu-update.txt" "$out"/ncu-registers.txt 2>/dev/null | cut -c1-110
 fi
 if [[ ${SIDE:-1} == 0 ]]; then
     exit 0

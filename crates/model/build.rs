@@ -10,6 +10,8 @@ fn main() {
     // kernels.cu includes these.
     println!("cargo::rerun-if-changed=src/kernels/cuda/common.cuh");
     println!("cargo::rerun-if-changed=src/kernels/cuda/flash.cu");
+    println!("cargo::rerun-if-changed=src/kernels/cuda/flash_registers.cu");
+    println!("cargo::rerun-if-changed=src/kernels/cuda/tensor_core.cuh");
     println!("cargo::rerun-if-changed=src/kernels/cuda/loss.cu");
     compile_ptx("src/kernels/cuda/kernels.cu", "kernels.ptx");
 }

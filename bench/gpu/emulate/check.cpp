@@ -2,10 +2,12 @@
 // a device run spends time on it, and after its run (these all passed on an H200 on
 // 2026-11-27, the backward in pieces excepted) as a check of every change to them:
 //
-// - the one-pass attention (`crates/model/src/kernels/cuda/flash.cu`) against the attention
-//   computed directly in f64 from the same bf16 inputs and dropout keys: the context and the
-//   gradients of the queries, keys and values, at rows of several lengths (a row of one token,
-//   rows ending inside a tile, padding) over one to three key tiles;
+// - the one-pass attention in both its forms (`crates/model/src/kernels/cuda/flash.cu`, and
+//   `flash_registers.cu` with the scores in registers, through the shim's `mma.sync` and
+//   `ldmatrix`, `shim/tensor_core.h`) against the attention computed directly in f64 from the
+//   same bf16 inputs and dropout keys: the context and the gradients of the queries, keys and
+//   values, at rows of several lengths (a row of one token, rows ending inside a tile,
+//   padding) over one to three key tiles; the second form's log-sum-exp against the first's;
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
 //   gathered and summed by hand in token order (the same bits, f32, bf16 and f16), and the
 //   backward in pieces against the pieces' f32 sums by hand, in order;
@@ -138,6 +140,27 @@ bool run(const Case& c) {
                                             grad_qkv_vec.data(), scatter.data(), tokens, batch,
                                             heads, seq, scale, d);
     });
+    // The form with its scores in registers (flash_registers.cu): the same outputs, its own sums.
+    std::vector<bf16> context_reg(context.size(), unwritten), grad_qkv_reg(grad_qkv.size(), unwritten);
+    std::vector<float> lse_reg(lse.size(), NAN), delta_reg(lse.size(), NAN);
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        flash_registers_forward_bf16(qkv.data(), context_reg.data(), lse_reg.data(),
+                                     scatter.data(), tokens, batch, heads, seq, scale, d);
+    });
+    emulate_launch({(queries + 7) / 8, 1, 1}, 256, [&] {
+        flash_attention_delta_bf16(context_reg.data(), grad.data(), delta_reg.data(),
+                                   scatter.data(), tokens, batch, heads, seq);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        flash_registers_backward_kv_bf16(qkv.data(), grad.data(), lse_reg.data(),
+                                         delta_reg.data(), grad_qkv_reg.data(), scatter.data(),
+                                         tokens, batch, heads, seq, scale, d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        flash_registers_backward_q_bf16(qkv.data(), grad.data(), lse_reg.data(), delta_reg.data(),
+                                        grad_qkv_reg.data(), scatter.data(), tokens, batch, heads,
+                                        seq, scale, d);
+    });
     size_t vec_differ = 0;
     const auto bits = [](bf16 x) { uint16_t b; std::memcpy(&b, &x, 2); return b; };
     for (size_t i = 0; i < context.size(); ++i) vec_differ += bits(context[i]) != bits(context_vec[i]);
@@ -213,18 +236,34 @@ bool run(const Case& c) {
         std::printf("  %-28s %-8s %.3e  (bound %.0e) %s\n", c.name, what, w, bound,
                     passed ? "ok" : "FAILED");
     };
-    std::vector<double> got(context.size());
-    std::transform(context.begin(), context.end(), got.begin(), bf);
-    report("context", got, want_context);
-    for (int part = 0; part < 3; ++part) {
-        std::vector<double> g, w;
-        for (int t = 0; t < tokens; ++t)
-            for (int k = 0; k < hidden; ++k) {
-                g.push_back(bf(grad_qkv[(size_t)t * 3 * hidden + (size_t)part * hidden + k]));
-                w.push_back(want_grad[(size_t)t * 3 * hidden + (size_t)part * hidden + k]);
-            }
-        report(part == 0 ? "dq" : part == 1 ? "dk" : "dv", g, w);
+    const auto report_all = [&](const char* form, const std::vector<bf16>& ctx,
+                                const std::vector<bf16>& gqkv) {
+        std::printf("  %s\n", form);
+        std::vector<double> got(ctx.size());
+        std::transform(ctx.begin(), ctx.end(), got.begin(), bf);
+        report("context", got, want_context);
+        for (int part = 0; part < 3; ++part) {
+            std::vector<double> g, w;
+            for (int t = 0; t < tokens; ++t)
+                for (int k = 0; k < hidden; ++k) {
+                    g.push_back(bf(gqkv[(size_t)t * 3 * hidden + (size_t)part * hidden + k]));
+                    w.push_back(want_grad[(size_t)t * 3 * hidden + (size_t)part * hidden + k]);
+                }
+            report(part == 0 ? "dq" : part == 1 ? "dk" : "dv", g, w);
+        }
+    };
+    report_all("tiles through shared memory (flash.cu):", context, grad_qkv);
+    report_all("scores in registers (flash_registers.cu):", context_reg, grad_qkv_reg);
+    // Every place's log-sum-exp as the first form's (the same softmax, summed in another order).
+    double lse_worst = 0.0;
+    for (size_t i = 0; i < lse.size(); ++i) {
+        lse_worst = std::isnan(lse_reg[i]) ? INFINITY
+                                           : std::max(lse_worst, (double)std::fabs(lse_reg[i] - lse[i]));
     }
+    const bool lse_ok = lse_worst <= 1e-4;
+    ok = ok && lse_ok;
+    std::printf("  %-28s %-8s %.3e  (bound 1e-4) %s\n", c.name, "lse", lse_worst,
+                lse_ok ? "ok" : "FAILED");
     std::printf("  %-28s %-8s %zu values differ from the 2-byte stores' %s\n", c.name, "16-byte",
                 vec_differ, vec_differ ? "FAILED" : "ok");
     return ok && vec_differ == 0;

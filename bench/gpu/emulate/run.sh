@@ -9,7 +9,7 @@ root=$here/../../..
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 out=$dir/check
-g++ -std=c++20 -O2 -pthread -Wall -Wno-unknown-pragmas -I "$here/shim" \
+g++ -std=c++20 -O2 -fno-strict-aliasing -pthread -Wall -Wno-unknown-pragmas -I "$here/shim" \
     -I "$root/crates/model/src/kernels/cuda" -I "$root/crates/train/src" \
     -include "$here/shim/emulation.h" "$here/check.cpp" -o "$out"
 "$out"

@@ -83,11 +83,12 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
 /// (its sums, LayerNorm's grid), and the one-pass attention's where it runs with it.
 fn needs(check: &str, dtype: DType) -> Vec<String> {
     use crate::kernels::{
-        CUDA_ADD, CUDA_FLASH_ATTENTION, CUDA_FLASH_VECTOR_STORES, CUDA_NORM_WIDE_GRID, CUDA_TAPE,
+        CUDA_ADD, CUDA_FLASH_ATTENTION, CUDA_FLASH_REGISTERS, CUDA_NORM_WIDE_GRID, CUDA_TAPE,
     };
     let mut switches = vec![&CUDA_TAPE, &CUDA_ADD, &CUDA_NORM_WIDE_GRID];
     if check == FLASH_NAME {
-        switches.extend([&CUDA_FLASH_ATTENTION, &CUDA_FLASH_VECTOR_STORES]);
+        // Every setting is on here: the form with the scores in registers is the one run.
+        switches.extend([&CUDA_FLASH_ATTENTION, &CUDA_FLASH_REGISTERS]);
     }
     needing_in(dtype, &switches)
 }

@@ -51,13 +51,15 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: the one-pass attention's 16-byte stores (its rows run on CUDA only) and
-    // LayerNorm's wider grid, which the norm rows need; the other kernels need nothing.
+    // Off by default: the one-pass attention's 16-byte stores and its scores in registers
+    // (their rows run on CUDA only) and LayerNorm's wider grid, which the norm rows need; the
+    // other kernels need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_FLASH_STORES=vector",
+            "BERTKIT_CUDA_FLASH=registers",
             "BERTKIT_CUDA_NORM_GRID=wide"
         ]
     );

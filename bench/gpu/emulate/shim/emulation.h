@@ -15,13 +15,15 @@
 #include <thread>
 #include <vector>
 
+#include <cuda_bf16.h>
+
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct EmulatedDim {
     unsigned x = 1, y = 1, z = 1;
@@ -46,6 +48,9 @@ struct EmulatedBlock {
     std::vector<std::barrier<>*> warps;
     std::vector<double> slots;
     std::vector<double> dynamic_shared;
+    // `tensor_core.h`'s exchange: six 32-bit registers and a row address a thread.
+    std::vector<uint32_t> words;
+    std::vector<const __nv_bfloat16*> addresses;
 };
 inline EmulatedBlock* emulated_block = nullptr;
 
@@ -80,8 +85,12 @@ inline void emulate_launch(EmulatedDim grid, unsigned threads, const std::functi
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 std::barrier<> block((std::ptrdiff_t)threads);
-                EmulatedBlock state{&block, {}, std::vector<double>(threads),
-                                    std::vector<double>((shared_bytes + 7) / 8)};
+                EmulatedBlock state{&block,
+                                    {},
+                                    std::vector<double>(threads),
+                                    std::vector<double>((shared_bytes + 7) / 8),
+                                    std::vector<uint32_t>(threads * 6),
+                                    std::vector<const __nv_bfloat16*>(threads)};
                 std::vector<std::unique_ptr<std::barrier<>>> owned;
                 for (unsigned w = 0; w < threads / 32; ++w) {
                     owned.push_back(std::make_unique<std::barrier<>>(32));
@@ -100,3 +109,5 @@ inline void emulate_launch(EmulatedDim grid, unsigned threads, const std::functi
                 emulated_block = nullptr;
             }
 }
+
+#include "tensor_core.h"

@@ -184,6 +184,34 @@ const DROPOUT: f64 = 0.1;
 /// The dropout masks' seed.
 const SEED: u64 = 1234;
 
+/// The attention a case runs on CUDA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flash {
+    /// The kernels around cuBLAS (and every case that is not attention).
+    Off,
+    /// The one-pass attention through shared memory (`flash.cu`), its 16-byte stores on.
+    SharedTiles,
+    /// The one-pass attention with its scores in registers (`flash_registers.cu`).
+    Registers,
+}
+
+impl Flash {
+    /// The setting off by default that the form runs only with.
+    fn needs(self) -> Option<&'static crate::switch::Switch> {
+        match self {
+            Flash::Off => None,
+            Flash::SharedTiles => Some(&super::CUDA_FLASH_VECTOR_STORES),
+            Flash::Registers => Some(&super::CUDA_FLASH_REGISTERS),
+        }
+    }
+
+    /// Sets the process's attention settings for the form.
+    fn set(self) {
+        super::set_cuda_flash_attention(self != Flash::Off);
+        super::set_cuda_flash_registers(self == Flash::Registers);
+    }
+}
+
 type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
 
 struct Case {
@@ -192,9 +220,9 @@ struct Case {
     inputs: Vec<(&'static str, Vec<usize>, f64)>,
     run: Run,
     train: bool,
-    /// Run with attention in one pass over key tiles ([`super::set_cuda_flash_attention`]):
-    /// only where those kernels take the shape (CUDA, bf16, heads of 64).
-    flash: bool,
+    /// Which attention the case runs on CUDA: the one-pass forms only where their kernels take
+    /// the shape (CUDA, bf16, heads of 64).
+    flash: Flash,
     /// The setting off by default the kernel runs only with on CUDA ([`KernelCheck::needs`]).
     needs: Option<&'static crate::switch::Switch>,
 }
@@ -211,7 +239,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ],
         run,
         train,
-        flash: false,
+        flash: Flash::Off,
         needs: Some(&super::CUDA_NORM_WIDE_GRID),
     };
     let linear = |kernel, run: Run| Case {
@@ -223,16 +251,16 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ],
         run,
         train: false,
-        flash: false,
+        flash: Flash::Off,
         needs: None,
     };
-    let attention = |kernel, train, flash| Case {
+    let attention = |kernel, train, flash: Flash| Case {
         kernel,
         inputs: vec![("qkv", vec![t, 3 * h], 1.0)],
         run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
         train,
         flash,
-        needs: flash.then_some(&super::CUDA_FLASH_VECTOR_STORES),
+        needs: flash.needs(),
     };
     vec![
         Case {
@@ -247,7 +275,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.gather_rows(&x[0], &RowIndex::from_host(rows, x[0].device())?)
             },
             train: false,
-            flash: false,
+            flash: Flash::Off,
             needs: Some(&super::CUDA_EMBEDDINGS_IN_PIECES),
         },
         Case {
@@ -256,7 +284,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             inputs: vec![("a", vec![t, h], 1.0), ("b", vec![t, h], 1.0)],
             run: |_, x, _, _, _| super::add_gradients(&x[0], &x[1]),
             train: false,
-            flash: false,
+            flash: Flash::Off,
             needs: Some(&super::CUDA_ADD),
         },
         norm("layer_norm", false, |k, x, _, _, _| {
@@ -276,7 +304,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             ],
             run: |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2])),
             train: false,
-            flash: false,
+            flash: Flash::Off,
             needs: Some(&super::CUDA_WIDE_LINEAR),
         },
         linear("linear_gelu (erf)", |k, x, _, _, _| {
@@ -290,7 +318,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             inputs: vec![("x", vec![t, i], 3.0)],
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
-            flash: false,
+            flash: Flash::Off,
             needs: None,
         },
         Case {
@@ -306,13 +334,19 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.feed_forward(&x[0], (&x[1], Some(&x[2])), (&x[3], Some(&x[4])), Gelu::Erf)
             },
             train: false,
-            flash: false,
+            flash: Flash::Off,
             needs: Some(&super::LEAN_CUDA_FEED_FORWARD),
         },
-        attention("attention (eval)", false, false),
-        attention("attention (dropout)", true, false),
-        attention("attention flash (eval)", false, true),
-        attention("attention flash (dropout)", true, true),
+        attention("attention (eval)", false, Flash::Off),
+        attention("attention (dropout)", true, Flash::Off),
+        attention("attention flash (eval)", false, Flash::SharedTiles),
+        attention("attention flash (dropout)", true, Flash::SharedTiles),
+        attention("attention flash registers (eval)", false, Flash::Registers),
+        attention(
+            "attention flash registers (dropout)",
+            true,
+            Flash::Registers,
+        ),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.
@@ -324,7 +358,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 crate::loss::nll_per_row(&x[0], &labels)
             },
             train: false,
-            flash: false,
+            flash: Flash::Off,
             needs: Some(&super::CUDA_LOSS),
         },
         Case {
@@ -339,7 +373,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
             },
             train: true,
-            flash: false,
+            flash: Flash::Off,
             needs: Some(&super::CUDA_NORM_WIDE_GRID),
         },
     ]
@@ -438,7 +472,11 @@ pub fn check_kernels(
         (&Fused, DType::F32)
     };
     // The one-pass attention as it was, once its rows and the others have run.
-    let flash_before = super::cuda_flash_attention();
+    let flash_before = (super::cuda_flash_attention(), super::cuda_flash_registers());
+    let restore = || {
+        super::set_cuda_flash_attention(flash_before.0);
+        super::set_cuda_flash_registers(flash_before.1);
+    };
     let mut checks = Vec::new();
     for shape in shapes {
         for (c, case) in cases(shape).iter().enumerate() {
@@ -446,10 +484,10 @@ pub fn check_kernels(
             // repeat the kernels around cuBLAS under another name.
             let flash_takes =
                 device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads;
-            if case.flash && !flash_takes {
+            if case.flash != Flash::Off && !flash_takes {
                 continue;
             }
-            super::set_cuda_flash_attention(case.flash);
+            case.flash.set();
             let needs = needing_in(dtype, case.needs.as_slice());
             let run = || -> Result<Vec<KernelCheck>> {
                 let inputs = case
@@ -488,13 +526,13 @@ pub fn check_kernels(
                         &e,
                     ));
                     if device_broken(device).is_some() {
-                        super::set_cuda_flash_attention(flash_before);
+                        restore();
                         return Ok(checks);
                     }
                 }
             }
         }
     }
-    super::set_cuda_flash_attention(flash_before);
+    restore();
     Ok(checks)
 }

@@ -414,8 +414,9 @@ pub(crate) static CUDA_FLASH_VECTOR_STORES: Switch =
 /// two-byte store instruction touches 32 cache sectors for 64 bytes; on an H200 the kernels
 /// ran with L2 at 47% of its peak and DRAM at 7% (BENCHMARKS.md, 2026-11-27). The same values
 /// (`bench/gpu/emulate` compares the bits); checked by `bertkit check kernels --device cuda`
-/// (its `attention flash` rows and the encoder's with the one-pass attention), not yet run on
-/// a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_STORES=vector`.
+/// (its `attention flash` rows), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_FLASH_STORES=vector`. Only the form through shared memory has it (the scores
+/// in registers, [`set_cuda_flash_registers`], are taken first).
 pub fn set_cuda_flash_vector_stores(on: bool) {
     CUDA_FLASH_VECTOR_STORES.set(on);
 }
@@ -424,6 +425,31 @@ pub fn set_cuda_flash_vector_stores(on: bool) {
 /// [`set_cuda_flash_vector_stores`]).
 pub fn cuda_flash_vector_stores() -> bool {
     CUDA_FLASH_VECTOR_STORES.get()
+}
+
+/// Whether the one-pass attention keeps its scores in registers.
+pub(crate) static CUDA_FLASH_REGISTERS: Switch = Switch::opt_in("BERTKIT_CUDA_FLASH", "registers");
+
+/// Turns the one-pass attention's form with its scores in registers on or off for this process
+/// (`flash_registers.cu`): its products are `mma.sync` tiles whose f32 results stay in the
+/// registers that computed them, through the softmax and the backward's element-wise steps and
+/// back into the next product as its left operand, where the form through shared memory
+/// (`flash.cu`) stores every 16x16 tile of results to shared memory as f32 and reads it back a
+/// lane a row (on an H200 that form ran at 24 TFLOP/s, its forward 176 µs a BERT-large layer,
+/// a third of its stalls on shared memory; BENCHMARKS.md, 2026-11-27). The same grid, inputs,
+/// outputs and dropout masks; `bench/gpu/emulate` checks it against f64 on the CPU and
+/// `bertkit check kernels --device cuda` against the CPU's attention (its `attention flash
+/// registers` rows, and the encoder's with the one-pass attention). Not yet run on a GPU:
+/// unset, it is off unless `BERTKIT_CUDA_FLASH=registers`. Taken before the 16-byte stores
+/// ([`set_cuda_flash_vector_stores`]), which only the form through shared memory has.
+pub fn set_cuda_flash_registers(on: bool) {
+    CUDA_FLASH_REGISTERS.set(on);
+}
+
+/// Whether the one-pass attention keeps its scores in registers (see
+/// [`set_cuda_flash_registers`]).
+pub fn cuda_flash_registers() -> bool {
+    CUDA_FLASH_REGISTERS.get()
 }
 
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
@@ -495,7 +521,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 12] = [
+static CUDA_SWITCHES: [&Switch; 13] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -504,6 +530,7 @@ static CUDA_SWITCHES: [&Switch; 12] = [
     &CUDA_ADD,
     &CUDA_WIDE_LINEAR,
     &CUDA_FLASH_VECTOR_STORES,
+    &CUDA_FLASH_REGISTERS,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_FLASH_ATTENTION,
     &CUDA_LOSS,

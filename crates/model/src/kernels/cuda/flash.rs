@@ -10,17 +10,26 @@
 //! besides `qkv` and the context is each query's log-sum-exp (`[batch, heads, seq]` f32, handed
 //! from the forward to the backward); it recomputes the probabilities from it, and sums every
 //! gradient in one block in a fixed order (no atomics: a run repeats its bits).
+//!
+//! Two forms of the kernels, one launcher: `flash.cu` (`wmma` tiles, each tile of results
+//! through shared memory) and `flash_registers.cu` (`mma.sync` tiles whose results stay in
+//! registers, [`crate::kernels::set_cuda_flash_registers`]): the same grid and arguments.
 
 use super::attention::Heads;
 use super::*;
 
-/// `kernel`'s entry point for the stores turned on: its results two bytes at a time, or 16
-/// (`_vec`, [`crate::kernels::set_cuda_flash_vector_stores`]).
-fn stores(kernel: &str) -> String {
-    if crate::kernels::cuda_flash_vector_stores() {
-        format!("{kernel}_vec")
+/// The entry point of `kernel` (`forward`, `backward_kv`, `backward_q`) for the form turned
+/// on: the scores in registers (`flash_registers.cu`,
+/// [`crate::kernels::set_cuda_flash_registers`]), or through shared memory (`flash.cu`) with
+/// its results stored two bytes at a time, or 16 (`_vec`,
+/// [`crate::kernels::set_cuda_flash_vector_stores`]).
+fn entry(kernel: &str) -> String {
+    if crate::kernels::cuda_flash_registers() {
+        format!("flash_registers_{kernel}")
+    } else if crate::kernels::cuda_flash_vector_stores() {
+        format!("flash_attention_{kernel}_vec")
     } else {
-        kernel.to_string()
+        format!("flash_attention_{kernel}")
     }
 }
 
@@ -126,19 +135,13 @@ impl CustomOp1 for Flash {
         let mut lse = unsafe { dev.alloc::<f32>(p.batch * h.heads * p.seq)? };
         let args = shape_args(h);
         with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
-            launch!(
-                half::bf16,
-                dev,
-                stores("flash_attention_forward"),
-                grid(h),
-                |b| {
-                    b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
-                    for a in &args {
-                        b.arg(a);
-                    }
-                    b.arg(&h.scale).arg(&h.dropout);
+            launch!(half::bf16, dev, entry("forward"), grid(h), |b| {
+                b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
+                for a in &args {
+                    b.arg(a);
                 }
-            )
+                b.arg(&h.scale).arg(&h.dropout);
+            })
         })?;
         self.lse.put(name, lse)?;
         Ok((wrap(context, dev), Shape::from((p.tokens, h.hidden()))))
@@ -211,8 +214,8 @@ impl CustomOp3 for FlashBackward<'_> {
                     }
                 }
             )?;
-            for kernel in ["flash_attention_backward_kv", "flash_attention_backward_q"] {
-                launch!(half::bf16, dev, stores(kernel), grid(h), |b| {
+            for kernel in ["backward_kv", "backward_q"] {
+                launch!(half::bf16, dev, entry(kernel), grid(h), |b| {
                     b.arg(&qkv).arg(&grad).arg(&self.lse).arg(&delta);
                     b.arg(&mut grad_qkv).arg(&scatter);
                     for a in &args {

@@ -515,6 +515,7 @@ ENTRY_POINTS(f16, f16)
 // Attention in one pass over key tiles (bf16, tensor cores): its own file, the helpers above.
 
 #include "flash.cu"
+#include "flash_registers.cu"
 
 // ---------------------------------------------------------------------------------------------
 // The masked-LM and classification losses: their own file, the helpers above.

@@ -1,0 +1,431 @@
+// The one-pass attention with its scores in registers (`BERTKIT_CUDA_FLASH=registers`,
+// `flash.rs`): included by `kernels.cu` after `flash.cu`, whose tiles, grid and arguments it
+// shares; `bench/gpu/emulate` compiles it on the CPU against a reference.
+//
+// The same attention as `flash.cu` (the same grid, the same inputs, outputs and dropout keys,
+// each gradient summed by one block in a fixed order), but its products are `mma.sync` tiles of
+// known layout (`tensor_core.cuh`) instead of `wmma`'s opaque ones: a product's f32 results
+// stay in the registers that computed them, the softmax and the backward's element-wise steps
+// work on them there, and they go back into the next product as its left operand, packed to
+// bf16, without the round trip through shared memory that `flash.cu` makes for every 16x16
+// tile (stored as f32, read back a lane a row). The right operands come from the shared tiles
+// through `ldmatrix`, transposed where the product reads a tile by columns; the tiles' rows
+// are 144 bytes apart, so a matrix's eight rows fall on different banks. The results go
+// through shared memory once at the end, to be written 16 bytes a lane, a row's 128 bytes by
+// eight neighbouring lanes.
+//
+// A warp owns 16 rows of its block's 64 (queries in the forward and the queries' backward, keys
+// in the keys' and values' backward); a lane holds its rows g and g+8 (`g = lane / 4`) at two
+// columns of every 8 (`2t`, `2t+1`, `t = lane % 4`), so a row's sums and maxima are over the
+// four lanes of a quad.
+
+#include "tensor_core.cuh"
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
+// The A fragment of rows `row0..row0 + 16`, columns `col0..col0 + 16` of a shared tile
+// (`[64][FLASH_LD]`).
+__device__ __forceinline__ void fr_load_a(uint32_t (&a)[4], const bf16* tile, int row0, int col0) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(a, tile + (row0 + (lane & 15)) * FLASH_LD + col0 + (lane >> 4) * 8);
+}
+
+// The B fragments of two 8-column tiles of the product `· tileᵀ` (the tile read by rows: B's
+// column n is the tile's row n): tile rows `row0..row0 + 16`, tile columns (B's k)
+// `col0..col0 + 16`. `b[0]`, `b[1]`: the first 8 rows; `b[2]`, `b[3]`: the next 8.
+__device__ __forceinline__ void fr_load_bt(uint32_t (&b)[4], const bf16* tile, int row0, int col0) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(b, tile + (row0 + (lane & 7) + ((lane >> 4) << 3)) * FLASH_LD + col0 +
+                       ((lane >> 3) & 1) * 8);
+}
+
+// The B fragments of two 8-column tiles of the product `· tile` (the tile's rows are B's k):
+// tile rows `row0..row0 + 16`, tile columns (B's n) `col0..col0 + 16`. `b[0]`, `b[1]`: columns
+// `col0..col0 + 8`; `b[2]`, `b[3]`: the next 8.
+__device__ __forceinline__ void fr_load_b(uint32_t (&b)[4], const bf16* tile, int row0, int col0) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4_trans(b, tile + (row0 + (lane & 15)) * FLASH_LD + col0 + (lane >> 4) * 8);
+}
+
+// `acc[n] += a · tile[row0.., 16n..]`-style sweep: the warp's `[16, 16]` left operand `a`
+// times a `[16, 64]` stretch of `tile` (rows `row0..row0 + 16`, read as `[k, n]`), into the
+// eight 8-column accumulators.
+__device__ __forceinline__ void fr_accumulate(float (&acc)[8][4], const uint32_t (&a)[4],
+                                              const bf16* tile, int row0) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        uint32_t b[4];
+        fr_load_b(b, tile, row0, n * 16);
+        mma_bf16(acc[2 * n], a, b[0], b[1]);
+        mma_bf16(acc[2 * n + 1], a, b[2], b[3]);
+    }
+}
+
+// `s = a · tileᵀ` for the warp's 16 rows against the tile's 64 rows (each 64 columns): `a` the
+// warp's rows as four 16-column fragments.
+__device__ __forceinline__ void fr_scores(float (&s)[8][4], const uint32_t (&a)[4][4],
+                                          const bf16* tile) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            uint32_t b[4];
+            fr_load_bt(b, tile, n * 16, c * 16);
+            mma_bf16(s[2 * n], a[c], b[0], b[1]);
+            mma_bf16(s[2 * n + 1], a[c], b[2], b[3]);
+        }
+}
+
+// The A fragment of columns `16c..16c + 16` of a `[16, 64]` f32 result held as eight 8-column
+// accumulators, each element times `f(n, e)` (its tile and place), packed to bf16.
+template <typename F>
+__device__ __forceinline__ void fr_to_a(uint32_t (&a)[4], const float (&x)[8][4], int c, F f) {
+    a[0] = pack_bf16(x[2 * c][0] * f(2 * c, 0), x[2 * c][1] * f(2 * c, 1));
+    a[1] = pack_bf16(x[2 * c][2] * f(2 * c, 2), x[2 * c][3] * f(2 * c, 3));
+    a[2] = pack_bf16(x[2 * c + 1][0] * f(2 * c + 1, 0), x[2 * c + 1][1] * f(2 * c + 1, 1));
+    a[3] = pack_bf16(x[2 * c + 1][2] * f(2 * c + 1, 2), x[2 * c + 1][3] * f(2 * c + 1, 3));
+}
+
+// The A fragment of two 8-column accumulators (`x[0]` the first 8 columns), times `scale`.
+__device__ __forceinline__ void fr_pair_to_a(uint32_t (&a)[4], const float (&x)[2][4],
+                                             float scale) {
+    a[0] = pack_bf16(x[0][0] * scale, x[0][1] * scale);
+    a[1] = pack_bf16(x[0][2] * scale, x[0][3] * scale);
+    a[2] = pack_bf16(x[1][0] * scale, x[1][1] * scale);
+    a[3] = pack_bf16(x[1][2] * scale, x[1][3] * scale);
+}
+
+// The warp's `[16, 64]` accumulators, row r times `scale[r / 8]`, to 64 columns from `col` of
+// the tokens' rows (`[tokens, stride]`): staged as bf16 in the warp's 16 rows of a shared tile
+// (`stage`, rows `16 · warp` on, no longer read by any other warp), then 16 bytes a lane. Row
+// `first + r` is the padded place; padding is not written.
+__device__ __forceinline__ void fr_store_rows(const float (&acc)[8][4], const float (&scale)[2],
+                                              bf16* stage, bf16* dst, size_t stride, int col,
+                                              const uint32_t* places, int first, int seq,
+                                              int tokens) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    bf16* rows = stage + (threadIdx.x >> 5) * 16 * FLASH_LD;
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            *reinterpret_cast<uint32_t*>(rows + (g + 8 * h) * FLASH_LD + n * 8 + 2 * t) =
+                pack_bf16(acc[n][2 * h] * scale[h], acc[n][2 * h + 1] * scale[h]);
+        }
+    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int v = lane + 32 * q, r = v >> 3, part = v & 7;
+        const int i = first + r;
+        const uint32_t tok = i < seq ? places[i] : (uint32_t)tokens;
+        if (tok < (uint32_t)tokens) {
+            *reinterpret_cast<uint4*>(dst + (size_t)tok * stride + col + part * 8) =
+                *reinterpret_cast<const uint4*>(rows + r * FLASH_LD + part * 8);
+        }
+    }
+    __syncwarp();
+}
+
+// The forward: grid (query tiles, heads, batch), as `flash_forward`'s.
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_registers_forward_bf16(FLASH_FORWARD_ARGS) {
+    __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
+    __shared__ int key_valid[FLASH_TILE];
+    const FlashBlock k = flash_block(scatter, tokens, heads, seq);
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    if (k.first >= k.end) {
+        for (int i = k.first + threadIdx.x; i < min(k.first + FLASH_TILE, seq); i += blockDim.x) {
+            lse[rows + i] = 0.0f;
+        }
+        return;
+    }
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, k.first, seq, tokens, nullptr);
+    __syncthreads();
+    uint32_t q[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) fr_load_a(q[c], queries, k.warp * 16, c * 16);
+
+    // This lane's two rows (g, g + 8 of the warp's 16): place, whether a token, dropout line.
+    int i[2];
+    bool query[2];
+    uint64_t line[2];
+    float m[2], l[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        i[h] = k.first + k.warp * 16 + g + 8 * h;
+        query[h] = i[h] < seq && k.places[i[h]] < (uint32_t)tokens;
+        line[h] = d.on ? line_key(line_key(row_key(d, k.b), k.h), i[h]) : 0;
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    float o[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+
+    for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
+        flash_load_keys_values(keys, values, key_valid, qkv, k, k0, seq, tokens);
+        float s[8][4];
+        fr_scores(s, q, keys);
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = n * 8 + 2 * t + (e & 1);
+                s[n][e] = key_valid[j] ? s[n][e] * scale : -INFINITY;
+                tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+            const float m_new = fmaxf(m[h], tile_max[h]);
+            alpha[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
+            m[h] = m_new;
+            l[h] *= alpha[h];
+        }
+        // The probabilities (unnormalised) in place of the scores; the row sums before dropout.
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]);
+                l[e >> 1] += p;
+                s[n][e] = p;
+            }
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
+        // o += dropped P · V, P's 16-key chunks as left operands.
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            uint32_t a[4];
+            fr_to_a(a, s, c, [&](int n, int e) {
+                return d.on ? keep_factor(d, line[e >> 1], k0 + n * 8 + 2 * t + (e & 1)) : 1.0f;
+            });
+            fr_accumulate(o, a, values, c * 16);
+        }
+        // Every warp done with this tile's keys and values before the next overwrites them.
+        __syncthreads();
+    }
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        inv[h] = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+    }
+    fr_store_rows(o, inv, queries, context, k.hidden, k.column(0), k.places,
+                  k.first + k.warp * 16, seq, tokens);
+    // Every place's, padding's 0 (the backward reads a whole tile's).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (t == 0 && i[h] < seq) lse[rows + i[h]] = query[h] ? m[h] + logf(l[h]) : 0.0f;
+    }
+}
+
+// The keys' and values' gradients: grid (key tiles, heads, batch); the warp's 16 keys summed
+// over every query tile, as `flash_backward_kv`'s. Held to 168 registers a lane, three blocks
+// an SM (nvcc's choice, 182, allows two): ptxas spills 36 bytes a lane for it (sm_90).
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
+    flash_registers_backward_kv_bf16(FLASH_BACKWARD_ARGS) {
+    __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 grads[FLASH_TILE * FLASH_LD];
+    __shared__ float tile_lse[FLASH_TILE], tile_delta[FLASH_TILE];
+    __shared__ uint64_t tile_line[FLASH_TILE];  // each query's dropout line, drawn once a tile
+    __shared__ int query_valid[FLASH_TILE];
+    const FlashBlock k = flash_block(scatter, tokens, heads, seq);
+    if (k.first >= k.end) return;  // padding keys only: no gradient to write
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    flash_load_tile(keys, qkv, k.stride, k.column(1), k.places, k.first, seq, tokens, nullptr);
+    flash_load_tile(values, qkv, k.stride, k.column(2), k.places, k.first, seq, tokens, nullptr);
+    // These two tiles stay for the whole block (the loop's first barrier covers their loads);
+    // the warp's key and value fragments are read from them where each product needs them, not
+    // held in registers across the loop (32 registers a lane fewer).
+    int j[2];
+    bool key[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        j[h] = k.first + k.warp * 16 + g + 8 * h;
+        key[h] = j[h] < seq && k.places[j[h]] < (uint32_t)tokens;
+    }
+    const uint64_t head_key = d.on ? line_key(row_key(d, k.b), k.h) : 0;
+    float dk[8][4], dv[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+
+    for (int q0 = 0; q0 < k.end; q0 += FLASH_TILE) {
+        flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, q0, seq, tokens,
+                        query_valid);
+        flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, q0, seq, tokens, nullptr);
+        if (threadIdx.x < FLASH_TILE) {
+            const int i = q0 + threadIdx.x;
+            tile_lse[threadIdx.x] = i < seq ? lse[rows + i] : 0.0f;
+            tile_delta[threadIdx.x] = i < seq ? delta[rows + i] : 0.0f;
+            tile_line[threadIdx.x] = d.on ? line_key(head_key, i) : 0;
+        }
+        __syncthreads();
+        // Pᵀ: the warp's keys against the tile's queries, then the probabilities in place.
+        float p[8][4];
+        {
+            uint32_t kf[4][4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) fr_load_a(kf[c], keys, k.warp * 16, c * 16);
+            fr_scores(p, kf, queries);
+        }
+        uint32_t kept = 0;  // bit 4n + e: element (n, e) kept by the dropout
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = n * 8 + 2 * t + (e & 1);
+                const bool live = key[e >> 1] && query_valid[qi];
+                p[n][e] = live ? expf(p[n][e] * scale - tile_lse[qi]) : 0.0f;
+                if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
+                    kept |= 1u << (4 * n + e);
+                }
+            }
+        const auto keep = [&](int n, int e) { return flash_keep(d, kept, 4 * n + e); };
+        // dV += dropped Pᵀ · dO, Pᵀ's 16-query chunks as left operands.
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            uint32_t a[4];
+            fr_to_a(a, p, c, keep);
+            fr_accumulate(dv, a, grads, c * 16);
+        }
+        // A chunk of 16 queries at a time: dPᵀ (of the dropped probabilities) = V · dOᵀ,
+        // dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ kept − delta), dK += dSᵀ · Q.
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float dp[2][4] = {};
+#pragma unroll
+            for (int e16 = 0; e16 < 4; ++e16) {
+                uint32_t v[4], b[4];
+                fr_load_a(v, values, k.warp * 16, e16 * 16);
+                fr_load_bt(b, grads, c * 16, e16 * 16);
+                mma_bf16(dp[0], v, b[0], b[1]);
+                mma_bf16(dp[1], v, b[2], b[3]);
+            }
+            float ds[2][4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int n = 2 * c + half, qi = n * 8 + 2 * t + (e & 1);
+                    ds[half][e] = p[n][e] * (dp[half][e] * keep(n, e) - tile_delta[qi]);
+                }
+            uint32_t a[4];
+            fr_pair_to_a(a, ds, scale);
+            fr_accumulate(dk, a, queries, c * 16);
+        }
+        __syncthreads();
+    }
+    const float one[2] = {1.0f, 1.0f};
+    const int first = k.first + k.warp * 16;
+    fr_store_rows(dk, one, queries, grad_qkv, k.stride, k.column(1), k.places, first, seq, tokens);
+    fr_store_rows(dv, one, grads, grad_qkv, k.stride, k.column(2), k.places, first, seq, tokens);
+}
+
+// The queries' gradient: grid (query tiles, heads, batch); the warp's 16 queries summed over
+// every key tile, as `flash_backward_q`'s.
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_registers_backward_q_bf16(FLASH_BACKWARD_ARGS) {
+    __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 grads[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
+    __shared__ int key_valid[FLASH_TILE];
+    const FlashBlock k = flash_block(scatter, tokens, heads, seq);
+    if (k.first >= k.end) return;  // padding queries only: no gradient to write
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, k.first, seq, tokens, nullptr);
+    flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, k.first, seq, tokens, nullptr);
+    __syncthreads();
+    uint32_t qf[4][4], gf[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        fr_load_a(qf[c], queries, k.warp * 16, c * 16);
+        fr_load_a(gf[c], grads, k.warp * 16, c * 16);
+    }
+    bool query[2];
+    float q_lse[2], q_delta[2];
+    uint64_t line[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = k.first + k.warp * 16 + g + 8 * h;
+        query[h] = i < seq && k.places[i] < (uint32_t)tokens;
+        const size_t at = ((size_t)k.b * heads + k.h) * seq + i;
+        q_lse[h] = query[h] ? lse[at] : 0.0f;
+        q_delta[h] = query[h] ? delta[at] : 0.0f;
+        line[h] = d.on ? line_key(line_key(row_key(d, k.b), k.h), i) : 0;
+    }
+    float dq[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+
+    for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
+        flash_load_keys_values(keys, values, key_valid, qkv, k, k0, seq, tokens);
+        float p[8][4];
+        fr_scores(p, qf, keys);
+        uint32_t kept = 0;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + 2 * t + (e & 1);
+                const int h = e >> 1;
+                p[n][e] = query[h] && key_valid[col] ? expf(p[n][e] * scale - q_lse[h]) : 0.0f;
+                if (!d.on || keep_factor(d, line[h], k0 + col) != 0.0f) kept |= 1u << (4 * n + e);
+            }
+        // A chunk of 16 keys at a time: dP (of the dropped probabilities) = dO · Vᵀ,
+        // dS = P ⊙ (dP ⊙ kept − delta), dQ += dS · K.
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float dp[2][4] = {};
+#pragma unroll
+            for (int e16 = 0; e16 < 4; ++e16) {
+                uint32_t b[4];
+                fr_load_bt(b, values, c * 16, e16 * 16);
+                mma_bf16(dp[0], gf[e16], b[0], b[1]);
+                mma_bf16(dp[1], gf[e16], b[2], b[3]);
+            }
+            float ds[2][4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int n = 2 * c + half;
+                    ds[half][e] = p[n][e] * (dp[half][e] * flash_keep(d, kept, 4 * n + e) -
+                                             q_delta[e >> 1]);
+                }
+            uint32_t a[4];
+            fr_pair_to_a(a, ds, scale);
+            fr_accumulate(dq, a, keys, c * 16);
+        }
+        __syncthreads();
+    }
+    const float one[2] = {1.0f, 1.0f};
+    fr_store_rows(dq, one, queries, grad_qkv, k.stride, k.column(0), k.places,
+                  k.first + k.warp * 16, seq, tokens);
+}
+
+#endif
