@@ -98,11 +98,22 @@ pretrain() { # phase seq batch predictions [flags]
         > "$out/$phase.log" 2>&1
     local rc=$?
     [[ -n $pid ]] && kill "$pid"
-    tail -n 3 "$out/$phase.log"
-    result "{\"side\": \"bertkit\", \"work\": \"$phase\", \"rc\": $rc, \"seq_per_s\": $(median_seq_per_s "$work/$phase/metrics.jsonl" "$warmup"), \"peak_mib\": $(peak_mib "$mem")}"
+    tail -n 4 "$out/$phase.log"
+    # The pool's high-water mark of bytes in tensors (the run's last line on CUDA): what
+    # torch's max_memory_allocated counts.
+    local tensors
+    tensors=$(sed -n 's/^device memory: \([0-9]*\) MiB.*/\1/p' "$out/$phase.log")
+    result "{\"side\": \"bertkit\", \"work\": \"$phase\", \"rc\": $rc, \"seq_per_s\": $(median_seq_per_s "$work/$phase/metrics.jsonl" "$warmup"), \"peak_mib\": $(peak_mib "$mem"), \"tensors_mib\": ${tensors:-null}}"
+    # PyTorch's process sampled by nvidia-smi the same way (its context, cuBLAS's workspace and
+    # its caching allocator's spare counted as bertkit's are), beside its own counts.
+    mem=$work/torch-$phase.mem
+    pid=$(sample_memory "$mem")
     "$py" "$here/torch_peer.py" pretrain --config "$model" --seq "$seq" --batch "$batch" \
         --predictions "$predictions" --steps "$steps" --warmup "$warmup" --dtype "$dtype" \
-        --device "$device" 2>"$out/torch-$phase.err" | sed "s/^{/{\"side\": \"torch\", \"phase\": \"$phase\", /" >> "$results"
+        --device "$device" 2>"$out/torch-$phase.err" > "$work/torch-$phase.json"
+    [[ -n $pid ]] && kill "$pid"
+    sed "s/^{/{\"side\": \"torch\", \"phase\": \"$phase\", \"peak_mib\": $(peak_mib "$mem"), /" \
+        "$work/torch-$phase.json" >> "$results"
     tail -n 1 "$results"
 }
 

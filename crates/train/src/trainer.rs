@@ -739,6 +739,11 @@ impl Trainer {
         &self.startup
     }
 
+    /// The device the run trains on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The model being trained.
     pub fn model(&self) -> &Loaded<BertForPreTraining> {
         &self.model

@@ -163,6 +163,14 @@ fn run_pretraining(
     for w in &summary.checkpoint_writes {
         println!("{w}");
     }
+    if let Some(peak) = bertkit_model::device_peak(trainer.device()) {
+        // What PyTorch's `max_memory_allocated` counts; nvidia-smi adds the CUDA context,
+        // cuBLAS's workspace and the memory the pool keeps for the next step.
+        println!(
+            "device memory: {} MiB at most in tensors (the CUDA pool's high-water mark)",
+            peak >> 20
+        );
+    }
     Ok(())
 }
 
