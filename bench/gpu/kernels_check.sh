@@ -75,7 +75,10 @@ rows() {
         "BERTKIT_CUDA_FLASH=registers | the one-pass attention's scores in registers" \
         "BERTKIT_CUDA_TRUST_RATIOS=apart | LAMB's trust ratios in a launch of their own" \
         "BERTKIT_CUDA_NORM_GRID=wide | LayerNorm's backward over a wider grid" \
-        "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM_GRID=wide | the scores in registers, the ratios apart, the wider grid" \
+        "BERTKIT_CUDA_COLUMN_SUMS=lanes | the partial column sums by 32 lanes a column" \
+        "BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes | LayerNorm 16 bytes a thread (with the lanes' sums)" \
+        "BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide | LayerNorm 16 bytes a thread, the lanes' sums, the wider grid" \
+        "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide | every new setting but the 16-byte stores" \
         "BERTKIT_CUDA_FEED_FORWARD=full | the feed-forward keeping its activation"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
@@ -139,7 +142,7 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
     # the one-pass attention's and LayerNorm's backward over those passes, and the optimiser's
     # in-place update over BERT-large's step. Whole sections in the logs, the headlines here.
     log "2d' ncu sections: the attention's and LayerNorm's kernels, the optimiser's update"
-    timeout 120 ncu --clock-control none -k regex:'flash|layer_norm_backward' --launch-count 8 \
+    timeout 120 ncu --clock-control none -k regex:'flash|layer_norm_backward|column_sums' --launch-count 8 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json --batch 64 \
         --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu-layers.txt" 2>&1
@@ -147,10 +150,12 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
         --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
         --device cuda --steps 1 > "$out/ncu-update.txt" 2>&1
-    # The attention with its scores in registers, where its check passed.
-    if [[ $leave_off != *" BERTKIT_CUDA_FLASH=registers "* ]]; then
-        BERTKIT_CUDA_FLASH=registers timeout 120 ncu --clock-control none \
-            -k regex:'flash_registers' --launch-count 6 --section SpeedOfLight \
+    # The attention with its scores in registers and LayerNorm 16 bytes a thread with the
+    # lanes' sums, where their checks passed.
+    if [[ $leave_off != *" BERTKIT_CUDA_FLASH=registers "* && $leave_off != *" BERTKIT_CUDA_NORM=vector "* ]]; then
+        BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes \
+            timeout 120 ncu --clock-control none \
+            -k regex:'flash_registers|layer_norm_vec|column_sums_lanes' --launch-count 10 --section SpeedOfLight \
             --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
             $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 \
             --device cuda --passes 1 > "$out/ncu-registers.txt" 2>&1

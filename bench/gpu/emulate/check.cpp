@@ -8,6 +8,10 @@
 //   same bf16 inputs and dropout keys: the context and the gradients of the queries, keys and
 //   values, at rows of several lengths (a row of one token, rows ending inside a tile,
 //   padding) over one to three key tiles; the second form's log-sum-exp against the first's;
+// - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`) and the lanes' column sums
+//   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
+//   which passed on an H200: f32, bf16 and f16, with and without a residual and dropout, rows
+//   narrower than a block's threads;
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
 //   gathered and summed by hand in token order (the same bits, f32, bf16 and f16), and the
 //   backward in pieces against the pieces' f32 sums by hand, in order;
@@ -410,6 +414,102 @@ bool check_bias(const char* name, int rows, int cols, int act, unsigned blocks) 
     return ok;
 }
 
+// LayerNorm 16 bytes a thread (`layer_norm_vec_*`) against the block-per-row kernels that
+// passed on an H200 (`layer_norm_forward`, `layer_norm_backward`), on the same rows, with or
+// without a residual and dropout, and the weight's and bias's gradients summed by the lanes'
+// column sums (`column_sums_lanes`) against `column_sums`: the same values up to the order of
+// the f32 sums (`bound`, relative to the largest; in f16 and bf16 at most 1% of the elements
+// differing).
+template <typename T>
+bool check_norm(const char* name, int rows, int hidden, bool residual, bool dropout,
+                unsigned blocks, double bound) {
+    std::mt19937_64 rng(11 + hidden + residual + 2 * dropout);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    const size_t n = (size_t)rows * hidden;
+    std::vector<T> x(n), res(n), grad(n), weight(hidden), bias(hidden);
+    for (auto* v : {&x, &res, &grad}) for (auto& e : *v) e = from_f32<T>(u(rng));
+    for (auto& e : weight) e = from_f32<T>(1.0f + 0.25f * u(rng));
+    for (auto& e : bias) e = from_f32<T>(0.5f * u(rng));
+    const int seq = 16;
+    std::vector<uint32_t> places(rows);
+    for (int r = 0; r < rows; ++r) places[r] = (uint32_t)(3 * r + 1);
+    Dropout d{};
+    if (dropout) {
+        d.key = 0xabcdefull;
+        d.first_row = 5;
+        d.threshold = (uint64_t)(0.1 * (1 << 24));
+        d.scale = 1.0f / 0.9f;
+        d.on = 1;
+    }
+    const T* r = residual ? res.data() : nullptr;
+    const uint32_t* p = dropout ? places.data() : nullptr;
+    const float eps = 1e-12f;
+    constexpr int per = Vec16<T>::N;
+    const unsigned old_threads = (unsigned)std::clamp((hidden + 3) / 4 / 32 * 32 + 32, 32, 1024);
+    const unsigned vec_threads = (unsigned)(((hidden / per) + 31) / 32 * 32);
+    const T nan = from_f32<T>(NAN);
+    std::vector<T> y_old(n, nan), y_vec(n, nan);
+    emulate_launch({(unsigned)rows, 1, 1}, old_threads, [&] {
+        layer_norm_forward<T>(x.data(), r, weight.data(), bias.data(), y_old.data(), rows, hidden,
+                              eps, d, p, seq);
+    }, (hidden + 32) * sizeof(float));
+    emulate_launch({(unsigned)std::min(rows, 7), 1, 1}, vec_threads, [&] {
+        layer_norm_vec_forward<T>(x.data(), r, weight.data(), bias.data(), y_vec.data(), rows,
+                                  hidden, eps, d, p, seq);
+    });
+    // The backward, then each form's parameter gradients through its column sums.
+    const auto backward = [&](bool vec, std::vector<T>& grad_sum, std::vector<T>& grad_x,
+                              std::vector<T>& params) {
+        std::vector<float> partial((size_t)blocks * 2 * hidden, NAN);
+        if (vec) {
+            emulate_launch({blocks, 1, 1}, vec_threads, [&] {
+                layer_norm_vec_backward<T>(x.data(), r, weight.data(), grad.data(),
+                                           grad_sum.data(), grad_x.data(), partial.data(), rows,
+                                           hidden, eps, d, p, seq);
+            });
+            emulate_launch({(unsigned)((2 * hidden + 31) / 32), 1, 1}, 1024, [&] {
+                column_sums_lanes<T>(partial.data(), params.data(), (int)blocks, 2 * hidden);
+            });
+        } else {
+            emulate_launch({blocks, 1, 1}, old_threads, [&] {
+                layer_norm_backward<T>(x.data(), r, weight.data(), grad.data(), grad_sum.data(),
+                                       grad_x.data(), partial.data(), rows, hidden, eps, d, p,
+                                       seq);
+            }, (3 * hidden + 32) * sizeof(float));
+            emulate_launch({(unsigned)((2 * hidden + 255) / 256), 1, 1}, 256, [&] {
+                column_sums<T>(partial.data(), params.data(), (int)blocks, 2 * hidden);
+            });
+        }
+    };
+    std::vector<T> gs_old(n, nan), gx_old(n, nan), pa_old(2 * hidden, nan);
+    std::vector<T> gs_vec(n, nan), gx_vec(n, nan), pa_vec(2 * hidden, nan);
+    backward(false, gs_old, gx_old, pa_old);
+    backward(true, gs_vec, gx_vec, pa_vec);
+    bool ok = true;
+    const auto report = [&](const char* what, const std::vector<T>& got,
+                            const std::vector<T>& want) {
+        std::vector<double> g(got.size()), w(want.size());
+        size_t differ = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+            g[i] = to_f32(got[i]);
+            w[i] = to_f32(want[i]);
+            differ += g[i] != w[i];
+        }
+        const double e = worst(g, w);
+        // In f16 and bf16 the two forms' f32 results round to the same element but where they
+        // straddle a rounding boundary: at most 1% may differ (a wrong sum moves many more).
+        const bool passed = e <= bound && (sizeof(T) == 4 || differ * 100 <= got.size());
+        ok = ok && passed;
+        std::printf("  %-28s %-8s %.3e  (bound %.0e; %zu of %zu differ) %s\n", name, what, e,
+                    bound, differ, got.size(), passed ? "ok" : "FAILED");
+    };
+    report("y", y_vec, y_old);
+    report("dsum", gs_vec, gs_old);
+    report("dx", gx_vec, gx_old);
+    report("dparams", pa_vec, pa_old);
+    return ok;
+}
+
 // `a + b` over `n` elements (`add_tensors` in `kernels.cu`) from `offset` elements into the
 // buffers (an offset that breaks 16-byte alignment takes the element-a-thread path), on a
 // grid smaller than the work, against the sums by hand in f32 rounded once.
@@ -701,6 +801,11 @@ int main() {
     ok = check_bias("bias, 2 chunks", 7, BIAS_CHUNK + 300, 0, 3) && ok;
     ok = check_bias("bias + GELU, 2 chunks", 5, BIAS_CHUNK + 40, 1, 2) && ok;
     ok = check_bias("bias + GELU, one chunk", 9, 1000, 1, 4) && ok;
+    std::printf("LayerNorm 16 bytes a thread (layer_norm_vec_*, kernels.cu) against the block per row:\n");
+    ok = check_norm<bf16>("norm bf16, residual, dropout", 37, 1024, true, true, 5, 8e-3) && ok;
+    ok = check_norm<bf16>("norm bf16, plain", 9, 768, false, false, 4, 8e-3) && ok;
+    ok = check_norm<float>("norm f32, residual, dropout", 13, 200, true, true, 3, 1e-5) && ok;
+    ok = check_norm<f16>("norm f16, residual", 11, 96, true, false, 11, 2e-3) && ok;
     std::printf("the gradients' sum (add_tensors, kernels.cu) against the sums by hand:\n");
     ok = check_add<float>("add f32, aligned", 10007, 0, 3) && ok;
     ok = check_add<float>("add f32, unaligned", 1001, 1, 2) && ok;

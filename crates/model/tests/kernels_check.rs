@@ -51,21 +51,29 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: the one-pass attention's 16-byte stores and its scores in registers
-    // (their rows run on CUDA only) and LayerNorm's wider grid, which the norm rows need; the
-    // other kernels need nothing.
+    // Off by default: the one-pass attention's 16-byte stores and its scores in registers,
+    // LayerNorm 16 bytes a thread (their rows run on CUDA only), LayerNorm's wider grid and the
+    // lanes' column sums, which the norm rows need (the sums: the linear rows too); the other
+    // kernels need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_FLASH_STORES=vector",
             "BERTKIT_CUDA_FLASH=registers",
-            "BERTKIT_CUDA_NORM_GRID=wide"
+            "BERTKIT_CUDA_NORM_GRID=wide",
+            "BERTKIT_CUDA_NORM=vector",
+            "BERTKIT_CUDA_COLUMN_SUMS=lanes"
         ]
     );
     for c in &checks {
         let want: &[&str] = if c.kernel.contains("layer_norm") {
-            &["BERTKIT_CUDA_NORM_GRID=wide"]
+            &[
+                "BERTKIT_CUDA_NORM_GRID=wide",
+                "BERTKIT_CUDA_COLUMN_SUMS=lanes",
+            ]
+        } else if c.kernel.starts_with("linear") || c.kernel.starts_with("feed_forward") {
+            &["BERTKIT_CUDA_COLUMN_SUMS=lanes"]
         } else {
             &[]
         };
@@ -103,9 +111,9 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     assert!(off.contains(&"BERTKIT_LOOKUP=on".to_string()));
     assert!(!on.contains(&"BERTKIT_LOOKUP=on".to_string()));
 
-    // A kernel every run takes (the linear layer, which needs nothing) failed: all off.
-    let linear = position(&checks, "linear");
-    checks[linear].worst = 1.0;
+    // A kernel every run takes (GELU, which needs nothing) failed: all off.
+    let gelu = position(&checks, "gelu (erf)");
+    checks[gelu].worst = 1.0;
     let (on, off) = settings_passed(&checks, settings.clone());
     assert!(on.is_empty());
     assert_eq!(off, settings);

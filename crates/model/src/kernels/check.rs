@@ -184,31 +184,65 @@ const DROPOUT: f64 = 0.1;
 /// The dropout masks' seed.
 const SEED: u64 = 1234;
 
-/// The attention a case runs on CUDA.
+/// Which of a kernel's CUDA forms a case runs (the settings that choose between forms of one
+/// op, set for the case and as they were afterwards).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Flash {
-    /// The kernels around cuBLAS (and every case that is not attention).
-    Off,
+enum Form {
+    /// The attention around cuBLAS, LayerNorm a block per row (and every other case).
+    Plain,
     /// The one-pass attention through shared memory (`flash.cu`), its 16-byte stores on.
-    SharedTiles,
+    FlashSharedTiles,
     /// The one-pass attention with its scores in registers (`flash_registers.cu`).
-    Registers,
+    FlashRegisters,
+    /// LayerNorm 16 bytes a thread.
+    NormVector,
 }
 
-impl Flash {
-    /// The setting off by default that the form runs only with.
+impl Form {
+    /// The settings off by default that the form runs only with.
     fn needs(self) -> Option<&'static crate::switch::Switch> {
         match self {
-            Flash::Off => None,
-            Flash::SharedTiles => Some(&super::CUDA_FLASH_VECTOR_STORES),
-            Flash::Registers => Some(&super::CUDA_FLASH_REGISTERS),
+            Form::Plain => None,
+            Form::FlashSharedTiles => Some(&super::CUDA_FLASH_VECTOR_STORES),
+            Form::FlashRegisters => Some(&super::CUDA_FLASH_REGISTERS),
+            Form::NormVector => Some(&super::CUDA_NORM_VECTOR),
         }
     }
 
-    /// Sets the process's attention settings for the form.
+    /// Whether the form runs where the kernels are `on_cuda` in `dtype` at `shape`: the
+    /// one-pass attention in bf16 with heads of 64, LayerNorm's vector form on CUDA (its
+    /// kernels decide row by row; on the CPU the row would repeat the plain one).
+    fn runs(self, on_cuda: bool, dtype: DType, shape: &CheckShape) -> bool {
+        match self {
+            Form::Plain => true,
+            Form::FlashSharedTiles | Form::FlashRegisters => {
+                on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
+            }
+            Form::NormVector => on_cuda,
+        }
+    }
+
+    /// Sets the process's settings for the form.
     fn set(self) {
-        super::set_cuda_flash_attention(self != Flash::Off);
-        super::set_cuda_flash_registers(self == Flash::Registers);
+        let flash = matches!(self, Form::FlashSharedTiles | Form::FlashRegisters);
+        super::set_cuda_flash_attention(flash);
+        super::set_cuda_flash_registers(self == Form::FlashRegisters);
+        super::set_cuda_norm_vector(self == Form::NormVector);
+    }
+
+    /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
+    fn saved() -> [bool; 3] {
+        [
+            super::cuda_flash_attention(),
+            super::cuda_flash_registers(),
+            super::cuda_norm_vector(),
+        ]
+    }
+
+    fn restore([flash, registers, norm]: [bool; 3]) {
+        super::set_cuda_flash_attention(flash);
+        super::set_cuda_flash_registers(registers);
+        super::set_cuda_norm_vector(norm);
     }
 }
 
@@ -220,27 +254,42 @@ struct Case {
     inputs: Vec<(&'static str, Vec<usize>, f64)>,
     run: Run,
     train: bool,
-    /// Which attention the case runs on CUDA: the one-pass forms only where their kernels take
-    /// the shape (CUDA, bf16, heads of 64).
-    flash: Flash,
-    /// The setting off by default the kernel runs only with on CUDA ([`KernelCheck::needs`]).
-    needs: Option<&'static crate::switch::Switch>,
+    /// Which of its op's CUDA forms the case runs ([`Form::runs`] says where).
+    form: Form,
+    /// The settings off by default the kernel runs only with on CUDA, besides its form's
+    /// ([`KernelCheck::needs`]).
+    needs: Vec<&'static crate::switch::Switch>,
 }
 
 fn cases(s: &CheckShape) -> Vec<Case> {
     let (t, h, i) = (s.tokens(), s.hidden, s.intermediate);
     let w = 1.0 / (h as f64).sqrt();
-    let norm = |kernel, train, run: Run| Case {
+    let norm = |kernel, form| Case {
         kernel,
         inputs: vec![
             ("x", vec![t, h], 2.0),
             ("weight", vec![h], 1.0),
             ("bias", vec![h], 0.5),
         ],
-        run,
-        train,
-        flash: Flash::Off,
-        needs: Some(&super::CUDA_NORM_WIDE_GRID),
+        run: |k, x, _, _, _| k.layer_norm(&x[0], &x[1], &x[2], 1e-12),
+        train: false,
+        form,
+        needs: vec![&super::CUDA_NORM_WIDE_GRID, &super::CUDA_COLUMN_SUMS_LANES],
+    };
+    let residual_norm = |kernel, form| Case {
+        kernel,
+        inputs: vec![
+            ("x", vec![t, h], 2.0),
+            ("residual", vec![t, h], 2.0),
+            ("weight", vec![h], 1.0),
+            ("bias", vec![h], 0.5),
+        ],
+        run: |k, x, p, mode, _| {
+            k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
+        },
+        train: true,
+        form,
+        needs: vec![&super::CUDA_NORM_WIDE_GRID, &super::CUDA_COLUMN_SUMS_LANES],
     };
     let linear = |kernel, run: Run| Case {
         kernel,
@@ -251,16 +300,16 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ],
         run,
         train: false,
-        flash: Flash::Off,
-        needs: None,
+        form: Form::Plain,
+        needs: vec![&super::CUDA_COLUMN_SUMS_LANES],
     };
-    let attention = |kernel, train, flash: Flash| Case {
+    let attention = |kernel, train, form| Case {
         kernel,
         inputs: vec![("qkv", vec![t, 3 * h], 1.0)],
         run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
         train,
-        flash,
-        needs: flash.needs(),
+        form,
+        needs: vec![],
     };
     vec![
         Case {
@@ -275,8 +324,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.gather_rows(&x[0], &RowIndex::from_host(rows, x[0].device())?)
             },
             train: false,
-            flash: Flash::Off,
-            needs: Some(&super::CUDA_EMBEDDINGS_IN_PIECES),
+            form: Form::Plain,
+            needs: vec![&super::CUDA_EMBEDDINGS_IN_PIECES],
         },
         Case {
             kernel: "add",
@@ -284,12 +333,11 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             inputs: vec![("a", vec![t, h], 1.0), ("b", vec![t, h], 1.0)],
             run: |_, x, _, _, _| super::add_gradients(&x[0], &x[1]),
             train: false,
-            flash: Flash::Off,
-            needs: Some(&super::CUDA_ADD),
+            form: Form::Plain,
+            needs: vec![&super::CUDA_ADD],
         },
-        norm("layer_norm", false, |k, x, _, _, _| {
-            k.layer_norm(&x[0], &x[1], &x[2], 1e-12)
-        }),
+        norm("layer_norm", Form::Plain),
+        norm("layer_norm (vector)", Form::NormVector),
         linear("linear", |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
@@ -304,8 +352,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             ],
             run: |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2])),
             train: false,
-            flash: Flash::Off,
-            needs: Some(&super::CUDA_WIDE_LINEAR),
+            form: Form::Plain,
+            needs: vec![&super::CUDA_WIDE_LINEAR, &super::CUDA_COLUMN_SUMS_LANES],
         },
         linear("linear_gelu (erf)", |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
@@ -318,8 +366,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             inputs: vec![("x", vec![t, i], 3.0)],
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
-            flash: Flash::Off,
-            needs: None,
+            form: Form::Plain,
+            needs: vec![],
         },
         Case {
             kernel: "feed_forward (erf)",
@@ -334,18 +382,25 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 k.feed_forward(&x[0], (&x[1], Some(&x[2])), (&x[3], Some(&x[4])), Gelu::Erf)
             },
             train: false,
-            flash: Flash::Off,
-            needs: Some(&super::LEAN_CUDA_FEED_FORWARD),
+            form: Form::Plain,
+            needs: vec![
+                &super::LEAN_CUDA_FEED_FORWARD,
+                &super::CUDA_COLUMN_SUMS_LANES,
+            ],
         },
-        attention("attention (eval)", false, Flash::Off),
-        attention("attention (dropout)", true, Flash::Off),
-        attention("attention flash (eval)", false, Flash::SharedTiles),
-        attention("attention flash (dropout)", true, Flash::SharedTiles),
-        attention("attention flash registers (eval)", false, Flash::Registers),
+        attention("attention (eval)", false, Form::Plain),
+        attention("attention (dropout)", true, Form::Plain),
+        attention("attention flash (eval)", false, Form::FlashSharedTiles),
+        attention("attention flash (dropout)", true, Form::FlashSharedTiles),
+        attention(
+            "attention flash registers (eval)",
+            false,
+            Form::FlashRegisters,
+        ),
         attention(
             "attention flash registers (dropout)",
             true,
-            Flash::Registers,
+            Form::FlashRegisters,
         ),
         Case {
             kernel: "nll",
@@ -358,24 +413,11 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 crate::loss::nll_per_row(&x[0], &labels)
             },
             train: false,
-            flash: Flash::Off,
-            needs: Some(&super::CUDA_LOSS),
+            form: Form::Plain,
+            needs: vec![&super::CUDA_LOSS],
         },
-        Case {
-            kernel: "residual_layer_norm (dropout)",
-            inputs: vec![
-                ("x", vec![t, h], 2.0),
-                ("residual", vec![t, h], 2.0),
-                ("weight", vec![h], 1.0),
-                ("bias", vec![h], 0.5),
-            ],
-            run: |k, x, p, mode, _| {
-                k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
-            },
-            train: true,
-            flash: Flash::Off,
-            needs: Some(&super::CUDA_NORM_WIDE_GRID),
-        },
+        residual_norm("residual_layer_norm (dropout)", Form::Plain),
+        residual_norm("residual_layer_norm (dropout, vector)", Form::NormVector),
     ]
 }
 
@@ -471,24 +513,24 @@ pub fn check_kernels(
     } else {
         (&Fused, DType::F32)
     };
-    // The one-pass attention as it was, once its rows and the others have run.
-    let flash_before = (super::cuda_flash_attention(), super::cuda_flash_registers());
-    let restore = || {
-        super::set_cuda_flash_attention(flash_before.0);
-        super::set_cuda_flash_registers(flash_before.1);
-    };
+    // The forms' settings as they were, once their rows and the others have run.
+    let before = Form::saved();
     let mut checks = Vec::new();
     for shape in shapes {
         for (c, case) in cases(shape).iter().enumerate() {
-            // The one-pass attention only where it takes the shape: elsewhere its rows would
-            // repeat the kernels around cuBLAS under another name.
-            let flash_takes =
-                device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads;
-            if case.flash != Flash::Off && !flash_takes {
+            // A form only where it runs: elsewhere its rows would repeat the plain form's under
+            // another name.
+            if !case.form.runs(device.is_cuda(), dtype, shape) {
                 continue;
             }
-            case.flash.set();
-            let needs = needing_in(dtype, case.needs.as_slice());
+            case.form.set();
+            let switches: Vec<&crate::switch::Switch> = case
+                .needs
+                .iter()
+                .copied()
+                .chain(case.form.needs())
+                .collect();
+            let needs = needing_in(dtype, &switches);
             let run = || -> Result<Vec<KernelCheck>> {
                 let inputs = case
                     .inputs
@@ -526,13 +568,13 @@ pub fn check_kernels(
                         &e,
                     ));
                     if device_broken(device).is_some() {
-                        restore();
+                        Form::restore(before);
                         return Ok(checks);
                     }
                 }
             }
         }
     }
-    restore();
+    Form::restore(before);
     Ok(checks)
 }

@@ -472,6 +472,53 @@ pub fn cuda_norm_wide_grid() -> bool {
     CUDA_NORM_WIDE_GRID.get()
 }
 
+/// Whether LayerNorm on CUDA takes its kernels 16 bytes a thread.
+pub(crate) static CUDA_NORM_VECTOR: Switch = Switch::opt_in("BERTKIT_CUDA_NORM", "vector");
+
+/// Turns LayerNorm's (and a sublayer's end's) kernels 16 bytes a thread on or off for this
+/// process: a block per row still, each thread holding 16 bytes of the row (8 bf16 or f16, 4
+/// f32) in registers, read and written with one access each, the dropout's keeps drawn once a
+/// row (the backward reuses them) and `a` and `b` of the backward summed in one block-wide
+/// pass, where the block-per-row kernels read and write an element a thread at a time through
+/// a row kept in shared memory (on an H200 their backward took 102 µs for `[8192, 1024]` bf16,
+/// about a quarter of the card's bandwidth; the forward 54 µs; BENCHMARKS.md, 2026-11-27). For
+/// rows of a whole number of 16-byte pieces, at most 1,024 of them, each input starting on a
+/// 16-byte boundary; others keep the block-per-row kernels. The same sums in another order:
+/// `bench/gpu/emulate` compares the two forms (f32 within 2.4e-7; bf16 and f16 the same
+/// elements but where a sum straddles a rounding) and `bertkit check kernels --device cuda`
+/// each against the CPU (its `vector` norm rows). Not yet run on a GPU: unset, it is off
+/// unless `BERTKIT_CUDA_NORM=vector`.
+pub fn set_cuda_norm_vector(on: bool) {
+    CUDA_NORM_VECTOR.set(on);
+}
+
+/// Whether LayerNorm on CUDA takes its kernels 16 bytes a thread (see
+/// [`set_cuda_norm_vector`]).
+pub fn cuda_norm_vector() -> bool {
+    CUDA_NORM_VECTOR.get()
+}
+
+/// Whether the CUDA kernels' partial column sums are added by 32 lanes a column.
+pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
+    Switch::opt_in("BERTKIT_CUDA_COLUMN_SUMS", "lanes");
+
+/// Turns the lanes' column sums on or off for this process: the blocks' partial sums of a
+/// LayerNorm's weight and bias gradients and of a linear layer's bias gradient (`[blocks,
+/// columns]` f32) added by a block of 1,024 threads per 32 columns, 32 lanes a column, in a
+/// fixed order, where one thread a column adds all of its parts one after the other (for
+/// LayerNorm's 512 partial rows of 2,048 columns, eight blocks on the whole GPU, 512 dependent
+/// additions each). Checked by `bench/gpu/emulate` (with the LayerNorm rows) and by `bertkit
+/// check kernels --device cuda` (the norm and linear rows), not yet run on a GPU: unset, it is
+/// off unless `BERTKIT_CUDA_COLUMN_SUMS=lanes`.
+pub fn set_cuda_column_sums_lanes(on: bool) {
+    CUDA_COLUMN_SUMS_LANES.set(on);
+}
+
+/// Whether the partial column sums are added by lanes (see [`set_cuda_column_sums_lanes`]).
+pub fn cuda_column_sums_lanes() -> bool {
+    CUDA_COLUMN_SUMS_LANES.get()
+}
+
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -521,7 +568,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 13] = [
+static CUDA_SWITCHES: [&Switch; 15] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -532,6 +579,8 @@ static CUDA_SWITCHES: [&Switch; 13] = [
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
     &CUDA_NORM_WIDE_GRID,
+    &CUDA_NORM_VECTOR,
+    &CUDA_COLUMN_SUMS_LANES,
     &CUDA_FLASH_ATTENTION,
     &CUDA_LOSS,
     &CUDA_FP16,

@@ -107,6 +107,32 @@ __device__ void column_sums(const float* partial, T* out, int parts, int cols) {
     }
 }
 
+// The same sums, a block (1,024 threads) per 32 columns (`BERTKIT_CUDA_COLUMN_SUMS=lanes`):
+// lane `l` of a column sums its parts `l`, `l + 32`, ... in order, then the column's 32 lane
+// sums are added in lane order (a fixed order: a run repeats its bits). `column_sums` gives a
+// column one thread, which reads its parts one after the other: for LayerNorm's 512 partial
+// rows of 2,048 columns, eight blocks on the whole GPU.
+template <typename T>
+__device__ void column_sums_lanes(const float* partial, T* out, int parts, int cols) {
+    __shared__ float lanes[32][33];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    for (int c0 = blockIdx.x * 32; c0 < cols; c0 += gridDim.x * 32) {
+        const int c = c0 + tx;
+        float s = 0.0f;
+        if (c < cols) {
+            for (int p = ty; p < parts; p += 32) s += partial[(size_t)p * cols + c];
+        }
+        lanes[ty][tx] = s;
+        __syncthreads();
+        if (ty == 0 && c < cols) {
+            float t = 0.0f;
+            for (int l = 0; l < 32; ++l) t += lanes[l][tx];
+            out[c] = from_f32<T>(t);
+        }
+        __syncthreads();
+    }
+}
+
 // The query rows of a `[batch, heads, seq, seq]` tensor a warp visits: `visit(q, b, h, i)` for
 // each, the grid's warps strided over them.
 template <typename Visit>

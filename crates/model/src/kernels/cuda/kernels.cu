@@ -123,6 +123,194 @@ __device__ void layer_norm_backward(const T* x, const T* residual, const T* weig
 }
 
 // ---------------------------------------------------------------------------------------------
+// LayerNorm 16 bytes a thread (`BERTKIT_CUDA_NORM=vector`, `norm.rs`): the same sums as above,
+// a block per row still, but each thread holds 16 bytes of the row (8 bf16 or f16, 4 f32) in
+// registers, read and written with one 16-byte access each, where the kernels above read and
+// write an element at a time and keep the row in shared memory. Rows of `hidden` a multiple of
+// the thread's elements, at most 1,024 threads (the launcher checks, and the alignment of every
+// row). The backward sums its `a` and `b` in one block-wide pass, reuses the forward's dropout
+// keeps (drawn once a row, not twice), and keeps the weight's and bias's partial sums in
+// registers.
+
+// Elements of 16 bytes.
+template <typename T>
+struct Vec16 {
+    static constexpr int N = 16 / (int)sizeof(T);
+};
+
+template <typename T>
+__device__ __forceinline__ void load_vec16(const T* p, float (&v)[Vec16<T>::N]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    T e[Vec16<T>::N];
+    memcpy(e, &raw, sizeof raw);
+#pragma unroll
+    for (int k = 0; k < Vec16<T>::N; ++k) v[k] = to_f32(e[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec16(T* p, const float (&v)[Vec16<T>::N]) {
+    T e[Vec16<T>::N];
+#pragma unroll
+    for (int k = 0; k < Vec16<T>::N; ++k) e[k] = from_f32<T>(v[k]);
+    uint4 raw;
+    memcpy(&raw, e, sizeof raw);
+    *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// Two sums over the block at once, returned to every thread; `scratch` holds 64 floats.
+__device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = a;
+        scratch[32 + warp] = b;
+    }
+    __syncthreads();
+    a = warp_sum(lane < warps ? scratch[lane] : 0.0f);
+    b = warp_sum(lane < warps ? scratch[32 + lane] : 0.0f);
+}
+
+// This thread's elements of row `r`'s input, `dropout(x) + residual`, and (bit k of the result)
+// which the dropout kept. Threads past the row's end hold zeros.
+template <typename T>
+__device__ __forceinline__ uint32_t load_sum_vec(const T* x, const T* residual, int r, int hidden,
+                                                 const Dropout& d, const uint32_t* places,
+                                                 int seq, float (&v)[Vec16<T>::N]) {
+    constexpr int N = Vec16<T>::N;
+    const int j0 = threadIdx.x * N;
+    uint32_t kept = (1u << N) - 1;
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = 0.0f;
+    if (j0 >= hidden) return kept;
+    const size_t at = (size_t)r * hidden + j0;
+    load_vec16(x + at, v);
+    if (d.on) {
+        const uint32_t place = places[r];
+        const uint64_t line = line_key(row_key(d, place / seq), place % seq);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const float f = keep_factor(d, line, j0 + k);
+            if (f == 0.0f) kept &= ~(1u << k);
+            v[k] *= f;
+        }
+    }
+    if (residual) {
+        float rv[N];
+        load_vec16(residual + at, rv);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] += rv[k];
+    }
+    return kept;
+}
+
+// The row's mean and 1 / sqrt(variance + eps) from each thread's elements (two passes).
+template <int N>
+__device__ __forceinline__ void row_statistics(const float (&v)[N], int hidden, float eps,
+                                               bool active, float* scratch, float& mean,
+                                               float& rstd) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += v[k];
+    mean = block_sum(s, scratch) / hidden;
+    float q = 0.0f;
+    if (active) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) q += (v[k] - mean) * (v[k] - mean);
+    }
+    rstd = rsqrtf(block_sum(q, scratch) / hidden + eps);
+}
+
+template <typename T>
+__device__ void layer_norm_vec_forward(const T* x, const T* residual, const T* weight,
+                                       const T* bias, T* y, int rows, int hidden, float eps,
+                                       Dropout d, const uint32_t* places, int seq) {
+    constexpr int N = Vec16<T>::N;
+    __shared__ float scratch[64];
+    const int j0 = threadIdx.x * N;
+    const bool active = j0 < hidden;
+    float w[N], b[N];
+    if (active) {
+        load_vec16(weight + j0, w);
+        load_vec16(bias + j0, b);
+    }
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        float v[N];
+        load_sum_vec(x, residual, r, hidden, d, places, seq, v);
+        float mean, rstd;
+        row_statistics(v, hidden, eps, active, scratch, mean, rstd);
+        if (active) {
+            float out[N];
+#pragma unroll
+            for (int k = 0; k < N; ++k) out[k] = (v[k] - mean) * rstd * w[k] + b[k];
+            store_vec16(y + (size_t)r * hidden + j0, out);
+        }
+    }
+}
+
+// The backward, as `layer_norm_backward`'s outputs: `partial` is `[gridDim.x, 2, hidden]`.
+template <typename T>
+__device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* weight,
+                                        const T* grad, T* grad_sum, T* grad_x, float* partial,
+                                        int rows, int hidden, float eps, Dropout d,
+                                        const uint32_t* places, int seq) {
+    constexpr int N = Vec16<T>::N;
+    __shared__ float scratch[64];
+    const int j0 = threadIdx.x * N;
+    const bool active = j0 < hidden;
+    float w[N], grad_weight[N], grad_bias[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) grad_weight[k] = grad_bias[k] = 0.0f;
+    if (active) load_vec16(weight + j0, w);
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        float v[N];
+        const uint32_t kept = load_sum_vec(x, residual, r, hidden, d, places, seq, v);
+        float mean, rstd;
+        row_statistics(v, hidden, eps, active, scratch, mean, rstd);
+        const size_t at = (size_t)r * hidden + j0;
+        float g[N], normed[N], dn[N];
+        float a = 0.0f, b = 0.0f;
+        if (active) {
+            load_vec16(grad + at, g);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                normed[k] = (v[k] - mean) * rstd;
+                dn[k] = g[k] * w[k];
+                a += dn[k];
+                b += dn[k] * normed[k];
+                grad_weight[k] += g[k] * normed[k];
+                grad_bias[k] += g[k];
+            }
+        }
+        block_sum2(a, b, scratch);
+        a /= hidden;
+        b /= hidden;
+        if (active) {
+            float ds[N];
+#pragma unroll
+            for (int k = 0; k < N; ++k) ds[k] = rstd * (dn[k] - a - normed[k] * b);
+            store_vec16(grad_sum + at, ds);
+            if (grad_x) {
+                if (d.on) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) ds[k] *= (kept >> k) & 1u ? d.scale : 0.0f;
+                }
+                store_vec16(grad_x + at, ds);
+            }
+        }
+    }
+    if (active) {
+        float* mine = partial + (size_t)blockIdx.x * 2 * hidden;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            mine[j0 + k] = grad_weight[k];
+            mine[hidden + j0 + k] = grad_bias[k];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // A linear layer's end: the bias and the activation (0: none, 1: GELU with erf, 2: GELU's tanh
 // form, its gate written as a logistic as on the CPU).
 
@@ -448,6 +636,23 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
         int seq) {                                                                              \
         layer_norm_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows,      \
                                hidden, eps, d, places, seq);                                    \
+    }                                                                                           \
+    extern "C" __global__ void column_sums_lanes_##SUFFIX(const float* partial, T* out,          \
+                                                          int parts, int cols) {                \
+        column_sums_lanes<T>(partial, out, parts, cols);                                        \
+    }                                                                                           \
+    extern "C" __global__ void layer_norm_vec_forward_##SUFFIX(                                  \
+        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
+        int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
+        layer_norm_vec_forward<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places,   \
+                                  seq);                                                         \
+    }                                                                                           \
+    extern "C" __global__ void layer_norm_vec_backward_##SUFFIX(                                 \
+        const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum, T* grad_x,  \
+        float* partial, int rows, int hidden, float eps, Dropout d, const uint32_t* places,     \
+        int seq) {                                                                              \
+        layer_norm_vec_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows,  \
+                                   hidden, eps, d, places, seq);                                \
     }                                                                                           \
     extern "C" __global__ void bias_act_forward_##SUFFIX(const T* y, const T* bias, T* out,      \
                                                          int rows, int cols, int act) {         \

@@ -231,15 +231,16 @@ fn column_sums<T: Element>(
     cols: usize,
 ) -> Result<()> {
     let (parts_i, cols_i) = (parts as i32, cols as i32);
-    launch!(
-        T,
-        dev,
-        "column_sums",
-        config(cols.div_ceil(256), 256, 0),
-        |b| {
-            b.arg(partial).arg(out).arg(&parts_i).arg(&cols_i);
-        }
-    )
+    // 32 lanes a column, a block per 32 columns ([`crate::kernels::set_cuda_column_sums_lanes`]),
+    // or a thread a column.
+    let (name, cfg) = if crate::kernels::cuda_column_sums_lanes() {
+        ("column_sums_lanes", config(cols.div_ceil(32), 1024, 0))
+    } else {
+        ("column_sums", config(cols.div_ceil(256), 256, 0))
+    };
+    launch!(T, dev, name, cfg, |b| {
+        b.arg(partial).arg(out).arg(&parts_i).arg(&cols_i);
+    })
 }
 
 mod add;

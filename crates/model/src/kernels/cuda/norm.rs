@@ -13,6 +13,26 @@ struct NormShape {
     dropout: DeviceDropout,
     /// The packing's padded row length (the dropout keys' places), or 1.
     seq: usize,
+    /// Whether the kernels 16 bytes a thread run ([`vector_form`]).
+    vector: bool,
+}
+
+/// Whether LayerNorm's kernels 16 bytes a thread take rows of `hidden` elements of `T` whose
+/// inputs start at the elements `starts` of their buffers (the buffers themselves are aligned):
+/// turned on ([`crate::kernels::set_cuda_norm_vector`]), whole 16-byte pieces, at most 1,024
+/// of them a row (a thread each), every row on a 16-byte boundary.
+fn vector_form<T>(hidden: usize, starts: &[usize]) -> bool {
+    let size = std::mem::size_of::<T>();
+    let per = 16 / size;
+    crate::kernels::cuda_norm_vector()
+        && hidden.is_multiple_of(per)
+        && hidden / per <= 1024
+        && starts.iter().all(|s| (s * size).is_multiple_of(16))
+}
+
+/// A block's threads for the kernels 16 bytes a thread: one per piece of the row, whole warps.
+fn vector_threads<T>(hidden: usize) -> usize {
+    (hidden / (16 / std::mem::size_of::<T>())).next_multiple_of(32)
 }
 
 /// The forward kernel: `y = norm(dropout(x) + residual) · weight + bias`.
@@ -29,8 +49,18 @@ fn forward<T: Element>(
     // SAFETY: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(s.rows * s.hidden)? };
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
-    let cfg = config(s.rows, row_threads(s.hidden), s.hidden + 32);
-    launch!(T, dev, "layer_norm_forward", cfg, |b| {
+    let (name, cfg) = if s.vector {
+        (
+            "layer_norm_vec_forward",
+            config(s.rows, vector_threads::<T>(s.hidden), 0),
+        )
+    } else {
+        (
+            "layer_norm_forward",
+            config(s.rows, row_threads(s.hidden), s.hidden + 32),
+        )
+    };
+    launch!(T, dev, name, cfg, |b| {
         b.arg(x);
         match residual {
             Some(r) => b.arg(r),
@@ -76,13 +106,28 @@ fn backward<T: Element>(
         MAX_BACKWARD_BLOCKS
     };
     let blocks = s.rows.clamp(1, most);
-    let partial = dev.alloc_zeros::<f32>(blocks * 2 * h)?;
+    let partial = if s.vector {
+        // SAFETY: every block writes its whole `[2, hidden]` (its threads cover the row).
+        unsafe { dev.alloc::<f32>(blocks * 2 * h)? }
+    } else {
+        dev.alloc_zeros::<f32>(blocks * 2 * h)?
+    };
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
     {
         let (mut grad_sum, mut rest) = out.split_at_mut(n);
         let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
-        let cfg = config(blocks, row_threads(s.hidden), 3 * s.hidden + 32);
-        launch!(T, dev, "layer_norm_backward", cfg, |b| {
+        let (name, cfg) = if s.vector {
+            (
+                "layer_norm_vec_backward",
+                config(blocks, vector_threads::<T>(s.hidden), 0),
+            )
+        } else {
+            (
+                "layer_norm_backward",
+                config(blocks, row_threads(s.hidden), 3 * s.hidden + 32),
+            )
+        };
+        launch!(T, dev, name, cfg, |b| {
             b.arg(x);
             match residual {
                 Some(r) => b.arg(r),
@@ -116,15 +161,29 @@ struct LayerNormOp {
     eps: f32,
 }
 
-/// A plain LayerNorm's shape (no residual, no dropout), its parameters checked as on the CPU.
-fn plain_shape(op: &str, x: &Layout, params: &[&Layout], eps: f32) -> Result<NormShape> {
+/// A plain LayerNorm's shape (no residual, no dropout), its parameters checked as on the CPU;
+/// the inputs' layouts (`x`, the parameters, the gradient's) say whether the kernels 16 bytes a
+/// thread take it.
+fn plain_shape<T>(
+    op: &str,
+    x: &Layout,
+    params: &[&Layout],
+    eps: f32,
+    grad: Option<&Layout>,
+) -> Result<NormShape> {
     let (rows, hidden) = super::super::norm_shape(op, x, params)?;
+    let starts: Vec<usize> = std::iter::once(x)
+        .chain(params.iter().copied())
+        .chain(grad)
+        .map(Layout::start_offset)
+        .collect();
     Ok(NormShape {
         rows,
         hidden,
         eps,
         dropout: DeviceDropout::default(),
         seq: 1,
+        vector: vector_form::<T>(hidden, &starts),
     })
 }
 
@@ -151,7 +210,7 @@ impl CustomOp3 for LayerNormOp {
             (b, bl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let s = plain_shape(name, xl, &[wl, bl], op.eps)?;
+            let s = plain_shape::<T>(name, xl, &[wl, bl], op.eps, None)?;
             let dev = &x.device;
             let y = forward::<T>(
                 dev,
@@ -214,7 +273,7 @@ impl CustomOp3 for LayerNormBackwardOp {
             (g, gl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let s = plain_shape(name, xl, &[wl], op.eps)?;
+            let s = plain_shape::<T>(name, xl, &[wl], op.eps, Some(gl))?;
             crate::host::same_shape(name, xl, gl)?;
             let dev = &x.device;
             let out = backward::<T>(
@@ -253,8 +312,21 @@ struct ResidualLayerNormOp {
 }
 
 impl ResidualLayerNormOp {
-    fn shape(&self, op: &str, xl: &Layout, rl: &Layout, pl: &Layout) -> Result<NormShape> {
+    /// The sublayer end's shape; `grad` the gradient's start where the backward reads one (the
+    /// inputs' starts say whether the kernels 16 bytes a thread take it).
+    fn shape<T>(
+        &self,
+        op: &str,
+        (xl, rl, pl): (&Layout, &Layout, &Layout),
+        grad: Option<usize>,
+    ) -> Result<NormShape> {
         let (rows, hidden) = super::super::residual_norm_shape(op, xl, rl, pl)?;
+        let starts: Vec<usize> = [xl, rl, pl]
+            .map(Layout::start_offset)
+            .into_iter()
+            .chain([pl.start_offset() + hidden])
+            .chain(grad)
+            .collect();
         if self.dropout.on != 0 && rows != self.places.tokens {
             bail!(
                 "{op}: {rows} rows for a packing of {} tokens",
@@ -267,6 +339,7 @@ impl ResidualLayerNormOp {
             eps: self.eps,
             dropout: self.dropout,
             seq: self.places.seq,
+            vector: vector_form::<T>(hidden, &starts),
         })
     }
 }
@@ -294,7 +367,7 @@ impl CustomOp3 for ResidualLayerNormOp {
             (p, pl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let s = op.shape(name, xl, rl, pl)?;
+            let s = op.shape::<T>(name, (xl, rl, pl), None)?;
             let dev = &x.device;
             let params = view::<T>(name, "parameters", p, pl)?;
             let y = with_view::<u32, _>(name, "token places", &op.places.gather, |places| {
@@ -375,10 +448,12 @@ impl CustomOp3 for ResidualLayerNormBackwardOp {
             (p, pl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let s = op.forward.shape(name, xl, rl, pl)?;
+            let grad = op.grad.take(name)?;
+            let s =
+                op.forward
+                    .shape::<T>(name, (xl, rl, pl), Some(grad.layout().start_offset()))?;
             let dev = &x.device;
             let params = view::<T>(name, "parameters", p, pl)?;
-            let grad = op.grad.take(name)?;
             let dropped = s.dropout.on != 0;
             let out = with_view::<T, _>(name, "gradient", &grad, |g| {
                 with_view::<u32, _>(name, "token places", &op.forward.places.gather, |places| {
