@@ -55,7 +55,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     fi
     if [[ $skip != *" inference "* ]]; then
         for bin in "$@"; do
-            echo "inference $bin (seq batch runs seq/s p50 p90 p99)"
+            echo "inference $bin (seq batch runs seq/s p50 p90 p99 issue)"
             "$bin" bench inference --model "$data/minilm" --seq 128,384 --batch 1,8,32 \
                 --seconds 3 2>&1 | tail -6
         done

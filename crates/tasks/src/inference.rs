@@ -31,6 +31,10 @@ pub struct BenchRow {
     pub sequences_per_s: f64,
     /// Latency percentiles, milliseconds: p50, p90, p99.
     pub latency_ms: [f64; 3],
+    /// The median milliseconds the host took to issue a pass, before it waited for the result:
+    /// on a GPU its launches (the device runs behind them; a pass whose issue takes as long as
+    /// its latency is bound by the host, not the device), on the CPU the whole pass.
+    pub issue_ms: f64,
 }
 
 /// The `q` quantile (nearest rank) of sorted `values`.
@@ -89,25 +93,30 @@ pub fn bench(
                 .map(|_| (1000 + draws.next_u64() % (vocab - 1000)) as u32)
                 .collect();
             let inputs = Inputs::from_host(&loaded.config, (batch, seq), &ids, None, None, device)?;
-            let run = || -> Result<f64, TaskError> {
+            // (seconds to issue the pass, seconds to its result)
+            let run = || -> Result<(f64, f64), TaskError> {
                 let t = Instant::now();
                 let out = loaded.model.forward(&inputs, Mode::Eval, false)?;
+                let issued = t.elapsed().as_secs_f64();
                 // Reading one value waits for the device to finish.
                 out.last_hidden_state
                     .flatten_all()
                     .and_then(|t| t.get(0))
                     .and_then(|t| t.to_dtype(DType::F32))
                     .and_then(|t| t.to_scalar::<f32>())?;
-                Ok(t.elapsed().as_secs_f64())
+                Ok((issued, t.elapsed().as_secs_f64()))
             };
             run()?;
             run()?;
             let started = Instant::now();
-            let mut times = Vec::new();
+            let (mut issues, mut times) = (Vec::new(), Vec::new());
             while times.len() < 5 || started.elapsed().as_secs_f64() < min_seconds {
-                times.push(run()?);
+                let (issued, done) = run()?;
+                issues.push(issued);
+                times.push(done);
             }
             times.sort_by(f64::total_cmp);
+            issues.sort_by(f64::total_cmp);
             let median = quantile(&times, 0.5);
             let row = BenchRow {
                 seq,
@@ -119,6 +128,7 @@ pub fn bench(
                     quantile(&times, 0.9) * 1e3,
                     quantile(&times, 0.99) * 1e3,
                 ],
+                issue_ms: quantile(&issues, 0.5) * 1e3,
             };
             report(&row);
             rows.push(row);

@@ -764,8 +764,8 @@ fn bench_inference(args: BenchInferenceArgs) -> Result<()> {
     let device = bertkit_model::parse_device(&args.device)?;
     println!("{} ({}, {})", args.model.display(), args.dtype, args.device);
     println!(
-        "{:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9}",
-        "seq", "batch", "runs", "seq/s", "p50 ms", "p90 ms", "p99 ms"
+        "{:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "seq", "batch", "runs", "seq/s", "p50 ms", "p90 ms", "p99 ms", "issue ms"
     );
     let settings = bertkit_tasks::inference::BenchSettings {
         seqs: args.seq.clone(),
@@ -776,14 +776,15 @@ fn bench_inference(args: BenchInferenceArgs) -> Result<()> {
     };
     bertkit_tasks::inference::bench(&args.model, &settings, &device, &mut |r| {
         println!(
-            "{:>6} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>9.2}",
+            "{:>6} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
             r.seq,
             r.batch,
             r.runs,
             r.sequences_per_s,
             r.latency_ms[0],
             r.latency_ms[1],
-            r.latency_ms[2]
+            r.latency_ms[2],
+            r.issue_ms
         )
     })?;
     Ok(())
