@@ -216,6 +216,17 @@ __device__ void flash_load_keys_values(bf16* keys, bf16* values, int* key_valid,
     __syncthreads();
 }
 
+// Whether the forward's query tile holds padding only (no context to write), its places'
+// log-sum-exp (`head_lse`, the head's `[seq]`) then set to 0, which the backward reads for a
+// whole tile.
+__device__ bool flash_padding_tile(const FlashBlock& k, float* head_lse, int seq) {
+    if (k.first < k.end) return false;
+    for (int i = k.first + threadIdx.x; i < min(k.first + FLASH_TILE, seq); i += blockDim.x) {
+        head_lse[i] = 0.0f;
+    }
+    return true;
+}
+
 // The forward: grid (query tiles, heads, batch). Writes the context `[tokens, hidden]` and each
 // query's log-sum-exp of its scaled scores (`lse`, `[batch, heads, seq]`).
 template <bool Vec>
@@ -229,13 +240,7 @@ __device__ __forceinline__ void flash_forward(const bf16* qkv, bf16* context, fl
     __shared__ int key_valid[FLASH_TILE];
     const FlashBlock k = flash_block(scatter, tokens, heads, seq);
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
-    if (k.first >= k.end) {
-        // Padding only: no context; the log-sum-exp the backward reads for a whole tile.
-        for (int i = k.first + threadIdx.x; i < min(k.first + FLASH_TILE, seq); i += blockDim.x) {
-            lse[rows + i] = 0.0f;
-        }
-        return;
-    }
+    if (flash_padding_tile(k, lse + rows, seq)) return;
     FragA q[4];
     flash_stage(q, keys, qkv, k.stride, k.column(0), k, seq, tokens);
 
@@ -334,6 +339,27 @@ __device__ __forceinline__ float flash_keep(const Dropout& d, uint32_t kept, int
     return (kept >> k) & 1u ? (d.on ? d.scale : 1.0f) : 0.0f;
 }
 
+// What the keys' and values' backward reads of the query tile from `q0`: the queries and
+// their output gradients (`[64][FLASH_LD]` each), which are tokens, and each query's
+// log-sum-exp, delta and dropout line (`rows`: the head's first place in `lse` and `delta`);
+// the whole block, synchronised after.
+__device__ void flash_load_query_tile(bf16* queries, bf16* grads, int* query_valid,
+                                      float* tile_lse, float* tile_delta, uint64_t* tile_line,
+                                      const bf16* qkv, const bf16* grad, const float* lse,
+                                      const float* delta, const FlashBlock& k, int q0,
+                                      size_t rows, int seq, int tokens, const Dropout& d,
+                                      uint64_t head_key) {
+    flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, q0, seq, tokens, query_valid);
+    flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, q0, seq, tokens, nullptr);
+    if (threadIdx.x < FLASH_TILE) {
+        const int i = q0 + threadIdx.x;
+        tile_lse[threadIdx.x] = i < seq ? lse[rows + i] : 0.0f;
+        tile_delta[threadIdx.x] = i < seq ? delta[rows + i] : 0.0f;
+        tile_line[threadIdx.x] = d.on ? line_key(head_key, i) : 0;
+    }
+    __syncthreads();
+}
+
 // The keys' and values' gradients: grid (key tiles, heads, batch); each warp's 16 keys summed
 // over every query tile, written to the key and value columns of `grad_qkv` (`[tokens, 3 ·
 // hidden]`).
@@ -371,16 +397,8 @@ __device__ __forceinline__ void flash_backward_kv(const bf16* qkv, const bf16* g
     }
 
     for (int q0 = 0; q0 < k.end; q0 += FLASH_TILE) {
-        flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, q0, seq, tokens,
-                        query_valid);
-        flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, q0, seq, tokens, nullptr);
-        if (threadIdx.x < FLASH_TILE) {
-            const int i = q0 + threadIdx.x;
-            tile_lse[threadIdx.x] = i < seq ? lse[rows + i] : 0.0f;
-            tile_delta[threadIdx.x] = i < seq ? delta[rows + i] : 0.0f;
-            tile_line[threadIdx.x] = d.on ? line_key(head_key, i) : 0;
-        }
-        __syncthreads();
+        flash_load_query_tile(queries, grads, query_valid, tile_lse, tile_delta, tile_line, qkv,
+                              grad, lse, delta, k, q0, rows, seq, tokens, d, head_key);
         // Sᵀ: the warp's keys against the tile's queries.
         flash_product<true>(k_frag, queries, mine);
         __syncwarp();

@@ -140,12 +140,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     __shared__ int key_valid[FLASH_TILE];
     const FlashBlock k = flash_block(scatter, tokens, heads, seq);
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
-    if (k.first >= k.end) {
-        for (int i = k.first + threadIdx.x; i < min(k.first + FLASH_TILE, seq); i += blockDim.x) {
-            lse[rows + i] = 0.0f;
-        }
-        return;
-    }
+    if (flash_padding_tile(k, lse + rows, seq)) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, k.first, seq, tokens, nullptr);
     __syncthreads();
@@ -272,16 +267,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
     for (int q0 = 0; q0 < k.end; q0 += FLASH_TILE) {
-        flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, q0, seq, tokens,
-                        query_valid);
-        flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, q0, seq, tokens, nullptr);
-        if (threadIdx.x < FLASH_TILE) {
-            const int i = q0 + threadIdx.x;
-            tile_lse[threadIdx.x] = i < seq ? lse[rows + i] : 0.0f;
-            tile_delta[threadIdx.x] = i < seq ? delta[rows + i] : 0.0f;
-            tile_line[threadIdx.x] = d.on ? line_key(head_key, i) : 0;
-        }
-        __syncthreads();
+        flash_load_query_tile(queries, grads, query_valid, tile_lse, tile_delta, tile_line, qkv,
+                              grad, lse, delta, k, q0, rows, seq, tokens, d, head_key);
         // Pᵀ: the warp's keys against the tile's queries, then the probabilities in place.
         float p[8][4];
         {

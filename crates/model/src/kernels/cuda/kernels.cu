@@ -620,39 +620,32 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
 // ---------------------------------------------------------------------------------------------
 // Entry points, one per dtype.
 
+// A LayerNorm form's two entry points, `NAME_forward_SUFFIX` and `NAME_backward_SUFFIX`, on
+// its bodies `NAME_forward<T>` and `NAME_backward<T>` (the same arguments for every form).
+#define NORM_ENTRIES(NAME, T, SUFFIX)                                                           \
+    extern "C" __global__ void NAME##_forward_##SUFFIX(                                         \
+        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
+        int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
+        NAME##_forward<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places, seq);     \
+    }                                                                                           \
+    extern "C" __global__ void NAME##_backward_##SUFFIX(                                        \
+        const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum, T* grad_x,  \
+        float* partial, int rows, int hidden, float eps, Dropout d, const uint32_t* places,     \
+        int seq) {                                                                              \
+        NAME##_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows, hidden,  \
+                           eps, d, places, seq);                                                \
+    }
+
 #define ENTRY_POINTS(T, SUFFIX)                                                                   \
     extern "C" __global__ void column_sums_##SUFFIX(const float* partial, T* out, int parts,     \
                                                     int cols) {                                 \
         column_sums<T>(partial, out, parts, cols);                                              \
     }                                                                                           \
-    extern "C" __global__ void layer_norm_forward_##SUFFIX(                                      \
-        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
-        int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
-        layer_norm_forward<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places, seq); \
-    }                                                                                           \
-    extern "C" __global__ void layer_norm_backward_##SUFFIX(                                     \
-        const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum, T* grad_x,  \
-        float* partial, int rows, int hidden, float eps, Dropout d, const uint32_t* places,     \
-        int seq) {                                                                              \
-        layer_norm_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows,      \
-                               hidden, eps, d, places, seq);                                    \
-    }                                                                                           \
+    NORM_ENTRIES(layer_norm, T, SUFFIX)                                                         \
+    NORM_ENTRIES(layer_norm_vec, T, SUFFIX)                                                     \
     extern "C" __global__ void column_sums_lanes_##SUFFIX(const float* partial, T* out,          \
                                                           int parts, int cols) {                \
         column_sums_lanes<T>(partial, out, parts, cols);                                        \
-    }                                                                                           \
-    extern "C" __global__ void layer_norm_vec_forward_##SUFFIX(                                  \
-        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
-        int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
-        layer_norm_vec_forward<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places,   \
-                                  seq);                                                         \
-    }                                                                                           \
-    extern "C" __global__ void layer_norm_vec_backward_##SUFFIX(                                 \
-        const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum, T* grad_x,  \
-        float* partial, int rows, int hidden, float eps, Dropout d, const uint32_t* places,     \
-        int seq) {                                                                              \
-        layer_norm_vec_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows,  \
-                                   hidden, eps, d, places, seq);                                \
     }                                                                                           \
     extern "C" __global__ void bias_act_forward_##SUFFIX(const T* y, const T* bias, T* out,      \
                                                          int rows, int cols, int act) {         \
