@@ -291,7 +291,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         form,
         needs: vec![&super::CUDA_NORM_WIDE_GRID, &super::CUDA_COLUMN_SUMS_LANES],
     };
-    let linear = |kernel, run: Run| Case {
+    // A linear layer without an activation takes cuBLASLt's bias epilogue where turned on.
+    let linear = |kernel, epilogue: bool, run: Run| Case {
         kernel,
         inputs: vec![
             ("x", vec![t, h], 1.0),
@@ -301,7 +302,11 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train: false,
         form: Form::Plain,
-        needs: vec![&super::CUDA_COLUMN_SUMS_LANES],
+        needs: if epilogue {
+            vec![&super::CUDA_COLUMN_SUMS_LANES, &super::CUDA_LINEAR_EPILOGUE]
+        } else {
+            vec![&super::CUDA_COLUMN_SUMS_LANES]
+        },
     };
     let attention = |kernel, train, form| Case {
         kernel,
@@ -338,7 +343,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         },
         norm("layer_norm", Form::Plain),
         norm("layer_norm (vector)", Form::NormVector),
-        linear("linear", |k, x, _, _, _| {
+        linear("linear", true, |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
         Case {
@@ -353,12 +358,16 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2])),
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_WIDE_LINEAR, &super::CUDA_COLUMN_SUMS_LANES],
+            needs: vec![
+                &super::CUDA_WIDE_LINEAR,
+                &super::CUDA_COLUMN_SUMS_LANES,
+                &super::CUDA_LINEAR_EPILOGUE,
+            ],
         },
-        linear("linear_gelu (erf)", |k, x, _, _, _| {
+        linear("linear_gelu (erf)", false, |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
         }),
-        linear("linear_gelu (tanh)", |k, x, _, _, _| {
+        linear("linear_gelu (tanh)", false, |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Tanh)
         }),
         Case {
@@ -386,6 +395,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             needs: vec![
                 &super::LEAN_CUDA_FEED_FORWARD,
                 &super::CUDA_COLUMN_SUMS_LANES,
+                &super::CUDA_LINEAR_EPILOGUE,
             ],
         },
         attention("attention (eval)", false, Form::Plain),

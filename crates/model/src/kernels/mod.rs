@@ -519,6 +519,29 @@ pub fn cuda_column_sums_lanes() -> bool {
     CUDA_COLUMN_SUMS_LANES.get()
 }
 
+/// Whether linear layers on CUDA add their bias in cuBLASLt's epilogue.
+pub(crate) static CUDA_LINEAR_EPILOGUE: Switch =
+    Switch::opt_in("BERTKIT_CUDA_LINEAR_BIAS", "epilogue");
+
+/// Turns cuBLASLt's product with the bias added in its epilogue on or off for this process,
+/// for the linear layers without an activation (the attention's projections, the feed-forward's
+/// products where no GELU is fused, the heads): `x · weightᵀ + bias` in one call, where
+/// cuBLAS's product writes `x · weightᵀ` and our kernel reads it back and writes it again with
+/// the bias (on an H200 the queries', keys' and values' projection of a BERT-large batch
+/// moves 100 MB through that second pass, ~25 µs a layer). bf16 and f16 (f32 keeps cuBLAS's
+/// product and TF32 as set); the backward is unchanged. Checked by `bertkit check kernels
+/// --device cuda` (the linear rows), not yet run on a GPU (cuBLASLt cannot run on the CPU):
+/// unset, it is off unless `BERTKIT_CUDA_LINEAR_BIAS=epilogue`.
+pub fn set_cuda_linear_epilogue(on: bool) {
+    CUDA_LINEAR_EPILOGUE.set(on);
+}
+
+/// Whether linear layers on CUDA add their bias in cuBLASLt's epilogue (see
+/// [`set_cuda_linear_epilogue`]).
+pub fn cuda_linear_epilogue() -> bool {
+    CUDA_LINEAR_EPILOGUE.get()
+}
+
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -568,7 +591,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 15] = [
+static CUDA_SWITCHES: [&Switch; 16] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -576,6 +599,7 @@ static CUDA_SWITCHES: [&Switch; 15] = [
     &CUDA_EMBEDDINGS_IN_PIECES,
     &CUDA_ADD,
     &CUDA_WIDE_LINEAR,
+    &CUDA_LINEAR_EPILOGUE,
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
     &CUDA_NORM_WIDE_GRID,

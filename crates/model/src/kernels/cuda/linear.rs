@@ -3,6 +3,8 @@
 //! gradient in one pass, then two products. The twins of `cpu::Linear`, `cpu::LinearGelu` and
 //! `cpu::GeluOp`.
 
+use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
+
 use super::*;
 use crate::config::Gelu;
 
@@ -126,7 +128,94 @@ struct LinearOp {
     /// handed over is of `input_act(x)`, recomputed in the backward pass, so that only `x` is
     /// kept.
     input_act: Option<Gelu>,
+    /// The product handed over (none with `epilogue`).
     pre: Handoff,
+    /// The op computes `x · weightᵀ + bias` itself in one cuBLASLt call ([`epilogue_takes`]):
+    /// no activation, no product handed over.
+    epilogue: bool,
+}
+
+/// Whether a linear layer without an activation on either side takes cuBLASLt's product with
+/// the bias added in its epilogue ([`crate::kernels::set_cuda_linear_epilogue`]): bf16 (or
+/// f16 where turned on: f32 keeps cuBLAS's product, whose TF32 the process sets), some rows,
+/// and every input starting on a 16-byte boundary.
+fn epilogue_takes(x: &Tensor, weight: &Tensor, bias: &Tensor, rows: usize) -> bool {
+    let aligned =
+        |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
+    crate::kernels::cuda_linear_epilogue()
+        && matches!(x.dtype(), DType::BF16 | DType::F16)
+        && rows > 0
+        && x.is_contiguous()
+        && weight.is_contiguous()
+        && bias.is_contiguous()
+        && [x, weight, bias].into_iter().all(aligned)
+}
+
+/// The cuBLASLt handle of each device (with its workspace: 32 MiB on Hopper, 4 MiB before),
+/// made at the first product that takes it.
+static LT_HANDLES: Mutex<
+    Vec<(
+        candle_core::cuda_backend::DeviceId,
+        std::sync::Arc<CudaBlasLT>,
+    )>,
+> = Mutex::new(Vec::new());
+
+fn lt_handle(dev: &CudaDevice) -> Result<std::sync::Arc<CudaBlasLT>> {
+    let mut handles = LT_HANDLES
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("the cuBLASLt handles' lock".into()))?;
+    if let Some((_, h)) = handles.iter().find(|(id, _)| *id == dev.id()) {
+        return Ok(h.clone());
+    }
+    let handle = std::sync::Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(lt_error)?);
+    handles.push((dev.id(), handle.clone()));
+    Ok(handle)
+}
+
+fn lt_error(e: impl std::fmt::Debug) -> candle_core::Error {
+    candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
+}
+
+/// `x · weightᵀ + bias` (`x` `[rows, in]`, `weight` `[out, in]`, `bias` `[out]`, all
+/// row-major) in one cuBLASLt product, the bias added by its epilogue: in cuBLAS's
+/// column-major terms the output's transpose, `weight · xᵀ` (`m` = out, `n` = rows, `k` = in),
+/// the bias one value per row of it.
+fn lt_linear<T: Element>(
+    dev: &CudaDevice,
+    x: &CudaView<'_, T>,
+    weight: &CudaView<'_, T>,
+    bias: &CudaView<'_, T>,
+    (rows, in_features, out_features): (usize, usize, usize),
+) -> Result<CudaSlice<T>>
+where
+    CudaBlasLT: Matmul<T>,
+{
+    let lt = lt_handle(dev)?;
+    // SAFETY: the product writes every element (beta 0).
+    let mut out = unsafe { dev.alloc::<T>(rows * out_features)? };
+    let cfg = MatmulConfig {
+        transa: true,
+        transb: false,
+        transc: false,
+        m: out_features as u64,
+        n: rows as u64,
+        k: in_features as u64,
+        alpha: 1.0,
+        lda: in_features as i64,
+        ldb: in_features as i64,
+        beta: 0.0,
+        ldc: out_features as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    };
+    // SAFETY: the layouts above are those of the buffers' sizes: `weight` in_features x
+    // out_features, `x` in_features x rows, `out` out_features x rows (column-major), `bias`
+    // out_features.
+    unsafe { lt.matmul(cfg, weight, x, &mut out, Some(bias), None) }.map_err(lt_error)?;
+    Ok(out)
 }
 
 impl CustomOp3 for LinearOp {
@@ -140,7 +229,7 @@ impl CustomOp3 for LinearOp {
         &self,
         x: &CudaStorage,
         xl: &Layout,
-        _w: &CudaStorage,
+        w: &CudaStorage,
         wl: &Layout,
         b: &CudaStorage,
         bl: &Layout,
@@ -148,10 +237,37 @@ impl CustomOp3 for LinearOp {
         fn run<T: Element>(
             op: &LinearOp,
             (x, xl): (&CudaStorage, &Layout),
-            wl: &Layout,
+            (w, wl): (&CudaStorage, &Layout),
             (b, bl): (&CudaStorage, &Layout),
-        ) -> Result<(CudaStorage, Shape)> {
+        ) -> Result<(CudaStorage, Shape)>
+        where
+            CudaBlasLT: Matmul<T>,
+        {
             let name = op.name();
+            if op.epilogue {
+                // The product and the bias in one cuBLASLt call (`epilogue_takes`).
+                let (out_features, in_features) = wl.shape().dims2()?;
+                if xl.dims().last() != Some(&in_features) || bl.dims() != [out_features] {
+                    bail!(
+                        "{name}: an input {:?} for a weight {:?} and a bias {:?}",
+                        xl.dims(),
+                        wl.dims(),
+                        bl.dims()
+                    )
+                }
+                let rows = xl.shape().elem_count() / in_features.max(1);
+                let dev = &x.device;
+                let out = lt_linear::<T>(
+                    dev,
+                    &view(name, "input", x, xl)?,
+                    &view(name, "weight", w, wl)?,
+                    &view(name, "bias", b, bl)?,
+                    (rows, in_features, out_features),
+                )?;
+                let mut shape = xl.dims().to_vec();
+                *shape.last_mut().expect("checked above") = out_features;
+                return Ok((wrap(out, dev), Shape::from(shape)));
+            }
             let pre = if op.act.is_some() {
                 op.pre.peek(name)?
             } else {
@@ -182,7 +298,7 @@ impl CustomOp3 for LinearOp {
             *shape.last_mut().expect("checked above") = out_features;
             Ok((wrap(out, dev), Shape::from(shape)))
         }
-        by_dtype!(self.name(), x, run(self, (x, xl), wl, (b, bl)))
+        by_dtype!(self.name(), x, run(self, (x, xl), (w, wl), (b, bl)))
     }
 
     fn bwd(
@@ -409,6 +525,16 @@ fn linear_node(
     let x = tape::contiguous(x)?;
     let (_, in_features) = weight.dims2()?;
     let rows = x.elem_count() / in_features.max(1);
+    let bias = tape::to_dtype(bias, dtype)?;
+    if act.is_none() && input_act.is_none() && epilogue_takes(&x, weight, &bias, rows) {
+        let op = LinearOp {
+            act,
+            input_act,
+            pre: Handoff::empty(),
+            epilogue: true,
+        };
+        return tape::apply_op3(&x, weight, &bias, op);
+    }
     let input = x.detach().reshape((rows, in_features))?;
     let input = match input_act {
         Some(act) => input.apply_op1_no_bwd(&ActOp { act })?,
@@ -420,8 +546,9 @@ fn linear_node(
         act,
         input_act,
         pre: Handoff::new(pre),
+        epilogue: false,
     };
-    tape::apply_op3(&x, weight, &tape::to_dtype(bias, dtype)?, op)
+    tape::apply_op3(&x, weight, &bias, op)
 }
 
 /// GELU on CUDA in `y`'s dtype.
