@@ -173,17 +173,25 @@ mod device_pool {
 
     /// The pool's high-water mark of bytes in use since it was last reset.
     pub(super) fn peak(gpu: &candle_core::CudaDevice) -> Option<u64> {
+        attribute(gpu, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+    }
+
+    /// The pool's high-water mark of bytes it held from the driver (in use, and freed but
+    /// kept for reuse) since the device opened.
+    pub(super) fn reserved_peak(gpu: &candle_core::CudaDevice) -> Option<u64> {
+        attribute(
+            gpu,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        )
+    }
+
+    /// One of the pool's 64-bit attributes.
+    fn attribute(gpu: &candle_core::CudaDevice, which: sys::CUmemPool_attribute) -> Option<u64> {
         let pool = default_pool(gpu)?;
         let mut bytes: u64 = 0;
-        // SAFETY: USED_MEM_HIGH is a cuuint64_t, written to `bytes`.
-        unsafe {
-            result::mem_pool::get_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut bytes as *mut u64).cast(),
-            )
-        }
-        .ok()?;
+        // SAFETY: the pool's memory attributes are cuuint64_t, written to `bytes`.
+        unsafe { result::mem_pool::get_attribute(pool, which, (&mut bytes as *mut u64).cast()) }
+            .ok()?;
         Some(bytes)
     }
 
@@ -230,6 +238,18 @@ pub fn device_peak(device: &candle_core::Device) -> Option<u64> {
     match device {
         #[cfg(feature = "cuda")]
         candle_core::Device::Cuda(gpu) => device_pool::peak(gpu),
+        _ => None,
+    }
+}
+
+/// The most bytes the device's memory pool held from the driver at once (the tensors', and
+/// what it kept after they were freed, for reuse): on CUDA its reserved high-water mark, which
+/// [`device_peak`] is part of; the rest is the pool's spare, which nvidia-smi counts as used.
+/// `None` on the CPU.
+pub fn device_reserved_peak(device: &candle_core::Device) -> Option<u64> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(gpu) => device_pool::reserved_peak(gpu),
         _ => None,
     }
 }

@@ -164,10 +164,14 @@ fn run_pretraining(
         println!("{w}");
     }
     if let Some(peak) = bertkit_model::device_peak(trainer.device()) {
-        // What PyTorch's `max_memory_allocated` counts; nvidia-smi adds the CUDA context,
-        // cuBLAS's workspace and the memory the pool keeps for the next step.
+        // What PyTorch's `max_memory_allocated` counts; the pool's reserve what its
+        // `max_memory_reserved` counts; nvidia-smi adds the CUDA context and cuBLAS's
+        // workspaces.
+        let reserved = bertkit_model::device_reserved_peak(trainer.device())
+            .map(|r| format!(", {} MiB at most held by the pool", r >> 20))
+            .unwrap_or_default();
         println!(
-            "device memory: {} MiB at most in tensors (the CUDA pool's high-water mark)",
+            "device memory: {} MiB at most in tensors (the CUDA pool's high-water mark){reserved}",
             peak >> 20
         );
     }
