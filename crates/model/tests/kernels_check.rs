@@ -74,7 +74,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
                 "BERTKIT_CUDA_NORM_GRID=wide",
                 "BERTKIT_CUDA_COLUMN_SUMS=lanes",
             ]
-        } else if c.kernel.starts_with("linear_gelu") {
+        } else if c.kernel.starts_with("linear_gelu") || c.kernel == "linear (wide)" {
             &["BERTKIT_CUDA_COLUMN_SUMS=lanes"]
         } else if c.kernel.starts_with("linear") || c.kernel.starts_with("feed_forward") {
             &[

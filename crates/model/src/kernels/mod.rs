@@ -524,8 +524,9 @@ pub(crate) static CUDA_LINEAR_EPILOGUE: Switch =
     Switch::opt_in("BERTKIT_CUDA_LINEAR_BIAS", "epilogue");
 
 /// Turns cuBLASLt's product with the bias added in its epilogue on or off for this process,
-/// for the linear layers without an activation (the attention's projections, the feed-forward's
-/// products where no GELU is fused, the heads): `x · weightᵀ + bias` in one call, where
+/// for the linear layers without an activation whose widths are whole 16-byte pieces (the
+/// attention's projections, the feed-forward's products where no GELU is fused, the pooler;
+/// not the 30,522-word decoder): `x · weightᵀ + bias` in one call, where
 /// cuBLAS's product writes `x · weightᵀ` and our kernel reads it back and writes it again with
 /// the bias (on an H200 the queries', keys' and values' projection of a BERT-large batch
 /// moves 100 MB through that second pass, ~25 µs a layer). bf16 and f16 (f32 keeps cuBLAS's

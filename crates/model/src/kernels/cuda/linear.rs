@@ -138,13 +138,18 @@ struct LinearOp {
 /// Whether a linear layer without an activation on either side takes cuBLASLt's product with
 /// the bias added in its epilogue ([`crate::kernels::set_cuda_linear_epilogue`]): bf16 (or
 /// f16 where turned on: f32 keeps cuBLAS's product, whose TF32 the process sets), some rows,
-/// and every input starting on a 16-byte boundary.
+/// widths of whole 16-byte pieces (every row aligned: the masked-LM decoder's 30,522 words
+/// keep the product and our bias kernel), and every input starting on a 16-byte boundary.
 fn epilogue_takes(x: &Tensor, weight: &Tensor, bias: &Tensor, rows: usize) -> bool {
     let aligned =
         |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
+    let whole = |n: usize| n.is_multiple_of(8);
     crate::kernels::cuda_linear_epilogue()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && rows > 0
+        && weight
+            .dims2()
+            .is_ok_and(|(out, inner)| whole(out) && whole(inner))
         && x.is_contiguous()
         && weight.is_contiguous()
         && bias.is_contiguous()
