@@ -47,9 +47,9 @@ __device__ __forceinline__ void fr_load_b(uint32_t (&b)[4], const bf16* tile, in
     ldmatrix_x4_trans(b, tile + (row0 + (lane & 15)) * FLASH_LD + col0 + (lane >> 4) * 8);
 }
 
-// `acc[n] += a · tile[row0.., 16n..]`-style sweep: the warp's `[16, 16]` left operand `a`
-// times a `[16, 64]` stretch of `tile` (rows `row0..row0 + 16`, read as `[k, n]`), into the
-// eight 8-column accumulators.
+// `acc += a · tile[row0..row0 + 16, 0..64]`: the warp's `[16, 16]` left operand `a` times
+// sixteen rows of `tile` read as `[k, n]`, into the `[16, 64]` result's eight 8-column
+// accumulators.
 __device__ __forceinline__ void fr_accumulate(float (&acc)[8][4], const uint32_t (&a)[4],
                                               const bf16* tile, int row0) {
 #pragma unroll
