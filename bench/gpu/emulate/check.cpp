@@ -789,6 +789,8 @@ int main() {
         {"rows of 64, 63 and 200", {64, 63, 200}, 200, 1, true},
         // Masks with holes (a row's first place, places inside and across tiles).
         {"masks with holes, dropout", {150, 90}, 150, 2, true, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
+        // Phase 2's length: eight key tiles, one row ending inside its fifth.
+        {"rows of 512 and 300, dropout", {512, 300}, 512, 1, true},
     };
     bool ok = true;
     std::printf("one-pass attention (flash.cu) on the CPU emulation against f64:\n");
