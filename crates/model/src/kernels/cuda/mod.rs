@@ -16,12 +16,13 @@
 //! On by default since their check passed on an H200; [`super::set_cuda_kernels`] (or
 //! `BERTKIT_CUDA_KERNELS=composed`) turns them off.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{
     CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
     Shape, Storage, Tensor, bail,
@@ -80,18 +81,56 @@ impl DeviceDropout {
 /// The element types the kernels take, with their entry points' suffix.
 trait Element: CudaDType + DeviceRepr + ValidAsZeroBits + Copy + 'static {
     const SUFFIX: &'static str;
+    /// Its place among the three ([`function`]'s cache).
+    const INDEX: usize;
 }
 
 impl Element for f32 {
     const SUFFIX: &'static str = "f32";
+    const INDEX: usize = 0;
 }
 
 impl Element for half::bf16 {
     const SUFFIX: &'static str = "bf16";
+    const INDEX: usize = 1;
 }
 
 impl Element for half::f16 {
     const SUFFIX: &'static str = "f16";
+    const INDEX: usize = 2;
+}
+
+/// Each device's kernel functions by name, one per element type, once looked up.
+type Functions = HashMap<String, [Option<CudaFunction>; 3]>;
+
+/// The functions looked up so far, per device.
+static FUNCTIONS: Mutex<Vec<(DeviceId, Functions)>> = Mutex::new(Vec::new());
+
+/// Kernel `name`'s function for element type `T` on `dev`: looked up in the module (loaded on
+/// the device at the first call, by candle) the first time, then kept. candle's lookup, which
+/// each launch used to make, formats the name, takes its modules' lock and asks the driver
+/// for the function again (`cuModuleGetFunction`) every time.
+fn function<T: Element>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    let mut devices = FUNCTIONS.lock().map_err(|_| {
+        candle_core::Error::Msg("the CUDA kernels' functions: a poisoned lock".into())
+    })?;
+    let at = match devices.iter().position(|(id, _)| *id == dev.id()) {
+        Some(at) => at,
+        None => {
+            devices.push((dev.id(), HashMap::new()));
+            devices.len() - 1
+        }
+    };
+    let functions = &mut devices[at].1;
+    if let Some(Some(f)) = functions.get(name).map(|f| &f[T::INDEX]) {
+        return Ok(f.clone());
+    }
+    let full = format!("{name}_{}", T::SUFFIX);
+    let f = dev
+        .get_or_load_custom_func(&full, MODULE, PTX)?
+        .into_cuda_function();
+    functions.entry(name.to_string()).or_default()[T::INDEX] = Some(f.clone());
+    Ok(f)
 }
 
 /// Whether the CUDA kernels take `dtype`: f32 and bf16, and f16 where turned on
@@ -108,10 +147,9 @@ pub(crate) fn takes(dtype: DType) -> bool {
 /// `$body` through `$b`.
 macro_rules! launch {
     ($T:ty, $dev:expr, $name:expr, $cfg:expr, |$b:ident| $body:block $(,)?) => {{
-        // Looked up in candle's cache of modules (the module loaded at the first call).
-        let name = format!("{}_{}", $name, <$T as Element>::SUFFIX);
-        let func = $dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let mut builder = func.builder();
+        let func = function::<$T>($dev, &$name)?;
+        let stream = $dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         {
             let $b = &mut builder;
             $body
