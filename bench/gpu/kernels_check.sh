@@ -160,7 +160,7 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
     if [[ $leave_off != *" BERTKIT_CUDA_FLASH=registers "* && $leave_off != *" BERTKIT_CUDA_NORM=vector "* ]]; then
         BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes \
             timeout 120 ncu --clock-control none \
-            -k regex:'flash_registers|layer_norm_vec|column_sums_lanes' --launch-count 10 --section SpeedOfLight \
+            -k regex:'flash_registers|layer_norm_vec|column_sums_lanes' --launch-count 30 --section SpeedOfLight \
             --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
             $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 \
             --device cuda --passes 1 > "$out/ncu-registers.txt" 2>&1
