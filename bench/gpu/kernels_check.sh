@@ -20,6 +20,9 @@ set -uo pipefail
 source "$(dirname "$0")/env.sh"
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
+# Everything this prints is also kept in $out (a device call returns only its output's tail;
+# the files under $OUT come back whole).
+exec > >(tee -a "$out/kernels_check.log") 2>&1
 b=/tmp/bertkit
 log() { echo "=== $(date -u +%T) $*"; }
 # BERT-large phase 1 for 12 steps at micro-batch 64 from the shipped recipe, in precision $2,
@@ -165,8 +168,11 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
             $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 \
             --device cuda --passes 1 > "$out/ncu-registers.txt" 2>&1
     fi
+    # The headlines in the file beside the sections (the call's output keeps only its tail).
     grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" \
-        "$out/ncu-layers.txt" "$out/ncu-update.txt" "$out"/ncu-registers.txt 2>/dev/null | cut -c1-110
+        "$out/ncu-layers.txt" "$out/ncu-update.txt" "$out"/ncu-registers.txt 2>/dev/null \
+        | cut -c1-110 > "$out/ncu-headlines.txt"
+    echo "ncu headlines: $(wc -l < "$out/ncu-headlines.txt") lines in ncu-headlines.txt"
 fi
 if [[ ${SIDE:-1} == 0 ]]; then
     exit 0
