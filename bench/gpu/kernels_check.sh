@@ -40,7 +40,7 @@ log "environment"
 $b --version
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 log "1 bertkit check kernels --device cuda"
-timeout 180 $b check kernels --device cuda --dtype f32,bf16,f16 > "$out/check.txt" 2>&1
+timeout 240 $b check kernels --device cuda --dtype f32,bf16,f16 > "$out/check.txt" 2>&1
 check_rc=$?
 echo "rc $check_rc (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
 grep -v " ok$" "$out/check.txt"
