@@ -3,6 +3,8 @@
 //! gradient in one pass, then two products. The twins of `cpu::Linear`, `cpu::LinearGelu` and
 //! `cpu::GeluOp`.
 
+use std::sync::Arc;
+
 use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 
 use super::*;
@@ -158,21 +160,16 @@ fn epilogue_takes(x: &Tensor, weight: &Tensor, bias: &Tensor, rows: usize) -> bo
 
 /// The cuBLASLt handle of each device (with its workspace: 32 MiB on Hopper, 4 MiB before),
 /// made at the first product that takes it.
-static LT_HANDLES: Mutex<
-    Vec<(
-        candle_core::cuda_backend::DeviceId,
-        std::sync::Arc<CudaBlasLT>,
-    )>,
-> = Mutex::new(Vec::new());
+static LT_HANDLES: Mutex<Vec<(DeviceId, Arc<CudaBlasLT>)>> = Mutex::new(Vec::new());
 
-fn lt_handle(dev: &CudaDevice) -> Result<std::sync::Arc<CudaBlasLT>> {
+fn lt_handle(dev: &CudaDevice) -> Result<Arc<CudaBlasLT>> {
     let mut handles = LT_HANDLES
         .lock()
         .map_err(|_| candle_core::Error::Msg("the cuBLASLt handles' lock".into()))?;
     if let Some((_, h)) = handles.iter().find(|(id, _)| *id == dev.id()) {
         return Ok(h.clone());
     }
-    let handle = std::sync::Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(lt_error)?);
+    let handle = Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(lt_error)?);
     handles.push((dev.id(), handle.clone()));
     Ok(handle)
 }
