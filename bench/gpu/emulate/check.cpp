@@ -791,6 +791,8 @@ int main() {
         {"masks with holes, dropout", {150, 90}, 150, 2, true, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
         // Phase 2's length: eight key tiles, one row ending inside its fifth.
         {"rows of 512 and 300, dropout", {512, 300}, 512, 1, true},
+        // BERT-large's heads (hidden 1,024: the keys' and values' columns far into each row).
+        {"16 heads, rows of 128, dropout", {128, 97}, 128, 16, true},
     };
     bool ok = true;
     std::printf("one-pass attention (flash.cu) on the CPU emulation against f64:\n");
