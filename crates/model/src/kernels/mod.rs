@@ -571,6 +571,13 @@ pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a + b
 }
 
+/// Whether the CUDA kernels' function handles are kept once looked up (`kernels::cuda`'s
+/// `function`): on unless `BERTKIT_CUDA_FUNCTIONS=lookup`, which asks candle for every launch's
+/// function as before (the same handles; a way out should keeping them ever misbehave on a
+/// device, before it has run on one).
+#[cfg(feature = "cuda")]
+pub(crate) static CUDA_FUNCTIONS_KEPT: Switch = Switch::opt_out("BERTKIT_CUDA_FUNCTIONS", "lookup");
+
 /// Whether the CUDA kernels take f16 tensors.
 pub(crate) static CUDA_FP16: Switch = Switch::opt_out("BERTKIT_CUDA_FP16", "composed");
 

@@ -111,6 +111,12 @@ static FUNCTIONS: Mutex<Vec<(DeviceId, Functions)>> = Mutex::new(Vec::new());
 /// each launch used to make, formats the name, takes its modules' lock and asks the driver
 /// for the function again (`cuModuleGetFunction`) every time.
 fn function<T: Element>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    if !crate::kernels::CUDA_FUNCTIONS_KEPT.get() {
+        let full = format!("{name}_{}", T::SUFFIX);
+        return Ok(dev
+            .get_or_load_custom_func(&full, MODULE, PTX)?
+            .into_cuda_function());
+    }
     let mut devices = FUNCTIONS.lock().map_err(|_| {
         candle_core::Error::Msg("the CUDA kernels' functions: a poisoned lock".into())
     })?;
