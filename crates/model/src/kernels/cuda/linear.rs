@@ -166,12 +166,12 @@ fn lt_handle(dev: &CudaDevice) -> Result<Arc<CudaBlasLT>> {
     let mut handles = LT_HANDLES
         .lock()
         .map_err(|_| candle_core::Error::Msg("the cuBLASLt handles' lock".into()))?;
-    if let Some((_, h)) = handles.iter().find(|(id, _)| *id == dev.id()) {
-        return Ok(h.clone());
-    }
-    let handle = Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(lt_error)?);
-    handles.push((dev.id(), handle.clone()));
-    Ok(handle)
+    let handle = device_entry(&mut handles, dev, || {
+        Ok(Arc::new(
+            CudaBlasLT::new(dev.cuda_stream()).map_err(lt_error)?,
+        ))
+    })?;
+    Ok(handle.clone())
 }
 
 fn lt_error(e: impl std::fmt::Debug) -> candle_core::Error {

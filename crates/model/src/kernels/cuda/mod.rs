@@ -111,32 +111,42 @@ static FUNCTIONS: Mutex<Vec<(DeviceId, Functions)>> = Mutex::new(Vec::new());
 /// each launch used to make, formats the name, takes its modules' lock and asks the driver
 /// for the function again (`cuModuleGetFunction`) every time.
 fn function<T: Element>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    if !crate::kernels::CUDA_FUNCTIONS_KEPT.get() {
+    // candle's lookup of the function.
+    let lookup = || -> Result<CudaFunction> {
         let full = format!("{name}_{}", T::SUFFIX);
-        return Ok(dev
+        Ok(dev
             .get_or_load_custom_func(&full, MODULE, PTX)?
-            .into_cuda_function());
+            .into_cuda_function())
+    };
+    if !crate::kernels::CUDA_FUNCTIONS_KEPT.get() {
+        return lookup();
     }
     let mut devices = FUNCTIONS.lock().map_err(|_| {
         candle_core::Error::Msg("the CUDA kernels' functions: a poisoned lock".into())
     })?;
-    let at = match devices.iter().position(|(id, _)| *id == dev.id()) {
-        Some(at) => at,
-        None => {
-            devices.push((dev.id(), HashMap::new()));
-            devices.len() - 1
-        }
-    };
-    let functions = &mut devices[at].1;
+    let functions = device_entry(&mut devices, dev, || Ok(HashMap::new()))?;
     if let Some(Some(f)) = functions.get(name).map(|f| &f[T::INDEX]) {
         return Ok(f.clone());
     }
-    let full = format!("{name}_{}", T::SUFFIX);
-    let f = dev
-        .get_or_load_custom_func(&full, MODULE, PTX)?
-        .into_cuda_function();
+    let f = lookup()?;
     functions.entry(name.to_string()).or_default()[T::INDEX] = Some(f.clone());
     Ok(f)
+}
+
+/// `dev`'s entry of a per-device cache, made by `make` the first time.
+fn device_entry<'a, V>(
+    cache: &'a mut Vec<(DeviceId, V)>,
+    dev: &CudaDevice,
+    make: impl FnOnce() -> Result<V>,
+) -> Result<&'a mut V> {
+    let at = match cache.iter().position(|(id, _)| *id == dev.id()) {
+        Some(at) => at,
+        None => {
+            cache.push((dev.id(), make()?));
+            cache.len() - 1
+        }
+    };
+    Ok(&mut cache[at].1)
 }
 
 /// Whether the CUDA kernels take `dtype`: f32 and bf16, and f16 where turned on
