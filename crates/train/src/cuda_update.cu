@@ -104,6 +104,28 @@ extern "C" __global__ void update_moments(const float* w, const float* m, const 
     }
 }
 
+// The trust ratio `‖w‖ / ‖u‖` from the squared norms, 1 when either is 0.
+__device__ __forceinline__ float trust_ratio_of(double w2, double u2) {
+    const double wn = sqrt(w2), un = sqrt(u2);
+    return wn > 0.0 && un > 0.0 ? (float)(wn / un) : 1.0f;
+}
+
+// Row `row`'s factor of the update in the weights' launches: its trust ratio where `trust_ratio`
+// is set, read from `ratios` where `trust_ratios` made them, else from the row's partial norms
+// (`norms`, `[rows, blocks, 2]`) added in block order; 1 without the trust ratio.
+__device__ __forceinline__ float row_ratio(int trust_ratio, const float* ratios,
+                                           const double* norms, int row, int blocks) {
+    if (!trust_ratio) return 1.0f;
+    if (ratios != nullptr) return ratios[row];
+    double w2 = 0.0, u2 = 0.0;
+    const double* p = norms + (size_t)row * blocks * 2;
+    for (int b = 0; b < blocks; ++b) {
+        w2 += p[2 * b];
+        u2 += p[2 * b + 1];
+    }
+    return trust_ratio_of(w2, u2);
+}
+
 // Each row's trust ratio `‖w‖ / ‖u‖` (1 when either is 0) from its blocks' partial norms
 // (`norms`, `[rows, blocks, 2]`), a block per row summing them in parallel, into `ratios`
 // (`[rows]`) for the weights' launch to read (`cuda_update::set_trust_ratios_apart`). Without
@@ -122,10 +144,7 @@ extern "C" __global__ void trust_ratios(const double* norms, int rows, int block
         }
         w2 = block_sum(w2, scratch);
         u2 = block_sum(u2, scratch);
-        if (threadIdx.x == 0) {
-            const double wn = sqrt(w2), un = sqrt(u2);
-            ratios[row] = wn > 0.0 && un > 0.0 ? (float)(wn / un) : 1.0f;
-        }
+        if (threadIdx.x == 0) ratios[row] = trust_ratio_of(w2, u2);
     }
 }
 
@@ -138,20 +157,7 @@ extern "C" __global__ void update_weights(const float* w, float* state, const do
     __shared__ float ratio_shared;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         if (threadIdx.x == 0) {
-            float ratio = 1.0f;
-            if (trust_ratio && ratios != nullptr) {
-                ratio = ratios[row];
-            } else if (trust_ratio) {
-                double w2 = 0.0, u2 = 0.0;
-                const double* p = norms + (size_t)row * blocks * 2;
-                for (int b = 0; b < blocks; ++b) {
-                    w2 += p[2 * b];
-                    u2 += p[2 * b + 1];
-                }
-                const double wn = sqrt(w2), un = sqrt(u2);
-                if (wn > 0.0 && un > 0.0) ratio = (float)(wn / un);
-            }
-            ratio_shared = ratio;
+            ratio_shared = row_ratio(trust_ratio, ratios, norms, row, blocks);
         }
         __syncthreads();
         const float ratio = ratio_shared;
@@ -225,20 +231,7 @@ extern "C" __global__ void update_weights_in_place(float* state, const double* n
     const size_t total = (size_t)rows * numel;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         if (threadIdx.x == 0) {
-            float ratio = 1.0f;
-            if (c.trust_ratio && ratios != nullptr) {
-                ratio = ratios[row];
-            } else if (c.trust_ratio) {
-                double w2 = 0.0, u2 = 0.0;
-                const double* p = norms + (size_t)row * blocks * 2;
-                for (int b = 0; b < blocks; ++b) {
-                    w2 += p[2 * b];
-                    u2 += p[2 * b + 1];
-                }
-                const double wn = sqrt(w2), un = sqrt(u2);
-                if (wn > 0.0 && un > 0.0) ratio = (float)(wn / un);
-            }
-            ratio_shared = ratio;
+            ratio_shared = row_ratio(c.trust_ratio, ratios, norms, row, blocks);
         }
         __syncthreads();
         const float ratio = ratio_shared;
