@@ -83,7 +83,7 @@ rows() {
         "BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide | LayerNorm 16 bytes a thread, the lanes' sums, the wider grid" \
         "BERTKIT_CUDA_LINEAR_BIAS=epilogue | the linear layers' bias in cuBLASLt's epilogue" \
         "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide BERTKIT_CUDA_LINEAR_BIAS=epilogue | every new setting but the 16-byte stores" \
-        "BERTKIT_CUDA_FEED_FORWARD=full | the feed-forward keeping its activation"
+        "BERTKIT_CUDA_FEED_FORWARD=lean | the lean feed-forward (pretrain's plan keeps the activation where it fits; bench kernels' default)"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
 # (The composed and by-group forms were measured on 2026-11-27: 52.6 and 26.8 ms; OPTIMIZER=all

@@ -128,6 +128,52 @@ fn plan_prints_a_table_per_sequence_length() {
     );
 }
 
+/// With a recipe on CUDA the plan's peak is the feed-forward the run would take: the full one
+/// (its activation kept) where it fits, the lean one where only that fits; the environment's
+/// choice stands over the plan's.
+#[test]
+fn plan_of_a_recipe_takes_the_feed_forward_the_run_would() {
+    let recipe = repo_root().join("pipelines/pretrain-phase1.toml");
+    let plan = |memory: &str, setting: Option<&str>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bertkit"));
+        command.args([
+            "plan",
+            "--recipe",
+            p(&recipe),
+            "--seq",
+            "128",
+            "--gpu-mem",
+            memory,
+            "--json",
+        ]);
+        match setting {
+            Some(v) => command.env("BERTKIT_CUDA_FEED_FORWARD", v),
+            None => command.env_remove("BERTKIT_CUDA_FEED_FORWARD"),
+        };
+        let out = ok(command.output().expect("bertkit runs"));
+        let row: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        (
+            row["fits"].as_bool().unwrap(),
+            row["lean_feed_forward"].as_bool().unwrap(),
+            row["peak_bytes"].as_f64().unwrap(),
+        )
+    };
+    let (fits, lean, full_peak) = plan("80GB", None);
+    assert!(fits && !lean);
+    let (fits, lean, lean_peak) = plan("34GB", None);
+    assert!(fits && lean);
+    // One intermediate activation a token a layer more, in bf16, at the recipe's 256 x 128.
+    let extra = 256.0 * 128.0 * 24.0 * 4096.0 * 2.0;
+    assert!(
+        (full_peak - lean_peak - extra).abs() < 1.0,
+        "{full_peak} {lean_peak}"
+    );
+    let (_, lean, peak) = plan("80GB", Some("lean"));
+    assert!(lean && peak == lean_peak);
+    let (fits, lean, peak) = plan("34GB", Some("full"));
+    assert!(!fits && !lean && peak == full_peak);
+}
+
 /// `bench memory` takes steps of a run config without touching its output folder: the folder
 /// is not made, and a run holding it does not stop the measurement.
 #[test]

@@ -6,10 +6,13 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 /// An on/off setting for the process: unset, the environment settles it on first use
 /// ([`Switch::opt_in`]: off unless a variable says on; [`Switch::opt_out`]: on unless it says
-/// off); [`Switch::set`] overrides it.
+/// off); [`Switch::set`] overrides it. [`Switch::chosen`] tells a setting someone chose (the
+/// environment or code) from the default, for a caller that may choose better (the trainer's
+/// memory plan).
 #[derive(Debug)]
 pub struct Switch {
-    /// 0 unset, 1 off, 2 on.
+    /// 0 unsettled; chosen (set, or its variable in the environment): 1 off, 2 on; the
+    /// default: 3 off, 4 on.
     state: AtomicU8,
     /// The environment variable that decides it, and its value that turns the default over.
     variable: &'static str,
@@ -46,12 +49,41 @@ impl Switch {
     pub fn get(&self) -> bool {
         match self.state.load(Ordering::Relaxed) {
             0 => {
-                let on = self.default != env_is(self.variable, self.value);
-                self.set(on);
+                let (on, chosen) = match self.environment_setting() {
+                    Some(on) => (on, true),
+                    None => (self.default, false),
+                };
+                let state = match (chosen, on) {
+                    (true, false) => 1,
+                    (true, true) => 2,
+                    (false, false) => 3,
+                    (false, true) => 4,
+                };
+                self.state.store(state, Ordering::Relaxed);
                 on
             }
-            setting => setting == 2,
+            state => state == 2 || state == 4,
         }
+    }
+
+    /// The setting someone chose: [`Switch::set`]'s, else the environment's (its variable set
+    /// to anything: `value` turns the default over, another value keeps it); `None` while the
+    /// default stands unchosen.
+    pub fn chosen(&self) -> Option<bool> {
+        match self.state.load(Ordering::Relaxed) {
+            1 => Some(false),
+            2 => Some(true),
+            0 => self.environment_setting(),
+            _ => None,
+        }
+    }
+
+    /// The environment's setting: `None` when its variable is unset or empty.
+    fn environment_setting(&self) -> Option<bool> {
+        let value = std::env::var(self.variable)
+            .ok()
+            .filter(|v| !v.is_empty())?;
+        Some(self.default != (value == self.value))
     }
 
     /// For a switch off by default, the environment setting that turns it on: `VARIABLE=value`.
@@ -71,6 +103,7 @@ mod tests {
 
     static ON_UNTIL_SET: Switch = Switch::opt_out("BERTKIT_NO_SUCH_VARIABLE", "off");
     static OFF_UNTIL_SET: Switch = Switch::opt_in("BERTKIT_NO_SUCH_VARIABLE", "on");
+    static SETTLED_BY_DEFAULT: Switch = Switch::opt_out("BERTKIT_NO_SUCH_VARIABLE_EITHER", "off");
 
     #[test]
     fn a_switch_is_decided_once_then_set() {
@@ -81,10 +114,24 @@ mod tests {
         OFF_UNTIL_SET.set(true);
         assert!(OFF_UNTIL_SET.get());
         assert!(!env_is("BERTKIT_NO_SUCH_VARIABLE", "x"));
+        assert_eq!(ON_UNTIL_SET.chosen(), Some(false));
+        assert_eq!(OFF_UNTIL_SET.chosen(), Some(true));
         assert_eq!(ON_UNTIL_SET.turned_on_by(), None);
         assert_eq!(
             OFF_UNTIL_SET.turned_on_by().as_deref(),
             Some("BERTKIT_NO_SUCH_VARIABLE=on")
         );
+    }
+
+    /// A default read is not a choice; a setting made afterwards is.
+    #[test]
+    fn the_default_is_not_a_choice() {
+        assert_eq!(SETTLED_BY_DEFAULT.chosen(), None);
+        assert!(SETTLED_BY_DEFAULT.get());
+        assert_eq!(SETTLED_BY_DEFAULT.chosen(), None);
+        assert!(SETTLED_BY_DEFAULT.get());
+        SETTLED_BY_DEFAULT.set(true);
+        assert_eq!(SETTLED_BY_DEFAULT.chosen(), Some(true));
+        assert!(SETTLED_BY_DEFAULT.get());
     }
 }

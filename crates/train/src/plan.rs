@@ -514,6 +514,56 @@ impl Plan {
     }
 }
 
+/// The feed-forward form a CUDA run takes (see
+/// [`bertkit_model::kernels::set_lean_cuda_feed_forward`]), and why.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FeedForwardChoice {
+    /// Whether the lean form runs (the GELU recomputed by the backward pass).
+    pub lean: bool,
+    /// Whether the plan chose (else the environment or code had: `BERTKIT_CUDA_FEED_FORWARD`).
+    pub by_plan: bool,
+    /// The full form's predicted peak.
+    pub full_peak: f64,
+    /// What a plan may fill: [`USABLE`] of the memory.
+    pub usable: f64,
+    /// The step's predicted peak with the form chosen.
+    pub prediction: Prediction,
+}
+
+/// The feed-forward for a CUDA step of `shape` in `memory` bytes (the device's, state and
+/// runtime included), with the step's peak predicted for it; the caller sets it
+/// ([`bertkit_model::kernels::set_lean_cuda_feed_forward`]): the form someone chose if one
+/// did, else the full one (the activation
+/// kept: ~4 ms a phase-1 pass faster on an H200, BENCHMARKS.md) when its predicted peak fits
+/// in [`USABLE`] of `memory`, the lean one (BERT-large: 1.4 GiB less a micro-batch of 64 at
+/// seq 128) when it does not.
+pub fn feed_forward_for(
+    c: &BertConfig,
+    shape: &Shape,
+    precision: Precision,
+    checkpointing: usize,
+    memory: f64,
+) -> FeedForwardChoice {
+    let with = |lean_feed_forward| {
+        let kernels = CudaKernels {
+            lean_feed_forward,
+            ..CudaKernels::current()
+        };
+        predict_with(c, shape, precision, checkpointing, Target::Cuda, kernels)
+    };
+    let full_peak = with(false).total();
+    let usable = USABLE * memory;
+    let chosen = bertkit_model::kernels::lean_cuda_feed_forward_chosen();
+    let lean = chosen.unwrap_or(full_peak > usable);
+    FeedForwardChoice {
+        lean,
+        by_plan: chosen.is_none(),
+        full_peak,
+        usable,
+        prediction: with(lean),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -482,14 +482,17 @@ fn objective(
 /// Before the first step: the plan's predicted peak for this run against the device's free
 /// memory (after the model and optimiser are built, so free memory is counted without them and
 /// they are taken out of the prediction). A run that will not fit stops here with the numbers
-/// and the largest micro-batch that fits, not an out-of-memory error an hour in.
+/// and the largest micro-batch that fits, not an out-of-memory error an hour in. On CUDA the
+/// feed-forward's form is chosen first (the full one where it fits, unless someone chose:
+/// [`crate::plan::feed_forward_for`]), the run checked with it, and the choice returned for
+/// the caller to set (the process's setting is left alone here).
 fn check_memory(
     config: &PretrainConfig,
     model: &bertkit_model::BertConfig,
     seq: usize,
     free: u64,
     accumulation: usize,
-) -> Result<(), TrainError> {
+) -> Result<Option<crate::plan::FeedForwardChoice>, TrainError> {
     let precision = crate::plan::Precision::parse(&config.train.precision)?;
     let every = config.train.activation_checkpointing;
     let shape = crate::plan::Shape {
@@ -499,17 +502,24 @@ fn check_memory(
         accumulation,
     };
     let target = crate::plan::Target::of_device(&config.train.device);
-    let predicted = crate::plan::predict(model, &shape, precision, every, target);
+    let mut predicted = crate::plan::predict(model, &shape, precision, every, target);
     // The state (and on CUDA the runtime: context, cuBLAS) is allocated already: what remains
-    // to fit is the rest of the peak.
+    // to fit is the rest of the peak. Neither depends on the kernels' forms.
     let allocated = predicted.state_bytes
         + match target {
             crate::plan::Target::Cuda => predicted.runtime_bytes,
             crate::plan::Target::Cpu => 0.0,
         };
+    let feed_forward = (target == crate::plan::Target::Cuda).then(|| {
+        let memory = free as f64 + allocated;
+        crate::plan::feed_forward_for(model, &shape, precision, every, memory)
+    });
+    if let Some(choice) = &feed_forward {
+        predicted = choice.prediction;
+    }
     let needed = predicted.total() - allocated;
     if needed <= free as f64 {
-        return Ok(());
+        return Ok(feed_forward);
     }
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let largest = crate::plan::plan(
@@ -565,6 +575,8 @@ pub struct Trainer {
     /// Rank 0's hold on the run folder: one writer per run.
     _lock: Option<FolderLock>,
     startup: StartupTimes,
+    /// On CUDA, the feed-forward's form the memory check settled.
+    feed_forward: Option<crate::plan::FeedForwardChoice>,
 }
 
 impl Trainer {
@@ -678,13 +690,17 @@ impl Trainer {
             )));
         }
         startup.lap("data", &mut since);
+        let mut feed_forward = None;
         if let Some(free) = bertkit_model::free_memory(&device) {
             // The longest sequence the records hold (the files say), else the model's limit.
             let seq = dataset
                 .max_seq_length()
                 .unwrap_or(model.config.max_position_embeddings)
                 .min(model.config.max_position_embeddings);
-            check_memory(&config, &model.config, seq, free, accumulation)?;
+            feed_forward = check_memory(&config, &model.config, seq, free, accumulation)?;
+            if let Some(choice) = &feed_forward {
+                bertkit_model::kernels::set_lean_cuda_feed_forward(choice.lean);
+            }
             startup.lap("memory check", &mut since);
         }
         // The same source on every rank: masks are keyed by step and place in the global batch.
@@ -731,12 +747,19 @@ impl Trainer {
             eval,
             _lock: lock,
             startup,
+            feed_forward,
         })
     }
 
     /// Where the start-up time went ([`Trainer::new`], phase by phase).
     pub fn startup(&self) -> &StartupTimes {
         &self.startup
+    }
+
+    /// On CUDA, the feed-forward's form the run takes and why (the memory plan's choice unless
+    /// the environment made one); `None` on the CPU.
+    pub fn feed_forward(&self) -> Option<&crate::plan::FeedForwardChoice> {
+        self.feed_forward.as_ref()
     }
 
     /// The device the run trains on.
@@ -1068,5 +1091,42 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("activation_checkpointing = 1"), "{err}");
+    }
+
+    /// On CUDA the memory check picks the feed-forward: the full one (its activation kept)
+    /// where its peak fits in the plan's share of the memory, else the lean one, and a run
+    /// that fits only with the lean one passes with it. On the CPU there is nothing to pick.
+    #[test]
+    fn the_memory_check_keeps_the_feed_forwards_activation_where_it_fits() {
+        if bertkit_model::kernels::lean_cuda_feed_forward_chosen().is_some() {
+            return; // BERTKIT_CUDA_FEED_FORWARD set for this process: nothing for the plan.
+        }
+        let recipe = bertkit_test_support::repo_root().join("pipelines/pretrain-phase1.toml");
+        let mut config = PretrainConfig::load(&recipe).unwrap();
+        let model = config.bert_config().unwrap();
+        let gib = 1u64 << 30;
+        let roomy = check_memory(&config, &model, 128, 70 * gib, 1024)
+            .unwrap()
+            .unwrap();
+        assert!(!roomy.lean && roomy.by_plan, "{roomy:?}");
+        assert!(roomy.full_peak <= roomy.usable);
+        assert_eq!(roomy.prediction.total(), roomy.full_peak);
+        // The full form keeps one more intermediate activation a token a layer, in bf16.
+        let extra = 256.0 * 128.0 * 24.0 * 4096.0 * 2.0;
+        let tight = (roomy.full_peak
+            - extra / 2.0
+            - roomy.prediction.state_bytes
+            - roomy.prediction.runtime_bytes) as u64;
+        let lean = check_memory(&config, &model, 128, tight, 1024)
+            .unwrap()
+            .unwrap();
+        assert!(lean.lean && lean.by_plan, "{lean:?}");
+        assert!(lean.full_peak > lean.usable);
+        assert!((lean.full_peak - lean.prediction.total() - extra).abs() < 1.0);
+        config.train.device = "cpu".into();
+        assert_eq!(
+            check_memory(&config, &model, 128, 1024 * gib, 1024).unwrap(),
+            None
+        );
     }
 }

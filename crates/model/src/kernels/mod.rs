@@ -268,8 +268,10 @@ pub(crate) static LEAN_CUDA_FEED_FORWARD: Switch =
 /// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
 /// the CPU's way, instead of the product and its activation both kept (BERT-large: 1.5 GiB
 /// less at phase 1's micro-batch of 64: 11.2 GiB against 12.6 measured on an H200, for ~4 ms
-/// more a pass: the GELU recomputed). Unset, it is on unless `BERTKIT_CUDA_FEED_FORWARD=full`;
-/// it passed its check on an H200 (BENCHMARKS.md, 2026-11-27).
+/// more a pass: the GELU recomputed). Unset, it is on unless `BERTKIT_CUDA_FEED_FORWARD=full`
+/// (`=lean` chooses it); both forms passed their check on an H200 (BENCHMARKS.md,
+/// 2026-11-27). A pre-training run that finds it unchosen ([`lean_cuda_feed_forward_chosen`])
+/// takes the full form when its memory plan says that fits.
 pub fn set_lean_cuda_feed_forward(on: bool) {
     LEAN_CUDA_FEED_FORWARD.set(on);
 }
@@ -277,6 +279,13 @@ pub fn set_lean_cuda_feed_forward(on: bool) {
 /// Whether the CUDA feed-forward is the lean one (see [`set_lean_cuda_feed_forward`]).
 pub fn lean_cuda_feed_forward() -> bool {
     LEAN_CUDA_FEED_FORWARD.get()
+}
+
+/// The feed-forward form someone chose (`BERTKIT_CUDA_FEED_FORWARD`, or
+/// [`set_lean_cuda_feed_forward`]): `Some(lean)`; `None` while the default stands, free for a
+/// caller that knows the memory to choose.
+pub fn lean_cuda_feed_forward_chosen() -> Option<bool> {
+    LEAN_CUDA_FEED_FORWARD.chosen()
 }
 
 /// Whether the encoder's backward pass on CUDA runs by hand over the kernels' tape.
