@@ -191,6 +191,10 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
     if failed == 0 {
         println!("all {checked} kernel values within bounds");
     }
+    if all.iter().any(|c| !c.passed() && c.needs.is_empty()) {
+        // What a run takes without any setting is wrong here: no setting is safe beside it.
+        println!("a kernel taken by default failed: runs on this device are not to be trusted");
+    }
     // What these checks cover that a run does not take unless told (the one-pass attention is
     // checked in bf16 only, the optimiser's update in f32): the settings whose kernels all
     // passed, even where another's failed.

@@ -799,6 +799,19 @@ impl Kernels for Fused {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
                 tape::apply_op3(&tape::contiguous(x)?, weight, bias, cpu::Linear)
             }
+            // Half precision on the CPU: candle's product, and the bias whose gradient is
+            // summed in f32.
+            Some(bias)
+                if x.device().is_cpu() && is_half(x.dtype()) && bias.dtype() == x.dtype() =>
+            {
+                let product = composed_linear(x, weight, None)?;
+                let dims = product.dims().to_vec();
+                let out = weight.dim(0)?;
+                product
+                    .reshape(((), out))?
+                    .apply_op2(bias, cpu::HalfBias)?
+                    .reshape(dims)
+            }
             _ => composed_linear(x, weight, bias),
         }
     }

@@ -24,7 +24,7 @@ mod nll;
 pub(crate) use attention::Attention;
 pub(crate) use gelu::GeluOp;
 pub(crate) use layer_norm::{LayerNorm, ResidualLayerNorm};
-pub(crate) use linear::{GeluLinear, Linear, LinearGelu};
+pub(crate) use linear::{GeluLinear, HalfBias, Linear, LinearGelu};
 pub(crate) use nll::NegativeLogLikelihood;
 
 /// Lanes the row loops keep separate maxima and sums in: in-order float reductions cannot be
