@@ -161,7 +161,7 @@ fn a_kernel_that_fails_to_run_is_a_failed_line_and_the_check_goes_on() {
 
 /// In bf16 on the CPU (candle's products, our kernels computing in f32 elsewhere) every
 /// kernel passes at every shape `bertkit check kernels` runs, and the bias gradients of the
-/// linear layers, summed over up to 1,090 rows, keep to half precision's rounding: candle's
+/// linear layers, summed over up to 778 rows, keep to half precision's rounding: candle's
 /// sums of a bf16 tensor in bf16 were off by up to 7.3e-2 of the largest magnitude (1.1e-2
 /// at the small shape's 58 rows).
 #[test]
