@@ -147,6 +147,27 @@ impl TrainLog {
     }
 }
 
+/// On CUDA, the feed-forward's form for fine-tuning `config` on sequences of up to `seq` tokens
+/// in `dtype` (the model loaded, its optimiser not yet made): `settings.batch` examples a step,
+/// split over its accumulation and `reducer`'s ranks, as the memory plan chooses for
+/// pre-training ([`bertkit_train::plan::settle_feed_forward`]: the activation kept where that
+/// fits), said through `progress`. Nothing to choose on the CPU.
+pub fn settle_feed_forward(
+    config: &bertkit_model::BertConfig,
+    seq: usize,
+    settings: &TrainSettings,
+    reducer: &dyn GradientReducer,
+    (dtype, device): (DType, &candle_core::Device),
+    progress: &mut dyn FnMut(&str),
+) {
+    let parts = settings.accumulation.max(1) * reducer.ranks().world_size.max(1);
+    let micro_batch = settings.batch.div_ceil(parts);
+    let shape = (seq, micro_batch, settings.accumulation);
+    if let Some(choice) = bertkit_train::plan::settle_feed_forward(config, shape, dtype, device) {
+        progress(&choice.to_string());
+    }
+}
+
 /// A seeded permutation of `0..n` (one splitmix64 stream from `key`).
 pub fn shuffled(n: usize, key: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();

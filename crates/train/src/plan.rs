@@ -530,6 +530,84 @@ pub struct FeedForwardChoice {
     pub prediction: Prediction,
 }
 
+/// `feed-forward: full, its activation kept (34.1 GiB predicted at the peak, within the 64.1
+/// GiB usable; ...)`: the form and why, as a run's start-up prints it.
+impl std::fmt::Display for FeedForwardChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        let form = if self.lean {
+            "lean, its activation recomputed in the backward pass"
+        } else {
+            "full, its activation kept"
+        };
+        write!(f, "feed-forward: {form} (")?;
+        match (self.by_plan, self.lean) {
+            (false, _) => write!(f, "as BERTKIT_CUDA_FEED_FORWARD chose")?,
+            (true, false) => write!(
+                f,
+                "{:.1} GiB predicted at the peak, within the {:.1} GiB usable; \
+                 BERTKIT_CUDA_FEED_FORWARD=lean keeps less",
+                gib(self.full_peak),
+                gib(self.usable)
+            )?,
+            (true, true) => write!(
+                f,
+                "the full form's predicted {:.1} GiB would not fit the {:.1} GiB usable",
+                gib(self.full_peak),
+                gib(self.usable)
+            )?,
+        }
+        write!(f, ")")
+    }
+}
+
+/// For fine-tuning on `device` with the model loaded and its optimiser's state not yet made:
+/// the CUDA feed-forward for micro-batches of `micro_batch` sequences of up to `seq` tokens
+/// (`accumulation` a step) in `dtype`, chosen as `bertkit pretrain`'s memory check chooses
+/// ([`feed_forward_for`], in the device's free memory plus what the weights and the runtime
+/// already hold) and set for the process. `None` off CUDA: nothing to choose.
+pub fn settle_feed_forward(
+    c: &BertConfig,
+    (seq, micro_batch, accumulation): (usize, usize, usize),
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> Option<FeedForwardChoice> {
+    if !device.is_cuda() {
+        return None;
+    }
+    let free = bertkit_model::free_memory(device)? as f64;
+    let precision = match dtype {
+        candle_core::DType::F32 => Precision::F32,
+        candle_core::DType::F64 => Precision::F64,
+        _ => Precision::Half,
+    };
+    let shape = Shape {
+        seq,
+        predictions: 0,
+        micro_batch: micro_batch.max(1),
+        accumulation: accumulation.max(1),
+    };
+    let choice = feed_forward_before_state(c, &shape, precision, free);
+    bertkit_model::kernels::set_lean_cuda_feed_forward(choice.lean);
+    Some(choice)
+}
+
+/// [`feed_forward_for`] with `free` bytes left on the device once the weights are on it, and
+/// before the optimiser's state is: the memory is the free bytes, the weights' and the
+/// runtime's (the f32 master weights and both moments, 12 bytes a parameter, are still to
+/// come and are in the prediction).
+fn feed_forward_before_state(
+    c: &BertConfig,
+    shape: &Shape,
+    precision: Precision,
+    free: f64,
+) -> FeedForwardChoice {
+    // Neither the state nor the runtime depends on the kernels' forms.
+    let probe = predict(c, shape, precision, 0, Target::Cuda);
+    let held = probe.state_bytes - 12.0 * parameters(c) as f64 + probe.runtime_bytes;
+    feed_forward_for(c, shape, precision, 0, free + held)
+}
+
 /// The feed-forward for a CUDA step of `shape` in `memory` bytes (the device's, state and
 /// runtime included), with the step's peak predicted for it; the caller sets it
 /// ([`bertkit_model::kernels::set_lean_cuda_feed_forward`]): the form someone chose if one
@@ -567,6 +645,75 @@ pub fn feed_forward_for(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fine-tuning's choice counts the weights (on the device already) and the runtime as
+    /// memory beside the free bytes, and the state still to come as part of the peak: SQuAD on
+    /// BERT-large in bf16 (32 windows of 384) keeps the activation with 70 GiB free, not where
+    /// the memory would hold the full form's peak only without the 10% the plan keeps back.
+    #[test]
+    fn fine_tuning_counts_the_weights_as_held() {
+        if bertkit_model::kernels::lean_cuda_feed_forward_chosen().is_some() {
+            return; // BERTKIT_CUDA_FEED_FORWARD set for this process.
+        }
+        let c = BertConfig::large();
+        let shape = Shape {
+            seq: 384,
+            predictions: 0,
+            micro_batch: 32,
+            accumulation: 1,
+        };
+        let gib = (1u64 << 30) as f64;
+        let roomy = feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib);
+        assert!(!roomy.lean && roomy.by_plan, "{roomy:?}");
+        let p = parameters(&c) as f64;
+        let weights = roomy.prediction.state_bytes - 12.0 * p;
+        let memory = 70.0 * gib + weights + roomy.prediction.runtime_bytes;
+        assert!((roomy.usable - USABLE * memory).abs() < 1.0);
+        // Free bytes that hold the full form's peak but not with the 10% kept back.
+        let tight = roomy.full_peak - weights - roomy.prediction.runtime_bytes;
+        let lean = feed_forward_before_state(&c, &shape, Precision::Half, tight);
+        assert!(
+            lean.lean && lean.prediction.total() < lean.full_peak,
+            "{lean:?}"
+        );
+    }
+
+    /// The feed-forward's line says the form and why: the plan's figures, or the setting.
+    #[test]
+    fn the_feed_forward_line_says_why() {
+        let gib = (1u64 << 30) as f64;
+        let prediction = Prediction {
+            state_bytes: 0.0,
+            activation_bytes: 0.0,
+            transient_bytes: 0.0,
+            runtime_bytes: 0.0,
+        };
+        let mut choice = FeedForwardChoice {
+            lean: false,
+            by_plan: true,
+            full_peak: 31.25 * gib,
+            usable: 64.0 * gib,
+            prediction,
+        };
+        assert_eq!(
+            choice.to_string(),
+            "feed-forward: full, its activation kept (31.2 GiB predicted at the peak, within the \
+             64.0 GiB usable; BERTKIT_CUDA_FEED_FORWARD=lean keeps less)"
+        );
+        choice.lean = true;
+        choice.usable = 28.8 * gib;
+        assert_eq!(
+            choice.to_string(),
+            "feed-forward: lean, its activation recomputed in the backward pass (the full \
+             form's predicted 31.2 GiB would not fit the 28.8 GiB usable)"
+        );
+        choice.by_plan = false;
+        assert_eq!(
+            choice.to_string(),
+            "feed-forward: lean, its activation recomputed in the backward pass (as \
+             BERTKIT_CUDA_FEED_FORWARD chose)"
+        );
+    }
 
     #[test]
     fn sizes_and_known_parameter_counts() {

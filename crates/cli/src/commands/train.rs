@@ -128,7 +128,7 @@ fn run_pretraining(
     if speaks {
         println!("{}", startup_line(trainer.startup()));
         if let Some(choice) = trainer.feed_forward() {
-            println!("{}", feed_forward_line(choice));
+            println!("{choice}");
         }
     }
     if speaks && resume && trainer.step() == 0 {
@@ -190,32 +190,6 @@ fn startup_line(startup: &bertkit_train::trainer::StartupTimes) -> String {
         .map(|(name, s)| format!("{name} {s:.2} s"))
         .collect();
     format!("start-up {:.1} s: {}", startup.total(), phases.join(", "))
-}
-
-/// `feed-forward: full, its activation kept (31.2 GiB predicted at the peak, 64.1 GiB usable)`:
-/// the CUDA feed-forward's form, which the memory plan chose unless the environment did.
-fn feed_forward_line(choice: &bertkit_train::plan::FeedForwardChoice) -> String {
-    let gib = |b: f64| b / (1u64 << 30) as f64;
-    let form = if choice.lean {
-        "lean, its activation recomputed in the backward pass"
-    } else {
-        "full, its activation kept"
-    };
-    let why = match (choice.by_plan, choice.lean) {
-        (false, _) => "as BERTKIT_CUDA_FEED_FORWARD chose".to_string(),
-        (true, false) => format!(
-            "{:.1} GiB predicted at the peak, within the {:.1} GiB usable; \
-             BERTKIT_CUDA_FEED_FORWARD=lean keeps less",
-            gib(choice.full_peak),
-            gib(choice.usable)
-        ),
-        (true, true) => format!(
-            "the full form's predicted {:.1} GiB would not fit the {:.1} GiB usable",
-            gib(choice.full_peak),
-            gib(choice.usable)
-        ),
-    };
-    format!("feed-forward: {form} ({why})")
 }
 
 /// `first step 16.0 s, then 0.98 s a step (median of 11), 0.91 s of it waiting on the device`:
@@ -871,42 +845,5 @@ mod tests {
         );
         assert_eq!(step_times_line(&run[..1]).unwrap(), "first step 2.00 s");
         assert!(step_times_line(&[]).is_none());
-    }
-
-    /// The feed-forward's line says the form and why: the plan's figures, or the setting.
-    #[test]
-    fn the_feed_forward_line_says_why() {
-        let gib = (1u64 << 30) as f64;
-        let prediction = bertkit_train::plan::Prediction {
-            state_bytes: 0.0,
-            activation_bytes: 0.0,
-            transient_bytes: 0.0,
-            runtime_bytes: 0.0,
-        };
-        let mut choice = bertkit_train::plan::FeedForwardChoice {
-            lean: false,
-            by_plan: true,
-            full_peak: 31.25 * gib,
-            usable: 64.0 * gib,
-            prediction,
-        };
-        assert_eq!(
-            feed_forward_line(&choice),
-            "feed-forward: full, its activation kept (31.2 GiB predicted at the peak, within the \
-             64.0 GiB usable; BERTKIT_CUDA_FEED_FORWARD=lean keeps less)"
-        );
-        choice.lean = true;
-        choice.usable = 28.8 * gib;
-        assert_eq!(
-            feed_forward_line(&choice),
-            "feed-forward: lean, its activation recomputed in the backward pass (the full \
-             form's predicted 31.2 GiB would not fit the 28.8 GiB usable)"
-        );
-        choice.by_plan = false;
-        assert_eq!(
-            feed_forward_line(&choice),
-            "feed-forward: lean, its activation recomputed in the backward pass (as \
-             BERTKIT_CUDA_FEED_FORWARD chose)"
-        );
     }
 }

@@ -261,6 +261,14 @@ pub fn finetune(
             );
         },
     )?;
+    crate::training::settle_feed_forward(
+        &model.config,
+        options.max_seq_length,
+        &options.settings,
+        options.reducer.as_ref(),
+        (options.dtype, &options.device),
+        progress,
+    );
     // The dev set after every epoch (and after the last step): logged, and the last one is
     // the report's.
     let evaluate_dev = || {

@@ -353,6 +353,14 @@ pub fn finetune(
         options.settings.seed,
         &|_| {},
     )?;
+    crate::training::settle_feed_forward(
+        &model.config,
+        options.predict.features.max_seq_length,
+        &options.settings,
+        options.reducer.as_ref(),
+        (options.dtype, device),
+        progress,
+    );
     let log = train(
         &model.params,
         features.len(),
