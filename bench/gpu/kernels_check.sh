@@ -99,28 +99,32 @@ rows() {
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH=registers | the one-pass attention's scores in registers" \
         "BERTKIT_CUDA_TRUST_RATIOS=apart | LAMB's trust ratios in a launch of their own" \
+        "BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_UPDATE=ahead | the ratios apart, the update's loads ahead" \
         "BERTKIT_CUDA_NORM_GRID=wide | LayerNorm's backward over a wider grid" \
         "BERTKIT_CUDA_COLUMN_SUMS=lanes | the partial column sums by 32 lanes a column" \
         "BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide | LayerNorm 16 bytes a thread, the lanes' sums, the wider grid" \
         "BERTKIT_CUDA_LINEAR_BIAS=epilogue | the linear layers' bias in cuBLASLt's epilogue" \
-        "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide BERTKIT_CUDA_LINEAR_BIAS=epilogue | every new setting but the 16-byte stores" \
+        "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide BERTKIT_CUDA_LINEAR_BIAS=epilogue BERTKIT_CUDA_UPDATE=ahead | every new setting but the 16-byte stores" \
         "BERTKIT_CUDA_FEED_FORWARD=lean | the lean feed-forward (pretrain's plan keeps the activation where it fits; bench kernels' default)"
 }
 # (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
 # (The composed and by-group forms were measured on 2026-11-27: 52.6 and 26.8 ms; OPTIMIZER=all
 # runs them again.)
-forms=("- -" "- apart")
-[[ ${OPTIMIZER:-1} == all ]] && forms=("composed -" "by-name -" "${forms[@]}")
+# Each form: the rule, then BERTKIT_CUDA_OPTIMIZER, _TRUST_RATIOS and _UPDATE ("-": unset).
+forms=("lamb - - -" "lamb - apart -" "lamb - - ahead" "lamb - apart ahead" "adamw - - -" "adamw - - ahead")
+[[ ${OPTIMIZER:-1} == all ]] && forms=("lamb composed - -" "lamb by-name - -" "${forms[@]}")
 for form in "${forms[@]}"; do
     [[ ${OPTIMIZER:-1} == 0 ]] && break
-    read -r optimizer ratios <<< "$form"
-    log "2 the optimiser step alone: BERT-large, LAMB, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios"
-    if [[ $ratios != - && $leave_off == *" BERTKIT_CUDA_TRUST_RATIOS=$ratios "* ]]; then
-        echo "skipped (BERTKIT_CUDA_TRUST_RATIOS=$ratios failed its check)"
+    read -r rule optimizer ratios update <<< "$form"
+    log "2 the optimiser step alone: BERT-large, $rule, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios BERTKIT_CUDA_UPDATE=$update"
+    if [[ $ratios != - && $leave_off == *" BERTKIT_CUDA_TRUST_RATIOS=$ratios "* ]] \
+        || [[ $update != - && $leave_off == *" BERTKIT_CUDA_UPDATE=$update "* ]]; then
+        echo "skipped (a setting of it failed its check)"
         continue
     fi
-    BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios timeout 120 $b bench \
-        optimizer --config large --dtype bf16 --device cuda 2>&1 | tail -n 2
+    BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios BERTKIT_CUDA_UPDATE=$update \
+        timeout 120 $b bench optimizer --config large --rule "$rule" --dtype bf16 --device cuda \
+        2>&1 | tail -n 2
 done
 if [[ -n ${EXTRA:-} ]]; then
     # (The plan was refitted to five shapes on 2026-11-27; two of them check it.)
@@ -149,6 +153,10 @@ if [[ -n ${EXTRA:-} ]]; then
         row=${row% } label=${label# }; [[ $row == - ]] && row=
         # shellcheck disable=SC2086
         if row_settings $row; then echo "$label: skipped (${dropped# } failed its check)"; continue; fi
+        # (The optimiser's settings change nothing in a pass.)
+        if [[ -n $row && -z $(printf '%s\n' $row | grep -vE '^BERTKIT_CUDA_(TRUST_RATIOS|UPDATE)=') ]]; then
+            echo "$label: no pass of its own (the optimiser's)"; continue
+        fi
         echo "$label${dropped:+ (without$dropped)}:"
         env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 64 --seq 128 \
             --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 14
@@ -183,6 +191,22 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
         --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
         --device cuda --steps 1 > "$out/ncu-update.txt" 2>&1
+    # The optimiser step's kernels, each one's own time over two steps (`bench optimizer` runs
+    # one untimed, then --steps): beside its wall-clock update phase, what is host time. The
+    # defaults, then the update ahead with the ratios apart where their checks passed.
+    for settings in - "BERTKIT_CUDA_UPDATE=ahead BERTKIT_CUDA_TRUST_RATIOS=apart"; do
+        kept=() file=$out/ncu-optimizer.csv
+        if [[ $settings != - ]]; then
+            # shellcheck disable=SC2086
+            if row_settings $settings; then continue; fi
+            file=$out/ncu-optimizer-ahead.csv
+        fi
+        log "2d'' ncu: the optimiser step's kernels (LAMB, BERT-large, two steps) with ${kept[*]:-the defaults}"
+        env "${kept[@]}" timeout 120 ncu --clock-control none --csv --print-units base \
+            --metrics gpu__time_duration.sum -k regex:'update_|trust_ratios|pieces_to_flat|squares|sum_partials' \
+            $b bench optimizer --config large --dtype bf16 --device cuda --steps 1 > "$file" 2>&1
+        python3 "$here/ncu_summary.py" "$file" --passes 2 --top 12 || tail -n 3 "$file"
+    done
     # The attention with its scores in registers and LayerNorm 16 bytes a thread with the
     # lanes' sums, where their checks passed.
     if [[ $leave_off != *" BERTKIT_CUDA_FLASH=registers "* && $leave_off != *" BERTKIT_CUDA_NORM=vector "* ]]; then

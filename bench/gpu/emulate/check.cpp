@@ -533,8 +533,9 @@ bool check_add(const char* name, size_t n, size_t offset, unsigned grid) {
 }
 
 // Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update
-// of the same weights, moments and gradients: the same bits.
-bool check_update(const char* name, bool lamb, bool decayed, bool apart) {
+// of the same weights, moments and gradients: the same bits. `ahead`: the in-place kernels with
+// their loads issued ahead (AdamW's in one launch).
+bool check_update(const char* name, bool lamb, bool decayed, bool apart, bool ahead = false) {
     const int rows = 3, numel = 2 * CHUNK + 777;
     const size_t total = (size_t)rows * numel;
     std::mt19937_64 rng(7 + lamb + 2 * decayed);
@@ -606,14 +607,23 @@ bool check_update(const char* name, bool lamb, bool decayed, bool apart) {
         std::copy(fresh.begin() + 2 * total, fresh.end(), v.begin());
         // In place.
         std::fill(norms.begin(), norms.end(), 0.0);
-        emulate_launch(grid, THREADS, [&] {
-            update_moments_in_place(state.data(), g.data(), norms.data(), rows, numel, c);
-        });
-        const float* in_place_ratios = ratios_of(norms);
-        emulate_launch(grid, THREADS, [&] {
-            update_weights_in_place(state.data(), norms.data(), rows, numel, blocks, lr, c,
-                                    step == 1 ? nullptr : params, in_place_ratios);
-        });
+        const DeviceTensor* set = step == 1 ? nullptr : params;
+        if (ahead && !lamb) {
+            emulate_launch(grid, THREADS, [&] {
+                update_in_place_one_pass(state.data(), g.data(), rows, numel, lr, c, set);
+            });
+        } else {
+            const auto moments = ahead ? update_moments_in_place_ahead : update_moments_in_place;
+            const auto weights = ahead ? update_weights_in_place_ahead : update_weights_in_place;
+            emulate_launch(grid, THREADS, [&] {
+                moments(state.data(), g.data(), norms.data(), rows, numel, c);
+            });
+            const float* in_place_ratios = ratios_of(norms);
+            emulate_launch(grid, THREADS, [&] {
+                weights(state.data(), norms.data(), rows, numel, blocks, lr, c, set,
+                        in_place_ratios);
+            });
+        }
         for (size_t i = 0; i < total; ++i) {
             differ += !(state[i] == w[i]) + !(state[total + i] == m[i]) +
                       !(state[2 * total + i] == v[i]);
@@ -825,6 +835,10 @@ int main() {
     ok = check_update("LAMB, not decayed", true, false, false) && ok;
     ok = check_update("AdamW, decayed", false, true, false) && ok;
     ok = check_update("LAMB, ratios apart", true, true, true) && ok;
+    ok = check_update("LAMB, loads ahead", true, true, false, true) && ok;
+    ok = check_update("LAMB, ahead, ratios apart", true, false, true, true) && ok;
+    ok = check_update("AdamW, one pass", false, true, false, true) && ok;
+    ok = check_update("AdamW, one pass, no decay", false, false, false, true) && ok;
     std::printf("the gradient bucket in one launch (cuda_update.cu) against copies by hand:\n");
     ok = check_pieces("a block per stretch", 8) && ok;
     ok = check_pieces("two blocks, looping", 2) && ok;

@@ -8,8 +8,9 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::TrainError;
 use crate::optim::{
-    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig, Rule,
-    cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place, set_trust_ratios_apart,
+    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_AHEAD, CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig,
+    Rule, cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place,
+    set_trust_ratios_apart, set_update_ahead, update_ahead,
 };
 
 /// The optimiser update on `device` against its reference, as `bertkit check kernels` reports
@@ -92,19 +93,21 @@ pub fn check_update(
             .collect()
     };
     let mut checks = Vec::new();
-    // (in place, the row's name, the parameters' dtype)
-    let forms: &[(bool, &str, DType)] = if device.is_cuda() {
+    // (in place, its loads ahead, the row's name, the parameters' dtype)
+    let forms: &[(bool, bool, &str, DType)] = if device.is_cuda() {
         &[
-            (false, "", DType::F32),
-            (true, " in place", DType::F32),
-            (true, " in place, bf16", DType::BF16),
+            (false, false, "", DType::F32),
+            (true, false, " in place", DType::F32),
+            (true, false, " in place, bf16", DType::BF16),
+            (true, true, " in place, ahead", DType::F32),
+            (true, true, " in place, ahead, bf16", DType::BF16),
         ]
     } else {
-        &[(false, "", DType::F32)]
+        &[(false, false, "", DType::F32)]
     };
-    let was_in_place = cuda_update_in_place();
+    let (was_in_place, was_ahead) = (cuda_update_in_place(), update_ahead());
     for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
-        for &(in_place, form, dtype) in forms {
+        for &(in_place, ahead, form, dtype) in forms {
             let kernel = format!("optimizer update{form} ({name})");
             let mut needs = if in_place {
                 needing(&[&CUDA_UPDATE_IN_PLACE])
@@ -114,6 +117,9 @@ pub fn check_update(
             if rule == Rule::Lamb && device.is_cuda() {
                 needs.extend(needing(&[&CUDA_TRUST_RATIOS_APART]));
             }
+            if ahead {
+                needs.extend(needing(&[&CUDA_UPDATE_AHEAD]));
+            }
             // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
             let lines = || -> Result<Vec<KernelCheck>, TrainError> {
                 let want = run(
@@ -122,8 +128,10 @@ pub fn check_update(
                     if device.is_cpu() { DType::F64 } else { dtype },
                 )?;
                 set_cuda_update_in_place(in_place);
+                set_update_ahead(ahead);
                 let got = run(rule, device, dtype);
                 set_cuda_update_in_place(was_in_place);
+                set_update_ahead(was_ahead);
                 let got = got?;
                 let mut lines = Vec::new();
                 for (value, prefix) in [

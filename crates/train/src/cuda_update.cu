@@ -186,6 +186,20 @@ __device__ __forceinline__ float update_of(float mi, float vi, float wi, const C
     return u;
 }
 
+// An element's new moments from its gradient `gi` (before clipping) and its old moments: the
+// arithmetic of `update_moments_in_place` (which keeps its own copy, its code unchanged since it
+// ran on a GPU).
+__device__ __forceinline__ void new_moments(float gi, float& mi, float& vi, const Constants& c) {
+    const float clipped = gi * c.clip;
+    mi = mi * c.b1 + clipped * c.one_b1;
+    vi = vi * c.b2 + clipped * clipped * c.one_b2;
+}
+
+// An element's new weight: its update times the row's ratio and the learning rate, taken off.
+__device__ __forceinline__ float stepped(float wi, float u, float ratio, float lr) {
+    return wi - u * ratio * lr;
+}
+
 extern "C" __global__ void update_moments_in_place(float* state, const float* g, double* norms,
                                                    int rows, int numel, Constants c) {
     __shared__ double scratch[32];
@@ -242,11 +256,162 @@ extern "C" __global__ void update_weights_in_place(float* state, const double* n
             const size_t i = base + j;
             const float wi = state[i];
             const float u = update_of(state[total + i], state[2 * total + i], wi, c);
-            const float w = wi - u * ratio * lr;
+            const float w = stepped(wi, u, ratio, lr);
             state[i] = w;
             if (params != nullptr) store_f32(params[row], j, w);
         }
         __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The in-place update with each thread's loads issued ahead (`cuda_update::set_update_ahead`).
+// The kernels above read an element's values, compute and store, then go on to the next: the
+// stores may alias the next element's loads as far as the compiler knows, so a thread has one
+// element's loads in flight at a time. These read all of a thread's elements of the block's
+// chunk first (`AHEAD` a thread, each array), then compute and store them in the same order:
+// the same arithmetic and the same order of the norms' sums (the same bits in the CPU
+// emulation; nvcc may fuse another product into a multiply-add, as it does between the
+// two-buffer and in-place kernels above, so on a GPU they agree to rounding). And where the
+// rule has no trust ratio (AdamW) the update is one launch: the moments, the update and the
+// weight in one pass (30 bytes a parameter moved where two launches move 42).
+
+// Elements of each array a thread holds (a block's chunk over its threads).
+#define AHEAD (CHUNK / THREADS)
+
+// The index in a row of thread `threadIdx.x`'s `k`-th element of the chunk at `start`.
+__device__ __forceinline__ int ahead_index(int start, int k) {
+    return start + threadIdx.x + k * THREADS;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+update_moments_in_place_ahead(float* state, const float* g, double* norms, int rows, int numel,
+                              Constants c) {
+    __shared__ double scratch[32];
+    const size_t total = (size_t)rows * numel;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const size_t base = (size_t)row * numel;
+        const int start = blockIdx.x * CHUNK;
+        const int end = min(start + CHUNK, numel);
+        float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int j = ahead_index(start, k);
+            if (j < end) {
+                const size_t i = base + j;
+                gs[k] = g[i];
+                ws[k] = state[i];
+                ms[k] = state[total + i];
+                vs[k] = state[2 * total + i];
+            }
+        }
+        double w2 = 0.0, u2 = 0.0;
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int j = ahead_index(start, k);
+            if (j < end) {
+                const size_t i = base + j;
+                new_moments(gs[k], ms[k], vs[k], c);
+                state[total + i] = ms[k];
+                state[2 * total + i] = vs[k];
+                if (c.trust_ratio) {
+                    const float u = update_of(ms[k], vs[k], ws[k], c);
+                    w2 += (double)ws[k] * (double)ws[k];
+                    u2 += (double)u * (double)u;
+                }
+            }
+        }
+        if (c.trust_ratio) {
+            w2 = block_sum(w2, scratch);
+            u2 = block_sum(u2, scratch);
+            if (threadIdx.x == 0) {
+                double* out = norms + ((size_t)row * gridDim.x + blockIdx.x) * 2;
+                out[0] = w2;
+                out[1] = u2;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+update_weights_in_place_ahead(float* state, const double* norms, int rows, int numel, int blocks,
+                              float lr, Constants c, const DeviceTensor* params,
+                              const float* ratios) {
+    __shared__ float ratio_shared;
+    const size_t total = (size_t)rows * numel;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        if (threadIdx.x == 0) {
+            ratio_shared = row_ratio(c.trust_ratio, ratios, norms, row, blocks);
+        }
+        const size_t base = (size_t)row * numel;
+        const int start = blockIdx.x * CHUNK;
+        const int end = min(start + CHUNK, numel);
+        float ws[AHEAD], ms[AHEAD], vs[AHEAD];
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int j = ahead_index(start, k);
+            if (j < end) {
+                const size_t i = base + j;
+                ws[k] = state[i];
+                ms[k] = state[total + i];
+                vs[k] = state[2 * total + i];
+            }
+        }
+        const DeviceTensor param =
+            params != nullptr ? params[row] : DeviceTensor{0, ELEMENT_F32, 0};
+        __syncthreads();
+        const float ratio = ratio_shared;
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int j = ahead_index(start, k);
+            if (j < end) {
+                const float w = stepped(ws[k], update_of(ms[k], vs[k], ws[k], c), ratio, lr);
+                state[base + j] = w;
+                store_f32(param, j, w);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// Without a trust ratio (AdamW): the moments, the update and the weight in one pass, the row's
+// parameter set from its new weights; the values `update_moments_in_place` and
+// `update_weights_in_place` make in two.
+extern "C" __global__ void __launch_bounds__(THREADS)
+update_in_place_one_pass(float* state, const float* g, int rows, int numel, float lr,
+                         Constants c, const DeviceTensor* params) {
+    const size_t total = (size_t)rows * numel;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const size_t base = (size_t)row * numel;
+        const int start = blockIdx.x * CHUNK;
+        const int end = min(start + CHUNK, numel);
+        float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int j = ahead_index(start, k);
+            if (j < end) {
+                const size_t i = base + j;
+                gs[k] = g[i];
+                ws[k] = state[i];
+                ms[k] = state[total + i];
+                vs[k] = state[2 * total + i];
+            }
+        }
+        const DeviceTensor param =
+            params != nullptr ? params[row] : DeviceTensor{0, ELEMENT_F32, 0};
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int j = ahead_index(start, k);
+            if (j < end) {
+                const size_t i = base + j;
+                new_moments(gs[k], ms[k], vs[k], c);
+                const float w = stepped(ws[k], update_of(ms[k], vs[k], ws[k], c), 1.0f, lr);
+                state[i] = w;
+                state[total + i] = ms[k];
+                state[2 * total + i] = vs[k];
+                store_f32(param, j, w);
+            }
+        }
     }
 }
 

@@ -160,8 +160,28 @@ impl InplaceOp2 for UpdateInPlace {
         let Grid { cfg, norms, blocks } = grid(&dev, rows, numel)?;
         let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
         let mut state = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
+        let ahead = crate::optim::update_ahead();
+        if ahead && self.constants.trust_ratio == 0 {
+            // No trust ratio: the moments, the update and the weights in one launch.
+            let func = dev.get_or_load_custom_func("update_in_place_one_pass", MODULE, PTX)?;
+            let mut b = func.builder();
+            b.arg(&mut state).arg(&g_view).arg(&rows_i).arg(&numel_i);
+            b.arg(&self.lr).arg(&self.constants).arg(&params);
+            // SAFETY: the arguments `update_in_place_one_pass` declares, in order; `state`
+            // holds `3 · rows · numel` values, `params` a row's parameter each (as below).
+            unsafe { b.launch(cfg) }.w()?;
+            return Ok(());
+        }
+        let (moments, weights) = if ahead {
+            (
+                "update_moments_in_place_ahead",
+                "update_weights_in_place_ahead",
+            )
+        } else {
+            ("update_moments_in_place", "update_weights_in_place")
+        };
         {
-            let func = dev.get_or_load_custom_func("update_moments_in_place", MODULE, PTX)?;
+            let func = dev.get_or_load_custom_func(moments, MODULE, PTX)?;
             let mut b = func.builder();
             b.arg(&mut state).arg(&g_view).arg(&norms);
             b.arg(&rows_i).arg(&numel_i).arg(&self.constants);
@@ -169,7 +189,7 @@ impl InplaceOp2 for UpdateInPlace {
         }
         let ratios = trust_ratios(&dev, &norms, rows, blocks, self.constants.trust_ratio != 0)?;
         {
-            let func = dev.get_or_load_custom_func("update_weights_in_place", MODULE, PTX)?;
+            let func = dev.get_or_load_custom_func(weights, MODULE, PTX)?;
             let mut b = func.builder();
             b.arg(&mut state).arg(&norms).arg(&rows_i).arg(&numel_i);
             b.arg(&blocks_i)
@@ -180,7 +200,7 @@ impl InplaceOp2 for UpdateInPlace {
                 Some(r) => b.arg(r),
                 None => b.arg(&NULL),
             };
-            // SAFETY: the arguments `update_weights_in_place` declares, in order; `params`
+            // SAFETY: the arguments `update_weights_in_place` (and `_ahead`) declares, in order; `params`
             // holds a row's parameter each, of `numel` elements (checked above), which the
             // optimiser holds past the launch (it owns the variables); on candle's one stream
             // the writes come after every earlier use of the parameters, before any later.

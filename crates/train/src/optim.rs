@@ -254,6 +254,25 @@ pub fn trust_ratios_apart() -> bool {
     CUDA_TRUST_RATIOS_APART.get()
 }
 
+/// Whether the CUDA update in place issues each thread's loads ahead (and AdamW's in one pass).
+pub(crate) static CUDA_UPDATE_AHEAD: Switch = Switch::opt_in("BERTKIT_CUDA_UPDATE", "ahead");
+
+/// Turns the in-place update's loads issued ahead on or off for this process: each thread reads
+/// all of its elements of a block's chunk before computing any (the kernels in use read, compute
+/// and store an element at a time, one element's loads in flight a thread: the compiler cannot
+/// move the next loads above stores that may alias them), and a rule without a trust ratio
+/// (AdamW, fine-tuning's) updates in one launch instead of two (30 bytes a parameter moved
+/// instead of 42). Checked by `bertkit check kernels --device cuda` (its `ahead` rows), not yet
+/// run on a GPU: unset, it is off unless `BERTKIT_CUDA_UPDATE=ahead`.
+pub fn set_update_ahead(on: bool) {
+    CUDA_UPDATE_AHEAD.set(on);
+}
+
+/// Whether the CUDA update in place issues its loads ahead (see [`set_update_ahead`]).
+pub fn update_ahead() -> bool {
+    CUDA_UPDATE_AHEAD.get()
+}
+
 /// The CUDA settings still off by default that `bertkit check kernels --device cuda` checks:
 /// the model's kernels' ([`bertkit_model::kernels::cuda_settings_off_by_default`]) and the
 /// optimiser's update in place, as the environment turns each on (`VARIABLE=value`).
@@ -261,6 +280,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     settings.extend(CUDA_UPDATE_IN_PLACE.turned_on_by());
     settings.extend(CUDA_TRUST_RATIOS_APART.turned_on_by());
+    settings.extend(CUDA_UPDATE_AHEAD.turned_on_by());
     settings
 }
 
