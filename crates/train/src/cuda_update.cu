@@ -284,6 +284,26 @@ __device__ __forceinline__ int ahead_index(int start, int k) {
     return start + threadIdx.x + k * THREADS;
 }
 
+// The thread's elements of the chunk at `start` of the row at `base` (the row ends at `end`),
+// all read before any arithmetic: each one's weight, moments and (`GRADIENT`) gradient.
+template <bool GRADIENT>
+__device__ __forceinline__ void load_ahead(const float* state, const float* g, size_t base,
+                                           size_t total, int start, int end, float (&gs)[AHEAD],
+                                           float (&ws)[AHEAD], float (&ms)[AHEAD],
+                                           float (&vs)[AHEAD]) {
+#pragma unroll
+    for (int k = 0; k < AHEAD; ++k) {
+        const int j = ahead_index(start, k);
+        if (j < end) {
+            const size_t i = base + j;
+            if (GRADIENT) gs[k] = g[i];
+            ws[k] = state[i];
+            ms[k] = state[total + i];
+            vs[k] = state[2 * total + i];
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 update_moments_in_place_ahead(float* state, const float* g, double* norms, int rows, int numel,
                               Constants c) {
@@ -294,17 +314,7 @@ update_moments_in_place_ahead(float* state, const float* g, double* norms, int r
         const int start = blockIdx.x * CHUNK;
         const int end = min(start + CHUNK, numel);
         float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
-#pragma unroll
-        for (int k = 0; k < AHEAD; ++k) {
-            const int j = ahead_index(start, k);
-            if (j < end) {
-                const size_t i = base + j;
-                gs[k] = g[i];
-                ws[k] = state[i];
-                ms[k] = state[total + i];
-                vs[k] = state[2 * total + i];
-            }
-        }
+        load_ahead<true>(state, g, base, total, start, end, gs, ws, ms, vs);
         double w2 = 0.0, u2 = 0.0;
 #pragma unroll
         for (int k = 0; k < AHEAD; ++k) {
@@ -346,17 +356,8 @@ update_weights_in_place_ahead(float* state, const double* norms, int rows, int n
         const size_t base = (size_t)row * numel;
         const int start = blockIdx.x * CHUNK;
         const int end = min(start + CHUNK, numel);
-        float ws[AHEAD], ms[AHEAD], vs[AHEAD];
-#pragma unroll
-        for (int k = 0; k < AHEAD; ++k) {
-            const int j = ahead_index(start, k);
-            if (j < end) {
-                const size_t i = base + j;
-                ws[k] = state[i];
-                ms[k] = state[total + i];
-                vs[k] = state[2 * total + i];
-            }
-        }
+        float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
+        load_ahead<false>(state, nullptr, base, total, start, end, gs, ws, ms, vs);
         const DeviceTensor param =
             params != nullptr ? params[row] : DeviceTensor{0, ELEMENT_F32, 0};
         __syncthreads();
@@ -386,17 +387,7 @@ update_in_place_one_pass(float* state, const float* g, int rows, int numel, floa
         const int start = blockIdx.x * CHUNK;
         const int end = min(start + CHUNK, numel);
         float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
-#pragma unroll
-        for (int k = 0; k < AHEAD; ++k) {
-            const int j = ahead_index(start, k);
-            if (j < end) {
-                const size_t i = base + j;
-                gs[k] = g[i];
-                ws[k] = state[i];
-                ms[k] = state[total + i];
-                vs[k] = state[2 * total + i];
-            }
-        }
+        load_ahead<true>(state, g, base, total, start, end, gs, ws, ms, vs);
         const DeviceTensor param =
             params != nullptr ? params[row] : DeviceTensor{0, ELEMENT_F32, 0};
 #pragma unroll
