@@ -10,8 +10,9 @@
 # whose kernels the check passes: with SIDE, the table for all of them at once. The EXTRA rows
 # run without any setting the check failed (a row left with none of its own is skipped, saying
 # so). PROFILE=1 adds ncu's time per kernel over two training passes (ncu_summary.py; with
-# every setting the check passed), and the sections (throughput, occupancy, stalls) of the
-# attention's, LayerNorm's and the optimiser's update kernels, the new forms' among them. SIDE=0
+# every setting the check passed) and over two optimiser steps, and the sections (throughput,
+# occupancy, stalls) of the optimiser's update kernels and of the new attention and LayerNorm
+# forms. SIDE=0
 # skips the side-by-side table (to split a long run into two device calls); OPTIMIZER=0 skips
 # the optimiser step alone (2), OPTIMIZER=all adds its composed and by-group forms.
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
@@ -182,11 +183,9 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
     # Why the costliest kernels take what they take (throughput, occupancy, stall reasons):
     # the one-pass attention's and LayerNorm's backward over those passes, and the optimiser's
     # in-place update over BERT-large's step. Whole sections in the logs, the headlines here.
-    log "2d' ncu sections: the attention's and LayerNorm's kernels, the optimiser's update"
-    timeout 120 ncu --clock-control none -k regex:'flash|layer_norm_backward|column_sums' --launch-count 8 \
-        --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json --batch 64 \
-        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu-layers.txt" 2>&1
+    # (The shared-tile attention's and the block-per-row LayerNorm's sections were read on
+    # 2026-11-27: BENCHMARKS.md.)
+    log "2d' ncu sections: the optimiser's update"
     timeout 120 ncu --clock-control none -k regex:'update_|pieces_to_flat|squares' \
         --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
@@ -219,7 +218,7 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
     fi
     # The headlines in the file beside the sections (the call's output keeps only its tail).
     grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" \
-        "$out/ncu-layers.txt" "$out/ncu-update.txt" "$out"/ncu-registers.txt 2>/dev/null \
+        "$out/ncu-update.txt" "$out"/ncu-registers.txt 2>/dev/null \
         | cut -c1-110 > "$out/ncu-headlines.txt"
     echo "ncu headlines: $(wc -l < "$out/ncu-headlines.txt") lines in ncu-headlines.txt"
 fi
