@@ -2,7 +2,8 @@
 # bertkit beside PyTorch + transformers on one GPU: the same work, shapes and device, in one
 # run that fits the device tool's one call (about 6 minutes on an H100/H200), ending in one
 # table of ratios (what BENCHMARKS.md records). Work, BERT-large in bf16 by default:
-#   1. phase-1 pre-training steps (seq 128, micro-batch 64, 20 predictions a sequence);
+#   1. phase-1 pre-training steps (seq 128, micro-batch 64, 20 predictions a sequence), and
+#      bertkit's again with AdamW, the peer's optimiser (the recipe's is LAMB);
 #   2. the forward pass against transformers on the phase-1 weights (f32, no TF32);
 #   3. inference (seq 128, batch 64, bf16);
 #   4. phase-2 pre-training steps (seq 512, micro-batch 8, 80 predictions), from phase 1;
@@ -126,6 +127,21 @@ log "1 phase 1: seq 128, micro-batch $p1_batch, $steps steps ($dtype)"
 recipe phase1 phase1
 pretrain phase1 128 "$p1_batch" 20
 checkpoint=$(ls -d "$work"/phase1/checkpoints/step-* 2>/dev/null | tail -n 1)
+
+if [[ -z ${QUICK:-} ]]; then
+    # PyTorch's peer steps with fused AdamW (one pass); the recipe's LAMB takes two and its
+    # trust ratios: the same phase 1 with AdamW on bertkit's side, set against the same
+    # PyTorch run, says what of the ratio is the optimiser.
+    log "1b phase 1 with AdamW, PyTorch's optimiser (bertkit's side; the recipe runs LAMB)"
+    sed -e 's|^rule = .*|rule = "adamw"|' -e "s|^output = .*|output = \"$work/phase1-adamw\"|" \
+        "$work/phase1.toml" > "$work/phase1-adamw.toml"
+    "$bertkit" pretrain --config "$work/phase1-adamw.toml" --no-eval --no-checkpoints \
+        --device "$device" --max-steps "$steps" --micro-batch "$p1_batch" \
+        --global-batch "$p1_batch" > "$out/phase1-adamw.log" 2>&1
+    rc=$?
+    tail -n 3 "$out/phase1-adamw.log"
+    result "{\"side\": \"bertkit\", \"work\": \"phase1-adamw\", \"rc\": $rc, \"seq_per_s\": $(median_seq_per_s "$work/phase1-adamw/metrics.jsonl" "$warmup")}"
+fi
 
 if [[ -z ${QUICK:-} && -n $checkpoint ]]; then
     log "2 the forward pass against transformers on the phase-1 weights (f32, no TF32)"

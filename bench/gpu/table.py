@@ -22,15 +22,20 @@ def main(path):
     print("|---|---:|---:|---:|")
     names = {
         "phase1": "phase 1 pre-training, seq/s",
+        "phase1-adamw": "phase 1 with AdamW on both sides (the recipe: LAMB), seq/s",
         "phase2": "phase 2 pre-training, seq/s",
         "infer": "inference, seq/s",
         "squad": "SQuAD fine-tuning, windows/s",
         "glue": "GLUE MRPC fine-tuning, examples/s",
     }
+    # A bertkit-only variant set against another work's PyTorch run.
+    peer_of = {"phase1-adamw": "phase1"}
     for work, label in names.items():
-        sides = by.get(work, {})
+        sides = dict(by.get(work, {}))
         if not sides:
             continue
+        if work in peer_of:
+            sides["torch"] = by.get(peer_of[work], {}).get("torch", {})
         ours = sides.get("bertkit", {}).get("seq_per_s")
         theirs = sides.get("torch", {}).get("seq_per_s") or sides.get("torch", {}).get("windows_per_s")
         ratio = f"{ours / theirs:.3f}" if ours and theirs else "–"
@@ -39,6 +44,8 @@ def main(path):
         # (context, workspaces, each allocator's spare and all), and the bytes in tensors
         # (bertkit's CUDA pool high-water mark; torch's max_memory_allocated). Ratios above 1
         # here: bertkit holds more.
+        if work in peer_of:
+            continue  # its memory is the work it varies
         what = label.split(",")[0]
         ours_side, theirs_side = sides.get("bertkit", {}), sides.get("torch", {})
         allocated = theirs_side.get("peak_bytes")
