@@ -45,12 +45,13 @@ timeout 240 $b check kernels --device cuda --dtype f32,bf16,f16 > "$out/check.tx
 check_rc=$?
 echo "rc $check_rc (lines not ok, of $(wc -l < "$out/check.txt"); all in check.txt)"
 grep -v " ok$" "$out/check.txt"
-# A kernel taken by default failed: the kept function handles (on by default, host code, not
-# yet run on a GPU) would break every launch, so they are the first suspect. The check again
-# with candle's lookup at every launch; where that has no default kernel failing, the rest of
-# the call runs with it, rather than spend the call on broken launches.
+# A kernel taken by default failed (or the check died: rc above 1, but not a timeout): the
+# kept function handles (on by default, host code, not yet run on a GPU) would break every
+# launch, so they are the first suspect. The check again with candle's lookup at every launch;
+# where that finishes with no default kernel failing, the rest of the call runs with it,
+# rather than spend the call on broken launches.
 default_failed='a kernel taken by default failed'
-if grep -q "$default_failed" "$out/check.txt"; then
+if grep -q "$default_failed" "$out/check.txt" || ((check_rc > 1 && check_rc != 124)); then
     log "1b the check again with BERTKIT_CUDA_FUNCTIONS=lookup (candle's lookup at every launch)"
     BERTKIT_CUDA_FUNCTIONS=lookup timeout 240 $b check kernels --device cuda --dtype f32,bf16,f16 \
         > "$out/check-lookup.txt" 2>&1
