@@ -64,6 +64,19 @@ __device__ double block_sum(double v, double* scratch) {
     return v;
 }
 
+// This block's share of row `row`'s squared norms, `w2` and `u2` summed over its threads, into
+// `norms` (`[rows, gridDim.x, 2]`): what the moments' launches leave for the trust ratio.
+__device__ __forceinline__ void store_partial_norms(double w2, double u2, double* scratch,
+                                                    double* norms, int row) {
+    w2 = block_sum(w2, scratch);
+    u2 = block_sum(u2, scratch);
+    if (threadIdx.x == 0) {
+        double* out = norms + ((size_t)row * gridDim.x + blockIdx.x) * 2;
+        out[0] = w2;
+        out[1] = u2;
+    }
+}
+
 // `state` is `[3, rows, numel]`: the update `u` (the new weights after the second launch), the
 // first and the second moments. `norms` is `[rows, gridDim.x, 2]`: each block's Σw², Σu².
 extern "C" __global__ void update_moments(const float* w, const float* m, const float* v,
@@ -92,15 +105,7 @@ extern "C" __global__ void update_moments(const float* w, const float* m, const 
                 u2 += (double)u * (double)u;
             }
         }
-        if (c.trust_ratio) {
-            w2 = block_sum(w2, scratch);
-            u2 = block_sum(u2, scratch);
-            if (threadIdx.x == 0) {
-                double* out = norms + ((size_t)row * gridDim.x + blockIdx.x) * 2;
-                out[0] = w2;
-                out[1] = u2;
-            }
-        }
+        if (c.trust_ratio) store_partial_norms(w2, u2, scratch, norms, row);
     }
 }
 
@@ -223,15 +228,7 @@ extern "C" __global__ void update_moments_in_place(float* state, const float* g,
                 u2 += (double)u * (double)u;
             }
         }
-        if (c.trust_ratio) {
-            w2 = block_sum(w2, scratch);
-            u2 = block_sum(u2, scratch);
-            if (threadIdx.x == 0) {
-                double* out = norms + ((size_t)row * gridDim.x + blockIdx.x) * 2;
-                out[0] = w2;
-                out[1] = u2;
-            }
-        }
+        if (c.trust_ratio) store_partial_norms(w2, u2, scratch, norms, row);
     }
 }
 
@@ -331,15 +328,7 @@ update_moments_in_place_ahead(float* state, const float* g, double* norms, int r
                 }
             }
         }
-        if (c.trust_ratio) {
-            w2 = block_sum(w2, scratch);
-            u2 = block_sum(u2, scratch);
-            if (threadIdx.x == 0) {
-                double* out = norms + ((size_t)row * gridDim.x + blockIdx.x) * 2;
-                out[0] = w2;
-                out[1] = u2;
-            }
-        }
+        if (c.trust_ratio) store_partial_norms(w2, u2, scratch, norms, row);
     }
 }
 
