@@ -159,7 +159,7 @@ impl InplaceOp2 for UpdateInPlace {
         }
         let dev = state.device.clone();
         let params = upload(&dev, &self.params)?;
-        let Grid { cfg, norms, blocks } = grid(&dev, rows, numel)?;
+        let (cfg, blocks) = grid(rows, numel);
         let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
         let mut state = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
         let ahead = crate::optim::update_ahead();
@@ -174,6 +174,7 @@ impl InplaceOp2 for UpdateInPlace {
             unsafe { b.launch(cfg) }.w()?;
             return Ok(());
         }
+        let norms = partial_norms(&dev, rows, blocks)?;
         let (moments, weights) = if ahead {
             (
                 "update_moments_in_place_ahead",
@@ -258,7 +259,8 @@ impl CustomOp3 for Update {
         let dev = &w.device;
         // SAFETY: every element is written by the two launches.
         let mut state = unsafe { dev.alloc::<f32>(3 * rows * numel)? };
-        let Grid { cfg, norms, blocks } = grid(dev, rows, numel)?;
+        let (cfg, blocks) = grid(rows, numel);
+        let norms = partial_norms(dev, rows, blocks)?;
         let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
         let trust = self.constants.trust_ratio;
         {
@@ -296,24 +298,25 @@ impl CustomOp3 for Update {
 }
 
 /// Both forms' launch shape: a block per `CHUNK` elements of a row (rows along y, strided
-/// past 65,535), and each block's partial norms, zeroed.
-struct Grid {
-    cfg: LaunchConfig,
-    norms: candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>,
-    blocks: usize,
+/// past 65,535), and the blocks a row.
+fn grid(rows: usize, numel: usize) -> (LaunchConfig, usize) {
+    let blocks = numel.div_ceil(CHUNK).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, rows.clamp(1, 65_535) as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (cfg, blocks)
 }
 
-fn grid(dev: &candle_core::cuda_backend::CudaDevice, rows: usize, numel: usize) -> Result<Grid> {
-    let blocks = numel.div_ceil(CHUNK).max(1);
-    Ok(Grid {
-        cfg: LaunchConfig {
-            grid_dim: (blocks as u32, rows.clamp(1, 65_535) as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        },
-        norms: dev.alloc_zeros::<f64>(rows * blocks * 2)?,
-        blocks,
-    })
+/// Each block's partial norms (`[rows, blocks, 2]` f64), zeroed: what the moments' launch
+/// writes and the weights' launch (or `trust_ratios`) reads.
+fn partial_norms(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    rows: usize,
+    blocks: usize,
+) -> Result<CudaSlice<f64>> {
+    dev.alloc_zeros::<f64>(rows * blocks * 2)
 }
 
 /// The contiguous f32 elements of one of the group's `[rows, numel]` buffers.
