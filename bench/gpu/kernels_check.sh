@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # On a GPU machine, from a pack (bench/gpu/pack.sh, which copies this file): the fused CUDA
-# kernels checked against their CPU twins (f32, bf16, f16), the optimiser step alone (composed,
-# by parameter group, in place: the default), then the whole side-by-side table beside PyTorch
-# (side_by_side.sh, which also profiles a training pass per kernel; QUICK=1: phase 1 only;
-# SIDE_SECONDS: its time limit, 480). EXTRA=1 adds the device pool's memory figures against the
-# plan, then phase 1's steps, a training pass per kernel, and for each row of `rows` (below:
-# the settings still off by default, bench/gpu/emulate having run their CUDA code on the CPU)
-# beside the defaults, and fp16. ALL_ON=1 turns on, for the rest of the call, every setting
-# whose kernels the check passes: with SIDE, the table for all of them at once. The EXTRA rows
-# run without any setting the check failed (a row left with none of its own is skipped, saying
-# so). PROFILE=1 adds ncu's time per kernel over two training passes (ncu_summary.py; with
-# every setting the check passed) and over two optimiser steps, and the sections (throughput,
-# occupancy, stalls) of the optimiser's update kernels and of the new attention and LayerNorm
-# forms. SIDE=0
-# skips the side-by-side table (to split a long run into two device calls); OPTIMIZER=0 skips
-# the optimiser step alone (2), OPTIMIZER=all adds its composed and by-group forms.
+# kernels checked against their CPU twins (f32, bf16, f16), the optimiser step alone in its
+# forms (OPTIMIZER=0 skips it, OPTIMIZER=all adds the composed and by-group forms), then the
+# whole side-by-side table beside PyTorch (side_by_side.sh, which also profiles a training pass
+# per kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 480; SIDE=0 skips it).
+# ALL_ON=1 runs the table with every setting whose kernels the check passed. EXTRA=1 adds, for
+# each row of `rows` (below: the settings still off by default, bench/gpu/emulate having run
+# their CUDA code on the CPU) beside the defaults, phase 1's steps (before the table), then the
+# device pool's memory against the plan, fp16, and a training pass per kernel; the rows run
+# without any setting the check failed (a row left with none of its own is skipped, saying so).
+# PROFILE=1 adds ncu's time per kernel over two optimiser steps and over two training passes
+# (ncu_summary.py; with every setting the check passed), and the sections (throughput,
+# occupancy, stalls) of the optimiser's update and of the new attention and LayerNorm forms.
+# Steps run in the order of what they decide (the end of the file): a call cut off by its time
+# limit keeps what came first.
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -67,19 +66,6 @@ if grep -q "$default_failed" "$out/check.txt" || ((check_rc > 1 && check_rc != 1
         check_rc=$lookup_rc
     fi
 fi
-if [[ -n ${ALL_ON:-} ]]; then
-    # ALL_ON=1: every setting whose kernels the check just passed (its line "to use them: ..."
-    # names them, also when another setting's kernel failed; none when a kernel taken by
-    # default failed), for the rest of the call.
-    settings=$(sed -n 's/.*to use them: //p' "$out/check.txt")
-    if [[ -n $settings ]]; then
-        # shellcheck disable=SC2086
-        export $settings
-        log "ALL_ON: $settings"
-    else
-        log "ALL_ON: no setting to turn on (none off by default passed; check rc $check_rc); the defaults stay"
-    fi
-fi
 # The settings the check failed (its line "failed or not checked here, leave off: ..."; all
 # of them when a kernel taken by default failed): the rows below run without them rather than
 # spend the call on a kernel known wrong. `row_settings VAR=VALUE...` keeps in $kept those of
@@ -109,36 +95,43 @@ rows() {
         "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide BERTKIT_CUDA_LINEAR_BIAS=epilogue BERTKIT_CUDA_UPDATE=ahead | every new setting but the 16-byte stores" \
         "BERTKIT_CUDA_FEED_FORWARD=lean | the lean feed-forward (pretrain's plan keeps the activation where it fits; bench kernels' default)"
 }
-# (side_by_side.sh profiles a training pass per kernel itself, step 3b.)
-# (The composed and by-group forms were measured on 2026-11-27: 52.6 and 26.8 ms; OPTIMIZER=all
-# runs them again.)
-# Each form: the rule, then BERTKIT_CUDA_OPTIMIZER, _TRUST_RATIOS and _UPDATE ("-": unset).
-forms=("lamb - - -" "lamb - apart -" "lamb - apart ahead" "adamw - - -" "adamw - - ahead")
-[[ ${OPTIMIZER:-1} == all ]] && forms=("lamb composed - -" "lamb by-name - -" "${forms[@]}")
-for form in "${forms[@]}"; do
-    [[ ${OPTIMIZER:-1} == 0 ]] && break
-    read -r rule optimizer ratios update <<< "$form"
-    log "2 the optimiser step alone: BERT-large, $rule, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios BERTKIT_CUDA_UPDATE=$update"
-    if [[ $ratios != - && $leave_off == *" BERTKIT_CUDA_TRUST_RATIOS=$ratios "* ]] \
-        || [[ $update != - && $leave_off == *" BERTKIT_CUDA_UPDATE=$update "* ]]; then
-        echo "skipped (a setting of it failed its check)"
-        continue
-    fi
-    BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios BERTKIT_CUDA_UPDATE=$update \
-        timeout 120 $b bench optimizer --config large --rule "$rule" --dtype bf16 --device cuda \
-        2>&1 | tail -n 2
-done
-if [[ -n ${EXTRA:-} ]]; then
-    # (The plan was refitted to five shapes on 2026-11-27; two of them check it.)
-    log "2b bench memory on the device (the pool's peak against the plan), the defaults: phase 1 at micro-batch 64, phase 2 at 8 (bf16)"
-    for shape in "phase1 20 64 1" "phase2 80 8 1"; do
-        read -r records predictions micro accumulation <<< "$shape"
-        timeout 120 $b bench memory --config "$here/data/pipelines/pretrain-phase1.toml" \
-            --data "$here/data/records/$records" --preset large --precision bf16 --device cuda \
-            --predictions "$predictions" --micro-batch "$micro" --accumulation "$accumulation" \
-            --steps 2 2>&1 | tail -n 1
+# ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
+# line "to use them: ..." names them, also when another setting's kernel failed; none when a
+# kernel taken by default failed). Only the table: the rows below compare against the defaults.
+passed=$(sed -n 's/.*to use them: //p' "$out/check.txt")
+side_settings=()
+if [[ -n ${ALL_ON:-} ]]; then
+    # shellcheck disable=SC2206
+    side_settings=($passed)
+    log "ALL_ON: the table with ${passed:-no setting (none off by default passed; check rc $check_rc): the defaults}"
+fi
+# The steps in the order the call spends them: what decides the defaults first (the optimiser's
+# forms, phase 1 per row), then the table beside PyTorch, then what explains (the optimiser's
+# kernels under ncu, memory, fp16, the kernels per pass, ncu's sections). A call cut off by its
+# time limit keeps what came first; every step's output is in $out/kernels_check.log.
+optimizer_forms() {
+    # (The composed and by-group forms were measured on 2026-11-27: 52.6 and 26.8 ms;
+    # OPTIMIZER=all runs them again.)
+    # Each form: the rule, then BERTKIT_CUDA_OPTIMIZER, _TRUST_RATIOS and _UPDATE ("-": unset).
+    local forms=("lamb - - -" "lamb - apart -" "lamb - apart ahead" "adamw - - -" "adamw - - ahead")
+    [[ ${OPTIMIZER:-1} == all ]] && forms=("lamb composed - -" "lamb by-name - -" "${forms[@]}")
+    local form rule optimizer ratios update
+    for form in "${forms[@]}"; do
+        read -r rule optimizer ratios update <<< "$form"
+        log "2 the optimiser step alone: BERT-large, $rule, bf16 model (f32 state), BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios BERTKIT_CUDA_UPDATE=$update"
+        if [[ $ratios != - && $leave_off == *" BERTKIT_CUDA_TRUST_RATIOS=$ratios "* ]] \
+            || [[ $update != - && $leave_off == *" BERTKIT_CUDA_UPDATE=$update "* ]]; then
+            echo "skipped (a setting of it failed its check)"
+            continue
+        fi
+        BERTKIT_CUDA_OPTIMIZER=$optimizer BERTKIT_CUDA_TRUST_RATIOS=$ratios BERTKIT_CUDA_UPDATE=$update \
+            timeout 120 $b bench optimizer --config large --rule "$rule" --dtype bf16 --device cuda \
+            2>&1 | tail -n 2
     done
+}
+phase1_rows() {
     log "2c phase 1, 12 steps: each row's settings beside the defaults"
+    local row label
     while IFS='|' read -r row label; do
         row=${row% } label=${label# }; [[ $row == - ]] && row=
         # shellcheck disable=SC2086
@@ -149,51 +142,19 @@ if [[ -n ${EXTRA:-} ]]; then
             phase1 row bf16 | grep -E "a step|start-up" | sed "s|^|$label: |"
         )
     done < <(rows)
-    # By CUDA events (the GPU's own time, the host running ahead as in training).
-    log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16, each row's settings"
-    while IFS='|' read -r row label; do
-        row=${row% } label=${label# }; [[ $row == - ]] && row=
-        # shellcheck disable=SC2086
-        if row_settings $row; then echo "$label: skipped (${dropped# } failed its check)"; continue; fi
-        # (The optimiser's settings change nothing in a pass.)
-        if [[ -n $row && -z $(printf '%s\n' $row | grep -vE '^BERTKIT_CUDA_(TRUST_RATIOS|UPDATE)=') ]]; then
-            echo "$label: no pass of its own (the optimiser's)"; continue
-        fi
-        echo "$label${dropped:+ (without$dropped)}:"
-        env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 64 --seq 128 \
-            --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 14
-    done < <(rows)
-    log "2f phase 1 in fp16, 12 steps (the kernels' f16 forms)"
-    phase1 fp16 fp16 | grep -E "a step|start-up|loss" | tail -n 3
-fi
-if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
-    # Each kernel's own time (ncu replays them one by one: no overlap, no launch gaps) over
-    # two training passes of a 2-layer BERT-large at phase 1's shape, the encoder's backward by
-    # hand, the one-pass attention: which launches the layers, the autograd and the heads are made of.
-    # With every new setting the check passed (the defaults' kernels were profiled on
-    # 2026-11-27): where the time goes once they are on.
-    passed=$(sed -n 's/.*to use them: //p' "$out/check.txt")
-    log "2d ncu: the kernels of two training passes, 2-layer BERT-large, batch 64 x 128, bf16, with ${passed:-the defaults}"
-    python3 -c 'import json,sys; json.dump({"architectures":["BertForPreTraining"],"model_type":"bert","vocab_size":30522,"hidden_size":1024,"num_hidden_layers":2,"num_attention_heads":16,"intermediate_size":4096,"hidden_act":"gelu","hidden_dropout_prob":0.1,"attention_probs_dropout_prob":0.1,"max_position_embeddings":512,"type_vocab_size":2,"initializer_range":0.02,"layer_norm_eps":1e-12}, open("/tmp/large2.json","w"))'
-    # shellcheck disable=SC2086
-    env $passed timeout 300 ncu --clock-control none --csv --print-units base \
-        --metrics gpu__time_duration.sum $b bench kernels --config /tmp/large2.json --batch 64 \
-        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
+}
+side_by_side() {
+    log "3 the side-by-side table${side_settings[*]:+ with ${side_settings[*]}}"
+    env "${side_settings[@]}" OUT="$out/side" timeout "${SIDE_SECONDS:-480}" \
+        bash "$here/side_by_side.sh" --bertkit "$b" --python python3 --data "$here/data"
     echo "rc $?"
-    python3 "$here/ncu_summary.py" "$out/ncu.csv" --passes 2 --top 45 || tail -n 5 "$out/ncu.err"
-    # Why the costliest kernels take what they take (throughput, occupancy, stall reasons):
-    # the one-pass attention's and LayerNorm's backward over those passes, and the optimiser's
-    # in-place update over BERT-large's step. Whole sections in the logs, the headlines here.
-    # (The shared-tile attention's and the block-per-row LayerNorm's sections were read on
-    # 2026-11-27: BENCHMARKS.md.)
-    log "2d' ncu sections: the optimiser's update"
-    timeout 120 ncu --clock-control none -k regex:'update_|pieces_to_flat|squares' \
-        --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
-        --device cuda --steps 1 > "$out/ncu-update.txt" 2>&1
-    # The optimiser step's kernels, each one's own time over two steps (`bench optimizer` runs
-    # one untimed, then --steps): beside its wall-clock update phase, what is host time. The
-    # defaults, then the update ahead with the ratios apart where their checks passed.
+    grep -h "checkpoint\|first step" "$out"/side/phase*.log 2>/dev/null
+}
+# The optimiser step's kernels, each one's own time over two steps (`bench optimizer` runs one
+# untimed, then --steps): beside its wall-clock update phase, what is host time. The defaults,
+# then the update ahead with the ratios apart where their checks passed.
+optimizer_kernels() {
+    local settings file
     for settings in - "BERTKIT_CUDA_UPDATE=ahead BERTKIT_CUDA_TRUST_RATIOS=apart"; do
         kept=() file=$out/ncu-optimizer.csv
         if [[ $settings != - ]]; then
@@ -207,9 +168,72 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
             $b bench optimizer --config large --dtype bf16 --device cuda --steps 1 > "$file" 2>&1
         python3 "$here/ncu_summary.py" "$file" --passes 2 --top 12 || tail -n 3 "$file"
     done
-    # The attention with its scores in registers and LayerNorm 16 bytes a thread with the
-    # lanes' sums, where their checks passed.
+}
+memory() {
+    # (The plan was refitted to five shapes on 2026-11-27; two of them check it.)
+    log "2b bench memory on the device (the pool's peak against the plan), the defaults: phase 1 at micro-batch 64, phase 2 at 8 (bf16)"
+    local shape records predictions micro accumulation
+    for shape in "phase1 20 64 1" "phase2 80 8 1"; do
+        read -r records predictions micro accumulation <<< "$shape"
+        timeout 120 $b bench memory --config "$here/data/pipelines/pretrain-phase1.toml" \
+            --data "$here/data/records/$records" --preset large --precision bf16 --device cuda \
+            --predictions "$predictions" --micro-batch "$micro" --accumulation "$accumulation" \
+            --steps 2 2>&1 | tail -n 1
+    done
+}
+fp16() {
+    log "2f phase 1 in fp16, 12 steps (the kernels' f16 forms)"
+    phase1 fp16 fp16 | grep -E "a step|start-up|loss" | tail -n 3
+}
+large2() {
+    python3 -c 'import json,sys; json.dump({"architectures":["BertForPreTraining"],"model_type":"bert","vocab_size":30522,"hidden_size":1024,"num_hidden_layers":2,"num_attention_heads":16,"intermediate_size":4096,"hidden_act":"gelu","hidden_dropout_prob":0.1,"attention_probs_dropout_prob":0.1,"max_position_embeddings":512,"type_vocab_size":2,"initializer_range":0.02,"layer_norm_eps":1e-12}, open("/tmp/large2.json","w"))'
+}
+# Each kernel's own time (ncu replays them one by one: no overlap, no launch gaps) over two
+# training passes of a 2-layer BERT-large at phase 1's shape: which launches the layers, the
+# autograd and the heads are made of. With every new setting the check passed (the defaults'
+# kernels were profiled on 2026-11-27): where the time goes once they are on.
+pass_kernels() {
+    log "2d ncu: the kernels of two training passes, 2-layer BERT-large, batch 64 x 128, bf16, with ${passed:-the defaults}"
+    large2
+    # shellcheck disable=SC2086
+    env $passed timeout 300 ncu --clock-control none --csv --print-units base \
+        --metrics gpu__time_duration.sum $b bench kernels --config /tmp/large2.json --batch 64 \
+        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
+    echo "rc $?"
+    python3 "$here/ncu_summary.py" "$out/ncu.csv" --passes 2 --top 45 || tail -n 5 "$out/ncu.err"
+}
+# By CUDA events (the GPU's own time, the host running ahead as in training).
+pass_rows() {
+    log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16, each row's settings"
+    local row label
+    while IFS='|' read -r row label; do
+        row=${row% } label=${label# }; [[ $row == - ]] && row=
+        # shellcheck disable=SC2086
+        if row_settings $row; then echo "$label: skipped (${dropped# } failed its check)"; continue; fi
+        # (The optimiser's settings change nothing in a pass.)
+        # shellcheck disable=SC2086
+        if [[ -n $row && -z $(printf '%s\n' $row | grep -vE '^BERTKIT_CUDA_(TRUST_RATIOS|UPDATE)=') ]]; then
+            echo "$label: no pass of its own (the optimiser's)"; continue
+        fi
+        echo "$label${dropped:+ (without$dropped)}:"
+        env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 64 --seq 128 \
+            --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 14
+    done < <(rows)
+}
+# Why the costliest kernels take what they take (throughput, occupancy, stall reasons): the
+# optimiser's in-place update over BERT-large's step, the attention with its scores in
+# registers and LayerNorm 16 bytes a thread (where their checks passed) over a 2-layer model's
+# passes. Whole sections in the logs, the headlines in ncu-headlines.txt. (The shared-tile
+# attention's and the block-per-row LayerNorm's sections were read on 2026-11-27:
+# BENCHMARKS.md.)
+sections() {
+    log "2d' ncu sections: the optimiser's update, the new attention and LayerNorm"
+    timeout 120 ncu --clock-control none -k regex:'update_|pieces_to_flat|squares' \
+        --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
+        --device cuda --steps 1 > "$out/ncu-update.txt" 2>&1
     if [[ $leave_off != *" BERTKIT_CUDA_FLASH=registers "* && $leave_off != *" BERTKIT_CUDA_NORM=vector "* ]]; then
+        large2
         BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes \
             timeout 120 ncu --clock-control none \
             -k regex:'flash_registers|layer_norm_vec|column_sums_lanes' --launch-count 30 --section SpeedOfLight \
@@ -217,17 +241,22 @@ if [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null; then
             $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 \
             --device cuda --passes 1 > "$out/ncu-registers.txt" 2>&1
     fi
-    # The headlines in the file beside the sections (the call's output keeps only its tail).
     grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" \
         "$out/ncu-update.txt" "$out"/ncu-registers.txt 2>/dev/null \
         | cut -c1-110 > "$out/ncu-headlines.txt"
     echo "ncu headlines: $(wc -l < "$out/ncu-headlines.txt") lines in ncu-headlines.txt"
+}
+profile=
+[[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null && profile=1
+[[ ${OPTIMIZER:-1} != 0 ]] && optimizer_forms
+[[ -n ${EXTRA:-} ]] && phase1_rows
+[[ ${SIDE:-1} != 0 ]] && side_by_side
+[[ -n $profile ]] && optimizer_kernels
+if [[ -n ${EXTRA:-} ]]; then
+    memory
+    fp16
 fi
-if [[ ${SIDE:-1} == 0 ]]; then
-    exit 0
-fi
-log "3 the side-by-side table"
-OUT=$out/side timeout "${SIDE_SECONDS:-480}" \
-    bash "$here/side_by_side.sh" --bertkit "$b" --python python3 --data "$here/data"
-echo "rc $?"
-grep -h "checkpoint\|first step" "$out"/side/phase*.log 2>/dev/null
+[[ -n $profile ]] && pass_kernels
+[[ -n ${EXTRA:-} ]] && pass_rows
+[[ -n $profile ]] && sections
+exit 0
