@@ -51,40 +51,12 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: cuBLASLt's bias epilogue (the linear rows without an activation need
-    // it), the one-pass attention's 16-byte stores and its scores in registers, LayerNorm 16
-    // bytes a thread (their rows run on CUDA only), LayerNorm's wider grid and the lanes'
-    // column sums, which the norm rows need (the sums: the linear rows too); the other kernels
-    // need nothing.
+    // Every CUDA kernel setting has passed on a GPU and is on by default (BENCHMARKS.md,
+    // 2026-11-27): no line needs one. The mechanism is shown with settings of the test's own.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert_eq!(
-        settings,
-        [
-            "BERTKIT_CUDA_LINEAR_BIAS=epilogue",
-            "BERTKIT_CUDA_FLASH_STORES=vector",
-            "BERTKIT_CUDA_FLASH=registers",
-            "BERTKIT_CUDA_NORM_GRID=wide",
-            "BERTKIT_CUDA_NORM=vector",
-            "BERTKIT_CUDA_COLUMN_SUMS=lanes"
-        ]
-    );
+    assert!(settings.is_empty(), "{settings:?}");
     for c in &checks {
-        let want: &[&str] = if c.kernel.contains("layer_norm") {
-            &[
-                "BERTKIT_CUDA_NORM_GRID=wide",
-                "BERTKIT_CUDA_COLUMN_SUMS=lanes",
-            ]
-        } else if c.kernel.starts_with("linear_gelu") || c.kernel == "linear (wide)" {
-            &["BERTKIT_CUDA_COLUMN_SUMS=lanes"]
-        } else if c.kernel.starts_with("linear") || c.kernel.starts_with("feed_forward") {
-            &[
-                "BERTKIT_CUDA_COLUMN_SUMS=lanes",
-                "BERTKIT_CUDA_LINEAR_BIAS=epilogue",
-            ]
-        } else {
-            &[]
-        };
-        assert_eq!(c.needs, want, "{c:?}");
+        assert!(c.needs.is_empty(), "{c:?}");
     }
     // Two checked settings (lines of their own), and one no line checks.
     for (kernel, setting) in [

@@ -235,15 +235,16 @@ pub fn set_cuda_update_in_place(on: bool) {
 
 /// Whether the CUDA update sums each row's partial norms once, in a launch of its own.
 pub(crate) static CUDA_TRUST_RATIOS_APART: Switch =
-    Switch::opt_in("BERTKIT_CUDA_TRUST_RATIOS", "apart");
+    Switch::opt_out("BERTKIT_CUDA_TRUST_RATIOS", "per-block");
 
 /// Turns LAMB's trust ratios on CUDA in a launch of their own on or off for this process: a
 /// block per parameter row adds up its blocks' partial norms in parallel, once, where each
 /// block of the weights' launch has its first thread add up all of its row's partials (the
 /// row's blocks times over: BERT-large's word embeddings are one row of 7,630 blocks; on an
 /// H200 the in-place update took 12.1 ms for what moves in ~4 at the card's bandwidth).
-/// Checked by `bertkit check kernels --device cuda` (its LAMB rows), not yet run on a GPU:
-/// unset, it is off unless `BERTKIT_CUDA_TRUST_RATIOS=apart`.
+/// It passed its check (`bertkit check kernels --device cuda`, its LAMB rows) on an H200,
+/// where BERT-large's update went from 14.7 to 4.7 ms and the phase-1 step from 87 to 73 ms
+/// (BENCHMARKS.md, 2026-11-27): unset, it is on unless `BERTKIT_CUDA_TRUST_RATIOS=per-block`.
 pub fn set_trust_ratios_apart(on: bool) {
     CUDA_TRUST_RATIOS_APART.set(on);
 }
@@ -255,15 +256,17 @@ pub fn trust_ratios_apart() -> bool {
 }
 
 /// Whether the CUDA update in place issues each thread's loads ahead (and AdamW's in one pass).
-pub(crate) static CUDA_UPDATE_AHEAD: Switch = Switch::opt_in("BERTKIT_CUDA_UPDATE", "ahead");
+pub(crate) static CUDA_UPDATE_AHEAD: Switch = Switch::opt_out("BERTKIT_CUDA_UPDATE", "per-element");
 
 /// Turns the in-place update's loads issued ahead on or off for this process: each thread reads
 /// all of its elements of a block's chunk before computing any (the kernels in use read, compute
 /// and store an element at a time, one element's loads in flight a thread: the compiler cannot
 /// move the next loads above stores that may alias them), and a rule without a trust ratio
 /// (AdamW, fine-tuning's) updates in one launch instead of two (30 bytes a parameter moved
-/// instead of 42). Checked by `bertkit check kernels --device cuda` (its `ahead` rows), not yet
-/// run on a GPU: unset, it is off unless `BERTKIT_CUDA_UPDATE=ahead`.
+/// instead of 42). It passed its check (`bertkit check kernels --device cuda`, its `ahead`
+/// rows) on an H200, where BERT-large's LAMB update went from 4.7 to 3.7 ms and AdamW's from
+/// 4.2 to 2.7 (BENCHMARKS.md, 2026-11-27): unset, it is on unless
+/// `BERTKIT_CUDA_UPDATE=per-element`.
 pub fn set_update_ahead(on: bool) {
     CUDA_UPDATE_AHEAD.set(on);
 }

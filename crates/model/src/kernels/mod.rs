@@ -415,17 +415,17 @@ pub fn cuda_add() -> bool {
 
 /// Whether the one-pass attention stores its results 16 bytes at a time.
 pub(crate) static CUDA_FLASH_VECTOR_STORES: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FLASH_STORES", "vector");
+    Switch::opt_out("BERTKIT_CUDA_FLASH_STORES", "scalar");
 
 /// Turns the one-pass attention's 16-byte stores on or off for this process: each lane writes
 /// its 32 results (the context, the queries', keys' and values' gradients) as four 16-byte
 /// stores instead of 32 two-byte ones. A warp's lanes each write a row of their own, so a
 /// two-byte store instruction touches 32 cache sectors for 64 bytes; on an H200 the kernels
 /// ran with L2 at 47% of its peak and DRAM at 7% (BENCHMARKS.md, 2026-11-27). The same values
-/// (`bench/gpu/emulate` compares the bits); checked by `bertkit check kernels --device cuda`
-/// (its `attention flash` rows), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_FLASH_STORES=vector`. Only the form through shared memory has it (the scores
-/// in registers, [`set_cuda_flash_registers`], are taken first).
+/// (`bench/gpu/emulate` compares the bits); it passed its check (`bertkit check kernels --device
+/// cuda`, its `attention flash` rows) on an H200 (BENCHMARKS.md, 2026-11-27): unset, it is on
+/// unless `BERTKIT_CUDA_FLASH_STORES=scalar`. Only the form through shared memory has it (the
+/// scores in registers, [`set_cuda_flash_registers`], are taken first).
 pub fn set_cuda_flash_vector_stores(on: bool) {
     CUDA_FLASH_VECTOR_STORES.set(on);
 }
@@ -437,7 +437,7 @@ pub fn cuda_flash_vector_stores() -> bool {
 }
 
 /// Whether the one-pass attention keeps its scores in registers.
-pub(crate) static CUDA_FLASH_REGISTERS: Switch = Switch::opt_in("BERTKIT_CUDA_FLASH", "registers");
+pub(crate) static CUDA_FLASH_REGISTERS: Switch = Switch::opt_out("BERTKIT_CUDA_FLASH", "shared");
 
 /// Turns the one-pass attention's form with its scores in registers on or off for this process
 /// (`flash_registers.cu`): its products are `mma.sync` tiles whose f32 results stay in the
@@ -448,9 +448,11 @@ pub(crate) static CUDA_FLASH_REGISTERS: Switch = Switch::opt_in("BERTKIT_CUDA_FL
 /// a third of its stalls on shared memory; BENCHMARKS.md, 2026-11-27). The same grid, inputs,
 /// outputs and dropout masks; `bench/gpu/emulate` checks it against f64 on the CPU and
 /// `bertkit check kernels --device cuda` against the CPU's attention (its `attention flash
-/// registers` rows, and the encoder's with the one-pass attention). Not yet run on a GPU:
-/// unset, it is off unless `BERTKIT_CUDA_FLASH=registers`. Taken before the 16-byte stores
-/// ([`set_cuda_flash_vector_stores`]), which only the form through shared memory has.
+/// registers` rows, and the encoder's with the one-pass attention); it passed on an H200,
+/// where it took a BERT-large phase-1 pass's attention from 4.3 + 15.0 ms to 2.6 + 8.5
+/// (BENCHMARKS.md, 2026-11-27): unset, it is on unless `BERTKIT_CUDA_FLASH=shared`. Taken
+/// before the 16-byte stores ([`set_cuda_flash_vector_stores`]), which only the form through
+/// shared memory has.
 pub fn set_cuda_flash_registers(on: bool) {
     CUDA_FLASH_REGISTERS.set(on);
 }
@@ -462,15 +464,16 @@ pub fn cuda_flash_registers() -> bool {
 }
 
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
-pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_in("BERTKIT_CUDA_NORM_GRID", "wide");
+pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
 /// Turns LayerNorm's backward on CUDA (and a sublayer's end's) over a wider grid on or off for
 /// this process: up to 2,048 blocks, four rows a block at BERT-large's 8,192 tokens, where 512
 /// blocks take 16 rows each, one after the other, each row waiting on four block-wide sums (on
 /// an H200 that backward took 102 µs for `[8192, 1024]` bf16, about a quarter of the card's
 /// bandwidth). The same kernel; more partial sums of the weight's and bias's gradients, added
-/// by the same second launch. Checked by `bertkit check kernels --device cuda` (its norm rows
-/// at 778 tokens), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_NORM_GRID=wide`.
+/// by the same second launch. It passed its check (`bertkit check kernels --device cuda`, its
+/// norm rows at 778 tokens) on an H200 (BENCHMARKS.md, 2026-11-27): unset, it is on unless
+/// `BERTKIT_CUDA_NORM_GRID=narrow`.
 pub fn set_cuda_norm_wide_grid(on: bool) {
     CUDA_NORM_WIDE_GRID.set(on);
 }
@@ -482,7 +485,7 @@ pub fn cuda_norm_wide_grid() -> bool {
 }
 
 /// Whether LayerNorm on CUDA takes its kernels 16 bytes a thread.
-pub(crate) static CUDA_NORM_VECTOR: Switch = Switch::opt_in("BERTKIT_CUDA_NORM", "vector");
+pub(crate) static CUDA_NORM_VECTOR: Switch = Switch::opt_out("BERTKIT_CUDA_NORM", "block");
 
 /// Turns LayerNorm's (and a sublayer's end's) kernels 16 bytes a thread on or off for this
 /// process: a block per row still, each thread holding 16 bytes of the row (8 bf16 or f16, 4
@@ -495,8 +498,9 @@ pub(crate) static CUDA_NORM_VECTOR: Switch = Switch::opt_in("BERTKIT_CUDA_NORM",
 /// 16-byte boundary; others keep the block-per-row kernels. The same sums in another order:
 /// `bench/gpu/emulate` compares the two forms (f32 within 2.4e-7; bf16 and f16 the same
 /// elements but where a sum straddles a rounding) and `bertkit check kernels --device cuda`
-/// each against the CPU (its `vector` norm rows). Not yet run on a GPU: unset, it is off
-/// unless `BERTKIT_CUDA_NORM=vector`.
+/// each against the CPU (its `vector` norm rows); on an H200 it passed, and with the lanes'
+/// sums and the wider grid took a phase-1 pass's sublayer ends from 2.56 + 6.80 ms to 1.57 +
+/// 4.16 (BENCHMARKS.md, 2026-11-27): unset, it is on unless `BERTKIT_CUDA_NORM=block`.
 pub fn set_cuda_norm_vector(on: bool) {
     CUDA_NORM_VECTOR.set(on);
 }
@@ -509,7 +513,7 @@ pub fn cuda_norm_vector() -> bool {
 
 /// Whether the CUDA kernels' partial column sums are added by 32 lanes a column.
 pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
-    Switch::opt_in("BERTKIT_CUDA_COLUMN_SUMS", "lanes");
+    Switch::opt_out("BERTKIT_CUDA_COLUMN_SUMS", "serial");
 
 /// Turns the lanes' column sums on or off for this process: the blocks' partial sums of a
 /// LayerNorm's weight and bias gradients and of a linear layer's bias gradient (`[blocks,
@@ -517,8 +521,8 @@ pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
 /// fixed order, where one thread a column adds all of its parts one after the other (for
 /// LayerNorm's 512 partial rows of 2,048 columns, eight blocks on the whole GPU, 512 dependent
 /// additions each). Checked by `bench/gpu/emulate` (with the LayerNorm rows) and by `bertkit
-/// check kernels --device cuda` (the norm and linear rows), not yet run on a GPU: unset, it is
-/// off unless `BERTKIT_CUDA_COLUMN_SUMS=lanes`.
+/// check kernels --device cuda` (the norm and linear rows); it passed on an H200
+/// (BENCHMARKS.md, 2026-11-27): unset, it is on unless `BERTKIT_CUDA_COLUMN_SUMS=serial`.
 pub fn set_cuda_column_sums_lanes(on: bool) {
     CUDA_COLUMN_SUMS_LANES.set(on);
 }
@@ -530,7 +534,7 @@ pub fn cuda_column_sums_lanes() -> bool {
 
 /// Whether linear layers on CUDA add their bias in cuBLASLt's epilogue.
 pub(crate) static CUDA_LINEAR_EPILOGUE: Switch =
-    Switch::opt_in("BERTKIT_CUDA_LINEAR_BIAS", "epilogue");
+    Switch::opt_out("BERTKIT_CUDA_LINEAR_BIAS", "kernel");
 
 /// Turns cuBLASLt's product with the bias added in its epilogue on or off for this process,
 /// for the linear layers without an activation whose widths are whole 16-byte pieces (the
@@ -539,9 +543,10 @@ pub(crate) static CUDA_LINEAR_EPILOGUE: Switch =
 /// cuBLAS's product writes `x · weightᵀ` and our kernel reads it back and writes it again with
 /// the bias (on an H200 the queries', keys' and values' projection of a BERT-large batch
 /// moves 100 MB through that second pass, ~25 µs a layer). bf16 and f16 (f32 keeps cuBLAS's
-/// product and TF32 as set); the backward is unchanged. Checked by `bertkit check kernels
-/// --device cuda` (the linear rows), not yet run on a GPU (cuBLASLt cannot run on the CPU):
-/// unset, it is off unless `BERTKIT_CUDA_LINEAR_BIAS=epilogue`.
+/// product and TF32 as set); the backward is unchanged. It passed its check (`bertkit check
+/// kernels --device cuda`, the linear rows) on an H200, where a phase-1 pass's linear layers'
+/// forward went from 4.8 to 3.0 ms (BENCHMARKS.md, 2026-11-27): unset, it is on unless
+/// `BERTKIT_CUDA_LINEAR_BIAS=kernel`.
 pub fn set_cuda_linear_epilogue(on: bool) {
     CUDA_LINEAR_EPILOGUE.set(on);
 }
