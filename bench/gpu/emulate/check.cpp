@@ -18,6 +18,8 @@
 // - the gradients' sum (`add_tensors`, the same file) against sums by hand, 16-byte aligned and
 //   not;
 // - a linear layer's end backward (`bias_act_backward`) on rows wider than a block's bias sums;
+//   and the end 16 bytes a thread (`bias_act_vec_*`) against the kernels an element a thread,
+//   bit for bit (f32, bf16, f16; with GELU in both forms and without, with a bias and without);
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
 //   a vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
@@ -411,6 +413,61 @@ bool check_bias(const char* name, int rows, int cols, int act, unsigned blocks) 
     };
     if (act) report("dy", got_g, want_g);
     report("dbias", got_b, want_b);
+    return ok;
+}
+
+// A linear layer's end 16 bytes a thread (`bias_act_vec_*` in `kernels.cu`) against the kernels
+// an element a thread (which passed on an H200), on the same inputs: the output, the
+// activation's gradient and the blocks' partial bias sums, bit for bit (the same arithmetic
+// per element, each column's rows summed in the same order). `threads` fewer than a row's
+// pieces makes a thread take several; `blocks` fewer than the rows, a block several rows.
+template <typename T>
+bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bias,
+                    unsigned blocks, unsigned threads) {
+    std::mt19937_64 rng(11 + cols + act);
+    std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+    std::vector<T> y((size_t)rows * cols), grad((size_t)rows * cols), bias(cols);
+    for (auto* v : {&y, &grad, &bias}) for (auto& e : *v) e = from_f32<T>(u(rng));
+    const T* b = with_bias ? bias.data() : nullptr;
+    const size_t n = (size_t)rows * cols;
+    const T unwritten = from_f32<T>(std::nanf(""));
+    std::vector<T> out(n, unwritten), out_vec(n, unwritten);
+    emulate_launch({blocks, 1, 1}, 256, [&] {
+        bias_act_forward<T>(y.data(), b, out.data(), rows, cols, act);
+    });
+    emulate_launch({blocks, 1, 1}, threads, [&] {
+        bias_act_vec_forward<T>(y.data(), b, out_vec.data(), rows, cols, act);
+    });
+    std::vector<T> grad_y(act ? n : 0, unwritten), grad_y_vec(act ? n : 0, unwritten);
+    std::vector<float> partial((size_t)blocks * cols, std::nanf("")), partial_vec = partial;
+    const unsigned chunks = (unsigned)((cols + BIAS_CHUNK - 1) / BIAS_CHUNK);
+    const size_t shared = std::min(cols, BIAS_CHUNK) * sizeof(float);
+    emulate_launch({blocks, chunks, 1}, 256, [&] {
+        bias_act_backward<T>(y.data(), b, grad.data(), act ? grad_y.data() : nullptr,
+                             with_bias ? partial.data() : nullptr, rows, cols, act);
+    }, shared);
+    emulate_launch({blocks, chunks, 1}, threads, [&] {
+        bias_act_vec_backward<T>(y.data(), b, grad.data(), act ? grad_y_vec.data() : nullptr,
+                                 with_bias ? partial_vec.data() : nullptr, rows, cols, act);
+    }, shared);
+    // Bits, NaNs included (an element either kernel never wrote stays a NaN in both or fails).
+    const auto differ = [](const auto& a, const auto& b2) {
+        size_t wrong = 0;
+        for (size_t i = 0; i < a.size(); ++i) {
+            const double x = to_f32(a[i]), z = to_f32(b2[i]);
+            if (std::isnan(x) || std::isnan(z) || memcmp(&a[i], &b2[i], sizeof a[i]) != 0) ++wrong;
+        }
+        return wrong;
+    };
+    bool ok = true;
+    const auto report = [&](const char* what, size_t wrong, size_t of) {
+        ok = ok && wrong == 0;
+        std::printf("  %-28s %-8s %zu of %zu differ %s\n", name, what, wrong, of,
+                    wrong ? "FAILED" : "ok");
+    };
+    report("output", differ(out, out_vec), n);
+    if (act) report("dy", differ(grad_y, grad_y_vec), n);
+    if (with_bias) report("partials", differ(partial, partial_vec), partial.size());
     return ok;
 }
 
@@ -815,6 +872,13 @@ int main() {
     ok = check_bias("bias, 2 chunks", 7, BIAS_CHUNK + 300, 0, 3) && ok;
     ok = check_bias("bias + GELU, 2 chunks", 5, BIAS_CHUNK + 40, 1, 2) && ok;
     ok = check_bias("bias + GELU, one chunk", 9, 1000, 1, 4) && ok;
+    std::printf("a linear layer's end 16 bytes a thread (bias_act_vec_*, kernels.cu) against an element a thread:\n");
+    ok = check_bias_vec<bf16>("bf16, bias + GELU", 13, 4096, 1, true, 5, 256) && ok;
+    ok = check_bias_vec<bf16>("bf16, bias, 2 chunks", 6, BIAS_CHUNK + 64, 0, true, 4, 128) && ok;
+    ok = check_bias_vec<bf16>("bf16, GELU (tanh), no bias", 7, 1024, 2, false, 3, 64) && ok;
+    ok = check_bias_vec<f16>("f16, bias + GELU", 9, 768, 1, true, 9, 32) && ok;
+    ok = check_bias_vec<float>("f32, bias + GELU (tanh)", 11, 200, 2, true, 4, 32) && ok;
+    ok = check_bias_vec<float>("f32, GELU, no bias", 5, 1028, 1, false, 2, 256) && ok;
     std::printf("LayerNorm 16 bytes a thread (layer_norm_vec_*, kernels.cu) against the block per row:\n");
     ok = check_norm<bf16>("norm bf16, residual, dropout", 37, 1024, true, true, 5, 8e-3) && ok;
     ok = check_norm<bf16>("norm bf16, plain", 9, 768, false, false, 4, 8e-3) && ok;

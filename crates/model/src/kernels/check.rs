@@ -303,9 +303,13 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         train: false,
         form: Form::Plain,
         needs: if epilogue {
-            vec![&super::CUDA_COLUMN_SUMS_LANES, &super::CUDA_LINEAR_EPILOGUE]
+            vec![
+                &super::CUDA_COLUMN_SUMS_LANES,
+                &super::CUDA_LINEAR_EPILOGUE,
+                &super::CUDA_BIAS_ACT_VECTOR,
+            ]
         } else {
-            vec![&super::CUDA_COLUMN_SUMS_LANES]
+            vec![&super::CUDA_COLUMN_SUMS_LANES, &super::CUDA_BIAS_ACT_VECTOR]
         },
     };
     let attention = |kernel, train, form| Case {
@@ -374,7 +378,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
             form: Form::Plain,
-            needs: vec![],
+            needs: vec![&super::CUDA_BIAS_ACT_VECTOR],
         },
         Case {
             kernel: "feed_forward (erf)",
@@ -394,6 +398,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::LEAN_CUDA_FEED_FORWARD,
                 &super::CUDA_COLUMN_SUMS_LANES,
                 &super::CUDA_LINEAR_EPILOGUE,
+                &super::CUDA_BIAS_ACT_VECTOR,
             ],
         },
         attention("attention (eval)", false, Form::Plain),

@@ -511,6 +511,29 @@ pub fn cuda_norm_vector() -> bool {
     CUDA_NORM_VECTOR.get()
 }
 
+/// Whether a linear layer's end on CUDA takes its kernels 16 bytes a thread.
+pub(crate) static CUDA_BIAS_ACT_VECTOR: Switch = Switch::opt_in("BERTKIT_CUDA_BIAS_ACT", "vector");
+
+/// Turns a linear layer's end on CUDA 16 bytes a thread on or off for this process: the bias
+/// and the activation (the feed-forward's GELU) after cuBLAS's product, and in the backward the
+/// activation's slope with the bias's partial sums, each thread reading and writing 16 bytes of
+/// a row at a time where the kernels in use take an element a thread (on an H200 they ran at
+/// ~2.6 and ~2.8 TB/s for BERT-large's `[8192, 4096]`: 52 and 68 µs a call, a layer's forward
+/// and backward; BENCHMARKS.md, 2026-11-27). The same arithmetic per element and the same order
+/// of each column's sum: the same bits (`bench/gpu/emulate` compares them). For rows of whole
+/// 16-byte pieces with every input on a 16-byte boundary; others keep the kernels an element a
+/// thread. Checked by `bertkit check kernels --device cuda` (the linear, GELU and feed-forward
+/// rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_BIAS_ACT=vector`.
+pub fn set_cuda_bias_act_vector(on: bool) {
+    CUDA_BIAS_ACT_VECTOR.set(on);
+}
+
+/// Whether a linear layer's end on CUDA takes its kernels 16 bytes a thread (see
+/// [`set_cuda_bias_act_vector`]).
+pub fn cuda_bias_act_vector() -> bool {
+    CUDA_BIAS_ACT_VECTOR.get()
+}
+
 /// Whether the CUDA kernels' partial column sums are added by 32 lanes a column.
 pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
     Switch::opt_out("BERTKIT_CUDA_COLUMN_SUMS", "serial");
@@ -613,7 +636,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 16] = [
+static CUDA_SWITCHES: [&Switch; 17] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -627,6 +650,7 @@ static CUDA_SWITCHES: [&Switch; 16] = [
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_COLUMN_SUMS_LANES,
+    &CUDA_BIAS_ACT_VECTOR,
     &CUDA_FLASH_ATTENTION,
     &CUDA_LOSS,
     &CUDA_FP16,

@@ -35,17 +35,33 @@ fn rows_cols(op: &str, y: &Layout, bias: Option<&Layout>) -> Result<(usize, usiz
     Ok((y.shape().elem_count() / cols, cols))
 }
 
+/// Whether a linear layer's end takes its kernels 16 bytes a thread
+/// ([`crate::kernels::set_cuda_bias_act_vector`]) for rows of `cols` elements of `T`, its
+/// inputs laid out as `layouts`.
+fn vector_end<T>(cols: usize, layouts: &[&Layout]) -> bool {
+    let starts: Vec<usize> = layouts.iter().map(|l| l.start_offset()).collect();
+    crate::kernels::cuda_bias_act_vector() && in_16_byte_pieces::<T>(cols, &starts)
+}
+
 fn forward<T: Element>(
     dev: &CudaDevice,
     y: &CudaView<'_, T>,
     bias: Option<&CudaView<'_, T>>,
     (rows, cols): (usize, usize),
     act: i32,
+    vector: bool,
 ) -> Result<CudaSlice<T>> {
     // SAFETY: every element is written by the kernel.
     let mut out = unsafe { dev.alloc::<T>(rows * cols)? };
     let (rows_i, cols_i) = (rows as i32, cols as i32);
-    launch!(T, dev, "bias_act_forward", config(rows, 256, 0), |b| {
+    let (name, cfg) = if vector {
+        // A thread a 16-byte piece.
+        let pieces = rows * cols / (16 / std::mem::size_of::<T>());
+        ("bias_act_vec_forward", config(pieces.div_ceil(256), 256, 0))
+    } else {
+        ("bias_act_forward", config(rows, 256, 0))
+    };
+    launch!(T, dev, name, cfg, |b| {
         b.arg(y);
         match bias {
             Some(bias) => b.arg(bias),
@@ -65,6 +81,7 @@ fn backward<T: Element>(
     grad: &CudaView<'_, T>,
     (rows, cols): (usize, usize),
     act: i32,
+    vector: bool,
 ) -> Result<CudaSlice<T>> {
     let n = if act != 0 { rows * cols } else { 0 };
     let b_len = if bias.is_some() { cols } else { 0 };
@@ -91,7 +108,12 @@ fn backward<T: Element>(
             grid_dim: (blocks as u32, cols.div_ceil(BIAS_CHUNK) as u32, 1),
             ..config(blocks, 256, shared)
         };
-        launch!(T, dev, "bias_act_backward", cfg, |b| {
+        let name = if vector {
+            "bias_act_vec_backward"
+        } else {
+            "bias_act_backward"
+        };
+        launch!(T, dev, name, cfg, |b| {
             b.arg(y);
             match bias {
                 Some(bias) => b.arg(bias),
@@ -295,6 +317,7 @@ impl CustomOp3 for LinearOp {
                 Some(&view(name, "bias", b, bl)?),
                 dims,
                 code(op.act),
+                vector_end::<T>(dims.1, &[pl, bl]),
             )?;
             let mut shape = xl.dims().to_vec();
             *shape.last_mut().expect("checked above") = out_features;
@@ -403,6 +426,7 @@ impl CustomOp3 for BiasActBackwardOp {
                 &view(name, "gradient", g, gl)?,
                 (rows, cols),
                 code(op.act),
+                vector_end::<T>(cols, &[yl, bl, gl]),
             )?;
             let len = out.len();
             Ok((wrap(out, dev), Shape::from(len)))
@@ -437,6 +461,7 @@ impl CustomOp1 for ActOp {
                 None,
                 dims,
                 code(Some(op.act)),
+                vector_end::<T>(dims.1, &[yl]),
             )?;
             Ok((wrap(out, dev), yl.shape().clone()))
         }
@@ -487,6 +512,7 @@ impl CustomOp2 for ActBackwardOp {
                 &view(name, "gradient", g, gl)?,
                 dims,
                 code(Some(op.act)),
+                vector_end::<T>(dims.1, &[yl, gl]),
             )?;
             Ok((wrap(out, dev), yl.shape().clone()))
         }

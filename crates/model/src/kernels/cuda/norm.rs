@@ -22,12 +22,9 @@ struct NormShape {
 /// turned on ([`crate::kernels::set_cuda_norm_vector`]), whole 16-byte pieces, at most 1,024
 /// of them a row (a thread each), every row on a 16-byte boundary.
 fn vector_form<T>(hidden: usize, starts: &[usize]) -> bool {
-    let size = std::mem::size_of::<T>();
-    let per = 16 / size;
     crate::kernels::cuda_norm_vector()
-        && hidden.is_multiple_of(per)
-        && hidden / per <= 1024
-        && starts.iter().all(|s| (s * size).is_multiple_of(16))
+        && in_16_byte_pieces::<T>(hidden, starts)
+        && hidden / (16 / std::mem::size_of::<T>()) <= 1024
 }
 
 /// A block's threads for the kernels 16 bytes a thread: one per piece of the row, whole warps.
