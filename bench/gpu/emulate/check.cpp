@@ -8,6 +8,7 @@
 //   same bf16 inputs and dropout keys: the context and the gradients of the queries, keys and
 //   values, at rows of several lengths (a row of one token, rows ending inside a tile,
 //   padding) over one to three key tiles; the second form's log-sum-exp against the first's;
+//   the second form with its tiles' loads batched against it, bit for bit;
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
 //   which passed on an H200: f32, bf16 and f16, with and without a residual and dropout, rows
@@ -167,8 +168,35 @@ bool run(const Case& c) {
                                         grad_qkv_reg.data(), scatter.data(), tokens, batch, heads,
                                         seq, scale, d);
     });
+    // The same form with its tiles' loads batched (`flash_registers_batched_*`): the same bits.
+    std::vector<bf16> context_bat(context.size(), unwritten), grad_qkv_bat(grad_qkv.size(), unwritten);
+    std::vector<float> lse_bat(lse.size(), NAN);
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        flash_registers_batched_forward_bf16(qkv.data(), context_bat.data(), lse_bat.data(),
+                                             scatter.data(), tokens, batch, heads, seq, scale, d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        flash_registers_batched_backward_kv_bf16(qkv.data(), grad.data(), lse_bat.data(),
+                                                 delta_reg.data(), grad_qkv_bat.data(),
+                                                 scatter.data(), tokens, batch, heads, seq, scale,
+                                                 d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        flash_registers_batched_backward_q_bf16(qkv.data(), grad.data(), lse_bat.data(),
+                                                delta_reg.data(), grad_qkv_bat.data(),
+                                                scatter.data(), tokens, batch, heads, seq, scale,
+                                                d);
+    });
     size_t vec_differ = 0;
     const auto bits = [](bf16 x) { uint16_t b; std::memcpy(&b, &x, 2); return b; };
+    size_t batched_differ = 0;
+    for (size_t i = 0; i < context.size(); ++i)
+        batched_differ += bits(context_reg[i]) != bits(context_bat[i]);
+    for (size_t i = 0; i < grad_qkv.size(); ++i)
+        batched_differ += bits(grad_qkv_reg[i]) != bits(grad_qkv_bat[i]);
+    for (size_t i = 0; i < lse.size(); ++i)
+        batched_differ +=
+            !(lse_reg[i] == lse_bat[i] || (std::isnan(lse_reg[i]) && std::isnan(lse_bat[i])));
     for (size_t i = 0; i < context.size(); ++i) vec_differ += bits(context[i]) != bits(context_vec[i]);
     for (size_t i = 0; i < grad_qkv.size(); ++i)
         vec_differ += bits(grad_qkv[i]) != bits(grad_qkv_vec[i]);
@@ -272,7 +300,9 @@ bool run(const Case& c) {
                 lse_ok ? "ok" : "FAILED");
     std::printf("  %-28s %-8s %zu values differ from the 2-byte stores' %s\n", c.name, "16-byte",
                 vec_differ, vec_differ ? "FAILED" : "ok");
-    return ok && vec_differ == 0;
+    std::printf("  %-28s %-8s %zu values differ from the loads one by one %s\n", c.name,
+                "batched", batched_differ, batched_differ ? "FAILED" : "ok");
+    return ok && vec_differ == 0 && batched_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a

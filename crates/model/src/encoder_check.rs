@@ -80,12 +80,13 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
 }
 
 /// The settings still off by default that check `check` runs with: the backward by hand's
-/// (its sums, LayerNorm's forms and grid, the column sums, the linear layers' epilogue), and
-/// the one-pass attention's where it runs with it.
+/// (its sums, LayerNorm's forms and grid, the column sums, the linear layers' epilogue and
+/// ends), and the one-pass attention's where it runs with it.
 fn needs(check: &str, dtype: DType) -> Vec<String> {
     use crate::kernels::{
-        CUDA_ADD, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ATTENTION, CUDA_FLASH_REGISTERS,
-        CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR, CUDA_NORM_WIDE_GRID, CUDA_TAPE,
+        CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ATTENTION,
+        CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_REGISTERS, CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR,
+        CUDA_NORM_WIDE_GRID, CUDA_TAPE,
     };
     // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid,
     // the column sums, the linear layers' epilogue.
@@ -96,10 +97,16 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
         &CUDA_NORM_VECTOR,
         &CUDA_COLUMN_SUMS_LANES,
         &CUDA_LINEAR_EPILOGUE,
+        &CUDA_BIAS_ACT_VECTOR,
     ];
     if check == FLASH_NAME {
-        // Every setting is on here: the form with the scores in registers is the one run.
-        switches.extend([&CUDA_FLASH_ATTENTION, &CUDA_FLASH_REGISTERS]);
+        // Every setting is on here: the form with the scores in registers, its loads batched,
+        // is the one run.
+        switches.extend([
+            &CUDA_FLASH_ATTENTION,
+            &CUDA_FLASH_REGISTERS,
+            &CUDA_FLASH_BATCHED_LOADS,
+        ]);
     }
     needing_in(dtype, &switches)
 }

@@ -51,11 +51,18 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: a linear layer's end 16 bytes a thread, which the linear, GELU and
-    // feed-forward lines need (the wide linear's 12,300 columns are not whole 16-byte pieces:
-    // it keeps the kernels an element a thread); the other kernels need nothing.
+    // Off by default: the one-pass attention's batched loads (its rows run on CUDA only) and
+    // a linear layer's end 16 bytes a thread, which the linear, GELU and feed-forward lines
+    // need (the wide linear's 12,300 columns are not whole 16-byte pieces: it keeps the
+    // kernels an element a thread); the other kernels need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert_eq!(settings, ["BERTKIT_CUDA_BIAS_ACT=vector"]);
+    assert_eq!(
+        settings,
+        [
+            "BERTKIT_CUDA_FLASH_LOADS=batched",
+            "BERTKIT_CUDA_BIAS_ACT=vector"
+        ]
+    );
     for c in &checks {
         let bias_act = c.kernel.starts_with("linear") && c.kernel != "linear (wide)"
             || c.kernel.starts_with("gelu")

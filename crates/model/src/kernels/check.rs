@@ -194,6 +194,8 @@ enum Form {
     FlashSharedTiles,
     /// The one-pass attention with its scores in registers (`flash_registers.cu`).
     FlashRegisters,
+    /// The same with its tiles' loads batched.
+    FlashBatched,
     /// LayerNorm 16 bytes a thread.
     NormVector,
 }
@@ -205,6 +207,7 @@ impl Form {
             Form::Plain => None,
             Form::FlashSharedTiles => Some(&super::CUDA_FLASH_VECTOR_STORES),
             Form::FlashRegisters => Some(&super::CUDA_FLASH_REGISTERS),
+            Form::FlashBatched => Some(&super::CUDA_FLASH_BATCHED_LOADS),
             Form::NormVector => Some(&super::CUDA_NORM_VECTOR),
         }
     }
@@ -215,7 +218,7 @@ impl Form {
     fn runs(self, on_cuda: bool, dtype: DType, shape: &CheckShape) -> bool {
         match self {
             Form::Plain => true,
-            Form::FlashSharedTiles | Form::FlashRegisters => {
+            Form::FlashSharedTiles | Form::FlashRegisters | Form::FlashBatched => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector => on_cuda,
@@ -224,24 +227,27 @@ impl Form {
 
     /// Sets the process's settings for the form.
     fn set(self) {
-        let flash = matches!(self, Form::FlashSharedTiles | Form::FlashRegisters);
-        super::set_cuda_flash_attention(flash);
-        super::set_cuda_flash_registers(self == Form::FlashRegisters);
+        let registers = matches!(self, Form::FlashRegisters | Form::FlashBatched);
+        super::set_cuda_flash_attention(registers || self == Form::FlashSharedTiles);
+        super::set_cuda_flash_registers(registers);
+        super::set_cuda_flash_batched_loads(self == Form::FlashBatched);
         super::set_cuda_norm_vector(self == Form::NormVector);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
-    fn saved() -> [bool; 3] {
+    fn saved() -> [bool; 4] {
         [
             super::cuda_flash_attention(),
             super::cuda_flash_registers(),
+            super::cuda_flash_batched_loads(),
             super::cuda_norm_vector(),
         ]
     }
 
-    fn restore([flash, registers, norm]: [bool; 3]) {
+    fn restore([flash, registers, batched, norm]: [bool; 4]) {
         super::set_cuda_flash_attention(flash);
         super::set_cuda_flash_registers(registers);
+        super::set_cuda_flash_batched_loads(batched);
         super::set_cuda_norm_vector(norm);
     }
 }
@@ -414,6 +420,12 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             "attention flash registers (dropout)",
             true,
             Form::FlashRegisters,
+        ),
+        attention("attention flash batched (eval)", false, Form::FlashBatched),
+        attention(
+            "attention flash batched (dropout)",
+            true,
+            Form::FlashBatched,
         ),
         Case {
             kernel: "nll",

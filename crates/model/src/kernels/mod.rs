@@ -463,6 +463,30 @@ pub fn cuda_flash_registers() -> bool {
     CUDA_FLASH_REGISTERS.get()
 }
 
+/// Whether the one-pass attention with its scores in registers batches its tiles' loads.
+pub(crate) static CUDA_FLASH_BATCHED_LOADS: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_LOADS", "batched");
+
+/// Turns the batched loads of the one-pass attention with its scores in registers on or off
+/// for this process: each thread reads its rows' tokens once for a tile's pair (the keys and
+/// values; the queries and their gradients) and issues all of its 16-byte loads of both before
+/// storing any, where the kernels in use load a tile in a loop that waits for each load, and
+/// the token it follows, before the next (on an H200 the forward spent 38% of its stalls
+/// waiting on those loads; BENCHMARKS.md, 2026-11-27). The same values in shared memory, the
+/// same results to the bit (`bench/gpu/emulate` compares them); ptxas (sm_90): the forward
+/// held to 128 registers as before (four blocks an SM), the queries' backward 168 with 24
+/// bytes spilled (three blocks, as before), the keys' and values' 168 with 16 (36 before).
+/// Checked by `bertkit check kernels --device cuda` (its `attention flash batched` rows), not
+/// yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_LOADS=batched`.
+pub fn set_cuda_flash_batched_loads(on: bool) {
+    CUDA_FLASH_BATCHED_LOADS.set(on);
+}
+
+/// Whether the one-pass attention batches its loads (see [`set_cuda_flash_batched_loads`]).
+pub fn cuda_flash_batched_loads() -> bool {
+    CUDA_FLASH_BATCHED_LOADS.get()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -636,7 +660,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 17] = [
+static CUDA_SWITCHES: [&Switch; 18] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -647,6 +671,7 @@ static CUDA_SWITCHES: [&Switch; 17] = [
     &CUDA_LINEAR_EPILOGUE,
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
+    &CUDA_FLASH_BATCHED_LOADS,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_COLUMN_SUMS_LANES,

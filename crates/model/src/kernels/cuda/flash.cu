@@ -62,6 +62,79 @@ __device__ __forceinline__ void flash_load_tile(bf16* tile, const bf16* src, siz
     }
 }
 
+// `Tiles` tiles as `flash_load_tile` loads each, from the same rows of their own matrices, for
+// the kernels with their loads batched (`BERTKIT_CUDA_FLASH_LOADS=batched`): each thread reads
+// its rows' tokens once for all the tiles, then issues every one of its 16-byte loads before
+// storing any (4 a tile at 128 threads), where `flash_load_tile`'s loop waits for each load
+// (and the token it follows) before the next. The same rows and parts as `flash_load_tile`'s
+// threads, the same values in shared memory; `valid` (or null) as there, for the rows.
+template <int Tiles>
+__device__ __forceinline__ void flash_load_tiles_batched(bf16* const (&tile)[Tiles],
+                                                         const bf16* const (&src)[Tiles],
+                                                         const size_t (&stride)[Tiles],
+                                                         const int (&col)[Tiles],
+                                                         const uint32_t* places, int first,
+                                                         int seq, int tokens, int* valid) {
+    static_assert(FLASH_TILE * 8 % FLASH_THREADS == 0, "whole loads a thread");
+    constexpr int PER = FLASH_TILE * 8 / FLASH_THREADS, ROWS = FLASH_THREADS / 8;
+    const int part = threadIdx.x & 7, row0 = threadIdx.x >> 3;
+    uint32_t token[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = first + row0 + j * ROWS;
+        token[j] = i < seq ? places[i] : (uint32_t)tokens;
+    }
+    uint4 value[Tiles][PER];
+#pragma unroll
+    for (int a = 0; a < Tiles; ++a)
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            value[a][j] = make_uint4(0, 0, 0, 0);
+            if (token[j] < (uint32_t)tokens) {
+                value[a][j] =
+                    *(const uint4*)(src[a] + (size_t)token[j] * stride[a] + col[a] + part * 8);
+            }
+        }
+#pragma unroll
+    for (int a = 0; a < Tiles; ++a)
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            *(uint4*)(tile[a] + (row0 + j * ROWS) * FLASH_LD + part * 8) = value[a][j];
+    if (valid && part == 0) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) valid[row0 + j * ROWS] = token[j] < (uint32_t)tokens;
+    }
+}
+
+// One tile, `flash_load_tile`'s way or batched (`Batched`).
+template <bool Batched>
+__device__ __forceinline__ void flash_load_one(bf16* tile, const bf16* src, size_t stride,
+                                               int col, const uint32_t* places, int first,
+                                               int seq, int tokens, int* valid) {
+    if (Batched) {
+        flash_load_tiles_batched<1>({tile}, {src}, {stride}, {col}, places, first, seq, tokens,
+                                    valid);
+    } else {
+        flash_load_tile(tile, src, stride, col, places, first, seq, tokens, valid);
+    }
+}
+
+// Two tiles of the same rows (`valid` for the first's), one after the other or batched.
+template <bool Batched>
+__device__ __forceinline__ void flash_load_two(bf16* a, const bf16* src_a, size_t stride_a,
+                                               int col_a, bf16* b, const bf16* src_b,
+                                               size_t stride_b, int col_b,
+                                               const uint32_t* places, int first, int seq,
+                                               int tokens, int* valid) {
+    if (Batched) {
+        flash_load_tiles_batched<2>({a, b}, {src_a, src_b}, {stride_a, stride_b}, {col_a, col_b},
+                                    places, first, seq, tokens, valid);
+    } else {
+        flash_load_tile(a, src_a, stride_a, col_a, places, first, seq, tokens, valid);
+        flash_load_tile(b, src_b, stride_b, col_b, places, first, seq, tokens, nullptr);
+    }
+}
+
 // A warp's `[16, 64]` product into its f32 scratch (`[16][FLASH_LDF]`): `a` (the warp's 16
 // rows, four 16-column fragments) times `b`'s 64 columns, `b` read from a shared tile either as
 // `[k, n]` rows (`Transposed` false) or as the transpose of `[n, k]` rows.
@@ -208,11 +281,13 @@ __device__ void flash_stage(FragA (&f)[4], bf16* tile, const bf16* src, size_t s
 }
 
 // The row's keys and values of the tile from `k0` into `keys` and `values` (and which are
-// tokens into `key_valid`); the whole block, synchronised after.
+// tokens into `key_valid`); the whole block, synchronised after. `Batched`: their loads
+// batched (`flash_load_tiles_batched`).
+template <bool Batched = false>
 __device__ void flash_load_keys_values(bf16* keys, bf16* values, int* key_valid, const bf16* qkv,
                                        const FlashBlock& k, int k0, int seq, int tokens) {
-    flash_load_tile(keys, qkv, k.stride, k.column(1), k.places, k0, seq, tokens, key_valid);
-    flash_load_tile(values, qkv, k.stride, k.column(2), k.places, k0, seq, tokens, nullptr);
+    flash_load_two<Batched>(keys, qkv, k.stride, k.column(1), values, qkv, k.stride, k.column(2),
+                            k.places, k0, seq, tokens, key_valid);
     __syncthreads();
 }
 
@@ -343,14 +418,15 @@ __device__ __forceinline__ float flash_keep(const Dropout& d, uint32_t kept, int
 // their output gradients (`[64][FLASH_LD]` each), which are tokens, and each query's
 // log-sum-exp, delta and dropout line (`rows`: the head's first place in `lse` and `delta`);
 // the whole block, synchronised after.
+template <bool Batched = false>
 __device__ void flash_load_query_tile(bf16* queries, bf16* grads, int* query_valid,
                                       float* tile_lse, float* tile_delta, uint64_t* tile_line,
                                       const bf16* qkv, const bf16* grad, const float* lse,
                                       const float* delta, const FlashBlock& k, int q0,
                                       size_t rows, int seq, int tokens, const Dropout& d,
                                       uint64_t head_key) {
-    flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, q0, seq, tokens, query_valid);
-    flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, q0, seq, tokens, nullptr);
+    flash_load_two<Batched>(queries, qkv, k.stride, k.column(0), grads, grad, k.hidden,
+                            k.column(0), k.places, q0, seq, tokens, query_valid);
     if (threadIdx.x < FLASH_TILE) {
         const int i = q0 + threadIdx.x;
         tile_lse[threadIdx.x] = i < seq ? lse[rows + i] : 0.0f;

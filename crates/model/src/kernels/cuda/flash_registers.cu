@@ -131,9 +131,11 @@ __device__ __forceinline__ void fr_store_rows(const float (&acc)[8][4], const fl
     __syncwarp();
 }
 
-// The forward: grid (query tiles, heads, batch), as `flash_forward`'s.
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_registers_forward_bf16(FLASH_FORWARD_ARGS) {
+// The forward: grid (query tiles, heads, batch), as `flash_forward`'s. `Batched`: the tiles'
+// loads batched (`flash_load_tiles_batched`, `BERTKIT_CUDA_FLASH_LOADS=batched`); the entry
+// points are at the end.
+template <bool Batched>
+__device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
@@ -142,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
     if (flash_padding_tile(k, lse + rows, seq)) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, k.first, seq, tokens, nullptr);
+    flash_load_one<Batched>(queries, qkv, k.stride, k.column(0), k.places, k.first, seq, tokens,
+                            nullptr);
     __syncthreads();
     uint32_t q[4][4];
 #pragma unroll
@@ -168,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
 
     for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
-        flash_load_keys_values(keys, values, key_valid, qkv, k, k0, seq, tokens);
+        flash_load_keys_values<Batched>(keys, values, key_valid, qkv, k, k0, seq, tokens);
         float s[8][4];
         fr_scores(s, q, keys);
         float tile_max[2] = {-INFINITY, -INFINITY};
@@ -234,8 +237,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
 // The keys' and values' gradients: grid (key tiles, heads, batch); the warp's 16 keys summed
 // over every query tile, as `flash_backward_kv`'s. Held to 168 registers a lane, three blocks
 // an SM (nvcc's choice, 182, allows two): ptxas spills 36 bytes a lane for it (sm_90).
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
-    flash_registers_backward_kv_bf16(FLASH_BACKWARD_ARGS) {
+template <bool Batched>
+__device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
@@ -247,8 +250,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
     if (k.first >= k.end) return;  // padding keys only: no gradient to write
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
-    flash_load_tile(keys, qkv, k.stride, k.column(1), k.places, k.first, seq, tokens, nullptr);
-    flash_load_tile(values, qkv, k.stride, k.column(2), k.places, k.first, seq, tokens, nullptr);
+    flash_load_two<Batched>(keys, qkv, k.stride, k.column(1), values, qkv, k.stride, k.column(2),
+                            k.places, k.first, seq, tokens, nullptr);
     // These two tiles stay for the whole block (the loop's first barrier covers their loads);
     // the warp's key and value fragments are read from them where each product needs them, not
     // held in registers across the loop (32 registers a lane fewer).
@@ -267,8 +270,9 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
     for (int q0 = 0; q0 < k.end; q0 += FLASH_TILE) {
-        flash_load_query_tile(queries, grads, query_valid, tile_lse, tile_delta, tile_line, qkv,
-                              grad, lse, delta, k, q0, rows, seq, tokens, d, head_key);
+        flash_load_query_tile<Batched>(queries, grads, query_valid, tile_lse, tile_delta,
+                                       tile_line, qkv, grad, lse, delta, k, q0, rows, seq, tokens,
+                                       d, head_key);
         // Pᵀ: the warp's keys against the tile's queries, then the probabilities in place.
         float p[8][4];
         {
@@ -332,8 +336,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
 
 // The queries' gradient: grid (query tiles, heads, batch); the warp's 16 queries summed over
 // every key tile, as `flash_backward_q`'s.
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
-    flash_registers_backward_q_bf16(FLASH_BACKWARD_ARGS) {
+template <bool Batched>
+__device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 grads[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
@@ -342,8 +346,8 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     const FlashBlock k = flash_block(scatter, tokens, heads, seq);
     if (k.first >= k.end) return;  // padding queries only: no gradient to write
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    flash_load_tile(queries, qkv, k.stride, k.column(0), k.places, k.first, seq, tokens, nullptr);
-    flash_load_tile(grads, grad, k.hidden, k.column(0), k.places, k.first, seq, tokens, nullptr);
+    flash_load_two<Batched>(queries, qkv, k.stride, k.column(0), grads, grad, k.hidden,
+                            k.column(0), k.places, k.first, seq, tokens, nullptr);
     __syncthreads();
     uint32_t qf[4][4], gf[4][4];
 #pragma unroll
@@ -370,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
         for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
 
     for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
-        flash_load_keys_values(keys, values, key_valid, qkv, k, k0, seq, tokens);
+        flash_load_keys_values<Batched>(keys, values, key_valid, qkv, k, k0, seq, tokens);
         float p[8][4];
         fr_scores(p, qf, keys);
         uint32_t kept = 0;
@@ -413,6 +417,37 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
     const float one[2] = {1.0f, 1.0f};
     fr_store_rows(dq, one, queries, grad_qkv, k.stride, k.column(0), k.places,
                   k.first + k.warp * 16, seq, tokens);
+}
+
+// The entry points: `flash_registers_NAME_bf16` with `flash_load_tile`'s loads,
+// `flash_registers_batched_NAME_bf16` with them batched (`flash.rs` chooses).
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_registers_forward_bf16(FLASH_FORWARD_ARGS) {
+    fr_forward<false>(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 4)
+    flash_registers_batched_forward_bf16(FLASH_FORWARD_ARGS) {
+    fr_forward<true>(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
+    flash_registers_backward_kv_bf16(FLASH_BACKWARD_ARGS) {
+    fr_backward_kv<false>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                          scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
+    flash_registers_batched_backward_kv_bf16(FLASH_BACKWARD_ARGS) {
+    fr_backward_kv<true>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                         scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+    flash_registers_backward_q_bf16(FLASH_BACKWARD_ARGS) {
+    fr_backward_q<false>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                         scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
+    flash_registers_batched_backward_q_bf16(FLASH_BACKWARD_ARGS) {
+    fr_backward_q<true>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
+                        scale, d);
 }
 
 #endif
