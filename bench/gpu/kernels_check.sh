@@ -6,12 +6,13 @@
 # per kernel; QUICK=1: phase 1 only; SIDE_SECONDS: its time limit, 480; SIDE=0 skips it).
 # ALL_ON=1 runs the table with every setting whose kernels the check passed. EXTRA=1 adds, for
 # each row of `rows` (below: the settings still off by default, bench/gpu/emulate having run
-# their CUDA code on the CPU) beside the defaults, phase 1's steps (before the table), then the
-# device pool's memory against the plan, fp16, and a training pass per kernel; the rows run
-# without any setting the check failed (a row left with none of its own is skipped, saying so).
-# PROFILE=1 adds ncu's time per kernel over two optimiser steps and over two training passes
-# (ncu_summary.py; with every setting the check passed), and the sections (throughput,
-# occupancy, stalls) of the optimiser's update and of the new attention and LayerNorm forms.
+# their CUDA code on the CPU) beside the defaults, phase 1's steps and a training and an
+# inference pass per kernel (before the table), then the device pool's memory against the plan
+# and fp16; the rows run without any setting the check failed (a row left with none of its own
+# is skipped, saying so). PROFILE=1 adds the sections (throughput, occupancy, stalls) of the
+# attention's and a linear layer's end's kernels, each form, and ncu's time per kernel over
+# two optimiser steps and over two training passes (ncu_summary.py; with every setting the
+# check passed).
 # Steps run in the order of what they decide (the end of the file): a call cut off by its time
 # limit keeps what came first.
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
@@ -81,19 +82,12 @@ row_settings() {
     (($# > 0 && ${#kept[@]} == 0))
 }
 # Each row: the settings it adds to the defaults (none: the defaults), "|", its label. (The
-# one-pass attention's 16-byte stores have no row: the form with the scores in registers
-# supersedes them; ALL_ON takes them where the check passes them. LayerNorm's wider grid runs
-# in the LayerNorm row, not alone: a device call holds about 15 minutes.)
+# settings of 2026-11-27's rows passed on an H200 and are on by default since b20b768.)
 rows() {
     printf '%s\n' "- | the defaults" \
-        "BERTKIT_CUDA_FLASH=registers | the one-pass attention's scores in registers" \
-        "BERTKIT_CUDA_TRUST_RATIOS=apart | LAMB's trust ratios in a launch of their own" \
-        "BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_UPDATE=ahead | the ratios apart, the update's loads ahead" \
-        "BERTKIT_CUDA_COLUMN_SUMS=lanes | the partial column sums by 32 lanes a column" \
-        "BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide | LayerNorm 16 bytes a thread, the lanes' sums, the wider grid" \
-        "BERTKIT_CUDA_LINEAR_BIAS=epilogue | the linear layers' bias in cuBLASLt's epilogue" \
-        "BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_TRUST_RATIOS=apart BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes BERTKIT_CUDA_NORM_GRID=wide BERTKIT_CUDA_LINEAR_BIAS=epilogue BERTKIT_CUDA_UPDATE=ahead | every new setting but the 16-byte stores" \
-        "BERTKIT_CUDA_FEED_FORWARD=lean | the lean feed-forward (pretrain's plan keeps the activation where it fits; bench kernels' default)"
+        "BERTKIT_CUDA_FLASH_LOADS=batched | the attention's tile loads batched" \
+        "BERTKIT_CUDA_BIAS_ACT=vector | a linear layer's end 16 bytes a thread" \
+        "BERTKIT_CUDA_FLASH_LOADS=batched BERTKIT_CUDA_BIAS_ACT=vector | both"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
@@ -110,11 +104,12 @@ fi
 # kernels under ncu, memory, fp16, the kernels per pass, ncu's sections). A call cut off by its
 # time limit keeps what came first; every step's output is in $out/kernels_check.log.
 optimizer_forms() {
-    # (The composed and by-group forms were measured on 2026-11-27: 52.6 and 26.8 ms;
-    # OPTIMIZER=all runs them again.)
+    # (The composed and by-group forms, the per-block ratios and the update an element at a
+    # time were measured on 2026-11-27: BENCHMARKS.md; OPTIMIZER=all runs them again.)
     # Each form: the rule, then BERTKIT_CUDA_OPTIMIZER, _TRUST_RATIOS and _UPDATE ("-": unset).
-    local forms=("lamb - - -" "lamb - apart -" "lamb - apart ahead" "adamw - - -" "adamw - - ahead")
-    [[ ${OPTIMIZER:-1} == all ]] && forms=("lamb composed - -" "lamb by-name - -" "${forms[@]}")
+    local forms=("lamb - - -" "adamw - - -")
+    [[ ${OPTIMIZER:-1} == all ]] && forms=("lamb composed - -" "lamb by-name - -" \
+        "lamb - per-block per-element" "lamb - - per-element" "adamw - - per-element" "${forms[@]}")
     local form rule optimizer ratios update
     for form in "${forms[@]}"; do
         read -r rule optimizer ratios update <<< "$form"
@@ -151,11 +146,11 @@ side_by_side() {
     grep -h "checkpoint\|first step" "$out"/side/phase*.log 2>/dev/null
 }
 # The optimiser step's kernels, each one's own time over two steps (`bench optimizer` runs one
-# untimed, then --steps): beside its wall-clock update phase, what is host time. The defaults,
-# then the update ahead with the ratios apart where their checks passed.
+# untimed, then --steps): beside its wall-clock update phase, what is host time. The defaults
+# (2026-11-27: also the per-block ratios, the update an element at a time).
 optimizer_kernels() {
     local settings file
-    for settings in - "BERTKIT_CUDA_UPDATE=ahead BERTKIT_CUDA_TRUST_RATIOS=apart"; do
+    for settings in -; do
         kept=() file=$out/ncu-optimizer.csv
         if [[ $settings != - ]]; then
             # shellcheck disable=SC2086
@@ -204,7 +199,7 @@ pass_kernels() {
 }
 # By CUDA events (the GPU's own time, the host running ahead as in training).
 pass_rows() {
-    log "2e a training pass per kernel, BERT-large batch 64 x 128 bf16, each row's settings"
+    log "2e a training pass and an inference pass per kernel, BERT-large batch 64 x 128 bf16, each row's settings"
     local row label
     while IFS='|' read -r row label; do
         row=${row% } label=${label# }; [[ $row == - ]] && row=
@@ -217,46 +212,54 @@ pass_rows() {
         fi
         echo "$label${dropped:+ (without$dropped)}:"
         env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 64 --seq 128 \
-            --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 14
+            --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 12 | head -n 11
+        echo "$label${dropped:+ (without$dropped)}, inference:"
+        env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 64 --seq 128 \
+            --dtype bf16 --device cuda --passes 2 --inference 2>&1 | tail -n 12 | head -n 11
     done < <(rows)
 }
 # Why the costliest kernels take what they take (throughput, occupancy, stall reasons): the
-# optimiser's in-place update over BERT-large's step, the attention with its scores in
-# registers and LayerNorm 16 bytes a thread (where their checks passed) over a 2-layer model's
-# passes. Whole sections in the logs, the headlines in ncu-headlines.txt. (The shared-tile
-# attention's and the block-per-row LayerNorm's sections were read on 2026-11-27:
-# BENCHMARKS.md.)
+# attention with its scores in registers, its loads one by one and batched, and a linear
+# layer's end 16 bytes a thread (where their checks passed), over a 2-layer model's passes.
+# Whole sections in the logs, the headlines in ncu-headlines.txt. (The optimiser's update,
+# the block-per-row and 16-byte LayerNorm and the shared-tile attention were read on
+# 2026-11-27: BENCHMARKS.md.)
 sections() {
-    log "2d' ncu sections: the optimiser's update, the new attention and LayerNorm"
-    timeout 120 ncu --clock-control none -k regex:'update_|pieces_to_flat|squares' \
+    log "2d' ncu sections: the attention's loads one by one and batched, a linear layer's end 16 bytes a thread"
+    large2
+    local settings=()
+    [[ $leave_off != *" BERTKIT_CUDA_FLASH_LOADS=batched "* ]] && settings+=(BERTKIT_CUDA_FLASH_LOADS=batched)
+    [[ $leave_off != *" BERTKIT_CUDA_BIAS_ACT=vector "* ]] && settings+=(BERTKIT_CUDA_BIAS_ACT=vector)
+    timeout 120 ncu --clock-control none -k regex:'flash_registers_(forward|backward)|bias_act' \
         --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section MemoryWorkloadAnalysis $b bench optimizer --config large --dtype bf16 \
-        --device cuda --steps 1 > "$out/ncu-update.txt" 2>&1
-    if [[ $leave_off != *" BERTKIT_CUDA_FLASH=registers "* && $leave_off != *" BERTKIT_CUDA_NORM=vector "* ]]; then
-        large2
-        BERTKIT_CUDA_FLASH=registers BERTKIT_CUDA_NORM=vector BERTKIT_CUDA_COLUMN_SUMS=lanes \
-            timeout 120 ncu --clock-control none \
-            -k regex:'flash_registers|layer_norm_vec|column_sums_lanes' --launch-count 30 --section SpeedOfLight \
-            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-            $b bench kernels --config /tmp/large2.json --batch 64 --seq 128 --dtype bf16 \
-            --device cuda --passes 1 > "$out/ncu-registers.txt" 2>&1
+        --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json --batch 64 \
+        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu-defaults.txt" 2>&1
+    if ((${#settings[@]})); then
+        env "${settings[@]}" timeout 120 ncu --clock-control none \
+            -k regex:'flash_registers_batched|bias_act_vec' --launch-count 12 \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats \
+            --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json \
+            --batch 64 --seq 128 --dtype bf16 --device cuda --passes 1 \
+            > "$out/ncu-new.txt" 2>&1
     fi
-    grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" \
-        "$out/ncu-update.txt" "$out"/ncu-registers.txt 2>/dev/null \
+    grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput" \
+        "$out/ncu-defaults.txt" "$out"/ncu-new.txt 2>/dev/null \
         | cut -c1-110 > "$out/ncu-headlines.txt"
     echo "ncu headlines: $(wc -l < "$out/ncu-headlines.txt") lines in ncu-headlines.txt"
 }
 profile=
 [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null && profile=1
 [[ ${OPTIMIZER:-1} != 0 ]] && optimizer_forms
-[[ -n ${EXTRA:-} ]] && phase1_rows
+if [[ -n ${EXTRA:-} ]]; then
+    phase1_rows
+    pass_rows
+fi
 [[ ${SIDE:-1} != 0 ]] && side_by_side
-[[ -n $profile ]] && optimizer_kernels
+[[ -n $profile ]] && sections
 if [[ -n ${EXTRA:-} ]]; then
     memory
     fp16
 fi
+[[ -n $profile ]] && optimizer_kernels
 [[ -n $profile ]] && pass_kernels
-[[ -n ${EXTRA:-} ]] && pass_rows
-[[ -n $profile ]] && sections
 exit 0
