@@ -9,7 +9,8 @@
 //   values, at rows of several lengths (a row of one token, rows ending inside a tile,
 //   padding) over one to three key tiles; the second form's log-sum-exp against the first's;
 //   the second form with its tiles' loads batched against it, bit for bit;
-// - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`) and the lanes' column sums
+// - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
+//   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
 //   which passed on an H200: f32, bf16 and f16, with and without a residual and dropout, rows
 //   narrower than a block's threads;
@@ -544,6 +545,13 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
         layer_norm_vec_forward<T>(x.data(), r, weight.data(), bias.data(), y_vec.data(), rows,
                                   hidden, eps, d, p, seq);
     });
+    // The forward a warp per row (`layer_norm_warp_forward`): two blocks of four warps, so
+    // that a warp takes several rows.
+    std::vector<T> y_warp(n, nan);
+    emulate_launch({2, 1, 1}, 128, [&] {
+        layer_norm_warp_forward<T>(x.data(), r, weight.data(), bias.data(), y_warp.data(), rows,
+                                   hidden, eps, d, p, seq);
+    });
     // The backward, then each form's parameter gradients through its column sums.
     const auto backward = [&](bool vec, std::vector<T>& grad_sum, std::vector<T>& grad_x,
                               std::vector<T>& params) {
@@ -591,6 +599,7 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
                     bound, differ, got.size(), passed ? "ok" : "FAILED");
     };
     report("y", y_vec, y_old);
+    report("y, warp", y_warp, y_old);
     report("dsum", gs_vec, gs_old);
     report("dx", gx_vec, gx_old);
     report("dparams", pa_vec, pa_old);

@@ -86,7 +86,7 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
     use crate::kernels::{
         CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ATTENTION,
         CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_REGISTERS, CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR,
-        CUDA_NORM_WIDE_GRID, CUDA_TAPE,
+        CUDA_NORM_WARP_FORWARD, CUDA_NORM_WIDE_GRID, CUDA_TAPE,
     };
     // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid,
     // the column sums, the linear layers' epilogue.
@@ -95,6 +95,7 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
         &CUDA_ADD,
         &CUDA_NORM_WIDE_GRID,
         &CUDA_NORM_VECTOR,
+        &CUDA_NORM_WARP_FORWARD,
         &CUDA_COLUMN_SUMS_LANES,
         &CUDA_LINEAR_EPILOGUE,
         &CUDA_BIAS_ACT_VECTOR,

@@ -51,8 +51,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: the one-pass attention's batched loads (its rows run on CUDA only) and
-    // a linear layer's end 16 bytes a thread, which the linear, GELU and feed-forward lines
+    // Off by default: the one-pass attention's batched loads and LayerNorm's forward a warp
+    // per row (their rows run on CUDA only) and a linear layer's end 16 bytes a thread, which the linear, GELU and feed-forward lines
     // need (the wide linear's 12,300 columns are not whole 16-byte pieces: it keeps the
     // kernels an element a thread); the other kernels need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
@@ -60,6 +60,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         settings,
         [
             "BERTKIT_CUDA_FLASH_LOADS=batched",
+            "BERTKIT_CUDA_NORM_FORWARD=warp",
             "BERTKIT_CUDA_BIAS_ACT=vector"
         ]
     );

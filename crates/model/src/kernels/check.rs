@@ -198,6 +198,8 @@ enum Form {
     FlashBatched,
     /// LayerNorm 16 bytes a thread.
     NormVector,
+    /// The same with its forward a warp per row.
+    NormWarp,
 }
 
 impl Form {
@@ -209,6 +211,7 @@ impl Form {
             Form::FlashRegisters => Some(&super::CUDA_FLASH_REGISTERS),
             Form::FlashBatched => Some(&super::CUDA_FLASH_BATCHED_LOADS),
             Form::NormVector => Some(&super::CUDA_NORM_VECTOR),
+            Form::NormWarp => Some(&super::CUDA_NORM_WARP_FORWARD),
         }
     }
 
@@ -221,7 +224,7 @@ impl Form {
             Form::FlashSharedTiles | Form::FlashRegisters | Form::FlashBatched => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
-            Form::NormVector => on_cuda,
+            Form::NormVector | Form::NormWarp => on_cuda,
         }
     }
 
@@ -231,24 +234,27 @@ impl Form {
         super::set_cuda_flash_attention(registers || self == Form::FlashSharedTiles);
         super::set_cuda_flash_registers(registers);
         super::set_cuda_flash_batched_loads(self == Form::FlashBatched);
-        super::set_cuda_norm_vector(self == Form::NormVector);
+        super::set_cuda_norm_vector(matches!(self, Form::NormVector | Form::NormWarp));
+        super::set_cuda_norm_warp_forward(self == Form::NormWarp);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
-    fn saved() -> [bool; 4] {
+    fn saved() -> [bool; 5] {
         [
             super::cuda_flash_attention(),
             super::cuda_flash_registers(),
             super::cuda_flash_batched_loads(),
             super::cuda_norm_vector(),
+            super::cuda_norm_warp_forward(),
         ]
     }
 
-    fn restore([flash, registers, batched, norm]: [bool; 4]) {
+    fn restore([flash, registers, batched, norm, warp]: [bool; 5]) {
         super::set_cuda_flash_attention(flash);
         super::set_cuda_flash_registers(registers);
         super::set_cuda_flash_batched_loads(batched);
         super::set_cuda_norm_vector(norm);
+        super::set_cuda_norm_warp_forward(warp);
     }
 }
 
@@ -353,6 +359,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         },
         norm("layer_norm", Form::Plain),
         norm("layer_norm (vector)", Form::NormVector),
+        norm("layer_norm (warp forward)", Form::NormWarp),
         linear("linear", true, |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
@@ -443,6 +450,10 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         },
         residual_norm("residual_layer_norm (dropout)", Form::Plain),
         residual_norm("residual_layer_norm (dropout, vector)", Form::NormVector),
+        residual_norm(
+            "residual_layer_norm (dropout, warp forward)",
+            Form::NormWarp,
+        ),
     ]
 }
 

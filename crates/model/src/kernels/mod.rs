@@ -558,6 +558,32 @@ pub fn cuda_bias_act_vector() -> bool {
     CUDA_BIAS_ACT_VECTOR.get()
 }
 
+/// Whether LayerNorm's forward on CUDA takes a warp per row.
+pub(crate) static CUDA_NORM_WARP_FORWARD: Switch =
+    Switch::opt_in("BERTKIT_CUDA_NORM_FORWARD", "warp");
+
+/// Turns LayerNorm's (and a sublayer's end's) forward a warp per row on or off for this
+/// process: a lane holds up to four 16-byte pieces of the row with all of its loads in flight,
+/// the statistics are warp sums without a block-wide barrier, the weight and bias read from
+/// the cache where a piece needs them. The forward 16 bytes a thread (a block per row) waits
+/// on its loads and then on four barriers a row: on an H200 it moved BERT-large's `[8192,
+/// 1024]` bf16 in 27 µs (1.9 TB/s) at half occupancy (BENCHMARKS.md, 2026-11-27). For rows the
+/// 16-byte form takes of at most 128 pieces (1,024 bf16); the backward is unchanged. The same
+/// sums in another order: `bench/gpu/emulate` compares it with the block-per-row forward
+/// (bf16 within 5.8e-5 of the largest magnitude) and `bertkit check kernels --device cuda`
+/// with the CPU (its `warp forward` norm rows). ptxas (sm_90): 75 registers, no spills, six
+/// blocks of four warps an SM. Not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_NORM_FORWARD=warp`.
+pub fn set_cuda_norm_warp_forward(on: bool) {
+    CUDA_NORM_WARP_FORWARD.set(on);
+}
+
+/// Whether LayerNorm's forward on CUDA takes a warp per row (see
+/// [`set_cuda_norm_warp_forward`]).
+pub fn cuda_norm_warp_forward() -> bool {
+    CUDA_NORM_WARP_FORWARD.get()
+}
+
 /// Whether the CUDA kernels' partial column sums are added by 32 lanes a column.
 pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
     Switch::opt_out("BERTKIT_CUDA_COLUMN_SUMS", "serial");
@@ -660,7 +686,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 18] = [
+static CUDA_SWITCHES: [&Switch; 19] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -674,6 +700,7 @@ static CUDA_SWITCHES: [&Switch; 18] = [
     &CUDA_FLASH_BATCHED_LOADS,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
+    &CUDA_NORM_WARP_FORWARD,
     &CUDA_COLUMN_SUMS_LANES,
     &CUDA_BIAS_ACT_VECTOR,
     &CUDA_FLASH_ATTENTION,

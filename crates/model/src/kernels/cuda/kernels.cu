@@ -249,6 +249,86 @@ __device__ void layer_norm_vec_forward(const T* x, const T* residual, const T* w
     }
 }
 
+// The forward a warp per row (`BERTKIT_CUDA_NORM_FORWARD=warp`, `norm.rs`): a lane holds up to
+// WARP_ROW_PIECES 16-byte pieces of the row (lane, lane + 32, ...: each of its loads of `x` and
+// `residual` in flight at once), the row's statistics are warp sums (shuffles, no block-wide
+// barrier), and the weight and bias are read where a piece needs them (from the cache) rather
+// than held. The block-per-row form waits on its loads, then on four barriers, once a row: on
+// an H200 it moved 50 MB of BERT-large's `[8192, 1024]` bf16 in 27 µs (1.9 TB/s) at 50%
+// occupancy, bound by registers. The same sums in another order (the mean, then the squares
+// about it); the backward is unchanged (it recomputes the statistics itself).
+#define WARP_ROW_PIECES 4
+
+template <typename T>
+__device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* weight,
+                                        const T* bias, T* y, int rows, int hidden, float eps,
+                                        Dropout d, const uint32_t* places, int seq) {
+    constexpr int N = Vec16<T>::N, P = WARP_ROW_PIECES;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int pieces = hidden / N;
+    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
+        const size_t at = (size_t)r * hidden;
+        // Every load of the row first (16 bytes each, as they are), then each piece's elements
+        // with the dropout and the residual.
+        uint4 xs[P], rs[P];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            xs[i] = rs[i] = make_uint4(0, 0, 0, 0);
+            if (q < pieces) {
+                xs[i] = *reinterpret_cast<const uint4*>(x + at + q * N);
+                if (residual) rs[i] = *reinterpret_cast<const uint4*>(residual + at + q * N);
+            }
+        }
+        uint64_t line = 0;
+        if (d.on) {
+            const uint32_t place = places[r];
+            line = line_key(row_key(d, place / seq), place % seq);
+        }
+        float v[P][N];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            T xe[N], re[N];
+            memcpy(xe, &xs[i], sizeof xe);
+            memcpy(re, &rs[i], sizeof re);
+            const int q = lane + 32 * i;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                v[i][k] = to_f32(xe[k]);
+                if (d.on && q < pieces) v[i][k] *= keep_factor(d, line, q * N + k);
+                v[i][k] += to_f32(re[k]);
+            }
+        }
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < P; ++i)
+#pragma unroll
+            for (int k = 0; k < N; ++k) s += v[i][k];
+        const float mean = warp_sum(s) / hidden;
+        float sq = 0.0f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            if (lane + 32 * i < pieces) {
+#pragma unroll
+                for (int k = 0; k < N; ++k) sq += (v[i][k] - mean) * (v[i][k] - mean);
+            }
+        }
+        const float rstd = rsqrtf(warp_sum(sq) / hidden + eps);
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            if (q < pieces) {
+                float w[N], b[N], out[N];
+                load_vec16(weight + q * N, w);
+                load_vec16(bias + q * N, b);
+#pragma unroll
+                for (int k = 0; k < N; ++k) out[k] = (v[i][k] - mean) * rstd * w[k] + b[k];
+                store_vec16(y + at + q * N, out);
+            }
+        }
+    }
+}
+
 // The backward, as `layer_norm_backward`'s outputs: `partial` is `[gridDim.x, 2, hidden]`.
 template <typename T>
 __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* weight,
@@ -719,6 +799,12 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
     }                                                                                           \
     NORM_ENTRIES(layer_norm, T, SUFFIX)                                                         \
     NORM_ENTRIES(layer_norm_vec, T, SUFFIX)                                                     \
+    extern "C" __global__ void __launch_bounds__(128, 6) layer_norm_warp_forward_##SUFFIX(       \
+        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
+        int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
+        layer_norm_warp_forward<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places,  \
+                                   seq);                                                        \
+    }                                                                                           \
     extern "C" __global__ void column_sums_lanes_##SUFFIX(const float* partial, T* out,          \
                                                           int parts, int cols) {                \
         column_sums_lanes<T>(partial, out, parts, cols);                                        \

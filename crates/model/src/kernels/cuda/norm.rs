@@ -27,6 +27,10 @@ fn vector_form<T>(hidden: usize, starts: &[usize]) -> bool {
         && hidden / (16 / std::mem::size_of::<T>()) <= 1024
 }
 
+/// The most 16-byte pieces a lane of the forward a warp per row holds (`WARP_ROW_PIECES` in
+/// `kernels.cu`, [`crate::kernels::set_cuda_norm_warp_forward`]).
+const WARP_ROW_PIECES: usize = 4;
+
 /// A block's threads for the kernels 16 bytes a thread: one per piece of the row, whole warps.
 fn vector_threads<T>(hidden: usize) -> usize {
     (hidden / (16 / std::mem::size_of::<T>())).next_multiple_of(32)
@@ -46,17 +50,25 @@ fn forward<T: Element>(
     // SAFETY: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(s.rows * s.hidden)? };
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
-    let (name, cfg) = if s.vector {
-        (
-            "layer_norm_vec_forward",
-            config(s.rows, vector_threads::<T>(s.hidden), 0),
-        )
-    } else {
-        (
-            "layer_norm_forward",
-            config(s.rows, row_threads(s.hidden), s.hidden + 32),
-        )
-    };
+    let pieces = s.hidden / (16 / std::mem::size_of::<T>());
+    let (name, cfg) =
+        if s.vector && crate::kernels::cuda_norm_warp_forward() && pieces <= WARP_ROW_PIECES * 32 {
+            // Four warps a block, a warp a row.
+            (
+                "layer_norm_warp_forward",
+                config(s.rows.div_ceil(4), 128, 0),
+            )
+        } else if s.vector {
+            (
+                "layer_norm_vec_forward",
+                config(s.rows, vector_threads::<T>(s.hidden), 0),
+            )
+        } else {
+            (
+                "layer_norm_forward",
+                config(s.rows, row_threads(s.hidden), s.hidden + 32),
+            )
+        };
     launch!(T, dev, name, cfg, |b| {
         b.arg(x);
         match residual {
