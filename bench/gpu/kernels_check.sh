@@ -197,6 +197,16 @@ pass_kernels() {
         --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
     echo "rc $?"
     python3 "$here/ncu_summary.py" "$out/ncu.csv" --passes 2 --top 45 || tail -n 5 "$out/ncu.err"
+    # The same for inference passes (nothing tracked): what the inference row's kernels are.
+    log "2d ncu: the kernels of two inference passes, 2-layer BERT-large, batch 64 x 128, bf16, with ${passed:-the defaults}"
+    # shellcheck disable=SC2086
+    env $passed timeout 300 ncu --clock-control none --csv --print-units base \
+        --metrics gpu__time_duration.sum $b bench kernels --config /tmp/large2.json --batch 64 \
+        --seq 128 --dtype bf16 --device cuda --passes 1 --inference > "$out/ncu-inference.csv" \
+        2> "$out/ncu-inference.err"
+    echo "rc $?"
+    python3 "$here/ncu_summary.py" "$out/ncu-inference.csv" --passes 2 --top 30 \
+        || tail -n 5 "$out/ncu-inference.err"
 }
 # By CUDA events (the GPU's own time, the host running ahead as in training).
 pass_rows() {
@@ -263,6 +273,6 @@ if [[ -n ${EXTRA:-} ]]; then
     memory
     fp16
 fi
-[[ -n $profile ]] && optimizer_kernels
 [[ -n $profile ]] && pass_kernels
+[[ -n $profile ]] && optimizer_kernels
 exit 0
