@@ -81,14 +81,11 @@ row_settings() {
     done
     (($# > 0 && ${#kept[@]} == 0))
 }
-# Each row: the settings it adds to the defaults (none: the defaults), "|", its label. (The
-# settings of 2026-11-27's rows passed on an H200 and are on by default since b20b768.)
+# Each row: the settings it adds to the defaults (none: the defaults), "|", its label: a new
+# setting off by default gets a row here (and one with all of them) until a run turns it on.
+# (The settings of 2026-11-27's rows passed on an H200 and are on by default.)
 rows() {
-    printf '%s\n' "- | the defaults" \
-        "BERTKIT_CUDA_FLASH_LOADS=batched | the attention's tile loads batched" \
-        "BERTKIT_CUDA_BIAS_ACT=vector | a linear layer's end 16 bytes a thread" \
-        "BERTKIT_CUDA_NORM_FORWARD=warp | LayerNorm's forward a warp per row" \
-        "BERTKIT_CUDA_FLASH_LOADS=batched BERTKIT_CUDA_BIAS_ACT=vector BERTKIT_CUDA_NORM_FORWARD=warp | all three"
+    printf '%s\n' "- | the defaults"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
@@ -230,34 +227,19 @@ pass_rows() {
     done < <(rows)
 }
 # Why the costliest kernels take what they take (throughput, occupancy, stall reasons): the
-# attention with its scores in registers, its loads one by one and batched, a linear layer's
-# end and LayerNorm's forward, each form (the new ones where their checks passed), over a
-# 2-layer model's passes.
-# Whole sections in the logs, the headlines in ncu-headlines.txt. (The optimiser's update,
-# the block-per-row and 16-byte LayerNorm and the shared-tile attention were read on
-# 2026-11-27: BENCHMARKS.md.)
+# attention's, a linear layer's end's and LayerNorm's kernels over a 2-layer model's passes,
+# with every setting the check passed. Whole sections in the logs, the headlines in
+# ncu-headlines.txt. (Each form these replaced was read on 2026-11-27: BENCHMARKS.md.)
 sections() {
-    log "2d' ncu sections: the attention's loads one by one and batched, a linear layer's end and LayerNorm's forward, each form"
+    log "2d' ncu sections: the attention, a linear layer's end, LayerNorm, with ${passed:-the defaults}"
     large2
-    local settings=()
-    [[ $leave_off != *" BERTKIT_CUDA_FLASH_LOADS=batched "* ]] && settings+=(BERTKIT_CUDA_FLASH_LOADS=batched)
-    [[ $leave_off != *" BERTKIT_CUDA_BIAS_ACT=vector "* ]] && settings+=(BERTKIT_CUDA_BIAS_ACT=vector)
-    [[ $leave_off != *" BERTKIT_CUDA_NORM_FORWARD=warp "* ]] && settings+=(BERTKIT_CUDA_NORM_FORWARD=warp)
-    timeout 120 ncu --clock-control none -k regex:'flash_registers_(forward|backward)|bias_act|layer_norm_vec_forward' \
-        --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    # shellcheck disable=SC2086
+    env $passed timeout 120 ncu --clock-control none -k regex:'flash_registers|bias_act|layer_norm' \
+        --launch-count 16 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json --batch 64 \
-        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu-defaults.txt" 2>&1
-    if ((${#settings[@]})); then
-        env "${settings[@]}" timeout 120 ncu --clock-control none \
-            -k regex:'flash_registers_batched|bias_act_vec|layer_norm_warp' --launch-count 12 \
-            --section SpeedOfLight --section Occupancy --section WarpStateStats \
-            --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json \
-            --batch 64 --seq 128 --dtype bf16 --device cuda --passes 1 \
-            > "$out/ncu-new.txt" 2>&1
-    fi
+        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu-sections.txt" 2>&1
     grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput" \
-        "$out/ncu-defaults.txt" "$out"/ncu-new.txt 2>/dev/null \
-        | cut -c1-110 > "$out/ncu-headlines.txt"
+        "$out/ncu-sections.txt" | cut -c1-110 > "$out/ncu-headlines.txt"
     echo "ncu headlines: $(wc -l < "$out/ncu-headlines.txt") lines in ncu-headlines.txt"
 }
 profile=

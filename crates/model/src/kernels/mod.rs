@@ -465,7 +465,7 @@ pub fn cuda_flash_registers() -> bool {
 
 /// Whether the one-pass attention with its scores in registers batches its tiles' loads.
 pub(crate) static CUDA_FLASH_BATCHED_LOADS: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FLASH_LOADS", "batched");
+    Switch::opt_out("BERTKIT_CUDA_FLASH_LOADS", "one-by-one");
 
 /// Turns the batched loads of the one-pass attention with its scores in registers on or off
 /// for this process: each thread reads its rows' tokens once for a tile's pair (the keys and
@@ -476,8 +476,10 @@ pub(crate) static CUDA_FLASH_BATCHED_LOADS: Switch =
 /// same results to the bit (`bench/gpu/emulate` compares them); ptxas (sm_90): the forward
 /// held to 128 registers as before (four blocks an SM), the queries' backward 168 with 24
 /// bytes spilled (three blocks, as before), the keys' and values' 168 with 16 (36 before).
-/// Checked by `bertkit check kernels --device cuda` (its `attention flash batched` rows), not
-/// yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_LOADS=batched`.
+/// It passed its check (`bertkit check kernels --device cuda`, its `attention flash batched`
+/// rows) on an H200, where a phase-1 pass's attention went from 2.58 + 8.51 ms to 1.81 + 5.54
+/// and an inference pass's from 2.19 to 1.42 (BENCHMARKS.md, 2026-11-27): unset, it is on
+/// unless `BERTKIT_CUDA_FLASH_LOADS=one-by-one`.
 pub fn set_cuda_flash_batched_loads(on: bool) {
     CUDA_FLASH_BATCHED_LOADS.set(on);
 }
@@ -536,7 +538,7 @@ pub fn cuda_norm_vector() -> bool {
 }
 
 /// Whether a linear layer's end on CUDA takes its kernels 16 bytes a thread.
-pub(crate) static CUDA_BIAS_ACT_VECTOR: Switch = Switch::opt_in("BERTKIT_CUDA_BIAS_ACT", "vector");
+pub(crate) static CUDA_BIAS_ACT_VECTOR: Switch = Switch::opt_out("BERTKIT_CUDA_BIAS_ACT", "scalar");
 
 /// Turns a linear layer's end on CUDA 16 bytes a thread on or off for this process: the bias
 /// and the activation (the feed-forward's GELU) after cuBLAS's product, and in the backward the
@@ -546,8 +548,10 @@ pub(crate) static CUDA_BIAS_ACT_VECTOR: Switch = Switch::opt_in("BERTKIT_CUDA_BI
 /// and backward; BENCHMARKS.md, 2026-11-27). The same arithmetic per element and the same order
 /// of each column's sum: the same bits (`bench/gpu/emulate` compares them). For rows of whole
 /// 16-byte pieces with every input on a 16-byte boundary; others keep the kernels an element a
-/// thread. Checked by `bertkit check kernels --device cuda` (the linear, GELU and feed-forward
-/// rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_BIAS_ACT=vector`.
+/// thread. It passed its check (`bertkit check kernels --device cuda`, the linear, GELU and
+/// feed-forward rows) on an H200, where a phase-1 step went from 63 to 56 ms (the linear
+/// layers' backward 15.8 -> 12.2 ms a pass, the feed-forward's 6.8 + 11.3 -> 5.9 + 8.1;
+/// BENCHMARKS.md, 2026-11-27): unset, it is on unless `BERTKIT_CUDA_BIAS_ACT=scalar`.
 pub fn set_cuda_bias_act_vector(on: bool) {
     CUDA_BIAS_ACT_VECTOR.set(on);
 }
@@ -560,7 +564,7 @@ pub fn cuda_bias_act_vector() -> bool {
 
 /// Whether LayerNorm's forward on CUDA takes a warp per row.
 pub(crate) static CUDA_NORM_WARP_FORWARD: Switch =
-    Switch::opt_in("BERTKIT_CUDA_NORM_FORWARD", "warp");
+    Switch::opt_out("BERTKIT_CUDA_NORM_FORWARD", "block");
 
 /// Turns LayerNorm's (and a sublayer's end's) forward a warp per row on or off for this
 /// process: a lane holds up to four 16-byte pieces of the row with all of its loads in flight,
@@ -572,8 +576,9 @@ pub(crate) static CUDA_NORM_WARP_FORWARD: Switch =
 /// sums in another order: `bench/gpu/emulate` compares it with the block-per-row forward
 /// (bf16 within 5.8e-5 of the largest magnitude) and `bertkit check kernels --device cuda`
 /// with the CPU (its `warp forward` norm rows). ptxas (sm_90): 75 registers, no spills, six
-/// blocks of four warps an SM. Not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_NORM_FORWARD=warp`.
+/// blocks of four warps an SM. It passed on an H200, where an inference pass's sublayer ends
+/// went from 1.30 to 1.02 ms (27 to 24 µs a call with dropout, its hashing then the bound;
+/// BENCHMARKS.md, 2026-11-27): unset, it is on unless `BERTKIT_CUDA_NORM_FORWARD=block`.
 pub fn set_cuda_norm_warp_forward(on: bool) {
     CUDA_NORM_WARP_FORWARD.set(on);
 }
