@@ -85,7 +85,8 @@ row_settings() {
 # setting off by default gets a row here (and one with all of them) until a run turns it on.
 # (The settings of 2026-11-27's rows passed on an H200 and are on by default.)
 rows() {
-    printf '%s\n' "- | the defaults"
+    printf '%s\n' "- | the defaults" \
+        "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward with its tiles copied asynchronously"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a

@@ -8,7 +8,9 @@
 //   same bf16 inputs and dropout keys: the context and the gradients of the queries, keys and
 //   values, at rows of several lengths (a row of one token, rows ending inside a tile,
 //   padding) over one to three key tiles; the second form's log-sum-exp against the first's;
-//   the second form with its tiles' loads batched against it, bit for bit;
+//   the second form with its tiles' loads batched, and its forward with its tiles copied
+//   asynchronously (`cp.async`, the shim queueing each thread's copies until their wait),
+//   against it, bit for bit;
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
 //   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
@@ -190,6 +192,20 @@ bool run(const Case& c) {
     });
     size_t vec_differ = 0;
     const auto bits = [](bf16 x) { uint16_t b; std::memcpy(&b, &x, 2); return b; };
+    // The forward with its tiles copied asynchronously (`flash_registers_async_forward`): the
+    // same bits as the registers form's.
+    std::vector<bf16> context_async(context.size(), unwritten);
+    std::vector<float> lse_async(lse.size(), NAN);
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        flash_registers_async_forward_bf16(qkv.data(), context_async.data(), lse_async.data(),
+                                           scatter.data(), tokens, batch, heads, seq, scale, d);
+    });
+    size_t async_differ = 0;
+    for (size_t i = 0; i < context.size(); ++i)
+        async_differ += bits(context_reg[i]) != bits(context_async[i]);
+    for (size_t i = 0; i < lse.size(); ++i)
+        async_differ +=
+            !(lse_reg[i] == lse_async[i] || (std::isnan(lse_reg[i]) && std::isnan(lse_async[i])));
     size_t batched_differ = 0;
     for (size_t i = 0; i < context.size(); ++i)
         batched_differ += bits(context_reg[i]) != bits(context_bat[i]);
@@ -303,7 +319,9 @@ bool run(const Case& c) {
                 vec_differ, vec_differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu values differ from the loads one by one %s\n", c.name,
                 "batched", batched_differ, batched_differ ? "FAILED" : "ok");
-    return ok && vec_differ == 0 && batched_differ == 0;
+    std::printf("  %-28s %-8s %zu values differ from the loads at a barrier %s\n", c.name,
+                "async", async_differ, async_differ ? "FAILED" : "ok");
+    return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a

@@ -84,9 +84,9 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
 /// ends), and the one-pass attention's where it runs with it.
 fn needs(check: &str, dtype: DType) -> Vec<String> {
     use crate::kernels::{
-        CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ATTENTION,
-        CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_REGISTERS, CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR,
-        CUDA_NORM_WARP_FORWARD, CUDA_NORM_WIDE_GRID, CUDA_TAPE,
+        CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ASYNC_COPIES,
+        CUDA_FLASH_ATTENTION, CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_REGISTERS, CUDA_LINEAR_EPILOGUE,
+        CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD, CUDA_NORM_WIDE_GRID, CUDA_TAPE,
     };
     // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid,
     // the column sums, the linear layers' epilogue.
@@ -101,12 +101,13 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
         &CUDA_BIAS_ACT_VECTOR,
     ];
     if check == FLASH_NAME {
-        // Every setting is on here: the form with the scores in registers, its loads batched,
-        // is the one run.
+        // Every setting is on here: the form with the scores in registers, its loads batched
+        // and its forward's copies asynchronous, is the one run.
         switches.extend([
             &CUDA_FLASH_ATTENTION,
             &CUDA_FLASH_REGISTERS,
             &CUDA_FLASH_BATCHED_LOADS,
+            &CUDA_FLASH_ASYNC_COPIES,
         ]);
     }
     needing_in(dtype, &switches)

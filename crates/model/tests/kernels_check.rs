@@ -51,10 +51,10 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Every CUDA kernel setting has passed on a GPU and is on by default (BENCHMARKS.md,
-    // 2026-11-27): no line needs one. The mechanism is shown with settings of the test's own.
+    // Off by default: the one-pass attention's asynchronous copies (its rows run on CUDA
+    // only); no line run on the CPU needs it, nor any other setting.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert!(settings.is_empty(), "{settings:?}");
+    assert_eq!(settings, ["BERTKIT_CUDA_FLASH_COPIES=async"]);
     for c in &checks {
         assert!(c.needs.is_empty(), "{c:?}");
     }

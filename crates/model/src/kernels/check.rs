@@ -196,6 +196,8 @@ enum Form {
     FlashRegisters,
     /// The same with its tiles' loads batched.
     FlashBatched,
+    /// The same with its forward's tiles copied asynchronously.
+    FlashAsync,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -210,6 +212,7 @@ impl Form {
             Form::FlashSharedTiles => Some(&super::CUDA_FLASH_VECTOR_STORES),
             Form::FlashRegisters => Some(&super::CUDA_FLASH_REGISTERS),
             Form::FlashBatched => Some(&super::CUDA_FLASH_BATCHED_LOADS),
+            Form::FlashAsync => Some(&super::CUDA_FLASH_ASYNC_COPIES),
             Form::NormVector => Some(&super::CUDA_NORM_VECTOR),
             Form::NormWarp => Some(&super::CUDA_NORM_WARP_FORWARD),
         }
@@ -221,7 +224,10 @@ impl Form {
     fn runs(self, on_cuda: bool, dtype: DType, shape: &CheckShape) -> bool {
         match self {
             Form::Plain => true,
-            Form::FlashSharedTiles | Form::FlashRegisters | Form::FlashBatched => {
+            Form::FlashSharedTiles
+            | Form::FlashRegisters
+            | Form::FlashBatched
+            | Form::FlashAsync => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector | Form::NormWarp => on_cuda,
@@ -230,29 +236,35 @@ impl Form {
 
     /// Sets the process's settings for the form.
     fn set(self) {
-        let registers = matches!(self, Form::FlashRegisters | Form::FlashBatched);
+        let registers = matches!(
+            self,
+            Form::FlashRegisters | Form::FlashBatched | Form::FlashAsync
+        );
         super::set_cuda_flash_attention(registers || self == Form::FlashSharedTiles);
         super::set_cuda_flash_registers(registers);
-        super::set_cuda_flash_batched_loads(self == Form::FlashBatched);
+        super::set_cuda_flash_batched_loads(matches!(self, Form::FlashBatched | Form::FlashAsync));
+        super::set_cuda_flash_async_copies(self == Form::FlashAsync);
         super::set_cuda_norm_vector(matches!(self, Form::NormVector | Form::NormWarp));
         super::set_cuda_norm_warp_forward(self == Form::NormWarp);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
-    fn saved() -> [bool; 5] {
+    fn saved() -> [bool; 6] {
         [
             super::cuda_flash_attention(),
             super::cuda_flash_registers(),
             super::cuda_flash_batched_loads(),
+            super::cuda_flash_async_copies(),
             super::cuda_norm_vector(),
             super::cuda_norm_warp_forward(),
         ]
     }
 
-    fn restore([flash, registers, batched, norm, warp]: [bool; 5]) {
+    fn restore([flash, registers, batched, copies, norm, warp]: [bool; 6]) {
         super::set_cuda_flash_attention(flash);
         super::set_cuda_flash_registers(registers);
         super::set_cuda_flash_batched_loads(batched);
+        super::set_cuda_flash_async_copies(copies);
         super::set_cuda_norm_vector(norm);
         super::set_cuda_norm_warp_forward(warp);
     }
@@ -434,6 +446,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             true,
             Form::FlashBatched,
         ),
+        attention("attention flash async (eval)", false, Form::FlashAsync),
+        attention("attention flash async (dropout)", true, Form::FlashAsync),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.

@@ -489,6 +489,31 @@ pub fn cuda_flash_batched_loads() -> bool {
     CUDA_FLASH_BATCHED_LOADS.get()
 }
 
+/// Whether the one-pass attention's forward copies its tiles asynchronously.
+pub(crate) static CUDA_FLASH_ASYNC_COPIES: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_COPIES", "async");
+
+/// Turns the one-pass attention's forward with its tiles copied asynchronously on or off for
+/// this process (`cp.async`, compute capability 8.0 on, as the kernel itself): two buffers of
+/// keys and values, the next tile's copies in flight while the warps work on this one's, the
+/// queries and the first two key tiles copied at once, where the forward in use loads a tile,
+/// waits for it at a barrier, works on it, and only then loads the next (on an H200, 59 µs a
+/// BERT-large layer at inference, 72 TFLOP/s, with its loads batched; BENCHMARKS.md,
+/// 2026-11-27). The same tiles in shared memory and the same arithmetic: the same bits
+/// (`bench/gpu/emulate`, whose copies land only at their wait, compares them; without the wait
+/// every case fails). ptxas (sm_90): 128 registers, 46.6 KB of shared memory, four blocks an
+/// SM as before. Checked by `bertkit check kernels --device cuda` (its `attention flash async`
+/// rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_COPIES=async`.
+pub fn set_cuda_flash_async_copies(on: bool) {
+    CUDA_FLASH_ASYNC_COPIES.set(on);
+}
+
+/// Whether the one-pass attention's forward copies its tiles asynchronously (see
+/// [`set_cuda_flash_async_copies`]).
+pub fn cuda_flash_async_copies() -> bool {
+    CUDA_FLASH_ASYNC_COPIES.get()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -691,7 +716,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 19] = [
+static CUDA_SWITCHES: [&Switch; 20] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -703,6 +728,7 @@ static CUDA_SWITCHES: [&Switch; 19] = [
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
     &CUDA_FLASH_BATCHED_LOADS,
+    &CUDA_FLASH_ASYNC_COPIES,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

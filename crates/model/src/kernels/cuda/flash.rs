@@ -21,12 +21,15 @@ use super::*;
 /// The entry point of `kernel` (`forward`, `backward_kv`, `backward_q`) for the form turned
 /// on: the scores in registers (`flash_registers.cu`,
 /// [`crate::kernels::set_cuda_flash_registers`]) with the tiles' loads one by one or batched
-/// ([`crate::kernels::set_cuda_flash_batched_loads`]), or through shared memory (`flash.cu`)
+/// ([`crate::kernels::set_cuda_flash_batched_loads`]), the forward's by asynchronous copies
+/// ([`crate::kernels::set_cuda_flash_async_copies`]), or through shared memory (`flash.cu`)
 /// with its results stored two bytes at a time, or 16 (`_vec`,
 /// [`crate::kernels::set_cuda_flash_vector_stores`]).
 fn entry(kernel: &str) -> String {
     if crate::kernels::cuda_flash_registers() {
-        if crate::kernels::cuda_flash_batched_loads() {
+        if kernel == "forward" && crate::kernels::cuda_flash_async_copies() {
+            "flash_registers_async_forward".to_string()
+        } else if crate::kernels::cuda_flash_batched_loads() {
             format!("flash_registers_batched_{kernel}")
         } else {
             format!("flash_registers_{kernel}")

@@ -131,6 +131,109 @@ __device__ __forceinline__ void fr_store_rows(const float (&acc)[8][4], const fl
     __syncwarp();
 }
 
+// One key tile of the forward for the warp's 16 queries (`q`, as A fragments): the scores
+// against `keys`, the running maxima `m` and sums `l` of this lane's two rows updated, `o`
+// rescaled and `dropped P · values` added (`line`: the rows' dropout lines; `k0`: the tile's
+// first key).
+__device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const bf16* keys,
+                                                const bf16* values, const int* key_valid, int k0,
+                                                float scale, const Dropout& d,
+                                                const uint64_t (&line)[2], float (&m)[2],
+                                                float (&l)[2], float (&o)[8][4]) {
+    const int t = threadIdx.x & 3;
+    float s[8][4];
+    fr_scores(s, q, keys);
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = n * 8 + 2 * t + (e & 1);
+            s[n][e] = key_valid[j] ? s[n][e] * scale : -INFINITY;
+            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+        }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        const float m_new = fmaxf(m[h], tile_max[h]);
+        alpha[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
+        m[h] = m_new;
+        l[h] *= alpha[h];
+    }
+    // The probabilities (unnormalised) in place of the scores; the row sums before dropout.
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]);
+            l[e >> 1] += p;
+            s[n][e] = p;
+        }
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
+    // o += dropped P · V, P's 16-key chunks as left operands.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        uint32_t a[4];
+        fr_to_a(a, s, c, [&](int n, int e) {
+            return d.on ? keep_factor(d, line[e >> 1], k0 + n * 8 + 2 * t + (e & 1)) : 1.0f;
+        });
+        fr_accumulate(o, a, values, c * 16);
+    }
+}
+
+// A lane's part of the forward: its two query rows (g, g + 8 of the warp's 16: place, whether
+// a token, dropout line), their running maxima and sums, and its share of their context.
+struct FrForwardRows {
+    int i[2];
+    bool query[2];
+    uint64_t line[2];
+    float m[2], l[2];
+    float o[8][4];
+
+    __device__ __forceinline__ FrForwardRows(const FlashBlock& k, int seq, int tokens,
+                                             const Dropout& d) {
+        const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            i[h] = k.first + k.warp * 16 + g + 8 * h;
+            query[h] = i[h] < seq && k.places[i[h]] < (uint32_t)tokens;
+            line[h] = d.on ? line_key(line_key(row_key(d, k.b), k.h), i[h]) : 0;
+            m[h] = -INFINITY;
+            l[h] = 0.0f;
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+    }
+
+    // After the last key tile: the context, normalised, to the tokens' rows (staged in
+    // `stage`), and every place's log-sum-exp (padding's 0: the backward reads a whole tile's).
+    __device__ __forceinline__ void finish(bf16* stage, bf16* context, float* lse, size_t rows,
+                                           const FlashBlock& k, int seq, int tokens) {
+        float inv[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+            inv[h] = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        }
+        fr_store_rows(o, inv, stage, context, k.hidden, k.column(0), k.places,
+                      k.first + k.warp * 16, seq, tokens);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if ((threadIdx.x & 3) == 0 && i[h] < seq) {
+                lse[rows + i[h]] = query[h] ? m[h] + logf(l[h]) : 0.0f;
+            }
+        }
+    }
+};
+
 // The forward: grid (query tiles, heads, batch), as `flash_forward`'s. `Batched`: the tiles'
 // loads batched (`flash_load_tiles_batched`, `BERTKIT_CUDA_FLASH_LOADS=batched`); the entry
 // points are at the end.
@@ -143,95 +246,109 @@ __device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS) {
     const FlashBlock k = flash_block(scatter, tokens, heads, seq);
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
     if (flash_padding_tile(k, lse + rows, seq)) return;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     flash_load_one<Batched>(queries, qkv, k.stride, k.column(0), k.places, k.first, seq, tokens,
                             nullptr);
     __syncthreads();
     uint32_t q[4][4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) fr_load_a(q[c], queries, k.warp * 16, c * 16);
-
-    // This lane's two rows (g, g + 8 of the warp's 16): place, whether a token, dropout line.
-    int i[2];
-    bool query[2];
-    uint64_t line[2];
-    float m[2], l[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        i[h] = k.first + k.warp * 16 + g + 8 * h;
-        query[h] = i[h] < seq && k.places[i[h]] < (uint32_t)tokens;
-        line[h] = d.on ? line_key(line_key(row_key(d, k.b), k.h), i[h]) : 0;
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-    }
-    float o[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
-
+    FrForwardRows r(k, seq, tokens, d);
     for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
         flash_load_keys_values<Batched>(keys, values, key_valid, qkv, k, k0, seq, tokens);
-        float s[8][4];
-        fr_scores(s, q, keys);
-        float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = n * 8 + 2 * t + (e & 1);
-                s[n][e] = key_valid[j] ? s[n][e] * scale : -INFINITY;
-                tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
-            }
-        float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-            const float m_new = fmaxf(m[h], tile_max[h]);
-            alpha[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
-            m[h] = m_new;
-            l[h] *= alpha[h];
-        }
-        // The probabilities (unnormalised) in place of the scores; the row sums before dropout.
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]);
-                l[e >> 1] += p;
-                s[n][e] = p;
-            }
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
-        // o += dropped P · V, P's 16-key chunks as left operands.
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            uint32_t a[4];
-            fr_to_a(a, s, c, [&](int n, int e) {
-                return d.on ? keep_factor(d, line[e >> 1], k0 + n * 8 + 2 * t + (e & 1)) : 1.0f;
-            });
-            fr_accumulate(o, a, values, c * 16);
-        }
+        fr_forward_tile(q, keys, values, key_valid, k0, scale, d, r.line, r.m, r.l, r.o);
         // Every warp done with this tile's keys and values before the next overwrites them.
         __syncthreads();
     }
-    float inv[2];
+    r.finish(queries, context, lse, rows, k, seq, tokens);
+}
+
+// Tiles of `qkv`'s rows `first..first + 64` (columns `col[a]` on), placed as
+// `flash_load_tiles_batched` places them, by asynchronous copies (`cp_async_16`): each thread
+// reads its rows' tokens, then issues its copies and goes on; `valid` (or null) gets which
+// rows are tokens. The caller closes the group and waits for it.
+template <int Tiles>
+__device__ __forceinline__ void fr_copy_tiles(bf16* const (&tile)[Tiles], const bf16* qkv,
+                                              size_t stride, const int (&col)[Tiles],
+                                              const uint32_t* places, int first, int seq,
+                                              int tokens, int* valid) {
+    constexpr int PER = FLASH_TILE * 8 / FLASH_THREADS, ROWS = FLASH_THREADS / 8;
+    const int part = threadIdx.x & 7, row0 = threadIdx.x >> 3;
+    uint32_t token[PER];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        inv[h] = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+    for (int j = 0; j < PER; ++j) {
+        const int i = first + row0 + j * ROWS;
+        token[j] = i < seq ? places[i] : (uint32_t)tokens;
     }
-    fr_store_rows(o, inv, queries, context, k.hidden, k.column(0), k.places,
-                  k.first + k.warp * 16, seq, tokens);
-    // Every place's, padding's 0 (the backward reads a whole tile's).
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (t == 0 && i[h] < seq) lse[rows + i[h]] = query[h] ? m[h] + logf(l[h]) : 0.0f;
+    for (int a = 0; a < Tiles; ++a)
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const bool ok = token[j] < (uint32_t)tokens;
+            // (Where the row is padding nothing is read: a source size of 0.)
+            const bf16* from = qkv + (ok ? (size_t)token[j] * stride + col[a] + part * 8 : 0);
+            cp_async_16(tile[a] + (row0 + j * ROWS) * FLASH_LD + part * 8, from, ok);
+        }
+    if (valid && part == 0) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) valid[row0 + j * ROWS] = token[j] < (uint32_t)tokens;
     }
+}
+
+// The forward with its tiles copied asynchronously (`BERTKIT_CUDA_FLASH_COPIES=async`): two
+// buffers of keys and values, the next tile's copies in flight while the warps work on this
+// one's; the queries and the first two key tiles copied at once at the start. The forms above
+// load a tile, wait for it at a barrier, work on it, and only then load the next: one trip to
+// memory a tile with nothing else to do (at phase 1's two key tiles a row, three such trips a
+// block, counting the queries'). The same grid, arguments, arithmetic and results (the same
+// tiles in shared memory, in the same order).
+__device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
+    __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 keys[2][FLASH_TILE * FLASH_LD];
+    __shared__ __align__(16) bf16 values[2][FLASH_TILE * FLASH_LD];
+    __shared__ int key_valid[2][FLASH_TILE];
+    const FlashBlock k = flash_block(scatter, tokens, heads, seq);
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    if (flash_padding_tile(k, lse + rows, seq)) return;
+    const int tiles = (k.end + FLASH_TILE - 1) / FLASH_TILE;
+    // Group 0: the queries and key tile 0; group 1: key tile 1 (empty where there is none).
+    // Every iteration then closes one group (key tile `tile + 2`, or none), so that key tile
+    // `tile` is always the group a wait for all but the newest one retires.
+    fr_copy_tiles<1>({queries}, qkv, k.stride, {k.column(0)}, k.places, k.first, seq, tokens,
+                     nullptr);
+    fr_copy_tiles<2>({keys[0], values[0]}, qkv, k.stride, {k.column(1), k.column(2)}, k.places,
+                     0, seq, tokens, key_valid[0]);
+    cp_async_commit();
+    if (tiles > 1) {
+        fr_copy_tiles<2>({keys[1], values[1]}, qkv, k.stride, {k.column(1), k.column(2)},
+                         k.places, FLASH_TILE, seq, tokens, key_valid[1]);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    uint32_t q[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) fr_load_a(q[c], queries, k.warp * 16, c * 16);
+
+    FrForwardRows r(k, seq, tokens, d);
+    for (int tile = 0; tile < tiles; ++tile) {
+        const int buffer = tile & 1;
+        if (tile > 0) {
+            cp_async_wait<1>();
+            __syncthreads();
+        }
+        fr_forward_tile(q, keys[buffer], values[buffer], key_valid[buffer], tile * FLASH_TILE,
+                        scale, d, r.line, r.m, r.l, r.o);
+        // Every warp done with this buffer before its next tile is copied in.
+        __syncthreads();
+        if (tile + 2 < tiles) {
+            fr_copy_tiles<2>({keys[buffer], values[buffer]}, qkv, k.stride,
+                             {k.column(1), k.column(2)}, k.places, (tile + 2) * FLASH_TILE, seq,
+                             tokens, key_valid[buffer]);
+        }
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+    r.finish(queries, context, lse, rows, k, seq, tokens);
 }
 
 // The keys' and values' gradients: grid (key tiles, heads, batch); the warp's 16 keys summed
@@ -428,6 +545,10 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 4)
     flash_registers_batched_forward_bf16(FLASH_FORWARD_ARGS) {
     fr_forward<true>(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 4)
+    flash_registers_async_forward_bf16(FLASH_FORWARD_ARGS) {
+    fr_forward_async(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
     flash_registers_backward_kv_bf16(FLASH_BACKWARD_ARGS) {

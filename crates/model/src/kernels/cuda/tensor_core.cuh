@@ -16,7 +16,8 @@
 //   (`.trans`), the elements in column g of its rows 2t and 2t+1.
 //
 // The CPU emulation (`bench/gpu/emulate`, which defines `BERTKIT_EMULATION`) defines these
-// functions itself from the same layouts, through a warp's exchange of registers.
+// functions itself from the same layouts, through a warp's exchange of registers (and the
+// asynchronous copies as copies made when their group is waited for).
 
 #pragma once
 
@@ -48,6 +49,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* 
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(at));
+}
+
+// `cp.async` (sm_80 on): 16 bytes from global memory to shared memory without passing through
+// registers, zeros where `valid` is false (a source size of 0: `src` is not read); in flight
+// until a `cp_async_wait` retires the group `cp_async_commit` closed around it. A thread sees
+// its own copies after the wait; the block's, after a barrier too.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+    const unsigned at = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+// Closes the thread's current group of copies.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most `N` of the thread's closed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // Two f32 as two bf16 in a register (`lo` in the low half), rounded to nearest even.
