@@ -187,24 +187,22 @@ large2() {
 # autograd and the heads are made of. With every new setting the check passed (the defaults'
 # kernels were profiled on 2026-11-27): where the time goes once they are on.
 pass_kernels() {
-    log "2d ncu: the kernels of two training passes, 2-layer BERT-large, batch 64 x 128, bf16, with ${passed:-the defaults}"
     large2
-    # shellcheck disable=SC2086
-    env $passed timeout 300 ncu --clock-control none --csv --print-units base \
-        --metrics gpu__time_duration.sum $b bench kernels --config /tmp/large2.json --batch 64 \
-        --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu.csv" 2> "$out/ncu.err"
-    echo "rc $?"
-    python3 "$here/ncu_summary.py" "$out/ncu.csv" --passes 2 --top 45 || tail -n 5 "$out/ncu.err"
-    # The same for inference passes (nothing tracked): what the inference row's kernels are.
-    log "2d ncu: the kernels of two inference passes, 2-layer BERT-large, batch 64 x 128, bf16, with ${passed:-the defaults}"
-    # shellcheck disable=SC2086
-    env $passed timeout 300 ncu --clock-control none --csv --print-units base \
-        --metrics gpu__time_duration.sum $b bench kernels --config /tmp/large2.json --batch 64 \
-        --seq 128 --dtype bf16 --device cuda --passes 1 --inference > "$out/ncu-inference.csv" \
-        2> "$out/ncu-inference.err"
-    echo "rc $?"
-    python3 "$here/ncu_summary.py" "$out/ncu-inference.csv" --passes 2 --top 30 \
-        || tail -n 5 "$out/ncu-inference.err"
+    local pass file
+    # Two training passes, then two inference passes (nothing tracked): what each row's
+    # kernels are made of.
+    for pass in training inference; do
+        file=$out/ncu.csv
+        [[ $pass == inference ]] && file=$out/ncu-inference.csv
+        log "2d ncu: the kernels of two $pass passes, 2-layer BERT-large, batch 64 x 128, bf16, with ${passed:-the defaults}"
+        # shellcheck disable=SC2046,SC2086
+        env $passed timeout 300 ncu --clock-control none --csv --print-units base \
+            --metrics gpu__time_duration.sum $b bench kernels --config /tmp/large2.json \
+            --batch 64 --seq 128 --dtype bf16 --device cuda --passes 1 \
+            $([[ $pass == inference ]] && echo --inference) > "$file" 2> "${file%.csv}.err"
+        echo "rc $?"
+        python3 "$here/ncu_summary.py" "$file" --passes 2 --top 45 || tail -n 5 "${file%.csv}.err"
+    done
 }
 # By CUDA events (the GPU's own time, the host running ahead as in training).
 pass_rows() {

@@ -62,6 +62,36 @@ __device__ __forceinline__ void flash_load_tile(bf16* tile, const bf16* src, siz
     }
 }
 
+// A thread's rows of a tile from `first` in the batched and asynchronous loads (the rows and
+// 16-byte parts `flash_load_tile`'s loop gives it: rows `row0 + j · ROWS`, `j < PER`, part
+// `part` of each) and their tokens (`tokens` for padding), read once for all of the tile pair.
+struct FlashThreadRows {
+    static constexpr int PER = FLASH_TILE * 8 / FLASH_THREADS, ROWS = FLASH_THREADS / 8;
+    static_assert(FLASH_TILE * 8 % FLASH_THREADS == 0, "whole loads a thread");
+    int part, row0;
+    uint32_t token[PER];
+
+    __device__ __forceinline__ FlashThreadRows(const uint32_t* places, int first, int seq,
+                                               int tokens)
+        : part(threadIdx.x & 7), row0(threadIdx.x >> 3) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = first + row0 + j * ROWS;
+            token[j] = i < seq ? places[i] : (uint32_t)tokens;
+        }
+    }
+
+    __device__ __forceinline__ int row(int j) const { return row0 + j * ROWS; }
+
+    // Which of the rows are tokens, into `valid` (64 flags; nothing where null).
+    __device__ __forceinline__ void mark(int* valid, int tokens) const {
+        if (valid && part == 0) {
+#pragma unroll
+            for (int j = 0; j < PER; ++j) valid[row(j)] = token[j] < (uint32_t)tokens;
+        }
+    }
+};
+
 // `Tiles` tiles as `flash_load_tile` loads each, from the same rows of their own matrices, for
 // the kernels with their loads batched (`BERTKIT_CUDA_FLASH_LOADS=batched`): each thread reads
 // its rows' tokens once for all the tiles, then issues every one of its 16-byte loads before
@@ -75,35 +105,24 @@ __device__ __forceinline__ void flash_load_tiles_batched(bf16* const (&tile)[Til
                                                          const int (&col)[Tiles],
                                                          const uint32_t* places, int first,
                                                          int seq, int tokens, int* valid) {
-    static_assert(FLASH_TILE * 8 % FLASH_THREADS == 0, "whole loads a thread");
-    constexpr int PER = FLASH_TILE * 8 / FLASH_THREADS, ROWS = FLASH_THREADS / 8;
-    const int part = threadIdx.x & 7, row0 = threadIdx.x >> 3;
-    uint32_t token[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int i = first + row0 + j * ROWS;
-        token[j] = i < seq ? places[i] : (uint32_t)tokens;
-    }
-    uint4 value[Tiles][PER];
+    const FlashThreadRows r(places, first, seq, tokens);
+    uint4 value[Tiles][FlashThreadRows::PER];
 #pragma unroll
     for (int a = 0; a < Tiles; ++a)
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
+        for (int j = 0; j < FlashThreadRows::PER; ++j) {
             value[a][j] = make_uint4(0, 0, 0, 0);
-            if (token[j] < (uint32_t)tokens) {
+            if (r.token[j] < (uint32_t)tokens) {
                 value[a][j] =
-                    *(const uint4*)(src[a] + (size_t)token[j] * stride[a] + col[a] + part * 8);
+                    *(const uint4*)(src[a] + (size_t)r.token[j] * stride[a] + col[a] + r.part * 8);
             }
         }
 #pragma unroll
     for (int a = 0; a < Tiles; ++a)
 #pragma unroll
-        for (int j = 0; j < PER; ++j)
-            *(uint4*)(tile[a] + (row0 + j * ROWS) * FLASH_LD + part * 8) = value[a][j];
-    if (valid && part == 0) {
-#pragma unroll
-        for (int j = 0; j < PER; ++j) valid[row0 + j * ROWS] = token[j] < (uint32_t)tokens;
-    }
+        for (int j = 0; j < FlashThreadRows::PER; ++j)
+            *(uint4*)(tile[a] + r.row(j) * FLASH_LD + r.part * 8) = value[a][j];
+    r.mark(valid, tokens);
 }
 
 // One tile, `flash_load_tile`'s way or batched (`Batched`).

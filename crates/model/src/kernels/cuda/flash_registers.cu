@@ -271,27 +271,17 @@ __device__ __forceinline__ void fr_copy_tiles(bf16* const (&tile)[Tiles], const 
                                               size_t stride, const int (&col)[Tiles],
                                               const uint32_t* places, int first, int seq,
                                               int tokens, int* valid) {
-    constexpr int PER = FLASH_TILE * 8 / FLASH_THREADS, ROWS = FLASH_THREADS / 8;
-    const int part = threadIdx.x & 7, row0 = threadIdx.x >> 3;
-    uint32_t token[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int i = first + row0 + j * ROWS;
-        token[j] = i < seq ? places[i] : (uint32_t)tokens;
-    }
+    const FlashThreadRows r(places, first, seq, tokens);
 #pragma unroll
     for (int a = 0; a < Tiles; ++a)
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const bool ok = token[j] < (uint32_t)tokens;
+        for (int j = 0; j < FlashThreadRows::PER; ++j) {
+            const bool ok = r.token[j] < (uint32_t)tokens;
             // (Where the row is padding nothing is read: a source size of 0.)
-            const bf16* from = qkv + (ok ? (size_t)token[j] * stride + col[a] + part * 8 : 0);
-            cp_async_16(tile[a] + (row0 + j * ROWS) * FLASH_LD + part * 8, from, ok);
+            const bf16* from = qkv + (ok ? (size_t)r.token[j] * stride + col[a] + r.part * 8 : 0);
+            cp_async_16(tile[a] + r.row(j) * FLASH_LD + r.part * 8, from, ok);
         }
-    if (valid && part == 0) {
-#pragma unroll
-        for (int j = 0; j < PER; ++j) valid[row0 + j * ROWS] = token[j] < (uint32_t)tokens;
-    }
+    r.mark(valid, tokens);
 }
 
 // The forward with its tiles copied asynchronously (`BERTKIT_CUDA_FLASH_COPIES=async`): two
