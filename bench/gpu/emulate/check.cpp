@@ -21,6 +21,8 @@
 //   backward in pieces against the pieces' f32 sums by hand, in order;
 // - the gradients' sum (`add_tensors`, the same file) against sums by hand, 16-byte aligned and
 //   not;
+// - the keyed dropout (`keyed_dropout`, the same file) against each element's keep drawn by hand
+//   from `dropout.rs`'s keys, packed tokens and plain rows;
 // - a linear layer's end backward (`bias_act_backward`) on rows wider than a block's bias sums;
 //   and the end 16 bytes a thread (`bias_act_vec_*`) against the kernels an element a thread,
 //   bit for bit (f32, bf16, f16; with GELU in both forms and without, with a bias and without);
@@ -624,6 +626,49 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     return ok;
 }
 
+// The keyed dropout (`keyed_dropout` in `kernels.cu`) of a packed `[tokens, width]` tensor
+// (token `t` at place `places[t]` of rows `seq` long) and of a `[rows, width]` one, on a grid
+// smaller than the rows, against each element's keep drawn by hand from `dropout.rs`'s keys:
+// the row's key from the place's row (or the row), the line's from the place's column (or
+// none), the element's uniform from the line's key plus its index.
+template <typename T>
+bool check_keyed_dropout(const char* name, int rows, int width, bool packed) {
+    std::mt19937_64 rng(17 + width);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    std::vector<T> x((size_t)rows * width), out(x.size(), from_f32<T>(NAN));
+    for (auto& e : x) e = from_f32<T>(u(rng));
+    const int seq = 7;
+    std::vector<uint32_t> places(rows);
+    for (int t = 0; t < rows; ++t) places[t] = (uint32_t)(2 * t + t / 3);  // holes, rows skipped
+    Dropout d{};
+    d.key = 0x1234abcdull;
+    d.first_row = 9;
+    d.threshold = (uint64_t)(0.1 * (1 << 24));
+    d.scale = 1.0f / 0.9f;
+    d.on = 1;
+    emulate_launch({3, 1, 1}, 64, [&] {
+        keyed_dropout<T>(x.data(), out.data(), rows, width, d, packed ? places.data() : nullptr,
+                         seq);
+    });
+    size_t wrong = 0, kept = 0;
+    for (int r = 0; r < rows; ++r) {
+        const uint64_t row = packed ? places[r] / seq : (uint64_t)r;
+        uint64_t line = splitmix(d.key ^ splitmix(d.first_row + row));
+        if (packed) line = splitmix(line ^ splitmix((uint64_t)(places[r] % seq) + 1));
+        for (int j = 0; j < width; ++j) {
+            const bool keep = (splitmix(line + (uint64_t)j) >> 40) >= d.threshold;
+            kept += keep;
+            // (A dropped element is x times 0, as on the CPU: -0 where x is negative.)
+            const T want = from_f32<T>(to_f32(x[(size_t)r * width + j]) * (keep ? d.scale : 0.0f));
+            wrong += std::memcmp(&want, &out[(size_t)r * width + j], sizeof(T)) != 0;
+        }
+    }
+    const bool ok = wrong == 0 && kept * 10 > x.size() * 8 && kept * 10 < x.size() * 10;
+    std::printf("  %-28s %-8s %zu of %zu differ, %zu kept %s\n", name, "output", wrong, x.size(),
+                kept, ok ? "ok" : "FAILED");
+    return ok;
+}
+
 // `a + b` over `n` elements (`add_tensors` in `kernels.cu`) from `offset` elements into the
 // buffers (an offset that breaks 16-byte alignment takes the element-a-thread path), on a
 // grid smaller than the work, against the sums by hand in f32 rounded once.
@@ -947,6 +992,10 @@ int main() {
     ok = check_add<bf16>("add bf16, aligned", 8 * 1000 + 5, 0, 3) && ok;
     ok = check_add<bf16>("add bf16, unaligned", 999, 3, 2) && ok;
     ok = check_add<f16>("add f16, aligned", 4096, 0, 5) && ok;
+    std::printf("the keyed dropout (keyed_dropout, kernels.cu) against the keys by hand:\n");
+    ok = check_keyed_dropout<bf16>("dropout bf16, packed tokens", 29, 1024, true) && ok;
+    ok = check_keyed_dropout<float>("dropout f32, rows", 11, 300, false) && ok;
+    ok = check_keyed_dropout<f16>("dropout f16, packed tokens", 13, 96, true) && ok;
     std::printf("negative log-likelihood (loss.cu) against f64:\n");
     ok = check_nll<float>("nll f32", 37, 517) && ok;
     ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;

@@ -8,9 +8,10 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 13 kernels: an output and each input's gradient (1 + 2 + 3 + 4 × 3 + 1 + 5 + 1 + 1 + 1 +
-    // 4 inputs; the one-pass attention's rows only on CUDA).
-    assert_eq!(checks.len(), 13 + 31, "{checks:#?}");
+    // 15 kernels: an output and each input's gradient (1 + 2 + 1 + 1 + 3 + 4 × 3 + 1 + 5 + 1 +
+    // 1 + 1 + 4 inputs; the one-pass attention's rows and LayerNorm's other forms only on
+    // CUDA).
+    assert_eq!(checks.len(), 15 + 33, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         if (c.kernel == "gather_rows" && !c.gradient) || (c.kernel == "add" && c.gradient) {
@@ -51,12 +52,24 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: the one-pass attention's asynchronous copies (its rows run on CUDA
-    // only); no line run on the CPU needs it, nor any other setting.
+    // Off by default: our keyed dropout, which the dropout lines need, and the one-pass
+    // attention's asynchronous copies (its rows run on CUDA only); the other kernels need
+    // nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert_eq!(settings, ["BERTKIT_CUDA_FLASH_COPIES=async"]);
+    assert_eq!(
+        settings,
+        [
+            "BERTKIT_CUDA_DROPOUT=keyed",
+            "BERTKIT_CUDA_FLASH_COPIES=async"
+        ]
+    );
     for c in &checks {
-        assert!(c.needs.is_empty(), "{c:?}");
+        let want: &[&str] = if c.kernel.starts_with("dropout") {
+            &["BERTKIT_CUDA_DROPOUT=keyed"]
+        } else {
+            &[]
+        };
+        assert_eq!(c.needs, want, "{c:?}");
     }
     // Two checked settings (lines of their own), and one no line checks.
     for (kernel, setting) in [

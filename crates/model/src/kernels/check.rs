@@ -369,6 +369,25 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             form: Form::Plain,
             needs: vec![&super::CUDA_ADD],
         },
+        Case {
+            kernel: "dropout (tokens)",
+            // The embeddings' dropout of a packed tensor ([`super::Mode::dropout_tokens`]):
+            // each token's line keyed by its place, the CPU's masks on every device.
+            inputs: vec![("x", vec![t, h], 1.0)],
+            run: |_, x, p, mode, _| mode.dropout_tokens(&x[0], DROPOUT, p),
+            train: true,
+            form: Form::Plain,
+            needs: vec![&super::CUDA_KEYED_DROPOUT],
+        },
+        Case {
+            kernel: "dropout (rows)",
+            // The pooler's ([`super::Mode::dropout`]): each row's line keyed by the row.
+            inputs: vec![("x", vec![t, h], 1.0)],
+            run: |_, x, _, mode, _| mode.dropout(&x[0], DROPOUT),
+            train: true,
+            form: Form::Plain,
+            needs: vec![&super::CUDA_KEYED_DROPOUT],
+        },
         norm("layer_norm", Form::Plain),
         norm("layer_norm (vector)", Form::NormVector),
         norm("layer_norm (warp forward)", Form::NormWarp),

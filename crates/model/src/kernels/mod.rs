@@ -60,7 +60,13 @@ impl Mode<'_> {
     /// Applies dropout with probability `p` in training mode.
     pub fn dropout(&self, x: &Tensor, p: f64) -> candle_core::Result<Tensor> {
         match self {
-            Mode::Train(source) if p > 0.0 => source.apply(x, p),
+            Mode::Train(source) if p > 0.0 => {
+                #[cfg(feature = "cuda")]
+                if cuda_keyed_dropout() && x.rank() == 2 && on_cuda(&[x]) {
+                    return cuda::keyed_dropout_rows(x, cuda::DeviceDropout::next(source, p));
+                }
+                source.apply(x, p)
+            }
             _ => Ok(x.clone()),
         }
     }
@@ -74,7 +80,17 @@ impl Mode<'_> {
         packing: &Packing,
     ) -> candle_core::Result<Tensor> {
         match self {
-            Mode::Train(source) if p > 0.0 => source.apply_to_tokens(x, packing, p),
+            Mode::Train(source) if p > 0.0 => {
+                #[cfg(feature = "cuda")]
+                if cuda_keyed_dropout() && x.rank() == 2 && on_cuda(&[x]) {
+                    return cuda::keyed_dropout_tokens(
+                        x,
+                        packing,
+                        cuda::DeviceDropout::next(source, p),
+                    );
+                }
+                source.apply_to_tokens(x, packing, p)
+            }
             _ => Ok(x.clone()),
         }
     }
@@ -392,6 +408,28 @@ pub fn set_cuda_embeddings_in_pieces(on: bool) {
 /// Whether the lookup's backward runs in pieces (see [`set_cuda_embeddings_in_pieces`]).
 pub fn cuda_embeddings_in_pieces() -> bool {
     CUDA_EMBEDDINGS_IN_PIECES.get()
+}
+
+/// Whether the embeddings' and the pooler's dropout on CUDA take our keyed kernel.
+pub(crate) static CUDA_KEYED_DROPOUT: Switch = Switch::opt_in("BERTKIT_CUDA_DROPOUT", "keyed");
+
+/// Turns our CUDA kernel for the dropout outside the fused kernels (the embeddings', on a
+/// packed `[tokens, width]` tensor, and the pooler's) on or off for this process: the CPU's
+/// keyed masks, a block per row, the backward the same mask on the gradient, each kept element
+/// scaled in f32. Without it these go through candle (a cuRAND uniform per element, a
+/// comparison, two casts and a product: on an H200 ~0.4 ms of a BERT-large phase-1 pass;
+/// BENCHMARKS.md, 2026-11-27), with masks other than the CPU's for the same keys, and in bf16
+/// the scale rounded to bf16 (1.109 for 1.111). Checked by `bertkit check kernels --device
+/// cuda` (its `dropout` rows, against the CPU's masks), not yet run on a GPU: unset, it is off
+/// unless `BERTKIT_CUDA_DROPOUT=keyed`.
+pub fn set_cuda_keyed_dropout(on: bool) {
+    CUDA_KEYED_DROPOUT.set(on);
+}
+
+/// Whether the dropout outside the fused kernels takes our keyed kernel on CUDA (see
+/// [`set_cuda_keyed_dropout`]).
+pub fn cuda_keyed_dropout() -> bool {
+    CUDA_KEYED_DROPOUT.get()
 }
 
 /// Whether the tape's gradient sums on CUDA take our addition.
@@ -716,13 +754,14 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 20] = [
+static CUDA_SWITCHES: [&Switch; 21] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
     &CUDA_EMBEDDINGS,
     &CUDA_EMBEDDINGS_IN_PIECES,
     &CUDA_ADD,
+    &CUDA_KEYED_DROPOUT,
     &CUDA_WIDE_LINEAR,
     &CUDA_LINEAR_EPILOGUE,
     &CUDA_FLASH_VECTOR_STORES,

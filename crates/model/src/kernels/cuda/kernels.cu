@@ -774,6 +774,30 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dropout with the CPU's keyed masks (`BERTKIT_CUDA_DROPOUT=keyed`, `keyed_dropout.rs`): the
+// embeddings' (a packed `[tokens, width]` tensor, each token's line keyed by its place in the
+// padded batch, as `dropout.rs`'s `cpu_token_keep_mask` keys it) and the pooler's (`[rows,
+// width]`, row `r`'s line keyed by the row alone, as `cpu_keep_mask` keys two dimensions). A
+// block per row, the line's key drawn once. The backward is the same on the gradient.
+template <typename T>
+__device__ void keyed_dropout(const T* x, T* out, int rows, int width, Dropout d,
+                              const uint32_t* places, int seq) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        uint64_t line;
+        if (places) {
+            const uint32_t place = places[r];
+            line = line_key(row_key(d, place / seq), place % seq);
+        } else {
+            line = row_key(d, r);
+        }
+        const size_t at = (size_t)r * width;
+        for (int j = threadIdx.x; j < width; j += blockDim.x) {
+            out[at + j] = from_f32<T>(to_f32(x[at + j]) * keep_factor(d, line, j));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Entry points, one per dtype.
 
 // A LayerNorm form's two entry points, `NAME_forward_SUFFIX` and `NAME_backward_SUFFIX`, on
@@ -854,6 +878,11 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
         const T* grad, const uint32_t* order, const uint32_t* starts, const uint32_t* distinct, \
         T* grad_table, int groups, int cols) {                                                  \
         gather_rows_backward<T>(grad, order, starts, distinct, grad_table, groups, cols);       \
+    }                                                                                           \
+    extern "C" __global__ void keyed_dropout_##SUFFIX(const T* x, T* out, int rows, int width,   \
+                                                      Dropout d, const uint32_t* places,        \
+                                                      int seq) {                                \
+        keyed_dropout<T>(x, out, rows, width, d, places, seq);                                  \
     }                                                                                           \
     extern "C" __global__ void add_tensors_##SUFFIX(const T* a, const T* b, T* out, size_t n) {   \
         add_tensors<T>(a, b, out, n);                                                           \
