@@ -52,20 +52,26 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: our keyed dropout, which the dropout lines need, and the one-pass
-    // attention's asynchronous copies (its rows run on CUDA only); the other kernels need
-    // nothing.
+    // Off by default: our keyed dropout, which the dropout lines need, the linear layers'
+    // backward through cuBLASLt, which the linear, GELU-and-linear and feed-forward lines need
+    // (not the wide linear's 12,300 columns, not whole 16-byte pieces), and the one-pass
+    // attention's asynchronous copies (its rows run on CUDA only); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_DROPOUT=keyed",
+            "BERTKIT_CUDA_LINEAR_BACKWARD=lt",
             "BERTKIT_CUDA_FLASH_COPIES=async"
         ]
     );
     for c in &checks {
+        let linear = (c.kernel.starts_with("linear") && c.kernel != "linear (wide)")
+            || c.kernel.starts_with("feed_forward");
         let want: &[&str] = if c.kernel.starts_with("dropout") {
             &["BERTKIT_CUDA_DROPOUT=keyed"]
+        } else if linear {
+            &["BERTKIT_CUDA_LINEAR_BACKWARD=lt"]
         } else {
             &[]
         };

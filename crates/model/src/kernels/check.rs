@@ -331,9 +331,14 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_COLUMN_SUMS_LANES,
                 &super::CUDA_LINEAR_EPILOGUE,
                 &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_LINEAR_BACKWARD_LT,
             ]
         } else {
-            vec![&super::CUDA_COLUMN_SUMS_LANES, &super::CUDA_BIAS_ACT_VECTOR]
+            vec![
+                &super::CUDA_COLUMN_SUMS_LANES,
+                &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_LINEAR_BACKWARD_LT,
+            ]
         },
     };
     let attention = |kernel, train, form| Case {
@@ -443,6 +448,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_COLUMN_SUMS_LANES,
                 &super::CUDA_LINEAR_EPILOGUE,
                 &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_LINEAR_BACKWARD_LT,
             ],
         },
         attention("attention (eval)", false, Form::Plain),

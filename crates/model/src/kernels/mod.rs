@@ -698,6 +698,30 @@ pub fn cuda_linear_epilogue() -> bool {
     CUDA_LINEAR_EPILOGUE.get()
 }
 
+/// Whether a linear layer's backward on CUDA takes its products through cuBLASLt.
+pub(crate) static CUDA_LINEAR_BACKWARD_LT: Switch =
+    Switch::opt_in("BERTKIT_CUDA_LINEAR_BACKWARD", "lt");
+
+/// Turns a linear layer's backward products through cuBLASLt on or off for this process (bf16
+/// and f16, operands of whole 16-byte pieces): the input's gradient and the weight's through
+/// the handle the forward's epilogue products use, where candle's `matmul` takes them (on an
+/// H200 the linear layers' backward took 12.1 ms of a BERT-large phase-1 pass for ~3.3 TFLOP,
+/// ~270 TFLOP/s, their forward ~580 and the feed-forward's backward ~800; some of the
+/// profile's backward products ran at ~190-390 TFLOP/s; BENCHMARKS.md, 2026-11-27; which of
+/// them are these is for the next run to say). The same products in f32 accumulation, another
+/// kernel's order of the sums. cuBLASLt cannot run on the CPU: checked by `bertkit check
+/// kernels --device cuda` (the linear, GELU and feed-forward rows' gradients), not yet run on
+/// a GPU: unset, it is off unless `BERTKIT_CUDA_LINEAR_BACKWARD=lt`.
+pub fn set_cuda_linear_backward_lt(on: bool) {
+    CUDA_LINEAR_BACKWARD_LT.set(on);
+}
+
+/// Whether a linear layer's backward on CUDA takes its products through cuBLASLt (see
+/// [`set_cuda_linear_backward_lt`]).
+pub fn cuda_linear_backward_lt() -> bool {
+    CUDA_LINEAR_BACKWARD_LT.get()
+}
+
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -754,7 +778,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 21] = [
+static CUDA_SWITCHES: [&Switch; 22] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -764,6 +788,7 @@ static CUDA_SWITCHES: [&Switch; 21] = [
     &CUDA_KEYED_DROPOUT,
     &CUDA_WIDE_LINEAR,
     &CUDA_LINEAR_EPILOGUE,
+    &CUDA_LINEAR_BACKWARD_LT,
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
     &CUDA_FLASH_BATCHED_LOADS,

@@ -242,6 +242,141 @@ where
     Ok(out)
 }
 
+/// Whether a linear layer's backward takes its two products through cuBLASLt
+/// ([`crate::kernels::set_cuda_linear_backward_lt`]) for these operands: half precision, each
+/// contiguous from a 16-byte boundary, every dimension a whole number of 16-byte pieces.
+fn lt_backward_takes(tensors: &[&Tensor]) -> bool {
+    let aligned =
+        |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
+    crate::kernels::cuda_linear_backward_lt()
+        && tensors.iter().all(|t| {
+            matches!(t.dtype(), DType::BF16 | DType::F16)
+                && t.is_contiguous()
+                && aligned(t)
+                && t.dims().iter().all(|d| d.is_multiple_of(8))
+        })
+}
+
+/// A linear layer's gradients as cuBLASLt products (`BERTKIT_CUDA_LINEAR_BACKWARD=lt`), laid
+/// out in cuBLAS's column-major terms as the input's gradient `[rows, in]` = `weight · grad`
+/// (`[in, out] · [out, rows]`, neither transposed) and the weight's `[out, in]` = `x · gradᵀ`
+/// (`[in, rows] · [rows, out]`, the right one transposed), through the handle and heuristics
+/// the forward's epilogue products use, where candle's `matmul` takes `grad · weight` and
+/// `gradᵀ · x` through cuBLAS's strided batched product.
+#[derive(Debug, Clone, Copy)]
+enum LtGradient {
+    /// `grad` `[rows, out]` and `weight` `[out, in]`: the input's gradient `[rows, in]`.
+    Input,
+    /// `x` `[rows, in]` and `grad` `[rows, out]`: the weight's gradient `[out, in]`.
+    Weight,
+}
+
+impl CustomOp2 for LtGradient {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-linear-gradient"
+    }
+
+    cuda_only!(2);
+
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: LtGradient,
+            (a, al): (&CudaStorage, &Layout),
+            (b, bl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)>
+        where
+            CudaBlasLT: Matmul<T>,
+        {
+            let name = op.name();
+            let ((ar, ac), (br, bc)) = (al.shape().dims2()?, bl.shape().dims2()?);
+            let dev = &a.device;
+            let lt = lt_handle(dev)?;
+            let (left, right) = (view::<T>(name, "a", a, al)?, view::<T>(name, "b", b, bl)?);
+            let product = |m: usize, n: usize, k: usize, transb: bool, ldb: usize| MatmulConfig {
+                transa: false,
+                transb,
+                transc: false,
+                m: m as u64,
+                n: n as u64,
+                k: k as u64,
+                alpha: 1.0,
+                lda: m as i64,
+                ldb: ldb as i64,
+                beta: 0.0,
+                ldc: m as i64,
+                stride_a: None,
+                stride_b: None,
+                stride_c: None,
+                stride_bias: None,
+                batch_size: None,
+            };
+            match op {
+                LtGradient::Input => {
+                    // `a` the gradient [rows, out], `b` the weight [out, in].
+                    let ((rows, out), (out_w, inner)) = ((ar, ac), (br, bc));
+                    if out != out_w {
+                        bail!(
+                            "{name}: a gradient {:?} for a weight {:?}",
+                            al.dims(),
+                            bl.dims()
+                        )
+                    }
+                    // SAFETY: the product writes every element (beta 0).
+                    let mut c = unsafe { dev.alloc::<T>(rows * inner)? };
+                    // SAFETY: column-major, the weight [in, out] (ld in), the gradient [out,
+                    // rows] (ld out), the result [in, rows] (ld in): the buffers' sizes.
+                    unsafe {
+                        lt.matmul(
+                            product(inner, rows, out, false, out),
+                            &right,
+                            &left,
+                            &mut c,
+                            None,
+                            None,
+                        )
+                    }
+                    .map_err(lt_error)?;
+                    Ok((wrap(c, dev), Shape::from((rows, inner))))
+                }
+                LtGradient::Weight => {
+                    // `a` the layer's input [rows, in], `b` the gradient [rows, out].
+                    let ((rows, inner), (rows_g, out)) = ((ar, ac), (br, bc));
+                    if rows != rows_g {
+                        bail!(
+                            "{name}: an input {:?} for a gradient {:?}",
+                            al.dims(),
+                            bl.dims()
+                        )
+                    }
+                    // SAFETY: the product writes every element (beta 0).
+                    let mut c = unsafe { dev.alloc::<T>(out * inner)? };
+                    // SAFETY: column-major, the input [in, rows] (ld in), the gradient [out,
+                    // rows] (ld out) read transposed, the result [in, out] (ld in).
+                    unsafe {
+                        lt.matmul(
+                            product(inner, out, rows, true, out),
+                            &left,
+                            &right,
+                            &mut c,
+                            None,
+                            None,
+                        )
+                    }
+                    .map_err(lt_error)?;
+                    Ok((wrap(c, dev), Shape::from((out, inner))))
+                }
+            }
+        }
+        by_dtype!(self.name(), a, run(*self, (a, al), (b, bl)))
+    }
+}
+
 impl CustomOp3 for LinearOp {
     fn name(&self) -> &'static str {
         "bertkit-cuda-linear"
@@ -366,7 +501,13 @@ impl CustomOp3 for LinearOp {
                     }
                 };
                 let x_rows = x.detach().reshape((rows, in_features))?;
-                let grad_x = grad_pre.matmul(&weight.detach())?;
+                let weight = weight.detach();
+                let lt = lt_backward_takes(&[&grad_pre, &x_rows, &weight]);
+                let grad_x = if lt {
+                    grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?
+                } else {
+                    grad_pre.matmul(&weight)?
+                };
                 let (input, grad_x) = match self.input_act {
                     // The product's input was `act(x)`: recomputed, and the gradient taken
                     // through it.
@@ -376,7 +517,11 @@ impl CustomOp3 for LinearOp {
                     ),
                     None => (x_rows, grad_x),
                 };
-                let grad_weight = grad_pre.t()?.matmul(&input)?;
+                let grad_weight = if lt {
+                    input.apply_op2_no_bwd(&grad_pre, &LtGradient::Weight)?
+                } else {
+                    grad_pre.t()?.matmul(&input)?
+                };
                 Ok((
                     Some(grad_x.reshape(x.shape())?),
                     Some(grad_weight),
