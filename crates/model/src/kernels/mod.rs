@@ -706,12 +706,12 @@ pub(crate) static CUDA_LINEAR_BACKWARD_LT: Switch =
 /// and f16, operands of whole 16-byte pieces): the input's gradient and the weight's through
 /// the handle the forward's epilogue products use, where candle's `matmul` takes them (on an
 /// H200 the linear layers' backward took 12.1 ms of a BERT-large phase-1 pass for ~3.3 TFLOP,
-/// ~270 TFLOP/s, their forward ~580 and the feed-forward's backward ~800; some of the
-/// profile's backward products ran at ~190-390 TFLOP/s; BENCHMARKS.md, 2026-11-27; which of
-/// them are these is for the next run to say). The same products in f32 accumulation, another
-/// kernel's order of the sums. cuBLASLt cannot run on the CPU: checked by `bertkit check
-/// kernels --device cuda` (the linear, GELU and feed-forward rows' gradients), not yet run on
-/// a GPU: unset, it is off unless `BERTKIT_CUDA_LINEAR_BACKWARD=lt`.
+/// ~270 TFLOP/s, their forward ~580 and the feed-forward's backward ~800; BENCHMARKS.md,
+/// 2026-11-27; whether the products or the host's gaps make it, the next run will say). The
+/// same products in f32 accumulation, another kernel's order of the sums. cuBLASLt cannot run
+/// on the CPU: checked by `bertkit check kernels --device cuda` (the linear, GELU and
+/// feed-forward rows' gradients), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_LINEAR_BACKWARD=lt`.
 pub fn set_cuda_linear_backward_lt(on: bool) {
     CUDA_LINEAR_BACKWARD_LT.set(on);
 }
