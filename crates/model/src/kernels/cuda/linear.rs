@@ -244,7 +244,8 @@ where
 
 /// Whether a linear layer's backward takes its two products through cuBLASLt
 /// ([`crate::kernels::set_cuda_linear_backward_lt`]) for these operands: half precision, each
-/// contiguous from a 16-byte boundary, every dimension a whole number of 16-byte pieces.
+/// contiguous from a 16-byte boundary with rows of whole 16-byte pieces (the products' leading
+/// dimensions; the token count, a packed batch's, may be any).
 fn lt_backward_takes(tensors: &[&Tensor]) -> bool {
     let aligned =
         |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
@@ -253,7 +254,7 @@ fn lt_backward_takes(tensors: &[&Tensor]) -> bool {
             matches!(t.dtype(), DType::BF16 | DType::F16)
                 && t.is_contiguous()
                 && aligned(t)
-                && t.dims().iter().all(|d| d.is_multiple_of(8))
+                && t.dims().last().is_some_and(|d| d.is_multiple_of(8))
         })
 }
 
