@@ -21,8 +21,9 @@
 # Environment: DEVICE (cuda; cpu runs the plumbing on tiny shapes), MODEL (large; or a
 # config.json), QUICK=1 (phase 1 only), PEER_RUNS (PyTorch's pre-training runs, 2), CLOCK
 # (how the per-kernel profile times each call: events, the default, or synchronised; `bertkit
-# bench kernels --clock`), OUT (where logs and results.jsonl go; default a temporary folder). `make bench-gpu` builds and prepares all of it; `bench/gpu/pack.sh`
-# packs it for a machine reached through one call.
+# bench kernels --clock`), OUT (where logs and results.jsonl go; default a temporary folder).
+# `make bench-gpu` builds and prepares all of it; `bench/gpu/pack.sh` packs it for a machine
+# reached through one call.
 set -uo pipefail
 
 bertkit= py=python3 data=
@@ -31,10 +32,10 @@ while (($#)); do
         --bertkit) bertkit=$2; shift 2 ;;
         --python) py=$2; shift 2 ;;
         --data) data=$2; shift 2 ;;
-        *) sed -n '2,22p' "$0"; exit 2 ;;
+        *) sed -n '2,26p' "$0"; exit 2 ;;
     esac
 done
-[[ -x $bertkit && -d $data ]] || { sed -n '2,22p' "$0"; exit 2; }
+[[ -x $bertkit && -d $data ]] || { sed -n '2,26p' "$0"; exit 2; }
 data=$(readlink -f "$data")
 here=$(cd "$(dirname "$0")" && pwd)
 device=${DEVICE:-cuda}
