@@ -39,8 +39,8 @@ fn rows_cols(op: &str, y: &Layout, bias: Option<&Layout>) -> Result<(usize, usiz
 /// ([`crate::kernels::set_cuda_bias_act_vector`]) for rows of `cols` elements of `T`, its
 /// inputs laid out as `layouts`.
 fn vector_end<T>(cols: usize, layouts: &[&Layout]) -> bool {
-    let starts: Vec<usize> = layouts.iter().map(|l| l.start_offset()).collect();
-    crate::kernels::cuda_bias_act_vector() && in_16_byte_pieces::<T>(cols, &starts)
+    crate::kernels::cuda_bias_act_vector()
+        && in_16_byte_pieces::<T>(cols, layouts.iter().map(|l| l.start_offset()))
 }
 
 fn forward<T: Element>(
@@ -200,6 +200,34 @@ fn lt_error(e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
 }
 
+/// One column-major cuBLASLt product `C = op(A) · op(B)`, `C` `[m, n]` (its leading
+/// dimension `m`), `op` transposing where `(transa, transb)` say, with the leading dimensions
+/// `(lda, ldb)` of A and B as stored: no batch, alpha 1, beta 0.
+fn lt_product(
+    (transa, transb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (lda, ldb): (usize, usize),
+) -> MatmulConfig {
+    MatmulConfig {
+        transa,
+        transb,
+        transc: false,
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        alpha: 1.0,
+        lda: lda as i64,
+        ldb: ldb as i64,
+        beta: 0.0,
+        ldc: m as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    }
+}
+
 /// `x · weightᵀ + bias` (`x` `[rows, in]`, `weight` `[out, in]`, `bias` `[out]`, all
 /// row-major) in one cuBLASLt product, the bias added by its epilogue: in cuBLAS's
 /// column-major terms the output's transpose, `weight · xᵀ` (`m` = out, `n` = rows, `k` = in),
@@ -217,24 +245,11 @@ where
     let lt = lt_handle(dev)?;
     // SAFETY: the product writes every element (beta 0).
     let mut out = unsafe { dev.alloc::<T>(rows * out_features)? };
-    let cfg = MatmulConfig {
-        transa: true,
-        transb: false,
-        transc: false,
-        m: out_features as u64,
-        n: rows as u64,
-        k: in_features as u64,
-        alpha: 1.0,
-        lda: in_features as i64,
-        ldb: in_features as i64,
-        beta: 0.0,
-        ldc: out_features as i64,
-        stride_a: None,
-        stride_b: None,
-        stride_c: None,
-        stride_bias: None,
-        batch_size: None,
-    };
+    let cfg = lt_product(
+        (true, false),
+        (out_features, rows, in_features),
+        (in_features, in_features),
+    );
     // SAFETY: the layouts above are those of the buffers' sizes: `weight` in_features x
     // out_features, `x` in_features x rows, `out` out_features x rows (column-major), `bias`
     // out_features.
@@ -299,27 +314,11 @@ impl CustomOp2 for LtGradient {
             let dev = &a.device;
             let lt = lt_handle(dev)?;
             let (left, right) = (view::<T>(name, "a", a, al)?, view::<T>(name, "b", b, bl)?);
-            let product = |m: usize, n: usize, k: usize, transb: bool, ldb: usize| MatmulConfig {
-                transa: false,
-                transb,
-                transc: false,
-                m: m as u64,
-                n: n as u64,
-                k: k as u64,
-                alpha: 1.0,
-                lda: m as i64,
-                ldb: ldb as i64,
-                beta: 0.0,
-                ldc: m as i64,
-                stride_a: None,
-                stride_b: None,
-                stride_c: None,
-                stride_bias: None,
-                batch_size: None,
-            };
-            match op {
+            // Column-major: cuBLASLt's A and B, the product, the result's row-major shape.
+            let (first, second, cfg, shape) = match op {
                 LtGradient::Input => {
-                    // `a` the gradient [rows, out], `b` the weight [out, in].
+                    // `a` the gradient [rows, out], `b` the weight [out, in]: the weight [in,
+                    // out] (ld in) times the gradient [out, rows] (ld out), [in, rows].
                     let ((rows, out), (out_w, inner)) = ((ar, ac), (br, bc));
                     if out != out_w {
                         bail!(
@@ -328,25 +327,13 @@ impl CustomOp2 for LtGradient {
                             bl.dims()
                         )
                     }
-                    // SAFETY: the product writes every element (beta 0).
-                    let mut c = unsafe { dev.alloc::<T>(rows * inner)? };
-                    // SAFETY: column-major, the weight [in, out] (ld in), the gradient [out,
-                    // rows] (ld out), the result [in, rows] (ld in): the buffers' sizes.
-                    unsafe {
-                        lt.matmul(
-                            product(inner, rows, out, false, out),
-                            &right,
-                            &left,
-                            &mut c,
-                            None,
-                            None,
-                        )
-                    }
-                    .map_err(lt_error)?;
-                    Ok((wrap(c, dev), Shape::from((rows, inner))))
+                    let cfg = lt_product((false, false), (inner, rows, out), (inner, out));
+                    (&right, &left, cfg, (rows, inner))
                 }
                 LtGradient::Weight => {
-                    // `a` the layer's input [rows, in], `b` the gradient [rows, out].
+                    // `a` the layer's input [rows, in], `b` the gradient [rows, out]: the input
+                    // [in, rows] (ld in) times the gradient [out, rows] (ld out) read
+                    // transposed, [in, out].
                     let ((rows, inner), (rows_g, out)) = ((ar, ac), (br, bc));
                     if rows != rows_g {
                         bail!(
@@ -355,24 +342,15 @@ impl CustomOp2 for LtGradient {
                             bl.dims()
                         )
                     }
-                    // SAFETY: the product writes every element (beta 0).
-                    let mut c = unsafe { dev.alloc::<T>(out * inner)? };
-                    // SAFETY: column-major, the input [in, rows] (ld in), the gradient [out,
-                    // rows] (ld out) read transposed, the result [in, out] (ld in).
-                    unsafe {
-                        lt.matmul(
-                            product(inner, out, rows, true, out),
-                            &left,
-                            &right,
-                            &mut c,
-                            None,
-                            None,
-                        )
-                    }
-                    .map_err(lt_error)?;
-                    Ok((wrap(c, dev), Shape::from((out, inner))))
+                    let cfg = lt_product((false, true), (inner, out, rows), (inner, out));
+                    (&left, &right, cfg, (out, inner))
                 }
-            }
+            };
+            // SAFETY: the product writes every element (beta 0).
+            let mut c = unsafe { dev.alloc::<T>(shape.0 * shape.1)? };
+            // SAFETY: the layouts above are those of the buffers' sizes.
+            unsafe { lt.matmul(cfg, first, second, &mut c, None, None) }.map_err(lt_error)?;
+            Ok((wrap(c, dev), Shape::from(shape)))
         }
         by_dtype!(self.name(), a, run(*self, (a, al), (b, bl)))
     }

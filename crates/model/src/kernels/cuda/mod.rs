@@ -206,9 +206,9 @@ fn view<'a, T: CudaDType + DeviceRepr>(
 /// Whether rows of `cols` elements of `T` are whole 16-byte pieces and every input starting at
 /// the elements `starts` of its buffer (the buffers themselves are aligned) lies on a 16-byte
 /// boundary: what the kernels 16 bytes a thread need.
-fn in_16_byte_pieces<T>(cols: usize, starts: &[usize]) -> bool {
+fn in_16_byte_pieces<T>(cols: usize, starts: impl IntoIterator<Item = usize>) -> bool {
     let size = std::mem::size_of::<T>();
-    cols.is_multiple_of(16 / size) && starts.iter().all(|s| (s * size).is_multiple_of(16))
+    cols.is_multiple_of(16 / size) && starts.into_iter().all(|s| (s * size).is_multiple_of(16))
 }
 
 /// Runs `f` on the contiguous elements of `t`, a tensor held by an op (not one of its inputs).

@@ -23,7 +23,7 @@ struct NormShape {
 /// of them a row (a thread each), every row on a 16-byte boundary.
 fn vector_form<T>(hidden: usize, starts: &[usize]) -> bool {
     crate::kernels::cuda_norm_vector()
-        && in_16_byte_pieces::<T>(hidden, starts)
+        && in_16_byte_pieces::<T>(hidden, starts.iter().copied())
         && hidden / (16 / std::mem::size_of::<T>()) <= 1024
 }
 
