@@ -151,20 +151,12 @@ side_by_side() {
 # untimed, then --steps): beside its wall-clock update phase, what is host time. The defaults
 # (2026-11-27: also the per-block ratios, the update an element at a time).
 optimizer_kernels() {
-    local settings file
-    for settings in -; do
-        kept=() file=$out/ncu-optimizer.csv
-        if [[ $settings != - ]]; then
-            # shellcheck disable=SC2086
-            if row_settings $settings; then continue; fi
-            file=$out/ncu-optimizer-ahead.csv
-        fi
-        log "2d'' ncu: the optimiser step's kernels (LAMB, BERT-large, two steps) with ${kept[*]:-the defaults}"
-        env "${kept[@]}" timeout 120 ncu --clock-control none --csv --print-units base \
-            --metrics gpu__time_duration.sum -k regex:'update_|trust_ratios|pieces_to_flat|squares|sum_partials' \
-            $b bench optimizer --config large --dtype bf16 --device cuda --steps 1 > "$file" 2>&1
-        python3 "$here/ncu_summary.py" "$file" --passes 2 --top 12 || tail -n 3 "$file"
-    done
+    local file=$out/ncu-optimizer.csv
+    log "2d'' ncu: the optimiser step's kernels (LAMB, BERT-large, two steps) with the defaults"
+    timeout 120 ncu --clock-control none --csv --print-units base \
+        --metrics gpu__time_duration.sum -k regex:'update_|trust_ratios|pieces_to_flat|squares|sum_partials' \
+        $b bench optimizer --config large --dtype bf16 --device cuda --steps 1 > "$file" 2>&1
+    python3 "$here/ncu_summary.py" "$file" --passes 2 --top 12 || tail -n 3 "$file"
 }
 memory() {
     # (The plan was refitted to five shapes on 2026-11-27; two of them check it.)
