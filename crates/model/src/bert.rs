@@ -414,6 +414,10 @@ struct EncoderLayer {
     query: Linear,
     key: Linear,
     value: Linear,
+    /// A frozen model's query, key and value projections joined once at load
+    /// ([`ParamBuilder::join_rows`]; the three are views of it), where a trainable model joins
+    /// them at every pass.
+    projection: Option<Linear>,
     attention_output: Linear,
     attention_norm: LayerNorm,
     intermediate: Linear,
@@ -429,10 +433,24 @@ impl EncoderLayer {
     fn build(c: &BertConfig, p: &mut ParamBuilder, i: usize) -> Result<Self, ModelError> {
         let h = c.hidden_size;
         let n = |s: &str| format!("encoder.layer.{i}.{s}");
+        let projections = ["query", "key", "value"].map(|s| n(&format!("attention.self.{s}")));
+        for name in &projections {
+            Linear::build(p, name, h, h)?;
+        }
+        let joined = |p: &mut ParamBuilder, part: &str| {
+            p.join_rows(&projections.clone().map(|name| format!("{name}.{part}")))
+        };
+        let projection = match (joined(p, "weight")?, joined(p, "bias")?) {
+            (Some(weight), bias) => Some(Linear { weight, bias }),
+            (None, _) => None,
+        };
+        // (Built again: a frozen model's three are now views of the joined tensors.)
+        let [query, key, value] = projections.map(|name| Linear::build(p, &name, h, h));
         Ok(EncoderLayer {
-            query: Linear::build(p, &n("attention.self.query"), h, h)?,
-            key: Linear::build(p, &n("attention.self.key"), h, h)?,
-            value: Linear::build(p, &n("attention.self.value"), h, h)?,
+            query: query?,
+            key: key?,
+            value: value?,
+            projection,
             attention_output: Linear::build(p, &n("attention.output.dense"), h, h)?,
             attention_norm: LayerNorm::build(
                 p,
@@ -452,8 +470,12 @@ impl EncoderLayer {
 
     /// The query, key and value projections of `x` as one product (one pass over `x`, and a
     /// wider product runs faster): `[tokens, 3 · hidden]`. The weights stay three parameters
-    /// (transformers' layout); their gradients come back through the concatenation.
+    /// (transformers' layout); their gradients come back through the concatenation, made at
+    /// each pass (on CUDA six copies a layer) unless the model is frozen: then once, at load.
     fn projections(&self, k: &dyn Kernels, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(joined) = &self.projection {
+            return joined.forward(k, x);
+        }
         let layers = [&self.query, &self.key, &self.value];
         let weight = tape::cat_rows(&layers.map(|l| &l.weight))?;
         let biases: Option<Vec<&Tensor>> = layers.iter().map(|l| l.bias.as_ref()).collect();

@@ -269,6 +269,34 @@ impl ParamBuilder {
         Ok(t)
     }
 
+    /// For a frozen model, the parameters `names` (built already, each `[rows, ...]` with the
+    /// same trailing dimensions) joined along their rows into one tensor, made once: each
+    /// named parameter becomes a view of its rows of it (no second copy of their memory), and
+    /// the joined tensor is returned, for a product that takes them together. `None` for
+    /// trainable parameters (which the optimiser updates apart; joined at each pass instead).
+    pub fn join_rows(&mut self, names: &[String]) -> Result<Option<Tensor>, ModelError> {
+        let Some(frozen) = &mut self.frozen else {
+            return Ok(None);
+        };
+        let parts = names
+            .iter()
+            .map(|n| {
+                frozen
+                    .get(n)
+                    .cloned()
+                    .ok_or_else(|| ModelError::Weights(format!("{n}: joined before it was built")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let joined = Tensor::cat(&parts, 0)?;
+        let mut start = 0;
+        for (name, part) in names.iter().zip(&parts) {
+            let rows = part.dim(0)?;
+            frozen.insert(name.clone(), joined.narrow(0, start, rows)?);
+            start += rows;
+        }
+        Ok(Some(joined))
+    }
+
     /// The built parameters. Checkpoint tensors the model did not use are listed in
     /// [`ParamStore::unused`].
     pub fn finish(self) -> ParamStore {
@@ -429,5 +457,57 @@ mod tests {
         let values = builder.truncated_normal(50_000);
         assert!(values.iter().all(|v| v.abs() <= 0.04));
         assert!(values.iter().any(|v| v.abs() > 0.035));
+    }
+
+    /// A frozen model's joined rows are the parts in order, the parts become views of them
+    /// (the store lists the same values, one buffer behind them), and trainable parameters are
+    /// not joined.
+    #[test]
+    fn frozen_parameters_join_into_one_tensor_their_parts_view() {
+        let names = ["a", "b", "c"].map(String::from);
+        let rows = [2, 3, 1];
+        let build = |p: &mut ParamBuilder| {
+            for (name, r) in names.iter().zip(rows) {
+                p.get(name, &[r, 4], Init::TruncatedNormal).unwrap();
+            }
+        };
+        let mut trainable = ParamBuilder::fresh(DType::F32, &Device::Cpu, 0.02, 7);
+        build(&mut trainable);
+        assert!(trainable.join_rows(&names).unwrap().is_none());
+        let mut p = ParamBuilder::fresh(DType::F32, &Device::Cpu, 0.02, 7).frozen();
+        build(&mut p);
+        let before: Vec<Vec<Vec<f32>>> = names
+            .iter()
+            .map(|n| p.get(n, &[0], Init::Zeros).unwrap().to_vec2().unwrap())
+            .collect();
+        let joined = p
+            .join_rows(&names)
+            .unwrap()
+            .expect("frozen parameters join");
+        assert_eq!(joined.dims(), [6, 4]);
+        let want: Vec<Vec<f32>> = before.iter().flatten().cloned().collect();
+        assert_eq!(joined.to_vec2::<f32>().unwrap(), want);
+        let (joined_storage, _) = joined.storage_and_layout();
+        let joined_storage = &*joined_storage as *const candle_core::Storage;
+        let mut start = 0;
+        for ((name, r), values) in names.iter().zip(rows).zip(&before) {
+            // (The shape is not asked again: the built tensor is handed back.)
+            let part = p.get(name, &[0], Init::Zeros).unwrap();
+            assert_eq!(&part.to_vec2::<f32>().unwrap(), values, "{name}");
+            assert_eq!(part.layout().start_offset(), start * 4, "{name}");
+            let (storage, _) = part.storage_and_layout();
+            assert!(
+                std::ptr::eq(&*storage, joined_storage),
+                "{name} views the joined rows"
+            );
+            start += r;
+        }
+        // The store lists the parts by name, as built.
+        let all = p.finish().tensors();
+        assert_eq!(all.len(), 3);
+        assert_eq!(all["b"].to_vec2::<f32>().unwrap(), before[1]);
+        // A name not built is an error, not a panic.
+        let mut q = ParamBuilder::fresh(DType::F32, &Device::Cpu, 0.02, 7).frozen();
+        assert!(q.join_rows(&["missing".to_string()]).is_err());
     }
 }
