@@ -172,7 +172,11 @@ impl Packing {
         }
         let mut flat = vec![self.batch * self.seq];
         flat.extend_from_slice(&dims[2..]);
-        x.reshape(flat)?.index_select(&self.gather, 0)
+        let flat = x.reshape(flat)?;
+        if self.is_dense() {
+            return Ok(flat);
+        }
+        flat.index_select(&self.gather, 0)
     }
 
     /// A packed `[tokens, width]` tensor padded back to `[batch, seq, width]`, zeros at padding.
@@ -188,7 +192,17 @@ impl Packing {
         gather: impl FnOnce(&Tensor, &RowIndex) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let width = self.width(x)?;
+        if self.is_dense() {
+            // No padding: the tokens are the padded batch's places in order, a view of them.
+            return x.reshape((self.batch, self.seq, width));
+        }
         gather(&with_zero_row(x)?, &self.scatter)?.reshape((self.batch, self.seq, width))
+    }
+
+    /// Whether the batch has no padding: every place a token, the packed tokens the padded
+    /// batch's places in order (packing and unpacking are reshapes).
+    pub fn is_dense(&self) -> bool {
+        self.tokens() == self.batch * self.seq
     }
 
     /// The rows of packed `x` (`[tokens, width]`) at `places` (places `b · seq + column` of the
@@ -443,5 +457,45 @@ mod tests {
             vec![0., 4., 0.]
         );
         assert!(p.unpack(&x).is_err());
+    }
+
+    /// A batch without padding packs and unpacks as views of the same buffer, with the values
+    /// a gather would give; its shapes are still checked.
+    #[test]
+    fn a_batch_without_padding_packs_and_unpacks_as_views() {
+        let cpu = &Device::Cpu;
+        let p = Packing::from_mask((2, 3), &[1; 6], cpu).unwrap();
+        assert!(p.is_dense());
+        assert!(
+            !Packing::from_mask((2, 3), &[1, 1, 1, 1, 1, 0], cpu)
+                .unwrap()
+                .is_dense()
+        );
+        let x = Tensor::arange(0f32, 12.0, cpu)
+            .unwrap()
+            .reshape((2, 3, 2))
+            .unwrap();
+        let packed = p.pack(&x).unwrap();
+        assert_eq!(packed.dims(), [6, 2]);
+        let back = p.unpack(&packed).unwrap();
+        assert_eq!(back.dims(), [2, 3, 2]);
+        assert_eq!(
+            back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            (0..12).map(|v| v as f32).collect::<Vec<_>>()
+        );
+        let buffer = |t: &Tensor| &*t.storage_and_layout().0 as *const candle_core::Storage;
+        assert_eq!(buffer(&x), buffer(&packed));
+        assert_eq!(buffer(&x), buffer(&back));
+        assert_eq!(
+            p.unpack_with(&packed, |t, rows| t.index_select(rows.rows(), 0))
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            (0..12).map(|v| v as f32).collect::<Vec<_>>()
+        );
+        assert!(p.unpack(&x).is_err());
+        assert!(p.pack(&packed).is_err());
     }
 }
