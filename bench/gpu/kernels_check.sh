@@ -86,10 +86,12 @@ row_settings() {
 # (The settings of 2026-11-27's rows passed on an H200 and are on by default.)
 rows() {
     printf '%s\n' "- | the defaults" \
+        "BERTKIT_CUDA_FLASH_BRANCHES=none | the attention's kernels straight (no branch at a score)" \
         "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward with its tiles copied asynchronously" \
+        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_COPIES=async | the attention straight and copied asynchronously" \
         "BERTKIT_CUDA_DROPOUT=keyed | the embeddings' and pooler's dropout by our keyed kernel" \
         "BERTKIT_CUDA_LINEAR_BACKWARD=lt | the linear layers' backward products through cuBLASLt" \
-        "BERTKIT_CUDA_FLASH_COPIES=async BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_LINEAR_BACKWARD=lt | all three"
+        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_COPIES=async BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_LINEAR_BACKWARD=lt | all four"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a

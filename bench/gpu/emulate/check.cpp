@@ -10,7 +10,9 @@
 //   padding) over one to three key tiles; the second form's log-sum-exp against the first's;
 //   the second form with its tiles' loads batched, and its forward with its tiles copied
 //   asynchronously (`cp.async`, the shim queueing each thread's copies until their wait),
-//   against it, bit for bit;
+//   against it, bit for bit; and its straight forms (no branch at an element, the dropout
+//   fixed at compile time), both forwards and both backwards, against the batched form, bit for
+//   bit;
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
 //   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
@@ -202,6 +204,46 @@ bool run(const Case& c) {
         flash_registers_async_forward_bf16(qkv.data(), context_async.data(), lse_async.data(),
                                            scatter.data(), tokens, batch, heads, seq, scale, d);
     });
+    // The straight forms (`flash_registers_straight[_dropout]_*`: no branch at an element, the
+    // dropout fixed at compile time), both forwards and both backwards: the same bits as the
+    // batched form's.
+    std::vector<bf16> context_str(context.size(), unwritten), grad_qkv_str(grad_qkv.size(), unwritten);
+    std::vector<bf16> context_str_async(context.size(), unwritten);
+    std::vector<float> lse_str(lse.size(), NAN), lse_str_async(lse.size(), NAN);
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_dropout_forward_bf16 : flash_registers_straight_forward_bf16)(
+            qkv.data(), context_str.data(), lse_str.data(), scatter.data(), tokens, batch, heads,
+            seq, scale, d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_dropout_async_forward_bf16
+              : flash_registers_straight_async_forward_bf16)(qkv.data(), context_str_async.data(),
+                                                             lse_str_async.data(), scatter.data(),
+                                                             tokens, batch, heads, seq, scale, d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_dropout_backward_kv_bf16
+              : flash_registers_straight_backward_kv_bf16)(qkv.data(), grad.data(), lse_bat.data(),
+                                                           delta_reg.data(), grad_qkv_str.data(),
+                                                           scatter.data(), tokens, batch, heads,
+                                                           seq, scale, d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_dropout_backward_q_bf16
+              : flash_registers_straight_backward_q_bf16)(qkv.data(), grad.data(), lse_bat.data(),
+                                                          delta_reg.data(), grad_qkv_str.data(),
+                                                          scatter.data(), tokens, batch, heads,
+                                                          seq, scale, d);
+    });
+    const auto same_lse = [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+    size_t straight_differ = 0;
+    for (size_t i = 0; i < context.size(); ++i)
+        straight_differ += (bits(context_bat[i]) != bits(context_str[i])) +
+                           (bits(context_bat[i]) != bits(context_str_async[i]));
+    for (size_t i = 0; i < grad_qkv.size(); ++i)
+        straight_differ += bits(grad_qkv_bat[i]) != bits(grad_qkv_str[i]);
+    for (size_t i = 0; i < lse.size(); ++i)
+        straight_differ += !same_lse(lse_bat[i], lse_str[i]) + !same_lse(lse_bat[i], lse_str_async[i]);
     size_t async_differ = 0;
     for (size_t i = 0; i < context.size(); ++i)
         async_differ += bits(context_reg[i]) != bits(context_async[i]);
@@ -323,7 +365,10 @@ bool run(const Case& c) {
                 "batched", batched_differ, batched_differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu values differ from the loads at a barrier %s\n", c.name,
                 "async", async_differ, async_differ ? "FAILED" : "ok");
-    return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0;
+    std::printf("  %-28s %-8s %zu values differ from the branching forms %s\n", c.name,
+                "straight", straight_differ, straight_differ ? "FAILED" : "ok");
+    return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
+           straight_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a

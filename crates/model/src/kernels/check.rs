@@ -198,6 +198,10 @@ enum Form {
     FlashBatched,
     /// The same with its forward's tiles copied asynchronously.
     FlashAsync,
+    /// The same with its loads batched, in its straight form (no branch at a score).
+    FlashStraight,
+    /// The straight form with its forward's tiles copied asynchronously.
+    FlashStraightAsync,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -206,15 +210,19 @@ enum Form {
 
 impl Form {
     /// The settings off by default that the form runs only with.
-    fn needs(self) -> Option<&'static crate::switch::Switch> {
+    fn needs(self) -> Vec<&'static crate::switch::Switch> {
         match self {
-            Form::Plain => None,
-            Form::FlashSharedTiles => Some(&super::CUDA_FLASH_VECTOR_STORES),
-            Form::FlashRegisters => Some(&super::CUDA_FLASH_REGISTERS),
-            Form::FlashBatched => Some(&super::CUDA_FLASH_BATCHED_LOADS),
-            Form::FlashAsync => Some(&super::CUDA_FLASH_ASYNC_COPIES),
-            Form::NormVector => Some(&super::CUDA_NORM_VECTOR),
-            Form::NormWarp => Some(&super::CUDA_NORM_WARP_FORWARD),
+            Form::Plain => vec![],
+            Form::FlashSharedTiles => vec![&super::CUDA_FLASH_VECTOR_STORES],
+            Form::FlashRegisters => vec![&super::CUDA_FLASH_REGISTERS],
+            Form::FlashBatched => vec![&super::CUDA_FLASH_BATCHED_LOADS],
+            Form::FlashAsync => vec![&super::CUDA_FLASH_ASYNC_COPIES],
+            Form::FlashStraight => vec![&super::CUDA_FLASH_STRAIGHT],
+            Form::FlashStraightAsync => {
+                vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_ASYNC_COPIES]
+            }
+            Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
+            Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
         }
     }
 
@@ -227,7 +235,9 @@ impl Form {
             Form::FlashSharedTiles
             | Form::FlashRegisters
             | Form::FlashBatched
-            | Form::FlashAsync => {
+            | Form::FlashAsync
+            | Form::FlashStraight
+            | Form::FlashStraightAsync => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector | Form::NormWarp => on_cuda,
@@ -236,35 +246,40 @@ impl Form {
 
     /// Sets the process's settings for the form.
     fn set(self) {
-        let registers = matches!(
-            self,
-            Form::FlashRegisters | Form::FlashBatched | Form::FlashAsync
-        );
+        let straight = matches!(self, Form::FlashStraight | Form::FlashStraightAsync);
+        let batched = straight || matches!(self, Form::FlashBatched | Form::FlashAsync);
+        let registers = batched || self == Form::FlashRegisters;
         super::set_cuda_flash_attention(registers || self == Form::FlashSharedTiles);
         super::set_cuda_flash_registers(registers);
-        super::set_cuda_flash_batched_loads(matches!(self, Form::FlashBatched | Form::FlashAsync));
-        super::set_cuda_flash_async_copies(self == Form::FlashAsync);
+        super::set_cuda_flash_batched_loads(batched);
+        super::set_cuda_flash_async_copies(matches!(
+            self,
+            Form::FlashAsync | Form::FlashStraightAsync
+        ));
+        super::set_cuda_flash_straight(straight);
         super::set_cuda_norm_vector(matches!(self, Form::NormVector | Form::NormWarp));
         super::set_cuda_norm_warp_forward(self == Form::NormWarp);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
-    fn saved() -> [bool; 6] {
+    fn saved() -> [bool; 7] {
         [
             super::cuda_flash_attention(),
             super::cuda_flash_registers(),
             super::cuda_flash_batched_loads(),
             super::cuda_flash_async_copies(),
+            super::cuda_flash_straight(),
             super::cuda_norm_vector(),
             super::cuda_norm_warp_forward(),
         ]
     }
 
-    fn restore([flash, registers, batched, copies, norm, warp]: [bool; 6]) {
+    fn restore([flash, registers, batched, copies, straight, norm, warp]: [bool; 7]) {
         super::set_cuda_flash_attention(flash);
         super::set_cuda_flash_registers(registers);
         super::set_cuda_flash_batched_loads(batched);
         super::set_cuda_flash_async_copies(copies);
+        super::set_cuda_flash_straight(straight);
         super::set_cuda_norm_vector(norm);
         super::set_cuda_norm_warp_forward(warp);
     }
@@ -473,6 +488,26 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ),
         attention("attention flash async (eval)", false, Form::FlashAsync),
         attention("attention flash async (dropout)", true, Form::FlashAsync),
+        attention(
+            "attention flash straight (eval)",
+            false,
+            Form::FlashStraight,
+        ),
+        attention(
+            "attention flash straight (dropout)",
+            true,
+            Form::FlashStraight,
+        ),
+        attention(
+            "attention flash straight async (eval)",
+            false,
+            Form::FlashStraightAsync,
+        ),
+        attention(
+            "attention flash straight async (dropout)",
+            true,
+            Form::FlashStraightAsync,
+        ),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.

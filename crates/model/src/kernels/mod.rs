@@ -552,6 +552,34 @@ pub fn cuda_flash_async_copies() -> bool {
     CUDA_FLASH_ASYNC_COPIES.get()
 }
 
+/// Whether the one-pass attention's kernels take their straight forms.
+pub(crate) static CUDA_FLASH_STRAIGHT: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_BRANCHES", "none");
+
+/// Turns the one-pass attention's straight kernels on or off for this process (with its
+/// scores in registers and its tiles' loads batched; the forward's asynchronous copies too
+/// where [`set_cuda_flash_async_copies`] is on): no branch at a score. In the forms in use the
+/// dropout is tested at every element and each probability is computed behind a test, which
+/// nvcc compiles as a branch around each exponential: 32 small blocks a key tile, each a
+/// dependent chain ending in its exponential, that the scheduler can neither interleave nor
+/// overlap with the products; the straight forms fix the dropout at compile time (an entry
+/// point with and one without, chosen by the mask) and take each exponential of a selected
+/// argument (`expf(-inf)` is 0). The same values at every element (`bench/gpu/emulate`: the
+/// same bits, both forwards and both backwards, with and without dropout); compiled for
+/// sm_90, the inference forward's key-tile loop has 804 instructions where the form in use has
+/// 1,908 and 4 branches where it has 68, with no more registers or shared memory
+/// (BENCHMARKS.md, 2026-11-27). Checked by `bertkit check kernels --device cuda`
+/// (its `attention flash straight` rows), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_FLASH_BRANCHES=none`.
+pub fn set_cuda_flash_straight(on: bool) {
+    CUDA_FLASH_STRAIGHT.set(on);
+}
+
+/// Whether the one-pass attention takes its straight kernels (see [`set_cuda_flash_straight`]).
+pub fn cuda_flash_straight() -> bool {
+    CUDA_FLASH_STRAIGHT.get()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -778,7 +806,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 22] = [
+static CUDA_SWITCHES: [&Switch; 23] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -793,6 +821,7 @@ static CUDA_SWITCHES: [&Switch; 22] = [
     &CUDA_FLASH_REGISTERS,
     &CUDA_FLASH_BATCHED_LOADS,
     &CUDA_FLASH_ASYNC_COPIES,
+    &CUDA_FLASH_STRAIGHT,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

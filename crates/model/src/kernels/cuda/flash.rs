@@ -22,14 +22,22 @@ use super::*;
 /// on: the scores in registers (`flash_registers.cu`,
 /// [`crate::kernels::set_cuda_flash_registers`]) with the tiles' loads one by one or batched
 /// ([`crate::kernels::set_cuda_flash_batched_loads`]), the forward's by asynchronous copies
-/// ([`crate::kernels::set_cuda_flash_async_copies`]), or through shared memory (`flash.cu`)
-/// with its results stored two bytes at a time, or 16 (`_vec`,
+/// ([`crate::kernels::set_cuda_flash_async_copies`]), each with its loads batched in its
+/// straight form where turned on ([`crate::kernels::set_cuda_flash_straight`]: an entry
+/// point with `dropout` and one without), or through shared memory (`flash.cu`) with its
+/// results stored two bytes at a time, or 16 (`_vec`,
 /// [`crate::kernels::set_cuda_flash_vector_stores`]).
-fn entry(kernel: &str) -> String {
+fn entry(kernel: &str, dropout: &DeviceDropout) -> String {
     if crate::kernels::cuda_flash_registers() {
-        if kernel == "forward" && crate::kernels::cuda_flash_async_copies() {
+        let copies = kernel == "forward" && crate::kernels::cuda_flash_async_copies();
+        let batched = crate::kernels::cuda_flash_batched_loads();
+        if batched && crate::kernels::cuda_flash_straight() {
+            let drop = if dropout.on != 0 { "_dropout" } else { "" };
+            let copies = if copies { "async_" } else { "" };
+            format!("flash_registers_straight{drop}_{copies}{kernel}")
+        } else if copies {
             "flash_registers_async_forward".to_string()
-        } else if crate::kernels::cuda_flash_batched_loads() {
+        } else if batched {
             format!("flash_registers_batched_{kernel}")
         } else {
             format!("flash_registers_{kernel}")
@@ -143,13 +151,19 @@ impl CustomOp1 for Flash {
         let mut lse = unsafe { dev.alloc::<f32>(p.batch * h.heads * p.seq)? };
         let args = shape_args(h);
         with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
-            launch!(half::bf16, dev, entry("forward"), grid(h), |b| {
-                b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
-                for a in &args {
-                    b.arg(a);
+            launch!(
+                half::bf16,
+                dev,
+                entry("forward", &h.dropout),
+                grid(h),
+                |b| {
+                    b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
+                    for a in &args {
+                        b.arg(a);
+                    }
+                    b.arg(&h.scale).arg(&h.dropout);
                 }
-                b.arg(&h.scale).arg(&h.dropout);
-            })
+            )
         })?;
         self.lse.put(name, lse)?;
         Ok((wrap(context, dev), Shape::from((p.tokens, h.hidden()))))
@@ -223,7 +237,7 @@ impl CustomOp3 for FlashBackward<'_> {
                 }
             )?;
             for kernel in ["backward_kv", "backward_q"] {
-                launch!(half::bf16, dev, entry(kernel), grid(h), |b| {
+                launch!(half::bf16, dev, entry(kernel, &h.dropout), grid(h), |b| {
                     b.arg(&qkv).arg(&grad).arg(&self.lse).arg(&delta);
                     b.arg(&mut grad_qkv).arg(&scatter);
                     for a in &args {

@@ -131,10 +131,54 @@ __device__ __forceinline__ void fr_store_rows(const float (&acc)[8][4], const fl
     __syncwarp();
 }
 
+// The registers kernels' element-wise code, in two forms. `FR_BRANCHING` (the forms in use):
+// the dropout tested at run time at every element (`d.on`), and each probability computed
+// behind a test (`live ? expf(x) : 0`), which nvcc compiles as a branch around each
+// exponential (with its reconvergence marks: 32 small blocks of a dependent chain a tile, that
+// the scheduler can neither interleave nor overlap with the products). `FR_PLAIN` and
+// `FR_DROPOUT` (`BERTKIT_CUDA_FLASH_BRANCHES=none`): the dropout fixed at compile time (an entry
+// point for each, the launcher choosing by the mask's `on`) and the exponential taken of a
+// selected argument (`expf(-inf)` is 0): straight-line code, the same value at every element.
+enum FrElements { FR_BRANCHING, FR_PLAIN, FR_DROPOUT };
+
+template <int E>
+__device__ __forceinline__ bool fr_dropping(const Dropout& d) {
+    return E == FR_BRANCHING ? d.on != 0 : E == FR_DROPOUT;
+}
+
+// `exp(score · scale - *lse)` where `live`, else 0 (the branching form reads `lse` and
+// computes the argument only where live; the straight form always: no test around the read).
+template <int E>
+__device__ __forceinline__ float fr_probability(bool live, float score, float scale,
+                                                const float* lse) {
+    if (E == FR_BRANCHING) return live ? expf(score * scale - *lse) : 0.0f;
+    const float x = score * scale - *lse;
+    return expf(live ? x : -INFINITY);
+}
+
+// Sets bit `bit` of `kept` where the dropout keeps element `j` of `line` (always without it).
+// (The branching form's test is written out where it is used: through this function nvcc
+// places its keys' arithmetic otherwise.)
+template <int E>
+__device__ __forceinline__ void fr_mark_kept(uint32_t& kept, const Dropout& d, uint64_t line,
+                                             int j, int bit) {
+    static_assert(E != FR_BRANCHING, "the branching form tests in place");
+    kept |= E == FR_PLAIN ? 1u << bit : (uint32_t)(keep_factor(d, line, j) != 0.0f) << bit;
+}
+
+// The dropout's factor of bit `bit` of `kept` (`flash_keep`'s).
+template <int E>
+__device__ __forceinline__ float fr_keep(const Dropout& d, uint32_t kept, int bit) {
+    if (E == FR_BRANCHING) return flash_keep(d, kept, bit);
+    if (E == FR_PLAIN) return 1.0f;
+    return (kept >> bit) & 1u ? d.scale : 0.0f;
+}
+
 // One key tile of the forward for the warp's 16 queries (`q`, as A fragments): the scores
 // against `keys`, the running maxima `m` and sums `l` of this lane's two rows updated, `o`
 // rescaled and `dropped P · values` added (`line`: the rows' dropout lines; `k0`: the tile's
 // first key).
+template <int E>
 __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const bf16* keys,
                                                 const bf16* values, const int* key_valid, int k0,
                                                 float scale, const Dropout& d,
@@ -152,7 +196,7 @@ __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const
             s[n][e] = key_valid[j] ? s[n][e] * scale : -INFINITY;
             tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
         }
-    float alpha[2];
+    float alpha[2], m_live[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
@@ -161,13 +205,17 @@ __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const
         alpha[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
         m[h] = m_new;
         l[h] *= alpha[h];
+        // (A row with no key yet has every score at -inf: 0 keeps `s - m` at -inf, not NaN.)
+        m_live[h] = m_new == -INFINITY ? 0.0f : m_new;
     }
     // The probabilities (unnormalised) in place of the scores; the row sums before dropout.
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]);
+            const float p = E == FR_BRANCHING
+                                ? (s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]))
+                                : expf(s[n][e] - m_live[e >> 1]);
             l[e >> 1] += p;
             s[n][e] = p;
         }
@@ -180,7 +228,8 @@ __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const
     for (int c = 0; c < 4; ++c) {
         uint32_t a[4];
         fr_to_a(a, s, c, [&](int n, int e) {
-            return d.on ? keep_factor(d, line[e >> 1], k0 + n * 8 + 2 * t + (e & 1)) : 1.0f;
+            return fr_dropping<E>(d) ? keep_factor(d, line[e >> 1], k0 + n * 8 + 2 * t + (e & 1))
+                                     : 1.0f;
         });
         fr_accumulate(o, a, values, c * 16);
     }
@@ -235,9 +284,9 @@ struct FrForwardRows {
 };
 
 // The forward: grid (query tiles, heads, batch), as `flash_forward`'s. `Batched`: the tiles'
-// loads batched (`flash_load_tiles_batched`, `BERTKIT_CUDA_FLASH_LOADS=batched`); the entry
-// points are at the end.
-template <bool Batched>
+// loads batched (`flash_load_tiles_batched`, `BERTKIT_CUDA_FLASH_LOADS=batched`); `E`: the
+// element-wise code's form (`FrElements`); the entry points are at the end.
+template <bool Batched, int E = FR_BRANCHING>
 __device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
@@ -255,7 +304,7 @@ __device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS) {
     FrForwardRows r(k, seq, tokens, d);
     for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
         flash_load_keys_values<Batched>(keys, values, key_valid, qkv, k, k0, seq, tokens);
-        fr_forward_tile(q, keys, values, key_valid, k0, scale, d, r.line, r.m, r.l, r.o);
+        fr_forward_tile<E>(q, keys, values, key_valid, k0, scale, d, r.line, r.m, r.l, r.o);
         // Every warp done with this tile's keys and values before the next overwrites them.
         __syncthreads();
     }
@@ -291,6 +340,7 @@ __device__ __forceinline__ void fr_copy_tiles(bf16* const (&tile)[Tiles], const 
 // memory a tile with nothing else to do (at phase 1's two key tiles a row, three such trips a
 // block, counting the queries'). The same grid, arguments, arithmetic and results (the same
 // tiles in shared memory, in the same order).
+template <int E = FR_BRANCHING>
 __device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 keys[2][FLASH_TILE * FLASH_LD];
@@ -326,8 +376,8 @@ __device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
             cp_async_wait<1>();
             __syncthreads();
         }
-        fr_forward_tile(q, keys[buffer], values[buffer], key_valid[buffer], tile * FLASH_TILE,
-                        scale, d, r.line, r.m, r.l, r.o);
+        fr_forward_tile<E>(q, keys[buffer], values[buffer], key_valid[buffer], tile * FLASH_TILE,
+                           scale, d, r.line, r.m, r.l, r.o);
         // Every warp done with this buffer before its next tile is copied in.
         __syncthreads();
         if (tile + 2 < tiles) {
@@ -344,7 +394,7 @@ __device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
 // The keys' and values' gradients: grid (key tiles, heads, batch); the warp's 16 keys summed
 // over every query tile, as `flash_backward_kv`'s. Held to 168 registers a lane, three blocks
 // an SM (nvcc's choice, 182, allows two): ptxas spills 36 bytes a lane for it (sm_90).
-template <bool Batched>
+template <bool Batched, int E = FR_BRANCHING>
 __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
@@ -394,13 +444,17 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qi = n * 8 + 2 * t + (e & 1);
-                const bool live = key[e >> 1] && query_valid[qi];
-                p[n][e] = live ? expf(p[n][e] * scale - tile_lse[qi]) : 0.0f;
-                if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
+                // (`&`, not `&&`, in the straight form: `query_valid` read with no test.)
+                const bool live = E == FR_BRANCHING ? key[e >> 1] && query_valid[qi]
+                                                    : key[e >> 1] & (query_valid[qi] != 0);
+                p[n][e] = fr_probability<E>(live, p[n][e], scale, &tile_lse[qi]);
+                if constexpr (E != FR_BRANCHING) {
+                    fr_mark_kept<E>(kept, d, tile_line[qi], j[e >> 1], 4 * n + e);
+                } else if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
                     kept |= 1u << (4 * n + e);
                 }
             }
-        const auto keep = [&](int n, int e) { return flash_keep(d, kept, 4 * n + e); };
+        const auto keep = [&](int n, int e) { return fr_keep<E>(d, kept, 4 * n + e); };
         // dV += dropped Pᵀ · dO, Pᵀ's 16-query chunks as left operands.
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -443,7 +497,7 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
 
 // The queries' gradient: grid (query tiles, heads, batch); the warp's 16 queries summed over
 // every key tile, as `flash_backward_q`'s.
-template <bool Batched>
+template <bool Batched, int E = FR_BRANCHING>
 __device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 grads[FLASH_TILE * FLASH_LD];
@@ -491,8 +545,14 @@ __device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS) {
             for (int e = 0; e < 4; ++e) {
                 const int col = n * 8 + 2 * t + (e & 1);
                 const int h = e >> 1;
-                p[n][e] = query[h] && key_valid[col] ? expf(p[n][e] * scale - q_lse[h]) : 0.0f;
-                if (!d.on || keep_factor(d, line[h], k0 + col) != 0.0f) kept |= 1u << (4 * n + e);
+                const bool live = E == FR_BRANCHING ? query[h] && key_valid[col]
+                                                    : query[h] & (key_valid[col] != 0);
+                p[n][e] = fr_probability<E>(live, p[n][e], scale, &q_lse[h]);
+                if constexpr (E != FR_BRANCHING) {
+                    fr_mark_kept<E>(kept, d, line[h], k0 + col, 4 * n + e);
+                } else if (!d.on || keep_factor(d, line[h], k0 + col) != 0.0f) {
+                    kept |= 1u << (4 * n + e);
+                }
             }
         // A chunk of 16 keys at a time: dP (of the dropped probabilities) = dO · Vᵀ,
         // dS = P ⊙ (dP ⊙ kept − delta), dQ += dS · K.
@@ -512,8 +572,8 @@ __device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int n = 2 * c + half;
-                    ds[half][e] = p[n][e] * (dp[half][e] * flash_keep(d, kept, 4 * n + e) -
-                                             q_delta[e >> 1]);
+                    ds[half][e] =
+                        p[n][e] * (dp[half][e] * fr_keep<E>(d, kept, 4 * n + e) - q_delta[e >> 1]);
                 }
             uint32_t a[4];
             fr_pair_to_a(a, ds, scale);
@@ -560,5 +620,36 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
     fr_backward_q<true>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,
                         scale, d);
 }
+
+// The straight forms (`FR_PLAIN`, `FR_DROPOUT`; `BERTKIT_CUDA_FLASH_BRANCHES=none`), with their
+// tiles' loads batched: `flash_registers_straight_NAME_bf16` without dropout and
+// `flash_registers_straight_dropout_NAME_bf16` with it (`flash.rs` chooses by the mask's `on`),
+// the launch bounds of the forms they replace.
+#define FR_STRAIGHT_FORWARD(NAME, BLOCKS, BODY)                                                   \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, BLOCKS)                           \
+        flash_registers_straight_##NAME##_bf16(FLASH_FORWARD_ARGS) {                              \
+        BODY(FR_PLAIN)(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);          \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, BLOCKS)                           \
+        flash_registers_straight_dropout_##NAME##_bf16(FLASH_FORWARD_ARGS) {                      \
+        BODY(FR_DROPOUT)(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);        \
+    }
+#define FR_STRAIGHT_BACKWARD(NAME, BODY)                                                          \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)                                \
+        flash_registers_straight_##NAME##_bf16(FLASH_BACKWARD_ARGS) {                             \
+        BODY<true, FR_PLAIN>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq, \
+                             scale, d);                                                           \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)                                \
+        flash_registers_straight_dropout_##NAME##_bf16(FLASH_BACKWARD_ARGS) {                     \
+        BODY<true, FR_DROPOUT>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads,    \
+                               seq, scale, d);                                                    \
+    }
+#define FR_BATCHED_FORWARD(E) fr_forward<true, E>
+#define FR_ASYNC_FORWARD(E) fr_forward_async<E>
+FR_STRAIGHT_FORWARD(forward, 4, FR_BATCHED_FORWARD)
+FR_STRAIGHT_FORWARD(async_forward, 4, FR_ASYNC_FORWARD)
+FR_STRAIGHT_BACKWARD(backward_kv, fr_backward_kv)
+FR_STRAIGHT_BACKWARD(backward_q, fr_backward_q)
 
 #endif
