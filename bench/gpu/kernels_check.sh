@@ -89,9 +89,11 @@ rows() {
         "BERTKIT_CUDA_FLASH_BRANCHES=none | the attention's kernels straight (no branch at a score)" \
         "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward with its tiles copied asynchronously" \
         "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_COPIES=async | the attention straight and copied asynchronously" \
+        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 | the attention straight, its exponentials by ex2" \
+        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 BERTKIT_CUDA_FLASH_COPIES=async | the same, copied asynchronously" \
         "BERTKIT_CUDA_DROPOUT=keyed | the embeddings' and pooler's dropout by our keyed kernel" \
         "BERTKIT_CUDA_LINEAR_BACKWARD=lt | the linear layers' backward products through cuBLASLt" \
-        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_COPIES=async BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_LINEAR_BACKWARD=lt | all four"
+        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 BERTKIT_CUDA_FLASH_COPIES=async BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_LINEAR_BACKWARD=lt | all five"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
@@ -199,6 +201,9 @@ pass_kernels() {
             $([[ $pass == inference ]] && echo --inference) > "$file" 2> "${file%.csv}.err"
         echo "rc $?"
         python3 "$here/ncu_summary.py" "$file" --passes 2 --top 45 || tail -n 5 "${file%.csv}.err"
+        # The same launches by shape (grid x block): which of a layer's products is slow.
+        python3 "$here/ncu_summary.py" "$file" --passes 2 --top 30 --by-shape > "${file%.csv}-shapes.txt" \
+            && echo "by launch shape: ${file%.csv}-shapes.txt"
     done
 }
 # By CUDA events (the GPU's own time, the host running ahead as in training).

@@ -12,7 +12,8 @@
 //   asynchronously (`cp.async`, the shim queueing each thread's copies until their wait),
 //   against it, bit for bit; and its straight forms (no branch at an element, the dropout
 //   fixed at compile time), both forwards and both backwards, against the batched form, bit for
-//   bit;
+//   bit, and with their exponentials by `ex2` against the reference (their log-sum-exp against
+//   the first form's);
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
 //   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
@@ -235,7 +236,43 @@ bool run(const Case& c) {
                                                           scatter.data(), tokens, batch, heads,
                                                           seq, scale, d);
     });
+    // The straight forms with their exponentials by `ex2` (`flash_registers_straight_exp2_*`,
+    // exact `exp2f` here): within the bound of the reference, below.
+    std::vector<bf16> context_exp2(context.size(), unwritten), grad_qkv_exp2(grad_qkv.size(), unwritten);
+    std::vector<float> lse_exp2(lse.size(), NAN);
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_exp2_dropout_forward_bf16
+              : flash_registers_straight_exp2_forward_bf16)(qkv.data(), context_exp2.data(),
+                                                            lse_exp2.data(), scatter.data(),
+                                                            tokens, batch, heads, seq, scale, d);
+    });
+    std::vector<bf16> context_exp2_async(context.size(), unwritten);
+    std::vector<float> lse_exp2_async(lse.size(), NAN);
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_exp2_dropout_async_forward_bf16
+              : flash_registers_straight_exp2_async_forward_bf16)(
+            qkv.data(), context_exp2_async.data(), lse_exp2_async.data(), scatter.data(), tokens,
+            batch, heads, seq, scale, d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_exp2_dropout_backward_kv_bf16
+              : flash_registers_straight_exp2_backward_kv_bf16)(
+            qkv.data(), grad.data(), lse_exp2.data(), delta_reg.data(), grad_qkv_exp2.data(),
+            scatter.data(), tokens, batch, heads, seq, scale, d);
+    });
+    emulate_launch(grid, FLASH_THREADS, [&] {
+        (d.on ? flash_registers_straight_exp2_dropout_backward_q_bf16
+              : flash_registers_straight_exp2_backward_q_bf16)(
+            qkv.data(), grad.data(), lse_exp2.data(), delta_reg.data(), grad_qkv_exp2.data(),
+            scatter.data(), tokens, batch, heads, seq, scale, d);
+    });
+    // The two forwards' copies differ only in when the tiles land: the same bits.
+    size_t exp2_async_differ = 0;
+    for (size_t i = 0; i < context.size(); ++i)
+        exp2_async_differ += bits(context_exp2[i]) != bits(context_exp2_async[i]);
     const auto same_lse = [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+    for (size_t i = 0; i < lse.size(); ++i)
+        exp2_async_differ += !same_lse(lse_exp2[i], lse_exp2_async[i]);
     size_t straight_differ = 0;
     for (size_t i = 0; i < context.size(); ++i)
         straight_differ += (bits(context_bat[i]) != bits(context_str[i])) +
@@ -349,11 +386,17 @@ bool run(const Case& c) {
     };
     report_all("tiles through shared memory (flash.cu):", context, grad_qkv);
     report_all("scores in registers (flash_registers.cu):", context_reg, grad_qkv_reg);
+    report_all("straight, exponentials by ex2:", context_exp2, grad_qkv_exp2);
     // Every place's log-sum-exp as the first form's (the same softmax, summed in another order).
     double lse_worst = 0.0;
     for (size_t i = 0; i < lse.size(); ++i) {
         lse_worst = std::isnan(lse_reg[i]) ? INFINITY
                                            : std::max(lse_worst, (double)std::fabs(lse_reg[i] - lse[i]));
+    }
+    for (size_t i = 0; i < lse.size(); ++i) {
+        lse_worst = std::isnan(lse_exp2[i])
+                        ? INFINITY
+                        : std::max(lse_worst, (double)std::fabs(lse_exp2[i] - lse[i]));
     }
     const bool lse_ok = lse_worst <= 1e-4;
     ok = ok && lse_ok;
@@ -367,8 +410,10 @@ bool run(const Case& c) {
                 "async", async_differ, async_differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu values differ from the branching forms %s\n", c.name,
                 "straight", straight_differ, straight_differ ? "FAILED" : "ok");
+    std::printf("  %-28s %-8s %zu values differ between its two forwards %s\n", c.name,
+                "ex2", exp2_async_differ, exp2_async_differ ? "FAILED" : "ok");
     return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
-           straight_differ == 0;
+           straight_differ == 0 && exp2_async_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a
@@ -1003,6 +1048,8 @@ int main() {
         {"rows of 64, 63 and 200", {64, 63, 200}, 200, 1, true},
         // Masks with holes (a row's first place, places inside and across tiles).
         {"masks with holes, dropout", {150, 90}, 150, 2, true, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
+        // The same without dropout (the straight forms' entry points without it).
+        {"masks with holes, eval", {150, 90}, 150, 2, false, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
         // Phase 2's length: eight key tiles, one row ending inside its fifth.
         {"rows of 512 and 300, dropout", {512, 300}, 512, 1, true},
         // BERT-large's heads (hidden 1,024: the keys' and values' columns far into each row).

@@ -202,6 +202,8 @@ enum Form {
     FlashStraight,
     /// The straight form with its forward's tiles copied asynchronously.
     FlashStraightAsync,
+    /// The straight form with its exponentials by `ex2`.
+    FlashStraightExp2,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -221,6 +223,7 @@ impl Form {
             Form::FlashStraightAsync => {
                 vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_ASYNC_COPIES]
             }
+            Form::FlashStraightExp2 => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_EXP2],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
         }
@@ -237,7 +240,8 @@ impl Form {
             | Form::FlashBatched
             | Form::FlashAsync
             | Form::FlashStraight
-            | Form::FlashStraightAsync => {
+            | Form::FlashStraightAsync
+            | Form::FlashStraightExp2 => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector | Form::NormWarp => on_cuda,
@@ -246,7 +250,10 @@ impl Form {
 
     /// Sets the process's settings for the form.
     fn set(self) {
-        let straight = matches!(self, Form::FlashStraight | Form::FlashStraightAsync);
+        let straight = matches!(
+            self,
+            Form::FlashStraight | Form::FlashStraightAsync | Form::FlashStraightExp2
+        );
         let batched = straight || matches!(self, Form::FlashBatched | Form::FlashAsync);
         let registers = batched || self == Form::FlashRegisters;
         super::set_cuda_flash_attention(registers || self == Form::FlashSharedTiles);
@@ -257,29 +264,43 @@ impl Form {
             Form::FlashAsync | Form::FlashStraightAsync
         ));
         super::set_cuda_flash_straight(straight);
+        super::set_cuda_flash_exp2(self == Form::FlashStraightExp2);
         super::set_cuda_norm_vector(matches!(self, Form::NormVector | Form::NormWarp));
         super::set_cuda_norm_warp_forward(self == Form::NormWarp);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
-    fn saved() -> [bool; 7] {
+    fn saved() -> [bool; 8] {
         [
             super::cuda_flash_attention(),
             super::cuda_flash_registers(),
             super::cuda_flash_batched_loads(),
             super::cuda_flash_async_copies(),
             super::cuda_flash_straight(),
+            super::cuda_flash_exp2(),
             super::cuda_norm_vector(),
             super::cuda_norm_warp_forward(),
         ]
     }
 
-    fn restore([flash, registers, batched, copies, straight, norm, warp]: [bool; 7]) {
+    fn restore(
+        [
+            flash,
+            registers,
+            batched,
+            copies,
+            straight,
+            exp2,
+            norm,
+            warp,
+        ]: [bool; 8],
+    ) {
         super::set_cuda_flash_attention(flash);
         super::set_cuda_flash_registers(registers);
         super::set_cuda_flash_batched_loads(batched);
         super::set_cuda_flash_async_copies(copies);
         super::set_cuda_flash_straight(straight);
+        super::set_cuda_flash_exp2(exp2);
         super::set_cuda_norm_vector(norm);
         super::set_cuda_norm_warp_forward(warp);
     }
@@ -507,6 +528,16 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             "attention flash straight async (dropout)",
             true,
             Form::FlashStraightAsync,
+        ),
+        attention(
+            "attention flash straight exp2 (eval)",
+            false,
+            Form::FlashStraightExp2,
+        ),
+        attention(
+            "attention flash straight exp2 (dropout)",
+            true,
+            Form::FlashStraightExp2,
         ),
         Case {
             kernel: "nll",

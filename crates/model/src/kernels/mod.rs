@@ -580,6 +580,29 @@ pub fn cuda_flash_straight() -> bool {
     CUDA_FLASH_STRAIGHT.get()
 }
 
+/// Whether the one-pass attention's straight kernels take their exponentials by `ex2`.
+pub(crate) static CUDA_FLASH_EXP2: Switch = Switch::opt_in("BERTKIT_CUDA_FLASH_EXP", "exp2");
+
+/// Turns the one-pass attention's exponentials by `ex2` on or off for this process (with its
+/// straight kernels, [`set_cuda_flash_straight`], which it changes): each probability one
+/// `ex2.approx` of one fused multiply-add, the scale folded in as FlashAttention does
+/// (`2^(score · scale · log2 e - m · log2 e)`), where `expf` takes ~8 instructions after the
+/// scale's own multiply; relative error ~2^-22, far below bf16's 2^-8 that the probabilities
+/// are rounded to for their product. Compiled for sm_90, the inference forward's key-tile loop
+/// has 530 instructions where the straight form has 804 (BENCHMARKS.md, 2026-11-27). Not the
+/// same bits as `expf`: `bench/gpu/emulate` and `bertkit check kernels` hold it to the
+/// reference's bounds (its `attention flash straight exp2` rows). Not yet run on a GPU: unset,
+/// it is off unless `BERTKIT_CUDA_FLASH_EXP=exp2`.
+pub fn set_cuda_flash_exp2(on: bool) {
+    CUDA_FLASH_EXP2.set(on);
+}
+
+/// Whether the one-pass attention's straight kernels take their exponentials by `ex2` (see
+/// [`set_cuda_flash_exp2`]).
+pub fn cuda_flash_exp2() -> bool {
+    CUDA_FLASH_EXP2.get()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -806,7 +829,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 23] = [
+static CUDA_SWITCHES: [&Switch; 24] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -822,6 +845,7 @@ static CUDA_SWITCHES: [&Switch; 23] = [
     &CUDA_FLASH_BATCHED_LOADS,
     &CUDA_FLASH_ASYNC_COPIES,
     &CUDA_FLASH_STRAIGHT,
+    &CUDA_FLASH_EXP2,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

@@ -24,7 +24,8 @@ use super::*;
 /// ([`crate::kernels::set_cuda_flash_batched_loads`]), the forward's by asynchronous copies
 /// ([`crate::kernels::set_cuda_flash_async_copies`]), each with its loads batched in its
 /// straight form where turned on ([`crate::kernels::set_cuda_flash_straight`]: an entry
-/// point with `dropout` and one without), or through shared memory (`flash.cu`) with its
+/// point with `dropout` and one without; its exponentials by `ex2` where
+/// [`crate::kernels::set_cuda_flash_exp2`] is on), or through shared memory (`flash.cu`) with its
 /// results stored two bytes at a time, or 16 (`_vec`,
 /// [`crate::kernels::set_cuda_flash_vector_stores`]).
 fn entry(kernel: &str, dropout: &DeviceDropout) -> String {
@@ -34,7 +35,12 @@ fn entry(kernel: &str, dropout: &DeviceDropout) -> String {
         if batched && crate::kernels::cuda_flash_straight() {
             let drop = if dropout.on != 0 { "_dropout" } else { "" };
             let copies = if copies { "async_" } else { "" };
-            format!("flash_registers_straight{drop}_{copies}{kernel}")
+            let exp2 = if crate::kernels::cuda_flash_exp2() {
+                "_exp2"
+            } else {
+                ""
+            };
+            format!("flash_registers_straight{exp2}{drop}_{copies}{kernel}")
         } else if copies {
             "flash_registers_async_forward".to_string()
         } else if batched {

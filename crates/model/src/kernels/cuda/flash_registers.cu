@@ -139,11 +139,30 @@ __device__ __forceinline__ void fr_store_rows(const float (&acc)[8][4], const fl
 // `FR_DROPOUT` (`BERTKIT_CUDA_FLASH_BRANCHES=none`): the dropout fixed at compile time (an entry
 // point for each, the launcher choosing by the mask's `on`) and the exponential taken of a
 // selected argument (`expf(-inf)` is 0): straight-line code, the same value at every element.
-enum FrElements { FR_BRANCHING, FR_PLAIN, FR_DROPOUT };
+// `| FR_EXP2` (`BERTKIT_CUDA_FLASH_EXP=exp2`, with the straight forms): each exponential one
+// `ex2.approx` of one fused multiply-add, `2^(score · scale · log2 e - m · log2 e)`, the scale
+// folded in (FlashAttention's way), where `expf` takes ~8 instructions after the scale's own
+// multiply; its relative error ~2^-22, far below bf16's 2^-8 that P is rounded to for its
+// product. The log-sum-exp stays in natural units: the backward reads the same values.
+enum FrElements { FR_BRANCHING = 0, FR_PLAIN = 1, FR_DROPOUT = 2, FR_EXP2 = 4 };
+
+#define FR_LOG2E 1.4426950408889634f
+
+// `2^x` by the special function unit (`ex2.approx.ftz`: 0 at -inf); exact `exp2f` elsewhere
+// (the CPU emulation).
+__device__ __forceinline__ float fr_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
 
 template <int E>
 __device__ __forceinline__ bool fr_dropping(const Dropout& d) {
-    return E == FR_BRANCHING ? d.on != 0 : E == FR_DROPOUT;
+    return E == FR_BRANCHING ? d.on != 0 : (E & FR_DROPOUT) != 0;
 }
 
 // `exp(score · scale - *lse)` where `live`, else 0 (the branching form reads `lse` and
@@ -152,6 +171,10 @@ template <int E>
 __device__ __forceinline__ float fr_probability(bool live, float score, float scale,
                                                 const float* lse) {
     if (E == FR_BRANCHING) return live ? expf(score * scale - *lse) : 0.0f;
+    if (E & FR_EXP2) {
+        const float x = fmaf(score, scale * FR_LOG2E, -*lse * FR_LOG2E);
+        return fr_exp2(live ? x : -INFINITY);
+    }
     const float x = score * scale - *lse;
     return expf(live ? x : -INFINITY);
 }
@@ -163,14 +186,14 @@ template <int E>
 __device__ __forceinline__ void fr_mark_kept(uint32_t& kept, const Dropout& d, uint64_t line,
                                              int j, int bit) {
     static_assert(E != FR_BRANCHING, "the branching form tests in place");
-    kept |= E == FR_PLAIN ? 1u << bit : (uint32_t)(keep_factor(d, line, j) != 0.0f) << bit;
+    kept |= (E & FR_DROPOUT) ? (uint32_t)(keep_factor(d, line, j) != 0.0f) << bit : 1u << bit;
 }
 
 // The dropout's factor of bit `bit` of `kept` (`flash_keep`'s).
 template <int E>
 __device__ __forceinline__ float fr_keep(const Dropout& d, uint32_t kept, int bit) {
     if (E == FR_BRANCHING) return flash_keep(d, kept, bit);
-    if (E == FR_PLAIN) return 1.0f;
+    if (!(E & FR_DROPOUT)) return 1.0f;
     return (kept >> bit) & 1u ? d.scale : 0.0f;
 }
 
@@ -193,7 +216,13 @@ __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int j = n * 8 + 2 * t + (e & 1);
-            s[n][e] = key_valid[j] ? s[n][e] * scale : -INFINITY;
+            // (With `FR_EXP2` the scale is folded into the exponential: the raw score here,
+            // whose maximum is the scaled scores' over the scale, which is positive.)
+            if (E & FR_EXP2) {
+                s[n][e] = key_valid[j] ? s[n][e] : -INFINITY;
+            } else {
+                s[n][e] = key_valid[j] ? s[n][e] * scale : -INFINITY;
+            }
             tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
         }
     float alpha[2], m_live[2];
@@ -201,13 +230,18 @@ __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const
     for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        if (E & FR_EXP2) tile_max[h] *= scale;
         const float m_new = fmaxf(m[h], tile_max[h]);
-        alpha[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
+        alpha[h] = m[h] == -INFINITY ? 0.0f
+                   : (E & FR_EXP2) ? fr_exp2((m[h] - m_new) * FR_LOG2E)
+                                   : expf(m[h] - m_new);
         m[h] = m_new;
         l[h] *= alpha[h];
         // (A row with no key yet has every score at -inf: 0 keeps `s - m` at -inf, not NaN.)
         m_live[h] = m_new == -INFINITY ? 0.0f : m_new;
     }
+    const float scale_log2 = scale * FR_LOG2E;
+    const float shift[2] = {-m_live[0] * FR_LOG2E, -m_live[1] * FR_LOG2E};
     // The probabilities (unnormalised) in place of the scores; the row sums before dropout.
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -215,7 +249,8 @@ __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const
         for (int e = 0; e < 4; ++e) {
             const float p = E == FR_BRANCHING
                                 ? (s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]))
-                                : expf(s[n][e] - m_live[e >> 1]);
+                            : (E & FR_EXP2) ? fr_exp2(fmaf(s[n][e], scale_log2, shift[e >> 1]))
+                                            : expf(s[n][e] - m_live[e >> 1]);
             l[e >> 1] += p;
             s[n][e] = p;
         }
@@ -625,31 +660,37 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)
 // tiles' loads batched: `flash_registers_straight_NAME_bf16` without dropout and
 // `flash_registers_straight_dropout_NAME_bf16` with it (`flash.rs` chooses by the mask's `on`),
 // the launch bounds of the forms they replace.
-#define FR_STRAIGHT_FORWARD(NAME, BLOCKS, BODY)                                                   \
+// `flash_registers_straight_exp2[_dropout]_NAME_bf16`: the same with `FR_EXP2`
+// (`BERTKIT_CUDA_FLASH_EXP=exp2`).
+#define FR_STRAIGHT_FORWARD(FORM, FLAGS, NAME, BLOCKS, BODY)                                      \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, BLOCKS)                           \
-        flash_registers_straight_##NAME##_bf16(FLASH_FORWARD_ARGS) {                              \
-        BODY(FR_PLAIN)(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);          \
+        flash_registers_##FORM##_##NAME##_bf16(FLASH_FORWARD_ARGS) {                              \
+        BODY(FR_PLAIN | FLAGS)(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);  \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, BLOCKS)                           \
-        flash_registers_straight_dropout_##NAME##_bf16(FLASH_FORWARD_ARGS) {                      \
-        BODY(FR_DROPOUT)(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);        \
+        flash_registers_##FORM##_dropout_##NAME##_bf16(FLASH_FORWARD_ARGS) {                      \
+        BODY(FR_DROPOUT | FLAGS)(qkv, context, lse, scatter, tokens, batch, heads, seq, scale, d);\
     }
-#define FR_STRAIGHT_BACKWARD(NAME, BODY)                                                          \
+#define FR_STRAIGHT_BACKWARD(FORM, FLAGS, NAME, BODY)                                             \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)                                \
-        flash_registers_straight_##NAME##_bf16(FLASH_BACKWARD_ARGS) {                             \
-        BODY<true, FR_PLAIN>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq, \
-                             scale, d);                                                           \
+        flash_registers_##FORM##_##NAME##_bf16(FLASH_BACKWARD_ARGS) {                             \
+        BODY<true, FR_PLAIN | FLAGS>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch,     \
+                                     heads, seq, scale, d);                                       \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)                                \
-        flash_registers_straight_dropout_##NAME##_bf16(FLASH_BACKWARD_ARGS) {                     \
-        BODY<true, FR_DROPOUT>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads,    \
-                               seq, scale, d);                                                    \
+        flash_registers_##FORM##_dropout_##NAME##_bf16(FLASH_BACKWARD_ARGS) {                     \
+        BODY<true, FR_DROPOUT | FLAGS>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch,   \
+                                       heads, seq, scale, d);                                     \
     }
 #define FR_BATCHED_FORWARD(E) fr_forward<true, E>
 #define FR_ASYNC_FORWARD(E) fr_forward_async<E>
-FR_STRAIGHT_FORWARD(forward, 4, FR_BATCHED_FORWARD)
-FR_STRAIGHT_FORWARD(async_forward, 4, FR_ASYNC_FORWARD)
-FR_STRAIGHT_BACKWARD(backward_kv, fr_backward_kv)
-FR_STRAIGHT_BACKWARD(backward_q, fr_backward_q)
+FR_STRAIGHT_FORWARD(straight, 0, forward, 4, FR_BATCHED_FORWARD)
+FR_STRAIGHT_FORWARD(straight, 0, async_forward, 4, FR_ASYNC_FORWARD)
+FR_STRAIGHT_BACKWARD(straight, 0, backward_kv, fr_backward_kv)
+FR_STRAIGHT_BACKWARD(straight, 0, backward_q, fr_backward_q)
+FR_STRAIGHT_FORWARD(straight_exp2, FR_EXP2, forward, 4, FR_BATCHED_FORWARD)
+FR_STRAIGHT_FORWARD(straight_exp2, FR_EXP2, async_forward, 4, FR_ASYNC_FORWARD)
+FR_STRAIGHT_BACKWARD(straight_exp2, FR_EXP2, backward_kv, fr_backward_kv)
+FR_STRAIGHT_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
 
 #endif
