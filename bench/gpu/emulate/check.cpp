@@ -13,7 +13,8 @@
 //   against it, bit for bit; and its straight forms (no branch at an element, the dropout
 //   fixed at compile time), both forwards and both backwards, against the batched form, bit for
 //   bit, and with their exponentials by `ex2` against the reference (their log-sum-exp against
-//   the first form's);
+//   the first form's); the forward with a block for two query tiles against the straight
+//   forwards, bit for bit;
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
 //   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
@@ -266,6 +267,23 @@ bool run(const Case& c) {
             qkv.data(), grad.data(), lse_exp2.data(), delta_reg.data(), grad_qkv_exp2.data(),
             scatter.data(), tokens, batch, heads, seq, scale, d);
     });
+    // The pair forwards (`flash_registers_pair[_exp2]_*`: a block of eight warps for two query
+    // tiles, each key tile copied once for both): the same bits as the straight forwards'.
+    const EmulatedDim pair_grid{(unsigned)((seq + 2 * FLASH_TILE - 1) / (2 * FLASH_TILE)),
+                                (unsigned)heads, (unsigned)batch};
+    std::vector<bf16> context_pair(context.size(), unwritten), context_pair_exp2(context.size(), unwritten);
+    std::vector<float> lse_pair(lse.size(), NAN), lse_pair_exp2(lse.size(), NAN);
+    emulate_launch(pair_grid, 2 * FLASH_THREADS, [&] {
+        (d.on ? flash_registers_pair_dropout_forward_bf16 : flash_registers_pair_forward_bf16)(
+            qkv.data(), context_pair.data(), lse_pair.data(), scatter.data(), tokens, batch, heads,
+            seq, scale, d);
+    });
+    emulate_launch(pair_grid, 2 * FLASH_THREADS, [&] {
+        (d.on ? flash_registers_pair_exp2_dropout_forward_bf16
+              : flash_registers_pair_exp2_forward_bf16)(qkv.data(), context_pair_exp2.data(),
+                                                        lse_pair_exp2.data(), scatter.data(),
+                                                        tokens, batch, heads, seq, scale, d);
+    });
     // The two forwards' copies differ only in when the tiles land: the same bits.
     size_t exp2_async_differ = 0;
     for (size_t i = 0; i < context.size(); ++i)
@@ -273,6 +291,12 @@ bool run(const Case& c) {
     const auto same_lse = [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); };
     for (size_t i = 0; i < lse.size(); ++i)
         exp2_async_differ += !same_lse(lse_exp2[i], lse_exp2_async[i]);
+    size_t pair_differ = 0;
+    for (size_t i = 0; i < context.size(); ++i)
+        pair_differ += (bits(context_str[i]) != bits(context_pair[i])) +
+                       (bits(context_exp2[i]) != bits(context_pair_exp2[i]));
+    for (size_t i = 0; i < lse.size(); ++i)
+        pair_differ += !same_lse(lse_str[i], lse_pair[i]) + !same_lse(lse_exp2[i], lse_pair_exp2[i]);
     size_t straight_differ = 0;
     for (size_t i = 0; i < context.size(); ++i)
         straight_differ += (bits(context_bat[i]) != bits(context_str[i])) +
@@ -412,8 +436,10 @@ bool run(const Case& c) {
                 "straight", straight_differ, straight_differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu values differ between its two forwards %s\n", c.name,
                 "ex2", exp2_async_differ, exp2_async_differ ? "FAILED" : "ok");
+    std::printf("  %-28s %-8s %zu values differ from the straight forwards' %s\n", c.name,
+                "pair", pair_differ, pair_differ ? "FAILED" : "ok");
     return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
-           straight_differ == 0 && exp2_async_differ == 0;
+           straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a

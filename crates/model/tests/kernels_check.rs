@@ -55,8 +55,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // Off by default: our keyed dropout, which the dropout lines need, the linear layers'
     // backward through cuBLASLt, which the linear, GELU-and-linear and feed-forward lines need
     // (not the wide linear's 12,300 columns, not whole 16-byte pieces), and the one-pass
-    // attention's asynchronous copies, straight kernels and exponentials by ex2 (their rows run
-    // on CUDA only); the others need nothing.
+    // attention's asynchronous copies, straight kernels, exponentials by ex2 and pair forward
+    // (their rows run on CUDA only); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
@@ -65,7 +65,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_LINEAR_BACKWARD=lt",
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_BRANCHES=none",
-            "BERTKIT_CUDA_FLASH_EXP=exp2"
+            "BERTKIT_CUDA_FLASH_EXP=exp2",
+            "BERTKIT_CUDA_FLASH_FORWARD=pair"
         ]
     );
     for c in &checks {

@@ -204,6 +204,8 @@ enum Form {
     FlashStraightAsync,
     /// The straight form with its exponentials by `ex2`.
     FlashStraightExp2,
+    /// The straight form with its forward a block for a pair of query tiles.
+    FlashPair,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -224,6 +226,7 @@ impl Form {
                 vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_ASYNC_COPIES]
             }
             Form::FlashStraightExp2 => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_EXP2],
+            Form::FlashPair => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_PAIR_FORWARD],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
         }
@@ -241,7 +244,8 @@ impl Form {
             | Form::FlashAsync
             | Form::FlashStraight
             | Form::FlashStraightAsync
-            | Form::FlashStraightExp2 => {
+            | Form::FlashStraightExp2
+            | Form::FlashPair => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector | Form::NormWarp => on_cuda,
@@ -252,7 +256,10 @@ impl Form {
     fn set(self) {
         let straight = matches!(
             self,
-            Form::FlashStraight | Form::FlashStraightAsync | Form::FlashStraightExp2
+            Form::FlashStraight
+                | Form::FlashStraightAsync
+                | Form::FlashStraightExp2
+                | Form::FlashPair
         );
         let batched = straight || matches!(self, Form::FlashBatched | Form::FlashAsync);
         let registers = batched || self == Form::FlashRegisters;
@@ -265,46 +272,35 @@ impl Form {
         ));
         super::set_cuda_flash_straight(straight);
         super::set_cuda_flash_exp2(self == Form::FlashStraightExp2);
+        super::set_cuda_flash_pair_forward(self == Form::FlashPair);
         super::set_cuda_norm_vector(matches!(self, Form::NormVector | Form::NormWarp));
         super::set_cuda_norm_warp_forward(self == Form::NormWarp);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
-    fn saved() -> [bool; 8] {
-        [
-            super::cuda_flash_attention(),
-            super::cuda_flash_registers(),
-            super::cuda_flash_batched_loads(),
-            super::cuda_flash_async_copies(),
-            super::cuda_flash_straight(),
-            super::cuda_flash_exp2(),
-            super::cuda_norm_vector(),
-            super::cuda_norm_warp_forward(),
-        ]
+    fn saved() -> Vec<bool> {
+        FORM_SWITCHES.iter().map(|s| s.get()).collect()
     }
 
-    fn restore(
-        [
-            flash,
-            registers,
-            batched,
-            copies,
-            straight,
-            exp2,
-            norm,
-            warp,
-        ]: [bool; 8],
-    ) {
-        super::set_cuda_flash_attention(flash);
-        super::set_cuda_flash_registers(registers);
-        super::set_cuda_flash_batched_loads(batched);
-        super::set_cuda_flash_async_copies(copies);
-        super::set_cuda_flash_straight(straight);
-        super::set_cuda_flash_exp2(exp2);
-        super::set_cuda_norm_vector(norm);
-        super::set_cuda_norm_warp_forward(warp);
+    fn restore(saved: Vec<bool>) {
+        for (switch, on) in FORM_SWITCHES.iter().zip(saved) {
+            switch.set(on);
+        }
     }
 }
+
+/// The settings [`Form::set`] decides.
+static FORM_SWITCHES: [&crate::switch::Switch; 9] = [
+    &super::CUDA_FLASH_ATTENTION,
+    &super::CUDA_FLASH_REGISTERS,
+    &super::CUDA_FLASH_BATCHED_LOADS,
+    &super::CUDA_FLASH_ASYNC_COPIES,
+    &super::CUDA_FLASH_STRAIGHT,
+    &super::CUDA_FLASH_EXP2,
+    &super::CUDA_FLASH_PAIR_FORWARD,
+    &super::CUDA_NORM_VECTOR,
+    &super::CUDA_NORM_WARP_FORWARD,
+];
 
 type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
 
@@ -539,6 +535,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             true,
             Form::FlashStraightExp2,
         ),
+        attention("attention flash pair (eval)", false, Form::FlashPair),
+        attention("attention flash pair (dropout)", true, Form::FlashPair),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.

@@ -603,6 +603,31 @@ pub fn cuda_flash_exp2() -> bool {
     CUDA_FLASH_EXP2.get()
 }
 
+/// Whether the one-pass attention's forward takes a block for each pair of query tiles.
+pub(crate) static CUDA_FLASH_PAIR_FORWARD: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_FORWARD", "pair");
+
+/// Turns the one-pass attention's forward with a block for each pair of query tiles on or off
+/// for this process (with the straight kernels, [`set_cuda_flash_straight`], as one of them;
+/// with or without [`set_cuda_flash_exp2`]; in place of [`set_cuda_flash_async_copies`]'s
+/// forward): eight warps for 128 queries, each key and value tile copied once for both query
+/// tiles where the other forms copy it for each (half the loads a query, half the keys' and
+/// values' traffic out of L2: at phase 1's shape 50 MB a BERT-large layer where they move 84),
+/// by asynchronous copies into two buffers, the second the queries' tile once each warp holds
+/// its queries in registers. Two blocks of 256 threads an SM by registers (sm_90: 128, 37 KB of
+/// shared memory). The same bits as the straight forward (`bench/gpu/emulate`). Checked by
+/// `bertkit check kernels --device cuda` (its `attention flash pair` rows), not yet run on a
+/// GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_FORWARD=pair`.
+pub fn set_cuda_flash_pair_forward(on: bool) {
+    CUDA_FLASH_PAIR_FORWARD.set(on);
+}
+
+/// Whether the one-pass attention's forward takes a block for each pair of query tiles (see
+/// [`set_cuda_flash_pair_forward`]).
+pub fn cuda_flash_pair_forward() -> bool {
+    CUDA_FLASH_PAIR_FORWARD.get()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -829,7 +854,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 24] = [
+static CUDA_SWITCHES: [&Switch; 25] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -846,6 +871,7 @@ static CUDA_SWITCHES: [&Switch; 24] = [
     &CUDA_FLASH_ASYNC_COPIES,
     &CUDA_FLASH_STRAIGHT,
     &CUDA_FLASH_EXP2,
+    &CUDA_FLASH_PAIR_FORWARD,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

@@ -65,14 +65,16 @@ __device__ __forceinline__ void flash_load_tile(bf16* tile, const bf16* src, siz
 // A thread's rows of a tile from `first` in the batched and asynchronous loads (the rows and
 // 16-byte parts `flash_load_tile`'s loop gives it: rows `row0 + j · ROWS`, `j < PER`, part
 // `part` of each) and their tokens (`tokens` for padding), read once for all of the tile pair.
-struct FlashThreadRows {
-    static constexpr int PER = FLASH_TILE * 8 / FLASH_THREADS, ROWS = FLASH_THREADS / 8;
-    static_assert(FLASH_TILE * 8 % FLASH_THREADS == 0, "whole loads a thread");
+// `Rows` rows by `Threads` threads (a tile by a block of four warps, unless said).
+template <int Rows = FLASH_TILE, int Threads = FLASH_THREADS>
+struct FlashRowsOf {
+    static constexpr int PER = Rows * 8 / Threads, ROWS = Threads / 8;
+    static_assert(Rows * 8 % Threads == 0, "whole loads a thread");
     int part, row0;
     uint32_t token[PER];
 
-    __device__ __forceinline__ FlashThreadRows(const uint32_t* places, int first, int seq,
-                                               int tokens)
+    __device__ __forceinline__ FlashRowsOf(const uint32_t* places, int first, int seq,
+                                           int tokens)
         : part(threadIdx.x & 7), row0(threadIdx.x >> 3) {
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
@@ -91,6 +93,7 @@ struct FlashThreadRows {
         }
     }
 };
+typedef FlashRowsOf<> FlashThreadRows;
 
 // `Tiles` tiles as `flash_load_tile` loads each, from the same rows of their own matrices, for
 // the kernels with their loads batched (`BERTKIT_CUDA_FLASH_LOADS=batched`): each thread reads
@@ -248,8 +251,9 @@ __device__ __forceinline__ void flash_store_rows(FragC (&acc)[4], float* scratch
 // One past the last token place of a row (0 for a row of padding only), from its places, for
 // the whole block: the tiles past it hold no token, as queries or as keys, and are skipped
 // (a batch is as long as its longest row; the others end sooner).
+template <int Warps = FLASH_WARPS>
 __device__ int flash_row_end(const uint32_t* places, int seq, int tokens) {
-    __shared__ int ends[FLASH_WARPS];
+    __shared__ int ends[Warps];
     int end = 0;
     for (int i = threadIdx.x; i < seq; i += blockDim.x) {
         if (places[i] < (uint32_t)tokens) end = i + 1;
@@ -258,7 +262,7 @@ __device__ int flash_row_end(const uint32_t* places, int seq, int tokens) {
     if ((threadIdx.x & 31) == 0) ends[threadIdx.x >> 5] = end;
     __syncthreads();
     end = 0;
-    for (int w = 0; w < FLASH_WARPS; ++w) end = max(end, ends[w]);
+    for (int w = 0; w < Warps; ++w) end = max(end, ends[w]);
     return end;
 }
 
@@ -274,9 +278,11 @@ struct FlashBlock {
     __device__ int column(int part) const { return part * hidden + h * FLASH_HEAD; }
 };
 
+// (`Warps` warps a block, each 16 of its rows: a tile's 64 by four, unless said.)
+template <int Warps = FLASH_WARPS>
 __device__ FlashBlock flash_block(const uint32_t* scatter, int tokens, int heads, int seq) {
     FlashBlock k;
-    k.first = blockIdx.x * FLASH_TILE;
+    k.first = blockIdx.x * 16 * Warps;
     k.h = blockIdx.y;
     k.b = blockIdx.z;
     k.warp = threadIdx.x >> 5;
@@ -285,7 +291,7 @@ __device__ FlashBlock flash_block(const uint32_t* scatter, int tokens, int heads
     k.hidden = heads * FLASH_HEAD;
     k.stride = 3 * (size_t)k.hidden;
     k.places = scatter + (size_t)k.b * seq;
-    k.end = flash_row_end(k.places, seq, tokens);
+    k.end = flash_row_end<Warps>(k.places, seq, tokens);
     return k;
 }
 
@@ -313,9 +319,11 @@ __device__ void flash_load_keys_values(bf16* keys, bf16* values, int* key_valid,
 // Whether the forward's query tile holds padding only (no context to write), its places'
 // log-sum-exp (`head_lse`, the head's `[seq]`) then set to 0, which the backward reads for a
 // whole tile.
+// (`Rows` queries a block: a tile's, unless said.)
+template <int Rows = FLASH_TILE>
 __device__ bool flash_padding_tile(const FlashBlock& k, float* head_lse, int seq) {
     if (k.first < k.end) return false;
-    for (int i = k.first + threadIdx.x; i < min(k.first + FLASH_TILE, seq); i += blockDim.x) {
+    for (int i = k.first + threadIdx.x; i < min(k.first + Rows, seq); i += blockDim.x) {
         head_lse[i] = 0.0f;
     }
     return true;

@@ -34,12 +34,15 @@ fn entry(kernel: &str, dropout: &DeviceDropout) -> String {
         let batched = crate::kernels::cuda_flash_batched_loads();
         if batched && crate::kernels::cuda_flash_straight() {
             let drop = if dropout.on != 0 { "_dropout" } else { "" };
-            let copies = if copies { "async_" } else { "" };
             let exp2 = if crate::kernels::cuda_flash_exp2() {
                 "_exp2"
             } else {
                 ""
             };
+            if kernel == "forward" && pair_forward() {
+                return format!("flash_registers_pair{exp2}{drop}_forward");
+            }
+            let copies = if copies { "async_" } else { "" };
             format!("flash_registers_straight{exp2}{drop}_{copies}{kernel}")
         } else if copies {
             "flash_registers_async_forward".to_string()
@@ -61,6 +64,18 @@ const ALIGN: usize = 8;
 const TILE: usize = 64;
 /// Threads a block (`FLASH_THREADS`).
 const THREADS: u32 = 128;
+/// Query tiles and threads a block of the pair forward (`flash_registers_pair_*`).
+const PAIR: usize = 2;
+
+/// Whether the forward takes a block for each pair of query tiles
+/// ([`crate::kernels::set_cuda_flash_pair_forward`]: with the straight forms, which it is one
+/// of).
+fn pair_forward() -> bool {
+    crate::kernels::cuda_flash_registers()
+        && crate::kernels::cuda_flash_batched_loads()
+        && crate::kernels::cuda_flash_straight()
+        && crate::kernels::cuda_flash_pair_forward()
+}
 
 /// Whether the one-pass kernels take attention over `qkv` at these shapes: bf16, heads of 64,
 /// `qkv` contiguous from an aligned element.
@@ -94,14 +109,20 @@ pub(super) fn attention(qkv: &Tensor, h: Heads) -> Result<Tensor> {
 
 /// The kernels' grid: (query or key tiles, heads, rows).
 fn grid(h: &Heads) -> LaunchConfig {
+    tiles_grid(h, 1)
+}
+
+/// The grid of blocks of `tiles` query tiles each (the pair forward's two, with twice the
+/// threads).
+fn tiles_grid(h: &Heads, tiles: usize) -> LaunchConfig {
     let p = &h.places;
     LaunchConfig {
         grid_dim: (
-            p.seq.div_ceil(TILE).max(1) as u32,
+            p.seq.div_ceil(TILE * tiles).max(1) as u32,
             h.heads as u32,
             p.batch as u32,
         ),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (THREADS * tiles as u32, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -161,7 +182,7 @@ impl CustomOp1 for Flash {
                 half::bf16,
                 dev,
                 entry("forward", &h.dropout),
-                grid(h),
+                tiles_grid(h, if pair_forward() { PAIR } else { 1 }),
                 |b| {
                     b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
                     for a in &args {

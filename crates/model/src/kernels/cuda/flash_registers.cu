@@ -350,16 +350,16 @@ __device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS) {
 // `flash_load_tiles_batched` places them, by asynchronous copies (`cp_async_16`): each thread
 // reads its rows' tokens, then issues its copies and goes on; `valid` (or null) gets which
 // rows are tokens. The caller closes the group and waits for it.
-template <int Tiles>
+template <int Tiles, int Rows = FLASH_TILE, int Threads = FLASH_THREADS>
 __device__ __forceinline__ void fr_copy_tiles(bf16* const (&tile)[Tiles], const bf16* qkv,
                                               size_t stride, const int (&col)[Tiles],
                                               const uint32_t* places, int first, int seq,
                                               int tokens, int* valid) {
-    const FlashThreadRows r(places, first, seq, tokens);
+    const FlashRowsOf<Rows, Threads> r(places, first, seq, tokens);
 #pragma unroll
     for (int a = 0; a < Tiles; ++a)
 #pragma unroll
-        for (int j = 0; j < FlashThreadRows::PER; ++j) {
+        for (int j = 0; j < FlashRowsOf<Rows, Threads>::PER; ++j) {
             const bool ok = r.token[j] < (uint32_t)tokens;
             // (Where the row is padding nothing is read: a source size of 0.)
             const bf16* from = qkv + (ok ? (size_t)r.token[j] * stride + col[a] + r.part * 8 : 0);
@@ -423,6 +423,67 @@ __device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
         cp_async_commit();
     }
     cp_async_wait<0>();
+    r.finish(queries, context, lse, rows, k, seq, tokens);
+}
+
+// The forward with a block for a pair of query tiles (`BERTKIT_CUDA_FLASH_FORWARD=pair`, with
+// the straight forms): grid (pairs of query tiles, heads, batch), eight warps, 128 queries. Each
+// key and value tile is copied once for both query tiles, where the forms above copy it for
+// each (half the loads a query, half the key and value traffic out of L2), and by asynchronous
+// copies into two buffers: the second is the queries' tile, free once each warp has its
+// queries' fragments in registers (the queries, 18 KB, and two buffers of keys and values
+// would not fit a block's 48 KB of static shared memory). The same arithmetic a warp as the
+// forms above (`fr_forward_tile`), the same tiles in the same order: the same bits as the
+// straight form's.
+#define FR_PAIR_WARPS 8
+#define FR_PAIR_THREADS (32 * FR_PAIR_WARPS)
+#define FR_PAIR_ROWS (16 * FR_PAIR_WARPS)
+template <int E>
+__device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS) {
+    static_assert(FR_PAIR_ROWS == 2 * FLASH_TILE, "the second buffer is the queries' tile");
+    __shared__ __align__(16) bf16 queries[FR_PAIR_ROWS * FLASH_LD];
+    __shared__ __align__(16) bf16 tiles[2 * FLASH_TILE * FLASH_LD];
+    __shared__ int key_valid[2][FLASH_TILE];
+    // Buffer 0: `tiles` (keys, then values); buffer 1: the queries' tile, once read. (Chosen
+    // by a select: an array of the pointers indexed by the buffer would live in local memory.)
+    const auto keys = [&](int buffer) { return buffer ? queries : tiles; };
+    const auto values = [&](int buffer) { return keys(buffer) + FLASH_TILE * FLASH_LD; };
+    const FlashBlock k = flash_block<FR_PAIR_WARPS>(scatter, tokens, heads, seq);
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    if (flash_padding_tile<FR_PAIR_ROWS>(k, lse + rows, seq)) return;
+    const int key_tiles = (k.end + FLASH_TILE - 1) / FLASH_TILE;
+    // The queries and key tile 0, one group.
+    fr_copy_tiles<1, FR_PAIR_ROWS, FR_PAIR_THREADS>({queries}, qkv, k.stride, {k.column(0)},
+                                                    k.places, k.first, seq, tokens, nullptr);
+    fr_copy_tiles<2, FLASH_TILE, FR_PAIR_THREADS>({keys(0), values(0)}, qkv, k.stride,
+                                                  {k.column(1), k.column(2)}, k.places, 0, seq,
+                                                  tokens, key_valid[0]);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    uint32_t q[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) fr_load_a(q[c], queries, k.warp * 16, c * 16);
+    // Every warp has its queries: their tile is the second buffer from here.
+    __syncthreads();
+    FrForwardRows r(k, seq, tokens, d);
+    for (int tile = 0; tile < key_tiles; ++tile) {
+        const int buffer = tile & 1;
+        // The next tile's copies, into the buffer the last iteration finished with.
+        if (tile + 1 < key_tiles) {
+            fr_copy_tiles<2, FLASH_TILE, FR_PAIR_THREADS>(
+                {keys(buffer ^ 1), values(buffer ^ 1)}, qkv, k.stride,
+                {k.column(1), k.column(2)}, k.places, (tile + 1) * FLASH_TILE, seq, tokens,
+                key_valid[buffer ^ 1]);
+        }
+        cp_async_commit();
+        fr_forward_tile<E>(q, keys(buffer), values(buffer), key_valid[buffer], tile * FLASH_TILE,
+                           scale, d, r.line, r.m, r.l, r.o);
+        // This buffer free for the tile after next, the next one landed for every warp.
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+    // The queries' tile stages the results (every warp past the loop's last barrier).
     r.finish(queries, context, lse, rows, k, seq, tokens);
 }
 
@@ -692,5 +753,20 @@ FR_STRAIGHT_FORWARD(straight_exp2, FR_EXP2, forward, 4, FR_BATCHED_FORWARD)
 FR_STRAIGHT_FORWARD(straight_exp2, FR_EXP2, async_forward, 4, FR_ASYNC_FORWARD)
 FR_STRAIGHT_BACKWARD(straight_exp2, FR_EXP2, backward_kv, fr_backward_kv)
 FR_STRAIGHT_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
+// The pair forward (`flash_registers_pair[_exp2][_dropout]_forward_bf16`): 256 threads, two
+// blocks an SM by registers.
+#define FR_PAIR_FORWARD(FORM, FLAGS)                                                              \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_forward_bf16(FLASH_FORWARD_ARGS) {                               \
+        fr_forward_pair<FR_PLAIN | FLAGS>(qkv, context, lse, scatter, tokens, batch, heads, seq,  \
+                                          scale, d);                                              \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_dropout_forward_bf16(FLASH_FORWARD_ARGS) {                       \
+        fr_forward_pair<FR_DROPOUT | FLAGS>(qkv, context, lse, scatter, tokens, batch, heads,     \
+                                            seq, scale, d);                                       \
+    }
+FR_PAIR_FORWARD(pair, 0)
+FR_PAIR_FORWARD(pair_exp2, FR_EXP2)
 
 #endif
