@@ -15,6 +15,7 @@
 # check passed).
 # Steps run in the order of what they decide (the end of the file): a call cut off by its time
 # limit keeps what came first.
+# ROWS=REGEX: only the rows (below) whose settings or label match, beside the defaults.
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -84,7 +85,12 @@ row_settings() {
 # Each row: the settings it adds to the defaults (none: the defaults), "|", its label: a new
 # setting off by default gets a row here (and one with all of them) until a run turns it on.
 # (The settings of 2026-11-27's rows passed on an H200 and are on by default.)
+# ROWS=REGEX keeps the rows whose line matches it (and the defaults'): a call that cannot
+# afford every row (each ~35 s: phase 1, a training and an inference pass).
 rows() {
+    all_rows | grep -E -- "^- |${ROWS:-.}"
+}
+all_rows() {
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_BRANCHES=none | the attention's kernels straight (no branch at a score)" \
         "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward with its tiles copied asynchronously" \
