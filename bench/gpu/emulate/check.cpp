@@ -29,7 +29,8 @@
 //   from `dropout.rs`'s keys, packed tokens and plain rows;
 // - a linear layer's end backward (`bias_act_backward`) on rows wider than a block's bias sums;
 //   and the end 16 bytes a thread (`bias_act_vec_*`) against the kernels an element a thread,
-//   bit for bit (f32, bf16, f16; with GELU in both forms and without, with a bias and without);
+//   bit for bit (f32, bf16, f16; with GELU in both forms and without, with a bias and without),
+//   its forward with a thread's columns fixed too;
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
 //   a vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
@@ -605,6 +606,15 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
     emulate_launch({blocks, 1, 1}, threads, [&] {
         bias_act_vec_forward<T>(y.data(), b, out_vec.data(), rows, cols, act);
     });
+    // The forward with a thread's columns fixed (`bias_act_rows_forward`), on one stretch of
+    // pieces and on two (`blockIdx.y`): the same bits.
+    std::vector<T> out_rows(n, unwritten), out_rows2(n, unwritten);
+    emulate_launch({blocks, 1, 1}, threads, [&] {
+        bias_act_rows_forward<T>(y.data(), b, out_rows.data(), rows, cols, act);
+    });
+    emulate_launch({blocks, 2, 1}, threads, [&] {
+        bias_act_rows_forward<T>(y.data(), b, out_rows2.data(), rows, cols, act);
+    });
     std::vector<T> grad_y(act ? n : 0, unwritten), grad_y_vec(act ? n : 0, unwritten);
     std::vector<float> partial((size_t)blocks * cols, std::nanf("")), partial_vec = partial;
     const unsigned chunks = (unsigned)((cols + BIAS_CHUNK - 1) / BIAS_CHUNK);
@@ -633,6 +643,7 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
                     wrong ? "FAILED" : "ok");
     };
     report("output", differ(out, out_vec), n);
+    report("by rows", differ(out, out_rows) + differ(out, out_rows2), 2 * n);
     if (act) report("dy", differ(grad_y, grad_y_vec), n);
     if (with_bias) report("partials", differ(partial, partial_vec), partial.size());
     return ok;

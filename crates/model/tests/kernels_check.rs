@@ -53,10 +53,11 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
     // Off by default: our keyed dropout, which the dropout lines need, the linear layers'
-    // backward through cuBLASLt, which the linear, GELU-and-linear and feed-forward lines need
-    // (not the wide linear's 12,300 columns, not whole 16-byte pieces), and the one-pass
-    // attention's asynchronous copies, straight kernels, exponentials by ex2 and pair forward
-    // (their rows run on CUDA only); the others need nothing.
+    // backward through cuBLASLt and their end's forward by rows, which the linear,
+    // GELU-and-linear and feed-forward lines need (not the wide linear's 12,300 columns, not
+    // whole 16-byte pieces; the GELU lines need the second), and the one-pass attention's
+    // asynchronous copies, straight kernels, exponentials by ex2 and pair forward (their rows
+    // run on CUDA only); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
@@ -66,7 +67,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_BRANCHES=none",
             "BERTKIT_CUDA_FLASH_EXP=exp2",
-            "BERTKIT_CUDA_FLASH_FORWARD=pair"
+            "BERTKIT_CUDA_FLASH_FORWARD=pair",
+            "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows"
         ]
     );
     for c in &checks {
@@ -75,7 +77,12 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         let want: &[&str] = if c.kernel.starts_with("dropout") {
             &["BERTKIT_CUDA_DROPOUT=keyed"]
         } else if linear {
-            &["BERTKIT_CUDA_LINEAR_BACKWARD=lt"]
+            &[
+                "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows",
+                "BERTKIT_CUDA_LINEAR_BACKWARD=lt",
+            ]
+        } else if c.kernel.starts_with("gelu") {
+            &["BERTKIT_CUDA_BIAS_ACT_FORWARD=rows"]
         } else {
             &[]
         };

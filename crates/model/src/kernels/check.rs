@@ -363,12 +363,14 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_COLUMN_SUMS_LANES,
                 &super::CUDA_LINEAR_EPILOGUE,
                 &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
             ]
         } else {
             vec![
                 &super::CUDA_COLUMN_SUMS_LANES,
                 &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
             ]
         },
@@ -459,7 +461,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_BIAS_ACT_VECTOR],
+            needs: vec![&super::CUDA_BIAS_ACT_VECTOR, &super::CUDA_BIAS_ACT_ROWS],
         },
         Case {
             kernel: "feed_forward (erf)",
@@ -480,6 +482,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_COLUMN_SUMS_LANES,
                 &super::CUDA_LINEAR_EPILOGUE,
                 &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
             ],
         },

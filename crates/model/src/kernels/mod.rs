@@ -676,6 +676,30 @@ pub fn cuda_norm_vector() -> bool {
     CUDA_NORM_VECTOR.get()
 }
 
+/// Whether a linear layer's end's forward on CUDA fixes each thread's columns.
+pub(crate) static CUDA_BIAS_ACT_ROWS: Switch =
+    Switch::opt_in("BERTKIT_CUDA_BIAS_ACT_FORWARD", "rows");
+
+/// Turns a linear layer's end's forward with each thread's columns fixed on or off for this
+/// process (with [`set_cuda_bias_act_vector`]'s 16 bytes a thread): a thread takes one 16-byte
+/// piece of a row at every fourth row, its bias read and widened once, where the form in use
+/// takes one piece of the whole matrix and finds its bias by a 64-bit remainder and reads and
+/// widens it each time. The pass is issue-bound on `erff` (the feed-forward's GELU for
+/// `[8192, 4096]` bf16 took 49.6 µs on an H200, the SM at 68%): compiled for sm_90, a thread's
+/// path for 8 bf16 elements with a bias and GELU is ~247 instructions where it is ~310. The
+/// same arithmetic on each element: the same bits (`bench/gpu/emulate`). Checked by `bertkit
+/// check kernels --device cuda` (the linear, GELU and feed-forward rows), not yet run on a GPU:
+/// unset, it is off unless `BERTKIT_CUDA_BIAS_ACT_FORWARD=rows`.
+pub fn set_cuda_bias_act_rows(on: bool) {
+    CUDA_BIAS_ACT_ROWS.set(on);
+}
+
+/// Whether a linear layer's end's forward fixes each thread's columns (see
+/// [`set_cuda_bias_act_rows`]).
+pub fn cuda_bias_act_rows() -> bool {
+    CUDA_BIAS_ACT_ROWS.get()
+}
+
 /// Whether a linear layer's end on CUDA takes its kernels 16 bytes a thread.
 pub(crate) static CUDA_BIAS_ACT_VECTOR: Switch = Switch::opt_out("BERTKIT_CUDA_BIAS_ACT", "scalar");
 
@@ -854,7 +878,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 25] = [
+static CUDA_SWITCHES: [&Switch; 26] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -877,6 +901,7 @@ static CUDA_SWITCHES: [&Switch; 25] = [
     &CUDA_NORM_WARP_FORWARD,
     &CUDA_COLUMN_SUMS_LANES,
     &CUDA_BIAS_ACT_VECTOR,
+    &CUDA_BIAS_ACT_ROWS,
     &CUDA_FLASH_ATTENTION,
     &CUDA_LOSS,
     &CUDA_FP16,

@@ -496,6 +496,36 @@ __device__ void bias_act_vec_forward(const T* y, const T* bias, T* out, int rows
     }
 }
 
+// The same forward with a thread's columns fixed (`BERTKIT_CUDA_BIAS_ACT_FORWARD=rows`): the
+// grid's threads over a row's pieces (`blockIdx.y` a stretch of `blockDim.x` of them), each
+// taking its piece at the rows `blockIdx.x`, `+ gridDim.x`, ...: its bias read and widened
+// once, where the form above indexes the bias by `piece % pieces` (a 64-bit remainder a
+// thread) and reads and widens it for every piece. The same arithmetic on each element: the
+// same bits. (The pass is issue-bound on `erff`'s ~27 instructions an element: what is left
+// around it is what this trims.)
+template <typename T>
+__device__ void bias_act_rows_forward(const T* y, const T* bias, T* out, int rows, int cols,
+                                      int act) {
+    constexpr int N = Vec16<T>::N;
+    const int pieces = cols / N;
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < pieces; c += gridDim.y * blockDim.x) {
+        float b[N];
+        if (bias) load_vec16(bias + (size_t)c * N, b);
+        for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+            const size_t at = (size_t)r * cols + (size_t)c * N;
+            float v[N];
+            load_vec16(y + at, v);
+            if (bias) {
+#pragma unroll
+                for (int k = 0; k < N; ++k) v[k] += b[k];
+            }
+#pragma unroll
+            for (int k = 0; k < N; ++k) v[k] = activation(v[k], act);
+            store_vec16(out + at, v);
+        }
+    }
+}
+
 // The backward, as `bias_act_backward` (a block's rows, the chunk `blockIdx.y` of BIAS_CHUNK
 // columns): a thread's pieces are the same columns at every row, so its shared sums are its own.
 template <typename T>
@@ -846,6 +876,10 @@ __device__ void keyed_dropout(const T* x, T* out, int rows, int width, Dropout d
     extern "C" __global__ void bias_act_vec_forward_##SUFFIX(const T* y, const T* bias, T* out,  \
                                                              int rows, int cols, int act) {     \
         bias_act_vec_forward<T>(y, bias, out, rows, cols, act);                                 \
+    }                                                                                           \
+    extern "C" __global__ void bias_act_rows_forward_##SUFFIX(const T* y, const T* bias, T* out, \
+                                                              int rows, int cols, int act) {    \
+        bias_act_rows_forward<T>(y, bias, out, rows, cols, act);                                \
     }                                                                                           \
     extern "C" __global__ void bias_act_vec_backward_##SUFFIX(const T* y, const T* bias,         \
                                                               const T* grad, T* grad_y,         \

@@ -43,6 +43,10 @@ fn vector_end<T>(cols: usize, layouts: &[&Layout]) -> bool {
         && in_16_byte_pieces::<T>(cols, layouts.iter().map(|l| l.start_offset()))
 }
 
+/// Rows a thread of `bias_act_rows_forward` takes its piece of (the grid's rows a quarter of
+/// the matrix's: BERT-large's `[8192, 4096]` in 4,096 blocks of 256 threads).
+const ROWS_A_THREAD: usize = 4;
+
 fn forward<T: Element>(
     dev: &CudaDevice,
     y: &CudaView<'_, T>,
@@ -54,7 +58,21 @@ fn forward<T: Element>(
     // SAFETY: every element is written by the kernel.
     let mut out = unsafe { dev.alloc::<T>(rows * cols)? };
     let (rows_i, cols_i) = (rows as i32, cols as i32);
-    let (name, cfg) = if vector {
+    let (name, cfg) = if vector && crate::kernels::cuda_bias_act_rows() {
+        // A thread a piece of a row at every ROWS_A_THREAD-th row (its bias read once); a
+        // block's threads no more than a row's pieces (whole warps).
+        let pieces = cols / (16 / std::mem::size_of::<T>());
+        let threads = pieces.next_multiple_of(32).min(256);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                rows.div_ceil(ROWS_A_THREAD).max(1) as u32,
+                pieces.div_ceil(threads) as u32,
+                1,
+            ),
+            ..config(1, threads, 0)
+        };
+        ("bias_act_rows_forward", cfg)
+    } else if vector {
         // A thread a 16-byte piece.
         let pieces = rows * cols / (16 / std::mem::size_of::<T>());
         ("bias_act_vec_forward", config(pieces.div_ceil(256), 256, 0))
