@@ -197,8 +197,18 @@ bool run(const Case& c) {
                                                 scatter.data(), tokens, batch, heads, seq, scale,
                                                 d);
     });
-    size_t vec_differ = 0;
     const auto bits = [](bf16 x) { uint16_t b; std::memcpy(&b, &x, 2); return b; };
+    // Elements whose bits differ (a NaN the same as a NaN for the log-sum-exp).
+    const auto differ = [&](const std::vector<bf16>& a, const std::vector<bf16>& b) {
+        size_t n = 0;
+        for (size_t i = 0; i < a.size(); ++i) n += bits(a[i]) != bits(b[i]);
+        return n;
+    };
+    const auto lse_differ = [](const std::vector<float>& a, const std::vector<float>& b) {
+        size_t n = 0;
+        for (size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])));
+        return n;
+    };
     // The forward with its tiles copied asynchronously (`flash_registers_async_forward`): the
     // same bits as the registers form's.
     std::vector<bf16> context_async(context.size(), unwritten);
@@ -286,45 +296,20 @@ bool run(const Case& c) {
                                                         tokens, batch, heads, seq, scale, d);
     });
     // The two forwards' copies differ only in when the tiles land: the same bits.
-    size_t exp2_async_differ = 0;
-    for (size_t i = 0; i < context.size(); ++i)
-        exp2_async_differ += bits(context_exp2[i]) != bits(context_exp2_async[i]);
-    const auto same_lse = [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); };
-    for (size_t i = 0; i < lse.size(); ++i)
-        exp2_async_differ += !same_lse(lse_exp2[i], lse_exp2_async[i]);
-    size_t pair_differ = 0;
-    for (size_t i = 0; i < context.size(); ++i)
-        pair_differ += (bits(context_str[i]) != bits(context_pair[i])) +
-                       (bits(context_exp2[i]) != bits(context_pair_exp2[i]));
-    for (size_t i = 0; i < lse.size(); ++i)
-        pair_differ += !same_lse(lse_str[i], lse_pair[i]) + !same_lse(lse_exp2[i], lse_pair_exp2[i]);
-    size_t straight_differ = 0;
-    for (size_t i = 0; i < context.size(); ++i)
-        straight_differ += (bits(context_bat[i]) != bits(context_str[i])) +
-                           (bits(context_bat[i]) != bits(context_str_async[i]));
-    for (size_t i = 0; i < grad_qkv.size(); ++i)
-        straight_differ += bits(grad_qkv_bat[i]) != bits(grad_qkv_str[i]);
-    for (size_t i = 0; i < lse.size(); ++i)
-        straight_differ += !same_lse(lse_bat[i], lse_str[i]) + !same_lse(lse_bat[i], lse_str_async[i]);
-    size_t async_differ = 0;
-    for (size_t i = 0; i < context.size(); ++i)
-        async_differ += bits(context_reg[i]) != bits(context_async[i]);
-    for (size_t i = 0; i < lse.size(); ++i)
-        async_differ +=
-            !(lse_reg[i] == lse_async[i] || (std::isnan(lse_reg[i]) && std::isnan(lse_async[i])));
-    size_t batched_differ = 0;
-    for (size_t i = 0; i < context.size(); ++i)
-        batched_differ += bits(context_reg[i]) != bits(context_bat[i]);
-    for (size_t i = 0; i < grad_qkv.size(); ++i)
-        batched_differ += bits(grad_qkv_reg[i]) != bits(grad_qkv_bat[i]);
-    for (size_t i = 0; i < lse.size(); ++i)
-        batched_differ +=
-            !(lse_reg[i] == lse_bat[i] || (std::isnan(lse_reg[i]) && std::isnan(lse_bat[i])));
-    for (size_t i = 0; i < context.size(); ++i) vec_differ += bits(context[i]) != bits(context_vec[i]);
-    for (size_t i = 0; i < grad_qkv.size(); ++i)
-        vec_differ += bits(grad_qkv[i]) != bits(grad_qkv_vec[i]);
-    for (size_t i = 0; i < lse.size(); ++i)
-        vec_differ += !(lse[i] == lse_vec[i] || (std::isnan(lse[i]) && std::isnan(lse_vec[i])));
+    const size_t exp2_async_differ =
+        differ(context_exp2, context_exp2_async) + lse_differ(lse_exp2, lse_exp2_async);
+    const size_t pair_differ = differ(context_str, context_pair) +
+                               differ(context_exp2, context_pair_exp2) +
+                               lse_differ(lse_str, lse_pair) + lse_differ(lse_exp2, lse_pair_exp2);
+    const size_t straight_differ =
+        differ(context_bat, context_str) + differ(context_bat, context_str_async) +
+        differ(grad_qkv_bat, grad_qkv_str) + lse_differ(lse_bat, lse_str) +
+        lse_differ(lse_bat, lse_str_async);
+    const size_t async_differ = differ(context_reg, context_async) + lse_differ(lse_reg, lse_async);
+    const size_t batched_differ = differ(context_reg, context_bat) +
+                                  differ(grad_qkv_reg, grad_qkv_bat) + lse_differ(lse_reg, lse_bat);
+    const size_t vec_differ =
+        differ(context, context_vec) + differ(grad_qkv, grad_qkv_vec) + lse_differ(lse, lse_vec);
 
     // The reference, in f64.
     std::vector<double> want_context((size_t)tokens * hidden, 0.0);
@@ -413,16 +398,14 @@ bool run(const Case& c) {
     report_all("scores in registers (flash_registers.cu):", context_reg, grad_qkv_reg);
     report_all("straight, exponentials by ex2:", context_exp2, grad_qkv_exp2);
     // Every place's log-sum-exp as the first form's (the same softmax, summed in another order).
+    // (And the exponentials by `ex2`'s.)
     double lse_worst = 0.0;
-    for (size_t i = 0; i < lse.size(); ++i) {
-        lse_worst = std::isnan(lse_reg[i]) ? INFINITY
-                                           : std::max(lse_worst, (double)std::fabs(lse_reg[i] - lse[i]));
-    }
-    for (size_t i = 0; i < lse.size(); ++i) {
-        lse_worst = std::isnan(lse_exp2[i])
-                        ? INFINITY
-                        : std::max(lse_worst, (double)std::fabs(lse_exp2[i] - lse[i]));
-    }
+    for (const auto* got : {&lse_reg, &lse_exp2})
+        for (size_t i = 0; i < lse.size(); ++i) {
+            lse_worst = std::isnan((*got)[i])
+                            ? INFINITY
+                            : std::max(lse_worst, (double)std::fabs((*got)[i] - lse[i]));
+        }
     const bool lse_ok = lse_worst <= 1e-4;
     ok = ok && lse_ok;
     std::printf("  %-28s %-8s %.3e  (bound 1e-4) %s\n", c.name, "lse", lse_worst,
