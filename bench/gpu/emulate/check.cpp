@@ -27,6 +27,9 @@
 //   not;
 // - the keyed dropout (`keyed_dropout`, the same file) against each element's keep drawn by hand
 //   from `dropout.rs`'s keys, packed tokens and plain rows;
+// - the embeddings' end (`embeddings_forward` and `embeddings_backward`, the same file: the
+//   three rows summed, LayerNorm, dropout) against f64 by hand, f32, bf16 and f16 (not yet run
+//   on a GPU);
 // - a linear layer's end backward (`bias_act_backward`) on rows wider than a block's bias sums;
 //   and the end 16 bytes a thread (`bias_act_vec_*`) against the kernels an element a thread,
 //   bit for bit (f32, bf16, f16; with GELU in both forms and without, with a bias and without),
@@ -779,6 +782,124 @@ bool check_keyed_dropout(const char* name, int rows, int width, bool packed) {
     return ok;
 }
 
+// The embeddings' end (`embeddings_forward` and `embeddings_backward` in `kernels.cu`): tokens
+// reading rows of three f32 tables (words repeated, both token types, positions from the
+// tokens' places), the weight and bias as `[2, hidden]` of `T`, dropout keyed by the places,
+// against the same computed in f64 by hand (the sum, its mean and variance, the dropout's keeps
+// drawn from `dropout.rs`'s keys); the backward's parameter gradients through `column_sums`.
+// On a grid of `blocks` blocks of four warps (fewer warps than tokens: a warp takes several).
+template <typename T>
+bool check_embeddings(const char* name, int tokens, int hidden, bool dropout, unsigned blocks,
+                      double bound) {
+    std::mt19937_64 rng(23 + hidden + dropout);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int vocab = 50, types_n = 2, seq = 16;
+    std::vector<float> words((size_t)vocab * hidden), types((size_t)types_n * hidden),
+        positions((size_t)seq * hidden);
+    for (auto* v : {&words, &types, &positions}) for (auto& e : *v) e = u(rng);
+    std::vector<T> params(2 * (size_t)hidden), grad((size_t)tokens * hidden);
+    for (int j = 0; j < hidden; ++j) {
+        params[j] = from_f32<T>(1.0f + 0.25f * u(rng));
+        params[hidden + j] = from_f32<T>(0.5f * u(rng));
+    }
+    for (auto& e : grad) e = from_f32<T>(u(rng));
+    std::vector<uint32_t> word_rows(tokens), type_rows(tokens), position_rows(tokens),
+        places(tokens);
+    for (int t = 0; t < tokens; ++t) {
+        places[t] = (uint32_t)(2 * t + t / 3);  // holes: padding between tokens
+        word_rows[t] = (uint32_t)((t * 7 + t / 3) % vocab);
+        type_rows[t] = (uint32_t)((places[t] % seq) >= seq / 2);
+        position_rows[t] = places[t] % seq;
+    }
+    Dropout d{};
+    if (dropout) {
+        d.key = 0x5eedull;
+        d.first_row = 3;
+        d.threshold = (uint64_t)(0.1 * (1 << 24));
+        d.scale = 1.0f / 0.9f;
+        d.on = 1;
+    }
+    const float eps = 1e-12f;
+    const size_t n = (size_t)tokens * hidden;
+    std::vector<T> y(n, from_f32<T>(NAN));
+    emulate_launch({blocks, 1, 1}, 128, [&] {
+        embeddings_forward<T>(words.data(), types.data(), positions.data(), word_rows.data(),
+                              type_rows.data(), position_rows.data(), params.data(), y.data(),
+                              tokens, hidden, eps, d, places.data(), seq);
+    });
+    std::vector<float> grad_sum(n, NAN), partial((size_t)blocks * 2 * hidden, NAN);
+    std::vector<float> grad_params(2 * (size_t)hidden, NAN);
+    emulate_launch({blocks, 1, 1}, 128, [&] {
+        embeddings_backward<T>(words.data(), types.data(), positions.data(), word_rows.data(),
+                               type_rows.data(), position_rows.data(), params.data(), grad.data(),
+                               grad_sum.data(), partial.data(), tokens, hidden, eps, d,
+                               places.data(), seq);
+    });
+    emulate_launch({(unsigned)((2 * hidden + 31) / 32), 1, 1}, 1024, [&] {
+        column_sums_lanes<float>(partial.data(), grad_params.data(), (int)blocks, 2 * hidden);
+    });
+    // The same in f64.
+    std::vector<double> want_y(n), want_sum(n), want_params(2 * (size_t)hidden, 0.0);
+    size_t kept = 0;
+    for (int t = 0; t < tokens; ++t) {
+        std::vector<double> v(hidden), keep(hidden, 1.0);
+        double mean = 0.0, var = 0.0;
+        for (int j = 0; j < hidden; ++j) {
+            v[j] = (double)words[(size_t)word_rows[t] * hidden + j] +
+                   types[(size_t)type_rows[t] * hidden + j] +
+                   positions[(size_t)position_rows[t] * hidden + j];
+            mean += v[j];
+        }
+        mean /= hidden;
+        for (int j = 0; j < hidden; ++j) var += (v[j] - mean) * (v[j] - mean);
+        const double rstd = 1.0 / std::sqrt(var / hidden + eps);
+        if (dropout) {
+            uint64_t line = splitmix(d.key ^ splitmix(d.first_row + places[t] / seq));
+            line = splitmix(line ^ splitmix((uint64_t)(places[t] % seq) + 1));
+            for (int j = 0; j < hidden; ++j) {
+                const bool k = (splitmix(line + (uint64_t)j) >> 40) >= d.threshold;
+                kept += k;
+                keep[j] = k ? (double)d.scale : 0.0;
+            }
+        }
+        double a = 0.0, b = 0.0;
+        std::vector<double> normed(hidden), dn(hidden);
+        for (int j = 0; j < hidden; ++j) {
+            const double w = to_f32(params[j]), bias = to_f32(params[hidden + j]);
+            normed[j] = (v[j] - mean) * rstd;
+            want_y[(size_t)t * hidden + j] = (normed[j] * w + bias) * keep[j];
+            const double g = to_f32(grad[(size_t)t * hidden + j]) * keep[j];
+            want_params[j] += g * normed[j];
+            want_params[hidden + j] += g;
+            dn[j] = g * w;
+            a += dn[j];
+            b += dn[j] * normed[j];
+        }
+        a /= hidden;
+        b /= hidden;
+        for (int j = 0; j < hidden; ++j) {
+            want_sum[(size_t)t * hidden + j] = rstd * (dn[j] - a - normed[j] * b);
+        }
+    }
+    bool ok = !dropout || (kept * 10 > n * 8 && kept * 10 < n * 10);
+    const auto report = [&](const char* what, std::vector<double> got,
+                            const std::vector<double>& want, double b) {
+        const double e = worst(got, want);
+        const bool passed = e <= b;
+        ok = ok && passed;
+        std::printf("  %-28s %-8s %.3e  (bound %.0e) %s\n", name, what, e, b,
+                    passed ? "ok" : "FAILED");
+    };
+    std::vector<double> got_y(n);
+    for (size_t i = 0; i < n; ++i) got_y[i] = to_f32(y[i]);
+    report("y", got_y, want_y, bound);
+    // The gradients are f32 whatever `T` is (from `T`'s gradient, as the reference's).
+    report("dsum", std::vector<double>(grad_sum.begin(), grad_sum.end()), want_sum, 1e-5);
+    report("dparams", std::vector<double>(grad_params.begin(), grad_params.end()), want_params,
+           1e-5);
+    return ok;
+}
+
 // `a + b` over `n` elements (`add_tensors` in `kernels.cu`) from `offset` elements into the
 // buffers (an offset that breaks 16-byte alignment takes the element-a-thread path), on a
 // grid smaller than the work, against the sums by hand in f32 rounded once.
@@ -1108,6 +1229,11 @@ int main() {
     ok = check_keyed_dropout<bf16>("dropout bf16, packed tokens", 29, 1024, true) && ok;
     ok = check_keyed_dropout<float>("dropout f32, rows", 11, 300, false) && ok;
     ok = check_keyed_dropout<f16>("dropout f16, packed tokens", 13, 96, true) && ok;
+    std::printf("the embeddings' end (embeddings_*, kernels.cu) against f64:\n");
+    ok = check_embeddings<bf16>("embeddings bf16, dropout", 37, 1024, true, 3, 8e-3) && ok;
+    ok = check_embeddings<float>("embeddings f32", 29, 200, false, 2, 1e-5) && ok;
+    ok = check_embeddings<f16>("embeddings f16, dropout", 11, 96, true, 4, 2e-3) && ok;
+    ok = check_embeddings<bf16>("embeddings bf16, rows of 768", 9, 768, true, 1, 8e-3) && ok;
     std::printf("negative log-likelihood (loss.cu) against f64:\n");
     ok = check_nll<float>("nll f32", 37, 517) && ok;
     ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;

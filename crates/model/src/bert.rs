@@ -391,21 +391,44 @@ impl Embeddings {
         })
     }
 
+    /// The embeddings with their parameters detached, for a pass recorded on a tape: as
+    /// [`EncoderLayer::detached`].
+    fn detached(&self, seen: &mut Vec<(Tensor, Tensor)>) -> Embeddings {
+        let mut embeddings = self.clone();
+        for t in [
+            &mut embeddings.word,
+            &mut embeddings.position,
+            &mut embeddings.token_type,
+            &mut embeddings.norm.weight,
+            &mut embeddings.norm.bias,
+        ] {
+            let own = t.clone();
+            *t = own.detach();
+            seen.push((t.clone(), own));
+        }
+        embeddings
+    }
+
     /// The embeddings of the batch's tokens, `[tokens, hidden]`.
     fn forward(&self, k: &dyn Kernels, inputs: &Inputs, mode: Mode) -> candle_core::Result<Tensor> {
-        let packing = &inputs.packing;
-        let words = k.gather_rows(&self.word, &inputs.word_rows)?;
-        let types = k.gather_rows(&self.token_type, &inputs.type_rows)?;
-        let positions = k.gather_rows(&self.position, &inputs.position_rows)?;
         // The tables are f32 (see `ParamBuilder::get_table`): the sum and its LayerNorm run in
         // f32, and the result is cast to the compute dtype (the LayerNorm's), so the tables'
         // gradients arrive and accumulate in f32.
-        let x = ((words + types)? + positions)?;
-        let x = self
-            .norm
-            .forward(k, &x)?
-            .to_dtype(self.norm.weight.dtype())?;
-        mode.dropout_tokens(&x, self.dropout, packing)
+        let lookups = [
+            (&self.word, &inputs.word_rows),
+            (&self.token_type, &inputs.type_rows),
+            (&self.position, &inputs.position_rows),
+        ];
+        let norm = &self.norm;
+        k.embeddings(
+            lookups,
+            &inputs.packing,
+            mode,
+            self.dropout,
+            &norm.weight,
+            &norm.bias,
+            norm.eps,
+        )
     }
 }
 
@@ -555,14 +578,75 @@ pub struct EncoderPass<'a> {
     bert: &'a BertModel,
     inputs: &'a Inputs,
     mode: Mode<'a>,
-    /// The embeddings' output, tracked (their backward runs in candle's autograd).
-    embedded: Tensor,
+    /// The embeddings' output, and how their backward runs.
+    embedded: Embedded,
     /// The last layer's output, where the head starts.
     top: Top,
     /// The layers' backward when every activation is kept.
     kept: Option<EncoderBackward>,
     /// With checkpointing: each segment's input, its first dropout mask and its layers.
     segments: Vec<(Tensor, u64, std::ops::Range<usize>)>,
+}
+
+/// The embeddings' output in a training pass, and how their backward runs.
+#[derive(Debug)]
+enum Embedded {
+    /// Tracked: their backward runs in candle's autograd.
+    Graph(Tensor),
+    /// Recorded on a tape over detached parameters (each beside the model's own), the output
+    /// tracking nothing: their backward runs by hand.
+    Tape {
+        tape: Tape,
+        output: Tensor,
+        params: Vec<(Tensor, Tensor)>,
+    },
+}
+
+impl Embedded {
+    /// The output.
+    fn output(&self) -> &Tensor {
+        match self {
+            Embedded::Graph(t) => t,
+            Embedded::Tape { output, .. } => output,
+        }
+    }
+
+    /// The parameters' gradients from the output's gradient `grad`, under the model's own
+    /// parameter tensors.
+    fn backward(self, grad: &Tensor) -> Result<Gradients, ModelError> {
+        match self {
+            Embedded::Graph(output) => Ok(Gradients::from(&backward_from(&output, grad)?)),
+            Embedded::Tape {
+                tape,
+                output,
+                params,
+            } => own_gradients(tape.backward(&output, grad.clone())?, params, "embeddings"),
+        }
+    }
+}
+
+/// The gradients a tape's backward left for `params`' detached tensors, under the model's own
+/// (`params`: each detached tensor beside its own); a gradient left for any other tensor is an
+/// error (an op outside the tape in `what`).
+fn own_gradients(
+    mut leaves: tape::LeafGradients,
+    params: Vec<(Tensor, Tensor)>,
+    what: &str,
+) -> Result<Gradients, ModelError> {
+    let mut store = Gradients::default();
+    for (seen, own) in params {
+        if let Some(g) = leaves.remove(&seen.id()) {
+            store.0.insert(own.id(), g);
+        }
+    }
+    if !leaves.is_empty() {
+        return Err(ModelError::Input(format!(
+            "the {what}' recorded backward left {} gradients for tensors that are neither its \
+             input nor its parameters (an op outside the tape)",
+            leaves.len()
+        )));
+    }
+    Ok(store)
 }
 
 /// Where a head starts.
@@ -589,17 +673,18 @@ impl EncoderPass<'_> {
     /// Back-propagates from the head's gradients `store` (the backward of a loss computed from
     /// [`EncoderPass::top`]) through the layers (each checkpointed segment recomputed first,
     /// its dropout masks replayed), handing each segment's parameter gradients to `sink` as
-    /// they are made (the last layers' first), and through the embeddings, whose gradients
-    /// it returns: the word embeddings may have a gradient in `store` too (a decoder tied to
-    /// them), and adding the two before anything else (`GradStore::extend`) sums them as one
-    /// graph's backward does, so that a micro-batch's gradient is the same bits however the
-    /// caller goes on (accumulated, or summed over data-parallel ranks). `None` when the pass
-    /// was one graph: `store` holds every gradient already.
+    /// they are made (the last layers' first), and through the embeddings (by hand where they
+    /// were recorded, else in candle's autograd), whose gradients it returns: the word
+    /// embeddings may have a gradient in `store` too (a decoder tied to them), and adding the
+    /// two before anything else ([`Gradients::add_to`]) sums them as one graph's backward
+    /// does, so that a micro-batch's gradient is the same bits however the caller goes on
+    /// (accumulated, or summed over data-parallel ranks). `None` when the pass was one graph:
+    /// `store` holds every gradient already.
     pub fn backward<E>(
         self,
         store: &GradStore,
         mut sink: impl FnMut(Gradients) -> Result<(), E>,
-    ) -> Result<Option<GradStore>, E>
+    ) -> Result<Option<Gradients>, E>
     where
         E: From<ModelError> + From<candle_core::Error>,
     {
@@ -635,8 +720,7 @@ impl EncoderPass<'_> {
             sink(grads)?;
             upstream = grad_input;
         }
-        // The embeddings' gradients through candle's autograd.
-        let embeddings = backward_from(&embedded, &upstream)?;
+        let embeddings = embedded.backward(&upstream)?;
         rewind(mode, end);
         Ok(Some(embeddings))
     }
@@ -686,6 +770,8 @@ pub struct BertModel {
     /// Why the encoder's backward cannot be run by hand with these kernels, once a
     /// recording found out ([`BertModel::encode_taped`]).
     tape_refused: std::sync::OnceLock<String>,
+    /// The same for the embeddings ([`BertModel::embed_for_training`]).
+    embeddings_tape_refused: std::sync::OnceLock<String>,
 }
 
 /// Gradients by the tensor they belong to (the model's parameters), as candle's
@@ -697,6 +783,20 @@ impl Gradients {
     /// The gradient of `tensor`, if it has one.
     pub fn get(&self, tensor: &Tensor) -> Option<&Tensor> {
         self.0.get(&tensor.id())
+    }
+
+    /// Adds these gradients to `store`'s: each tensor's sum where both have one (`store`'s
+    /// plus these, through the kernels' addition of gradients: on CUDA 16 bytes a thread, where
+    /// `GradStore::extend` takes candle's, an element a thread), moved in where only these do.
+    pub fn add_to(self, store: &mut GradStore) -> candle_core::Result<()> {
+        for (id, grad) in self.0 {
+            let sum = match store.get_id(id) {
+                Some(have) => crate::kernels::add_gradients(have, &grad)?,
+                None => grad,
+            };
+            store.insert_id(id, sum);
+        }
+        Ok(())
     }
 }
 
@@ -751,20 +851,7 @@ impl EncoderBackward {
                 let grad_input = leaves.remove(&input.id()).ok_or_else(|| {
                     ModelError::Input("no gradient reached the encoder layers' input".into())
                 })?;
-                let mut store = Gradients::default();
-                for (seen, own) in params {
-                    if let Some(g) = leaves.remove(&seen.id()) {
-                        store.0.insert(own.id(), g);
-                    }
-                }
-                if !leaves.is_empty() {
-                    return Err(ModelError::Input(format!(
-                        "the encoder's recorded backward left {} gradients for tensors that are \
-                         neither its input nor its parameters (an op outside the tape)",
-                        leaves.len()
-                    )));
-                }
-                Ok((grad_input, store))
+                Ok((grad_input, own_gradients(leaves, params, "encoder layers")?))
             }
             Backward::Autograd { input, output } => {
                 let store = backward_from(&output, grad)?;
@@ -806,6 +893,7 @@ impl BertModel {
             pooler,
             kernels: Arc::new(Fused),
             tape_refused: std::sync::OnceLock::new(),
+            embeddings_tape_refused: std::sync::OnceLock::new(),
         })
     }
 
@@ -813,6 +901,7 @@ impl BertModel {
     pub fn set_kernels(&mut self, kernels: Arc<dyn Kernels>) {
         self.kernels = kernels;
         self.tape_refused = std::sync::OnceLock::new();
+        self.embeddings_tape_refused = std::sync::OnceLock::new();
     }
 
     /// The configuration.
@@ -837,6 +926,40 @@ impl BertModel {
         Ok(self
             .embeddings
             .forward(self.kernels.as_ref(), inputs, mode)?)
+    }
+
+    /// The embeddings in a training pass whose layers run apart from them: recorded on a tape
+    /// (their backward then runs by hand: no zeroed gradient and addition at each edge, no
+    /// product with the gradient to start candle's autograd from) where the kernels record in
+    /// the model's dtype on its device and the embeddings' kernel records (the fused ones, on
+    /// the CPU in f32 and on CUDA where turned on; the composed path does not, and after its
+    /// first refusal is not asked again), else tracked by candle's autograd. The same masks
+    /// either way.
+    fn embed_for_training(&self, inputs: &Inputs, mode: Mode) -> Result<Embedded, ModelError> {
+        let norm = &self.embeddings.norm.weight;
+        if self.kernels.records(norm.dtype(), norm.device())
+            && self.embeddings_tape_refused.get().is_none()
+        {
+            let start = position(mode);
+            let mut params = Vec::new();
+            let detached = self.embeddings.detached(&mut params);
+            let k = self.kernels.as_ref();
+            let (output, tape) = tape::record(|| detached.forward(k, inputs, mode))?;
+            match tape {
+                Ok(tape) => {
+                    return Ok(Embedded::Tape {
+                        tape,
+                        output,
+                        params,
+                    });
+                }
+                Err(why) => {
+                    let _ = self.embeddings_tape_refused.set(why);
+                    rewind(mode, start);
+                }
+            }
+        }
+        Ok(Embedded::Graph(self.embed(inputs, mode)?))
     }
 
     /// Encoder layers `layers` (a range of layer indices) on the tokens `x` (`[tokens,
@@ -920,7 +1043,8 @@ impl BertModel {
     /// output handed to the caller's head as a variable ([`EncoderPass::top`]); after the
     /// head's loss and its backward, [`EncoderPass::backward`] goes on through the layers
     /// (by hand over the kernels' tape where they record, [`BertModel::encode_taped`]) and
-    /// the embeddings. The embeddings and the head run under candle's autograd.
+    /// the embeddings (by hand too where their kernel records,
+    /// [`BertModel::embeddings_tape_refused`]). The head runs under candle's autograd.
     ///
     /// With `checkpoint_every` > 0 (activation checkpointing) only the input of each segment
     /// of that many layers is kept, and the backward pass recomputes each segment (replaying
@@ -939,21 +1063,22 @@ impl BertModel {
         } else {
             checkpoint_every
         };
-        let embedded = self.embed(inputs, mode)?;
-        if checkpoint_every == 0 && !self.backward_by_hand(&embedded) {
+        if checkpoint_every == 0 && !self.backward_by_hand(&self.embeddings.norm.weight) {
             // Nothing to run apart: one graph, as candle's autograd takes it.
+            let embedded = self.embed(inputs, mode)?;
             let top = self.encode(&embedded, inputs, 0..layers, mode)?;
             return Ok(EncoderPass {
                 bert: self,
                 inputs,
                 mode,
-                embedded,
+                embedded: Embedded::Graph(embedded),
                 top: Top::Graph(top),
                 kept: None,
                 segments: Vec::new(),
             });
         }
-        let mut x = embedded.detach();
+        let embedded = self.embed_for_training(inputs, mode)?;
+        let mut x = embedded.output().detach();
         let (mut kept, mut segments) = (None, Vec::new());
         for start in (0..layers).step_by(every) {
             let range = start..(start + every).min(layers);
@@ -990,6 +1115,12 @@ impl BertModel {
     /// found out ([`BertModel::encode_taped`]).
     pub fn tape_refused(&self) -> Option<&str> {
         self.tape_refused.get().map(String::as_str)
+    }
+
+    /// Why the embeddings' backward pass is not run by hand with these kernels, if a recording
+    /// found out ([`BertModel::encoder_pass`]: the composed path does not record).
+    pub fn embeddings_tape_refused(&self) -> Option<&str> {
+        self.embeddings_tape_refused.get().map(String::as_str)
     }
 
     /// The embeddings and every layer: the last layer's output for the batch's tokens,

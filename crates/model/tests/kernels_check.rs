@@ -8,10 +8,10 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 15 kernels: an output and each input's gradient (1 + 2 + 1 + 1 + 3 + 4 × 3 + 1 + 5 + 1 +
-    // 1 + 1 + 4 inputs; the one-pass attention's rows and LayerNorm's other forms only on
+    // 16 kernels: an output and each input's gradient (1 + 5 + 2 + 1 + 1 + 3 + 4 × 3 + 1 + 5 +
+    // 1 + 1 + 1 + 4 inputs; the one-pass attention's rows and LayerNorm's other forms only on
     // CUDA).
-    assert_eq!(checks.len(), 15 + 33, "{checks:#?}");
+    assert_eq!(checks.len(), 16 + 38, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         if (c.kernel == "gather_rows" && !c.gradient) || (c.kernel == "add" && c.gradient) {
@@ -29,6 +29,7 @@ fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
         checks.iter().map(|c| c.kernel.as_str()).collect();
     for k in [
         "gather_rows",
+        "embeddings",
         "layer_norm",
         "attention (dropout)",
         "residual_layer_norm (dropout)",
@@ -52,7 +53,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: our keyed dropout, which the dropout lines need, the linear layers'
+    // Off by default: the embeddings' end in one kernel, which its lines need, our keyed
+    // dropout, which the dropout lines need, the linear layers'
     // backward through cuBLASLt and their end's forward by rows, which the linear,
     // GELU-and-linear and feed-forward lines need (not the wide linear's 12,300 columns, not
     // whole 16-byte pieces; the GELU lines need the second), and the one-pass attention's
@@ -62,6 +64,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     assert_eq!(
         settings,
         [
+            "BERTKIT_CUDA_EMBEDDINGS_END=fused",
             "BERTKIT_CUDA_DROPOUT=keyed",
             "BERTKIT_CUDA_LINEAR_BACKWARD=lt",
             "BERTKIT_CUDA_FLASH_COPIES=async",
@@ -76,6 +79,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             || c.kernel.starts_with("feed_forward");
         let want: &[&str] = if c.kernel.starts_with("dropout") {
             &["BERTKIT_CUDA_DROPOUT=keyed"]
+        } else if c.kernel == "embeddings" {
+            &["BERTKIT_CUDA_EMBEDDINGS_END=fused"]
         } else if linear {
             &[
                 "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows",
@@ -174,7 +179,8 @@ fn in_bf16_on_the_cpu_the_bias_gradients_are_summed_in_f32() {
     }
     let biases: Vec<_> = checks
         .iter()
-        .filter(|c| c.value.starts_with("bias") && c.gradient && c.kernel != "layer_norm")
+        .filter(|c| c.value.starts_with("bias") && c.gradient)
+        .filter(|c| c.kernel != "layer_norm" && c.kernel != "embeddings")
         .filter(|c| !c.kernel.starts_with("residual_layer_norm"))
         .collect();
     // linear, linear (wide), linear_gelu (erf, tanh) and feed_forward's two, at three shapes.

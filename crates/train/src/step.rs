@@ -229,7 +229,7 @@ impl Step {
         // The head's and the embeddings' gradients as one graph's backward sums them (the
         // tied word embeddings get one from each), then added to the step's at once.
         if let Some(embeddings) = embeddings {
-            store.extend(embeddings)?;
+            embeddings.add_to(&mut store)?;
         }
         self.accumulate(&store)
     }
@@ -493,10 +493,10 @@ mod tests {
         assert_eq!(bucket.to_vec1::<f32>().unwrap(), first);
     }
 
-    /// The encoder pass (embeddings and heads under candle's autograd, the layers' backward
-    /// by hand over the fused kernels' tape, with or without checkpointed segments) gives the
-    /// gradients of candle's autograd over the whole graph, bit for bit but for one sum's
-    /// order, for every parameter, with dropout on.
+    /// The encoder pass (the heads under candle's autograd, the embeddings' and the layers'
+    /// backward by hand over the fused kernels' tape, with or without checkpointed segments)
+    /// gives the gradients of candle's autograd over the whole graph, bit for bit but for one
+    /// sum's order, for every parameter, with dropout on.
     #[test]
     fn the_encoder_pass_gives_the_whole_graphs_gradients() {
         use bertkit_model::bert::{BertForPreTraining, init};
@@ -577,6 +577,9 @@ mod tests {
                 );
             }
         }
+        // Both backwards ran by hand.
+        assert_eq!(model.bert.tape_refused(), None);
+        assert_eq!(model.bert.embeddings_tape_refused(), None);
 
         // Kernels that do not record, every activation kept: the pass is the whole graph,
         // the same bits for every parameter.

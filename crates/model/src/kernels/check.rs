@@ -400,6 +400,47 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             needs: vec![&super::CUDA_EMBEDDINGS_IN_PIECES],
         },
         Case {
+            kernel: "embeddings",
+            // The embeddings' end ([`Kernels::embeddings`]): words repeated (one row read by
+            // none), both token types, each token's position; the tables in f32 (f64 in the
+            // CPU's reference) as the model keeps them, the norm's parameters in the dtype.
+            inputs: vec![
+                ("words", vec![50, h], 1.0),
+                ("token types", vec![2, h], 1.0),
+                ("positions", vec![s.seq, h], 1.0),
+                ("weight", vec![h], 1.0),
+                ("bias", vec![h], 0.5),
+            ],
+            run: |k, x, p, mode, _| {
+                let device = x[0].device();
+                let table = |t: &Tensor| match t.dtype() {
+                    DType::F64 => Ok(t.clone()),
+                    _ => t.to_dtype(DType::F32),
+                };
+                let (words, types, positions) = (table(&x[0])?, table(&x[1])?, table(&x[2])?);
+                let tokens = p.tokens();
+                let word_rows = (0..tokens).map(|t| ((t * 7 + t / 3) % 49) as u32);
+                let word_rows = RowIndex::from_host(word_rows.collect(), device)?;
+                let half = p.padded_dims().1 / 2;
+                let type_rows = p.columns().iter().map(|&c| u32::from(c as usize >= half));
+                let type_rows = RowIndex::from_host(type_rows.collect(), device)?;
+                let position_rows = p.position_rows();
+                let lookups = [
+                    (&words, &word_rows),
+                    (&types, &type_rows),
+                    (&positions, &position_rows),
+                ];
+                k.embeddings(lookups, p, mode, DROPOUT, &x[3], &x[4], 1e-12)
+            },
+            train: true,
+            form: Form::Plain,
+            needs: vec![
+                &super::CUDA_EMBEDDINGS_END,
+                &super::CUDA_EMBEDDINGS_IN_PIECES,
+                &super::CUDA_COLUMN_SUMS_LANES,
+            ],
+        },
+        Case {
             kernel: "add",
             // The tape's gradient sums ([`super::add_gradients`]), at a layer's width.
             inputs: vec![("a", vec![t, h], 1.0), ("b", vec![t, h], 1.0)],

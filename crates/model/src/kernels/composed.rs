@@ -5,7 +5,26 @@
 use candle_core::{D, Result, Tensor};
 
 use super::{Gelu, Kernels, Mode, tape, widened};
-use crate::packing::Packing;
+use crate::packing::{Packing, RowIndex};
+
+/// [`Kernels::embeddings`] from the kernels' lookups, candle's additions, the kernels'
+/// LayerNorm, a cast to the weight's dtype and [`Mode::dropout_tokens`].
+pub(super) fn composed_embeddings<K: Kernels + ?Sized>(
+    kernels: &K,
+    [words, types, positions]: [(&Tensor, &RowIndex); 3],
+    packing: &Packing,
+    mode: Mode,
+    dropout: f64,
+    (weight, bias, eps): (&Tensor, &Tensor, f64),
+) -> Result<Tensor> {
+    tape::unrecorded("the embeddings' sum of candle's ops");
+    let gathered = |(table, rows): (&Tensor, &RowIndex)| kernels.gather_rows(table, rows);
+    let x = ((gathered(words)? + gathered(types)?)? + gathered(positions)?)?;
+    let normed = kernels
+        .layer_norm(&x, weight, bias, eps)?
+        .to_dtype(weight.dtype())?;
+    mode.dropout_tokens(&normed, dropout, packing)
+}
 
 /// [`Kernels::linear`] from separate ops: the rows flattened, a product with the transposed
 /// weight, the bias broadcast over the rows.

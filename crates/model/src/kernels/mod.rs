@@ -43,7 +43,9 @@ mod profiled;
 pub mod tape;
 
 pub use composed::Composed;
-use composed::{composed_attention, composed_linear, composed_residual_layer_norm};
+use composed::{
+    composed_attention, composed_embeddings, composed_linear, composed_residual_layer_norm,
+};
 pub use profiled::{Clock, KernelTime, Profiled};
 pub(crate) use profiled::{Mark, backward as profiled_backward, time_backwards};
 
@@ -114,6 +116,27 @@ pub trait Kernels: Send + Sync + Debug {
     /// kernel runs it.
     fn gather_rows(&self, table: &Tensor, index: &RowIndex) -> Result<Tensor> {
         table.index_select(index.rows(), 0)
+    }
+
+    /// The embeddings' end on a packed batch: `dropout(LayerNorm(Σ table[rows]))` over the
+    /// three `lookups` (words, token types, positions: each table `[rows, hidden]` and the rows
+    /// its tokens read), summed in that order in the tables' dtype (f32 in a half-precision
+    /// model), normalised as [`Kernels::layer_norm`] does and cast to `weight`'s dtype; the
+    /// dropout drops what each token's place in the padded batch would
+    /// ([`Mode::dropout_tokens`]). `[tokens, hidden]`.
+    #[allow(clippy::too_many_arguments)]
+    fn embeddings(
+        &self,
+        lookups: [(&Tensor, &RowIndex); 3],
+        packing: &Packing,
+        mode: Mode,
+        dropout: f64,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let norm = (weight, bias, eps);
+        composed_embeddings(self, lookups, packing, mode, dropout, norm)
     }
 
     /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`.
@@ -231,6 +254,19 @@ fn residual_norm_shape(
         )
     }
     Ok((x.shape().elem_count() / hidden, hidden))
+}
+
+/// The fused embeddings' three inputs (candle's custom ops take three): the word table, the
+/// token-type and position tables stacked, and the norm's weight and bias stacked in the
+/// weight's dtype, each step recorded where a tape records; the same on every device.
+fn embeddings_operands(
+    [(words, _), (types, _), (positions, _)]: &[(&Tensor, &RowIndex); 3],
+    weight: &Tensor,
+    bias: &Tensor,
+) -> Result<[Tensor; 3]> {
+    let small = tape::cat_rows(&[&tape::contiguous(types)?, &tape::contiguous(positions)?])?;
+    let params = tape::stack_rows(&[weight, &tape::to_dtype(bias, weight.dtype())?])?;
+    Ok([tape::contiguous(words)?, small, params])
 }
 
 /// The three gradients of a LayerNorm from its backward kernel's `[rows + 2, hidden]` output
@@ -408,6 +444,33 @@ pub fn set_cuda_embeddings_in_pieces(on: bool) {
 /// Whether the lookup's backward runs in pieces (see [`set_cuda_embeddings_in_pieces`]).
 pub fn cuda_embeddings_in_pieces() -> bool {
     CUDA_EMBEDDINGS_IN_PIECES.get()
+}
+
+/// Whether the embeddings' end on CUDA takes our fused kernel.
+pub(crate) static CUDA_EMBEDDINGS_END: Switch =
+    Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS_END", "fused");
+
+/// Turns our CUDA kernel for the embeddings' end ([`Kernels::embeddings`]) on or off for this
+/// process: each token's word, token-type and position rows summed, LayerNorm and dropout in one
+/// launch (a warp a token), its backward recomputing the rows from the tables and handing the
+/// sum's gradient to the lookup's backward, table by table. The composed path writes the three
+/// rows gathered as `[tokens, hidden]` f32 tensors, adds them with two of candle's additions
+/// (an element a thread), normalises in f32, casts and drops in passes of their own, and
+/// candle's autograd adds a zeroed gradient and a sum at each of that graph's edges on the way
+/// back: a dozen passes over f32 tensors of a BERT-large batch's 33.5 MB, forward and backward,
+/// where the kernel reads each row once and writes the output once. The dropout draws the
+/// CPU's masks (the composed path's candle dropout does not, [`set_cuda_keyed_dropout`]).
+/// Checked by `bertkit check kernels --device cuda` (its `embeddings` rows, against the
+/// composed path on the CPU) and emulated on the CPU (`bench/gpu/emulate`), not yet run on a
+/// GPU: unset, it is off unless `BERTKIT_CUDA_EMBEDDINGS_END=fused`.
+pub fn set_cuda_embeddings_end(on: bool) {
+    CUDA_EMBEDDINGS_END.set(on);
+}
+
+/// Whether the embeddings' end takes our fused kernel on CUDA (see
+/// [`set_cuda_embeddings_end`]).
+pub fn cuda_embeddings_end() -> bool {
+    CUDA_EMBEDDINGS_END.get()
 }
 
 /// Whether the embeddings' and the pooler's dropout on CUDA take our keyed kernel.
@@ -878,12 +941,13 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 26] = [
+static CUDA_SWITCHES: [&Switch; 27] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
     &CUDA_EMBEDDINGS,
     &CUDA_EMBEDDINGS_IN_PIECES,
+    &CUDA_EMBEDDINGS_END,
     &CUDA_ADD,
     &CUDA_KEYED_DROPOUT,
     &CUDA_WIDE_LINEAR,
@@ -1036,6 +1100,46 @@ impl Kernels for Fused {
             return cuda::gather_rows(table, index);
         }
         table.index_select(index.rows(), 0)
+    }
+
+    fn embeddings(
+        &self,
+        lookups: [(&Tensor, &RowIndex); 3],
+        packing: &Packing,
+        mode: Mode,
+        dropout: f64,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if cuda_embeddings_end()
+            && on_cuda(&[weight, bias])
+            && cuda::embeddings_fit(&lookups, weight)
+        {
+            count_fused();
+            let operands = embeddings_operands(&lookups, weight, bias)?;
+            let keys = cuda_dropout(mode, dropout);
+            return cuda::embeddings(operands, &lookups, packing, keys, eps);
+        }
+        if [weight, bias].into_iter().all(on_cpu_in_f32)
+            && lookups.iter().all(|(table, _)| on_cpu_in_f32(table))
+        {
+            count_fused();
+            let [words, small, params] = embeddings_operands(&lookups, weight, bias)?;
+            let keep = cpu_dropout(mode, dropout, |source| {
+                source.next_cpu_token_keep_mask(packing, weight.elem_count(), dropout)
+            });
+            let op = cpu::Embeddings {
+                rows: lookups.map(|(_, rows)| rows.clone()),
+                types: lookups[1].0.dim(0)?,
+                eps: eps as f32,
+                keep,
+            };
+            return tape::apply_op3(&words, &small, &params, op);
+        }
+        let norm = (weight, bias, eps);
+        composed_embeddings(self, lookups, packing, mode, dropout, norm)
     }
 
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {

@@ -269,6 +269,22 @@ impl Kernels for Profiled {
         })
     }
 
+    fn embeddings(
+        &self,
+        lookups: [(&Tensor, &crate::packing::RowIndex); 3],
+        packing: &Packing,
+        mode: Mode,
+        dropout: f64,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        self.timed("embeddings", weight, || {
+            self.inner
+                .embeddings(lookups, packing, mode, dropout, weight, bias, eps)
+        })
+    }
+
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
         self.timed("layer_norm", x, || {
             self.inner.layer_norm(x, weight, bias, eps)

@@ -104,9 +104,11 @@ impl CustomOp3 for LayerNormBackward {
 /// Where a LayerNorm's input rows come from: stored rows, or a sublayer's end recomputing the
 /// sum `dropout(x) + residual` a row at a time ([`ResidualLayerNorm`]).
 #[derive(Clone, Copy)]
-enum NormInput<'a> {
+pub(super) enum NormInput<'a> {
     Rows(&'a [f32]),
     Residual(&'a ResidualOperands<'a>),
+    /// The embeddings' sum of looked-up rows, recomputed a row at a time.
+    Embeddings(&'a super::embeddings::EmbeddingRows<'a>),
 }
 
 impl NormInput<'_> {
@@ -120,12 +122,17 @@ impl NormInput<'_> {
                 o.sum_row(start, scratch);
                 scratch
             }
+            NormInput::Embeddings(e) => {
+                scratch.resize(hidden, 0.0);
+                e.sum_row(start / hidden, scratch);
+                scratch
+            }
         }
     }
 }
 
 /// LayerNorm of every input row (rows of `hidden`), blocks of rows in parallel.
-fn layer_norm_rows(
+pub(super) fn layer_norm_rows(
     input: NormInput,
     hidden: usize,
     weight: &[f32],
@@ -135,6 +142,7 @@ fn layer_norm_rows(
     let len = match input {
         NormInput::Rows(x) => x.len(),
         NormInput::Residual(o) => o.x.len(),
+        NormInput::Embeddings(e) => e.tokens() * hidden,
     };
     let task = rows_per_task(hidden) * hidden;
     let mut out = vec![0f32; len];
@@ -152,7 +160,7 @@ fn layer_norm_rows(
 /// LayerNorm's backward for every input row, from the output's gradient `g`: the input's
 /// gradient into `grad_x`, and the weight's then the bias's gradient returned (`2 · hidden`
 /// values), summed per [`ROWS_PER_PARTIAL`] rows and the partial sums added in order.
-fn layer_norm_backward_rows(
+pub(super) fn layer_norm_backward_rows(
     input: NormInput,
     hidden: usize,
     weight: &[f32],
@@ -266,7 +274,7 @@ pub(crate) struct ResidualLayerNorm {
 
 /// The operands of a [`ResidualLayerNorm`]: `x`, `residual`, the weight and the bias, with the
 /// mask (if any) checked against them; and the hidden size.
-struct ResidualOperands<'a> {
+pub(super) struct ResidualOperands<'a> {
     x: &'a [f32],
     residual: &'a [f32],
     weight: &'a [f32],

@@ -1,8 +1,8 @@
 //! Fused kernels of our own for f32 on the CPU, each with a fused backward, where candle's
 //! composition runs several passes (each with its own backward node) and scalar C-library
 //! math: linear layers ([`Linear`]), attention per sequence and head of a packed batch
-//! ([`Attention`]), LayerNorm alone and at a sublayer's end with the dropout and residual
-//! ([`LayerNorm`], [`ResidualLayerNorm`]), GELU in both forms, the exact one with a vectorised
+//! ([`Attention`]), LayerNorm alone, at a sublayer's end with the dropout and residual
+//! ([`LayerNorm`], [`ResidualLayerNorm`]) and at the embeddings' end ([`Embeddings`]), GELU in both forms, the exact one with a vectorised
 //! error function ([`GeluOp`]), and the negative log-likelihood ([`NegativeLogLikelihood`]);
 //! one file each, its tests beside it. Dropout's byte masks and the op that applies them are
 //! [`crate::dropout`]'s; the loops' vector dispatch and storage views are `crate::host`'s.
@@ -16,12 +16,14 @@
 //! with the loops compiled for AVX-512 or AVX2 where the CPU has them (chosen at run time).
 
 mod attention;
+mod embeddings;
 mod gelu;
 mod layer_norm;
 mod linear;
 mod nll;
 
 pub(crate) use attention::Attention;
+pub(crate) use embeddings::Embeddings;
 pub(crate) use gelu::GeluOp;
 pub(crate) use layer_norm::{LayerNorm, ResidualLayerNorm};
 pub(crate) use linear::{GeluLinear, HalfBias, Linear, LinearGelu};

@@ -79,9 +79,9 @@ impl CustomOp1 for GatherRows {
 }
 
 /// The table's gradient, `[rows, width]`, from the gathered rows' (`[tokens, width]`).
-struct GatherRowsBackward {
-    index: RowIndex,
-    rows: usize,
+pub(super) struct GatherRowsBackward {
+    pub(super) index: RowIndex,
+    pub(super) rows: usize,
 }
 
 impl CustomOp1 for GatherRowsBackward {

@@ -828,6 +828,224 @@ __device__ void keyed_dropout(const T* x, T* out, int rows, int width, Dropout d
 }
 
 // ---------------------------------------------------------------------------------------------
+// The embeddings' end (`BERTKIT_CUDA_EMBEDDINGS_END=fused`, `embeddings.rs`): each token's word,
+// token-type and position rows (f32 tables) summed, LayerNorm, then dropout, in one pass. The
+// composed path writes the three rows gathered as three `[tokens, hidden]` f32 tensors, adds them
+// in two passes, normalises, casts and drops in passes of their own (candle's additions an
+// element a thread). A warp per token: a lane holds the pieces `lane`, `lane + 32`, ... of the
+// row, each 16 bytes of the output (8 bf16 or f16, 4 f32) read as whole 16-byte pieces of each
+// table; the row's statistics are warp sums. The sum is `(word + type) + position`, the
+// composed path's order. The backward recomputes the row from the tables (nothing is kept) and
+// writes the sum's gradient in f32, from which the lookup's backward sums each table's rows,
+// and per-block partial sums of the weight's and the bias's gradients.
+
+// At most 32 elements of a row a lane: rows of up to 1,024 (the launcher checks).
+#define EMBED_LANE_ELEMENTS 32
+
+// Lane's pieces of token `r`'s sum of rows (zeros past the row's end).
+template <int N, int P>
+__device__ __forceinline__ void embed_row_sum(const float* words, const float* types,
+                                              const float* positions, const uint32_t* word_rows,
+                                              const uint32_t* type_rows,
+                                              const uint32_t* position_rows, int r, int hidden,
+                                              float (&v)[P][N]) {
+    const int lane = threadIdx.x & 31, pieces = hidden / N;
+    const float* w = words + (size_t)word_rows[r] * hidden;
+    const float* t = types + (size_t)type_rows[r] * hidden;
+    const float* p = positions + (size_t)position_rows[r] * hidden;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        const int q = lane + 32 * i;
+#pragma unroll
+        for (int h = 0; h < N / 4; ++h) {
+            uint4 a = make_uint4(0, 0, 0, 0), b = a, c = a;
+            if (q < pieces) {
+                const size_t at = (size_t)q * N + 4 * h;
+                a = *reinterpret_cast<const uint4*>(w + at);
+                b = *reinterpret_cast<const uint4*>(t + at);
+                c = *reinterpret_cast<const uint4*>(p + at);
+            }
+            float fa[4], fb[4], fc[4];
+            memcpy(fa, &a, sizeof a);
+            memcpy(fb, &b, sizeof b);
+            memcpy(fc, &c, sizeof c);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) v[i][4 * h + k] = (fa[k] + fb[k]) + fc[k];
+        }
+    }
+}
+
+// The row's mean and 1 / sqrt(variance + eps) over the warp (the mean, then the squares about
+// it, as `layer_norm_warp_forward`).
+template <int N, int P>
+__device__ __forceinline__ void embed_row_statistics(const float (&v)[P][N], int hidden,
+                                                     float eps, float& mean, float& rstd) {
+    const int lane = threadIdx.x & 31, pieces = hidden / N;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+#pragma unroll
+        for (int k = 0; k < N; ++k) s += v[i][k];
+    mean = warp_sum(s) / hidden;
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        if (lane + 32 * i < pieces) {
+#pragma unroll
+            for (int k = 0; k < N; ++k) sq += (v[i][k] - mean) * (v[i][k] - mean);
+        }
+    }
+    rstd = rsqrtf(warp_sum(sq) / hidden + eps);
+}
+
+// Token `r`'s sum of rows into `v`, its statistics, and its dropout line (0 without dropout):
+// what the forward and the backward both start a row with.
+template <int N, int P>
+__device__ __forceinline__ uint64_t embed_row(const float* words, const float* types,
+                                              const float* positions, const uint32_t* word_rows,
+                                              const uint32_t* type_rows,
+                                              const uint32_t* position_rows, int r, int hidden,
+                                              float eps, const Dropout& d,
+                                              const uint32_t* places, int seq, float (&v)[P][N],
+                                              float& mean, float& rstd) {
+    embed_row_sum<N, P>(words, types, positions, word_rows, type_rows, position_rows, r, hidden,
+                        v);
+    embed_row_statistics<N, P>(v, hidden, eps, mean, rstd);
+    if (!d.on) return 0;
+    const uint32_t place = places[r];
+    return line_key(row_key(d, place / seq), place % seq);
+}
+
+// `y = dropout(norm(words[w] + types[t] + positions[p]) · weight + bias)`; `params` is the
+// weight's row, then the bias's (`[2, hidden]`).
+template <typename T>
+__device__ void embeddings_forward(const float* words, const float* types, const float* positions,
+                                   const uint32_t* word_rows, const uint32_t* type_rows,
+                                   const uint32_t* position_rows, const T* params, T* y, int rows,
+                                   int hidden, float eps, Dropout d, const uint32_t* places,
+                                   int seq) {
+    constexpr int N = Vec16<T>::N, P = EMBED_LANE_ELEMENTS / N;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, pieces = hidden / N;
+    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
+        float v[P][N], mean, rstd;
+        const uint64_t line = embed_row<N, P>(words, types, positions, word_rows, type_rows,
+                                              position_rows, r, hidden, eps, d, places, seq, v,
+                                              mean, rstd);
+        const size_t at = (size_t)r * hidden;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            if (q < pieces) {
+                float w[N], b[N], out[N];
+                load_vec16(params + q * N, w);
+                load_vec16(params + hidden + q * N, b);
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    out[k] = (v[i][k] - mean) * rstd * w[k] + b[k];
+                    if (d.on) out[k] *= keep_factor(d, line, q * N + k);
+                }
+                store_vec16(y + at + q * N, out);
+            }
+        }
+    }
+}
+
+// The backward: the sum's gradient (`grad_sum`, f32 `[rows, hidden]`) and the block's partial
+// sums of the weight's and the bias's gradients (`partial`, `[gridDim.x, 2, hidden]`, summed by
+// `column_sums`): a lane's columns are the same at every row, so it sums them in registers; the
+// block's warps add theirs in warp order (the same bits at every run).
+template <typename T>
+__device__ void embeddings_backward(const float* words, const float* types,
+                                    const float* positions, const uint32_t* word_rows,
+                                    const uint32_t* type_rows, const uint32_t* position_rows,
+                                    const T* params, const T* grad, float* grad_sum,
+                                    float* partial, int rows, int hidden, float eps, Dropout d,
+                                    const uint32_t* places, int seq) {
+    constexpr int N = Vec16<T>::N, P = EMBED_LANE_ELEMENTS / N;
+    __shared__ float sums[2 * 32 * EMBED_LANE_ELEMENTS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int pieces = hidden / N;
+    float grad_weight[P][N], grad_bias[P][N];
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+#pragma unroll
+        for (int k = 0; k < N; ++k) grad_weight[i][k] = grad_bias[i][k] = 0.0f;
+    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
+        float v[P][N], mean, rstd;
+        const uint64_t line = embed_row<N, P>(words, types, positions, word_rows, type_rows,
+                                              position_rows, r, hidden, eps, d, places, seq, v,
+                                              mean, rstd);
+        const size_t at = (size_t)r * hidden;
+        // `v` becomes the normalised row, `g` the gradient through the dropout times the
+        // weight (the normalised row's gradient).
+        float g[P][N];
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+#pragma unroll
+            for (int k = 0; k < N; ++k) g[i][k] = 0.0f;
+            if (q < pieces) {
+                float w[N], gy[N];
+                load_vec16(params + q * N, w);
+                load_vec16(grad + at + q * N, gy);
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    if (d.on) gy[k] *= keep_factor(d, line, q * N + k);
+                    v[i][k] = (v[i][k] - mean) * rstd;
+                    grad_weight[i][k] += gy[k] * v[i][k];
+                    grad_bias[i][k] += gy[k];
+                    g[i][k] = gy[k] * w[k];
+                    a += g[i][k];
+                    b += g[i][k] * v[i][k];
+                }
+            }
+        }
+        a = warp_sum(a) / hidden;
+        b = warp_sum(b) / hidden;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            if (q < pieces) {
+#pragma unroll
+                for (int h = 0; h < N / 4; ++h) {
+                    float ds[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const int e = 4 * h + k;
+                        ds[k] = rstd * (g[i][e] - a - v[i][e] * b);
+                    }
+                    uint4 raw;
+                    memcpy(&raw, ds, sizeof raw);
+                    *reinterpret_cast<uint4*>(grad_sum + at + (size_t)q * N + 4 * h) = raw;
+                }
+            }
+        }
+    }
+    // The block's sums: each warp adds its lanes' in turn.
+    for (int w = 0; w < warps; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int i = 0; i < P; ++i) {
+                const int q = lane + 32 * i;
+                if (q < pieces) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) {
+                        const int j = q * N + k;
+                        sums[j] = w == 0 ? grad_weight[i][k] : sums[j] + grad_weight[i][k];
+                        sums[hidden + j] =
+                            w == 0 ? grad_bias[i][k] : sums[hidden + j] + grad_bias[i][k];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* mine = partial + (size_t)blockIdx.x * 2 * hidden;
+    for (int j = threadIdx.x; j < 2 * hidden; j += blockDim.x) mine[j] = sums[j];
+}
+
+// ---------------------------------------------------------------------------------------------
 // Entry points, one per dtype.
 
 // A LayerNorm form's two entry points, `NAME_forward_SUFFIX` and `NAME_backward_SUFFIX`, on
@@ -917,6 +1135,23 @@ __device__ void keyed_dropout(const T* x, T* out, int rows, int width, Dropout d
                                                       Dropout d, const uint32_t* places,        \
                                                       int seq) {                                \
         keyed_dropout<T>(x, out, rows, width, d, places, seq);                                  \
+    }                                                                                           \
+    extern "C" __global__ void embeddings_forward_##SUFFIX(                                      \
+        const float* words, const float* types, const float* positions,                        \
+        const uint32_t* word_rows, const uint32_t* type_rows, const uint32_t* position_rows,    \
+        const T* params, T* y, int rows, int hidden, float eps, Dropout d,                      \
+        const uint32_t* places, int seq) {                                                      \
+        embeddings_forward<T>(words, types, positions, word_rows, type_rows, position_rows,     \
+                              params, y, rows, hidden, eps, d, places, seq);                    \
+    }                                                                                           \
+    extern "C" __global__ void embeddings_backward_##SUFFIX(                                     \
+        const float* words, const float* types, const float* positions,                        \
+        const uint32_t* word_rows, const uint32_t* type_rows, const uint32_t* position_rows,    \
+        const T* params, const T* grad, float* grad_sum, float* partial, int rows, int hidden,  \
+        float eps, Dropout d, const uint32_t* places, int seq) {                                \
+        embeddings_backward<T>(words, types, positions, word_rows, type_rows, position_rows,    \
+                               params, grad, grad_sum, partial, rows, hidden, eps, d, places,   \
+                               seq);                                                            \
     }                                                                                           \
     extern "C" __global__ void add_tensors_##SUFFIX(const T* a, const T* b, T* out, size_t n) {   \
         add_tensors<T>(a, b, out, n);                                                           \

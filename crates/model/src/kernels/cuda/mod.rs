@@ -307,6 +307,7 @@ fn column_sums<T: Element>(
 
 mod add;
 mod attention;
+mod embeddings;
 mod flash;
 mod gather;
 mod keyed_dropout;
@@ -316,6 +317,7 @@ mod norm;
 
 pub(crate) use add::add;
 pub(crate) use attention::attention;
+pub(crate) use embeddings::{embeddings, embeddings_fit};
 pub(crate) use gather::gather_rows;
 pub(crate) use keyed_dropout::{keyed_dropout_rows, keyed_dropout_tokens};
 pub(crate) use linear::{activation, gelu_linear, linear};
