@@ -1134,11 +1134,13 @@ impl BertModel {
     /// one: `[batch, hidden]`.
     pub fn pool(&self, x: &Tensor, inputs: &Inputs) -> Result<Option<Tensor>, ModelError> {
         Ok(match &self.pooler {
-            Some(dense) => Some(
-                dense
-                    .forward(self.kernels.as_ref(), &inputs.packing.firsts(x)?)?
-                    .tanh()?,
-            ),
+            Some(dense) => {
+                let k = self.kernels.as_ref();
+                let firsts = inputs
+                    .packing
+                    .firsts_with(x, |t, rows| k.gather_rows(t, rows))?;
+                Some(dense.forward(k, &firsts)?.tanh()?)
+            }
             None => None,
         })
     }

@@ -35,8 +35,8 @@ pub struct Packing {
     /// Each padded place's token, or `tokens` (a zero row) for padding (`[batch · seq]`): the
     /// rows a padded output reads from the tokens and a zero row.
     scatter: RowIndex,
-    /// `[batch]` u32: the place in [`Packing::scatter`]'s numbering of each row's column 0.
-    firsts: Tensor,
+    /// Each row's column 0, in [`Packing::scatter`]'s numbering (the token, or the zero row).
+    firsts: RowIndex,
     /// Whether some row's column 0 is padding (its first place is then the zero row).
     first_is_padding: bool,
     /// `[batch, 1, 1, seq]` f32: 0 for tokens, [`MASK_BIAS`] for padding.
@@ -83,7 +83,7 @@ impl Packing {
             gather: Tensor::from_slice(&gather, tokens, device)?,
             positions: RowIndex::from_host(columns, device)?,
             scatter: RowIndex::from_host(scatter, device)?,
-            firsts: Tensor::from_vec(firsts, batch, device)?,
+            firsts: RowIndex::from_host(firsts, device)?,
             first_is_padding,
             starts: Arc::new(starts),
         })
@@ -232,18 +232,36 @@ impl Packing {
                 ),
             })
             .collect::<Result<Vec<u32>>>()?;
+        // A zero row to read only where a place is padding: otherwise the rows come from `x`
+        // itself, not from a copy of it (the whole `[tokens, width]`, and in training a copy's
+        // gradient too).
+        let padding = tokens.iter().any(|&t| t as usize == self.tokens());
         let rows = RowIndex::from_host(tokens, self.positions.rows().device())?;
-        gather(&with_zero_row(x)?, &rows)
+        if padding {
+            gather(&with_zero_row(x)?, &rows)
+        } else {
+            gather(x, &rows)
+        }
     }
 
     /// Each row's column 0 (the `[CLS]` token) of packed `x`, `[batch, width]`; zeros for a
     /// row whose column 0 is padding.
     pub fn firsts(&self, x: &Tensor) -> Result<Tensor> {
+        self.firsts_with(x, |t, rows| t.index_select(rows.rows(), 0))
+    }
+
+    /// As [`Packing::firsts`], the rows gathered by `gather` (a kernel set's
+    /// [`crate::Kernels::gather_rows`]).
+    pub fn firsts_with(
+        &self,
+        x: &Tensor,
+        gather: impl FnOnce(&Tensor, &RowIndex) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         self.width(x)?;
         if self.first_is_padding {
-            with_zero_row(x)?.index_select(&self.firsts, 0)
+            gather(&with_zero_row(x)?, &self.firsts)
         } else {
-            x.index_select(&self.firsts, 0)
+            gather(x, &self.firsts)
         }
     }
 
@@ -446,6 +464,16 @@ mod tests {
                 .to_vec1::<f32>()
                 .unwrap(),
             vec![2., 0., 0., 0.]
+        );
+        // No place in padding: the rows straight from the tokens.
+        assert_eq!(
+            p.select(&packed, &[9, 0, 4, 9])
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            vec![9., 0., 4., 9.]
         );
         assert_eq!(
             p.firsts(&packed)
