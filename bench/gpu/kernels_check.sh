@@ -101,8 +101,9 @@ all_rows() {
         "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows | a linear layer's end's forward with each thread's columns fixed" \
         "BERTKIT_CUDA_DROPOUT=keyed | the embeddings' and pooler's dropout by our keyed kernel" \
         "BERTKIT_CUDA_EMBEDDINGS_END=fused | the embeddings' sum, LayerNorm and dropout in one kernel" \
+        "BERTKIT_CUDA_LINEAR_CAST=inside | the tied decoder's f32 weight cast inside its linear op" \
         "BERTKIT_CUDA_LINEAR_BACKWARD=lt | the linear layers' backward products through cuBLASLt" \
-        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 BERTKIT_CUDA_BIAS_ACT_FORWARD=rows BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_LINEAR_BACKWARD=lt BERTKIT_CUDA_EMBEDDINGS_END=fused | the straight attention with ex2, the end by rows, the keyed dropout, cuBLASLt's backward and the embeddings' end"
+        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 BERTKIT_CUDA_BIAS_ACT_FORWARD=rows BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_LINEAR_BACKWARD=lt BERTKIT_CUDA_EMBEDDINGS_END=fused BERTKIT_CUDA_LINEAR_CAST=inside | the straight attention with ex2, the end by rows, the keyed dropout, cuBLASLt's backward, the embeddings' end and the decoder's cast inside"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a

@@ -1275,11 +1275,11 @@ impl BertForPreTraining {
             .transform
             .forward_gelu(k, &picked, self.bert.config().gelu())?;
         let t = self.transform_norm.forward(k, &t)?;
-        // The decoder: the word embeddings (`[vocab, hidden]`, a linear layer's layout) and the
-        // output bias.
-        let decoder = self.bert.word_embeddings().to_dtype(t.dtype())?;
+        // The decoder: the word embeddings (`[vocab, hidden]`, a linear layer's layout, kept in
+        // f32: the kernels cast them for the product) and the output bias.
+        let decoder = self.bert.word_embeddings();
         let logits = k
-            .linear(&t, &decoder, Some(&self.output_bias.to_dtype(t.dtype())?))?
+            .linear(&t, decoder, Some(&self.output_bias.to_dtype(t.dtype())?))?
             .reshape((batch, predictions, ()))?;
         let pooled = self
             .bert

@@ -8,10 +8,10 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 16 kernels: an output and each input's gradient (1 + 5 + 2 + 1 + 1 + 3 + 4 × 3 + 1 + 5 +
+    // 17 kernels: an output and each input's gradient (1 + 5 + 2 + 1 + 1 + 3 + 4 × 4 + 1 + 5 +
     // 1 + 1 + 1 + 4 inputs; the one-pass attention's rows and LayerNorm's other forms only on
     // CUDA).
-    assert_eq!(checks.len(), 16 + 38, "{checks:#?}");
+    assert_eq!(checks.len(), 17 + 41, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         if (c.kernel == "gather_rows" && !c.gradient) || (c.kernel == "add" && c.gradient) {
@@ -54,7 +54,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
     // Off by default: the embeddings' end in one kernel, which its lines need, our keyed
-    // dropout, which the dropout lines need, the linear layers'
+    // dropout, which the dropout lines need, a linear layer casting a weight of another dtype
+    // itself, which the f32 weight's lines need, the linear layers'
     // backward through cuBLASLt and their end's forward by rows, which the linear,
     // GELU-and-linear and feed-forward lines need (not the wide linear's 12,300 columns, not
     // whole 16-byte pieces; the GELU lines need the second), and the one-pass attention's
@@ -67,6 +68,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_EMBEDDINGS_END=fused",
             "BERTKIT_CUDA_DROPOUT=keyed",
             "BERTKIT_CUDA_LINEAR_BACKWARD=lt",
+            "BERTKIT_CUDA_LINEAR_CAST=inside",
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_BRANCHES=none",
             "BERTKIT_CUDA_FLASH_EXP=exp2",
@@ -75,12 +77,20 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         ]
     );
     for c in &checks {
-        let linear = (c.kernel.starts_with("linear") && c.kernel != "linear (wide)")
+        let linear = (c.kernel.starts_with("linear")
+            && c.kernel != "linear (wide)"
+            && c.kernel != "linear (f32 weight)")
             || c.kernel.starts_with("feed_forward");
         let want: &[&str] = if c.kernel.starts_with("dropout") {
             &["BERTKIT_CUDA_DROPOUT=keyed"]
         } else if c.kernel == "embeddings" {
             &["BERTKIT_CUDA_EMBEDDINGS_END=fused"]
+        } else if c.kernel == "linear (f32 weight)" {
+            &[
+                "BERTKIT_CUDA_LINEAR_CAST=inside",
+                "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows",
+                "BERTKIT_CUDA_LINEAR_BACKWARD=lt",
+            ]
         } else if linear {
             &[
                 "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows",
@@ -183,8 +193,9 @@ fn in_bf16_on_the_cpu_the_bias_gradients_are_summed_in_f32() {
         .filter(|c| c.kernel != "layer_norm" && c.kernel != "embeddings")
         .filter(|c| !c.kernel.starts_with("residual_layer_norm"))
         .collect();
-    // linear, linear (wide), linear_gelu (erf, tanh) and feed_forward's two, at three shapes.
-    assert_eq!(biases.len(), 18, "{biases:#?}");
+    // linear, linear (wide), linear (f32 weight), linear_gelu (erf, tanh) and feed_forward's
+    // two, at three shapes.
+    assert_eq!(biases.len(), 21, "{biases:#?}");
     for c in biases {
         assert!(c.worst < 8e-3, "{c:?}");
     }

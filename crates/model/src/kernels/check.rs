@@ -490,6 +490,33 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             // kernel, not the epilogue.)
             needs: vec![&super::CUDA_WIDE_LINEAR, &super::CUDA_COLUMN_SUMS_LANES],
         },
+        Case {
+            kernel: "linear (f32 weight)",
+            // A weight kept in f32 (f64 in the CPU's reference) whatever the dtype: the
+            // masked-LM decoder's, tied to the word embeddings. Not whole 16-byte rows (a
+            // vocabulary's width), as the decoder's 30,522.
+            inputs: vec![
+                ("x", vec![t, h], 1.0),
+                ("weight", vec![i + 4, h], w),
+                ("bias", vec![i + 4], 0.5),
+            ],
+            run: |k, x, _, _, _| {
+                let weight = match x[1].dtype() {
+                    DType::F64 => x[1].clone(),
+                    _ => x[1].to_dtype(DType::F32)?,
+                };
+                k.linear(&x[0], &weight, Some(&x[2]))
+            },
+            train: false,
+            form: Form::Plain,
+            needs: vec![
+                &super::CUDA_LINEAR_CAST,
+                &super::CUDA_COLUMN_SUMS_LANES,
+                &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_BIAS_ACT_ROWS,
+                &super::CUDA_LINEAR_BACKWARD_LT,
+            ],
+        },
         linear("linear_gelu (erf)", false, |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
         }),

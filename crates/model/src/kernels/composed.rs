@@ -34,6 +34,8 @@ pub(super) fn composed_linear(
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     tape::unrecorded("a linear layer of candle's ops");
+    // A weight kept in another dtype (a tied f32 table) is cast for the product.
+    let weight = &weight.to_dtype(x.dtype())?;
     let dims = x.dims().to_vec();
     let (input, leading) = dims.split_last().expect("a tensor with a last dimension");
     let rows: usize = leading.iter().product();

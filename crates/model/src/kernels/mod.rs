@@ -143,7 +143,9 @@ pub trait Kernels: Send + Sync + Debug {
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>;
 
     /// A linear layer, `x · weightᵀ + bias`, for `x` `[..., in]` and a `[out, in]` weight
-    /// (PyTorch's layout).
+    /// (PyTorch's layout). The weight may be kept in another dtype than `x` (the masked-LM
+    /// decoder's, the f32 word embeddings it is tied to): the product is in `x`'s dtype, the
+    /// weight's gradient in its own.
     fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         composed_linear(x, weight, bias)
     }
@@ -444,6 +446,28 @@ pub fn set_cuda_embeddings_in_pieces(on: bool) {
 /// Whether the lookup's backward runs in pieces (see [`set_cuda_embeddings_in_pieces`]).
 pub fn cuda_embeddings_in_pieces() -> bool {
     CUDA_EMBEDDINGS_IN_PIECES.get()
+}
+
+/// Whether a CUDA linear layer casts a weight of another dtype itself.
+pub(crate) static CUDA_LINEAR_CAST: Switch = Switch::opt_in("BERTKIT_CUDA_LINEAR_CAST", "inside");
+
+/// Turns on or off, for this process, a CUDA linear layer taking a weight kept in another dtype
+/// than its input as it is (the masked-LM decoder's: the f32 word embeddings it is tied to,
+/// in a bf16 or f16 model): the op casts a copy for its product and, in its backward, the
+/// weight's gradient back to the weight's dtype, one node in candle's autograd. Without it the
+/// weight is cast first, a node of its own (`[30522, 1024]` in bf16 for BERT-large, kept
+/// until the backward), whose gradient candle's autograd zeroes and adds into (62 MB and 186
+/// MB through candle's addition, an element a thread) before its cast's backward. The same
+/// products and casts. Checked by `bertkit check kernels --device cuda` (its `linear (f32
+/// weight)` rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_LINEAR_CAST=inside`.
+pub fn set_cuda_linear_cast(on: bool) {
+    CUDA_LINEAR_CAST.set(on);
+}
+
+/// Whether a CUDA linear layer casts a weight of another dtype itself (see
+/// [`set_cuda_linear_cast`]).
+pub fn cuda_linear_cast() -> bool {
+    CUDA_LINEAR_CAST.get()
 }
 
 /// Whether the embeddings' end on CUDA takes our fused kernel.
@@ -941,7 +965,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 27] = [
+static CUDA_SWITCHES: [&Switch; 28] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -953,6 +977,7 @@ static CUDA_SWITCHES: [&Switch; 27] = [
     &CUDA_WIDE_LINEAR,
     &CUDA_LINEAR_EPILOGUE,
     &CUDA_LINEAR_BACKWARD_LT,
+    &CUDA_LINEAR_CAST,
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
     &CUDA_FLASH_BATCHED_LOADS,
@@ -1176,8 +1201,13 @@ impl Kernels for Fused {
         if let Some(bias) = bias
             && on_cuda(&[x, weight])
             && cuda::bias_fits(weight.dim(0)?)
+            && (weight.dtype() == x.dtype() || cuda_linear_cast())
         {
             return cuda::linear(x, weight, bias, None);
+        }
+        if weight.dtype() != x.dtype() {
+            // A weight kept in another dtype: cast (a node of its own), then the layer.
+            return self.linear(x, &tape::to_dtype(weight, x.dtype())?, bias);
         }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {

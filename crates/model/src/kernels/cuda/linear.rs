@@ -498,7 +498,10 @@ impl CustomOp3 for LinearOp {
                     }
                 };
                 let x_rows = x.detach().reshape((rows, in_features))?;
-                let weight = weight.detach();
+                // A weight kept in another dtype: cast again for the input's gradient, and its
+                // own gradient cast back to it.
+                let weight_dtype = weight.dtype();
+                let weight = weight.detach().to_dtype(x.dtype())?;
                 let lt = lt_backward_takes(&[&grad_pre, &x_rows, &weight]);
                 let grad_x = if lt {
                     grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?
@@ -521,7 +524,7 @@ impl CustomOp3 for LinearOp {
                 };
                 Ok((
                     Some(grad_x.reshape(x.shape())?),
-                    Some(grad_weight),
+                    Some(grad_weight.to_dtype(weight_dtype)?),
                     Some(grad_bias),
                 ))
             },
@@ -696,7 +699,8 @@ fn linear_node(
     let (_, in_features) = weight.dims2()?;
     let rows = x.elem_count() / in_features.max(1);
     let bias = tape::to_dtype(bias, dtype)?;
-    if act.is_none() && input_act.is_none() && epilogue_takes(&x, weight, &bias, rows) {
+    let same = weight.dtype() == dtype;
+    if same && act.is_none() && input_act.is_none() && epilogue_takes(&x, weight, &bias, rows) {
         let op = LinearOp {
             act,
             input_act,
@@ -710,7 +714,9 @@ fn linear_node(
         Some(act) => input.apply_op1_no_bwd(&ActOp { act })?,
         None => input,
     };
-    let pre = input.matmul(&weight.detach().t()?)?;
+    // A weight kept in another dtype (`crate::kernels::set_cuda_linear_cast`): a cast copy for
+    // the product, dropped after it.
+    let pre = input.matmul(&weight.detach().to_dtype(dtype)?.t()?)?;
     drop(input);
     let op = LinearOp {
         act,
