@@ -91,19 +91,22 @@ rows() {
     all_rows | grep -E -- "^- |${ROWS:-.}"
 }
 all_rows() {
+    # Families in one row each (the per-kernel passes tell their kernels apart: the linear
+    # layers', the feed-forward's, the embeddings' lines), the attention's forms one by one (each
+    # changes the same kernels), so that the rows fit one device call with the check (~35 s a
+    # row).
+    local attention="BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2"
+    local linear="BERTKIT_CUDA_BIAS_ACT_FORWARD=rows BERTKIT_CUDA_LINEAR_BACKWARD=lt BERTKIT_CUDA_LINEAR_CAST=inside"
+    local ends="BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_EMBEDDINGS_END=fused"
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_BRANCHES=none | the attention's kernels straight (no branch at a score)" \
-        "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward with its tiles copied asynchronously" \
-        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_COPIES=async | the attention straight and copied asynchronously" \
-        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 | the attention straight, its exponentials by ex2" \
-        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 BERTKIT_CUDA_FLASH_COPIES=async | the same, copied asynchronously" \
-        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 BERTKIT_CUDA_FLASH_FORWARD=pair | the same, the forward a block for two query tiles" \
-        "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows | a linear layer's end's forward with each thread's columns fixed" \
-        "BERTKIT_CUDA_DROPOUT=keyed | the embeddings' and pooler's dropout by our keyed kernel" \
-        "BERTKIT_CUDA_EMBEDDINGS_END=fused | the embeddings' sum, LayerNorm and dropout in one kernel" \
-        "BERTKIT_CUDA_LINEAR_CAST=inside | the tied decoder's f32 weight cast inside its linear op" \
-        "BERTKIT_CUDA_LINEAR_BACKWARD=lt | the linear layers' backward products through cuBLASLt" \
-        "BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2 BERTKIT_CUDA_BIAS_ACT_FORWARD=rows BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_LINEAR_BACKWARD=lt BERTKIT_CUDA_EMBEDDINGS_END=fused BERTKIT_CUDA_LINEAR_CAST=inside | the straight attention with ex2, the end by rows, the keyed dropout, cuBLASLt's backward, the embeddings' end and the decoder's cast inside"
+        "$attention | the attention straight, its exponentials by ex2" \
+        "$attention BERTKIT_CUDA_FLASH_FORWARD=pair | the same, the forward a block for two query tiles" \
+        "$attention BERTKIT_CUDA_FLASH_COPIES=async | the same, its forward's tiles copied asynchronously" \
+        "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward copied asynchronously (not straight)" \
+        "$linear | linear layers: the end's forward by rows, the backward through cuBLASLt, the decoder's cast inside" \
+        "$ends | the embeddings' end in one kernel, the pooler's dropout keyed" \
+        "$attention BERTKIT_CUDA_FLASH_FORWARD=pair $linear $ends | all of the above but the asynchronous copies"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
