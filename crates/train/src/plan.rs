@@ -172,7 +172,8 @@ const CPU_HEAD_LOGITS: [f64; 2] = [16.7, 8.46];
 /// optimiser's scratch row, the allocator's pages.
 const CPU_RUNTIME_BYTES: f64 = 0.2e9;
 /// CUDA: bytes per `s·h` outside the layers: the three f32 embedding rows, their two sums,
-/// the LayerNorm, the cast to the compute dtype and dropout.
+/// the LayerNorm, the cast to the compute dtype and dropout (the composed path; the fused
+/// embeddings' end keeps its output alone, [`CudaKernels::fused_embeddings`]).
 const CUDA_EMBEDDING_HIDDEN: f64 = 32.0;
 /// CUDA: bytes per `predictions·vocab` of the masked-LM head (its logits in the compute dtype,
 /// then candle's f32 log-softmax and loss: the composed ops of the CPU's first fit).
@@ -245,6 +246,9 @@ struct CudaKernels {
     update_in_place: bool,
     /// The encoder's backward by hand ([`bertkit_model::kernels::set_cuda_tape`]).
     tape: bool,
+    /// The embeddings' end in one op ([`bertkit_model::kernels::set_cuda_embeddings_end`]):
+    /// it keeps its output alone (the composed path, every intermediate of its graph).
+    fused_embeddings: bool,
 }
 
 impl CudaKernels {
@@ -255,6 +259,7 @@ impl CudaKernels {
             fused_loss: bertkit_model::kernels::cuda_loss(),
             update_in_place: crate::optim::cuda_optimizer() && crate::optim::cuda_update_in_place(),
             tape: bertkit_model::kernels::cuda_tape(),
+            fused_embeddings: bertkit_model::kernels::cuda_embeddings_end(),
         }
     }
 
@@ -316,7 +321,13 @@ fn activations(
             // peak comes in the top layer's backward, every activation still held: its working
             // gradients beside them (the sublayer's end's two, the feed-forward's product's and
             // activation's, the attention's: about 2i + 3h a token).
-            outside: s * h * CUDA_EMBEDDING_HIDDEN
+            outside: s
+                * h
+                * if kernels.fused_embeddings {
+                    b
+                } else {
+                    CUDA_EMBEDDING_HIDDEN
+                }
                 + p * v
                     * if kernels.fused_loss {
                         2.0 * b
@@ -742,6 +753,7 @@ mod tests {
             fused_loss: false,
             update_in_place: false,
             tape: false,
+            fused_embeddings: false,
         };
         let now = CudaKernels {
             lean_feed_forward: true,
@@ -749,6 +761,7 @@ mod tests {
             fused_loss: true,
             update_in_place: true,
             tape: true,
+            fused_embeddings: false,
         };
         // (seq, predictions, micro-batch, micro-batches a step, kernels, pool only, measured).
         for (seq, predictions, micro_batch, accumulation, kernels, pool_only, measured_gib) in [
@@ -812,6 +825,7 @@ mod tests {
                 fused_loss,
                 update_in_place: false,
                 tape: false,
+                fused_embeddings: false,
             };
             predict_with(&c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
         };
@@ -838,6 +852,7 @@ mod tests {
             fused_loss: false,
             update_in_place: false,
             tape: false,
+            fused_embeddings: false,
         };
         let peak = |precision, one_pass, c: &BertConfig| {
             predict_with(c, &shape, precision, 0, Target::Cuda, kernels(one_pass)).total()
@@ -860,6 +875,34 @@ mod tests {
         );
     }
 
+    /// The fused embeddings' end keeps its output alone: 2 bytes a token's hidden value in
+    /// bf16 where the composed path's graph kept 32 (three f32 rows, two sums, the norm, the
+    /// cast, the dropout's mask and product), at phase 1's shape 30 · 64 · 128 · 1024 bytes.
+    #[test]
+    fn the_fused_embeddings_keep_their_output_alone() {
+        let c = BertConfig::large();
+        let shape = Shape {
+            seq: 128,
+            predictions: 20,
+            micro_batch: 64,
+            accumulation: 1,
+        };
+        let peak = |fused_embeddings| {
+            let kernels = CudaKernels {
+                lean_feed_forward: false,
+                one_pass_attention: true,
+                fused_loss: true,
+                update_in_place: true,
+                tape: true,
+                fused_embeddings,
+            };
+            predict_with(&c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
+        };
+        let saved = peak(false) - peak(true);
+        let want = 30.0 * 64.0 * 128.0 * 1024.0;
+        assert!((saved - want).abs() < 1.0, "{saved} against {want}");
+    }
+
     /// Where the update is the peak (BERT-large, bf16, checkpointing every layer, one
     /// sequence), CUDA's update in place holds the bucket and the gradients settling into it
     /// (f32 tables, bf16 the rest), where its update by name held the f32 sums by name beside
@@ -880,6 +923,7 @@ mod tests {
             fused_loss: false,
             update_in_place,
             tape: false,
+            fused_embeddings: false,
         };
         let at = |in_place, accumulation| {
             predict_with(
