@@ -259,6 +259,29 @@ __device__ void layer_norm_vec_forward(const T* x, const T* residual, const T* w
 // about it); the backward is unchanged (it recomputes the statistics itself).
 #define WARP_ROW_PIECES 4
 
+// A row's mean and 1 / sqrt(variance + eps) over the warp whose lanes hold its pieces `lane`,
+// `lane + 32`, ... as `v` (zeros past the row's end): the mean, then the squares about it.
+template <int N, int P>
+__device__ __forceinline__ void warp_row_statistics(const float (&v)[P][N], int hidden,
+                                                    float eps, float& mean, float& rstd) {
+    const int lane = threadIdx.x & 31, pieces = hidden / N;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+#pragma unroll
+        for (int k = 0; k < N; ++k) s += v[i][k];
+    mean = warp_sum(s) / hidden;
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        if (lane + 32 * i < pieces) {
+#pragma unroll
+            for (int k = 0; k < N; ++k) sq += (v[i][k] - mean) * (v[i][k] - mean);
+        }
+    }
+    rstd = rsqrtf(warp_sum(sq) / hidden + eps);
+}
+
 template <typename T>
 __device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* weight,
                                         const T* bias, T* y, int rows, int hidden, float eps,
@@ -299,21 +322,8 @@ __device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* 
                 v[i][k] += to_f32(re[k]);
             }
         }
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < P; ++i)
-#pragma unroll
-            for (int k = 0; k < N; ++k) s += v[i][k];
-        const float mean = warp_sum(s) / hidden;
-        float sq = 0.0f;
-#pragma unroll
-        for (int i = 0; i < P; ++i) {
-            if (lane + 32 * i < pieces) {
-#pragma unroll
-                for (int k = 0; k < N; ++k) sq += (v[i][k] - mean) * (v[i][k] - mean);
-            }
-        }
-        const float rstd = rsqrtf(warp_sum(sq) / hidden + eps);
+        float mean, rstd;
+        warp_row_statistics<N, P>(v, hidden, eps, mean, rstd);
 #pragma unroll
         for (int i = 0; i < P; ++i) {
             const int q = lane + 32 * i;
@@ -875,28 +885,6 @@ __device__ __forceinline__ void embed_row_sum(const float* words, const float* t
     }
 }
 
-// The row's mean and 1 / sqrt(variance + eps) over the warp (the mean, then the squares about
-// it, as `layer_norm_warp_forward`).
-template <int N, int P>
-__device__ __forceinline__ void embed_row_statistics(const float (&v)[P][N], int hidden,
-                                                     float eps, float& mean, float& rstd) {
-    const int lane = threadIdx.x & 31, pieces = hidden / N;
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < P; ++i)
-#pragma unroll
-        for (int k = 0; k < N; ++k) s += v[i][k];
-    mean = warp_sum(s) / hidden;
-    float sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-        if (lane + 32 * i < pieces) {
-#pragma unroll
-            for (int k = 0; k < N; ++k) sq += (v[i][k] - mean) * (v[i][k] - mean);
-        }
-    }
-    rstd = rsqrtf(warp_sum(sq) / hidden + eps);
-}
 
 // Token `r`'s sum of rows into `v`, its statistics, and its dropout line (0 without dropout):
 // what the forward and the backward both start a row with.
@@ -910,7 +898,7 @@ __device__ __forceinline__ uint64_t embed_row(const float* words, const float* t
                                               float& mean, float& rstd) {
     embed_row_sum<N, P>(words, types, positions, word_rows, type_rows, position_rows, r, hidden,
                         v);
-    embed_row_statistics<N, P>(v, hidden, eps, mean, rstd);
+    warp_row_statistics<N, P>(v, hidden, eps, mean, rstd);
     if (!d.on) return 0;
     const uint32_t place = places[r];
     return line_key(row_key(d, place / seq), place % seq);
