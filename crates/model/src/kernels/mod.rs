@@ -258,6 +258,42 @@ fn residual_norm_shape(
     Ok((x.shape().elem_count() / hidden, hidden))
 }
 
+/// The tokens and hidden size of the fused embeddings' op: the word table `[vocab, hidden]`, the
+/// small tables' stack `[types + positions, hidden]` (`types` rows of token types first), the
+/// norm's parameters `[2, hidden]`, and each lookup's `rows` (words, token types, positions: one
+/// per token) within its table; the same check on every device.
+fn embeddings_shape(
+    op: &str,
+    rows: [&[u32]; 3],
+    types: usize,
+    (words, small, params): (&Layout, &Layout, &Layout),
+) -> Result<(usize, usize)> {
+    let (vocab, hidden) = words.shape().dims2()?;
+    let (small_rows, small_hidden) = small.shape().dims2()?;
+    if small_hidden != hidden || params.dims() != [2, hidden] || types > small_rows {
+        candle_core::bail!(
+            "{op}: words {:?}, small tables {:?} ({types} token types), parameters {:?}",
+            words.dims(),
+            small.dims(),
+            params.dims()
+        )
+    }
+    let tokens = rows[0].len();
+    for (r, (name, table)) in rows.iter().zip([
+        ("word", vocab),
+        ("token type", types),
+        ("position", small_rows - types),
+    ]) {
+        if r.len() != tokens {
+            candle_core::bail!("{op}: {} {name} rows for {tokens} tokens", r.len())
+        }
+        if let Some(&row) = r.iter().find(|&&row| row as usize >= table) {
+            candle_core::bail!("{op}: {name} row {row} of a table of {table}")
+        }
+    }
+    Ok((tokens, hidden))
+}
+
 /// The fused embeddings' three inputs (candle's custom ops take three): the word table, the
 /// token-type and position tables stacked, and the norm's weight and bias stacked in the
 /// weight's dtype, each step recorded where a tape records; the same on every device.

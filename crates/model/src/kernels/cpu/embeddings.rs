@@ -71,31 +71,8 @@ impl Embeddings {
         (small, sl): (&'a [f32], &Layout),
         (params, pl): (&'a [f32], &Layout),
     ) -> Result<(EmbeddingRows<'a>, &'a [f32], &'a [f32])> {
-        let (vocab, hidden) = wl.shape().dims2()?;
-        let (small_rows, small_hidden) = sl.shape().dims2()?;
-        if small_hidden != hidden || pl.dims() != [2, hidden] || self.types > small_rows {
-            bail!(
-                "{op}: words {:?}, small tables {:?} ({} token types), parameters {:?}",
-                wl.dims(),
-                sl.dims(),
-                self.types,
-                pl.dims()
-            )
-        }
         let rows = self.rows.each_ref().map(RowIndex::host_rows);
-        let tokens = rows[0].len();
-        for (r, (name, table)) in rows.iter().zip([
-            ("word", vocab),
-            ("token type", self.types),
-            ("position", small_rows - self.types),
-        ]) {
-            if r.len() != tokens {
-                bail!("{op}: {} {name} rows for {tokens} tokens", r.len())
-            }
-            if let Some(&row) = r.iter().find(|&&row| row as usize >= table) {
-                bail!("{op}: {name} row {row} of a table of {table}")
-            }
-        }
+        let (tokens, hidden) = super::super::embeddings_shape(op, rows, self.types, (wl, sl, pl))?;
         if let Some((keep, _)) = &self.keep
             && keep.len() != tokens * hidden
         {

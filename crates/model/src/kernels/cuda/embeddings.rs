@@ -37,25 +37,15 @@ struct EmbeddingsEnd {
     places: Places,
 }
 
-/// The shape: `(tokens, hidden)`, checked against the inputs (words `[vocab, hidden]` and the
-/// small tables `[types + positions, hidden]` in f32, the parameters `[2, hidden]`), the rows
-/// against the tables, and every input on a 16-byte boundary.
+/// The shape: `(tokens, hidden)`, checked as on every device (`kernels::embeddings_shape`), and
+/// rows the kernels take, every input on a 16-byte boundary, a token's place for each token.
 fn shape<T>(
     op: &str,
     end: &EmbeddingsEnd,
     (wl, sl, pl): (&Layout, &Layout, &Layout),
 ) -> Result<(usize, usize)> {
-    let (vocab, hidden) = wl.shape().dims2()?;
-    let (small, small_hidden) = sl.shape().dims2()?;
-    let (two, params_hidden) = pl.shape().dims2()?;
-    if small_hidden != hidden || params_hidden != hidden || two != 2 {
-        bail!(
-            "{op}: words {:?}, small tables {:?}, parameters {:?}",
-            wl.dims(),
-            sl.dims(),
-            pl.dims()
-        )
-    }
+    let rows = end.rows.each_ref().map(RowIndex::host_rows);
+    let (tokens, hidden) = super::super::embeddings_shape(op, rows, end.types, (wl, sl, pl))?;
     if !fits::<T>(hidden) {
         bail!("{op}: rows of {hidden} elements")
     }
@@ -64,22 +54,6 @@ fn shape<T>(
         || !in_16_byte_pieces::<T>(hidden, [starts[2], starts[2] + hidden])
     {
         bail!("{op}: inputs off a 16-byte boundary")
-    }
-    let tokens = end.rows[0].host_rows().len();
-    for (rows, (name, table)) in end.rows.iter().zip([
-        ("word", vocab),
-        ("token type", end.types),
-        ("position", small - end.types.min(small)),
-    ]) {
-        if rows.host_rows().len() != tokens {
-            bail!(
-                "{op}: {} {name} rows for {tokens} tokens",
-                rows.host_rows().len()
-            )
-        }
-        if let Some(&row) = rows.host_rows().iter().find(|&&r| r as usize >= table) {
-            bail!("{op}: {name} row {row} of a table of {table}")
-        }
     }
     if end.dropout.on != 0 && tokens != end.places.tokens {
         bail!(
