@@ -85,6 +85,29 @@ double worst(const std::vector<double>& got, const std::vector<double>& want) {
     return diff / scale;
 }
 
+// A mask's keys at probability 0.1 (`DeviceDropout` as `dropout.rs` keys it), on.
+Dropout tenth_dropout(uint64_t key, uint64_t first_row) {
+    Dropout d{};
+    d.key = key;
+    d.first_row = first_row;
+    d.threshold = (uint64_t)(0.1 * (1 << 24));
+    d.scale = 1.0f / 0.9f;
+    d.on = 1;
+    return d;
+}
+
+// By hand from `dropout.rs`'s keys: the line of the token at `place` of rows `seq` long (the
+// row's key from the place's row, the line's from its column), and whether element `j` of a
+// line keeps (its 24-bit uniform from the line's key plus its index).
+uint64_t token_line_by_hand(const Dropout& d, uint32_t place, int seq) {
+    const uint64_t row = splitmix(d.key ^ splitmix(d.first_row + place / seq));
+    return splitmix(row ^ splitmix((uint64_t)(place % seq) + 1));
+}
+
+bool kept_by_hand(const Dropout& d, uint64_t line, int j) {
+    return (splitmix(line + (uint64_t)j) >> 40) >= d.threshold;
+}
+
 bool run(const Case& c) {
     const int batch = (int)c.lengths.size(), heads = c.heads, seq = c.seq;
     const int hidden = heads * FLASH_HEAD;
@@ -109,14 +132,7 @@ bool run(const Case& c) {
     const auto qkv = random_bf16((size_t)tokens * 3 * hidden, rng);
     const auto grad = random_bf16((size_t)tokens * hidden, rng);
     const float scale = 0.125f;
-    Dropout d{};
-    if (c.dropout) {
-        d.key = 0x5eed5eedull;
-        d.first_row = 3;
-        d.threshold = (uint64_t)(0.1 * (1 << 24));
-        d.scale = 1.0f / 0.9f;
-        d.on = 1;
-    }
+    const Dropout d = c.dropout ? tenth_dropout(0x5eed5eedull, 3) : Dropout{};
 
     const bf16 unwritten{0x7fc1};  // a NaN
     std::vector<bf16> context((size_t)tokens * hidden, unwritten);
@@ -654,14 +670,7 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     const int seq = 16;
     std::vector<uint32_t> places(rows);
     for (int r = 0; r < rows; ++r) places[r] = (uint32_t)(3 * r + 1);
-    Dropout d{};
-    if (dropout) {
-        d.key = 0xabcdefull;
-        d.first_row = 5;
-        d.threshold = (uint64_t)(0.1 * (1 << 24));
-        d.scale = 1.0f / 0.9f;
-        d.on = 1;
-    }
+    const Dropout d = dropout ? tenth_dropout(0xabcdefull, 5) : Dropout{};
     const T* r = residual ? res.data() : nullptr;
     const uint32_t* p = dropout ? places.data() : nullptr;
     const float eps = 1e-12f;
@@ -753,23 +762,18 @@ bool check_keyed_dropout(const char* name, int rows, int width, bool packed) {
     const int seq = 7;
     std::vector<uint32_t> places(rows);
     for (int t = 0; t < rows; ++t) places[t] = (uint32_t)(2 * t + t / 3);  // holes, rows skipped
-    Dropout d{};
-    d.key = 0x1234abcdull;
-    d.first_row = 9;
-    d.threshold = (uint64_t)(0.1 * (1 << 24));
-    d.scale = 1.0f / 0.9f;
-    d.on = 1;
+    const Dropout d = tenth_dropout(0x1234abcdull, 9);
     emulate_launch({3, 1, 1}, 64, [&] {
         keyed_dropout<T>(x.data(), out.data(), rows, width, d, packed ? places.data() : nullptr,
                          seq);
     });
     size_t wrong = 0, kept = 0;
     for (int r = 0; r < rows; ++r) {
-        const uint64_t row = packed ? places[r] / seq : (uint64_t)r;
-        uint64_t line = splitmix(d.key ^ splitmix(d.first_row + row));
-        if (packed) line = splitmix(line ^ splitmix((uint64_t)(places[r] % seq) + 1));
+        // (Plain rows: the row's key alone is the line.)
+        const uint64_t line = packed ? token_line_by_hand(d, places[r], seq)
+                                     : splitmix(d.key ^ splitmix(d.first_row + (uint64_t)r));
         for (int j = 0; j < width; ++j) {
-            const bool keep = (splitmix(line + (uint64_t)j) >> 40) >= d.threshold;
+            const bool keep = kept_by_hand(d, line, j);
             kept += keep;
             // (A dropped element is x times 0, as on the CPU: -0 where x is negative.)
             const T want = from_f32<T>(to_f32(x[(size_t)r * width + j]) * (keep ? d.scale : 0.0f));
@@ -811,14 +815,7 @@ bool check_embeddings(const char* name, int tokens, int hidden, bool dropout, un
         type_rows[t] = (uint32_t)((places[t] % seq) >= seq / 2);
         position_rows[t] = places[t] % seq;
     }
-    Dropout d{};
-    if (dropout) {
-        d.key = 0x5eedull;
-        d.first_row = 3;
-        d.threshold = (uint64_t)(0.1 * (1 << 24));
-        d.scale = 1.0f / 0.9f;
-        d.on = 1;
-    }
+    const Dropout d = dropout ? tenth_dropout(0x5eedull, 3) : Dropout{};
     const float eps = 1e-12f;
     const size_t n = (size_t)tokens * hidden;
     std::vector<T> y(n, from_f32<T>(NAN));
@@ -854,10 +851,9 @@ bool check_embeddings(const char* name, int tokens, int hidden, bool dropout, un
         for (int j = 0; j < hidden; ++j) var += (v[j] - mean) * (v[j] - mean);
         const double rstd = 1.0 / std::sqrt(var / hidden + eps);
         if (dropout) {
-            uint64_t line = splitmix(d.key ^ splitmix(d.first_row + places[t] / seq));
-            line = splitmix(line ^ splitmix((uint64_t)(places[t] % seq) + 1));
+            const uint64_t line = token_line_by_hand(d, places[t], seq);
             for (int j = 0; j < hidden; ++j) {
-                const bool k = (splitmix(line + (uint64_t)j) >> 40) >= d.threshold;
+                const bool k = kept_by_hand(d, line, j);
                 kept += k;
                 keep[j] = k ? (double)d.scale : 0.0;
             }
