@@ -103,10 +103,11 @@ all_rows() {
         "$attention | the attention straight, its exponentials by ex2" \
         "$attention BERTKIT_CUDA_FLASH_FORWARD=pair | the same, the forward a block for two query tiles" \
         "$attention BERTKIT_CUDA_FLASH_COPIES=async | the same, its forward's tiles copied asynchronously" \
+        "$attention BERTKIT_CUDA_FLASH_DROPOUT=bits | the same, the dropout's keep bits handed from the forward to the backward" \
         "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward copied asynchronously (not straight)" \
         "$linear | linear layers: the end's forward by rows, the backward through cuBLASLt, the decoder's cast inside" \
         "$ends | the embeddings' end in one kernel, the pooler's dropout keyed" \
-        "$attention BERTKIT_CUDA_FLASH_FORWARD=pair $linear $ends | all of the above but the asynchronous copies"
+        "$attention BERTKIT_CUDA_FLASH_FORWARD=pair BERTKIT_CUDA_FLASH_DROPOUT=bits $linear $ends | all of the above but the asynchronous copies"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a

@@ -314,6 +314,76 @@ bool run(const Case& c) {
                                                         lse_pair_exp2.data(), scatter.data(),
                                                         tokens, batch, heads, seq, scale, d);
     });
+    // The straight forms with their keep bits (`flash_registers_*_bits_*`, dropout only): the
+    // batched forward writes the words, both backwards read them: the same bits as the straight
+    // forms'; the asynchronous and pair forwards write the same words (those the backwards read:
+    // pairs of tiles both before the row's end) and the same outputs.
+    size_t keep_differ = 0;
+    const int tiles = (seq + FLASH_TILE - 1) / FLASH_TILE;
+    if (d.on) {
+        const size_t words = (size_t)batch * heads * tiles * tiles * FLASH_THREADS;
+        // Each form (plain, ex2): its forwards' keep words, then both backwards from the
+        // batched forward's words against the straight forms' outputs.
+        for (int form = 0; form < 2; ++form) {
+            const bool e2 = form == 1;
+            std::vector<uint32_t> keep(words, 0xdeadbeefu), keep_async(words, 0xdeadbeefu),
+                keep_pair(words, 0xdeadbeefu);
+            std::vector<bf16> ctx(context.size(), unwritten), ctx_async(context.size(), unwritten),
+                ctx_pair(context.size(), unwritten), gqkv(grad_qkv.size(), unwritten);
+            std::vector<float> l(lse.size(), NAN), l_async(lse.size(), NAN), l_pair(lse.size(), NAN);
+            emulate_launch(grid, FLASH_THREADS, [&] {
+                (e2 ? flash_registers_straight_exp2_bits_forward_bf16
+                    : flash_registers_straight_bits_forward_bf16)(qkv.data(), ctx.data(), l.data(),
+                                                                  scatter.data(), tokens, batch,
+                                                                  heads, seq, scale, d, keep.data());
+            });
+            emulate_launch(grid, FLASH_THREADS, [&] {
+                (e2 ? flash_registers_straight_exp2_bits_async_forward_bf16
+                    : flash_registers_straight_bits_async_forward_bf16)(
+                    qkv.data(), ctx_async.data(), l_async.data(), scatter.data(), tokens, batch,
+                    heads, seq, scale, d, keep_async.data());
+            });
+            emulate_launch(pair_grid, 2 * FLASH_THREADS, [&] {
+                (e2 ? flash_registers_pair_exp2_bits_forward_bf16
+                    : flash_registers_pair_bits_forward_bf16)(qkv.data(), ctx_pair.data(),
+                                                              l_pair.data(), scatter.data(), tokens,
+                                                              batch, heads, seq, scale, d,
+                                                              keep_pair.data());
+            });
+            emulate_launch(grid, FLASH_THREADS, [&] {
+                (e2 ? flash_registers_straight_exp2_bits_backward_kv_bf16
+                    : flash_registers_straight_bits_backward_kv_bf16)(
+                    qkv.data(), grad.data(), l.data(), delta_reg.data(), gqkv.data(),
+                    scatter.data(), tokens, batch, heads, seq, scale, d, keep.data());
+            });
+            emulate_launch(grid, FLASH_THREADS, [&] {
+                (e2 ? flash_registers_straight_exp2_bits_backward_q_bf16
+                    : flash_registers_straight_bits_backward_q_bf16)(
+                    qkv.data(), grad.data(), l.data(), delta_reg.data(), gqkv.data(),
+                    scatter.data(), tokens, batch, heads, seq, scale, d, keep.data());
+            });
+            const auto& want_ctx = e2 ? context_exp2 : context_str;
+            const auto& want_l = e2 ? lse_exp2 : lse_str;
+            keep_differ += differ(want_ctx, ctx) + differ(want_ctx, ctx_async) +
+                           differ(want_ctx, ctx_pair) + lse_differ(want_l, l) +
+                           lse_differ(want_l, l_async) + lse_differ(want_l, l_pair) +
+                           differ(e2 ? grad_qkv_exp2 : grad_qkv_str, gqkv);
+            // The words the backwards read: a row's pairs of tiles before its end.
+            for (int b = 0; b < batch; ++b) {
+                const int end = places[b].empty() ? 0 : places[b].back() + 1;
+                for (int h = 0; h < heads; ++h)
+                    for (int qt = 0; qt * FLASH_TILE < end; ++qt)
+                        for (int kt = 0; kt * FLASH_TILE < end; ++kt)
+                            for (int w = 0; w < FLASH_THREADS; ++w) {
+                                const size_t at = fr_bits_at(b, h, heads, tiles, qt) +
+                                                  (size_t)kt * FLASH_THREADS + w;
+                                keep_differ += keep[at] == 0xdeadbeefu;  // (every one written)
+                                keep_differ += keep_async[at] != keep[at];
+                                keep_differ += keep_pair[at] != keep[at];
+                            }
+            }
+        }
+    }
     // The two forwards' copies differ only in when the tiles land: the same bits.
     const size_t exp2_async_differ =
         differ(context_exp2, context_exp2_async) + lse_differ(lse_exp2, lse_exp2_async);
@@ -441,8 +511,12 @@ bool run(const Case& c) {
                 "ex2", exp2_async_differ, exp2_async_differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu values differ from the straight forwards' %s\n", c.name,
                 "pair", pair_differ, pair_differ ? "FAILED" : "ok");
+    if (d.on) {
+        std::printf("  %-28s %-8s %zu values and keep words differ from the straight forms' %s\n",
+                    c.name, "bits", keep_differ, keep_differ ? "FAILED" : "ok");
+    }
     return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
-           straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0;
+           straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0 && keep_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a

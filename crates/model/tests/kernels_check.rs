@@ -59,8 +59,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // backward through cuBLASLt and their end's forward by rows, which the linear,
     // GELU-and-linear and feed-forward lines need (not the wide linear's 12,300 columns, not
     // whole 16-byte pieces; the GELU lines need the second), and the one-pass attention's
-    // asynchronous copies, straight kernels, exponentials by ex2 and pair forward (their rows
-    // run on CUDA only); the others need nothing.
+    // asynchronous copies, straight kernels, exponentials by ex2, pair forward and keep bits
+    // (their rows run on CUDA only); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
@@ -73,6 +73,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_FLASH_BRANCHES=none",
             "BERTKIT_CUDA_FLASH_EXP=exp2",
             "BERTKIT_CUDA_FLASH_FORWARD=pair",
+            "BERTKIT_CUDA_FLASH_DROPOUT=bits",
             "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows"
         ]
     );

@@ -249,6 +249,10 @@ struct CudaKernels {
     /// The embeddings' end in one op ([`bertkit_model::kernels::set_cuda_embeddings_end`]):
     /// it keeps its output alone (the composed path, every intermediate of its graph).
     fused_embeddings: bool,
+    /// The one-pass attention's dropout keep bits handed from its forward to its backward
+    /// ([`bertkit_model::kernels::cuda_flash_keeps_bits`]): a bit a probability, in words of a
+    /// pair of 64-place tiles.
+    keep_bits: bool,
 }
 
 impl CudaKernels {
@@ -260,6 +264,7 @@ impl CudaKernels {
             update_in_place: crate::optim::cuda_optimizer() && crate::optim::cuda_update_in_place(),
             tape: bertkit_model::kernels::cuda_tape(),
             fused_embeddings: bertkit_model::kernels::cuda_embeddings_end(),
+            keep_bits: bertkit_model::kernels::cuda_flash_keeps_bits(),
         }
     }
 
@@ -404,9 +409,16 @@ fn predict_with(
     };
     // CUDA's attention backward around cuBLAS recomputes one layer's scores and probabilities
     // and holds their gradients beside them: four `[a, s, s]` tensors a sequence, one layer at
-    // a time. In one pass it keeps each query's log-sum-exp instead (`a·s` f32 a layer).
+    // a time. In one pass it keeps each query's log-sum-exp instead (`a·s` f32 a layer), and
+    // with its keep bits where it drops a bit a probability, rows padded to whole tiles.
+    let keep_bits = if kernels.keep_bits && c.attention_probs_dropout_prob > 0.0 {
+        let padded = (shape.seq.div_ceil(64) * 64) as f64;
+        a * padded * padded / 8.0
+    } else {
+        0.0
+    };
     let recomputed = match target {
-        Target::Cuda if kernels.one_pass(c, precision) => layers * a * s * 4.0,
+        Target::Cuda if kernels.one_pass(c, precision) => layers * (a * s * 4.0 + keep_bits),
         Target::Cuda => 4.0 * a * s * s * b,
         Target::Cpu => 0.0,
     };
@@ -754,6 +766,7 @@ mod tests {
             update_in_place: false,
             tape: false,
             fused_embeddings: false,
+            keep_bits: false,
         };
         let now = CudaKernels {
             lean_feed_forward: true,
@@ -762,6 +775,7 @@ mod tests {
             update_in_place: true,
             tape: true,
             fused_embeddings: false,
+            keep_bits: false,
         };
         // (seq, predictions, micro-batch, micro-batches a step, kernels, pool only, measured).
         for (seq, predictions, micro_batch, accumulation, kernels, pool_only, measured_gib) in [
@@ -826,6 +840,7 @@ mod tests {
                 update_in_place: false,
                 tape: false,
                 fused_embeddings: false,
+                keep_bits: false,
             };
             predict_with(&c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
         };
@@ -853,6 +868,7 @@ mod tests {
             update_in_place: false,
             tape: false,
             fused_embeddings: false,
+            keep_bits: false,
         };
         let peak = |precision, one_pass, c: &BertConfig| {
             predict_with(c, &shape, precision, 0, Target::Cuda, kernels(one_pass)).total()
@@ -875,6 +891,53 @@ mod tests {
         );
     }
 
+    /// The one-pass attention's keep bits: a bit a probability of every layer, rows padded
+    /// to whole 64-place tiles (phase 1's micro-batch of 64: 2 MiB a BERT-large layer; a
+    /// 500-place row counts 512); none without the one-pass attention or without dropout.
+    #[test]
+    fn the_keep_bits_hold_a_bit_a_probability() {
+        let large = BertConfig::large();
+        let shape = |seq| Shape {
+            seq,
+            predictions: 20,
+            micro_batch: 64,
+            accumulation: 1,
+        };
+        let kernels = |one_pass_attention, keep_bits| CudaKernels {
+            lean_feed_forward: true,
+            one_pass_attention,
+            fused_loss: true,
+            update_in_place: true,
+            tape: true,
+            fused_embeddings: true,
+            keep_bits,
+        };
+        let held = |seq, one_pass, c: &BertConfig| {
+            let peak = |bits| {
+                predict_with(
+                    c,
+                    &shape(seq),
+                    Precision::Half,
+                    0,
+                    Target::Cuda,
+                    kernels(one_pass, bits),
+                )
+                .total()
+            };
+            peak(true) - peak(false)
+        };
+        let mib = 1024f64.powi(2);
+        assert!((held(128, true, &large) - 24.0 * 2.0 * mib).abs() < 1.0);
+        let want = 24.0 * 64.0 * 16.0 * 512.0 * 512.0 / 8.0;
+        assert!((held(500, true, &large) - want).abs() < 1.0);
+        assert_eq!(held(128, false, &large), 0.0);
+        let no_dropout = BertConfig {
+            attention_probs_dropout_prob: 0.0,
+            ..BertConfig::large()
+        };
+        assert_eq!(held(128, true, &no_dropout), 0.0);
+    }
+
     /// The fused embeddings' end keeps its output alone: 2 bytes a token's hidden value in
     /// bf16 where the composed path's graph kept 32 (three f32 rows, two sums, the norm, the
     /// cast, the dropout's mask and product), at phase 1's shape 30 · 64 · 128 · 1024 bytes.
@@ -895,6 +958,7 @@ mod tests {
                 update_in_place: true,
                 tape: true,
                 fused_embeddings,
+                keep_bits: false,
             };
             predict_with(&c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
         };
@@ -924,6 +988,7 @@ mod tests {
             update_in_place,
             tape: false,
             fused_embeddings: false,
+            keep_bits: false,
         };
         let at = |in_place, accumulation| {
             predict_with(

@@ -206,6 +206,12 @@ enum Form {
     FlashStraightExp2,
     /// The straight form with its forward a block for a pair of query tiles.
     FlashPair,
+    /// The straight form with its dropout's keep bits handed from the forward to the backward.
+    FlashBits,
+    /// The same with its forward's tiles copied asynchronously.
+    FlashBitsAsync,
+    /// The same with its forward a block for a pair of query tiles, its exponentials by `ex2`.
+    FlashBitsPairExp2,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -227,6 +233,18 @@ impl Form {
             }
             Form::FlashStraightExp2 => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_EXP2],
             Form::FlashPair => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_PAIR_FORWARD],
+            Form::FlashBits => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_KEEP_BITS],
+            Form::FlashBitsAsync => vec![
+                &super::CUDA_FLASH_STRAIGHT,
+                &super::CUDA_FLASH_ASYNC_COPIES,
+                &super::CUDA_FLASH_KEEP_BITS,
+            ],
+            Form::FlashBitsPairExp2 => vec![
+                &super::CUDA_FLASH_STRAIGHT,
+                &super::CUDA_FLASH_PAIR_FORWARD,
+                &super::CUDA_FLASH_EXP2,
+                &super::CUDA_FLASH_KEEP_BITS,
+            ],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
         }
@@ -245,7 +263,10 @@ impl Form {
             | Form::FlashStraight
             | Form::FlashStraightAsync
             | Form::FlashStraightExp2
-            | Form::FlashPair => {
+            | Form::FlashPair
+            | Form::FlashBits
+            | Form::FlashBitsAsync
+            | Form::FlashBitsPairExp2 => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector | Form::NormWarp => on_cuda,
@@ -254,13 +275,18 @@ impl Form {
 
     /// Sets the process's settings for the form.
     fn set(self) {
-        let straight = matches!(
+        let bits = matches!(
             self,
-            Form::FlashStraight
-                | Form::FlashStraightAsync
-                | Form::FlashStraightExp2
-                | Form::FlashPair
+            Form::FlashBits | Form::FlashBitsAsync | Form::FlashBitsPairExp2
         );
+        let straight = bits
+            || matches!(
+                self,
+                Form::FlashStraight
+                    | Form::FlashStraightAsync
+                    | Form::FlashStraightExp2
+                    | Form::FlashPair
+            );
         let batched = straight || matches!(self, Form::FlashBatched | Form::FlashAsync);
         let registers = batched || self == Form::FlashRegisters;
         super::set_cuda_flash_attention(registers || self == Form::FlashSharedTiles);
@@ -268,11 +294,18 @@ impl Form {
         super::set_cuda_flash_batched_loads(batched);
         super::set_cuda_flash_async_copies(matches!(
             self,
-            Form::FlashAsync | Form::FlashStraightAsync
+            Form::FlashAsync | Form::FlashStraightAsync | Form::FlashBitsAsync
         ));
         super::set_cuda_flash_straight(straight);
-        super::set_cuda_flash_exp2(self == Form::FlashStraightExp2);
-        super::set_cuda_flash_pair_forward(self == Form::FlashPair);
+        super::set_cuda_flash_exp2(matches!(
+            self,
+            Form::FlashStraightExp2 | Form::FlashBitsPairExp2
+        ));
+        super::set_cuda_flash_pair_forward(matches!(
+            self,
+            Form::FlashPair | Form::FlashBitsPairExp2
+        ));
+        super::set_cuda_flash_keep_bits(bits);
         super::set_cuda_norm_vector(matches!(self, Form::NormVector | Form::NormWarp));
         super::set_cuda_norm_warp_forward(self == Form::NormWarp);
     }
@@ -290,7 +323,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 9] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 10] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -298,6 +331,7 @@ static FORM_SWITCHES: [&crate::switch::Switch; 9] = [
     &super::CUDA_FLASH_STRAIGHT,
     &super::CUDA_FLASH_EXP2,
     &super::CUDA_FLASH_PAIR_FORWARD,
+    &super::CUDA_FLASH_KEEP_BITS,
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
 ];
@@ -608,6 +642,17 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ),
         attention("attention flash pair (eval)", false, Form::FlashPair),
         attention("attention flash pair (dropout)", true, Form::FlashPair),
+        attention("attention flash bits (dropout)", true, Form::FlashBits),
+        attention(
+            "attention flash bits async (dropout)",
+            true,
+            Form::FlashBitsAsync,
+        ),
+        attention(
+            "attention flash bits pair exp2 (dropout)",
+            true,
+            Form::FlashBitsPairExp2,
+        ),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.

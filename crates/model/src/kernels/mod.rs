@@ -751,6 +751,44 @@ pub fn cuda_flash_pair_forward() -> bool {
     CUDA_FLASH_PAIR_FORWARD.get()
 }
 
+/// Whether the one-pass attention's straight kernels hand the dropout's keep bits from the
+/// forward to the backward.
+pub(crate) static CUDA_FLASH_KEEP_BITS: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_DROPOUT", "bits");
+
+/// Turns the one-pass attention's keep bits on or off for this process (with its straight
+/// kernels, [`set_cuda_flash_straight`], each form of their forward, with or without
+/// [`set_cuda_flash_exp2`]): in training the forward writes which probabilities its dropout
+/// keeps, one bit each (a `u32` a lane a pair of 64-query and 64-key tiles: at BERT-large's
+/// phase 1, 2 MiB a layer, 4 at phase 2's 512 tokens), and both backwards read them where
+/// each of the three kernels draws every keep from the keys again (a splitmix64 a
+/// probability). The same masks, so the same values (`bench/gpu/emulate`: the same bits as the
+/// straight forms, every forward and both backwards). Compiled for sm_90, the backwards'
+/// key-tile loops have 869 and 1,116 instructions (queries', keys' and values') where the
+/// straight forms with dropout have 1,605 and 1,850 (without dropout 765 and 938); the
+/// forward's has 94 more, its stores (BENCHMARKS.md, 2026-11-27). Checked by `bertkit check
+/// kernels --device cuda` (its `attention flash bits` rows), not yet run on a GPU: unset, it
+/// is off unless `BERTKIT_CUDA_FLASH_DROPOUT=bits`.
+pub fn set_cuda_flash_keep_bits(on: bool) {
+    CUDA_FLASH_KEEP_BITS.set(on);
+}
+
+/// Whether the one-pass attention's straight kernels hand the keep bits from the forward to
+/// the backward (see [`set_cuda_flash_keep_bits`]).
+pub fn cuda_flash_keep_bits() -> bool {
+    CUDA_FLASH_KEEP_BITS.get()
+}
+
+/// Whether the one-pass attention, where it runs with dropout, hands the keep bits from its
+/// forward to its backward: [`set_cuda_flash_keep_bits`] with the straight kernels (the scores
+/// in registers, the tiles' loads batched, [`set_cuda_flash_straight`]), whose forms have them.
+pub fn cuda_flash_keeps_bits() -> bool {
+    cuda_flash_keep_bits()
+        && cuda_flash_registers()
+        && cuda_flash_batched_loads()
+        && cuda_flash_straight()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -1001,7 +1039,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 28] = [
+static CUDA_SWITCHES: [&Switch; 29] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1021,6 +1059,7 @@ static CUDA_SWITCHES: [&Switch; 28] = [
     &CUDA_FLASH_STRAIGHT,
     &CUDA_FLASH_EXP2,
     &CUDA_FLASH_PAIR_FORWARD,
+    &CUDA_FLASH_KEEP_BITS,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

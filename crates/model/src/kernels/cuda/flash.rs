@@ -27,13 +27,19 @@ use super::*;
 /// point with `dropout` and one without; its exponentials by `ex2` where
 /// [`crate::kernels::set_cuda_flash_exp2`] is on), or through shared memory (`flash.cu`) with its
 /// results stored two bytes at a time, or 16 (`_vec`,
-/// [`crate::kernels::set_cuda_flash_vector_stores`]).
-fn entry(kernel: &str, dropout: &DeviceDropout) -> String {
+/// [`crate::kernels::set_cuda_flash_vector_stores`]). `bits`: the straight forms with the
+/// dropout's keep bits (their forward writes them, their backwards read them), in place of
+/// those with dropout.
+fn entry(kernel: &str, dropout: &DeviceDropout, bits: bool) -> String {
     if crate::kernels::cuda_flash_registers() {
         let copies = kernel == "forward" && crate::kernels::cuda_flash_async_copies();
         let batched = crate::kernels::cuda_flash_batched_loads();
         if batched && crate::kernels::cuda_flash_straight() {
-            let drop = if dropout.on != 0 { "_dropout" } else { "" };
+            let drop = match (dropout.on != 0, bits) {
+                (false, _) => "",
+                (true, false) => "_dropout",
+                (true, true) => "_bits",
+            };
             let exp2 = if crate::kernels::cuda_flash_exp2() {
                 "_exp2"
             } else {
@@ -77,6 +83,19 @@ fn pair_forward() -> bool {
         && crate::kernels::cuda_flash_pair_forward()
 }
 
+/// Whether the forward hands the dropout's keep bits to the backward
+/// ([`crate::kernels::cuda_flash_keeps_bits`]): where it drops.
+fn keeps_bits(dropout: &DeviceDropout) -> bool {
+    dropout.on != 0 && crate::kernels::cuda_flash_keeps_bits()
+}
+
+/// The keep bits' `u32` words of a pass (`[batch, heads, tiles, tiles, THREADS]`, `tiles` of
+/// 64 places a row: a lane's bits of a pair of query and key tiles a word).
+fn keep_words(h: &Heads) -> usize {
+    let tiles = h.places.seq.div_ceil(TILE);
+    h.places.batch * h.heads * tiles * tiles * THREADS as usize
+}
+
 /// Whether the one-pass kernels take attention over `qkv` at these shapes: bf16, heads of 64,
 /// `qkv` contiguous from an aligned element.
 pub(super) fn takes(qkv: &Tensor, h: &Heads) -> bool {
@@ -102,7 +121,7 @@ fn aligned_copy(t: &Tensor) -> Result<Tensor> {
 pub(super) fn attention(qkv: &Tensor, h: Heads) -> Result<Tensor> {
     let op = Flash {
         heads: h,
-        lse: Handoff::empty(),
+        saved: Handoff::empty(),
     };
     tape::apply_op1(qkv, op)
 }
@@ -154,10 +173,17 @@ fn input<'a>(
     view::<half::bf16>(name, what, s, l)
 }
 
-/// The forward, holding each query's log-sum-exp from the forward to the backward.
+/// The forward, holding what it hands to the backward.
 struct Flash {
     heads: Heads,
-    lse: Handoff<CudaSlice<f32>>,
+    saved: Handoff<Saved>,
+}
+
+/// What the forward hands to the backward: each query's log-sum-exp (`[batch, heads, seq]`),
+/// and the dropout's keep bits where it wrote them ([`keeps_bits`]).
+struct Saved {
+    lse: CudaSlice<f32>,
+    keep: Option<CudaSlice<u32>>,
 }
 
 impl CustomOp1 for Flash {
@@ -176,12 +202,19 @@ impl CustomOp1 for Flash {
         // SAFETY: every token's context and every place's log-sum-exp is written.
         let mut context = unsafe { dev.alloc::<half::bf16>(p.tokens * h.hidden())? };
         let mut lse = unsafe { dev.alloc::<f32>(p.batch * h.heads * p.seq)? };
+        // SAFETY: the forward writes the words of every pair of tiles the backward reads (both
+        // before the row's end); the others are never read.
+        let mut keep = if keeps_bits(&h.dropout) {
+            Some(unsafe { dev.alloc::<u32>(keep_words(h))? })
+        } else {
+            None
+        };
         let args = shape_args(h);
         with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
             launch!(
                 half::bf16,
                 dev,
-                entry("forward", &h.dropout),
+                entry("forward", &h.dropout, keep.is_some()),
                 tiles_grid(h, if pair_forward() { PAIR } else { 1 }),
                 |b| {
                     b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
@@ -189,19 +222,22 @@ impl CustomOp1 for Flash {
                         b.arg(a);
                     }
                     b.arg(&h.scale).arg(&h.dropout);
+                    if let Some(keep) = &mut keep {
+                        b.arg(keep);
+                    }
                 }
             )
         })?;
-        self.lse.put(name, lse)?;
+        self.saved.put(name, Saved { lse, keep })?;
         Ok((wrap(context, dev), Shape::from((p.tokens, h.hidden()))))
     }
 
     fn bwd(&self, qkv: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         crate::kernels::profiled_backward("attention", grad.device(), || {
-            let lse = self.lse.take(self.name())?;
+            let saved = self.saved.take(self.name())?;
             let op = FlashBackward {
                 heads: &self.heads,
-                lse,
+                saved,
             };
             let grad = aligned_copy(&grad.detach())?;
             let grad_qkv = aligned_copy(&qkv.detach())?.apply_op3_no_bwd(
@@ -217,7 +253,7 @@ impl CustomOp1 for Flash {
 /// The backward from `qkv`, the context and its gradient: `qkv`'s gradient.
 struct FlashBackward<'a> {
     heads: &'a Heads,
-    lse: CudaSlice<f32>,
+    saved: Saved,
 }
 
 impl CustomOp3 for FlashBackward<'_> {
@@ -263,14 +299,22 @@ impl CustomOp3 for FlashBackward<'_> {
                     }
                 }
             )?;
+            // (The bits where the forward wrote them and the settings still take the forms
+            // that read them: else the backwards draw the same keeps from the keys.)
+            let keep =
+                (self.saved.keep.as_ref()).filter(|_| crate::kernels::cuda_flash_keeps_bits());
             for kernel in ["backward_kv", "backward_q"] {
-                launch!(half::bf16, dev, entry(kernel, &h.dropout), grid(h), |b| {
-                    b.arg(&qkv).arg(&grad).arg(&self.lse).arg(&delta);
+                let entry = entry(kernel, &h.dropout, keep.is_some());
+                launch!(half::bf16, dev, entry, grid(h), |b| {
+                    b.arg(&qkv).arg(&grad).arg(&self.saved.lse).arg(&delta);
                     b.arg(&mut grad_qkv).arg(&scatter);
                     for a in &args {
                         b.arg(a);
                     }
                     b.arg(&h.scale).arg(&h.dropout);
+                    if let Some(keep) = keep {
+                        b.arg(keep);
+                    }
                 })?;
             }
             Ok(())

@@ -144,7 +144,12 @@ __device__ __forceinline__ void fr_store_rows(const float (&acc)[8][4], const fl
 // folded in (FlashAttention's way), where `expf` takes ~8 instructions after the scale's own
 // multiply; its relative error ~2^-22, far below bf16's 2^-8 that P is rounded to for its
 // product. The log-sum-exp stays in natural units: the backward reads the same values.
-enum FrElements { FR_BRANCHING = 0, FR_PLAIN = 1, FR_DROPOUT = 2, FR_EXP2 = 4 };
+// `| FR_BITS` (`BERTKIT_CUDA_FLASH_DROPOUT=bits`, with `FR_DROPOUT`): the forward writes each
+// lane's keep bits of a tile (the `kept` word the backwards build, one `uint32_t` a lane a
+// key tile: `fr_bits_at`) and the backwards read them, where each of the three kernels draws
+// every keep from the keys (a splitmix64 a probability, ~23 instructions with its 64-bit
+// multiplies: half of the backwards' key-tile loops). The same masks, so the same bits.
+enum FrElements { FR_BRANCHING = 0, FR_PLAIN = 1, FR_DROPOUT = 2, FR_EXP2 = 4, FR_BITS = 8 };
 
 #define FR_LOG2E 1.4426950408889634f
 
@@ -189,6 +194,37 @@ __device__ __forceinline__ void fr_mark_kept(uint32_t& kept, const Dropout& d, u
     kept |= (E & FR_DROPOUT) ? (uint32_t)(keep_factor(d, line, j) != 0.0f) << bit : 1u << bit;
 }
 
+// The first of the keep words of query tile `qt` against key tile 0 (`FR_BITS`): a block's
+// words for a pair of tiles are one a thread (its warp's 16 queries, the lane's two rows at
+// its columns, bit `4n + e` its element `(n, e)`), the pairs of a row and head in order of
+// query tile, then key tile (`tiles` of each), a head's after its row's.
+__device__ __forceinline__ size_t fr_bits_at(int b, int h, int heads, int tiles, int qt) {
+    return (((size_t)b * heads + h) * tiles + qt) * tiles * FLASH_THREADS;
+}
+
+// The keys' and values' backward's `kept` (bit `4n + e`: key `16 · warp + g + 8 · (e / 2)`,
+// query `8n + 2t + e % 2` of the tiles) from the forward's words of the tile pair (`words`, a
+// thread's each: the forward's warps own queries). Query `8n + 2t + el` is row `g' = 2t + el`,
+// half `n % 2` of the forward's warp `n / 2`; key `k` its element `(n', e')` with
+// `n' = k / 8 = 2 · warp + e / 2` and lane `4g' + (k % 8) / 2 = 4g' + g / 2`, `e' % 2 = g % 2`:
+// each of a lane's 32 bits is in one of 8 words (warp `n / 2`, `el`), four to a word at bits
+// `8 · warp + g % 2 + {0, 2, 4, 6}` (`n % 2` at 2, `e / 2` at 4), which go to bits
+// `8 · (n / 2) + el + {0, 4, 2, 6}`.
+__device__ __forceinline__ uint32_t fr_kept_transposed(const uint32_t* words, int warp, int g,
+                                                       int t) {
+    const int shift = 8 * warp + (g & 1);
+    uint32_t kept = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int el = 0; el < 2; ++el) {
+            uint32_t x = (words[w * 32 + (2 * t + el) * 4 + (g >> 1)] >> shift) & 0x55u;
+            x = (x & 0x41u) | ((x & 0x04u) << 2) | ((x & 0x10u) >> 2);
+            kept |= x << (8 * w + el);
+        }
+    return kept;
+}
+
 // The dropout's factor of bit `bit` of `kept` (`flash_keep`'s).
 template <int E>
 __device__ __forceinline__ float fr_keep(const Dropout& d, uint32_t kept, int bit) {
@@ -200,9 +236,9 @@ __device__ __forceinline__ float fr_keep(const Dropout& d, uint32_t kept, int bi
 // One key tile of the forward for the warp's 16 queries (`q`, as A fragments): the scores
 // against `keys`, the running maxima `m` and sums `l` of this lane's two rows updated, `o`
 // rescaled and `dropped P · values` added (`line`: the rows' dropout lines; `k0`: the tile's
-// first key).
+// first key). Returns the lane's keep bits of the tile with `FR_BITS` (else 0).
 template <int E>
-__device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const bf16* keys,
+__device__ __forceinline__ uint32_t fr_forward_tile(const uint32_t (&q)[4][4], const bf16* keys,
                                                 const bf16* values, const int* key_valid, int k0,
                                                 float scale, const Dropout& d,
                                                 const uint64_t (&line)[2], float (&m)[2],
@@ -258,16 +294,21 @@ __device__ __forceinline__ void fr_forward_tile(const uint32_t (&q)[4][4], const
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
+    uint32_t kept = 0;  // with `FR_BITS`: bit 4n + e, element (n, e) kept
     // o += dropped P · V, P's 16-key chunks as left operands.
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
         uint32_t a[4];
         fr_to_a(a, s, c, [&](int n, int e) {
-            return fr_dropping<E>(d) ? keep_factor(d, line[e >> 1], k0 + n * 8 + 2 * t + (e & 1))
-                                     : 1.0f;
+            const float keep =
+                fr_dropping<E>(d) ? keep_factor(d, line[e >> 1], k0 + n * 8 + 2 * t + (e & 1))
+                                  : 1.0f;
+            if constexpr ((E & FR_BITS) != 0) kept |= (uint32_t)(keep != 0.0f) << (4 * n + e);
+            return keep;
         });
         fr_accumulate(o, a, values, c * 16);
     }
+    return kept;
 }
 
 // A lane's part of the forward: its two query rows (g, g + 8 of the warp's 16: place, whether
@@ -322,7 +363,7 @@ struct FrForwardRows {
 // loads batched (`flash_load_tiles_batched`, `BERTKIT_CUDA_FLASH_LOADS=batched`); `E`: the
 // element-wise code's form (`FrElements`); the entry points are at the end.
 template <bool Batched, int E = FR_BRANCHING>
-__device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS) {
+__device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS, uint32_t* keep_bits = nullptr) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
@@ -337,9 +378,18 @@ __device__ __forceinline__ void fr_forward(FLASH_FORWARD_ARGS) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) fr_load_a(q[c], queries, k.warp * 16, c * 16);
     FrForwardRows r(k, seq, tokens, d);
+    uint32_t* words = nullptr;  // the block's keep words (`FR_BITS`)
+    if constexpr ((E & FR_BITS) != 0) {
+        const int tiles = (seq + FLASH_TILE - 1) / FLASH_TILE;
+        words = keep_bits + fr_bits_at(k.b, k.h, heads, tiles, k.first / FLASH_TILE);
+    }
     for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
         flash_load_keys_values<Batched>(keys, values, key_valid, qkv, k, k0, seq, tokens);
-        fr_forward_tile<E>(q, keys, values, key_valid, k0, scale, d, r.line, r.m, r.l, r.o);
+        const uint32_t kept = fr_forward_tile<E>(q, keys, values, key_valid, k0, scale, d,
+                                                 r.line, r.m, r.l, r.o);
+        if constexpr ((E & FR_BITS) != 0) {
+            words[(k0 / FLASH_TILE) * FLASH_THREADS + threadIdx.x] = kept;
+        }
         // Every warp done with this tile's keys and values before the next overwrites them.
         __syncthreads();
     }
@@ -376,7 +426,8 @@ __device__ __forceinline__ void fr_copy_tiles(bf16* const (&tile)[Tiles], const 
 // block, counting the queries'). The same grid, arguments, arithmetic and results (the same
 // tiles in shared memory, in the same order).
 template <int E = FR_BRANCHING>
-__device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
+__device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS,
+                                                 uint32_t* keep_bits = nullptr) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 keys[2][FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 values[2][FLASH_TILE * FLASH_LD];
@@ -405,14 +456,21 @@ __device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
     for (int c = 0; c < 4; ++c) fr_load_a(q[c], queries, k.warp * 16, c * 16);
 
     FrForwardRows r(k, seq, tokens, d);
+    uint32_t* words = nullptr;  // the block's keep words (`FR_BITS`)
+    if constexpr ((E & FR_BITS) != 0) {
+        words = keep_bits + fr_bits_at(k.b, k.h, heads, (seq + FLASH_TILE - 1) / FLASH_TILE,
+                                       k.first / FLASH_TILE);
+    }
     for (int tile = 0; tile < tiles; ++tile) {
         const int buffer = tile & 1;
         if (tile > 0) {
             cp_async_wait<1>();
             __syncthreads();
         }
-        fr_forward_tile<E>(q, keys[buffer], values[buffer], key_valid[buffer], tile * FLASH_TILE,
-                           scale, d, r.line, r.m, r.l, r.o);
+        const uint32_t kept =
+            fr_forward_tile<E>(q, keys[buffer], values[buffer], key_valid[buffer],
+                               tile * FLASH_TILE, scale, d, r.line, r.m, r.l, r.o);
+        if constexpr ((E & FR_BITS) != 0) words[tile * FLASH_THREADS + threadIdx.x] = kept;
         // Every warp done with this buffer before its next tile is copied in.
         __syncthreads();
         if (tile + 2 < tiles) {
@@ -439,7 +497,8 @@ __device__ __forceinline__ void fr_forward_async(FLASH_FORWARD_ARGS) {
 #define FR_PAIR_THREADS (32 * FR_PAIR_WARPS)
 #define FR_PAIR_ROWS (16 * FR_PAIR_WARPS)
 template <int E>
-__device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS) {
+__device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS,
+                                                uint32_t* keep_bits = nullptr) {
     static_assert(FR_PAIR_ROWS == 2 * FLASH_TILE, "the second buffer is the queries' tile");
     __shared__ __align__(16) bf16 queries[FR_PAIR_ROWS * FLASH_LD];
     __shared__ __align__(16) bf16 tiles[2 * FLASH_TILE * FLASH_LD];
@@ -467,6 +526,17 @@ __device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS) {
     // Every warp has its queries: their tile is the second buffer from here.
     __syncthreads();
     FrForwardRows r(k, seq, tokens, d);
+    // The warp's keep words (`FR_BITS`), where its query tile is one of the row's: the second
+    // of a pair may lie past the last.
+    uint32_t* words = nullptr;
+    if constexpr ((E & FR_BITS) != 0) {
+        const int tiles = (seq + FLASH_TILE - 1) / FLASH_TILE;
+        const int query_tile = (k.first + k.warp * 16) / FLASH_TILE;
+        if (query_tile < tiles) {
+            words = keep_bits + fr_bits_at(k.b, k.h, heads, tiles, query_tile) +
+                    threadIdx.x % FLASH_THREADS;
+        }
+    }
     for (int tile = 0; tile < key_tiles; ++tile) {
         const int buffer = tile & 1;
         // The next tile's copies, into the buffer the last iteration finished with.
@@ -477,8 +547,12 @@ __device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS) {
                 key_valid[buffer ^ 1]);
         }
         cp_async_commit();
-        fr_forward_tile<E>(q, keys(buffer), values(buffer), key_valid[buffer], tile * FLASH_TILE,
-                           scale, d, r.line, r.m, r.l, r.o);
+        const uint32_t kept = fr_forward_tile<E>(q, keys(buffer), values(buffer),
+                                                 key_valid[buffer], tile * FLASH_TILE, scale, d,
+                                                 r.line, r.m, r.l, r.o);
+        if constexpr ((E & FR_BITS) != 0) {
+            if (words) words[tile * FLASH_THREADS] = kept;
+        }
         // This buffer free for the tile after next, the next one landed for every warp.
         cp_async_wait<0>();
         __syncthreads();
@@ -491,7 +565,8 @@ __device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS) {
 // over every query tile, as `flash_backward_kv`'s. Held to 168 registers a lane, three blocks
 // an SM (nvcc's choice, 182, allows two): ptxas spills 36 bytes a lane for it (sm_90).
 template <bool Batched, int E = FR_BRANCHING>
-__device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
+__device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS,
+                                               const uint32_t* keep_bits = nullptr) {
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 values[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
@@ -503,6 +578,14 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
     if (k.first >= k.end) return;  // padding keys only: no gradient to write
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    // (`FR_BITS`: the forward's keep words of the query tile against this key tile.)
+    __shared__ uint32_t tile_bits[(E & FR_BITS) ? FLASH_THREADS : 1];
+    const uint32_t* words = nullptr;
+    if constexpr ((E & FR_BITS) != 0) {
+        const int tiles = (seq + FLASH_TILE - 1) / FLASH_TILE;
+        words = keep_bits + fr_bits_at(k.b, k.h, heads, tiles, 0) +
+                (size_t)(k.first / FLASH_TILE) * FLASH_THREADS + threadIdx.x;
+    }
     flash_load_two<Batched>(keys, qkv, k.stride, k.column(1), values, qkv, k.stride, k.column(2),
                             k.places, k.first, seq, tokens, nullptr);
     // These two tiles stay for the whole block (the loop's first barrier covers their loads);
@@ -523,6 +606,12 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
     for (int q0 = 0; q0 < k.end; q0 += FLASH_TILE) {
+        // (The barrier closing the last iteration keeps the last tile's words until read.)
+        if constexpr ((E & FR_BITS) != 0) {
+            tile_bits[threadIdx.x] =
+                words[(size_t)(q0 / FLASH_TILE) * ((seq + FLASH_TILE - 1) / FLASH_TILE) *
+                      FLASH_THREADS];
+        }
         flash_load_query_tile<Batched>(queries, grads, query_valid, tile_lse, tile_delta,
                                        tile_line, qkv, grad, lse, delta, k, q0, rows, seq, tokens,
                                        d, head_key);
@@ -535,6 +624,7 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
             fr_scores(p, kf, queries);
         }
         uint32_t kept = 0;  // bit 4n + e: element (n, e) kept by the dropout
+        if constexpr ((E & FR_BITS) != 0) kept = fr_kept_transposed(tile_bits, k.warp, g, t);
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -545,7 +635,10 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
                                                     : key[e >> 1] & (query_valid[qi] != 0);
                 p[n][e] = fr_probability<E>(live, p[n][e], scale, &tile_lse[qi]);
                 if constexpr (E != FR_BRANCHING) {
-                    fr_mark_kept<E>(kept, d, tile_line[qi], j[e >> 1], 4 * n + e);
+                    // (With `FR_BITS` read above.)
+                    if constexpr ((E & FR_BITS) == 0) {
+                        fr_mark_kept<E>(kept, d, tile_line[qi], j[e >> 1], 4 * n + e);
+                    }
                 } else if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
                     kept |= 1u << (4 * n + e);
                 }
@@ -594,7 +687,8 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS) {
 // The queries' gradient: grid (query tiles, heads, batch); the warp's 16 queries summed over
 // every key tile, as `flash_backward_q`'s.
 template <bool Batched, int E = FR_BRANCHING>
-__device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS) {
+__device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS,
+                                              const uint32_t* keep_bits = nullptr) {
     __shared__ __align__(16) bf16 queries[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 grads[FLASH_TILE * FLASH_LD];
     __shared__ __align__(16) bf16 keys[FLASH_TILE * FLASH_LD];
@@ -629,12 +723,21 @@ __device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS) {
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+    // (`FR_BITS`: the lane's keep words, the forward's lane's: the same warps own the queries.)
+    const uint32_t* words = nullptr;
+    if constexpr ((E & FR_BITS) != 0) {
+        words = keep_bits +
+                fr_bits_at(k.b, k.h, heads, (seq + FLASH_TILE - 1) / FLASH_TILE,
+                           k.first / FLASH_TILE) +
+                threadIdx.x;
+    }
 
     for (int k0 = 0; k0 < k.end; k0 += FLASH_TILE) {
+        uint32_t kept = 0;
+        if constexpr ((E & FR_BITS) != 0) kept = words[(k0 / FLASH_TILE) * FLASH_THREADS];
         flash_load_keys_values<Batched>(keys, values, key_valid, qkv, k, k0, seq, tokens);
         float p[8][4];
         fr_scores(p, qf, keys);
-        uint32_t kept = 0;
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -645,7 +748,10 @@ __device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS) {
                                                     : query[h] & (key_valid[col] != 0);
                 p[n][e] = fr_probability<E>(live, p[n][e], scale, &q_lse[h]);
                 if constexpr (E != FR_BRANCHING) {
-                    fr_mark_kept<E>(kept, d, line[h], k0 + col, 4 * n + e);
+                    // (With `FR_BITS` read above.)
+                    if constexpr ((E & FR_BITS) == 0) {
+                        fr_mark_kept<E>(kept, d, line[h], k0 + col, 4 * n + e);
+                    }
                 } else if (!d.on || keep_factor(d, line[h], k0 + col) != 0.0f) {
                     kept |= 1u << (4 * n + e);
                 }
@@ -768,5 +874,35 @@ FR_STRAIGHT_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
     }
 FR_PAIR_FORWARD(pair, 0)
 FR_PAIR_FORWARD(pair_exp2, FR_EXP2)
+
+// The straight forms with their keep bits (`FR_BITS`, `BERTKIT_CUDA_FLASH_DROPOUT=bits`), with
+// dropout only: `flash_registers_{straight,straight_exp2}_bits_{forward,async_forward,
+// backward_kv,backward_q}_bf16` and `flash_registers_{pair,pair_exp2}_bits_forward_bf16`, each
+// taking the keep words last (`[batch, heads, tiles, tiles, 128]`, `fr_bits_at`): the
+// forwards write every word of a pair of tiles they cover, the backwards read them.
+#define FR_BITS_FORWARD(FORM, FLAGS, NAME, THREADS, BLOCKS, BODY)                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                 \
+        flash_registers_##FORM##_bits_##NAME##_bf16(FLASH_FORWARD_ARGS, uint32_t * keep_bits) {   \
+        BODY(FR_DROPOUT | FR_BITS | FLAGS)(qkv, context, lse, scatter, tokens, batch, heads, seq, \
+                                           scale, d, keep_bits);                                  \
+    }
+#define FR_BITS_BACKWARD(FORM, FLAGS, NAME, BODY)                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 3)                                \
+        flash_registers_##FORM##_bits_##NAME##_bf16(FLASH_BACKWARD_ARGS,                          \
+                                                    const uint32_t* keep_bits) {                  \
+        BODY<true, FR_DROPOUT | FR_BITS | FLAGS>(qkv, grad, lse, delta, grad_qkv, scatter,        \
+                                                 tokens, batch, heads, seq, scale, d, keep_bits); \
+    }
+#define FR_PAIR(E) fr_forward_pair<E>
+FR_BITS_FORWARD(straight, 0, forward, FLASH_THREADS, 4, FR_BATCHED_FORWARD)
+FR_BITS_FORWARD(straight, 0, async_forward, FLASH_THREADS, 4, FR_ASYNC_FORWARD)
+FR_BITS_FORWARD(pair, 0, forward, FR_PAIR_THREADS, 2, FR_PAIR)
+FR_BITS_BACKWARD(straight, 0, backward_kv, fr_backward_kv)
+FR_BITS_BACKWARD(straight, 0, backward_q, fr_backward_q)
+FR_BITS_FORWARD(straight_exp2, FR_EXP2, forward, FLASH_THREADS, 4, FR_BATCHED_FORWARD)
+FR_BITS_FORWARD(straight_exp2, FR_EXP2, async_forward, FLASH_THREADS, 4, FR_ASYNC_FORWARD)
+FR_BITS_FORWARD(pair_exp2, FR_EXP2, forward, FR_PAIR_THREADS, 2, FR_PAIR)
+FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_kv, fr_backward_kv)
+FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
 
 #endif
