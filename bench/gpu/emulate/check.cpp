@@ -796,7 +796,30 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     std::vector<T> gs_vec(n, nan), gx_vec(n, nan), pa_vec(2 * hidden, nan);
     backward(false, gs_old, gx_old, pa_old);
     backward(true, gs_vec, gx_vec, pa_vec);
-    bool ok = true;
+    // The vector backward with each row's loads at once (`layer_norm_vec_backward<T, true>`,
+    // `BERTKIT_CUDA_NORM_BACKWARD=ahead`): the vector backward's bits.
+    std::vector<T> gs_ahead(n, nan), gx_ahead(n, nan);
+    std::vector<float> partial_vec((size_t)blocks * 2 * hidden, NAN), partial_ahead(partial_vec);
+    for (auto* part : {&partial_vec, &partial_ahead}) {
+        const bool ahead = part == &partial_ahead;
+        std::vector<T> gs(n, nan), gx(n, nan);
+        emulate_launch({blocks, 1, 1}, vec_threads, [&] {
+            (ahead ? layer_norm_vec_backward<T, true> : layer_norm_vec_backward<T, false>)(
+                x.data(), r, weight.data(), grad.data(), (ahead ? gs_ahead : gs).data(),
+                (ahead ? gx_ahead : gx).data(), part->data(), rows, hidden, eps, d, p, seq);
+        });
+    }
+    size_t ahead_differ = 0;
+    for (size_t i = 0; i < n; ++i) {
+        ahead_differ += to_f32(gs_ahead[i]) != to_f32(gs_vec[i]) ||
+                        to_f32(gx_ahead[i]) != to_f32(gx_vec[i]) || std::isnan(to_f32(gs_ahead[i]));
+    }
+    for (size_t i = 0; i < partial_vec.size(); ++i) {
+        ahead_differ += !(partial_ahead[i] == partial_vec[i]);
+    }
+    bool ok = ahead_differ == 0;
+    std::printf("  %-28s %-8s %zu values differ from the vector backward's %s\n", name, "ahead",
+                ahead_differ, ahead_differ ? "FAILED" : "ok");
     const auto report = [&](const char* what, const std::vector<T>& got,
                             const std::vector<T>& want) {
         std::vector<double> g(got.size()), w(want.size());

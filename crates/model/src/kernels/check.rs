@@ -216,6 +216,8 @@ enum Form {
     NormVector,
     /// The same with its forward a warp per row.
     NormWarp,
+    /// The same with its backward's loads of a row at once.
+    NormAhead,
 }
 
 impl Form {
@@ -247,6 +249,7 @@ impl Form {
             ],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
+            Form::NormAhead => vec![&super::CUDA_NORM_BACKWARD_AHEAD],
         }
     }
 
@@ -269,7 +272,7 @@ impl Form {
             | Form::FlashBitsPairExp2 => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
-            Form::NormVector | Form::NormWarp => on_cuda,
+            Form::NormVector | Form::NormWarp | Form::NormAhead => on_cuda,
         }
     }
 
@@ -306,8 +309,12 @@ impl Form {
             Form::FlashPair | Form::FlashBitsPairExp2
         ));
         super::set_cuda_flash_keep_bits(bits);
-        super::set_cuda_norm_vector(matches!(self, Form::NormVector | Form::NormWarp));
-        super::set_cuda_norm_warp_forward(self == Form::NormWarp);
+        super::set_cuda_norm_vector(matches!(
+            self,
+            Form::NormVector | Form::NormWarp | Form::NormAhead
+        ));
+        super::set_cuda_norm_warp_forward(matches!(self, Form::NormWarp | Form::NormAhead));
+        super::set_cuda_norm_backward_ahead(self == Form::NormAhead);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
@@ -323,7 +330,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 10] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 11] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -334,6 +341,7 @@ static FORM_SWITCHES: [&crate::switch::Switch; 10] = [
     &super::CUDA_FLASH_KEEP_BITS,
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
+    &super::CUDA_NORM_BACKWARD_AHEAD,
 ];
 
 type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
@@ -505,6 +513,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         norm("layer_norm", Form::Plain),
         norm("layer_norm (vector)", Form::NormVector),
         norm("layer_norm (warp forward)", Form::NormWarp),
+        norm("layer_norm (backward ahead)", Form::NormAhead),
         linear("linear", true, |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
@@ -672,6 +681,10 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         residual_norm(
             "residual_layer_norm (dropout, warp forward)",
             Form::NormWarp,
+        ),
+        residual_norm(
+            "residual_layer_norm (dropout, backward ahead)",
+            Form::NormAhead,
         ),
     ]
 }

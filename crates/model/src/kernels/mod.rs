@@ -913,6 +913,32 @@ pub fn cuda_norm_warp_forward() -> bool {
     CUDA_NORM_WARP_FORWARD.get()
 }
 
+/// Whether LayerNorm's backward on CUDA (16 bytes a thread) loads a row's inputs at once.
+pub(crate) static CUDA_NORM_BACKWARD_AHEAD: Switch =
+    Switch::opt_in("BERTKIT_CUDA_NORM_BACKWARD", "ahead");
+
+/// Turns LayerNorm's (and a sublayer's end's) backward with each row's loads at once on or off
+/// for this process (its 16-byte form, [`set_cuda_norm_vector`]): a thread's pieces of the
+/// row's input, residual and output gradient loaded together at the row's start, where the
+/// backward in use loads the gradient only after the statistics' two block-wide sums: two
+/// trips to memory a row that nothing overlaps (a block's rows come one after the other, four
+/// a block at BERT-large's 8,192 tokens; 48 such backwards a pass), one. The same arithmetic in
+/// the same order: the same bits (`bench/gpu/emulate` compares it with the backward in use:
+/// f32, bf16, f16, with and without a residual and dropout). ptxas (sm_90): 80 registers like
+/// the form in use, held there by its launch bounds (92 unbounded: five blocks an SM, not
+/// six), no spills. Checked by `bertkit check kernels --device cuda` (its `backward ahead`
+/// norm rows), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_NORM_BACKWARD=ahead`.
+pub fn set_cuda_norm_backward_ahead(on: bool) {
+    CUDA_NORM_BACKWARD_AHEAD.set(on);
+}
+
+/// Whether LayerNorm's backward on CUDA loads each row's inputs at once (see
+/// [`set_cuda_norm_backward_ahead`]).
+pub fn cuda_norm_backward_ahead() -> bool {
+    CUDA_NORM_BACKWARD_AHEAD.get()
+}
+
 /// Whether the CUDA kernels' partial column sums are added by 32 lanes a column.
 pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
     Switch::opt_out("BERTKIT_CUDA_COLUMN_SUMS", "serial");
@@ -1039,7 +1065,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 29] = [
+static CUDA_SWITCHES: [&Switch; 30] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1063,6 +1089,7 @@ static CUDA_SWITCHES: [&Switch; 29] = [
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,
+    &CUDA_NORM_BACKWARD_AHEAD,
     &CUDA_COLUMN_SUMS_LANES,
     &CUDA_BIAS_ACT_VECTOR,
     &CUDA_BIAS_ACT_ROWS,

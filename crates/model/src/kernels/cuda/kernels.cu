@@ -138,13 +138,18 @@ struct Vec16 {
     static constexpr int N = 16 / (int)sizeof(T);
 };
 
+// A 16-byte piece as loaded, widened to f32.
 template <typename T>
-__device__ __forceinline__ void load_vec16(const T* p, float (&v)[Vec16<T>::N]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ void unpack_vec16(uint4 raw, float (&v)[Vec16<T>::N]) {
     T e[Vec16<T>::N];
     memcpy(e, &raw, sizeof raw);
 #pragma unroll
     for (int k = 0; k < Vec16<T>::N; ++k) v[k] = to_f32(e[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ void load_vec16(const T* p, float (&v)[Vec16<T>::N]) {
+    unpack_vec16<T>(*reinterpret_cast<const uint4*>(p), v);
 }
 
 template <typename T>
@@ -172,20 +177,12 @@ __device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {
     b = warp_sum(lane < warps ? scratch[32 + lane] : 0.0f);
 }
 
-// This thread's elements of row `r`'s input, `dropout(x) + residual`, and (bit k of the result)
-// which the dropout kept. Threads past the row's end hold zeros.
-template <typename T>
-__device__ __forceinline__ uint32_t load_sum_vec(const T* x, const T* residual, int r, int hidden,
-                                                 const Dropout& d, const uint32_t* places,
-                                                 int seq, float (&v)[Vec16<T>::N]) {
-    constexpr int N = Vec16<T>::N;
-    const int j0 = threadIdx.x * N;
+// The dropout of this thread's elements of row `r` (`v`, from element `j0`) in place; bit k of
+// the result which it kept.
+template <int N>
+__device__ __forceinline__ uint32_t drop_vec(float (&v)[N], int r, int j0, const Dropout& d,
+                                             const uint32_t* places, int seq) {
     uint32_t kept = (1u << N) - 1;
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = 0.0f;
-    if (j0 >= hidden) return kept;
-    const size_t at = (size_t)r * hidden + j0;
-    load_vec16(x + at, v);
     if (d.on) {
         const uint32_t place = places[r];
         const uint64_t line = line_key(row_key(d, place / seq), place % seq);
@@ -196,6 +193,23 @@ __device__ __forceinline__ uint32_t load_sum_vec(const T* x, const T* residual, 
             v[k] *= f;
         }
     }
+    return kept;
+}
+
+// This thread's elements of row `r`'s input, `dropout(x) + residual`, and (bit k of the result)
+// which the dropout kept. Threads past the row's end hold zeros.
+template <typename T>
+__device__ __forceinline__ uint32_t load_sum_vec(const T* x, const T* residual, int r, int hidden,
+                                                 const Dropout& d, const uint32_t* places,
+                                                 int seq, float (&v)[Vec16<T>::N]) {
+    constexpr int N = Vec16<T>::N;
+    const int j0 = threadIdx.x * N;
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = 0.0f;
+    if (j0 >= hidden) return (1u << N) - 1;
+    const size_t at = (size_t)r * hidden + j0;
+    load_vec16(x + at, v);
+    const uint32_t kept = drop_vec(v, r, j0, d, places, seq);
     if (residual) {
         float rv[N];
         load_vec16(residual + at, rv);
@@ -339,8 +353,32 @@ __device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* 
     }
 }
 
-// The backward, as `layer_norm_backward`'s outputs: `partial` is `[gridDim.x, 2, hidden]`.
+// A thread's 16-byte pieces of a row's input, residual and output gradient, as loaded: the
+// backward ahead (`BERTKIT_CUDA_NORM_BACKWARD=ahead`) loads the next row's while it works on
+// this one's.
+struct NormPieces {
+    uint4 x, residual, grad;
+};
+
+// This thread's pieces of row `r` (nothing past the row's end; no residual without one).
 template <typename T>
+__device__ __forceinline__ void load_norm_pieces(NormPieces& p, const T* x, const T* residual,
+                                                 const T* grad, int r, int hidden) {
+    const int j0 = threadIdx.x * Vec16<T>::N;
+    if (j0 >= hidden) return;
+    const size_t at = (size_t)r * hidden + j0;
+    p.x = *reinterpret_cast<const uint4*>(x + at);
+    if (residual) p.residual = *reinterpret_cast<const uint4*>(residual + at);
+    p.grad = *reinterpret_cast<const uint4*>(grad + at);
+}
+
+// The backward, as `layer_norm_backward`'s outputs: `partial` is `[gridDim.x, 2, hidden]`.
+// `Ahead` (`BERTKIT_CUDA_NORM_BACKWARD=ahead`): each row's input, residual and gradient loaded
+// at once, during the block's previous row, where the form in use loads the input and residual
+// at the row's start and the gradient after its two statistics' block-wide sums: two trips to
+// memory a row that nothing overlaps (a block works on its rows one after the other, four a
+// block at BERT-large's 8,192 tokens). The same arithmetic in the same order: the same bits.
+template <typename T, bool Ahead = false>
 __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* weight,
                                         const T* grad, T* grad_sum, T* grad_x, float* partial,
                                         int rows, int hidden, float eps, Dropout d,
@@ -355,14 +393,38 @@ __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* 
     if (active) load_vec16(weight + j0, w);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         float v[N];
-        const uint32_t kept = load_sum_vec(x, residual, r, hidden, d, places, seq, v);
+        uint32_t kept;
+        NormPieces now;
+        if constexpr (Ahead) {
+            load_norm_pieces(now, x, residual, grad, r, hidden);
+            // (As `load_sum_vec`: zeros and every bit kept past the row's end.)
+#pragma unroll
+            for (int k = 0; k < N; ++k) v[k] = 0.0f;
+            kept = (1u << N) - 1;
+            if (active) {
+                unpack_vec16<T>(now.x, v);
+                kept = drop_vec(v, r, j0, d, places, seq);
+                if (residual) {
+                    float rv[N];
+                    unpack_vec16<T>(now.residual, rv);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) v[k] += rv[k];
+                }
+            }
+        } else {
+            kept = load_sum_vec(x, residual, r, hidden, d, places, seq, v);
+        }
         float mean, rstd;
         row_statistics(v, hidden, eps, active, scratch, mean, rstd);
         const size_t at = (size_t)r * hidden + j0;
         float g[N], normed[N], dn[N];
         float a = 0.0f, b = 0.0f;
         if (active) {
-            load_vec16(grad + at, g);
+            if constexpr (Ahead) {
+                unpack_vec16<T>(now.grad, g);
+            } else {
+                load_vec16(grad + at, g);
+            }
 #pragma unroll
             for (int k = 0; k < N; ++k) {
                 normed[k] = (v[k] - mean) * rstd;
@@ -1059,6 +1121,13 @@ __device__ void embeddings_backward(const float* words, const float* types,
     }                                                                                           \
     NORM_ENTRIES(layer_norm, T, SUFFIX)                                                         \
     NORM_ENTRIES(layer_norm_vec, T, SUFFIX)                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 3) layer_norm_vec_backward_ahead_##SUFFIX( \
+        const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum, T* grad_x,  \
+        float* partial, int rows, int hidden, float eps, Dropout d, const uint32_t* places,     \
+        int seq) {                                                                              \
+        layer_norm_vec_backward<T, true>(x, residual, weight, grad, grad_sum, grad_x, partial,  \
+                                         rows, hidden, eps, d, places, seq);                    \
+    }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, 6) layer_norm_warp_forward_##SUFFIX(       \
         const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
         int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \

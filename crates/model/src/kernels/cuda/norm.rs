@@ -90,6 +90,10 @@ fn forward<T: Element>(
 /// four rows a block at BERT-large's 8,192 tokens, where [`MAX_BACKWARD_BLOCKS`] gives each
 /// block 16 rows one after the other, each row four block-wide sums.
 const NORM_BACKWARD_BLOCKS: usize = 2048;
+/// The most threads a block of the backward with each row's loads at once takes (its launch
+/// bounds, which hold it to the registers of six blocks of 128 an SM): rows of up to 2,048
+/// bf16 or 1,024 f32 elements; wider ones take the backward in use.
+const AHEAD_THREADS: usize = 256;
 
 /// The backward kernel, packed as `[rows + rows (with `grad_x`) + 2, hidden]`: the sum's
 /// gradient, `x`'s through the dropout when asked, then the weight's and the bias's.
@@ -126,10 +130,13 @@ fn backward<T: Element>(
         let (mut grad_sum, mut rest) = out.split_at_mut(n);
         let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
         let (name, cfg) = if s.vector {
-            (
-                "layer_norm_vec_backward",
-                config(blocks, vector_threads::<T>(s.hidden), 0),
-            )
+            let threads = vector_threads::<T>(s.hidden);
+            let name = if crate::kernels::cuda_norm_backward_ahead() && threads <= AHEAD_THREADS {
+                "layer_norm_vec_backward_ahead"
+            } else {
+                "layer_norm_vec_backward"
+            };
+            (name, config(blocks, threads, 0))
         } else {
             (
                 "layer_norm_backward",
