@@ -785,6 +785,11 @@ impl Gradients {
         self.0.get(&tensor.id())
     }
 
+    /// The gradient an op handed over to `sink` since it was last taken (none if none).
+    pub fn handed_over(sink: &crate::kernels::GradientSink) -> Self {
+        Gradients(sink.take().into_iter().collect())
+    }
+
     /// Adds these gradients to `store`'s: each tensor's sum where both have one (`store`'s
     /// plus these, through the kernels' addition of gradients: on CUDA 16 bytes a thread, where
     /// `GradStore::extend` takes candle's, an element a thread), moved in where only these do.
@@ -1251,6 +1256,33 @@ impl BertForPreTraining {
         inputs: &Inputs,
         masked_positions: &MaskedPositions,
     ) -> Result<PreTrainingOutput, ModelError> {
+        self.heads_into(x, inputs, masked_positions, None)
+    }
+
+    /// [`BertForPreTraining::heads`], the masked-LM decoder's gradient of the word embeddings
+    /// (tied to it) handed to the sink returned where the kernels can
+    /// ([`crate::kernels::Kernels::linear_into`]) rather than to the graph: the caller adds
+    /// it to the word embeddings' gradient after the backward pass (the trainer's step does,
+    /// `bertkit_train::Step::hand_over`), saving candle's backward a zeroed gradient of the
+    /// table's size and an addition over it.
+    pub fn heads_handing_over(
+        &self,
+        x: &Tensor,
+        inputs: &Inputs,
+        masked_positions: &MaskedPositions,
+    ) -> Result<(PreTrainingOutput, crate::kernels::GradientSink), ModelError> {
+        let sink = crate::kernels::GradientSink::new(self.bert.word_embeddings());
+        let out = self.heads_into(x, inputs, masked_positions, Some(&sink))?;
+        Ok((out, sink))
+    }
+
+    fn heads_into(
+        &self,
+        x: &Tensor,
+        inputs: &Inputs,
+        masked_positions: &MaskedPositions,
+        sink: Option<&crate::kernels::GradientSink>,
+    ) -> Result<PreTrainingOutput, ModelError> {
         let (batch, seq) = inputs.packing.padded_dims();
         let positions = masked_positions.tensor();
         let (pb, predictions) = positions.dims2()?;
@@ -1278,9 +1310,12 @@ impl BertForPreTraining {
         // The decoder: the word embeddings (`[vocab, hidden]`, a linear layer's layout, kept in
         // f32: the kernels cast them for the product) and the output bias.
         let decoder = self.bert.word_embeddings();
-        let logits = k
-            .linear(&t, decoder, Some(&self.output_bias.to_dtype(t.dtype())?))?
-            .reshape((batch, predictions, ()))?;
+        let bias = self.output_bias.to_dtype(t.dtype())?;
+        let logits = match sink {
+            Some(sink) => k.linear_into(&t, decoder, Some(&bias), sink)?,
+            None => k.linear(&t, decoder, Some(&bias))?,
+        }
+        .reshape((batch, predictions, ()))?;
         let pooled = self
             .bert
             .pool(x, inputs)?

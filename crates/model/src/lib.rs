@@ -57,7 +57,7 @@ pub use bert::{
 };
 pub use config::{BertConfig, Gelu};
 pub use dropout::DropoutSource;
-pub use kernels::{Composed, Fused, Kernels};
+pub use kernels::{Composed, Fused, GradientSink, Kernels};
 pub use packing::{Packing, RowIndex};
 pub use params::{ParamBuilder, ParamStore};
 

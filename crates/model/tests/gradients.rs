@@ -716,3 +716,72 @@ fn a_bf16_models_embedding_gradients_add_up_in_f32() {
         }
     }
 }
+
+/// A linear layer asked to hand its weight's gradient over (`Kernels::linear_into`, the tied
+/// masked-LM decoder's): the fused CPU kernel gives the same output and hands over the
+/// gradient the graph would hold, to the bit, leaving none in the graph; candle's ops (the
+/// default) keep it in the graph and the sink empty.
+#[test]
+fn a_linear_layer_hands_its_weights_gradient_over() {
+    let x = Var::from_tensor(&tensor(&[5, 8], 31).to_dtype(DType::F32).unwrap()).unwrap();
+    let w = Var::from_tensor(&tensor(&[11, 8], 32).to_dtype(DType::F32).unwrap()).unwrap();
+    let b = Var::from_tensor(&tensor(&[11], 33).to_dtype(DType::F32).unwrap()).unwrap();
+    let upstream = tensor(&[5, 11], 34).to_dtype(DType::F32).unwrap();
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        v.iter().map(|f| f.to_bits()).collect()
+    };
+    let fused = Fused;
+    let y = fused.linear(&x, &w, Some(&b)).unwrap();
+    let graph = (&y * &upstream)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    for kernels in [&fused as &dyn Kernels, &Composed] {
+        let sink = bertkit_model::GradientSink::new(&w);
+        let handed = kernels.linear_into(&x, &w, Some(&b), &sink).unwrap();
+        assert_eq!(bits(&handed), bits(&y));
+        let store = (&handed * &upstream)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for v in [&x, &b] {
+            assert_eq!(bits(store.get(v).unwrap()), bits(graph.get(v).unwrap()));
+        }
+        let want = bits(graph.get(&w).unwrap());
+        match sink.take() {
+            Some((id, got)) => {
+                assert_eq!(id, w.id());
+                assert_eq!(bits(&got), want);
+                assert!(store.get(&w).is_none(), "handed over and in the graph");
+                assert!(sink.take().is_none(), "taken twice");
+            }
+            None => {
+                assert_eq!(bits(store.get(&w).unwrap()), want);
+            }
+        }
+    }
+    // The fused kernel did hand it over (not vacuous): once more, the sink read.
+    let sink = bertkit_model::GradientSink::new(&w);
+    let handed = fused.linear_into(&x, &w, Some(&b), &sink).unwrap();
+    let _ = (&handed * &upstream)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(sink.take().is_some());
+    let sink = bertkit_model::GradientSink::new(&w);
+    let handed = Composed.linear_into(&x, &w, Some(&b), &sink).unwrap();
+    let _ = (&handed * &upstream)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(sink.take().is_none());
+}

@@ -28,7 +28,7 @@
 
 use std::collections::BTreeMap;
 
-use bertkit_model::{BertModel, Gradients, Inputs, Mode};
+use bertkit_model::{BertModel, GradientSink, Gradients, Inputs, Mode};
 use bertkit_stage_io::Ranks;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -90,6 +90,9 @@ pub struct Step {
     loss: Option<Tensor>,
     /// The caller's figures so far (f64, on the device).
     figures: Option<Tensor>,
+    /// Gradients ops hand over outside the graph ([`Step::hand_over`]), added to the next
+    /// backward pass's.
+    handed_over: Vec<GradientSink>,
 }
 
 /// What [`Step::finish`] did.
@@ -133,7 +136,15 @@ impl Step {
             grads: optimizer.gradient_sums(loss_scale),
             loss: None,
             figures: None,
+            handed_over: Vec::new(),
         }
+    }
+
+    /// Has the next backward pass ([`Step::backward`], [`Step::through_encoder`]) add what
+    /// ops hand to `sink` to its gradients (the masked-LM decoder's of the word embeddings,
+    /// [`bertkit_model::BertForPreTraining::heads_handing_over`]).
+    pub fn hand_over(&mut self, sink: GradientSink) {
+        self.handed_over.push(sink);
     }
 
     /// The loss scale of this step.
@@ -155,11 +166,15 @@ impl Step {
     fn scaled_backward(&mut self, loss: &Tensor) -> Result<GradStore, TrainError> {
         let value = loss.detach().to_dtype(DType::F64)?.reshape(1)?;
         self.loss = Some(add_up(self.loss.take(), value)?);
-        Ok(if self.loss_scale != 1.0 {
+        let mut store = if self.loss_scale != 1.0 {
             (loss * self.loss_scale)?.backward()?
         } else {
             loss.backward()?
-        })
+        };
+        for sink in self.handed_over.drain(..) {
+            Gradients::handed_over(&sink).add_to(&mut store)?;
+        }
+        Ok(store)
     }
 
     /// Adds a micro-batch's figures (a 1-D tensor of the same length each time: loss parts,
@@ -259,8 +274,16 @@ impl Step {
             loss,
             figures,
             loss_scale,
+            handed_over,
             ..
         } = self;
+        if !handed_over.is_empty() {
+            return Err(TrainError::Candle(candle_core::Error::Msg(format!(
+                "{} gradient sink(s) handed over with no backward pass after them: the step \
+                 would miss their gradients",
+                handed_over.len()
+            ))));
+        }
         let mut bucket = grads.into_bucket(optimizer)?;
         reducer.all_reduce_sum(&mut bucket)?;
         let squared_norm = optimizer.squared_norm(&bucket)?.reshape(1)?;
@@ -415,6 +438,25 @@ mod tests {
         assert_eq!(weights(&vars), start);
     }
 
+    /// A gradient sink handed over after the last backward pass would be lost: the step
+    /// refuses to finish, the weights untouched. Handed over before one, its gradient is
+    /// added (an empty sink, as candle's ops leave it, adds nothing).
+    #[test]
+    fn a_sink_handed_over_after_the_last_backward_pass_stops_the_step() {
+        let (vars, mut optimizer) = setup();
+        let start = weights(&vars);
+        let mut step = Step::begin(&vars, &optimizer, None);
+        step.hand_over(GradientSink::new(vars["encoder.weight"].as_tensor()));
+        step.backward(&loss(&vars, 1.0)).unwrap();
+        step.hand_over(GradientSink::new(vars["encoder.weight"].as_tensor()));
+        let err = step
+            .finish(&Local, &mut optimizer, None, 1e-2, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no backward pass after them"), "{err}");
+        assert_eq!(weights(&vars), start);
+    }
+
     /// Micro-batches add up: two halves of a loss give the gradient of the whole.
     #[test]
     fn micro_batches_accumulate() {
@@ -544,8 +586,11 @@ mod tests {
                 &inputs,
                 Mode::Train(&source),
                 every,
-                |top, _| {
-                    let out = model.heads(top, &inputs, &positions)?;
+                |top, step| {
+                    // The decoder's gradient of the tied table handed over (the fused CPU
+                    // linear hands it): the step adds it, as the trainer's does.
+                    let (out, sink) = model.heads_handing_over(top, &inputs, &positions)?;
+                    step.hand_over(sink);
                     Ok(objective(out)?)
                 },
             )
@@ -565,7 +610,8 @@ mod tests {
                     .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
                 // The same ops in the same order give the same bits, but for the tied word
                 // embeddings: the whole graph adds the lookup's rows into the decoder's
-                // gradient one by one, the pass adds the two gradients once made.
+                // gradient one by one, the pass adds the two gradients once made (the
+                // decoder's handed over outside the graph).
                 let bound = if name == "embeddings.word_embeddings.weight" {
                     1e-6 * scale
                 } else {

@@ -816,7 +816,10 @@ impl Trainer {
                 Mode::Train(&self.dropout),
                 self.config.train.activation_checkpointing,
                 |top, step| {
-                    let out = model.heads(top, &d.inputs, &d.positions)?;
+                    // The decoder's gradient of the tied word embeddings outside candle's
+                    // graph, added to the lookup's by the step.
+                    let (out, sink) = model.heads_handing_over(top, &d.inputs, &d.positions)?;
+                    step.hand_over(sink);
                     objective(&out, &d, counts, step)
                 },
             )?;

@@ -297,6 +297,18 @@ impl Kernels for Profiled {
         })
     }
 
+    fn linear_into(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        sink: &super::GradientSink,
+    ) -> Result<Tensor> {
+        self.timed_flops("linear", x, product_flops(x, weight), || {
+            self.inner.linear_into(x, weight, bias, sink)
+        })
+    }
+
     fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor> {
         self.timed("gelu", x, || self.inner.gelu(x, form))
     }

@@ -17,8 +17,22 @@ use rayon::prelude::*;
 /// multi-threaded matrix product into rows that already hold the bias. The backward is two
 /// products and the bias's column sums. One op where candle's composition has five (reshape,
 /// transpose, product, bias broadcast, reshape), each of which costs its backward a zeroed
-/// gradient buffer and an addition over the whole tensor.
-pub(crate) struct Linear;
+/// gradient buffer and an addition over the whole tensor. With a sink
+/// ([`crate::kernels::Kernels::linear_into`]) the weight's gradient is handed over there,
+/// not to the graph.
+#[derive(Default)]
+pub(crate) struct Linear {
+    sink: Option<crate::kernels::GradientSink>,
+}
+
+impl Linear {
+    /// The layer whose weight's gradient goes to `sink`.
+    pub(crate) fn handing_to(sink: &crate::kernels::GradientSink) -> Self {
+        Linear {
+            sink: Some(sink.clone()),
+        }
+    }
+}
 
 /// `(rows, in, out)` of a linear layer's operands.
 fn linear_shape(
@@ -331,7 +345,14 @@ impl CustomOp3 for Linear {
             let grad = grad.contiguous()?;
             let (g_storage, g_layout) = grad.storage_and_layout();
             let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
-            linear_backward(op, x, weight, bias, g)
+            let (grad_x, grad_weight, grad_bias) = linear_backward(op, x, weight, bias, g)?;
+            match (&self.sink, grad_weight) {
+                (Some(sink), Some(grad_weight)) => {
+                    sink.put(&grad_weight)?;
+                    Ok((grad_x, None, grad_bias))
+                }
+                (_, grad_weight) => Ok((grad_x, grad_weight, grad_bias)),
+            }
         })
     }
 }

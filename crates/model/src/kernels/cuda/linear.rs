@@ -9,6 +9,7 @@ use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConf
 
 use super::*;
 use crate::config::Gelu;
+use crate::kernels::GradientSink;
 
 /// The activation as the kernels number it.
 fn code(act: Option<Gelu>) -> i32 {
@@ -175,6 +176,8 @@ struct LinearOp {
     /// The op computes `x · weightᵀ + bias` itself in one cuBLASLt call ([`epilogue_takes`]):
     /// no activation, no product handed over.
     epilogue: bool,
+    /// Where the weight's gradient goes instead of the graph ([`linear_into`]).
+    sink: Option<GradientSink>,
 }
 
 /// Whether a linear layer without an activation on either side takes cuBLASLt's product with
@@ -522,9 +525,17 @@ impl CustomOp3 for LinearOp {
                 } else {
                     grad_pre.t()?.matmul(&input)?
                 };
+                let grad_weight = grad_weight.to_dtype(weight_dtype)?;
+                let grad_weight = match &self.sink {
+                    Some(sink) => {
+                        sink.put(&grad_weight)?;
+                        None
+                    }
+                    None => Some(grad_weight),
+                };
                 Ok((
                     Some(grad_x.reshape(x.shape())?),
-                    Some(grad_weight.to_dtype(weight_dtype)?),
+                    grad_weight,
                     Some(grad_bias),
                 ))
             },
@@ -674,7 +685,27 @@ pub(crate) fn linear(
     bias: &Tensor,
     act: Option<Gelu>,
 ) -> Result<Tensor> {
-    linear_node(x, weight, bias, act, None)
+    linear_node(x, weight, bias, act, None, None)
+}
+
+/// [`linear`] (no activation) with the weight's gradient handed to `sink`
+/// ([`crate::kernels::Kernels::linear_into`]). A weight in another dtype than `x` (the f32
+/// word embeddings) goes into the op where [`crate::kernels::set_cuda_linear_cast`] is on;
+/// otherwise a cast copy outside the graph does (the product and the gradient the same: the
+/// op's gradient, in `x`'s dtype, cast to the weight's by the sink, as the cast's node did).
+pub(crate) fn linear_into(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    sink: &GradientSink,
+) -> Result<Tensor> {
+    let sink = Some(sink.clone());
+    if weight.dtype() == x.dtype() || crate::kernels::cuda_linear_cast() {
+        linear_node(x, weight, bias, None, None, sink)
+    } else {
+        let cast = weight.detach().to_dtype(x.dtype())?;
+        linear_node(x, &cast, bias, None, None, sink)
+    }
 }
 
 /// GELU then a linear layer on CUDA, `GELU(x) · weightᵀ + bias`, in `x`'s dtype, as one node
@@ -682,7 +713,7 @@ pub(crate) fn linear(
 /// in the backward pass (the feed-forward's second layer,
 /// [`crate::kernels::Kernels::feed_forward`]). The twin of `cpu::GeluLinear`.
 pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: &Tensor, act: Gelu) -> Result<Tensor> {
-    linear_node(x, weight, bias, None, Some(act))
+    linear_node(x, weight, bias, None, Some(act), None)
 }
 
 /// `act(input_act(x) · weightᵀ + bias)` as one [`LinearOp`]: the product by cuBLAS outside
@@ -693,6 +724,7 @@ fn linear_node(
     bias: &Tensor,
     act: Option<Gelu>,
     input_act: Option<Gelu>,
+    sink: Option<GradientSink>,
 ) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = tape::contiguous(x)?;
@@ -706,6 +738,7 @@ fn linear_node(
             input_act,
             pre: Handoff::empty(),
             epilogue: true,
+            sink,
         };
         return tape::apply_op3(&x, weight, &bias, op);
     }
@@ -723,6 +756,7 @@ fn linear_node(
         input_act,
         pre: Handoff::new(pre),
         epilogue: false,
+        sink,
     };
     tape::apply_op3(&x, weight, &bias, op)
 }
