@@ -354,8 +354,8 @@ __device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* 
 }
 
 // A thread's 16-byte pieces of a row's input, residual and output gradient, as loaded: the
-// backward ahead (`BERTKIT_CUDA_NORM_BACKWARD=ahead`) loads the next row's while it works on
-// this one's.
+// backward ahead (`BERTKIT_CUDA_NORM_BACKWARD=ahead`) loads all three at the row's start and
+// widens the gradient only where it is used, after the statistics.
 struct NormPieces {
     uint4 x, residual, grad;
 };
@@ -374,10 +374,12 @@ __device__ __forceinline__ void load_norm_pieces(NormPieces& p, const T* x, cons
 
 // The backward, as `layer_norm_backward`'s outputs: `partial` is `[gridDim.x, 2, hidden]`.
 // `Ahead` (`BERTKIT_CUDA_NORM_BACKWARD=ahead`): each row's input, residual and gradient loaded
-// at once, during the block's previous row, where the form in use loads the input and residual
-// at the row's start and the gradient after its two statistics' block-wide sums: two trips to
-// memory a row that nothing overlaps (a block works on its rows one after the other, four a
-// block at BERT-large's 8,192 tokens). The same arithmetic in the same order: the same bits.
+// at once at the row's start, where the form in use loads the input and residual there and the
+// gradient only after its two statistics' block-wide sums: two trips to memory a row that
+// nothing overlaps (a block works on its rows one after the other, four a block at
+// BERT-large's 8,192 tokens), one. (Loading the next row's during this one's needed 99
+// registers, or spilled the pieces under the launch bounds.) The same arithmetic in the same
+// order: the same bits.
 template <typename T, bool Ahead = false>
 __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* weight,
                                         const T* grad, T* grad_sum, T* grad_x, float* partial,
