@@ -97,7 +97,7 @@ all_rows() {
     # row).
     local attention="BERTKIT_CUDA_FLASH_BRANCHES=none BERTKIT_CUDA_FLASH_EXP=exp2"
     local linear="BERTKIT_CUDA_BIAS_ACT_FORWARD=rows BERTKIT_CUDA_LINEAR_BACKWARD=lt BERTKIT_CUDA_LINEAR_CAST=inside"
-    local ends="BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_EMBEDDINGS_END=fused BERTKIT_CUDA_NORM_BACKWARD=ahead"
+    local ends="BERTKIT_CUDA_DROPOUT=keyed BERTKIT_CUDA_EMBEDDINGS_END=fused BERTKIT_CUDA_NORM_BACKWARD=ahead BERTKIT_CUDA_NORM_DROPOUT=bits"
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_BRANCHES=none | the attention's kernels straight (no branch at a score)" \
         "$attention | the attention straight, its exponentials by ex2" \
@@ -106,7 +106,7 @@ all_rows() {
         "$attention BERTKIT_CUDA_FLASH_DROPOUT=bits | the same, the dropout's keep bits handed from the forward to the backward" \
         "BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward copied asynchronously (not straight)" \
         "$linear | linear layers: the end's forward by rows, the backward through cuBLASLt, the decoder's cast inside" \
-        "$ends | the embeddings' end in one kernel, the pooler's dropout keyed, LayerNorm's backward loading a row at once" \
+        "$ends | the embeddings' end in one kernel, the pooler's dropout keyed, LayerNorm's backward loading a row at once and reading its keep bits" \
         "$attention BERTKIT_CUDA_FLASH_FORWARD=pair BERTKIT_CUDA_FLASH_DROPOUT=bits $linear $ends | all of the above but the asynchronous copies"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its

@@ -806,7 +806,8 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
         emulate_launch({blocks, 1, 1}, vec_threads, [&] {
             (ahead ? layer_norm_vec_backward<T, true> : layer_norm_vec_backward<T, false>)(
                 x.data(), r, weight.data(), grad.data(), (ahead ? gs_ahead : gs).data(),
-                (ahead ? gx_ahead : gx).data(), part->data(), rows, hidden, eps, d, p, seq);
+                (ahead ? gx_ahead : gx).data(), part->data(), rows, hidden, eps, d, p, seq,
+                nullptr);
         });
     }
     size_t ahead_differ = 0;
@@ -820,6 +821,38 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     bool ok = ahead_differ == 0;
     std::printf("  %-28s %-8s %zu values differ from the vector backward's %s\n", name, "ahead",
                 ahead_differ, ahead_differ ? "FAILED" : "ok");
+    // With dropout, the keep bits (`BERTKIT_CUDA_NORM_DROPOUT=bits`): the warp forward writing
+    // them gives the warp forward's output, and the backward ahead reading them the backward
+    // ahead's gradients and partial sums, bit for bit.
+    if (dropout) {
+        const int pieces = hidden / per;
+        std::vector<uint8_t> keep((size_t)rows * pieces, 0xa5);
+        std::vector<T> y_bits(n, nan), gs_bits(n, nan), gx_bits(n, nan);
+        std::vector<float> partial_bits(partial_vec.size(), NAN);
+        emulate_launch({2, 1, 1}, 128, [&] {
+            layer_norm_warp_forward<T, true>(x.data(), r, weight.data(), bias.data(),
+                                             y_bits.data(), rows, hidden, eps, d, p, seq,
+                                             keep.data());
+        });
+        emulate_launch({blocks, 1, 1}, vec_threads, [&] {
+            layer_norm_vec_backward<T, true, true>(x.data(), r, weight.data(), grad.data(),
+                                                   gs_bits.data(), gx_bits.data(),
+                                                   partial_bits.data(), rows, hidden, eps, d, p,
+                                                   seq, keep.data());
+        });
+        size_t bits_differ = 0;
+        for (size_t i = 0; i < n; ++i) {
+            bits_differ += to_f32(y_bits[i]) != to_f32(y_warp[i]) ||
+                           to_f32(gs_bits[i]) != to_f32(gs_ahead[i]) ||
+                           to_f32(gx_bits[i]) != to_f32(gx_ahead[i]);
+        }
+        for (size_t i = 0; i < partial_bits.size(); ++i) {
+            bits_differ += !(partial_bits[i] == partial_ahead[i]);
+        }
+        ok = ok && bits_differ == 0;
+        std::printf("  %-28s %-8s %zu values differ from the forms drawing the keeps %s\n", name,
+                    "bits", bits_differ, bits_differ ? "FAILED" : "ok");
+    }
     const auto report = [&](const char* what, const std::vector<T>& got,
                             const std::vector<T>& want) {
         std::vector<double> g(got.size()), w(want.size());

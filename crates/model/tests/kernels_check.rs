@@ -75,6 +75,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_FLASH_FORWARD=pair",
             "BERTKIT_CUDA_FLASH_DROPOUT=bits",
             "BERTKIT_CUDA_NORM_BACKWARD=ahead",
+            "BERTKIT_CUDA_NORM_DROPOUT=bits",
             "BERTKIT_CUDA_BIAS_ACT_FORWARD=rows"
         ]
     );

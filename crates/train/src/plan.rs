@@ -253,6 +253,10 @@ struct CudaKernels {
     /// ([`bertkit_model::kernels::cuda_flash_keeps_bits`]): a bit a probability, in words of a
     /// pair of 64-place tiles.
     keep_bits: bool,
+    /// The sublayer ends' dropout keep bits handed from their forward to their backward
+    /// ([`bertkit_model::kernels::set_cuda_norm_keep_bits`], with the norm's warp forward): a
+    /// byte a 16-byte piece of a row.
+    norm_keep_bits: bool,
 }
 
 impl CudaKernels {
@@ -265,6 +269,9 @@ impl CudaKernels {
             tape: bertkit_model::kernels::cuda_tape(),
             fused_embeddings: bertkit_model::kernels::cuda_embeddings_end(),
             keep_bits: bertkit_model::kernels::cuda_flash_keeps_bits(),
+            norm_keep_bits: bertkit_model::kernels::cuda_norm_keep_bits()
+                && bertkit_model::kernels::cuda_norm_warp_forward()
+                && bertkit_model::kernels::cuda_norm_vector(),
         }
     }
 
@@ -417,13 +424,22 @@ fn predict_with(
     } else {
         0.0
     };
+    // The sublayer ends' keep bits where they hand them over: two a layer, a byte a 16-byte
+    // piece of a token's row.
+    let norm_keep_bits =
+        if target == Target::Cuda && kernels.norm_keep_bits && c.hidden_dropout_prob > 0.0 {
+            layers * 2.0 * s * h * b / 16.0
+        } else {
+            0.0
+        };
     let recomputed = match target {
         Target::Cuda if kernels.one_pass(c, precision) => layers * (a * s * 4.0 + keep_bits),
         Target::Cuda => 4.0 * a * s * s * b,
         Target::Cpu => 0.0,
     };
-    let activations =
-        shape.micro_batch as f64 * (encoder + kept.outside + recomputed) + kept.per_step;
+    let activations = shape.micro_batch as f64
+        * (encoder + kept.outside + recomputed + norm_keep_bits)
+        + kept.per_step;
     // At the end of backward: its parameter gradients as made (tables in f32, the rest in the
     // compute dtype; no f32 copies, `crate::bucket`) and, from a step's second micro-batch on,
     // the f32 sums of those before. At the update: the flat f32 bucket with a micro-batch's
@@ -767,6 +783,7 @@ mod tests {
             tape: false,
             fused_embeddings: false,
             keep_bits: false,
+            norm_keep_bits: false,
         };
         let now = CudaKernels {
             lean_feed_forward: true,
@@ -776,6 +793,7 @@ mod tests {
             tape: true,
             fused_embeddings: false,
             keep_bits: false,
+            norm_keep_bits: false,
         };
         // (seq, predictions, micro-batch, micro-batches a step, kernels, pool only, measured).
         for (seq, predictions, micro_batch, accumulation, kernels, pool_only, measured_gib) in [
@@ -841,6 +859,7 @@ mod tests {
                 tape: false,
                 fused_embeddings: false,
                 keep_bits: false,
+                norm_keep_bits: false,
             };
             predict_with(&c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
         };
@@ -869,6 +888,7 @@ mod tests {
             tape: false,
             fused_embeddings: false,
             keep_bits: false,
+            norm_keep_bits: false,
         };
         let peak = |precision, one_pass, c: &BertConfig| {
             predict_with(c, &shape, precision, 0, Target::Cuda, kernels(one_pass)).total()
@@ -911,6 +931,7 @@ mod tests {
             tape: true,
             fused_embeddings: true,
             keep_bits,
+            norm_keep_bits: false,
         };
         let held = |seq, one_pass, c: &BertConfig| {
             let peak = |bits| {
@@ -938,6 +959,41 @@ mod tests {
         assert_eq!(held(128, true, &no_dropout), 0.0);
     }
 
+    /// The sublayer ends' keep bits: a bit an element in bf16 (a byte a 16-byte piece), two a
+    /// layer: at phase 1's micro-batch of 64, 2 MiB a BERT-large layer; none without dropout.
+    #[test]
+    fn the_sublayer_ends_keep_bits_hold_a_bit_an_element() {
+        let shape = Shape {
+            seq: 128,
+            predictions: 20,
+            micro_batch: 64,
+            accumulation: 1,
+        };
+        let held = |c: &BertConfig| {
+            let peak = |norm_keep_bits| {
+                let kernels = CudaKernels {
+                    lean_feed_forward: true,
+                    one_pass_attention: true,
+                    fused_loss: true,
+                    update_in_place: true,
+                    tape: true,
+                    fused_embeddings: true,
+                    keep_bits: true,
+                    norm_keep_bits,
+                };
+                predict_with(c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
+            };
+            peak(true) - peak(false)
+        };
+        let mib = 1024f64.powi(2);
+        assert!((held(&BertConfig::large()) - 24.0 * 2.0 * mib).abs() < 1.0);
+        let no_dropout = BertConfig {
+            hidden_dropout_prob: 0.0,
+            ..BertConfig::large()
+        };
+        assert_eq!(held(&no_dropout), 0.0);
+    }
+
     /// The fused embeddings' end keeps its output alone: 2 bytes a token's hidden value in
     /// bf16 where the composed path's graph kept 32 (three f32 rows, two sums, the norm, the
     /// cast, the dropout's mask and product), at phase 1's shape 30 · 64 · 128 · 1024 bytes.
@@ -959,6 +1015,7 @@ mod tests {
                 tape: true,
                 fused_embeddings,
                 keep_bits: false,
+                norm_keep_bits: false,
             };
             predict_with(&c, &shape, Precision::Half, 0, Target::Cuda, kernels).total()
         };
@@ -989,6 +1046,7 @@ mod tests {
             tape: false,
             fused_embeddings: false,
             keep_bits: false,
+            norm_keep_bits: false,
         };
         let at = |in_place, accumulation| {
             predict_with(

@@ -218,6 +218,8 @@ enum Form {
     NormWarp,
     /// The same with its backward's loads of a row at once.
     NormAhead,
+    /// The same with the dropout's keep bits handed from the forward to the backward.
+    NormBits,
 }
 
 impl Form {
@@ -250,6 +252,10 @@ impl Form {
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
             Form::NormAhead => vec![&super::CUDA_NORM_BACKWARD_AHEAD],
+            Form::NormBits => vec![
+                &super::CUDA_NORM_BACKWARD_AHEAD,
+                &super::CUDA_NORM_KEEP_BITS,
+            ],
         }
     }
 
@@ -272,7 +278,7 @@ impl Form {
             | Form::FlashBitsPairExp2 => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
-            Form::NormVector | Form::NormWarp | Form::NormAhead => on_cuda,
+            Form::NormVector | Form::NormWarp | Form::NormAhead | Form::NormBits => on_cuda,
         }
     }
 
@@ -311,10 +317,14 @@ impl Form {
         super::set_cuda_flash_keep_bits(bits);
         super::set_cuda_norm_vector(matches!(
             self,
-            Form::NormVector | Form::NormWarp | Form::NormAhead
+            Form::NormVector | Form::NormWarp | Form::NormAhead | Form::NormBits
         ));
-        super::set_cuda_norm_warp_forward(matches!(self, Form::NormWarp | Form::NormAhead));
-        super::set_cuda_norm_backward_ahead(self == Form::NormAhead);
+        super::set_cuda_norm_warp_forward(matches!(
+            self,
+            Form::NormWarp | Form::NormAhead | Form::NormBits
+        ));
+        super::set_cuda_norm_backward_ahead(matches!(self, Form::NormAhead | Form::NormBits));
+        super::set_cuda_norm_keep_bits(self == Form::NormBits);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
@@ -330,7 +340,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 11] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 12] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -342,6 +352,7 @@ static FORM_SWITCHES: [&crate::switch::Switch; 11] = [
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
     &super::CUDA_NORM_BACKWARD_AHEAD,
+    &super::CUDA_NORM_KEEP_BITS,
 ];
 
 type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
@@ -686,6 +697,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             "residual_layer_norm (dropout, backward ahead)",
             Form::NormAhead,
         ),
+        residual_norm("residual_layer_norm (dropout, keep bits)", Form::NormBits),
     ]
 }
 

@@ -1002,6 +1002,33 @@ pub fn cuda_norm_backward_ahead() -> bool {
     CUDA_NORM_BACKWARD_AHEAD.get()
 }
 
+/// Whether a sublayer end's forward on CUDA hands its dropout's keep bits to its backward.
+pub(crate) static CUDA_NORM_KEEP_BITS: Switch = Switch::opt_in("BERTKIT_CUDA_NORM_DROPOUT", "bits");
+
+/// Turns a sublayer end's keep bits on or off for this process (with LayerNorm's forward a warp
+/// per row, [`set_cuda_norm_warp_forward`], whose form writes them; its backward then takes the
+/// form with a row's loads at once, [`set_cuda_norm_backward_ahead`], reading them): in
+/// training the forward writes which elements its dropout keeps (a byte a 16-byte piece: a bit
+/// an element in bf16, 1 MiB a BERT-large sublayer end at phase 1's 8,192 tokens, 48 MiB a
+/// pass), and the backward reads them where it drew every keep again from the keys (a
+/// splitmix64 an element, and the row's line in every thread). The same masks, so the same
+/// bits (`bench/gpu/emulate`: the forward's output and the backward's gradients against the
+/// forms without, f32, bf16, f16). Compiled for sm_90, the bf16 backward's row loop has 480
+/// instructions where the form without has 788; the forward's 1,820 where 1,710 (its stores).
+/// The forward with dropout took 24 µs a call on an H200 where it took 12.7 without (its
+/// hashing the bound; BENCHMARKS.md, 2026-11-27): the forward still draws them. Checked by
+/// `bertkit check kernels --device cuda` (its `keep bits` norm row), not yet run on a GPU:
+/// unset, it is off unless `BERTKIT_CUDA_NORM_DROPOUT=bits`.
+pub fn set_cuda_norm_keep_bits(on: bool) {
+    CUDA_NORM_KEEP_BITS.set(on);
+}
+
+/// Whether a sublayer end's forward on CUDA hands its dropout's keep bits to its backward (see
+/// [`set_cuda_norm_keep_bits`]).
+pub fn cuda_norm_keep_bits() -> bool {
+    CUDA_NORM_KEEP_BITS.get()
+}
+
 /// Whether the CUDA kernels' partial column sums are added by 32 lanes a column.
 pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
     Switch::opt_out("BERTKIT_CUDA_COLUMN_SUMS", "serial");
@@ -1128,7 +1155,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 30] = [
+static CUDA_SWITCHES: [&Switch; 31] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1153,6 +1180,7 @@ static CUDA_SWITCHES: [&Switch; 30] = [
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,
     &CUDA_NORM_BACKWARD_AHEAD,
+    &CUDA_NORM_KEEP_BITS,
     &CUDA_COLUMN_SUMS_LANES,
     &CUDA_BIAS_ACT_VECTOR,
     &CUDA_BIAS_ACT_ROWS,

@@ -296,10 +296,14 @@ __device__ __forceinline__ void warp_row_statistics(const float (&v)[P][N], int 
     rstd = rsqrtf(warp_sum(sq) / hidden + eps);
 }
 
-template <typename T>
+// `Bits` (`BERTKIT_CUDA_NORM_DROPOUT=bits`, with dropout): each piece's keeps written to
+// `keep` as a byte, `[rows, pieces]` (bit k: the piece's element k kept), for the backward to
+// read where it would draw them again.
+template <typename T, bool Bits = false>
 __device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* weight,
                                         const T* bias, T* y, int rows, int hidden, float eps,
-                                        Dropout d, const uint32_t* places, int seq) {
+                                        Dropout d, const uint32_t* places, int seq,
+                                        uint8_t* keep = nullptr) {
     constexpr int N = Vec16<T>::N, P = WARP_ROW_PIECES;
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int pieces = hidden / N;
@@ -329,11 +333,19 @@ __device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* 
             memcpy(xe, &xs[i], sizeof xe);
             memcpy(re, &rs[i], sizeof re);
             const int q = lane + 32 * i;
+            uint32_t kept = 0;
 #pragma unroll
             for (int k = 0; k < N; ++k) {
                 v[i][k] = to_f32(xe[k]);
-                if (d.on && q < pieces) v[i][k] *= keep_factor(d, line, q * N + k);
+                if (d.on && q < pieces) {
+                    const float f = keep_factor(d, line, q * N + k);
+                    if constexpr (Bits) kept |= (uint32_t)(f != 0.0f) << k;
+                    v[i][k] *= f;
+                }
                 v[i][k] += to_f32(re[k]);
+            }
+            if constexpr (Bits) {
+                if (d.on && q < pieces) keep[(size_t)r * pieces + q] = (uint8_t)kept;
             }
         }
         float mean, rstd;
@@ -380,11 +392,16 @@ __device__ __forceinline__ void load_norm_pieces(NormPieces& p, const T* x, cons
 // BERT-large's 8,192 tokens), one. (Loading the next row's during this one's needed 99
 // registers, or spilled the pieces under the launch bounds.) The same arithmetic in the same
 // order: the same bits.
-template <typename T, bool Ahead = false>
+// `Bits` (with `Ahead`; `BERTKIT_CUDA_NORM_DROPOUT=bits`, with dropout): the forward's keep
+// bytes (`keep`, `layer_norm_warp_forward`'s), read where the dropout's keeps would be drawn
+// again from the keys (a splitmix64 an element, and the row's line a thread): the same
+// factors.
+template <typename T, bool Ahead = false, bool Bits = false>
 __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* weight,
                                         const T* grad, T* grad_sum, T* grad_x, float* partial,
                                         int rows, int hidden, float eps, Dropout d,
-                                        const uint32_t* places, int seq) {
+                                        const uint32_t* places, int seq,
+                                        const uint8_t* keep = nullptr) {
     constexpr int N = Vec16<T>::N;
     __shared__ float scratch[64];
     const int j0 = threadIdx.x * N;
@@ -405,7 +422,13 @@ __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* 
             kept = (1u << N) - 1;
             if (active) {
                 unpack_vec16<T>(now.x, v);
-                kept = drop_vec(v, r, j0, d, places, seq);
+                if constexpr (Bits) {
+                    kept = keep[(size_t)r * (hidden / N) + threadIdx.x];
+#pragma unroll
+                    for (int k = 0; k < N; ++k) v[k] *= (kept >> k) & 1u ? d.scale : 0.0f;
+                } else {
+                    kept = drop_vec(v, r, j0, d, places, seq);
+                }
                 if (residual) {
                     float rv[N];
                     unpack_vec16<T>(now.residual, rv);
@@ -1130,11 +1153,26 @@ __device__ void embeddings_backward(const float* words, const float* types,
         layer_norm_vec_backward<T, true>(x, residual, weight, grad, grad_sum, grad_x, partial,  \
                                          rows, hidden, eps, d, places, seq);                    \
     }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                        \
+        layer_norm_vec_backward_ahead_bits_##SUFFIX(                                            \
+            const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum,         \
+            T* grad_x, float* partial, int rows, int hidden, float eps, Dropout d,              \
+            const uint32_t* places, int seq, const uint8_t* keep) {                             \
+        layer_norm_vec_backward<T, true, true>(x, residual, weight, grad, grad_sum, grad_x,     \
+                                               partial, rows, hidden, eps, d, places, seq,      \
+                                               keep);                                           \
+    }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, 6) layer_norm_warp_forward_##SUFFIX(       \
         const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
         int hidden, float eps, Dropout d, const uint32_t* places, int seq) {                    \
         layer_norm_warp_forward<T>(x, residual, weight, bias, y, rows, hidden, eps, d, places,  \
                                    seq);                                                        \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, 6) layer_norm_warp_forward_bits_##SUFFIX( \
+        const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \
+        int hidden, float eps, Dropout d, const uint32_t* places, int seq, uint8_t* keep) {     \
+        layer_norm_warp_forward<T, true>(x, residual, weight, bias, y, rows, hidden, eps, d,    \
+                                         places, seq, keep);                                    \
     }                                                                                           \
     extern "C" __global__ void column_sums_lanes_##SUFFIX(const float* partial, T* out,          \
                                                           int parts, int cols) {                \

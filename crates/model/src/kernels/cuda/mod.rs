@@ -388,6 +388,11 @@ impl<T> Handoff<T> {
         }
     }
 
+    /// What was handed over, if anything (a forward that may not hand over).
+    fn take_any(&self) -> Option<T> {
+        self.0.lock().ok()?.take()
+    }
+
     fn take(&self, op: &str) -> Result<T> {
         match self.0.lock() {
             Ok(mut t) => match t.take() {

@@ -46,29 +46,30 @@ fn forward<T: Element>(
     bias: &CudaView<'_, T>,
     places: Option<&CudaView<'_, u32>>,
     s: NormShape,
+    keep: Option<&mut CudaSlice<u8>>,
 ) -> Result<CudaSlice<T>> {
     // SAFETY: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(s.rows * s.hidden)? };
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
-    let pieces = s.hidden / (16 / std::mem::size_of::<T>());
-    let (name, cfg) =
-        if s.vector && crate::kernels::cuda_norm_warp_forward() && pieces <= WARP_ROW_PIECES * 32 {
-            // Four warps a block, a warp a row.
-            (
-                "layer_norm_warp_forward",
-                config(s.rows.div_ceil(4), 128, 0),
-            )
-        } else if s.vector {
-            (
-                "layer_norm_vec_forward",
-                config(s.rows, vector_threads::<T>(s.hidden), 0),
-            )
+    let (name, cfg) = if warp_forward::<T>(&s) {
+        // Four warps a block, a warp a row.
+        let name = if keep.is_some() {
+            "layer_norm_warp_forward_bits"
         } else {
-            (
-                "layer_norm_forward",
-                config(s.rows, row_threads(s.hidden), s.hidden + 32),
-            )
+            "layer_norm_warp_forward"
         };
+        (name, config(s.rows.div_ceil(4), 128, 0))
+    } else if s.vector {
+        (
+            "layer_norm_vec_forward",
+            config(s.rows, vector_threads::<T>(s.hidden), 0),
+        )
+    } else {
+        (
+            "layer_norm_forward",
+            config(s.rows, row_threads(s.hidden), s.hidden + 32),
+        )
+    };
     launch!(T, dev, name, cfg, |b| {
         b.arg(x);
         match residual {
@@ -82,8 +83,34 @@ fn forward<T: Element>(
             None => b.arg(&NULL),
         };
         b.arg(&seq);
+        if name == "layer_norm_warp_forward_bits"
+            && let Some(keep) = keep
+        {
+            b.arg(keep);
+        }
     })?;
     Ok(y)
+}
+
+/// Whether the forward takes a warp per row ([`crate::kernels::set_cuda_norm_warp_forward`]).
+fn warp_forward<T>(s: &NormShape) -> bool {
+    let pieces = s.hidden / (16 / std::mem::size_of::<T>());
+    s.vector && crate::kernels::cuda_norm_warp_forward() && pieces <= WARP_ROW_PIECES * 32
+}
+
+/// Whether a sublayer end's forward writes its dropout's keep bytes for its backward
+/// ([`crate::kernels::set_cuda_norm_keep_bits`]): with dropout, its forward a warp per row and
+/// its backward the one with a row's loads at once, which read them.
+fn keeps_bits<T>(s: &NormShape) -> bool {
+    crate::kernels::cuda_norm_keep_bits()
+        && s.dropout.on != 0
+        && warp_forward::<T>(s)
+        && vector_threads::<T>(s.hidden) <= AHEAD_THREADS
+}
+
+/// The keep bytes of a sublayer end: one a 16-byte piece of a row.
+fn keep_bytes<T>(s: &NormShape) -> usize {
+    s.rows * (s.hidden / (16 / std::mem::size_of::<T>()))
 }
 
 /// Blocks of the backward kernel with its wider grid ([`crate::kernels::set_cuda_norm_wide_grid`]):
@@ -107,6 +134,7 @@ fn backward<T: Element>(
     places: Option<&CudaView<'_, u32>>,
     s: NormShape,
     grad_x: bool,
+    keep: Option<&CudaSlice<u8>>,
 ) -> Result<CudaSlice<T>> {
     let (n, h) = (s.rows * s.hidden, s.hidden);
     let parts = if grad_x { 2 } else { 1 };
@@ -131,7 +159,9 @@ fn backward<T: Element>(
         let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
         let (name, cfg) = if s.vector {
             let threads = vector_threads::<T>(s.hidden);
-            let name = if crate::kernels::cuda_norm_backward_ahead() && threads <= AHEAD_THREADS {
+            let name = if keep.is_some() && threads <= AHEAD_THREADS {
+                "layer_norm_vec_backward_ahead_bits"
+            } else if crate::kernels::cuda_norm_backward_ahead() && threads <= AHEAD_THREADS {
                 "layer_norm_vec_backward_ahead"
             } else {
                 "layer_norm_vec_backward"
@@ -165,6 +195,11 @@ fn backward<T: Element>(
                 None => b.arg(&NULL),
             };
             b.arg(&seq);
+            if name == "layer_norm_vec_backward_ahead_bits"
+                && let Some(keep) = keep
+            {
+                b.arg(keep);
+            }
         })?;
     }
     let mut params = out.slice_mut(parts * n..);
@@ -236,6 +271,7 @@ impl CustomOp3 for LayerNormOp {
                 &view(name, "bias", b, bl)?,
                 None,
                 s,
+                None,
             )?;
             Ok((wrap(y, dev), xl.shape().clone()))
         }
@@ -301,6 +337,7 @@ impl CustomOp3 for LayerNormBackwardOp {
                 None,
                 s,
                 false,
+                None,
             )?;
             Ok((wrap(out, dev), Shape::from((s.rows + 2, s.hidden))))
         }
@@ -325,6 +362,9 @@ struct ResidualLayerNormOp {
     eps: f32,
     dropout: DeviceDropout,
     places: Places,
+    /// The dropout's keep bytes, from the forward to the backward, where it writes them
+    /// ([`keeps_bits`]).
+    keep: Handoff<CudaSlice<u8>>,
 }
 
 impl ResidualLayerNormOp {
@@ -386,6 +426,12 @@ impl CustomOp3 for ResidualLayerNormOp {
             let s = op.shape::<T>(name, (xl, rl, pl), None)?;
             let dev = &x.device;
             let params = view::<T>(name, "parameters", p, pl)?;
+            // SAFETY: the forward writes every row's byte of every piece.
+            let mut keep = if keeps_bits::<T>(&s) {
+                Some(unsafe { dev.alloc::<u8>(keep_bytes::<T>(&s))? })
+            } else {
+                None
+            };
             let y = with_view::<u32, _>(name, "token places", &op.places.gather, |places| {
                 forward::<T>(
                     dev,
@@ -395,8 +441,12 @@ impl CustomOp3 for ResidualLayerNormOp {
                     &params.slice(s.hidden..2 * s.hidden),
                     Some(&places),
                     s,
+                    keep.as_mut(),
                 )
             })?;
+            if let Some(keep) = keep {
+                op.keep.put(name, keep)?;
+            }
             Ok((wrap(y, dev), xl.shape().clone()))
         }
         by_dtype!(self.name(), x, run(self, (x, xl), (r, rl), (p, pl)))
@@ -417,8 +467,15 @@ impl CustomOp3 for ResidualLayerNormOp {
                     eps: self.eps,
                     dropout: self.dropout,
                     places: self.places.clone(),
+                    keep: Handoff::empty(),
                 },
                 grad: Handoff::new(grad.contiguous()?),
+                // (The bytes where the forward wrote them and the settings still take the
+                // backward that reads them: else it draws the same keeps from the keys.)
+                keep: self
+                    .keep
+                    .take_any()
+                    .filter(|_| crate::kernels::cuda_norm_keep_bits()),
             };
             let packed = x.apply_op3_no_bwd(residual, params, &op)?;
             let hidden = params.dim(1)?;
@@ -439,6 +496,8 @@ impl CustomOp3 for ResidualLayerNormOp {
 struct ResidualLayerNormBackwardOp {
     forward: ResidualLayerNormOp,
     grad: Handoff,
+    /// The forward's keep bytes, where it wrote them.
+    keep: Option<CudaSlice<u8>>,
 }
 
 impl CustomOp3 for ResidualLayerNormBackwardOp {
@@ -482,6 +541,7 @@ impl CustomOp3 for ResidualLayerNormBackwardOp {
                         Some(&places),
                         s,
                         dropped,
+                        op.keep.as_ref(),
                     )
                 })
             })?;
@@ -514,6 +574,7 @@ pub(crate) fn residual_layer_norm(
             eps: eps as f32,
             dropout,
             places: Places::of(packing),
+            keep: Handoff::empty(),
         },
     )
 }
