@@ -987,8 +987,8 @@ pub(crate) static CUDA_NORM_BACKWARD_AHEAD: Switch =
 /// trips to memory a row that nothing overlaps (a block's rows come one after the other, four
 /// a block at BERT-large's 8,192 tokens; 48 such backwards a pass), one. The same arithmetic in
 /// the same order: the same bits (`bench/gpu/emulate` compares it with the backward in use:
-/// f32, bf16, f16, with and without a residual and dropout). ptxas (sm_90): 80 registers like
-/// the form in use, held there by its launch bounds (92 unbounded: five blocks an SM, not
+/// f32, bf16, f16, with and without a residual and dropout). ptxas (sm_90): 79 registers (the
+/// form in use 80), held there by its launch bounds (92 unbounded: five blocks an SM, not
 /// six), no spills. Checked by `bertkit check kernels --device cuda` (its `backward ahead`
 /// norm rows), not yet run on a GPU: unset, it is off unless
 /// `BERTKIT_CUDA_NORM_BACKWARD=ahead`.
@@ -1013,8 +1013,8 @@ pub(crate) static CUDA_NORM_KEEP_BITS: Switch = Switch::opt_in("BERTKIT_CUDA_NOR
 /// pass), and the backward reads them where it drew every keep again from the keys (a
 /// splitmix64 an element, and the row's line in every thread). The same masks, so the same
 /// bits (`bench/gpu/emulate`: the forward's output and the backward's gradients against the
-/// forms without, f32, bf16, f16). Compiled for sm_90, the bf16 backward's row loop has 480
-/// instructions where the form without has 788; the forward's 1,820 where 1,710 (its stores).
+/// forms without, f32, bf16, f16). Compiled for sm_90, the bf16 backward's row loop has 484
+/// instructions where the form without has 794; the forward's 1,820 where 1,710 (its stores).
 /// The forward with dropout took 24 µs a call on an H200 where it took 12.7 without (its
 /// hashing the bound; BENCHMARKS.md, 2026-11-27): the forward still draws them. Checked by
 /// `bertkit check kernels --device cuda` (its `keep bits` norm row), not yet run on a GPU:

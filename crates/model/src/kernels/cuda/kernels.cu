@@ -413,7 +413,7 @@ __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* 
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         float v[N];
         uint32_t kept;
-        NormPieces now;
+        NormPieces now{};  // (zeros where a thread past the row's end loads nothing)
         if constexpr (Ahead) {
             load_norm_pieces(now, x, residual, grad, r, hidden);
             // (As `load_sum_vec`: zeros and every bit kept past the row's end.)
