@@ -254,8 +254,7 @@ struct CudaKernels {
     /// pair of 64-place tiles.
     keep_bits: bool,
     /// The sublayer ends' dropout keep bits handed from their forward to their backward
-    /// ([`bertkit_model::kernels::set_cuda_norm_keep_bits`], with the norm's warp forward): a
-    /// byte a 16-byte piece of a row.
+    /// ([`bertkit_model::kernels::cuda_norm_keeps_bits`]): a byte a 16-byte piece of a row.
     norm_keep_bits: bool,
 }
 
@@ -269,9 +268,7 @@ impl CudaKernels {
             tape: bertkit_model::kernels::cuda_tape(),
             fused_embeddings: bertkit_model::kernels::cuda_embeddings_end(),
             keep_bits: bertkit_model::kernels::cuda_flash_keeps_bits(),
-            norm_keep_bits: bertkit_model::kernels::cuda_norm_keep_bits()
-                && bertkit_model::kernels::cuda_norm_warp_forward()
-                && bertkit_model::kernels::cuda_norm_vector(),
+            norm_keep_bits: bertkit_model::kernels::cuda_norm_keeps_bits(),
         }
     }
 

@@ -1029,6 +1029,14 @@ pub fn cuda_norm_keep_bits() -> bool {
     CUDA_NORM_KEEP_BITS.get()
 }
 
+/// Whether the sublayer ends, where they drop, hand the keep bits from their forward to their
+/// backward: [`set_cuda_norm_keep_bits`] with the kernels 16 bytes a thread and the forward a
+/// warp per row ([`set_cuda_norm_vector`], [`set_cuda_norm_warp_forward`]), whose form writes
+/// them (rows of up to 2,048 bf16 elements take it).
+pub fn cuda_norm_keeps_bits() -> bool {
+    cuda_norm_keep_bits() && cuda_norm_vector() && cuda_norm_warp_forward()
+}
+
 /// Whether the CUDA kernels' partial column sums are added by 32 lanes a column.
 pub(crate) static CUDA_COLUMN_SUMS_LANES: Switch =
     Switch::opt_out("BERTKIT_CUDA_COLUMN_SUMS", "serial");

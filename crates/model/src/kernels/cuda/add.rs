@@ -39,7 +39,7 @@ impl CustomOp2 for AddTensors {
             // SAFETY: the kernel writes every element.
             let mut out = unsafe { dev.alloc::<T>(n)? };
             // A thread per 16 bytes, grid-stride past 65,535 blocks.
-            let threads = n.div_ceil(16 / std::mem::size_of::<T>());
+            let threads = n.div_ceil(piece_elements::<T>());
             launch!(
                 T,
                 dev,

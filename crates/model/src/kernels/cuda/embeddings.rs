@@ -99,7 +99,7 @@ fn operands<'a, T: Element>(
 /// Whether the kernels take rows of `hidden` elements of `T`: whole 16-byte pieces of `T` (and
 /// so of the f32 tables), at most [`MAX_HIDDEN`].
 fn fits<T>(hidden: usize) -> bool {
-    hidden > 0 && hidden <= MAX_HIDDEN && hidden.is_multiple_of(16 / std::mem::size_of::<T>())
+    hidden > 0 && hidden <= MAX_HIDDEN && hidden.is_multiple_of(piece_elements::<T>())
 }
 
 /// Runs `f` with the device views of the three lookups' rows and the tokens' places.

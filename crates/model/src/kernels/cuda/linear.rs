@@ -62,7 +62,7 @@ fn forward<T: Element>(
     let (name, cfg) = if vector && crate::kernels::cuda_bias_act_rows() {
         // A thread a piece of a row at every ROWS_A_THREAD-th row (its bias read once); a
         // block's threads no more than a row's pieces (whole warps).
-        let pieces = cols / (16 / std::mem::size_of::<T>());
+        let pieces = cols / piece_elements::<T>();
         let threads = pieces.next_multiple_of(32).min(256);
         let cfg = LaunchConfig {
             grid_dim: (
@@ -75,7 +75,7 @@ fn forward<T: Element>(
         ("bias_act_rows_forward", cfg)
     } else if vector {
         // A thread a 16-byte piece.
-        let pieces = rows * cols / (16 / std::mem::size_of::<T>());
+        let pieces = rows * cols / piece_elements::<T>();
         ("bias_act_vec_forward", config(pieces.div_ceil(256), 256, 0))
     } else {
         ("bias_act_forward", config(rows, 256, 0))

@@ -208,7 +208,14 @@ fn view<'a, T: CudaDType + DeviceRepr>(
 /// boundary: what the kernels 16 bytes a thread need.
 fn in_16_byte_pieces<T>(cols: usize, starts: impl IntoIterator<Item = usize>) -> bool {
     let size = std::mem::size_of::<T>();
-    cols.is_multiple_of(16 / size) && starts.into_iter().all(|s| (s * size).is_multiple_of(16))
+    cols.is_multiple_of(piece_elements::<T>())
+        && starts.into_iter().all(|s| (s * size).is_multiple_of(16))
+}
+
+/// Elements of `T` in a 16-byte piece, the unit of the kernels' vector loads (`Vec16<T>::N` in
+/// `kernels.cu`).
+fn piece_elements<T>() -> usize {
+    16 / std::mem::size_of::<T>()
 }
 
 /// Runs `f` on the contiguous elements of `t`, a tensor held by an op (not one of its inputs).

@@ -24,7 +24,7 @@ struct NormShape {
 fn vector_form<T>(hidden: usize, starts: &[usize]) -> bool {
     crate::kernels::cuda_norm_vector()
         && in_16_byte_pieces::<T>(hidden, starts.iter().copied())
-        && hidden / (16 / std::mem::size_of::<T>()) <= 1024
+        && pieces::<T>(hidden) <= 1024
 }
 
 /// The most 16-byte pieces a lane of the forward a warp per row holds (`WARP_ROW_PIECES` in
@@ -33,10 +33,16 @@ const WARP_ROW_PIECES: usize = 4;
 
 /// A block's threads for the kernels 16 bytes a thread: one per piece of the row, whole warps.
 fn vector_threads<T>(hidden: usize) -> usize {
-    (hidden / (16 / std::mem::size_of::<T>())).next_multiple_of(32)
+    pieces::<T>(hidden).next_multiple_of(32)
 }
 
-/// The forward kernel: `y = norm(dropout(x) + residual) · weight + bias`.
+/// A row's 16-byte pieces: the threads of the kernels 16 bytes a thread, the keep bytes a row.
+fn pieces<T>(hidden: usize) -> usize {
+    hidden / piece_elements::<T>()
+}
+
+/// The forward kernel: `y = norm(dropout(x) + residual) · weight + bias`; `keep`: where the
+/// dropout's keep bytes go (the warp forward's form writing them, [`keeps_bits`]).
 #[allow(clippy::too_many_arguments)]
 fn forward<T: Element>(
     dev: &CudaDevice,
@@ -51,7 +57,9 @@ fn forward<T: Element>(
     // SAFETY: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(s.rows * s.hidden)? };
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
-    let (name, cfg) = if warp_forward::<T>(&s) {
+    let warp = warp_forward::<T>(&s);
+    let keep = keep.filter(|_| warp);
+    let (name, cfg) = if warp {
         // Four warps a block, a warp a row.
         let name = if keep.is_some() {
             "layer_norm_warp_forward_bits"
@@ -83,9 +91,7 @@ fn forward<T: Element>(
             None => b.arg(&NULL),
         };
         b.arg(&seq);
-        if name == "layer_norm_warp_forward_bits"
-            && let Some(keep) = keep
-        {
+        if let Some(keep) = keep {
             b.arg(keep);
         }
     })?;
@@ -94,15 +100,16 @@ fn forward<T: Element>(
 
 /// Whether the forward takes a warp per row ([`crate::kernels::set_cuda_norm_warp_forward`]).
 fn warp_forward<T>(s: &NormShape) -> bool {
-    let pieces = s.hidden / (16 / std::mem::size_of::<T>());
-    s.vector && crate::kernels::cuda_norm_warp_forward() && pieces <= WARP_ROW_PIECES * 32
+    s.vector
+        && crate::kernels::cuda_norm_warp_forward()
+        && pieces::<T>(s.hidden) <= WARP_ROW_PIECES * 32
 }
 
 /// Whether a sublayer end's forward writes its dropout's keep bytes for its backward
 /// ([`crate::kernels::set_cuda_norm_keep_bits`]): with dropout, its forward a warp per row and
 /// its backward the one with a row's loads at once, which read them.
 fn keeps_bits<T>(s: &NormShape) -> bool {
-    crate::kernels::cuda_norm_keep_bits()
+    crate::kernels::cuda_norm_keeps_bits()
         && s.dropout.on != 0
         && warp_forward::<T>(s)
         && vector_threads::<T>(s.hidden) <= AHEAD_THREADS
@@ -110,7 +117,7 @@ fn keeps_bits<T>(s: &NormShape) -> bool {
 
 /// The keep bytes of a sublayer end: one a 16-byte piece of a row.
 fn keep_bytes<T>(s: &NormShape) -> usize {
-    s.rows * (s.hidden / (16 / std::mem::size_of::<T>()))
+    s.rows * pieces::<T>(s.hidden)
 }
 
 /// Blocks of the backward kernel with its wider grid ([`crate::kernels::set_cuda_norm_wide_grid`]):
@@ -157,16 +164,19 @@ fn backward<T: Element>(
     {
         let (mut grad_sum, mut rest) = out.split_at_mut(n);
         let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
+        // The backward with a row's loads at once takes blocks of up to `AHEAD_THREADS`; the
+        // keep bytes only with it.
+        let ahead = s.vector && vector_threads::<T>(s.hidden) <= AHEAD_THREADS;
+        let keep = keep.filter(|_| ahead);
         let (name, cfg) = if s.vector {
-            let threads = vector_threads::<T>(s.hidden);
-            let name = if keep.is_some() && threads <= AHEAD_THREADS {
+            let name = if keep.is_some() {
                 "layer_norm_vec_backward_ahead_bits"
-            } else if crate::kernels::cuda_norm_backward_ahead() && threads <= AHEAD_THREADS {
+            } else if ahead && crate::kernels::cuda_norm_backward_ahead() {
                 "layer_norm_vec_backward_ahead"
             } else {
                 "layer_norm_vec_backward"
             };
-            (name, config(blocks, threads, 0))
+            (name, config(blocks, vector_threads::<T>(s.hidden), 0))
         } else {
             (
                 "layer_norm_backward",
@@ -195,9 +205,7 @@ fn backward<T: Element>(
                 None => b.arg(&NULL),
             };
             b.arg(&seq);
-            if name == "layer_norm_vec_backward_ahead_bits"
-                && let Some(keep) = keep
-            {
+            if let Some(keep) = keep {
                 b.arg(keep);
             }
         })?;
