@@ -769,9 +769,9 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
                                    hidden, eps, d, p, seq);
     });
     // The backward, then each form's parameter gradients through its column sums.
+    // (`partial`: the blocks' parameter sums, kept for the forms compared with them below.)
     const auto backward = [&](bool vec, std::vector<T>& grad_sum, std::vector<T>& grad_x,
-                              std::vector<T>& params) {
-        std::vector<float> partial((size_t)blocks * 2 * hidden, NAN);
+                              std::vector<T>& params, std::vector<float>& partial) {
         if (vec) {
             emulate_launch({blocks, 1, 1}, vec_threads, [&] {
                 layer_norm_vec_backward<T>(x.data(), r, weight.data(), grad.data(),
@@ -794,22 +794,18 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     };
     std::vector<T> gs_old(n, nan), gx_old(n, nan), pa_old(2 * hidden, nan);
     std::vector<T> gs_vec(n, nan), gx_vec(n, nan), pa_vec(2 * hidden, nan);
-    backward(false, gs_old, gx_old, pa_old);
-    backward(true, gs_vec, gx_vec, pa_vec);
+    std::vector<float> partial_old((size_t)blocks * 2 * hidden, NAN), partial_vec(partial_old);
+    backward(false, gs_old, gx_old, pa_old, partial_old);
+    backward(true, gs_vec, gx_vec, pa_vec, partial_vec);
     // The vector backward with each row's loads at once (`layer_norm_vec_backward<T, true>`,
     // `BERTKIT_CUDA_NORM_BACKWARD=ahead`): the vector backward's bits.
     std::vector<T> gs_ahead(n, nan), gx_ahead(n, nan);
-    std::vector<float> partial_vec((size_t)blocks * 2 * hidden, NAN), partial_ahead(partial_vec);
-    for (auto* part : {&partial_vec, &partial_ahead}) {
-        const bool ahead = part == &partial_ahead;
-        std::vector<T> gs(n, nan), gx(n, nan);
-        emulate_launch({blocks, 1, 1}, vec_threads, [&] {
-            (ahead ? layer_norm_vec_backward<T, true> : layer_norm_vec_backward<T, false>)(
-                x.data(), r, weight.data(), grad.data(), (ahead ? gs_ahead : gs).data(),
-                (ahead ? gx_ahead : gx).data(), part->data(), rows, hidden, eps, d, p, seq,
-                nullptr);
-        });
-    }
+    std::vector<float> partial_ahead(partial_vec.size(), NAN);
+    emulate_launch({blocks, 1, 1}, vec_threads, [&] {
+        layer_norm_vec_backward<T, true>(x.data(), r, weight.data(), grad.data(), gs_ahead.data(),
+                                         gx_ahead.data(), partial_ahead.data(), rows, hidden, eps,
+                                         d, p, seq);
+    });
     size_t ahead_differ = 0;
     for (size_t i = 0; i < n; ++i) {
         ahead_differ += to_f32(gs_ahead[i]) != to_f32(gs_vec[i]) ||
