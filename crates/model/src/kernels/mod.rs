@@ -548,7 +548,7 @@ pub fn cuda_embeddings_in_pieces() -> bool {
 }
 
 /// Whether a CUDA linear layer casts a weight of another dtype itself.
-pub(crate) static CUDA_LINEAR_CAST: Switch = Switch::opt_in("BERTKIT_CUDA_LINEAR_CAST", "inside");
+pub(crate) static CUDA_LINEAR_CAST: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR_CAST", "outside");
 
 /// Turns on or off, for this process, a CUDA linear layer taking a weight kept in another dtype
 /// than its input as it is (the masked-LM decoder's: the f32 word embeddings it is tied to,
@@ -558,7 +558,11 @@ pub(crate) static CUDA_LINEAR_CAST: Switch = Switch::opt_in("BERTKIT_CUDA_LINEAR
 /// until the backward), whose gradient candle's autograd zeroes and adds into (62 MB and 186
 /// MB through candle's addition, an element a thread) before its cast's backward. The same
 /// products and casts. Checked by `bertkit check kernels --device cuda` (its `linear (f32
-/// weight)` rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_LINEAR_CAST=inside`.
+/// weight)` rows); it passed its check on an H200, where with the linear layers' backward
+/// through cuBLASLt and their end's forward by rows a phase-1 pass took what it took without
+/// (48.7 ms against 48.9, the cast's time moving from candle's ops to the linear layers')
+/// (BENCHMARKS.md, H200, 2026-11-27, evening): on with them, as the measured defaults; unset, it is on unless
+/// `BERTKIT_CUDA_LINEAR_CAST=outside`.
 pub fn set_cuda_linear_cast(on: bool) {
     CUDA_LINEAR_CAST.set(on);
 }
@@ -571,7 +575,7 @@ pub fn cuda_linear_cast() -> bool {
 
 /// Whether the embeddings' end on CUDA takes our fused kernel.
 pub(crate) static CUDA_EMBEDDINGS_END: Switch =
-    Switch::opt_in("BERTKIT_CUDA_EMBEDDINGS_END", "fused");
+    Switch::opt_out("BERTKIT_CUDA_EMBEDDINGS_END", "composed");
 
 /// Turns our CUDA kernel for the embeddings' end ([`Kernels::embeddings`]) on or off for this
 /// process: each token's word, token-type and position rows summed, LayerNorm and dropout in one
@@ -584,8 +588,10 @@ pub(crate) static CUDA_EMBEDDINGS_END: Switch =
 /// where the kernel reads each row once and writes the output once. The dropout draws the
 /// CPU's masks (the composed path's candle dropout does not, [`set_cuda_keyed_dropout`]).
 /// Checked by `bertkit check kernels --device cuda` (its `embeddings` rows, against the
-/// composed path on the CPU) and emulated on the CPU (`bench/gpu/emulate`), not yet run on a
-/// GPU: unset, it is off unless `BERTKIT_CUDA_EMBEDDINGS_END=fused`.
+/// composed path on the CPU) and emulated on the CPU (`bench/gpu/emulate`); it passed its
+/// check on an H200, where a phase-1 pass's embeddings took 0.17 ms where they took 0.94
+/// (inference 0.11 where 0.35) (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `BERTKIT_CUDA_EMBEDDINGS_END=composed`.
 pub fn set_cuda_embeddings_end(on: bool) {
     CUDA_EMBEDDINGS_END.set(on);
 }
@@ -597,7 +603,7 @@ pub fn cuda_embeddings_end() -> bool {
 }
 
 /// Whether the embeddings' and the pooler's dropout on CUDA take our keyed kernel.
-pub(crate) static CUDA_KEYED_DROPOUT: Switch = Switch::opt_in("BERTKIT_CUDA_DROPOUT", "keyed");
+pub(crate) static CUDA_KEYED_DROPOUT: Switch = Switch::opt_out("BERTKIT_CUDA_DROPOUT", "candle");
 
 /// Turns our CUDA kernel for the dropout outside the fused kernels (the embeddings', on a
 /// packed `[tokens, width]` tensor, and the pooler's) on or off for this process: the CPU's
@@ -606,8 +612,8 @@ pub(crate) static CUDA_KEYED_DROPOUT: Switch = Switch::opt_in("BERTKIT_CUDA_DROP
 /// comparison, two casts and a product: on an H200 ~0.4 ms of a BERT-large phase-1 pass;
 /// BENCHMARKS.md, 2026-11-27), with masks other than the CPU's for the same keys, and in bf16
 /// the scale rounded to bf16 (1.109 for 1.111). Checked by `bertkit check kernels --device
-/// cuda` (its `dropout` rows, against the CPU's masks), not yet run on a GPU: unset, it is off
-/// unless `BERTKIT_CUDA_DROPOUT=keyed`.
+/// cuda` (its `dropout` rows, against the CPU's masks); it passed its check on an H200
+/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_DROPOUT=candle`.
 pub fn set_cuda_keyed_dropout(on: bool) {
     CUDA_KEYED_DROPOUT.set(on);
 }
@@ -727,7 +733,12 @@ pub(crate) static CUDA_FLASH_ASYNC_COPIES: Switch =
 /// (`bench/gpu/emulate`, whose copies land only at their wait, compares them; without the wait
 /// every case fails). ptxas (sm_90): 128 registers, 46.6 KB of shared memory, four blocks an
 /// SM as before. Checked by `bertkit check kernels --device cuda` (its `attention flash async`
-/// rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_COPIES=async`.
+/// rows); it passed its check on an H200, where with the straight kernels and `ex2` an
+/// inference pass's attention took 0.88 ms and the pair forward's ([`set_cuda_flash_pair_forward`],
+/// on by default, which takes the forward in its place) 0.94, training's forward 1.34 and 1.35
+/// (one run each; BENCHMARKS.md, H200, 2026-11-27, evening): which of the two to keep waits on
+/// phase 2's 512 tokens. Unset, it is off unless `BERTKIT_CUDA_FLASH_COPIES=async` (with
+/// `BERTKIT_CUDA_FLASH_FORWARD=single`).
 pub fn set_cuda_flash_async_copies(on: bool) {
     CUDA_FLASH_ASYNC_COPIES.set(on);
 }
@@ -740,7 +751,7 @@ pub fn cuda_flash_async_copies() -> bool {
 
 /// Whether the one-pass attention's kernels take their straight forms.
 pub(crate) static CUDA_FLASH_STRAIGHT: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FLASH_BRANCHES", "none");
+    Switch::opt_out("BERTKIT_CUDA_FLASH_BRANCHES", "kept");
 
 /// Turns the one-pass attention's straight kernels on or off for this process (with its
 /// scores in registers and its tiles' loads batched; the forward's asynchronous copies too
@@ -755,8 +766,9 @@ pub(crate) static CUDA_FLASH_STRAIGHT: Switch =
 /// sm_90, the inference forward's key-tile loop has 804 instructions where the form in use has
 /// 1,908 and 4 branches where it has 68, with no more registers or shared memory
 /// (BENCHMARKS.md, 2026-11-27). Checked by `bertkit check kernels --device cuda`
-/// (its `attention flash straight` rows), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_FLASH_BRANCHES=none`.
+/// (its `attention flash straight` rows); it passed its check on an H200, where a phase-1
+/// pass's attention took 1.53 + 4.34 ms where it took 1.81 + 5.50 (inference 1.16 where 1.41)
+/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_FLASH_BRANCHES=kept`.
 pub fn set_cuda_flash_straight(on: bool) {
     CUDA_FLASH_STRAIGHT.set(on);
 }
@@ -767,7 +779,7 @@ pub fn cuda_flash_straight() -> bool {
 }
 
 /// Whether the one-pass attention's straight kernels take their exponentials by `ex2`.
-pub(crate) static CUDA_FLASH_EXP2: Switch = Switch::opt_in("BERTKIT_CUDA_FLASH_EXP", "exp2");
+pub(crate) static CUDA_FLASH_EXP2: Switch = Switch::opt_out("BERTKIT_CUDA_FLASH_EXP", "expf");
 
 /// Turns the one-pass attention's exponentials by `ex2` on or off for this process (with its
 /// straight kernels, [`set_cuda_flash_straight`], which it changes): each probability one
@@ -777,8 +789,10 @@ pub(crate) static CUDA_FLASH_EXP2: Switch = Switch::opt_in("BERTKIT_CUDA_FLASH_E
 /// are rounded to for their product. Compiled for sm_90, the inference forward's key-tile loop
 /// has 530 instructions where the straight form has 804 (BENCHMARKS.md, 2026-11-27). Not the
 /// same bits as `expf`: `bench/gpu/emulate` and `bertkit check kernels` hold it to the
-/// reference's bounds (its `attention flash straight exp2` rows). Not yet run on a GPU: unset,
-/// it is off unless `BERTKIT_CUDA_FLASH_EXP=exp2`.
+/// reference's bounds (its `attention flash straight exp2` rows). It passed its check on an
+/// H200, where a phase-1 pass's attention took 1.39 + 4.17 ms where the straight form took
+/// 1.53 + 4.34 (inference 1.08 where 1.16) (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `BERTKIT_CUDA_FLASH_EXP=expf`.
 pub fn set_cuda_flash_exp2(on: bool) {
     CUDA_FLASH_EXP2.set(on);
 }
@@ -791,7 +805,7 @@ pub fn cuda_flash_exp2() -> bool {
 
 /// Whether the one-pass attention's forward takes a block for each pair of query tiles.
 pub(crate) static CUDA_FLASH_PAIR_FORWARD: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FLASH_FORWARD", "pair");
+    Switch::opt_out("BERTKIT_CUDA_FLASH_FORWARD", "single");
 
 /// Turns the one-pass attention's forward with a block for each pair of query tiles on or off
 /// for this process (with the straight kernels, [`set_cuda_flash_straight`], as one of them;
@@ -802,8 +816,10 @@ pub(crate) static CUDA_FLASH_PAIR_FORWARD: Switch =
 /// by asynchronous copies into two buffers, the second the queries' tile once each warp holds
 /// its queries in registers. Two blocks of 256 threads an SM by registers (sm_90: 128, 37 KB of
 /// shared memory). The same bits as the straight forward (`bench/gpu/emulate`). Checked by
-/// `bertkit check kernels --device cuda` (its `attention flash pair` rows), not yet run on a
-/// GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_FORWARD=pair`.
+/// `bertkit check kernels --device cuda` (its `attention flash pair` rows); it passed its check
+/// on an H200, where an inference pass's attention took 0.94 ms where the straight form's
+/// took 1.08 (training's forward 1.35 where 1.39) (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `BERTKIT_CUDA_FLASH_FORWARD=single`.
 pub fn set_cuda_flash_pair_forward(on: bool) {
     CUDA_FLASH_PAIR_FORWARD.set(on);
 }
@@ -817,7 +833,7 @@ pub fn cuda_flash_pair_forward() -> bool {
 /// Whether the one-pass attention's straight kernels hand the dropout's keep bits from the
 /// forward to the backward.
 pub(crate) static CUDA_FLASH_KEEP_BITS: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FLASH_DROPOUT", "bits");
+    Switch::opt_out("BERTKIT_CUDA_FLASH_DROPOUT", "drawn");
 
 /// Turns the one-pass attention's keep bits on or off for this process (with its straight
 /// kernels, [`set_cuda_flash_straight`], each form of their forward, with or without
@@ -830,8 +846,9 @@ pub(crate) static CUDA_FLASH_KEEP_BITS: Switch =
 /// key-tile loops have 869 and 1,116 instructions (queries', keys' and values') where the
 /// straight forms with dropout have 1,605 and 1,850 (without dropout 765 and 938); the
 /// forward's has 94 more, its stores (BENCHMARKS.md, 2026-11-27). Checked by `bertkit check
-/// kernels --device cuda` (its `attention flash bits` rows), not yet run on a GPU: unset, it
-/// is off unless `BERTKIT_CUDA_FLASH_DROPOUT=bits`.
+/// kernels --device cuda` (its `attention flash bits` rows); it passed its check on an H200,
+/// where a phase-1 pass's attention took 1.49 + 3.72 ms where it took 1.39 + 4.17 (BENCHMARKS.md, H200, 2026-11-27, evening):
+/// unset, it is on unless `BERTKIT_CUDA_FLASH_DROPOUT=drawn`.
 pub fn set_cuda_flash_keep_bits(on: bool) {
     CUDA_FLASH_KEEP_BITS.set(on);
 }
@@ -902,7 +919,7 @@ pub fn cuda_norm_vector() -> bool {
 
 /// Whether a linear layer's end's forward on CUDA fixes each thread's columns.
 pub(crate) static CUDA_BIAS_ACT_ROWS: Switch =
-    Switch::opt_in("BERTKIT_CUDA_BIAS_ACT_FORWARD", "rows");
+    Switch::opt_out("BERTKIT_CUDA_BIAS_ACT_FORWARD", "pieces");
 
 /// Turns a linear layer's end's forward with each thread's columns fixed on or off for this
 /// process (with [`set_cuda_bias_act_vector`]'s 16 bytes a thread): a thread takes one 16-byte
@@ -912,8 +929,9 @@ pub(crate) static CUDA_BIAS_ACT_ROWS: Switch =
 /// `[8192, 4096]` bf16 took 49.6 µs on an H200, the SM at 68%): compiled for sm_90, a thread's
 /// path for 8 bf16 elements with a bias and GELU is ~247 instructions where it is ~310. The
 /// same arithmetic on each element: the same bits (`bench/gpu/emulate`). Checked by `bertkit
-/// check kernels --device cuda` (the linear, GELU and feed-forward rows), not yet run on a GPU:
-/// unset, it is off unless `BERTKIT_CUDA_BIAS_ACT_FORWARD=rows`.
+/// check kernels --device cuda` (the linear, GELU and feed-forward rows); it passed its check
+/// on an H200, where an inference pass's feed-forward took 5.72 ms where it took 5.89
+/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_BIAS_ACT_FORWARD=pieces`.
 pub fn set_cuda_bias_act_rows(on: bool) {
     CUDA_BIAS_ACT_ROWS.set(on);
 }
@@ -978,7 +996,7 @@ pub fn cuda_norm_warp_forward() -> bool {
 
 /// Whether LayerNorm's backward on CUDA (16 bytes a thread) loads a row's inputs at once.
 pub(crate) static CUDA_NORM_BACKWARD_AHEAD: Switch =
-    Switch::opt_in("BERTKIT_CUDA_NORM_BACKWARD", "ahead");
+    Switch::opt_out("BERTKIT_CUDA_NORM_BACKWARD", "after");
 
 /// Turns LayerNorm's (and a sublayer's end's) backward with each row's loads at once on or off
 /// for this process (its 16-byte form, [`set_cuda_norm_vector`]): a thread's pieces of the
@@ -990,8 +1008,9 @@ pub(crate) static CUDA_NORM_BACKWARD_AHEAD: Switch =
 /// f32, bf16, f16, with and without a residual and dropout). ptxas (sm_90): 79 registers (the
 /// form in use 80), held there by its launch bounds (92 unbounded: five blocks an SM, not
 /// six), no spills. Checked by `bertkit check kernels --device cuda` (its `backward ahead`
-/// norm rows), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_NORM_BACKWARD=ahead`.
+/// norm rows); it passed its check on an H200, where with the keep bits
+/// ([`set_cuda_norm_keep_bits`]) a phase-1 pass's sublayer ends' backward took 3.41 ms where it
+/// took 4.09 (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_NORM_BACKWARD=after`.
 pub fn set_cuda_norm_backward_ahead(on: bool) {
     CUDA_NORM_BACKWARD_AHEAD.set(on);
 }
@@ -1003,7 +1022,8 @@ pub fn cuda_norm_backward_ahead() -> bool {
 }
 
 /// Whether a sublayer end's forward on CUDA hands its dropout's keep bits to its backward.
-pub(crate) static CUDA_NORM_KEEP_BITS: Switch = Switch::opt_in("BERTKIT_CUDA_NORM_DROPOUT", "bits");
+pub(crate) static CUDA_NORM_KEEP_BITS: Switch =
+    Switch::opt_out("BERTKIT_CUDA_NORM_DROPOUT", "drawn");
 
 /// Turns a sublayer end's keep bits on or off for this process (with LayerNorm's forward a warp
 /// per row, [`set_cuda_norm_warp_forward`], whose form writes them; its backward then takes the
@@ -1017,8 +1037,9 @@ pub(crate) static CUDA_NORM_KEEP_BITS: Switch = Switch::opt_in("BERTKIT_CUDA_NOR
 /// instructions where the form without has 794; the forward's 1,820 where 1,710 (its stores).
 /// The forward with dropout took 24 µs a call on an H200 where it took 12.7 without (its
 /// hashing the bound; BENCHMARKS.md, 2026-11-27): the forward still draws them. Checked by
-/// `bertkit check kernels --device cuda` (its `keep bits` norm row), not yet run on a GPU:
-/// unset, it is off unless `BERTKIT_CUDA_NORM_DROPOUT=bits`.
+/// `bertkit check kernels --device cuda` (its `keep bits` norm row); it passed its check on an
+/// H200 (with the backward above: 3.41 ms where 4.09, BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is
+/// on unless `BERTKIT_CUDA_NORM_DROPOUT=drawn`.
 pub fn set_cuda_norm_keep_bits(on: bool) {
     CUDA_NORM_KEEP_BITS.set(on);
 }
@@ -1085,7 +1106,7 @@ pub fn cuda_linear_epilogue() -> bool {
 
 /// Whether a linear layer's backward on CUDA takes its products through cuBLASLt.
 pub(crate) static CUDA_LINEAR_BACKWARD_LT: Switch =
-    Switch::opt_in("BERTKIT_CUDA_LINEAR_BACKWARD", "lt");
+    Switch::opt_out("BERTKIT_CUDA_LINEAR_BACKWARD", "matmul");
 
 /// Turns a linear layer's backward products through cuBLASLt on or off for this process (bf16
 /// and f16, operands of whole 16-byte pieces): the input's gradient and the weight's through
@@ -1095,8 +1116,10 @@ pub(crate) static CUDA_LINEAR_BACKWARD_LT: Switch =
 /// 2026-11-27; whether the products or the host's gaps make it, the next run will say). The
 /// same products in f32 accumulation, another kernel's order of the sums. cuBLASLt cannot run
 /// on the CPU: checked by `bertkit check kernels --device cuda` (the linear, GELU and
-/// feed-forward rows' gradients), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_LINEAR_BACKWARD=lt`.
+/// feed-forward rows' gradients); it passed its check on an H200, and with the decoder's cast
+/// inside and the end's forward by rows a phase-1 pass took what it took without: the linear
+/// layers' backward runs at the same ~270 TFLOP/s through either (BENCHMARKS.md, H200, 2026-11-27, evening): on with them, as
+/// the measured defaults; unset, it is on unless `BERTKIT_CUDA_LINEAR_BACKWARD=matmul`.
 pub fn set_cuda_linear_backward_lt(on: bool) {
     CUDA_LINEAR_BACKWARD_LT.set(on);
 }
