@@ -31,10 +31,13 @@ pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&log_sum)
 }
 
-/// Per-row negative log-likelihood of `labels` (`[rows]`, u32) under `logits` (`[rows, classes]`).
-/// On the CPU in f32 one fused op of ours (forward and backward each one pass over the logits;
-/// the masked-LM logits are `[slots, vocabulary]`), on CUDA its twin where turned on
-/// ([`crate::kernels::set_cuda_loss`]: f32 or bf16 logits as they are); elsewhere composed ops.
+/// Per-row negative log-likelihood of `labels` (`[rows]`, u32) under `logits` (`[rows, classes]`,
+/// or `[..., classes]` with every dimension but the last a row's: the masked-LM logits as the
+/// model gives them, `[batch, predictions, vocabulary]`, with no reshape between them and the
+/// loss, which would cost candle's backward a zeroed tensor and an addition over all of them).
+/// On the CPU in f32 one fused op of ours (forward and backward each one pass over the logits),
+/// on CUDA its twin where turned on ([`crate::kernels::set_cuda_loss`]: f32 or bf16 logits as
+/// they are); elsewhere composed ops.
 pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(nll) = crate::kernels::cuda_nll(logits, labels) {
@@ -51,6 +54,8 @@ pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
             .contiguous()?
             .apply_op2(&labels, crate::kernels::cpu::NegativeLogLikelihood);
     }
+    let classes = logits.dim(D::Minus1)?;
+    let logits = logits.reshape(((), classes))?;
     let picked = log_softmax(&logits)?.gather(&labels.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
     picked.squeeze(1)?.neg()
 }
@@ -64,11 +69,8 @@ pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
 /// (`[batch, predictions]`: 1 for real masked positions, 0 for padding slots), averaged over
 /// the real ones, as Google's BERT computes it.
 pub fn masked_lm_loss(mlm_logits: &Tensor, labels: &Tensor, weights: &Tensor) -> Result<Tensor> {
-    let (batch, predictions, vocab) = mlm_logits.dims3()?;
-    let nll = nll_per_row(
-        &mlm_logits.reshape((batch * predictions, vocab))?,
-        &labels.flatten_all()?,
-    )?;
+    mlm_logits.dims3()?;
+    let nll = nll_per_row(mlm_logits, &labels.flatten_all()?)?;
     let w = weights.flatten_all()?.to_dtype(nll.dtype())?;
     let total = (nll * &w)?.sum_all()?;
     total.broadcast_div(&(w.sum_all()? + 1e-5)?)

@@ -454,9 +454,9 @@ fn loss_sums(
     out: &bertkit_model::PreTrainingOutput,
     d: &DeviceBatch,
 ) -> Result<(Tensor, Tensor, Tensor), TrainError> {
-    let (bs, p, v) = out.mlm_logits.dims3()?;
-    let logits = out.mlm_logits.reshape((bs * p, v))?;
-    let mlm_nll = loss::nll_per_row(&logits, &d.labels.flatten_all()?)?;
+    // The logits as the heads give them: a reshape would cost the backward a zeroed tensor
+    // and an addition over all of them.
+    let mlm_nll = loss::nll_per_row(&out.mlm_logits, &d.labels.flatten_all()?)?;
     let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
     let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
     let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;

@@ -508,6 +508,22 @@ pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor
         .then(|| cuda::nll(logits, labels))
 }
 
+/// The rows and classes of the negative log-likelihood's operands, for `op`'s errors: logits
+/// `[..., classes]` (every dimension but the last a row's: the masked-LM logits come as
+/// `[batch, predictions, vocabulary]`, where a reshape to two dimensions would cost candle's
+/// backward a zeroed tensor and an addition over all of them) and labels `[rows]`. The CPU's
+/// kernel and the CUDA one's launcher both read them here.
+pub(crate) fn nll_rows(op: &str, logits: &[usize], labels: &[usize]) -> Result<(usize, usize)> {
+    let Some((&classes, leading)) = logits.split_last().filter(|(_, l)| !l.is_empty()) else {
+        candle_core::bail!("{op}: [rows, classes] logits expected, got {logits:?}")
+    };
+    let rows: usize = leading.iter().product();
+    if labels != [rows] {
+        candle_core::bail!("{op}: [{rows}] labels for logits {logits:?} expected, got {labels:?}")
+    }
+    Ok((rows, classes))
+}
+
 /// Whether embedding lookups on CUDA take our kernel.
 pub(crate) static CUDA_EMBEDDINGS: Switch = Switch::opt_out("BERTKIT_CUDA_EMBEDDINGS", "composed");
 

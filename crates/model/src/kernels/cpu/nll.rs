@@ -11,7 +11,7 @@ use rayon::prelude::*;
 // Cross-entropy.
 
 /// The negative log-likelihood of each row's label, `log Σ exp(x) - x[label]`, for `logits`
-/// `[rows, classes]` (f32) and `labels` `[rows]` (u32). The backward recomputes each row's
+/// `[..., classes]` (f32; every dimension but the last a row's) and `labels` `[rows]` (u32). The backward recomputes each row's
 /// softmax from the logits: `g · (softmax(x) - onehot(label))`, one pass.
 pub(crate) struct NegativeLogLikelihood;
 
@@ -23,18 +23,8 @@ impl NegativeLogLikelihood {
         labels: &'a CpuStorage,
         labels_layout: &Layout,
     ) -> Result<(&'a [f32], &'a [u32], usize)> {
-        let [rows, classes] = *logits_layout.dims() else {
-            bail!(
-                "{op}: [rows, classes] logits expected, got {:?}",
-                logits_layout.dims()
-            )
-        };
-        if labels_layout.dims() != [rows] {
-            bail!(
-                "{op}: [{rows}] labels expected, got {:?}",
-                labels_layout.dims()
-            )
-        }
+        let (_, classes) =
+            crate::kernels::nll_rows(op, logits_layout.dims(), labels_layout.dims())?;
         let logits = contiguous(op, "logits", logits, logits_layout)?;
         let (CpuStorage::U32(labels), Some((start, end))) =
             (labels, labels_layout.contiguous_offsets())

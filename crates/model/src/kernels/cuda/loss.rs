@@ -9,7 +9,7 @@
 
 use super::*;
 
-/// `[rows]` f32: each row's `log Σ exp(x) - x[label]`, for `logits` `[rows, classes]` (f32 or
+/// `[rows]` f32: each row's `log Σ exp(x) - x[label]`, for `logits` `[..., classes]` (f32 or
 /// bf16) and `labels` `[rows]` u32 (checked on the host by `loss::labels`).
 pub(crate) fn nll(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     let op = Nll {
@@ -18,18 +18,10 @@ pub(crate) fn nll(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     logits.contiguous()?.apply_op2(&labels.contiguous()?, op)
 }
 
-/// The rows and classes of `[rows, classes]` logits with `[rows]` labels.
+/// The rows and classes of `[..., classes]` logits with `[rows]` labels
+/// ([`crate::kernels::nll_rows`]).
 fn nll_dims(name: &str, logits: &Layout, labels: &Layout) -> Result<(usize, usize)> {
-    let [rows, classes] = *logits.dims() else {
-        bail!(
-            "{name}: [rows, classes] logits expected, got {:?}",
-            logits.dims()
-        )
-    };
-    if labels.dims() != [rows] {
-        bail!("{name}: [{rows}] labels expected, got {:?}", labels.dims())
-    }
-    Ok((rows, classes))
+    crate::kernels::nll_rows(name, logits.dims(), labels.dims())
 }
 
 /// The kernels' launch: a block per row, rows strided past 65,535.
