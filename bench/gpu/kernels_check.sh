@@ -99,9 +99,10 @@ all_rows() {
     # run turned on the attention's straight kernels, ex2, pair forward and keep bits, the
     # sublayer ends' backward ahead and keep bits, the embeddings' end, the keyed dropout and
     # the linear layers' three.) The pair forward against the asynchronous copies of a block a
-    # query tile: one run each left them within 6% at inference; phase 2's 512 tokens decide.
+    # query tile: a tie in the evening's runs (inference, phase 2), kept as a row.
     printf '%s\n' "- | the defaults" \
-        "BERTKIT_CUDA_FLASH_FORWARD=single BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward a block a query tile, its tiles copied asynchronously (not the pair forward)"
+        "BERTKIT_CUDA_FLASH_FORWARD=single BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward a block a query tile, its tiles copied asynchronously (not the pair forward)" \
+        "BERTKIT_CUDA_FLASH_DELTA=vector | the attention's backward's delta 16 bytes a thread"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
@@ -210,9 +211,10 @@ pass_kernels() {
             $([[ $pass == inference ]] && echo --inference) > "$file" 2> "${file%.csv}.err"
         echo "rc $?"
         python3 "$here/ncu_summary.py" "$file" --passes 2 --top 45 || tail -n 5 "${file%.csv}.err"
-        # The same launches by shape (grid x block): which of a layer's products is slow.
-        python3 "$here/ncu_summary.py" "$file" --passes 2 --top 30 --by-shape > "${file%.csv}-shapes.txt" \
-            && echo "by launch shape: ${file%.csv}-shapes.txt"
+        # The same launches by shape (grid x block): which of a layer's products is slow. In
+        # the log (a call brings back eight files; 2026-11-27's ninth, this list, stayed there).
+        echo "by launch shape:"
+        python3 "$here/ncu_summary.py" "$file" --passes 2 --top 40 --by-shape | cut -c1-120
     done
 }
 # By CUDA events (the GPU's own time, the host running ahead as in training).

@@ -187,6 +187,33 @@ bool run(const Case& c) {
         flash_attention_delta_bf16(context_reg.data(), grad.data(), delta_reg.data(),
                                    scatter.data(), tokens, batch, heads, seq);
     });
+    // The delta 16 bytes a thread (`flash_attention_delta_vec_bf16`): every place written (0
+    // for padding), each within f32's rounding of its 64 products' sum in f64 (another order of
+    // the same sum), as the warp-a-query form's is.
+    std::vector<float> delta_vec(lse.size(), NAN);
+    emulate_launch({(queries * 8 + 255) / 256, 1, 1}, 256, [&] {
+        flash_attention_delta_vec_bf16(context_reg.data(), grad.data(), delta_vec.data(),
+                                       scatter.data(), tokens, batch, heads, seq);
+    });
+    size_t delta_off = 0;
+    for (int b = 0; b < batch; ++b)
+        for (int h = 0; h < heads; ++h)
+            for (int i = 0; i < seq; ++i) {
+                const size_t q = ((size_t)b * heads + h) * seq + i;
+                const uint32_t t = scatter[(size_t)b * seq + i];
+                double sum = 0.0, magnitude = 0.0;
+                if (t < (uint32_t)tokens)
+                    for (int e = 0; e < FLASH_HEAD; ++e) {
+                        const size_t at = (size_t)t * hidden + h * FLASH_HEAD + e;
+                        const double term =
+                            (double)to_f32(context_reg[at]) * (double)to_f32(grad[at]);
+                        sum += term;
+                        magnitude += std::fabs(term);
+                    }
+                const double bound = FLASH_HEAD * std::ldexp(1.0, -24) * magnitude;
+                for (const float got : {delta_vec[q], delta_reg[q]})
+                    delta_off += !(std::fabs((double)got - sum) <= bound);
+            }
     emulate_launch(grid, FLASH_THREADS, [&] {
         flash_registers_backward_kv_bf16(qkv.data(), grad.data(), lse_reg.data(),
                                          delta_reg.data(), grad_qkv_reg.data(), scatter.data(),
@@ -511,12 +538,15 @@ bool run(const Case& c) {
                 "ex2", exp2_async_differ, exp2_async_differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu values differ from the straight forwards' %s\n", c.name,
                 "pair", pair_differ, pair_differ ? "FAILED" : "ok");
+    std::printf("  %-28s %-8s %zu of both deltas off their sums in f64 by more than f32's rounding %s\n",
+                c.name, "delta", delta_off, delta_off ? "FAILED" : "ok");
     if (d.on) {
         std::printf("  %-28s %-8s %zu values and keep words differ from the straight forms' %s\n",
                     c.name, "bits", keep_differ, keep_differ ? "FAILED" : "ok");
     }
     return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
-           straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0 && keep_differ == 0;
+           straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0 && keep_differ == 0 &&
+           delta_off == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a

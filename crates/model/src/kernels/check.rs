@@ -212,6 +212,8 @@ enum Form {
     FlashBitsAsync,
     /// The same with its forward a block for a pair of query tiles, its exponentials by `ex2`.
     FlashBitsPairExp2,
+    /// The same (the defaults since 2026-11-27's evening run) with its delta 16 bytes a thread.
+    FlashDelta,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -249,6 +251,13 @@ impl Form {
                 &super::CUDA_FLASH_EXP2,
                 &super::CUDA_FLASH_KEEP_BITS,
             ],
+            Form::FlashDelta => vec![
+                &super::CUDA_FLASH_STRAIGHT,
+                &super::CUDA_FLASH_PAIR_FORWARD,
+                &super::CUDA_FLASH_EXP2,
+                &super::CUDA_FLASH_KEEP_BITS,
+                &super::CUDA_FLASH_DELTA_VECTOR,
+            ],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
             Form::NormAhead => vec![&super::CUDA_NORM_BACKWARD_AHEAD],
@@ -275,7 +284,8 @@ impl Form {
             | Form::FlashPair
             | Form::FlashBits
             | Form::FlashBitsAsync
-            | Form::FlashBitsPairExp2 => {
+            | Form::FlashBitsPairExp2
+            | Form::FlashDelta => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector | Form::NormWarp | Form::NormAhead | Form::NormBits => on_cuda,
@@ -286,7 +296,7 @@ impl Form {
     fn set(self) {
         let bits = matches!(
             self,
-            Form::FlashBits | Form::FlashBitsAsync | Form::FlashBitsPairExp2
+            Form::FlashBits | Form::FlashBitsAsync | Form::FlashBitsPairExp2 | Form::FlashDelta
         );
         let straight = bits
             || matches!(
@@ -308,13 +318,14 @@ impl Form {
         super::set_cuda_flash_straight(straight);
         super::set_cuda_flash_exp2(matches!(
             self,
-            Form::FlashStraightExp2 | Form::FlashBitsPairExp2
+            Form::FlashStraightExp2 | Form::FlashBitsPairExp2 | Form::FlashDelta
         ));
         super::set_cuda_flash_pair_forward(matches!(
             self,
-            Form::FlashPair | Form::FlashBitsPairExp2
+            Form::FlashPair | Form::FlashBitsPairExp2 | Form::FlashDelta
         ));
         super::set_cuda_flash_keep_bits(bits);
+        super::set_cuda_flash_delta_vector(self == Form::FlashDelta);
         super::set_cuda_norm_vector(matches!(
             self,
             Form::NormVector | Form::NormWarp | Form::NormAhead | Form::NormBits
@@ -340,7 +351,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 12] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 13] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -349,6 +360,7 @@ static FORM_SWITCHES: [&crate::switch::Switch; 12] = [
     &super::CUDA_FLASH_EXP2,
     &super::CUDA_FLASH_PAIR_FORWARD,
     &super::CUDA_FLASH_KEEP_BITS,
+    &super::CUDA_FLASH_DELTA_VECTOR,
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
     &super::CUDA_NORM_BACKWARD_AHEAD,
@@ -673,6 +685,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             true,
             Form::FlashBitsPairExp2,
         ),
+        attention("attention flash delta (eval)", false, Form::FlashDelta),
+        attention("attention flash delta (dropout)", true, Form::FlashDelta),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.

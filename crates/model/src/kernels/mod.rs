@@ -749,11 +749,11 @@ pub(crate) static CUDA_FLASH_ASYNC_COPIES: Switch =
 /// (`bench/gpu/emulate`, whose copies land only at their wait, compares them; without the wait
 /// every case fails). ptxas (sm_90): 128 registers, 46.6 KB of shared memory, four blocks an
 /// SM as before. Checked by `bertkit check kernels --device cuda` (its `attention flash async`
-/// rows); it passed its check on an H200, where with the straight kernels and `ex2` an
-/// inference pass's attention took 0.88 ms and the pair forward's ([`set_cuda_flash_pair_forward`],
-/// on by default, which takes the forward in its place) 0.94, training's forward 1.34 and 1.35
-/// (one run each; BENCHMARKS.md, H200, 2026-11-27, evening): which of the two to keep waits on
-/// phase 2's 512 tokens. Unset, it is off unless `BERTKIT_CUDA_FLASH_COPIES=async` (with
+/// rows); it passed its check on an H200, where with the straight kernels and `ex2` it ties
+/// with the pair forward ([`set_cuda_flash_pair_forward`], on by default, which takes the
+/// forward in its place): an inference pass's attention 0.90 ms where the pair's 0.96, phase
+/// 2's forward 2.28 where 2.22, phase 2's steps 33 ms both (one run each; BENCHMARKS.md, H200,
+/// 2026-11-27, evening). Unset, it is off unless `BERTKIT_CUDA_FLASH_COPIES=async` (with
 /// `BERTKIT_CUDA_FLASH_FORWARD=single`).
 pub fn set_cuda_flash_async_copies(on: bool) {
     CUDA_FLASH_ASYNC_COPIES.set(on);
@@ -883,6 +883,31 @@ pub fn cuda_flash_keeps_bits() -> bool {
         && cuda_flash_registers()
         && cuda_flash_batched_loads()
         && cuda_flash_straight()
+}
+
+/// Whether the one-pass attention's backward takes its rows' `Σ dO·O` 16 bytes a thread.
+pub(crate) static CUDA_FLASH_DELTA_VECTOR: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_DELTA", "vector");
+
+/// Turns the one-pass attention's delta 16 bytes a thread on or off for this process (each
+/// query's and head's `Σ dO·O`, which both backwards read, every form of the one-pass
+/// attention): eight threads a query's head, each one 16-byte load of the context and of the
+/// gradient and its eight products, then three shuffles; a warp four heads of a token. The
+/// kernel in use gives a head's 64 columns a warp, two bytes a lane, and a five-step warp sum:
+/// 30 µs a BERT-large layer at phase 1 on an H200 (~1.1 TB/s for its 33.5 MB; BENCHMARKS.md,
+/// 2026-11-27, evening), 0.7 ms a pass. The same products, another order of their sum
+/// (`bench/gpu/emulate` holds it to the kernel in use's within f32's rounding). Compiled for
+/// sm_90: 208 instructions where 376, 30 registers. Checked by `bertkit check kernels --device
+/// cuda` (its `attention flash delta` rows), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_FLASH_DELTA=vector`.
+pub fn set_cuda_flash_delta_vector(on: bool) {
+    CUDA_FLASH_DELTA_VECTOR.set(on);
+}
+
+/// Whether the one-pass attention's delta takes 16 bytes a thread (see
+/// [`set_cuda_flash_delta_vector`]).
+pub fn cuda_flash_delta_vector() -> bool {
+    CUDA_FLASH_DELTA_VECTOR.get()
 }
 
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
@@ -1202,7 +1227,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 31] = [
+static CUDA_SWITCHES: [&Switch; 32] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1223,6 +1248,7 @@ static CUDA_SWITCHES: [&Switch; 31] = [
     &CUDA_FLASH_EXP2,
     &CUDA_FLASH_PAIR_FORWARD,
     &CUDA_FLASH_KEEP_BITS,
+    &CUDA_FLASH_DELTA_VECTOR,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

@@ -286,19 +286,26 @@ impl CustomOp3 for FlashBackward<'_> {
         let mut delta = unsafe { dev.alloc::<f32>(queries)? };
         let mut grad_qkv = unsafe { dev.alloc::<half::bf16>(p.tokens * 3 * hidden)? };
         let args = shape_args(h);
+        // The delta a warp a query's head, or eight threads a head 16 bytes each
+        // (`crate::kernels::set_cuda_flash_delta_vector`; its 32-bit index needs the threads
+        // under 2^32).
+        let delta_threads = queries * (h.head / ALIGN);
+        let (delta_kernel, delta_config) =
+            if crate::kernels::cuda_flash_delta_vector() && u32::try_from(delta_threads).is_ok() {
+                (
+                    "flash_attention_delta_vec",
+                    config(delta_threads.div_ceil(256).min(65_535), 256, 0),
+                )
+            } else {
+                ("flash_attention_delta", config(queries.div_ceil(8), 256, 0))
+            };
         with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
-            launch!(
-                half::bf16,
-                dev,
-                "flash_attention_delta",
-                config(queries.div_ceil(8), 256, 0),
-                |b| {
-                    b.arg(&context).arg(&grad).arg(&mut delta).arg(&scatter);
-                    for a in &args {
-                        b.arg(a);
-                    }
+            launch!(half::bf16, dev, delta_kernel, delta_config, |b| {
+                b.arg(&context).arg(&grad).arg(&mut delta).arg(&scatter);
+                for a in &args {
+                    b.arg(a);
                 }
-            )?;
+            })?;
             // (The bits where the forward wrote them and the settings still take the forms
             // that read them: else the backwards draw the same keeps from the keys.)
             let keep =
