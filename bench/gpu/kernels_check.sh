@@ -243,13 +243,20 @@ pass_rows() {
 # with every setting the check passed. Whole sections in the logs, the headlines in
 # ncu-headlines.txt. (Each form these replaced was read on 2026-11-27: BENCHMARKS.md.)
 sections() {
-    log "2d' ncu sections: the attention, a linear layer's end, LayerNorm, with ${passed:-the defaults}"
+    log "2d' ncu sections: the attention, a linear layer's end, LayerNorm, then the backward's kernels, with ${passed:-the defaults}"
     large2
     # shellcheck disable=SC2086
     env $passed timeout 120 ncu --clock-control none -k regex:'flash_registers|bias_act|layer_norm' \
         --launch-count 16 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json --batch 64 \
         --seq 128 --dtype bf16 --device cuda --passes 1 > "$out/ncu-sections.txt" 2>&1
+    # The backward's own (LayerNorm's backward at ~1.4 TB/s, 60 µs a BERT-large call, and the
+    # attention's delta at ~1.1, by 2026-11-27's evening run: what bounds them).
+    # shellcheck disable=SC2086
+    env $passed timeout 120 ncu --clock-control none -k regex:'backward|delta' \
+        --launch-count 16 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis $b bench kernels --config /tmp/large2.json --batch 64 \
+        --seq 128 --dtype bf16 --device cuda --passes 1 >> "$out/ncu-sections.txt" 2>&1
     grep -hE "^  [a-z_]+.*Context|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput" \
         "$out/ncu-sections.txt" | cut -c1-110 > "$out/ncu-headlines.txt"
     echo "ncu headlines: $(wc -l < "$out/ncu-headlines.txt") lines in ncu-headlines.txt"
