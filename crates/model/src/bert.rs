@@ -1308,11 +1308,11 @@ impl BertForPreTraining {
             .forward_gelu(k, &picked, self.bert.config().gelu())?;
         let t = self.transform_norm.forward(k, &t)?;
         // The decoder: the word embeddings (`[vocab, hidden]`, a linear layer's layout, kept in
-        // f32: the kernels cast them for the product) and the output bias.
-        // The slots reshaped to `[batch, predictions, hidden]` before it, not the logits
-        // after it: the losses take the logits as the decoder gives them, and a reshape of the
-        // logits (`[slots, vocabulary]`) costs candle's backward a zeroed tensor and an
-        // addition over all of them where one of `t` costs them over a thirtieth as much.
+        // f32: the kernels cast them for the product) and the output bias, over the slots
+        // reshaped to `[batch, predictions, hidden]` first, not the logits after: the losses
+        // take the logits as the decoder gives them, and a reshape of the logits costs
+        // candle's backward a zeroed tensor and an addition over all of them, where one of
+        // `t` costs them over a thirtieth as much.
         let decoder = self.bert.word_embeddings();
         let bias = self.output_bias.to_dtype(t.dtype())?;
         let t = t.reshape((batch, predictions, ()))?;

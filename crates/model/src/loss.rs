@@ -54,8 +54,11 @@ pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
             .contiguous()?
             .apply_op2(&labels, crate::kernels::cpu::NegativeLogLikelihood);
     }
-    let classes = logits.dim(D::Minus1)?;
-    let logits = logits.reshape(((), classes))?;
+    // (Rows of more than one dimension as one: a node for candle's graph only where needed.)
+    let logits = match logits.rank() {
+        2 => logits,
+        _ => logits.reshape(((), logits.dim(D::Minus1)?))?,
+    };
     let picked = log_softmax(&logits)?.gather(&labels.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
     picked.squeeze(1)?.neg()
 }
@@ -69,7 +72,7 @@ pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
 /// (`[batch, predictions]`: 1 for real masked positions, 0 for padding slots), averaged over
 /// the real ones, as Google's BERT computes it.
 pub fn masked_lm_loss(mlm_logits: &Tensor, labels: &Tensor, weights: &Tensor) -> Result<Tensor> {
-    mlm_logits.dims3()?;
+    let (_batch, _predictions, _vocabulary) = mlm_logits.dims3()?;
     let nll = nll_per_row(mlm_logits, &labels.flatten_all()?)?;
     let w = weights.flatten_all()?.to_dtype(nll.dtype())?;
     let total = (nll * &w)?.sum_all()?;
