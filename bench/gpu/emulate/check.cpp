@@ -23,8 +23,8 @@
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
 //   gathered and summed by hand in token order (the same bits, f32, bf16 and f16), and the
 //   backward in pieces against the pieces' f32 sums by hand, in order;
-// - the gradients' sum (`add_tensors`, the same file) against sums by hand, 16-byte aligned and
-//   not;
+// - the gradients' sum (`add_tensors`, the same file; `add_half_into_f32`, a half gradient into
+//   an f32 one) against sums by hand, 16-byte aligned and not;
 // - the keyed dropout (`keyed_dropout`, the same file) against each element's keep drawn by hand
 //   from `dropout.rs`'s keys, packed tokens and plain rows;
 // - the embeddings' end (`embeddings_forward` and `embeddings_backward`, the same file: the
@@ -1074,6 +1074,31 @@ bool check_add(const char* name, size_t n, size_t offset, unsigned grid) {
     return wrong == 0;
 }
 
+// `a + float(b)` over `n` elements for an f32 `a` and a half `b` (`add_half_into_f32` in
+// `kernels.cu`, the handed-over gradient's sum) from `offset` elements in: the bits of the
+// cast and f32 addition it replaces; nothing before `offset` written.
+template <typename T>
+bool check_add_half(const char* name, size_t n, size_t offset, unsigned grid) {
+    std::mt19937_64 rng(11 + n);
+    std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+    std::vector<float> a(n + offset), out(n + offset, 0.0f);
+    std::vector<T> b(n + offset);
+    for (auto& x : a) x = u(rng);
+    for (auto& x : b) x = from_f32<T>(u(rng));
+    emulate_launch({grid, 1, 1}, 64, [&] {
+        add_half_into_f32<T>(a.data() + offset, b.data() + offset, out.data() + offset, n);
+    });
+    size_t wrong = 0;
+    for (size_t i = offset; i < n + offset; ++i) {
+        const float want = a[i] + to_f32(b[i]);
+        wrong += std::memcmp(&out[i], &want, sizeof want) != 0;
+    }
+    for (size_t i = 0; i < offset; ++i) wrong += out[i] != 0.0f;
+    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "sum", wrong, n,
+                wrong ? "FAILED" : "ok");
+    return wrong == 0;
+}
+
 // Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update
 // of the same weights, moments and gradients: the same bits. `ahead`: the in-place kernels with
 // their loads issued ahead (AdamW's in one launch).
@@ -1377,6 +1402,9 @@ int main() {
     ok = check_add<bf16>("add bf16, aligned", 8 * 1000 + 5, 0, 3) && ok;
     ok = check_add<bf16>("add bf16, unaligned", 999, 3, 2) && ok;
     ok = check_add<f16>("add f16, aligned", 4096, 0, 5) && ok;
+    ok = check_add_half<bf16>("add bf16 into f32, aligned", 8 * 1000 + 5, 0, 3) && ok;
+    ok = check_add_half<bf16>("add bf16 into f32, unaligned", 999, 3, 2) && ok;
+    ok = check_add_half<f16>("add f16 into f32, aligned", 4096 + 7, 0, 5) && ok;
     std::printf("the keyed dropout (keyed_dropout, kernels.cu) against the keys by hand:\n");
     ok = check_keyed_dropout<bf16>("dropout bf16, packed tokens", 29, 1024, true) && ok;
     ok = check_keyed_dropout<float>("dropout f32, rows", 11, 300, false) && ok;

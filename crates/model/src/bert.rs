@@ -785,11 +785,6 @@ impl Gradients {
         self.0.get(&tensor.id())
     }
 
-    /// The gradient an op handed over to `sink` since it was last taken (none if none).
-    pub fn handed_over(sink: &crate::kernels::GradientSink) -> Self {
-        Gradients(sink.take().into_iter().collect())
-    }
-
     /// Adds these gradients to `store`'s: each tensor's sum where both have one (`store`'s
     /// plus these, through the kernels' addition of gradients: on CUDA 16 bytes a thread, where
     /// `GradStore::extend` takes candle's, an element a thread), moved in where only these do.

@@ -53,12 +53,14 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: the one-pass attention's asynchronous copies and its delta 16 bytes a
-    // thread (their rows run on CUDA only); every other line needs nothing.
+    // Off by default: a half-precision gradient added into an f32 one by one kernel (its row
+    // runs in half precision only), the one-pass attention's asynchronous copies and its delta
+    // 16 bytes a thread (their rows run on CUDA only); every other line needs nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
+            "BERTKIT_CUDA_HANDED_GRADIENT=half",
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_DELTA=vector"
         ]

@@ -172,7 +172,7 @@ impl Step {
             loss.backward()?
         };
         for sink in self.handed_over.drain(..) {
-            Gradients::handed_over(&sink).add_to(&mut store)?;
+            sink.add_to(&mut store)?;
         }
         Ok(store)
     }

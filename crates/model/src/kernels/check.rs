@@ -190,6 +190,8 @@ const SEED: u64 = 1234;
 enum Form {
     /// The attention around cuBLAS, LayerNorm a block per row (and every other case).
     Plain,
+    /// The plain form, run in half precision only (its kernel takes a half operand).
+    Half,
     /// The one-pass attention through shared memory (`flash.cu`), its 16-byte stores on.
     FlashSharedTiles,
     /// The one-pass attention with its scores in registers (`flash_registers.cu`).
@@ -228,7 +230,7 @@ impl Form {
     /// The settings off by default that the form runs only with.
     fn needs(self) -> Vec<&'static crate::switch::Switch> {
         match self {
-            Form::Plain => vec![],
+            Form::Plain | Form::Half => vec![],
             Form::FlashSharedTiles => vec![&super::CUDA_FLASH_VECTOR_STORES],
             Form::FlashRegisters => vec![&super::CUDA_FLASH_REGISTERS],
             Form::FlashBatched => vec![&super::CUDA_FLASH_BATCHED_LOADS],
@@ -274,6 +276,7 @@ impl Form {
     fn runs(self, on_cuda: bool, dtype: DType, shape: &CheckShape) -> bool {
         match self {
             Form::Plain => true,
+            Form::Half => matches!(dtype, DType::BF16 | DType::F16),
             Form::FlashSharedTiles
             | Form::FlashRegisters
             | Form::FlashBatched
@@ -513,6 +516,17 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             train: false,
             form: Form::Plain,
             needs: vec![&super::CUDA_ADD],
+        },
+        Case {
+            kernel: "add (f32 and half)",
+            // A gradient handed over in half precision added into an f32 one
+            // ([`super::add_gradients`]: the masked-LM decoder's into the word embeddings'), at a
+            // layer's width.
+            inputs: vec![("a", vec![t, h], 1.0), ("b", vec![t, h], 1.0)],
+            run: |_, x, _, _, _| super::add_gradients(&x[0].to_dtype(DType::F32)?, &x[1]),
+            train: false,
+            form: Form::Half,
+            needs: vec![&super::CUDA_HANDED_HALF],
         },
         Case {
             kernel: "dropout (tokens)",

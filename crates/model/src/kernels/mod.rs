@@ -56,8 +56,10 @@ pub(crate) use profiled::{Mark, backward as profiled_backward, time_backwards};
 /// 125 MB zeroed and 375 MB added by an element a thread on CUDA, and in half precision the
 /// cast's node the same again in bf16); handed over, the decoder's gradient is the sum's first
 /// term as made. Whoever asks for one adds it where the parameter's gradients are summed
-/// ([`crate::Gradients::add_to`]) after the backward pass: an op that hands over returns no
-/// gradient for the parameter to the graph.
+/// ([`GradientSink::add_to`]) after the backward pass: an op that hands over returns no
+/// gradient for the parameter to the graph. An op hands it over in the dtype it made it in
+/// (the CUDA linear op: its product's, bf16 for the f32 table), cast to the parameter's when
+/// taken or added ([`set_cuda_handed_half`]: on CUDA, added without the cast's copy).
 #[derive(Debug, Clone)]
 pub struct GradientSink {
     of: candle_core::TensorId,
@@ -75,25 +77,44 @@ impl GradientSink {
         }
     }
 
-    /// Hands over an op's gradient of the parameter, cast to the parameter's dtype; added to
-    /// one handed over before.
+    /// Hands over an op's gradient of the parameter, in the dtype the op made it in; added to
+    /// one handed over before (in that one's dtype).
     pub(crate) fn put(&self, grad: &Tensor) -> Result<()> {
-        let grad = grad.to_dtype(self.dtype)?;
         let Ok(mut held) = self.grad.lock() else {
             candle_core::bail!("a gradient sink: a poisoned lock")
         };
         *held = Some(match held.take() {
-            Some(have) => add_gradients(&have, &grad)?,
-            None => grad,
+            Some(have) => add_gradients(&have, grad)?,
+            None => grad.clone(),
         });
         Ok(())
     }
 
-    /// The gradient handed over since the last take, with the parameter's id (`None` if no op
-    /// handed one over: the graph holds it, or no backward pass ran).
+    /// The gradient handed over since the last take, in the parameter's dtype, with the
+    /// parameter's id (`None` if no op handed one over: the graph holds it, or no backward pass
+    /// ran).
     pub fn take(&self) -> Option<(candle_core::TensorId, Tensor)> {
-        let mut held = self.grad.lock().ok()?;
-        Some((self.of, held.take()?))
+        let grad = self.grad.lock().ok()?.take()?;
+        Some((self.of, grad.to_dtype(self.dtype).ok()?))
+    }
+
+    /// Adds the gradient handed over since the last take (or add) to `store`'s gradient of the
+    /// parameter, the sum in the store's dtype (where it holds one; else the gradient cast to
+    /// the parameter's), and empties the sink: a half-precision gradient is added into an f32
+    /// one without a cast copy where [`set_cuda_handed_half`] is on.
+    pub fn add_to(&self, store: &mut candle_core::backprop::GradStore) -> Result<()> {
+        let Ok(mut held) = self.grad.lock() else {
+            candle_core::bail!("a gradient sink: a poisoned lock")
+        };
+        let Some(grad) = held.take() else {
+            return Ok(());
+        };
+        let sum = match store.get_id(self.of) {
+            Some(have) => add_gradients(have, &grad)?,
+            None => grad.to_dtype(self.dtype)?,
+        };
+        store.insert_id(self.of, sum);
+        Ok(())
     }
 }
 
@@ -1192,11 +1213,46 @@ pub fn cuda_wide_linear() -> bool {
 /// `a + b`: two gradients of one tensor where they meet ([`tape`]), through our CUDA addition
 /// where it takes them ([`set_cuda_add`]), candle's elsewhere (the CPU: the twin).
 pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.dtype() != b.dtype() {
+        // A gradient handed over in half precision into an f32 one ([`GradientSink`]).
+        #[cfg(feature = "cuda")]
+        if cuda_handed_half()
+            && a.dtype() == DType::F32
+            && is_half(b.dtype())
+            && a.dims() == b.dims()
+            && on_cuda(&[a, b])
+        {
+            return cuda::add_half_into_f32(a, b);
+        }
+        return add_gradients(a, &b.to_dtype(a.dtype())?);
+    }
     #[cfg(feature = "cuda")]
     if cuda_add() && on_cuda(&[a, b]) && a.dtype() == b.dtype() && a.dims() == b.dims() {
         return cuda::add(a, b);
     }
     a + b
+}
+
+/// Whether a half-precision gradient handed over is added into an f32 one by one kernel.
+pub(crate) static CUDA_HANDED_HALF: Switch = Switch::opt_in("BERTKIT_CUDA_HANDED_GRADIENT", "half");
+
+/// Turns on or off, for this process, the addition of a half-precision gradient handed over
+/// ([`GradientSink`]: the masked-LM decoder's, made in bf16 by its product) into the f32
+/// gradient of the parameter it belongs to (the word embeddings', from the lookup's backward)
+/// by one kernel (`add_half_into_f32`, 16 bytes of the half gradient a thread), where it is
+/// cast to f32 by candle's cast (on an H200 297 µs for BERT-large's `[30522, 1024]`, ~0.6 TB/s,
+/// and an f32 copy of 125 MB) and then added. The same values (each element `a + float(b)`:
+/// `bench/gpu/emulate` compares the bits). Checked by `bertkit check kernels --device cuda`
+/// (its `add (f32 and half)` row), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_HANDED_GRADIENT=half`.
+pub fn set_cuda_handed_half(on: bool) {
+    CUDA_HANDED_HALF.set(on);
+}
+
+/// Whether a half-precision gradient handed over is added into an f32 one by one kernel (see
+/// [`set_cuda_handed_half`]).
+pub fn cuda_handed_half() -> bool {
+    CUDA_HANDED_HALF.get()
 }
 
 /// Whether the CUDA kernels' function handles are kept once looked up (`kernels::cuda`'s
@@ -1227,7 +1283,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 32] = [
+static CUDA_SWITCHES: [&Switch; 33] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1235,6 +1291,7 @@ static CUDA_SWITCHES: [&Switch; 32] = [
     &CUDA_EMBEDDINGS_IN_PIECES,
     &CUDA_EMBEDDINGS_END,
     &CUDA_ADD,
+    &CUDA_HANDED_HALF,
     &CUDA_KEYED_DROPOUT,
     &CUDA_WIDE_LINEAR,
     &CUDA_LINEAR_EPILOGUE,

@@ -69,3 +69,66 @@ impl CustomOp2 for AddTensors {
 pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a.contiguous()?.apply_op2(&b.contiguous()?, AddTensors)
 }
+
+/// `a + b` for an f32 `a` and a bf16 or f16 `b` of one shape, into f32
+/// (`add_half_into_f32` in `kernels.cu`): the cast of `b` and the f32 addition in one pass,
+/// without the cast's f32 copy.
+struct AddHalfIntoF32;
+
+impl CustomOp2 for AddHalfIntoF32 {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-add-half-into-f32"
+    }
+
+    cuda_only!(2);
+
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: &AddHalfIntoF32,
+            (a, al): (&CudaStorage, &Layout),
+            (b, bl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)> {
+            let name = op.name();
+            if al.dims() != bl.dims() {
+                bail!("{name}: {:?} and {:?}", al.dims(), bl.dims())
+            }
+            let n = al.shape().elem_count();
+            let (x, y) = (view::<f32>(name, "a", a, al)?, view::<T>(name, "b", b, bl)?);
+            let dev = &a.device;
+            // SAFETY: the kernel writes every element.
+            let mut out = unsafe { dev.alloc::<f32>(n)? };
+            // A thread per 16 bytes of `b`, grid-stride past 65,535 blocks.
+            let threads = n.div_ceil(piece_elements::<T>());
+            launch!(
+                T,
+                dev,
+                "add_half_into_f32",
+                config(threads.div_ceil(256).min(65_535), 256, 0),
+                |bld| {
+                    bld.arg(&x).arg(&y).arg(&mut out).arg(&n);
+                }
+            )?;
+            Ok((wrap(out, dev), al.shape().clone()))
+        }
+        match candle_core::backend::BackendStorage::dtype(b) {
+            DType::BF16 => run::<half::bf16>(self, (a, al), (b, bl)),
+            DType::F16 => run::<half::f16>(self, (a, al), (b, bl)),
+            other => bail!(
+                "{}: a bf16 or f16 second operand, got {other:?}",
+                self.name()
+            ),
+        }
+    }
+}
+
+/// `a + b` through [`AddHalfIntoF32`] (CUDA tensors of one shape: `a` f32, `b` bf16 or f16).
+pub(crate) fn add_half_into_f32(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.contiguous()?
+        .apply_op2_no_bwd(&b.contiguous()?, &AddHalfIntoF32)
+}

@@ -1276,6 +1276,53 @@ ENTRY_POINTS(bf16, bf16)
 // (`BERTKIT_CUDA_FP16=fused`).
 ENTRY_POINTS(f16, f16)
 
+// `out = a + b` for an f32 `a` and a half-precision `b` (the masked-LM decoder's weight gradient
+// handed over in the product's dtype, added into the word embeddings' f32 gradient): a thread
+// 16 bytes of `b` (8 elements) and 32 of `a` and `out`, each element `a + float(b)` as the
+// cast and the f32 addition it replaces give it; grid-stride, the tail an element a thread.
+template <typename T>
+__device__ void add_half_into_f32(const float* a, const T* b, float* out, size_t n) {
+    constexpr int per = 16 / sizeof(T);
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool aligned = ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+                           reinterpret_cast<uintptr_t>(out)) & 15) == 0;
+    const size_t vectors = aligned ? n / per : 0;
+    for (size_t v = first; v < vectors; v += stride) {
+        const uint4 y = reinterpret_cast<const uint4*>(b)[v];
+        T ys[per];
+        memcpy(ys, &y, sizeof y);
+        // `a`'s and `out`'s 16-byte pieces, four floats each (through memcpy: registers on the
+        // device, no aliasing), all of `a`'s loaded before the first store (which the compiler
+        // may not move a load past: `out` could alias `a`).
+        uint4 xa[per / 4];
+#pragma unroll
+        for (int piece = 0; piece < per / 4; ++piece) {
+            xa[piece] = reinterpret_cast<const uint4*>(a)[v * (per / 4) + piece];
+        }
+#pragma unroll
+        for (int piece = 0; piece < per / 4; ++piece) {
+            float xs[4], zs[4];
+            memcpy(xs, &xa[piece], sizeof xs);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) zs[k] = xs[k] + to_f32(ys[piece * 4 + k]);
+            uint4 z;
+            memcpy(&z, zs, sizeof z);
+            reinterpret_cast<uint4*>(out)[v * (per / 4) + piece] = z;
+        }
+    }
+    for (size_t i = vectors * per + first; i < n; i += stride) out[i] = a[i] + to_f32(b[i]);
+}
+
+extern "C" __global__ void add_half_into_f32_bf16(const float* a, const bf16* b, float* out,
+                                                  size_t n) {
+    add_half_into_f32<bf16>(a, b, out, n);
+}
+extern "C" __global__ void add_half_into_f32_f16(const float* a, const f16* b, float* out,
+                                                 size_t n) {
+    add_half_into_f32<f16>(a, b, out, n);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention in one pass over key tiles (bf16, tensor cores): its own file, the helpers above.
 

@@ -525,13 +525,15 @@ impl CustomOp3 for LinearOp {
                 } else {
                     grad_pre.t()?.matmul(&input)?
                 };
-                let grad_weight = grad_weight.to_dtype(weight_dtype)?;
+                // Handed over in the product's dtype (cast, or added into the parameter's
+                // gradient without a cast copy, where the sink's gradient is added), else cast
+                // back to the weight's.
                 let grad_weight = match &self.sink {
                     Some(sink) => {
                         sink.put(&grad_weight)?;
                         None
                     }
-                    None => Some(grad_weight),
+                    None => Some(grad_weight.to_dtype(weight_dtype)?),
                 };
                 Ok((
                     Some(grad_x.reshape(x.shape())?),

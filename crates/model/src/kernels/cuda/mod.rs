@@ -322,7 +322,7 @@ mod linear;
 mod loss;
 mod norm;
 
-pub(crate) use add::add;
+pub(crate) use add::{add, add_half_into_f32};
 pub(crate) use attention::attention;
 pub(crate) use embeddings::{embeddings, embeddings_fit};
 pub(crate) use gather::gather_rows;
