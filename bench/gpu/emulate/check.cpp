@@ -752,6 +752,17 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
     report("by rows", differ(out, out_rows) + differ(out, out_rows2), 2 * n);
     if (act) report("dy", differ(grad_y, grad_y_vec), n);
     if (with_bias) report("partials", differ(partial, partial_vec), partial.size());
+    if (with_bias && act == 0) {
+        // The bias's sums alone in registers (`bias_sums_vec`, blocks of BIAS_SUMS_THREADS, the
+        // rows of each block in the same order): the same partial sums, to the bit.
+        std::vector<float> partial_sums(partial.size(), std::nanf(""));
+        const unsigned pieces = (unsigned)(cols / Vec16<T>::N);
+        emulate_launch({blocks, (pieces + BIAS_SUMS_THREADS - 1) / BIAS_SUMS_THREADS, 1},
+                       BIAS_SUMS_THREADS, [&] {
+            bias_sums_vec<T>(grad.data(), partial_sums.data(), rows, cols);
+        });
+        report("sums", differ(partial, partial_sums), partial.size());
+    }
     return ok;
 }
 
@@ -1387,6 +1398,8 @@ int main() {
     std::printf("a linear layer's end 16 bytes a thread (bias_act_vec_*, kernels.cu) against an element a thread:\n");
     ok = check_bias_vec<bf16>("bf16, bias + GELU", 13, 4096, 1, true, 5, 256) && ok;
     ok = check_bias_vec<bf16>("bf16, bias, 2 chunks", 6, BIAS_CHUNK + 64, 0, true, 4, 128) && ok;
+    ok = check_bias_vec<bf16>("bf16, bias, 37 rows of 3072", 37, 3072, 0, true, 3, 128) && ok;
+    ok = check_bias_vec<float>("f32, bias, 23 rows of 200", 23, 200, 0, true, 2, 64) && ok;
     ok = check_bias_vec<bf16>("bf16, GELU (tanh), no bias", 7, 1024, 2, false, 3, 64) && ok;
     ok = check_bias_vec<f16>("f16, bias + GELU", 9, 768, 1, true, 9, 32) && ok;
     ok = check_bias_vec<float>("f32, bias + GELU (tanh)", 11, 200, 2, true, 4, 32) && ok;

@@ -55,18 +55,26 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     };
     // Off by default: a half-precision gradient added into an f32 one by one kernel (its row
     // runs in half precision only), the one-pass attention's asynchronous copies and its delta
-    // 16 bytes a thread (their rows run on CUDA only); every other line needs nothing.
+    // 16 bytes a thread (their rows run on CUDA only), and a linear layer's bias gradient alone
+    // summed in registers, which the linear and feed-forward lines need; the others need
+    // nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_HANDED_GRADIENT=half",
             "BERTKIT_CUDA_FLASH_COPIES=async",
-            "BERTKIT_CUDA_FLASH_DELTA=vector"
+            "BERTKIT_CUDA_FLASH_DELTA=vector",
+            "BERTKIT_CUDA_BIAS_SUMS=registers"
         ]
     );
     for c in &checks {
-        assert!(c.needs.is_empty(), "{c:?}");
+        let want: &[&str] = if c.kernel == "linear" || c.kernel.starts_with("feed_forward") {
+            &["BERTKIT_CUDA_BIAS_SUMS=registers"]
+        } else {
+            &[]
+        };
+        assert_eq!(c.needs, want, "{c:?}");
     }
     // Two checked settings (lines of their own), and one no line checks.
     for (kernel, setting) in [

@@ -426,6 +426,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train: false,
         form: Form::Plain,
+        // (Without an activation its bias's gradient alone: summed in registers where turned
+        // on.)
         needs: if epilogue {
             vec![
                 &super::CUDA_COLUMN_SUMS_LANES,
@@ -433,6 +435,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_VECTOR,
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
+                &super::CUDA_BIAS_SUMS_REGISTERS,
             ]
         } else {
             vec![
@@ -632,6 +635,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_VECTOR,
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
+                &super::CUDA_BIAS_SUMS_REGISTERS,
             ],
         },
         attention("attention (eval)", false, Form::Plain),

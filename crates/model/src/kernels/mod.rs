@@ -1255,6 +1255,33 @@ pub fn cuda_handed_half() -> bool {
     CUDA_HANDED_HALF.get()
 }
 
+/// Whether a linear layer's bias gradient alone (no activation) is summed in registers.
+pub(crate) static CUDA_BIAS_SUMS_REGISTERS: Switch =
+    Switch::opt_in("BERTKIT_CUDA_BIAS_SUMS", "registers");
+
+/// Turns on or off, for this process, the bias gradient of a linear layer without an
+/// activation (the QKV projection's, the attention output's, both feed-forward layers': four a
+/// BERT-large layer) by its own kernel (`bias_sums_vec`): a thread one 16-byte piece of columns
+/// over a block's rows, its sums in registers, four rows' loads issued together (ptxas keeps
+/// them so under the kernel's launch bounds: 40 registers), where the kernel in use
+/// (`bias_act_vec_backward`, which also takes the activations' slopes) gives a block 2,048
+/// columns with 256 threads (half of them idle at BERT-large's 1,024), adds each element into
+/// shared memory and waits on each row's loads in turn: on an H200 12.5 µs for `[8192, 1024]`
+/// bf16 (~1.3 TB/s), 24.6 for the QKV's 3,072 columns, 30.1 for the feed-forward's 4,096
+/// (BENCHMARKS.md, 2026-11-27, evening), ~2.3 ms a pass with their column sums. The same rows
+/// in the same order: the same partial sums to the bit (`bench/gpu/emulate`). Checked by
+/// `bertkit check kernels --device cuda` (the linear and feed-forward rows' bias gradients),
+/// not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_BIAS_SUMS=registers`.
+pub fn set_cuda_bias_sums_registers(on: bool) {
+    CUDA_BIAS_SUMS_REGISTERS.set(on);
+}
+
+/// Whether a linear layer's bias gradient alone is summed in registers (see
+/// [`set_cuda_bias_sums_registers`]).
+pub fn cuda_bias_sums_registers() -> bool {
+    CUDA_BIAS_SUMS_REGISTERS.get()
+}
+
 /// Whether the CUDA kernels' function handles are kept once looked up (`kernels::cuda`'s
 /// `function`): on unless `BERTKIT_CUDA_FUNCTIONS=lookup`, which asks candle for every launch's
 /// function as before (the same handles; a way out should keeping them ever misbehave on a
@@ -1283,7 +1310,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 33] = [
+static CUDA_SWITCHES: [&Switch; 34] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1314,6 +1341,7 @@ static CUDA_SWITCHES: [&Switch; 33] = [
     &CUDA_COLUMN_SUMS_LANES,
     &CUDA_BIAS_ACT_VECTOR,
     &CUDA_BIAS_ACT_ROWS,
+    &CUDA_BIAS_SUMS_REGISTERS,
     &CUDA_FLASH_ATTENTION,
     &CUDA_LOSS,
     &CUDA_FP16,

@@ -114,6 +114,25 @@ fn backward<T: Element>(
         None
     };
     let (rows_i, cols_i) = (rows as i32, cols as i32);
+    if act == 0
+        && vector
+        && crate::kernels::cuda_bias_sums_registers()
+        && let Some(partial) = &partial
+    {
+        // The bias's sums alone, kept in registers (`bias_sums_vec`: the same partial sums).
+        let threads = 128;
+        let pieces = cols / piece_elements::<T>();
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, pieces.div_ceil(threads) as u32, 1),
+            ..config(blocks, threads, 0)
+        };
+        launch!(T, dev, "bias_sums_vec", cfg, |b| {
+            b.arg(grad).arg(partial).arg(&rows_i).arg(&cols_i);
+        })?;
+        let mut grad_bias = out.slice_mut(n..);
+        column_sums::<T>(dev, partial, blocks, &mut grad_bias, cols)?;
+        return Ok(out);
+    }
     {
         let (mut grad_y, _) = out.split_at_mut(n);
         // Rows wider than a block's shared memory holds bias sums for: a block per chunk of
