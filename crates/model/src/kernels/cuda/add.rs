@@ -3,9 +3,40 @@
 //! bytes a thread, each element added in f32 and rounded once (`add_tensors` in `kernels.cu`).
 //! candle's addition gives each element a thread of its own: on an H200, 70 µs for a BERT-large
 //! batch's `[8192, 1024]` bf16 gradients, about 0.7 TB/s. The twin is candle's addition on the
-//! CPU (bf16 and f16 through f32, rounded once: the same bits).
+//! CPU (bf16 and f16 through f32, rounded once: the same bits). And a half-precision gradient
+//! handed over added into an f32 one without the cast's copy (`add_half_into_f32`,
+//! [`crate::kernels::set_cuda_handed_half`]).
 
 use super::*;
+
+/// `a + b` by `kernel` (its `B` entry point: `A` and `B` in, `O` out, one shape): a thread per
+/// 16 bytes of `b`, grid-stride past 65,535 blocks.
+fn sum<A: Element, B: Element, O: Element>(
+    op: &str,
+    kernel: &str,
+    (a, al): (&CudaStorage, &Layout),
+    (b, bl): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    if al.dims() != bl.dims() {
+        bail!("{op}: {:?} and {:?}", al.dims(), bl.dims())
+    }
+    let n = al.shape().elem_count();
+    let (x, y) = (view::<A>(op, "a", a, al)?, view::<B>(op, "b", b, bl)?);
+    let dev = &a.device;
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { dev.alloc::<O>(n)? };
+    let threads = n.div_ceil(piece_elements::<B>());
+    launch!(
+        B,
+        dev,
+        kernel,
+        config(threads.div_ceil(256).min(65_535), 256, 0),
+        |bld| {
+            bld.arg(&x).arg(&y).arg(&mut out).arg(&n);
+        }
+    )?;
+    Ok((wrap(out, dev), al.shape().clone()))
+}
 
 /// `a + b`, both contiguous, of one shape and dtype.
 struct AddTensors;
@@ -26,30 +57,10 @@ impl CustomOp2 for AddTensors {
     ) -> Result<(CudaStorage, Shape)> {
         fn run<T: Element>(
             op: &AddTensors,
-            (a, al): (&CudaStorage, &Layout),
-            (b, bl): (&CudaStorage, &Layout),
+            a: (&CudaStorage, &Layout),
+            b: (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
-            let name = op.name();
-            if al.dims() != bl.dims() {
-                bail!("{name}: {:?} and {:?}", al.dims(), bl.dims())
-            }
-            let n = al.shape().elem_count();
-            let (x, y) = (view::<T>(name, "a", a, al)?, view::<T>(name, "b", b, bl)?);
-            let dev = &a.device;
-            // SAFETY: the kernel writes every element.
-            let mut out = unsafe { dev.alloc::<T>(n)? };
-            // A thread per 16 bytes, grid-stride past 65,535 blocks.
-            let threads = n.div_ceil(piece_elements::<T>());
-            launch!(
-                T,
-                dev,
-                "add_tensors",
-                config(threads.div_ceil(256).min(65_535), 256, 0),
-                |bld| {
-                    bld.arg(&x).arg(&y).arg(&mut out).arg(&n);
-                }
-            )?;
-            Ok((wrap(out, dev), al.shape().clone()))
+            sum::<T, T, T>(op.name(), "add_tensors", a, b)
         }
         by_dtype!(self.name(), a, run(self, (a, al), (b, bl)))
     }
@@ -91,30 +102,10 @@ impl CustomOp2 for AddHalfIntoF32 {
     ) -> Result<(CudaStorage, Shape)> {
         fn run<T: Element>(
             op: &AddHalfIntoF32,
-            (a, al): (&CudaStorage, &Layout),
-            (b, bl): (&CudaStorage, &Layout),
+            a: (&CudaStorage, &Layout),
+            b: (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
-            let name = op.name();
-            if al.dims() != bl.dims() {
-                bail!("{name}: {:?} and {:?}", al.dims(), bl.dims())
-            }
-            let n = al.shape().elem_count();
-            let (x, y) = (view::<f32>(name, "a", a, al)?, view::<T>(name, "b", b, bl)?);
-            let dev = &a.device;
-            // SAFETY: the kernel writes every element.
-            let mut out = unsafe { dev.alloc::<f32>(n)? };
-            // A thread per 16 bytes of `b`, grid-stride past 65,535 blocks.
-            let threads = n.div_ceil(piece_elements::<T>());
-            launch!(
-                T,
-                dev,
-                "add_half_into_f32",
-                config(threads.div_ceil(256).min(65_535), 256, 0),
-                |bld| {
-                    bld.arg(&x).arg(&y).arg(&mut out).arg(&n);
-                }
-            )?;
-            Ok((wrap(out, dev), al.shape().clone()))
+            sum::<f32, T, f32>(op.name(), "add_half_into_f32", a, b)
         }
         match candle_core::backend::BackendStorage::dtype(b) {
             DType::BF16 => run::<half::bf16>(self, (a, al), (b, bl)),
