@@ -209,7 +209,11 @@ impl PreTrainingPass {
 
     /// The heads and the loss on the encoder's output `top`.
     fn loss_from(&self, top: &Tensor) -> Result<Tensor, ModelError> {
-        let out = self.loaded.model.heads(top, &self.inputs, &self.masked)?;
+        self.loss_of(&self.loaded.model.heads(top, &self.inputs, &self.masked)?)
+    }
+
+    /// The loss of the heads' outputs `out`.
+    fn loss_of(&self, out: &crate::bert::PreTrainingOutput) -> Result<Tensor, ModelError> {
         Ok(loss::pretraining_loss(
             &out.mlm_logits,
             &self.labels,
@@ -236,8 +240,9 @@ pub struct PassProfile {
     /// the rest of its backward is the encoder's gradients added where two meet (by hand over
     /// the tape, where the kernels record) and candle's autograd for the embeddings, the heads
     /// and the loss (a zeroed gradient and an addition for every edge of their graph, and the
-    /// backward passes of candle's own operations); where the kernels do not record, the
-    /// encoder's backward is candle's autograd too.
+    /// backward passes of candle's own operations; the decoder's weight gradient handed over
+    /// and added to the word embeddings' as the step adds it); where the kernels do not
+    /// record, the encoder's backward is candle's autograd too.
     pub backward_kernels: BTreeMap<&'static str, KernelTime>,
 }
 
@@ -278,11 +283,18 @@ pub fn profile(
         } else {
             // A training pass as training runs it (`train::step`): the encoder's backward by
             // hand where the kernels record, the rest in candle's autograd.
-            let bert = &pass.loaded.model.bert;
-            let encoder = bert.encoder_pass(&pass.inputs, Mode::Train(&pass.dropout), 0)?;
-            let total = pass.loss_from(encoder.top())?;
+            // The heads hand the decoder's gradient over as training's do
+            // (`heads_handing_over`), added where the step adds it.
+            let model = &pass.loaded.model;
+            let encoder = model
+                .bert
+                .encoder_pass(&pass.inputs, Mode::Train(&pass.dropout), 0)?;
+            let (out, sink) =
+                model.heads_handing_over(encoder.top(), &pass.inputs, &pass.masked)?;
+            let total = pass.loss_of(&out)?;
             forwarded = Mark::now(device, clock)?;
-            let store = total.backward()?;
+            let mut store = total.backward()?;
+            sink.add_to(&mut store)?;
             drop(encoder.backward(&store, |_| Ok::<(), ModelError>(()))?);
         }
         let ended = Mark::now(device, clock)?;
