@@ -763,11 +763,11 @@ fn a_linear_layer_hands_its_weights_gradient_over() {
             assert_eq!(bits(store.get(v).unwrap()), bits(graph.get(v).unwrap()));
         }
         let want = bits(graph.get(&w).unwrap());
-        let got = match sink.take() {
+        let got = match sink.take().unwrap() {
             Some((id, got)) => {
                 assert_eq!(id, w.id());
                 assert!(store.get(&w).is_none(), "handed over and in the graph");
-                assert!(sink.take().is_none(), "taken twice");
+                assert!(sink.take().unwrap().is_none(), "taken twice");
                 got
             }
             None => store.get(&w).unwrap().clone(),

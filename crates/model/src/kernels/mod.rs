@@ -92,10 +92,14 @@ impl GradientSink {
 
     /// The gradient handed over since the last take, in the parameter's dtype, with the
     /// parameter's id (`None` if no op handed one over: the graph holds it, or no backward pass
-    /// ran).
-    pub fn take(&self) -> Option<(candle_core::TensorId, Tensor)> {
-        let grad = self.grad.lock().ok()?.take()?;
-        Some((self.of, grad.to_dtype(self.dtype).ok()?))
+    /// ran; an error where the cast to the parameter's dtype fails).
+    pub fn take(&self) -> Result<Option<(candle_core::TensorId, Tensor)>> {
+        let Ok(mut held) = self.grad.lock() else {
+            candle_core::bail!("a gradient sink: a poisoned lock")
+        };
+        held.take()
+            .map(|grad| Ok((self.of, grad.to_dtype(self.dtype)?)))
+            .transpose()
     }
 
     /// Adds the gradient handed over since the last take (or add) to `store`'s gradient of the
@@ -588,18 +592,17 @@ pub fn cuda_embeddings_in_pieces() -> bool {
 pub(crate) static CUDA_LINEAR_CAST: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR_CAST", "outside");
 
 /// Turns on or off, for this process, a CUDA linear layer taking a weight kept in another dtype
-/// than its input as it is (the masked-LM decoder's: the f32 word embeddings it is tied to,
-/// in a bf16 or f16 model): the op casts a copy for its product and, in its backward, the
-/// weight's gradient back to the weight's dtype, one node in candle's autograd. Without it the
-/// weight is cast first, a node of its own (`[30522, 1024]` in bf16 for BERT-large, kept
-/// until the backward), whose gradient candle's autograd zeroes and adds into (62 MB and 186
-/// MB through candle's addition, an element a thread) before its cast's backward. The same
-/// products and casts. Checked by `bertkit check kernels --device cuda` (its `linear (f32
-/// weight)` rows); it passed its check on an H200, where with the linear layers' backward
-/// through cuBLASLt and their end's forward by rows a phase-1 pass took what it took without
-/// (48.7 ms against 48.9, the cast's time moving from candle's ops to the linear layers')
-/// (BENCHMARKS.md, H200, 2026-11-27, evening): on with them, as the measured defaults; unset, it is on unless
-/// `BERTKIT_CUDA_LINEAR_CAST=outside`.
+/// than its input as it is (the masked-LM decoder's: the f32 word embeddings it is tied to, in a
+/// bf16 or f16 model): the op casts a copy for its product and, in its backward, the weight's
+/// gradient back to the weight's dtype, one node in candle's autograd. Without it the weight is
+/// cast first, a node of its own (`[30522, 1024]` in bf16 for BERT-large, kept until the backward),
+/// whose gradient candle's autograd zeroes and adds into (62 MB and 186 MB through candle's
+/// addition, an element a thread) before its cast's backward. The same products and casts. Checked
+/// by `bertkit check kernels --device cuda` (its `linear (f32 weight)` rows); it passed its check
+/// on an H200, where with the linear layers' backward through cuBLASLt and their end's forward by
+/// rows a phase-1 pass took what it took without (48.7 ms against 48.9, the cast's time moving from
+/// candle's ops to the linear layers') (BENCHMARKS.md, H200, 2026-11-27, evening): on with them, as
+/// the measured defaults; unset, it is on unless `BERTKIT_CUDA_LINEAR_CAST=outside`.
 pub fn set_cuda_linear_cast(on: bool) {
     CUDA_LINEAR_CAST.set(on);
 }
@@ -642,15 +645,15 @@ pub fn cuda_embeddings_end() -> bool {
 /// Whether the embeddings' and the pooler's dropout on CUDA take our keyed kernel.
 pub(crate) static CUDA_KEYED_DROPOUT: Switch = Switch::opt_out("BERTKIT_CUDA_DROPOUT", "candle");
 
-/// Turns our CUDA kernel for the dropout outside the fused kernels (the embeddings', on a
-/// packed `[tokens, width]` tensor, and the pooler's) on or off for this process: the CPU's
-/// keyed masks, a block per row, the backward the same mask on the gradient, each kept element
-/// scaled in f32. Without it these go through candle (a cuRAND uniform per element, a
-/// comparison, two casts and a product: on an H200 ~0.4 ms of a BERT-large phase-1 pass;
-/// BENCHMARKS.md, 2026-11-27), with masks other than the CPU's for the same keys, and in bf16
-/// the scale rounded to bf16 (1.109 for 1.111). Checked by `bertkit check kernels --device
-/// cuda` (its `dropout` rows, against the CPU's masks); it passed its check on an H200
-/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_DROPOUT=candle`.
+/// Turns our CUDA kernel for the dropout outside the fused kernels (the embeddings', on a packed
+/// `[tokens, width]` tensor, and the pooler's) on or off for this process: the CPU's keyed masks, a
+/// block per row, the backward the same mask on the gradient, each kept element scaled in f32.
+/// Without it these go through candle (a cuRAND uniform per element, a comparison, two casts and a
+/// product: on an H200 ~0.4 ms of a BERT-large phase-1 pass; BENCHMARKS.md, 2026-11-27), with masks
+/// other than the CPU's for the same keys, and in bf16 the scale rounded to bf16 (1.109 for 1.111).
+/// Checked by `bertkit check kernels --device cuda` (its `dropout` rows, against the CPU's masks);
+/// it passed its check on an H200 (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on
+/// unless `BERTKIT_CUDA_DROPOUT=candle`.
 pub fn set_cuda_keyed_dropout(on: bool) {
     CUDA_KEYED_DROPOUT.set(on);
 }
@@ -790,22 +793,22 @@ pub fn cuda_flash_async_copies() -> bool {
 pub(crate) static CUDA_FLASH_STRAIGHT: Switch =
     Switch::opt_out("BERTKIT_CUDA_FLASH_BRANCHES", "kept");
 
-/// Turns the one-pass attention's straight kernels on or off for this process (with its
-/// scores in registers and its tiles' loads batched; the forward's asynchronous copies too
-/// where [`set_cuda_flash_async_copies`] is on): no branch at a score. In the forms in use the
-/// dropout is tested at every element and each probability is computed behind a test, which
-/// nvcc compiles as a branch around each exponential: 32 small blocks a key tile, each a
-/// dependent chain ending in its exponential, that the scheduler can neither interleave nor
-/// overlap with the products; the straight forms fix the dropout at compile time (an entry
-/// point with and one without, chosen by the mask) and take each exponential of a selected
-/// argument (`expf(-inf)` is 0). The same values at every element (`bench/gpu/emulate`: the
-/// same bits, both forwards and both backwards, with and without dropout); compiled for
-/// sm_90, the inference forward's key-tile loop has 804 instructions where the form in use has
-/// 1,908 and 4 branches where it has 68, with no more registers or shared memory
-/// (BENCHMARKS.md, 2026-11-27). Checked by `bertkit check kernels --device cuda`
-/// (its `attention flash straight` rows); it passed its check on an H200, where a phase-1
-/// pass's attention took 1.53 + 4.34 ms where it took 1.81 + 5.50 (inference 1.16 where 1.41)
-/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_FLASH_BRANCHES=kept`.
+/// Turns the one-pass attention's straight kernels on or off for this process (with its scores in
+/// registers and its tiles' loads batched; the forward's asynchronous copies too where
+/// [`set_cuda_flash_async_copies`] is on): no branch at a score. In the forms in use the dropout is
+/// tested at every element and each probability is computed behind a test, which nvcc compiles as a
+/// branch around each exponential: 32 small blocks a key tile, each a dependent chain ending in its
+/// exponential, that the scheduler can neither interleave nor overlap with the products; the
+/// straight forms fix the dropout at compile time (an entry point with and one without, chosen by
+/// the mask) and take each exponential of a selected argument (`expf(-inf)` is 0). The same values
+/// at every element (`bench/gpu/emulate`: the same bits, both forwards and both backwards, with and
+/// without dropout); compiled for sm_90, the inference forward's key-tile loop has 804 instructions
+/// where the form in use has 1,908 and 4 branches where it has 68, with no more registers or shared
+/// memory (BENCHMARKS.md, 2026-11-27). Checked by `bertkit check kernels --device cuda` (its
+/// `attention flash straight` rows); it passed its check on an H200, where a phase-1 pass's
+/// attention took 1.53 + 4.34 ms where it took 1.81 + 5.50 (inference 1.16 where 1.41)
+/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `BERTKIT_CUDA_FLASH_BRANCHES=kept`.
 pub fn set_cuda_flash_straight(on: bool) {
     CUDA_FLASH_STRAIGHT.set(on);
 }
@@ -820,15 +823,15 @@ pub(crate) static CUDA_FLASH_EXP2: Switch = Switch::opt_out("BERTKIT_CUDA_FLASH_
 
 /// Turns the one-pass attention's exponentials by `ex2` on or off for this process (with its
 /// straight kernels, [`set_cuda_flash_straight`], which it changes): each probability one
-/// `ex2.approx` of one fused multiply-add, the scale folded in as FlashAttention does
-/// (`2^(score · scale · log2 e - m · log2 e)`), where `expf` takes ~8 instructions after the
-/// scale's own multiply; relative error ~2^-22, far below bf16's 2^-8 that the probabilities
-/// are rounded to for their product. Compiled for sm_90, the inference forward's key-tile loop
-/// has 530 instructions where the straight form has 804 (BENCHMARKS.md, 2026-11-27). Not the
-/// same bits as `expf`: `bench/gpu/emulate` and `bertkit check kernels` hold it to the
-/// reference's bounds (its `attention flash straight exp2` rows). It passed its check on an
-/// H200, where a phase-1 pass's attention took 1.39 + 4.17 ms where the straight form took
-/// 1.53 + 4.34 (inference 1.08 where 1.16) (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `ex2.approx` of one fused multiply-add, the scale folded in as FlashAttention does (`2^(score ·
+/// scale · log2 e - m · log2 e)`), where `expf` takes ~8 instructions after the scale's own
+/// multiply; relative error ~2^-22, far below bf16's 2^-8 that the probabilities are rounded to for
+/// their product. Compiled for sm_90, the inference forward's key-tile loop has 530 instructions
+/// where the straight form has 804 (BENCHMARKS.md, 2026-11-27). Not the same bits as `expf`:
+/// `bench/gpu/emulate` and `bertkit check kernels` hold it to the reference's bounds (its
+/// `attention flash straight exp2` rows). It passed its check on an H200, where a phase-1 pass's
+/// attention took 1.39 + 4.17 ms where the straight form took 1.53 + 4.34 (inference 1.08 where
+/// 1.16) (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
 /// `BERTKIT_CUDA_FLASH_EXP=expf`.
 pub fn set_cuda_flash_exp2(on: bool) {
     CUDA_FLASH_EXP2.set(on);
@@ -844,18 +847,18 @@ pub fn cuda_flash_exp2() -> bool {
 pub(crate) static CUDA_FLASH_PAIR_FORWARD: Switch =
     Switch::opt_out("BERTKIT_CUDA_FLASH_FORWARD", "single");
 
-/// Turns the one-pass attention's forward with a block for each pair of query tiles on or off
-/// for this process (with the straight kernels, [`set_cuda_flash_straight`], as one of them;
-/// with or without [`set_cuda_flash_exp2`]; in place of [`set_cuda_flash_async_copies`]'s
-/// forward): eight warps for 128 queries, each key and value tile copied once for both query
-/// tiles where the other forms copy it for each (half the loads a query, half the keys' and
-/// values' traffic out of L2: at phase 1's shape 50 MB a BERT-large layer where they move 84),
-/// by asynchronous copies into two buffers, the second the queries' tile once each warp holds
-/// its queries in registers. Two blocks of 256 threads an SM by registers (sm_90: 128, 37 KB of
-/// shared memory). The same bits as the straight forward (`bench/gpu/emulate`). Checked by
-/// `bertkit check kernels --device cuda` (its `attention flash pair` rows); it passed its check
-/// on an H200, where an inference pass's attention took 0.94 ms where the straight form's
-/// took 1.08 (training's forward 1.35 where 1.39) (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// Turns the one-pass attention's forward with a block for each pair of query tiles on or off for
+/// this process (with the straight kernels, [`set_cuda_flash_straight`], as one of them; with or
+/// without [`set_cuda_flash_exp2`]; in place of [`set_cuda_flash_async_copies`]'s forward): eight
+/// warps for 128 queries, each key and value tile copied once for both query tiles where the other
+/// forms copy it for each (half the loads a query, half the keys' and values' traffic out of L2: at
+/// phase 1's shape 50 MB a BERT-large layer where they move 84), by asynchronous copies into two
+/// buffers, the second the queries' tile once each warp holds its queries in registers. Two blocks
+/// of 256 threads an SM by registers (sm_90: 128, 37 KB of shared memory). The same bits as the
+/// straight forward (`bench/gpu/emulate`). Checked by `bertkit check kernels --device cuda` (its
+/// `attention flash pair` rows); it passed its check on an H200, where an inference pass's
+/// attention took 0.94 ms where the straight form's took 1.08 (training's forward 1.35 where 1.39)
+/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
 /// `BERTKIT_CUDA_FLASH_FORWARD=single`.
 pub fn set_cuda_flash_pair_forward(on: bool) {
     CUDA_FLASH_PAIR_FORWARD.set(on);
@@ -872,20 +875,20 @@ pub fn cuda_flash_pair_forward() -> bool {
 pub(crate) static CUDA_FLASH_KEEP_BITS: Switch =
     Switch::opt_out("BERTKIT_CUDA_FLASH_DROPOUT", "drawn");
 
-/// Turns the one-pass attention's keep bits on or off for this process (with its straight
-/// kernels, [`set_cuda_flash_straight`], each form of their forward, with or without
-/// [`set_cuda_flash_exp2`]): in training the forward writes which probabilities its dropout
-/// keeps, one bit each (a `u32` a lane a pair of 64-query and 64-key tiles: at BERT-large's
-/// phase 1, 2 MiB a layer, 4 at phase 2's 512 tokens), and both backwards read them where
-/// each of the three kernels draws every keep from the keys again (a splitmix64 a
-/// probability). The same masks, so the same values (`bench/gpu/emulate`: the same bits as the
-/// straight forms, every forward and both backwards). Compiled for sm_90, the backwards'
-/// key-tile loops have 869 and 1,116 instructions (queries', keys' and values') where the
-/// straight forms with dropout have 1,605 and 1,850 (without dropout 765 and 938); the
-/// forward's has 94 more, its stores (BENCHMARKS.md, 2026-11-27). Checked by `bertkit check
-/// kernels --device cuda` (its `attention flash bits` rows); it passed its check on an H200,
-/// where a phase-1 pass's attention took 1.49 + 3.72 ms where it took 1.39 + 4.17 (BENCHMARKS.md, H200, 2026-11-27, evening):
-/// unset, it is on unless `BERTKIT_CUDA_FLASH_DROPOUT=drawn`.
+/// Turns the one-pass attention's keep bits on or off for this process (with its straight kernels,
+/// [`set_cuda_flash_straight`], each form of their forward, with or without
+/// [`set_cuda_flash_exp2`]): in training the forward writes which probabilities its dropout keeps,
+/// one bit each (a `u32` a lane a pair of 64-query and 64-key tiles: at BERT-large's phase 1, 2 MiB
+/// a layer, 4 at phase 2's 512 tokens), and both backwards read them where each of the three
+/// kernels draws every keep from the keys again (a splitmix64 a probability). The same masks, so
+/// the same values (`bench/gpu/emulate`: the same bits as the straight forms, every forward and
+/// both backwards). Compiled for sm_90, the backwards' key-tile loops have 869 and 1,116
+/// instructions (queries', keys' and values') where the straight forms with dropout have 1,605 and
+/// 1,850 (without dropout 765 and 938); the forward's has 94 more, its stores (BENCHMARKS.md,
+/// 2026-11-27). Checked by `bertkit check kernels --device cuda` (its `attention flash bits` rows);
+/// it passed its check on an H200, where a phase-1 pass's attention took 1.49 + 3.72 ms where it
+/// took 1.39 + 4.17 (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `BERTKIT_CUDA_FLASH_DROPOUT=drawn`.
 pub fn set_cuda_flash_keep_bits(on: bool) {
     CUDA_FLASH_KEEP_BITS.set(on);
 }
@@ -983,17 +986,17 @@ pub fn cuda_norm_vector() -> bool {
 pub(crate) static CUDA_BIAS_ACT_ROWS: Switch =
     Switch::opt_out("BERTKIT_CUDA_BIAS_ACT_FORWARD", "pieces");
 
-/// Turns a linear layer's end's forward with each thread's columns fixed on or off for this
-/// process (with [`set_cuda_bias_act_vector`]'s 16 bytes a thread): a thread takes one 16-byte
-/// piece of a row at every fourth row, its bias read and widened once, where the form in use
-/// takes one piece of the whole matrix and finds its bias by a 64-bit remainder and reads and
-/// widens it each time. The pass is issue-bound on `erff` (the feed-forward's GELU for
-/// `[8192, 4096]` bf16 took 49.6 µs on an H200, the SM at 68%): compiled for sm_90, a thread's
-/// path for 8 bf16 elements with a bias and GELU is ~247 instructions where it is ~310. The
-/// same arithmetic on each element: the same bits (`bench/gpu/emulate`). Checked by `bertkit
-/// check kernels --device cuda` (the linear, GELU and feed-forward rows); it passed its check
-/// on an H200, where an inference pass's feed-forward took 5.72 ms where it took 5.89
-/// (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_BIAS_ACT_FORWARD=pieces`.
+/// Turns a linear layer's end's forward with each thread's columns fixed on or off for this process
+/// (with [`set_cuda_bias_act_vector`]'s 16 bytes a thread): a thread takes one 16-byte piece of a
+/// row at every fourth row, its bias read and widened once, where the form in use takes one piece
+/// of the whole matrix and finds its bias by a 64-bit remainder and reads and widens it each time.
+/// The pass is issue-bound on `erff` (the feed-forward's GELU for `[8192, 4096]` bf16 took 49.6 µs
+/// on an H200, the SM at 68%): compiled for sm_90, a thread's path for 8 bf16 elements with a bias
+/// and GELU is ~247 instructions where it is ~310. The same arithmetic on each element: the same
+/// bits (`bench/gpu/emulate`). Checked by `bertkit check kernels --device cuda` (the linear, GELU
+/// and feed-forward rows); it passed its check on an H200, where an inference pass's feed-forward
+/// took 5.72 ms where it took 5.89 (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on
+/// unless `BERTKIT_CUDA_BIAS_ACT_FORWARD=pieces`.
 pub fn set_cuda_bias_act_rows(on: bool) {
     CUDA_BIAS_ACT_ROWS.set(on);
 }
@@ -1060,19 +1063,19 @@ pub fn cuda_norm_warp_forward() -> bool {
 pub(crate) static CUDA_NORM_BACKWARD_AHEAD: Switch =
     Switch::opt_out("BERTKIT_CUDA_NORM_BACKWARD", "after");
 
-/// Turns LayerNorm's (and a sublayer's end's) backward with each row's loads at once on or off
-/// for this process (its 16-byte form, [`set_cuda_norm_vector`]): a thread's pieces of the
-/// row's input, residual and output gradient loaded together at the row's start, where the
-/// backward in use loads the gradient only after the statistics' two block-wide sums: two
-/// trips to memory a row that nothing overlaps (a block's rows come one after the other, four
-/// a block at BERT-large's 8,192 tokens; 48 such backwards a pass), one. The same arithmetic in
-/// the same order: the same bits (`bench/gpu/emulate` compares it with the backward in use:
-/// f32, bf16, f16, with and without a residual and dropout). ptxas (sm_90): 79 registers (the
-/// form in use 80), held there by its launch bounds (92 unbounded: five blocks an SM, not
-/// six), no spills. Checked by `bertkit check kernels --device cuda` (its `backward ahead`
-/// norm rows); it passed its check on an H200, where with the keep bits
-/// ([`set_cuda_norm_keep_bits`]) a phase-1 pass's sublayer ends' backward took 3.41 ms where it
-/// took 4.09 (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless `BERTKIT_CUDA_NORM_BACKWARD=after`.
+/// Turns LayerNorm's (and a sublayer's end's) backward with each row's loads at once on or off for
+/// this process (its 16-byte form, [`set_cuda_norm_vector`]): a thread's pieces of the row's input,
+/// residual and output gradient loaded together at the row's start, where the backward in use loads
+/// the gradient only after the statistics' two block-wide sums: two trips to memory a row that
+/// nothing overlaps (a block's rows come one after the other, four a block at BERT-large's 8,192
+/// tokens; 48 such backwards a pass), one. The same arithmetic in the same order: the same bits
+/// (`bench/gpu/emulate` compares it with the backward in use: f32, bf16, f16, with and without a
+/// residual and dropout). ptxas (sm_90): 79 registers (the form in use 80), held there by its
+/// launch bounds (92 unbounded: five blocks an SM, not six), no spills. Checked by `bertkit check
+/// kernels --device cuda` (its `backward ahead` norm rows); it passed its check on an H200, where
+/// with the keep bits ([`set_cuda_norm_keep_bits`]) a phase-1 pass's sublayer ends' backward took
+/// 3.41 ms where it took 4.09 (BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `BERTKIT_CUDA_NORM_BACKWARD=after`.
 pub fn set_cuda_norm_backward_ahead(on: bool) {
     CUDA_NORM_BACKWARD_AHEAD.set(on);
 }
@@ -1087,21 +1090,21 @@ pub fn cuda_norm_backward_ahead() -> bool {
 pub(crate) static CUDA_NORM_KEEP_BITS: Switch =
     Switch::opt_out("BERTKIT_CUDA_NORM_DROPOUT", "drawn");
 
-/// Turns a sublayer end's keep bits on or off for this process (with LayerNorm's forward a warp
-/// per row, [`set_cuda_norm_warp_forward`], whose form writes them; its backward then takes the
-/// form with a row's loads at once, [`set_cuda_norm_backward_ahead`], reading them): in
-/// training the forward writes which elements its dropout keeps (a byte a 16-byte piece: a bit
-/// an element in bf16, 1 MiB a BERT-large sublayer end at phase 1's 8,192 tokens, 48 MiB a
-/// pass), and the backward reads them where it drew every keep again from the keys (a
-/// splitmix64 an element, and the row's line in every thread). The same masks, so the same
-/// bits (`bench/gpu/emulate`: the forward's output and the backward's gradients against the
-/// forms without, f32, bf16, f16). Compiled for sm_90, the bf16 backward's row loop has 484
-/// instructions where the form without has 794; the forward's 1,820 where 1,710 (its stores).
-/// The forward with dropout took 24 µs a call on an H200 where it took 12.7 without (its
-/// hashing the bound; BENCHMARKS.md, 2026-11-27): the forward still draws them. Checked by
-/// `bertkit check kernels --device cuda` (its `keep bits` norm row); it passed its check on an
-/// H200 (with the backward above: 3.41 ms where 4.09, BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is
-/// on unless `BERTKIT_CUDA_NORM_DROPOUT=drawn`.
+/// Turns a sublayer end's keep bits on or off for this process (with LayerNorm's forward a warp per
+/// row, [`set_cuda_norm_warp_forward`], whose form writes them; its backward then takes the form
+/// with a row's loads at once, [`set_cuda_norm_backward_ahead`], reading them): in training the
+/// forward writes which elements its dropout keeps (a byte a 16-byte piece: a bit an element in
+/// bf16, 1 MiB a BERT-large sublayer end at phase 1's 8,192 tokens, 48 MiB a pass), and the
+/// backward reads them where it drew every keep again from the keys (a splitmix64 an element, and
+/// the row's line in every thread). The same masks, so the same bits (`bench/gpu/emulate`: the
+/// forward's output and the backward's gradients against the forms without, f32, bf16, f16).
+/// Compiled for sm_90, the bf16 backward's row loop has 484 instructions where the form without has
+/// 794; the forward's 1,820 where 1,710 (its stores). The forward with dropout took 24 µs a call on
+/// an H200 where it took 12.7 without (its hashing the bound; BENCHMARKS.md, 2026-11-27): the
+/// forward still draws them. Checked by `bertkit check kernels --device cuda` (its `keep bits` norm
+/// row); it passed its check on an H200 (with the backward above: 3.41 ms where 4.09,
+/// BENCHMARKS.md, H200, 2026-11-27, evening): unset, it is on unless
+/// `BERTKIT_CUDA_NORM_DROPOUT=drawn`.
 pub fn set_cuda_norm_keep_bits(on: bool) {
     CUDA_NORM_KEEP_BITS.set(on);
 }
@@ -1179,9 +1182,11 @@ pub(crate) static CUDA_LINEAR_BACKWARD_LT: Switch =
 /// same products in f32 accumulation, another kernel's order of the sums. cuBLASLt cannot run
 /// on the CPU: checked by `bertkit check kernels --device cuda` (the linear, GELU and
 /// feed-forward rows' gradients); it passed its check on an H200, and with the decoder's cast
-/// inside and the end's forward by rows a phase-1 pass took what it took without: the linear
-/// layers' backward runs at the same ~270 TFLOP/s through either (BENCHMARKS.md, H200, 2026-11-27, evening): on with them, as
-/// the measured defaults; unset, it is on unless `BERTKIT_CUDA_LINEAR_BACKWARD=matmul`.
+/// inside and the end's forward by rows a phase-1 pass took what it took without (the earlier
+/// ~270 TFLOP/s was the events' accounting, which counts the first feed-forward layer's
+/// backward but not its products; by ncu the products run at ~650-820 either way;
+/// BENCHMARKS.md, H200, 2026-11-27, evening): on with them, as the measured defaults; unset,
+/// it is on unless `BERTKIT_CUDA_LINEAR_BACKWARD=matmul`.
 pub fn set_cuda_linear_backward_lt(on: bool) {
     CUDA_LINEAR_BACKWARD_LT.set(on);
 }

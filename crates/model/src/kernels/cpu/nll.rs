@@ -11,8 +11,9 @@ use rayon::prelude::*;
 // Cross-entropy.
 
 /// The negative log-likelihood of each row's label, `log Σ exp(x) - x[label]`, for `logits`
-/// `[..., classes]` (f32; every dimension but the last a row's) and `labels` `[rows]` (u32). The backward recomputes each row's
-/// softmax from the logits: `g · (softmax(x) - onehot(label))`, one pass.
+/// `[..., classes]` (f32; every dimension but the last a row's) and `labels` `[rows]` (u32).
+/// The backward recomputes each row's softmax from the logits: `g · (softmax(x) -
+/// onehot(label))`, one pass.
 pub(crate) struct NegativeLogLikelihood;
 
 impl NegativeLogLikelihood {

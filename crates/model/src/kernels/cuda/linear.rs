@@ -91,6 +91,10 @@ fn forward<T: Element>(
     Ok(out)
 }
 
+/// Threads of a block of `bias_sums_vec` (`BIAS_SUMS_THREADS` in `kernels.cu`: its launch
+/// bounds, which a larger block would exceed).
+const BIAS_SUMS_THREADS: usize = 128;
+
 /// The backward, packed: `y`'s gradient (`rows · cols`, only with an activation), then the
 /// bias's (`cols`, only with a bias).
 fn backward<T: Element>(
@@ -120,20 +124,15 @@ fn backward<T: Element>(
         && let Some(partial) = &partial
     {
         // The bias's sums alone, kept in registers (`bias_sums_vec`: the same partial sums).
-        let threads = 128;
         let pieces = cols / piece_elements::<T>();
         let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, pieces.div_ceil(threads) as u32, 1),
-            ..config(blocks, threads, 0)
+            grid_dim: (blocks as u32, pieces.div_ceil(BIAS_SUMS_THREADS) as u32, 1),
+            ..config(blocks, BIAS_SUMS_THREADS, 0)
         };
         launch!(T, dev, "bias_sums_vec", cfg, |b| {
             b.arg(grad).arg(partial).arg(&rows_i).arg(&cols_i);
         })?;
-        let mut grad_bias = out.slice_mut(n..);
-        column_sums::<T>(dev, partial, blocks, &mut grad_bias, cols)?;
-        return Ok(out);
-    }
-    {
+    } else {
         let (mut grad_y, _) = out.split_at_mut(n);
         // Rows wider than a block's shared memory holds bias sums for: a block per chunk of
         // BIAS_CHUNK columns as well (`bias_act_backward`).
