@@ -890,6 +890,53 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
         std::printf("  %-28s %-8s %zu values differ from the forms drawing the keeps %s\n", name,
                     "bits", bits_differ, bits_differ ? "FAILED" : "ok");
     }
+    // The backward a warp per row (`layer_norm_warp_backward`, `BERTKIT_CUDA_NORM_BACKWARD_ROWS=
+    // warp`): two blocks of four warps, each warp several rows, its parameter sums through the
+    // lanes' column sums; drawing the keeps and, with dropout, reading the warp forward's keep
+    // bytes (the same values: the same keeps). Against the backward ahead below.
+    std::vector<T> gs_warp(n, nan), gx_warp(n, nan), pa_warp(2 * hidden, nan);
+    std::vector<T> gs_warp_bits(n, nan), gx_warp_bits(n, nan), pa_warp_bits(2 * hidden, nan);
+    const auto warp_backward = [&](const uint8_t* keep, std::vector<T>& grad_sum,
+                                   std::vector<T>& grad_x, std::vector<T>& params) {
+        const unsigned warp_blocks = 2;
+        std::vector<float> partial((size_t)warp_blocks * 2 * hidden, NAN);
+        emulate_launch({warp_blocks, 1, 1}, 32 * NORM_WARP_BACKWARD_WARPS, [&] {
+            if (keep) {
+                layer_norm_warp_backward<T, true>(x.data(), r, weight.data(), grad.data(),
+                                                  grad_sum.data(), grad_x.data(), partial.data(),
+                                                  rows, hidden, eps, d, p, seq, keep);
+            } else {
+                layer_norm_warp_backward<T>(x.data(), r, weight.data(), grad.data(),
+                                            grad_sum.data(), grad_x.data(), partial.data(), rows,
+                                            hidden, eps, d, p, seq);
+            }
+        });
+        emulate_launch({(unsigned)((2 * hidden + 31) / 32), 1, 1}, 1024, [&] {
+            column_sums_lanes<T>(partial.data(), params.data(), (int)warp_blocks, 2 * hidden);
+        });
+    };
+    warp_backward(nullptr, gs_warp, gx_warp, pa_warp);
+    if (dropout) {
+        std::vector<uint8_t> keep((size_t)rows * (hidden / per), 0x5a);
+        std::vector<T> y_keep(n, nan);
+        emulate_launch({2, 1, 1}, 128, [&] {
+            layer_norm_warp_forward<T, true>(x.data(), r, weight.data(), bias.data(),
+                                             y_keep.data(), rows, hidden, eps, d, p, seq,
+                                             keep.data());
+        });
+        warp_backward(keep.data(), gs_warp_bits, gx_warp_bits, pa_warp_bits);
+        size_t bits_differ = 0;
+        for (size_t i = 0; i < n; ++i) {
+            bits_differ += to_f32(gs_warp_bits[i]) != to_f32(gs_warp[i]) ||
+                           to_f32(gx_warp_bits[i]) != to_f32(gx_warp[i]);
+        }
+        for (int j = 0; j < 2 * hidden; ++j) {
+            bits_differ += to_f32(pa_warp_bits[j]) != to_f32(pa_warp[j]);
+        }
+        ok = ok && bits_differ == 0;
+        std::printf("  %-28s %-8s %zu values differ from the warp backward drawing the keeps %s\n",
+                    name, "warp bits", bits_differ, bits_differ ? "FAILED" : "ok");
+    }
     const auto report = [&](const char* what, const std::vector<T>& got,
                             const std::vector<T>& want) {
         std::vector<double> g(got.size()), w(want.size());
@@ -912,6 +959,9 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     report("dsum", gs_vec, gs_old);
     report("dx", gx_vec, gx_old);
     report("dparams", pa_vec, pa_old);
+    report("dsum, warp", gs_warp, gs_vec);
+    report("dx, warp", gx_warp, gx_vec);
+    report("dparams, warp", pa_warp, pa_vec);
     return ok;
 }
 

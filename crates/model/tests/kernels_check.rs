@@ -55,9 +55,9 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     };
     // Off by default: a half-precision gradient added into an f32 one by one kernel (its row
     // runs in half precision only), the one-pass attention's asynchronous copies and its delta
-    // 16 bytes a thread (their rows run on CUDA only), and a linear layer's bias gradient alone
-    // summed in registers, which the linear and feed-forward lines need; the others need
-    // nothing.
+    // 16 bytes a thread, LayerNorm's backward a warp per row (their rows run on CUDA only), and
+    // a linear layer's bias gradient alone summed in registers, which the linear and
+    // feed-forward lines need; the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
@@ -65,6 +65,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_HANDED_GRADIENT=half",
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_DELTA=vector",
+            "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp",
             "BERTKIT_CUDA_BIAS_SUMS=registers"
         ]
     );

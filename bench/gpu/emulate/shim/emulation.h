@@ -36,6 +36,9 @@ struct uint4 {
     unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::max;

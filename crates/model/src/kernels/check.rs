@@ -224,6 +224,8 @@ enum Form {
     NormAhead,
     /// The same with the dropout's keep bits handed from the forward to the backward.
     NormBits,
+    /// The same (the defaults since 2026-11-27's evening run) with its backward a warp per row.
+    NormWarpBackward,
 }
 
 impl Form {
@@ -267,6 +269,11 @@ impl Form {
                 &super::CUDA_NORM_BACKWARD_AHEAD,
                 &super::CUDA_NORM_KEEP_BITS,
             ],
+            Form::NormWarpBackward => vec![
+                &super::CUDA_NORM_BACKWARD_AHEAD,
+                &super::CUDA_NORM_KEEP_BITS,
+                &super::CUDA_NORM_BACKWARD_WARP,
+            ],
         }
     }
 
@@ -291,7 +298,11 @@ impl Form {
             | Form::FlashDelta => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
-            Form::NormVector | Form::NormWarp | Form::NormAhead | Form::NormBits => on_cuda,
+            Form::NormVector
+            | Form::NormWarp
+            | Form::NormAhead
+            | Form::NormBits
+            | Form::NormWarpBackward => on_cuda,
         }
     }
 
@@ -329,16 +340,14 @@ impl Form {
         ));
         super::set_cuda_flash_keep_bits(bits);
         super::set_cuda_flash_delta_vector(self == Form::FlashDelta);
-        super::set_cuda_norm_vector(matches!(
-            self,
-            Form::NormVector | Form::NormWarp | Form::NormAhead | Form::NormBits
-        ));
-        super::set_cuda_norm_warp_forward(matches!(
-            self,
-            Form::NormWarp | Form::NormAhead | Form::NormBits
-        ));
-        super::set_cuda_norm_backward_ahead(matches!(self, Form::NormAhead | Form::NormBits));
-        super::set_cuda_norm_keep_bits(self == Form::NormBits);
+        let norm_bits = matches!(self, Form::NormBits | Form::NormWarpBackward);
+        let norm_ahead = norm_bits || self == Form::NormAhead;
+        let norm_warp = norm_ahead || self == Form::NormWarp;
+        super::set_cuda_norm_vector(norm_warp || self == Form::NormVector);
+        super::set_cuda_norm_warp_forward(norm_warp);
+        super::set_cuda_norm_backward_ahead(norm_ahead);
+        super::set_cuda_norm_keep_bits(norm_bits);
+        super::set_cuda_norm_backward_warp(self == Form::NormWarpBackward);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
@@ -354,7 +363,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 13] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 14] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -368,6 +377,7 @@ static FORM_SWITCHES: [&crate::switch::Switch; 13] = [
     &super::CUDA_NORM_WARP_FORWARD,
     &super::CUDA_NORM_BACKWARD_AHEAD,
     &super::CUDA_NORM_KEEP_BITS,
+    &super::CUDA_NORM_BACKWARD_WARP,
 ];
 
 type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
@@ -554,6 +564,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         norm("layer_norm (vector)", Form::NormVector),
         norm("layer_norm (warp forward)", Form::NormWarp),
         norm("layer_norm (backward ahead)", Form::NormAhead),
+        norm("layer_norm (backward a warp a row)", Form::NormWarpBackward),
         linear("linear", true, |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
@@ -730,6 +741,10 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             Form::NormAhead,
         ),
         residual_norm("residual_layer_norm (dropout, keep bits)", Form::NormBits),
+        residual_norm(
+            "residual_layer_norm (dropout, backward a warp a row)",
+            Form::NormWarpBackward,
+        ),
     ]
 }
 

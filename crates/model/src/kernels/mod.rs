@@ -1086,6 +1086,39 @@ pub fn cuda_norm_backward_ahead() -> bool {
     CUDA_NORM_BACKWARD_AHEAD.get()
 }
 
+/// Whether LayerNorm's backward on CUDA takes a warp per row.
+pub(crate) static CUDA_NORM_BACKWARD_WARP: Switch =
+    Switch::opt_in("BERTKIT_CUDA_NORM_BACKWARD_ROWS", "warp");
+
+/// Turns on or off, for this process, LayerNorm's (and a sublayer end's) backward a warp per row
+/// (`layer_norm_warp_backward`, the forward a warp per row's twin, for the rows it takes: up to
+/// 1,024 bf16 or 512 f32 elements), where the form in use ([`set_cuda_norm_backward_ahead`])
+/// gives a row a block of 128 threads and four block-wide sums (eight barriers) between its
+/// loads and its stores: on an H200 60 µs a BERT-large sublayer end at phase 1's 8,192 tokens
+/// (~1.4 TB/s; 48 a pass, ~2.9 ms), its grid four rows a block. Here a lane loads its four
+/// pieces of the row's input, residual and gradient at once, the row's sums are warp shuffles,
+/// and each warp adds the weight's and bias's gradients of its rows into its own slice of the
+/// block's shared memory (the block adds its four warps' in order: the parameters' partial sums
+/// are `[blocks, 2, hidden]` as before, with a block per five an SM rather than 2,048 of them:
+/// 2.6 MiB where 16 MiB at BERT-large's width on an H200). It reads the forward's keep bytes
+/// where they are written ([`set_cuda_norm_keep_bits`]). ptxas (sm_90): 94 registers under its
+/// launch bounds (five blocks of four warps an SM), no spills; in registers the parameter sums
+/// took 165 (three blocks). The same arithmetic an element; the row's sums and the parameters'
+/// in another order: `bench/gpu/emulate` compares it with the backward in use (f32, bf16, f16,
+/// with and without a residual and dropout: bf16 within 1.4e-4 of the largest magnitude, the
+/// keep bytes' and the drawn keeps' gradients the same bits). Checked by `bertkit check kernels
+/// --device cuda` (its `backward a warp a row` norm rows), not yet run on a GPU: unset, it is off
+/// unless `BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp`.
+pub fn set_cuda_norm_backward_warp(on: bool) {
+    CUDA_NORM_BACKWARD_WARP.set(on);
+}
+
+/// Whether LayerNorm's backward on CUDA takes a warp per row (see
+/// [`set_cuda_norm_backward_warp`]).
+pub fn cuda_norm_backward_warp() -> bool {
+    CUDA_NORM_BACKWARD_WARP.get()
+}
+
 /// Whether a sublayer end's forward on CUDA hands its dropout's keep bits to its backward.
 pub(crate) static CUDA_NORM_KEEP_BITS: Switch =
     Switch::opt_out("BERTKIT_CUDA_NORM_DROPOUT", "drawn");
@@ -1315,7 +1348,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 34] = [
+static CUDA_SWITCHES: [&Switch; 35] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1342,6 +1375,7 @@ static CUDA_SWITCHES: [&Switch; 34] = [
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,
     &CUDA_NORM_BACKWARD_AHEAD,
+    &CUDA_NORM_BACKWARD_WARP,
     &CUDA_NORM_KEEP_BITS,
     &CUDA_COLUMN_SUMS_LANES,
     &CUDA_BIAS_ACT_VECTOR,

@@ -487,6 +487,162 @@ __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* 
     }
 }
 
+// The backward a warp per row (`BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp`, `norm.rs`), the forward
+// a warp per row's twin: a lane loads its pieces `lane`, `lane + 32`, ... of the row's input,
+// residual and output gradient at once, the four sums a row (the statistics, then `a` and `b`)
+// are warp sums, and each warp adds its rows' parts of the weight's and bias's gradients into
+// its own slice of the block's shared memory, which the block adds in warp order into
+// `partial` (`[gridDim.x, 2, hidden]`, as `layer_norm_vec_backward`'s). That form gives a row a
+// block: four block-wide sums a row (two barriers each) between its loads and its stores,
+// which nothing overlaps within the block; on an H200 60 µs a BERT-large sublayer end
+// (`[8192, 1024]` bf16, ~1.4 TB/s of ~84 MB). (Held in registers, a lane's parameter sums took
+// 64 of them: 165 in all, three blocks an SM; in shared memory, laid out lane by lane in
+// 16-byte pieces, they cost a load and a store of 16 bytes each a piece of a row.) The same
+// arithmetic by element; the row's sums and the parameters' in another order. `Bits`: the
+// forward's keep bytes, as `layer_norm_vec_backward`'s.
+#define NORM_WARP_BACKWARD_WARPS 4
+
+// The place of element `k` of piece `i` of lane `lane` in a warp's slice of parameter sums
+// (`[2][P][N / 4][32 lanes][4]`: a lane's 16-byte accesses side by side, no bank conflicts),
+// for the weight's (`which` 0) or the bias's (1).
+template <int N, int P>
+__device__ __forceinline__ int norm_sums_place(int which, int i, int k, int lane) {
+    return ((which * P + i) * (N / 4) + k / 4) * 128 + lane * 4 + (k & 3);
+}
+
+template <typename T, bool Bits = false>
+__device__ void layer_norm_warp_backward(const T* x, const T* residual, const T* weight,
+                                         const T* grad, T* grad_sum, T* grad_x, float* partial,
+                                         int rows, int hidden, float eps, Dropout d,
+                                         const uint32_t* places, int seq,
+                                         const uint8_t* keep = nullptr) {
+    constexpr int N = Vec16<T>::N, P = WARP_ROW_PIECES, W = NORM_WARP_BACKWARD_WARPS;
+    constexpr int SLICE = 2 * P * 32 * N;
+    __shared__ __align__(16) float warp_sums[W * SLICE];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pieces = hidden / N;
+    float* mine = warp_sums + warp * SLICE;
+    for (int j = lane; j < SLICE; j += 32) mine[j] = 0.0f;
+    __syncwarp();
+    for (int r = blockIdx.x * W + warp; r < rows; r += gridDim.x * W) {
+        const size_t at = (size_t)r * hidden;
+        uint4 xs[P], rs[P], gs[P];
+        uint32_t kept[P];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            xs[i] = rs[i] = gs[i] = make_uint4(0, 0, 0, 0);
+            kept[i] = (1u << N) - 1;
+            if (q < pieces) {
+                xs[i] = *reinterpret_cast<const uint4*>(x + at + q * N);
+                if (residual) rs[i] = *reinterpret_cast<const uint4*>(residual + at + q * N);
+                gs[i] = *reinterpret_cast<const uint4*>(grad + at + q * N);
+                if constexpr (Bits) {
+                    if (d.on) kept[i] = keep[(size_t)r * pieces + q];
+                }
+            }
+        }
+        uint64_t line = 0;
+        if (!Bits && d.on) {
+            const uint32_t place = places[r];
+            line = line_key(row_key(d, place / seq), place % seq);
+        }
+        // The row's input, `dropout(x) + residual` (zeros past the row's end), then in place
+        // its normalised values.
+        float v[P][N];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            float xe[N], re[N];
+            unpack_vec16<T>(xs[i], xe);
+            unpack_vec16<T>(rs[i], re);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                v[i][k] = xe[k];
+                if (d.on && q < pieces) {
+                    if constexpr (Bits) {
+                        v[i][k] *= (kept[i] >> k) & 1u ? d.scale : 0.0f;
+                    } else {
+                        const float f = keep_factor(d, line, q * N + k);
+                        if (f == 0.0f) kept[i] &= ~(1u << k);
+                        v[i][k] *= f;
+                    }
+                }
+                v[i][k] += re[k];
+            }
+        }
+        float mean, rstd;
+        warp_row_statistics<N, P>(v, hidden, eps, mean, rstd);
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            if (q < pieces) {
+                float g[N], w[N];
+                unpack_vec16<T>(gs[i], g);
+                load_vec16(weight + q * N, w);
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    v[i][k] = (v[i][k] - mean) * rstd;
+                    const float dn = g[k] * w[k];
+                    a += dn;
+                    b += dn * v[i][k];
+                }
+#pragma unroll
+                for (int c = 0; c < N; c += 4) {
+                    float4* gw =
+                        reinterpret_cast<float4*>(mine + norm_sums_place<N, P>(0, i, c, lane));
+                    float4* gb =
+                        reinterpret_cast<float4*>(mine + norm_sums_place<N, P>(1, i, c, lane));
+                    float4 sw = *gw, sb = *gb;
+                    sw.x += g[c] * v[i][c];
+                    sw.y += g[c + 1] * v[i][c + 1];
+                    sw.z += g[c + 2] * v[i][c + 2];
+                    sw.w += g[c + 3] * v[i][c + 3];
+                    sb.x += g[c];
+                    sb.y += g[c + 1];
+                    sb.z += g[c + 2];
+                    sb.w += g[c + 3];
+                    *gw = sw;
+                    *gb = sb;
+                }
+            }
+        }
+        a = warp_sum(a) / hidden;
+        b = warp_sum(b) / hidden;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int q = lane + 32 * i;
+            if (q < pieces) {
+                float g[N], w[N], ds[N];
+                unpack_vec16<T>(gs[i], g);
+                load_vec16(weight + q * N, w);
+#pragma unroll
+                for (int k = 0; k < N; ++k) ds[k] = rstd * (g[k] * w[k] - a - v[i][k] * b);
+                store_vec16(grad_sum + at + q * N, ds);
+                if (grad_x) {
+                    if (d.on) {
+#pragma unroll
+                        for (int k = 0; k < N; ++k) ds[k] *= (kept[i] >> k) & 1u ? d.scale : 0.0f;
+                    }
+                    store_vec16(grad_x + at + q * N, ds);
+                }
+            }
+        }
+    }
+    // The block's sums: every column's warp sums added in warp order.
+    __syncthreads();
+    float* out = partial + (size_t)blockIdx.x * 2 * hidden;
+    for (int j = threadIdx.x; j < 2 * hidden; j += blockDim.x) {
+        const int which = j < hidden ? 0 : 1, col = j - which * hidden;
+        const int q = col / N;
+        const int place = norm_sums_place<N, P>(which, q / 32, col % N, q % 32);
+        float s = 0.0f;
+        for (int w = 0; w < W; ++w) s += warp_sums[w * SLICE + place];
+        out[j] = s;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // A linear layer's end: the bias and the activation (0: none, 1: GELU with erf, 2: GELU's tanh
 // form, its gate written as a logistic as on the CPU).
@@ -1207,6 +1363,22 @@ __device__ void embeddings_backward(const float* words, const float* types,
         layer_norm_vec_backward<T, true, true>(x, residual, weight, grad, grad_sum, grad_x,     \
                                                partial, rows, hidden, eps, d, places, seq,      \
                                                keep);                                           \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NORM_WARP_BACKWARD_WARPS, 5)            \
+        layer_norm_warp_backward_##SUFFIX(                                                      \
+            const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum,         \
+            T* grad_x, float* partial, int rows, int hidden, float eps, Dropout d,              \
+            const uint32_t* places, int seq) {                                                  \
+        layer_norm_warp_backward<T>(x, residual, weight, grad, grad_sum, grad_x, partial, rows, \
+                                    hidden, eps, d, places, seq);                               \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NORM_WARP_BACKWARD_WARPS, 5)            \
+        layer_norm_warp_backward_bits_##SUFFIX(                                                 \
+            const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum,         \
+            T* grad_x, float* partial, int rows, int hidden, float eps, Dropout d,              \
+            const uint32_t* places, int seq, const uint8_t* keep) {                             \
+        layer_norm_warp_backward<T, true>(x, residual, weight, grad, grad_sum, grad_x, partial, \
+                                          rows, hidden, eps, d, places, seq, keep);             \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, 6) layer_norm_warp_forward_##SUFFIX(       \
         const T* x, const T* residual, const T* weight, const T* bias, T* y, int rows,          \

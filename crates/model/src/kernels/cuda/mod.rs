@@ -184,6 +184,22 @@ fn config(blocks: usize, threads: usize, shared_floats: usize) -> LaunchConfig {
     }
 }
 
+/// The device's multiprocessors (asked once a process: one device a process, as a
+/// data-parallel run has): the grid of a kernel whose blocks should all be resident at once.
+fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
+    static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if let Some(&n) = COUNT.get() {
+        return Ok(n);
+    }
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let n = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(*COUNT.get_or_init(|| usize::try_from(n).unwrap_or(1).max(1)))
+}
+
 /// A block's threads for rows of `width`: about four elements a thread, a whole number of
 /// warps, 32 to 1024.
 fn row_threads(width: usize) -> usize {

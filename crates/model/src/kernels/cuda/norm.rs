@@ -129,6 +129,21 @@ const NORM_BACKWARD_BLOCKS: usize = 2048;
 /// bf16 or 1,024 f32 elements; wider ones take the backward in use.
 const AHEAD_THREADS: usize = 256;
 
+/// Warps a block of the backward a warp per row ([`crate::kernels::set_cuda_norm_backward_warp`];
+/// `NORM_WARP_BACKWARD_WARPS` in `kernels.cu`).
+const WARP_BACKWARD_WARPS: usize = 4;
+/// Its blocks an SM at once (its launch bounds: 96 registers, 32 KiB of shared memory each):
+/// its grid is this many a multiprocessor, every block resident, each warp its share of rows.
+const WARP_BACKWARD_BLOCKS_PER_SM: usize = 5;
+
+/// Whether the backward takes a warp per row ([`crate::kernels::set_cuda_norm_backward_warp`]):
+/// the rows the forward a warp per row takes (its lanes hold the same pieces).
+fn warp_backward<T>(s: &NormShape) -> bool {
+    s.vector
+        && crate::kernels::cuda_norm_backward_warp()
+        && pieces::<T>(s.hidden) <= WARP_ROW_PIECES * 32
+}
+
 /// The backward kernel, packed as `[rows + rows (with `grad_x`) + 2, hidden]`: the sum's
 /// gradient, `x`'s through the dropout when asked, then the weight's and the bias's.
 #[allow(clippy::too_many_arguments)]
@@ -148,12 +163,15 @@ fn backward<T: Element>(
     // SAFETY: every element is written: the gradients by the first kernel, the parameters' by
     // the column sums.
     let mut out = unsafe { dev.alloc::<T>(parts * n + 2 * h)? };
-    let most = if crate::kernels::cuda_norm_wide_grid() {
-        NORM_BACKWARD_BLOCKS
+    let warp = warp_backward::<T>(&s);
+    let blocks = if warp {
+        let resident = multiprocessors(dev)? * WARP_BACKWARD_BLOCKS_PER_SM;
+        s.rows.div_ceil(WARP_BACKWARD_WARPS).clamp(1, resident)
+    } else if crate::kernels::cuda_norm_wide_grid() {
+        s.rows.clamp(1, NORM_BACKWARD_BLOCKS)
     } else {
-        MAX_BACKWARD_BLOCKS
+        s.rows.clamp(1, MAX_BACKWARD_BLOCKS)
     };
-    let blocks = s.rows.clamp(1, most);
     let partial = if s.vector {
         // SAFETY: every block writes its whole `[2, hidden]` (its threads cover the row).
         unsafe { dev.alloc::<f32>(blocks * 2 * h)? }
@@ -165,10 +183,17 @@ fn backward<T: Element>(
         let (mut grad_sum, mut rest) = out.split_at_mut(n);
         let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
         // The backward with a row's loads at once takes blocks of up to `AHEAD_THREADS`; the
-        // keep bytes only with it.
+        // keep bytes only with it or a warp a row.
         let ahead = s.vector && vector_threads::<T>(s.hidden) <= AHEAD_THREADS;
-        let keep = keep.filter(|_| ahead);
-        let (name, cfg) = if s.vector {
+        let keep = keep.filter(|_| ahead || warp);
+        let (name, cfg) = if warp {
+            let name = if keep.is_some() {
+                "layer_norm_warp_backward_bits"
+            } else {
+                "layer_norm_warp_backward"
+            };
+            (name, config(blocks, 32 * WARP_BACKWARD_WARPS, 0))
+        } else if s.vector {
             let name = if keep.is_some() {
                 "layer_norm_vec_backward_ahead_bits"
             } else if ahead && crate::kernels::cuda_norm_backward_ahead() {
