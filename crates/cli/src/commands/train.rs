@@ -138,8 +138,17 @@ fn run_pretraining(
         );
     }
     let mut progress = speaks.then(|| TrainProgress::new(trainer.step(), last));
+    // The device's memory before the first step (the model, its loading, the optimiser's
+    // state) and after it (its activations, and the state the first update allocates): where
+    // the pool's spare above its tensors forms.
+    let device = trainer.device().clone();
+    let setup_memory = PoolPeaks::now(&device);
+    let mut first_step_memory = None;
     let started = Instant::now();
     let summary = trainer.run(&mut |m| {
+        if first_step_memory.is_none() {
+            first_step_memory = PoolPeaks::now(&device);
+        }
         if let Some(p) = &mut progress {
             p.step(m)
         }
@@ -173,12 +182,47 @@ fn run_pretraining(
         let reserved = bertkit_model::device_reserved_peak(trainer.device())
             .map(|r| format!(", {} MiB at most held by the pool", r >> 20))
             .unwrap_or_default();
+        let marks: Vec<String> = [
+            ("before the first step", setup_memory),
+            ("after it", first_step_memory),
+        ]
+        .into_iter()
+        .filter_map(|(when, peaks)| peaks.map(|p| format!("{when} {p}")))
+        .collect();
+        let marks = if marks.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", marks.join(", "))
+        };
         println!(
-            "device memory: {} MiB at most in tensors (the CUDA pool's high-water mark){reserved}",
+            "device memory: {} MiB at most in tensors (the CUDA pool's high-water mark){reserved}{marks}",
             peak >> 20
         );
     }
     Ok(())
+}
+
+/// The device pool's high-water marks so far: of bytes in tensors, and of bytes it held.
+#[derive(Debug, Clone, Copy)]
+struct PoolPeaks {
+    tensors: u64,
+    held: u64,
+}
+
+impl PoolPeaks {
+    /// The marks now; `None` off a CUDA device.
+    fn now(device: &candle_core::Device) -> Option<PoolPeaks> {
+        Some(PoolPeaks {
+            tensors: bertkit_model::device_peak(device)?,
+            held: bertkit_model::device_reserved_peak(device)?,
+        })
+    }
+}
+
+impl std::fmt::Display for PoolPeaks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} and {} MiB", self.tensors >> 20, self.held >> 20)
+    }
 }
 
 /// `start-up 3.2 s: lock 0.00 s, device 0.41 s, model 1.10 s, …`: where the time before the
@@ -453,6 +497,8 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
         state = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().1);
     })?;
     let peak = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().0);
+    // The pool's spare above its tensors (what nvidia-smi counts besides them and the context).
+    let held = bertkit_model::device_reserved_peak(&device);
     let counted = if on_device {
         "the device pool's high-water mark"
     } else {
@@ -494,6 +540,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
                 "measured_peak_bytes": peak,
                 "measured_by": counted,
                 "measured_state_bytes": state,
+                "measured_pool_held_bytes": held,
                 "predicted_peak_bytes": predicted_peak,
                 "predicted": {
                     "state_bytes": predicted.state_bytes,
@@ -508,7 +555,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
     } else {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(
-            "{} layers x {}, seq {}, micro-batch {}{}, {}, checkpointing {}: peak {:.3} GiB measured ({:.3} GiB before the first step; {counted}), {:.3} GiB predicted ({:+.1}%), least step {:.1} s",
+            "{} layers x {}, seq {}, micro-batch {}{}, {}, checkpointing {}: peak {:.3} GiB measured ({:.3} GiB before the first step; {counted}{}), {:.3} GiB predicted ({:+.1}%), least step {:.1} s",
             run.model.num_hidden_layers,
             run.model.hidden_size,
             run.seq_len,
@@ -522,6 +569,8 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
             config.train.activation_checkpointing,
             gib(peak as f64),
             gib(state as f64),
+            held.map(|h| format!("; the pool held {:.3} GiB at most", gib(h as f64)))
+                .unwrap_or_default(),
             gib(predicted_peak),
             (predicted_peak / peak as f64 - 1.0) * 100.0,
             seconds
