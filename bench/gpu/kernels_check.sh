@@ -187,6 +187,18 @@ memory() {
             --predictions "$predictions" --micro-batch "$micro" --accumulation "$accumulation" \
             --steps 2 2>&1 | tail -n 1
     done
+    # The pool's spare above its tensors at phase 2 (2,289 MiB on 2026-11-27: nvidia-smi 1.12x
+    # PyTorch's): six steps as the build leaves it, then with the pool keeping at most 8.5 GiB
+    # of freed memory (the rest back to the driver at each step's read-back): what the spare
+    # costs in step time, and whether it forms within a step or over several.
+    local keep
+    for keep in "" 8704; do
+        log "2b' phase 2, micro-batch 8, six steps, BERTKIT_CUDA_POOL_KEEP_MIB=${keep:-unset}"
+        env ${keep:+BERTKIT_CUDA_POOL_KEEP_MIB=$keep} timeout 120 $b bench memory \
+            --config "$here/data/pipelines/pretrain-phase1.toml" --data "$here/data/records/phase2" \
+            --preset large --precision bf16 --device cuda --predictions 80 --micro-batch 8 \
+            --steps 6 2>&1 | tail -n 1
+    done
 }
 fp16() {
     log "2f phase 1 in fp16, 12 steps (the kernels' f16 forms)"

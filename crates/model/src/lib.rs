@@ -141,7 +141,7 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
                 // have nothing to order; they cost an event record per use.
                 unsafe { gpu.disable_event_tracking() };
                 if !crate::switch::env_is("BERTKIT_CUDA_POOL_KEEP", "0") {
-                    device_pool::keep_freed_memory(gpu);
+                    device_pool::keep_freed_memory(gpu, pool_keep_limit()?);
                 }
             }
             if TF32.load(Ordering::Relaxed) == TF32_UNSET {
@@ -211,13 +211,14 @@ mod device_pool {
     }
 
     /// Keeps freed memory in the pool instead of returning it to the driver at each
-    /// synchronisation (the pool's release threshold, 0 by default, raised to all of it), so
-    /// a step reuses the last step's memory as PyTorch's caching allocator does (on an H200,
+    /// synchronisation (the pool's release threshold, 0 by default, raised to all of it, or to
+    /// `limit` bytes: beyond them, free memory goes back at the next synchronisation), so a
+    /// step reuses the last step's memory as PyTorch's caching allocator does (on an H200,
     /// BERT-large's phase-1 step 153 -> 132 ms; BENCHMARKS.md, 2026-11-27). On unless
     /// `BERTKIT_CUDA_POOL_KEEP=0`. A failure leaves the driver's default.
-    pub(super) fn keep_freed_memory(gpu: &candle_core::CudaDevice) {
+    pub(super) fn keep_freed_memory(gpu: &candle_core::CudaDevice, limit: Option<u64>) {
         if let Some(pool) = default_pool(gpu) {
-            let mut threshold: u64 = u64::MAX;
+            let mut threshold: u64 = limit.unwrap_or(u64::MAX);
             // SAFETY: RELEASE_THRESHOLD is a cuuint64_t.
             let _ = unsafe {
                 result::mem_pool::set_attribute(
@@ -228,6 +229,33 @@ mod device_pool {
             };
         }
     }
+}
+
+/// What the CUDA pool keeps of freed memory at most (`BERTKIT_CUDA_POOL_KEEP_MIB`, in MiB; unset:
+/// all of it). The pool's memory beyond it goes back to the driver at each synchronisation (a
+/// step's read-back): a bound on the pool's spare above its tensors (which nvidia-smi counts as
+/// used), at the cost of asking the driver again for what a step needs beyond it. Where the
+/// pool's spare forms is not yet measured (at BERT-large's phase 2 on an H200 it held 10,560
+/// MiB for a high-water mark of 8,271 in tensors; BENCHMARKS.md, 2026-11-27): a setting to
+/// measure it with, off by default.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn pool_keep_limit() -> Result<Option<u64>, ModelError> {
+    const VARIABLE: &str = "BERTKIT_CUDA_POOL_KEEP_MIB";
+    mib_setting(VARIABLE, std::env::var(VARIABLE).ok().as_deref())
+}
+
+/// Environment variable `name`'s `value` as a number of MiB, in bytes (`None` unset).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn mib_setting(name: &str, value: Option<&str>) -> Result<Option<u64>, ModelError> {
+    let Some(v) = value else {
+        return Ok(None);
+    };
+    v.trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|mib| mib.checked_mul(1 << 20))
+        .map(Some)
+        .ok_or_else(|| ModelError::Config(format!("{name}={v:?}: expected a number of MiB")))
 }
 
 /// The most bytes the device's tensors held at once since [`reset_device_peak`] (or since the
@@ -283,5 +311,21 @@ pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
             .map(|(free, _total)| free as u64),
         #[allow(unreachable_patterns)]
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_mib_setting_is_bytes_or_a_clear_error() {
+        assert_eq!(super::mib_setting("V", None).unwrap(), None);
+        assert_eq!(
+            super::mib_setting("V", Some(" 9000")).unwrap(),
+            Some(9000 << 20)
+        );
+        for bad in ["9 GiB", "-1", "", "99999999999999999999"] {
+            let e = super::mib_setting("V", Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("V=") && e.contains("MiB"), "{bad}: {e}");
+        }
     }
 }
