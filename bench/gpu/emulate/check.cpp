@@ -763,6 +763,20 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
         });
         report("sums", differ(partial, partial_sums), partial.size());
     }
+    if (act && cols % Vec16<T>::N == 0) {
+        // With the activation (`bias_act_sums_vec`, `bias_sums_vec<T, true>`): its slopes and
+        // (with a bias) its partial sums, the same bits as `bias_act_vec_backward`'s.
+        std::vector<T> grad_y_sums(n, unwritten);
+        std::vector<float> partial_sums(partial.size(), std::nanf(""));
+        const unsigned pieces = (unsigned)(cols / Vec16<T>::N);
+        emulate_launch({blocks, (pieces + BIAS_SUMS_THREADS - 1) / BIAS_SUMS_THREADS, 1},
+                       BIAS_SUMS_THREADS, [&] {
+            bias_sums_vec<T, true>(grad.data(), with_bias ? partial_sums.data() : nullptr, rows,
+                                   cols, y.data(), b, grad_y_sums.data(), act);
+        });
+        report("dy, sums", differ(grad_y, grad_y_sums), n);
+        if (with_bias) report("act sums", differ(partial, partial_sums), partial.size());
+    }
     return ok;
 }
 
@@ -1454,6 +1468,9 @@ int main() {
     ok = check_bias_vec<f16>("f16, bias + GELU", 9, 768, 1, true, 9, 32) && ok;
     ok = check_bias_vec<float>("f32, bias + GELU (tanh)", 11, 200, 2, true, 4, 32) && ok;
     ok = check_bias_vec<float>("f32, GELU, no bias", 5, 1028, 1, false, 2, 256) && ok;
+    // (Rows enough for four a thread ahead in `bias_sums_vec`'s loop with an activation.)
+    ok = check_bias_vec<bf16>("bf16, bias + GELU, 37 rows", 37, 2048, 1, true, 3, 256) && ok;
+    ok = check_bias_vec<float>("f32, GELU (tanh), 29 rows", 29, 200, 2, false, 2, 64) && ok;
     std::printf("LayerNorm 16 bytes a thread (layer_norm_vec_*, kernels.cu) against the block per row:\n");
     ok = check_norm<bf16>("norm bf16, residual, dropout", 37, 1024, true, true, 5, 8e-3) && ok;
     ok = check_norm<bf16>("norm bf16, plain", 9, 768, false, false, 4, 8e-3) && ok;

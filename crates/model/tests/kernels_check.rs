@@ -56,8 +56,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // Off by default: a half-precision gradient added into an f32 one by one kernel (its row
     // runs in half precision only), the one-pass attention's asynchronous copies and its delta
     // 16 bytes a thread, LayerNorm's backward a warp per row (their rows run on CUDA only), and
-    // a linear layer's bias gradient alone summed in registers, which the linear and
-    // feed-forward lines need; the others need nothing.
+    // a linear layer's bias gradient (and its activation's slope) summed in registers, which
+    // the linear, GELU and feed-forward lines need; the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
@@ -70,11 +70,18 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         ]
     );
     for c in &checks {
-        let want: &[&str] = if c.kernel == "linear" || c.kernel.starts_with("feed_forward") {
-            &["BERTKIT_CUDA_BIAS_SUMS=registers"]
-        } else {
-            &[]
-        };
+        let registers = [
+            "linear",
+            "linear_gelu (erf)",
+            "linear_gelu (tanh)",
+            "gelu (erf)",
+        ];
+        let want: &[&str] =
+            if registers.contains(&c.kernel.as_str()) || c.kernel.starts_with("feed_forward") {
+                &["BERTKIT_CUDA_BIAS_SUMS=registers"]
+            } else {
+                &[]
+            };
         assert_eq!(c.needs, want, "{c:?}");
     }
     // Two checked settings (lines of their own), and one no line checks.

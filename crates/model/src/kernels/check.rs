@@ -436,8 +436,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train: false,
         form: Form::Plain,
-        // (Without an activation its bias's gradient alone: summed in registers where turned
-        // on.)
+        // (Its bias's gradient, with the activation's slope where it has one, summed in
+        // registers where turned on.)
         needs: if epilogue {
             vec![
                 &super::CUDA_COLUMN_SUMS_LANES,
@@ -453,6 +453,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_VECTOR,
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
+                &super::CUDA_BIAS_SUMS_REGISTERS,
             ]
         },
     };
@@ -623,7 +624,12 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_BIAS_ACT_VECTOR, &super::CUDA_BIAS_ACT_ROWS],
+            // (Its backward, the slope alone, in registers where the bias sums are.)
+            needs: vec![
+                &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_BIAS_ACT_ROWS,
+                &super::CUDA_BIAS_SUMS_REGISTERS,
+            ],
         },
         Case {
             kernel: "feed_forward (erf)",

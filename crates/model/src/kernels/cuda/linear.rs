@@ -118,19 +118,40 @@ fn backward<T: Element>(
         None
     };
     let (rows_i, cols_i) = (rows as i32, cols as i32);
-    if act == 0
-        && vector
-        && crate::kernels::cuda_bias_sums_registers()
+    // The sums kept in registers (`bias_sums_vec`: the same partial sums, the same slopes),
+    // a thread a piece of columns, blocks of `BIAS_SUMS_THREADS` over them.
+    let registers = vector && crate::kernels::cuda_bias_sums_registers();
+    let registers_cfg = || LaunchConfig {
+        grid_dim: (
+            blocks as u32,
+            (cols / piece_elements::<T>()).div_ceil(BIAS_SUMS_THREADS) as u32,
+            1,
+        ),
+        ..config(blocks, BIAS_SUMS_THREADS, 0)
+    };
+    if registers
+        && act == 0
         && let Some(partial) = &partial
     {
-        // The bias's sums alone, kept in registers (`bias_sums_vec`: the same partial sums).
-        let pieces = cols / piece_elements::<T>();
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, pieces.div_ceil(BIAS_SUMS_THREADS) as u32, 1),
-            ..config(blocks, BIAS_SUMS_THREADS, 0)
-        };
-        launch!(T, dev, "bias_sums_vec", cfg, |b| {
+        // The bias's sums alone.
+        launch!(T, dev, "bias_sums_vec", registers_cfg(), |b| {
             b.arg(grad).arg(partial).arg(&rows_i).arg(&cols_i);
+        })?;
+    } else if registers && act != 0 {
+        // The activation's slope, and the bias's sums where there is a bias.
+        let (mut grad_y, _) = out.split_at_mut(n);
+        launch!(T, dev, "bias_act_sums_vec", registers_cfg(), |b| {
+            b.arg(y);
+            match bias {
+                Some(bias) => b.arg(bias),
+                None => b.arg(&NULL),
+            };
+            b.arg(grad).arg(&mut grad_y);
+            match &partial {
+                Some(p) => b.arg(p),
+                None => b.arg(&NULL),
+            };
+            b.arg(&rows_i).arg(&cols_i).arg(&act);
         })?;
     } else {
         let (mut grad_y, _) = out.split_at_mut(n);
