@@ -106,7 +106,8 @@ all_rows() {
         "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy" \
         "BERTKIT_CUDA_BIAS_SUMS=registers | a linear layer's bias gradient alone summed in registers" \
         "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp | LayerNorm's backward a warp per row" \
-        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp | the four not yet run"
+        "BERTKIT_CUDA_DECODER=padded | the masked-LM decoder's rows padded to 30,528" \
+        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded | the five not yet run"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a

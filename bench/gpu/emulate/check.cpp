@@ -1384,13 +1384,19 @@ bool check_squares(const char* name, unsigned blocks) {
 }
 
 // The negative log-likelihood of `rows` rows of `classes` logits in `T` and its backward
-// (`loss.cu`), against the same in f64 from the same inputs.
+// (`loss.cu`), against the same in f64 from the same inputs. `width` > `classes`: the padded
+// form (`nll_*_padded`), rows that far apart, the padding holding NaNs it must not read, its
+// gradient zeros.
 template <typename T>
-bool check_nll(const char* name, int rows, int classes) {
+bool check_nll(const char* name, int rows, int classes, int width = 0) {
+    const bool padded = width > 0;
+    if (!padded) width = classes;
     std::mt19937_64 rng(5 + classes);
     std::uniform_real_distribution<float> u(-4.0f, 4.0f);
-    std::vector<T> logits((size_t)rows * classes);
-    for (auto& x : logits) x = from_f32<T>(u(rng));
+    std::vector<T> logits((size_t)rows * width);
+    for (size_t i = 0; i < logits.size(); ++i) {
+        logits[i] = (int)(i % width) < classes ? from_f32<T>(u(rng)) : from_f32<T>(NAN);
+    }
     std::vector<uint32_t> labels(rows);
     std::vector<float> grad(rows);
     for (int r = 0; r < rows; ++r) {
@@ -1400,24 +1406,36 @@ bool check_nll(const char* name, int rows, int classes) {
     std::vector<float> nll(rows, NAN), lse(rows, NAN);
     const unsigned threads = std::min(1024u, (unsigned)(((classes + 3) / 4 + 31) / 32 * 32));
     emulate_launch({5, 1, 1}, threads, [&] {
-        nll_forward<T>(logits.data(), labels.data(), nll.data(), lse.data(), rows, classes);
+        if (padded) {
+            nll_forward<T, true>(logits.data(), labels.data(), nll.data(), lse.data(), rows,
+                                 classes, width);
+        } else {
+            nll_forward<T>(logits.data(), labels.data(), nll.data(), lse.data(), rows, classes);
+        }
     });
     std::vector<T> grad_logits(logits.size(), from_f32<T>(NAN));
     emulate_launch({5, 1, 1}, threads, [&] {
-        nll_backward<T>(logits.data(), labels.data(), lse.data(), grad.data(),
-                        grad_logits.data(), rows, classes);
+        if (padded) {
+            nll_backward<T, true>(logits.data(), labels.data(), lse.data(), grad.data(),
+                                  grad_logits.data(), rows, classes, width);
+        } else {
+            nll_backward<T>(logits.data(), labels.data(), lse.data(), grad.data(),
+                            grad_logits.data(), rows, classes);
+        }
     });
     std::vector<double> got_nll(nll.begin(), nll.end()), want_nll(rows), got_grad, want_grad;
     for (int r = 0; r < rows; ++r) {
-        const T* x = &logits[(size_t)r * classes];
+        const T* x = &logits[(size_t)r * width];
         double m = -INFINITY, s = 0.0;
         for (int c = 0; c < classes; ++c) m = std::max(m, (double)to_f32(x[c]));
         for (int c = 0; c < classes; ++c) s += std::exp(to_f32(x[c]) - m);
         const double l = m + std::log(s);
         want_nll[r] = l - to_f32(x[labels[r]]);
-        for (int c = 0; c < classes; ++c) {
-            got_grad.push_back(to_f32(grad_logits[(size_t)r * classes + c]));
-            want_grad.push_back(grad[r] * (std::exp(to_f32(x[c]) - l) - (c == (int)labels[r])));
+        for (int c = 0; c < width; ++c) {
+            got_grad.push_back(to_f32(grad_logits[(size_t)r * width + c]));
+            want_grad.push_back(c < classes ? grad[r] * (std::exp(to_f32(x[c]) - l) -
+                                                         (c == (int)labels[r]))
+                                            : 0.0);
         }
     }
     const double bound = std::is_same<T, float>::value ? 1e-5 : 1e-2;
@@ -1498,6 +1516,8 @@ int main() {
     ok = check_nll<float>("nll f32", 37, 517) && ok;
     ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;
     ok = check_nll<f16>("nll f16", 23, 30522) && ok;
+    ok = check_nll<float>("nll f32, rows padded", 37, 517, 520) && ok;
+    ok = check_nll<bf16>("nll bf16, rows padded", 23, 30522, 30528) && ok;
     std::printf("optimiser update in place (cuda_update.cu) against the two-buffer update:\n");
     ok = check_update("LAMB, decayed", true, true, false) && ok;
     ok = check_update("LAMB, not decayed", true, false, false) && ok;

@@ -63,6 +63,25 @@ pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     picked.squeeze(1)?.neg()
 }
 
+/// [`nll_per_row`] of logits whose rows may be wider than their `classes`: `[..., width]`, the
+/// first `classes` of each row the logits (the masked-LM decoder's rows as it wrote them,
+/// [`crate::PreTrainingOutput::mlm_decoded`]). On CUDA the loss's kernel reads them as they
+/// are (where it takes them); elsewhere the narrowed logits go through [`nll_per_row`].
+pub fn nll_per_row_of(logits: &Tensor, classes: usize, labels: &Tensor) -> Result<Tensor> {
+    let width = logits.dim(D::Minus1)?;
+    if width == classes {
+        return nll_per_row(logits, labels);
+    }
+    if classes == 0 || classes > width {
+        candle_core::bail!("nll: {classes} classes in rows of {width}")
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(nll) = crate::kernels::cuda_nll_padded(logits, labels, classes) {
+        return nll;
+    }
+    nll_per_row(&logits.narrow(D::Minus1, 0, classes)?, labels)
+}
+
 /// Mean cross-entropy of `labels` (`[rows]`) under `logits` (`[rows, classes]`).
 pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     nll_per_row(logits, labels)?.mean_all()

@@ -776,3 +776,67 @@ fn a_linear_layer_hands_its_weights_gradient_over() {
         assert_eq!(store.get(&w).is_none(), hands_over);
     }
 }
+
+/// The loss of rows padded past their logits (the masked-LM decoder's on CUDA, padded to whole
+/// 16-byte pieces) reads only the logits: padding of any value changes neither the loss nor the
+/// logits' gradient, and its own gradient is zeros; asking for more classes than a row holds is
+/// an error.
+#[test]
+fn the_loss_of_padded_rows_reads_only_their_logits() {
+    let logits = (tensor(&[3, 2, 7], 61) * 4.0)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let padding = (Tensor::ones((3, 2, 3), DType::F32, &Device::Cpu).unwrap() * 1e4).unwrap();
+    let padded = Var::from_tensor(&Tensor::cat(&[&logits, &padding], 2).unwrap()).unwrap();
+    let labels = Tensor::new(&[0u32, 6, 3, 2, 5, 1], &Device::Cpu).unwrap();
+
+    let got = loss::nll_per_row_of(padded.as_tensor(), 7, &labels).unwrap();
+    let plain = Var::from_tensor(&logits).unwrap();
+    let want = loss::nll_per_row(plain.as_tensor(), &labels).unwrap();
+    assert_eq!(
+        got.to_vec1::<f32>().unwrap(),
+        want.to_vec1::<f32>().unwrap()
+    );
+
+    let weights = Tensor::new(&[1f32, 2., 3., 4., 5., 6.], &Device::Cpu).unwrap();
+    let grads = (got * &weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let grad = grads.get(padded.as_tensor()).unwrap();
+    let want_grads = (want * &weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let want_grad = want_grads.get(plain.as_tensor()).unwrap();
+    assert_eq!(
+        grad.narrow(2, 0, 7).unwrap().to_vec3::<f32>().unwrap(),
+        want_grad.to_vec3::<f32>().unwrap()
+    );
+    assert!(
+        grad.narrow(2, 7, 3)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .all(|&g| g == 0.0)
+    );
+    // Rows no wider than their classes are the plain loss; more classes than a row holds fail.
+    let same = loss::nll_per_row_of(plain.as_tensor(), 7, &labels).unwrap();
+    assert_eq!(
+        same.to_vec1::<f32>().unwrap(),
+        loss::nll_per_row(plain.as_tensor(), &labels)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    );
+    let e = loss::nll_per_row_of(padded.as_tensor(), 11, &labels).unwrap_err();
+    assert!(e.to_string().contains("11 classes in rows of 10"), "{e}");
+}

@@ -8,10 +8,10 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 17 kernels: an output and each input's gradient (1 + 5 + 2 + 1 + 1 + 3 + 4 × 4 + 1 + 5 +
-    // 1 + 1 + 1 + 4 inputs; the one-pass attention's rows and LayerNorm's other forms only on
-    // CUDA).
-    assert_eq!(checks.len(), 17 + 41, "{checks:#?}");
+    // 19 kernels: an output and each input's gradient (1 + 5 + 2 + 1 + 1 + 3 + 4 × 4 + 1 + 5 +
+    // 1 + 1 + 1 + 4 inputs, and 3 + 1 for the padded decoder's linear layer and loss; the
+    // one-pass attention's rows and LayerNorm's other forms only on CUDA).
+    assert_eq!(checks.len(), 19 + 45, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         if (c.kernel == "gather_rows" && !c.gradient) || (c.kernel == "add" && c.gradient) {
@@ -57,7 +57,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // runs in half precision only), the one-pass attention's asynchronous copies and its delta
     // 16 bytes a thread, LayerNorm's backward a warp per row (their rows run on CUDA only), and
     // a linear layer's bias gradient (and its activation's slope) summed in registers, which
-    // the linear, GELU and feed-forward lines need; the others need nothing.
+    // the linear, GELU and feed-forward lines need, and the masked-LM decoder's rows padded
+    // (the padded linear and loss lines); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
@@ -66,7 +67,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_DELTA=vector",
             "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp",
-            "BERTKIT_CUDA_BIAS_SUMS=registers"
+            "BERTKIT_CUDA_BIAS_SUMS=registers",
+            "BERTKIT_CUDA_DECODER=padded"
         ]
     );
     for c in &checks {
@@ -76,12 +78,18 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "linear_gelu (tanh)",
             "gelu (erf)",
         ];
-        let want: &[&str] =
-            if registers.contains(&c.kernel.as_str()) || c.kernel.starts_with("feed_forward") {
-                &["BERTKIT_CUDA_BIAS_SUMS=registers"]
-            } else {
-                &[]
-            };
+        let want: &[&str] = if c.kernel == "linear (padded rows)" {
+            &[
+                "BERTKIT_CUDA_BIAS_SUMS=registers",
+                "BERTKIT_CUDA_DECODER=padded",
+            ]
+        } else if c.kernel == "nll (padded rows)" {
+            &["BERTKIT_CUDA_DECODER=padded"]
+        } else if registers.contains(&c.kernel.as_str()) || c.kernel.starts_with("feed_forward") {
+            &["BERTKIT_CUDA_BIAS_SUMS=registers"]
+        } else {
+            &[]
+        };
         assert_eq!(c.needs, want, "{c:?}");
     }
     // Two checked settings (lines of their own), and one no line checks.
@@ -174,9 +182,9 @@ fn in_bf16_on_the_cpu_the_bias_gradients_are_summed_in_f32() {
         .filter(|c| c.kernel != "layer_norm" && c.kernel != "embeddings")
         .filter(|c| !c.kernel.starts_with("residual_layer_norm"))
         .collect();
-    // linear, linear (wide), linear (f32 weight), linear_gelu (erf, tanh) and feed_forward's
-    // two, at three shapes.
-    assert_eq!(biases.len(), 21, "{biases:#?}");
+    // linear, linear (wide), linear (f32 weight), linear (padded rows), linear_gelu (erf,
+    // tanh) and feed_forward's two, at three shapes.
+    assert_eq!(biases.len(), 24, "{biases:#?}");
     for c in biases {
         assert!(c.worst < 8e-3, "{c:?}");
     }

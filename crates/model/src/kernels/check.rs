@@ -612,6 +612,37 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_LINEAR_BACKWARD_LT,
             ],
         },
+        Case {
+            kernel: "linear (padded rows)",
+            // The masked-LM decoder ([`Kernels::decoder`]): an f32 weight of rows not whole
+            // 16-byte pieces, its output rows padded to them in half precision on CUDA where
+            // turned on; compared on its logits, the padding's gradient zeros.
+            inputs: vec![
+                ("x", vec![t, h], 1.0),
+                ("weight", vec![i + 4, h], w),
+                ("bias", vec![i + 4], 0.5),
+            ],
+            run: |k, x, _, _, _| {
+                let weight = match x[1].dtype() {
+                    DType::F64 => x[1].clone(),
+                    _ => x[1].to_dtype(DType::F32)?,
+                };
+                let classes = weight.dim(0)?;
+                k.decoder(&x[0], &weight, &x[2], None)?
+                    .narrow(candle_core::D::Minus1, 0, classes)
+            },
+            train: false,
+            form: Form::Plain,
+            needs: vec![
+                &super::CUDA_LINEAR_CAST,
+                &super::CUDA_COLUMN_SUMS_LANES,
+                &super::CUDA_BIAS_ACT_VECTOR,
+                &super::CUDA_BIAS_ACT_ROWS,
+                &super::CUDA_LINEAR_BACKWARD_LT,
+                &super::CUDA_BIAS_SUMS_REGISTERS,
+                &super::CUDA_PADDED_DECODER,
+            ],
+        },
         linear("linear_gelu (erf)", false, |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
         }),
@@ -735,6 +766,21 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             train: false,
             form: Form::Plain,
             needs: vec![&super::CUDA_LOSS],
+        },
+        Case {
+            kernel: "nll (padded rows)",
+            // Rows of 520 of which the first 517 are logits ([`crate::loss::nll_per_row_of`],
+            // the padded decoder's): the padding not read, its gradient zeros.
+            inputs: vec![("logits", vec![t, 520], 4.0)],
+            run: |_, x, _, _, _| {
+                let rows = x[0].dim(0)?;
+                let labels: Vec<u32> = (0..rows).map(|r| ((r * 31 + 7) % 517) as u32).collect();
+                let labels = Tensor::from_vec(labels, rows, x[0].device())?;
+                crate::loss::nll_per_row_of(&x[0], 517, &labels)
+            },
+            train: false,
+            form: Form::Plain,
+            needs: vec![&super::CUDA_LOSS, &super::CUDA_PADDED_DECODER],
         },
         residual_norm("residual_layer_norm (dropout)", Form::Plain),
         residual_norm("residual_layer_norm (dropout, vector)", Form::NormVector),

@@ -238,6 +238,21 @@ pub trait Kernels: Send + Sync + Debug {
         self.linear(x, weight, bias)
     }
 
+    /// The masked-LM decoder: [`Kernels::linear_into`] where `sink` is given, else
+    /// [`Kernels::linear`], with a bias, whose rows a kernel set may write wider than
+    /// `weight`'s rows (the classes), the padding zeros, for products on aligned rows
+    /// ([`set_cuda_padded_decoder`]): `[..., width]`, the first `weight.dim(0)` of each row the
+    /// logits. The losses read them so ([`crate::loss::nll_per_row_of`]).
+    fn decoder(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        sink: Option<&GradientSink>,
+    ) -> Result<Tensor> {
+        unpadded_decoder(self, x, weight, bias, sink)
+    }
+
     /// GELU in the `form` the model's config names: exact, `x * Φ(x)` with the error function,
     /// or Google's tanh approximation.
     fn gelu(&self, x: &Tensor, form: Gelu) -> Result<Tensor>;
@@ -531,6 +546,18 @@ pub fn cuda_loss() -> bool {
 pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor>> {
     (cuda_loss() && on_cuda(&[logits]) && labels.dtype() == DType::U32)
         .then(|| cuda::nll(logits, labels))
+}
+
+/// [`cuda_nll`] of rows wider than their `classes` ([`crate::loss::nll_per_row_of`]): the
+/// loss's kernel reading the first `classes` of each row where it takes them.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_nll_padded(
+    logits: &Tensor,
+    labels: &Tensor,
+    classes: usize,
+) -> Option<Result<Tensor>> {
+    (cuda_loss() && on_cuda(&[logits]) && labels.dtype() == DType::U32)
+        .then(|| cuda::nll_padded(logits, labels, classes))
 }
 
 /// The rows and classes of the negative log-likelihood's operands, for `op`'s errors: logits
@@ -1271,6 +1298,48 @@ pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a + b
 }
 
+/// [`Kernels::decoder`] without padding: the linear layer, its weight's gradient to `sink`
+/// where given.
+fn unpadded_decoder<K: Kernels + ?Sized>(
+    k: &K,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    sink: Option<&GradientSink>,
+) -> Result<Tensor> {
+    match sink {
+        Some(sink) => k.linear_into(x, weight, Some(bias), sink),
+        None => k.linear(x, weight, Some(bias)),
+    }
+}
+
+/// Whether the masked-LM decoder's rows are padded on CUDA.
+pub(crate) static CUDA_PADDED_DECODER: Switch = Switch::opt_in("BERTKIT_CUDA_DECODER", "padded");
+
+/// Turns on or off, for this process, the masked-LM decoder's rows padded on CUDA
+/// ([`Kernels::decoder`]): in half precision, where the vocabulary is not whole 16-byte pieces
+/// (BERT's 30,522 words), the logits' rows are written 30,528 wide (the weight cast into a copy
+/// with zero rows, as it is cast for the product anyway; the bias padded), so that each of the
+/// decoder's three products and its bias's kernels take aligned rows, and the loss reads the
+/// first 30,522 of each row (`nll_*_padded`, its backward writing zeros past them). On an H200
+/// the decoder's products ran at ~230 TFLOP/s on the unaligned rows (`cutlass_80` kernels,
+/// 345-357 µs each a BERT-large phase-1 pass, where the layers' run at ~700) and its bias at
+/// 110 + 138 µs by the element-a-thread kernels: ~1.3 ms a pass where ~0.5 would do
+/// (BENCHMARKS.md, 2026-11-27, evening); NVIDIA's BERT pads its vocabulary to 30,528. The
+/// logits the model returns are the same (`mlm_logits`: a view of their first 30,522 columns;
+/// `PreTrainingOutput::mlm_decoded`: the rows as written). `bench/gpu/emulate` checks the
+/// padded loss against f64 (the padding NaNs it must not read); `bertkit check kernels
+/// --device cuda` has its rows (`linear (padded rows)`, `nll (padded rows)`); not yet run on a
+/// GPU: unset, it is off unless `BERTKIT_CUDA_DECODER=padded`.
+pub fn set_cuda_padded_decoder(on: bool) {
+    CUDA_PADDED_DECODER.set(on);
+}
+
+/// Whether the masked-LM decoder's rows are padded on CUDA (see [`set_cuda_padded_decoder`]).
+pub fn cuda_padded_decoder() -> bool {
+    CUDA_PADDED_DECODER.get()
+}
+
 /// Whether a half-precision gradient handed over is added into an f32 one by one kernel.
 pub(crate) static CUDA_HANDED_HALF: Switch = Switch::opt_in("BERTKIT_CUDA_HANDED_GRADIENT", "half");
 
@@ -1356,7 +1425,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 35] = [
+static CUDA_SWITCHES: [&Switch; 36] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1391,6 +1460,7 @@ static CUDA_SWITCHES: [&Switch; 35] = [
     &CUDA_BIAS_SUMS_REGISTERS,
     &CUDA_FLASH_ATTENTION,
     &CUDA_LOSS,
+    &CUDA_PADDED_DECODER,
     &CUDA_FP16,
 ];
 
@@ -1651,6 +1721,24 @@ impl Kernels for Fused {
             ),
             _ => self.linear(x, weight, bias),
         }
+    }
+
+    fn decoder(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        sink: Option<&GradientSink>,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if cuda_padded_decoder()
+            && on_cuda(&[x, weight, bias])
+            && cuda::bias_fits(weight.dim(0)?.next_multiple_of(8))
+            && let Some(logits) = cuda::padded_linear(x, weight, bias, sink)?
+        {
+            return Ok(logits);
+        }
+        unpadded_decoder(self, x, weight, bias, sink)
     }
 
     fn linear_gelu(

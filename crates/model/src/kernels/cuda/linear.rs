@@ -217,6 +217,10 @@ struct LinearOp {
     epilogue: bool,
     /// Where the weight's gradient goes instead of the graph ([`linear_into`]).
     sink: Option<GradientSink>,
+    /// The output's rows padded past the weight's rows to this width ([`padded_linear`]):
+    /// the product handed over and the bias that wide, the weight padded with zero rows for
+    /// the backward's products and its gradient's padding dropped.
+    padded: Option<usize>,
 }
 
 /// Whether a linear layer without an activation on either side takes cuBLASLt's product with
@@ -477,6 +481,7 @@ impl CustomOp3 for LinearOp {
             };
             let dims = rows_cols(name, pl, Some(bl))?;
             let (out_features, in_features) = wl.shape().dims2()?;
+            let out_features = op.padded.unwrap_or(out_features);
             if xl.dims().last() != Some(&in_features) || dims.1 != out_features {
                 bail!(
                     "{name}: an input {:?} for a weight {:?}",
@@ -516,7 +521,8 @@ impl CustomOp3 for LinearOp {
             },
             grad.device(),
             || {
-                let (out_features, in_features) = weight.dims2()?;
+                let (weight_rows, in_features) = weight.dims2()?;
+                let out_features = self.padded.unwrap_or(weight_rows);
                 let rows = x.elem_count() / in_features.max(1);
                 let grad = grad.contiguous()?.reshape((rows, out_features))?;
                 let (grad_pre, grad_bias) = match self.act {
@@ -543,7 +549,7 @@ impl CustomOp3 for LinearOp {
                 // A weight kept in another dtype: cast again for the input's gradient, and its
                 // own gradient cast back to it.
                 let weight_dtype = weight.dtype();
-                let weight = weight.detach().to_dtype(x.dtype())?;
+                let weight = padded_rows(weight.detach().to_dtype(x.dtype())?, out_features)?;
                 let lt = lt_backward_takes(&[&grad_pre, &x_rows, &weight]);
                 let grad_x = if lt {
                     grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?
@@ -563,6 +569,12 @@ impl CustomOp3 for LinearOp {
                     input.apply_op2_no_bwd(&grad_pre, &LtGradient::Weight)?
                 } else {
                     grad_pre.t()?.matmul(&input)?
+                };
+                // (The padding's rows dropped: the first rows of a contiguous tensor, a view.)
+                let grad_weight = if out_features > weight_rows {
+                    grad_weight.narrow(0, 0, weight_rows)?
+                } else {
+                    grad_weight
                 };
                 // Handed over in the product's dtype (cast, or added into the parameter's
                 // gradient without a cast copy, where the sink's gradient is added), else cast
@@ -726,7 +738,7 @@ pub(crate) fn linear(
     bias: &Tensor,
     act: Option<Gelu>,
 ) -> Result<Tensor> {
-    linear_node(x, weight, bias, act, None, None)
+    linear_node(x, weight, bias, act, None, None, None)
 }
 
 /// [`linear`] (no activation) with the weight's gradient handed to `sink`
@@ -742,10 +754,48 @@ pub(crate) fn linear_into(
 ) -> Result<Tensor> {
     let sink = Some(sink.clone());
     if weight.dtype() == x.dtype() || crate::kernels::cuda_linear_cast() {
-        linear_node(x, weight, bias, None, None, sink)
+        linear_node(x, weight, bias, None, None, sink, None)
     } else {
         let cast = weight.detach().to_dtype(x.dtype())?;
-        linear_node(x, &cast, bias, None, None, sink)
+        linear_node(x, &cast, bias, None, None, sink, None)
+    }
+}
+
+/// The masked-LM decoder's rows padded (`BERTKIT_CUDA_DECODER=padded`,
+/// [`crate::kernels::Kernels::decoder`]): [`linear_into`]'s `x · weightᵀ + bias` (the weight's
+/// gradient to `sink` where given), its rows `width` wide, `weight`'s rows (the vocabulary:
+/// BERT's 30,522) rounded up to whole 16-byte pieces, the padding zeros. Rows of 30,522 bf16
+/// leave every operand of the decoder's three products with that leading dimension 4-byte
+/// aligned: on an H200 cuBLAS takes `cutlass_80` kernels for them at ~230 TFLOP/s (345-357 µs
+/// each a BERT-large phase-1 pass) where the layers' aligned products run at ~700, and the
+/// bias's kernels cannot take their 16-byte forms (110 and 138 µs); NVIDIA's BERT pads its
+/// vocabulary to 30,528 for this. The weight (the f32 word table) is cast into a padded copy
+/// (as it is cast for the product anyway), the bias padded in the graph (its gradient's
+/// padding dropped there), and the losses read the first `weight.dim(0)` of each row
+/// ([`crate::loss::nll_per_row_of`]). `None` where the rows need no padding.
+pub(crate) fn padded_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    sink: Option<&GradientSink>,
+) -> Result<Option<Tensor>> {
+    let (out, _) = weight.dims2()?;
+    let width = out.next_multiple_of(16 / x.dtype().size_in_bytes());
+    if width == out || !matches!(x.dtype(), DType::BF16 | DType::F16) {
+        return Ok(None);
+    }
+    let bias = tape::to_dtype(bias, x.dtype())?.pad_with_zeros(0, 0, width - out)?;
+    linear_node(x, weight, &bias, None, None, sink.cloned(), Some(width)).map(Some)
+}
+
+/// `weight` (`[rows, in]`) with zero rows after its own up to `width` rows (itself where it
+/// has as many).
+fn padded_rows(weight: Tensor, width: usize) -> Result<Tensor> {
+    let rows = weight.dim(0)?;
+    if width > rows {
+        weight.pad_with_zeros(0, 0, width - rows)
+    } else {
+        Ok(weight)
     }
 }
 
@@ -754,7 +804,7 @@ pub(crate) fn linear_into(
 /// in the backward pass (the feed-forward's second layer,
 /// [`crate::kernels::Kernels::feed_forward`]). The twin of `cpu::GeluLinear`.
 pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: &Tensor, act: Gelu) -> Result<Tensor> {
-    linear_node(x, weight, bias, None, Some(act), None)
+    linear_node(x, weight, bias, None, Some(act), None, None)
 }
 
 /// `act(input_act(x) · weightᵀ + bias)` as one [`LinearOp`]: the product by cuBLAS outside
@@ -766,6 +816,7 @@ fn linear_node(
     act: Option<Gelu>,
     input_act: Option<Gelu>,
     sink: Option<GradientSink>,
+    padded: Option<usize>,
 ) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = tape::contiguous(x)?;
@@ -773,13 +824,19 @@ fn linear_node(
     let rows = x.elem_count() / in_features.max(1);
     let bias = tape::to_dtype(bias, dtype)?;
     let same = weight.dtype() == dtype;
-    if same && act.is_none() && input_act.is_none() && epilogue_takes(&x, weight, &bias, rows) {
+    if same
+        && act.is_none()
+        && input_act.is_none()
+        && padded.is_none()
+        && epilogue_takes(&x, weight, &bias, rows)
+    {
         let op = LinearOp {
             act,
             input_act,
             pre: Handoff::empty(),
             epilogue: true,
             sink,
+            padded,
         };
         return tape::apply_op3(&x, weight, &bias, op);
     }
@@ -790,14 +847,21 @@ fn linear_node(
     };
     // A weight kept in another dtype (`crate::kernels::set_cuda_linear_cast`): a cast copy for
     // the product, dropped after it.
-    let pre = input.matmul(&weight.detach().to_dtype(dtype)?.t()?)?;
-    drop(input);
+    // Padded rows: the weight with zero rows to the width, so the product is that wide.
+    let product_weight = weight.detach().to_dtype(dtype)?;
+    let product_weight = match padded {
+        Some(width) => padded_rows(product_weight, width)?,
+        None => product_weight,
+    };
+    let pre = input.matmul(&product_weight.t()?)?;
+    drop((input, product_weight));
     let op = LinearOp {
         act,
         input_act,
         pre: Handoff::new(pre),
         epilogue: false,
         sink,
+        padded,
     };
     tape::apply_op3(&x, weight, &bias, op)
 }

@@ -343,8 +343,8 @@ pub(crate) use attention::attention;
 pub(crate) use embeddings::{embeddings, embeddings_fit};
 pub(crate) use gather::gather_rows;
 pub(crate) use keyed_dropout::{keyed_dropout_rows, keyed_dropout_tokens};
-pub(crate) use linear::{activation, gelu_linear, linear, linear_into};
-pub(crate) use loss::nll;
+pub(crate) use linear::{activation, gelu_linear, linear, linear_into, padded_linear};
+pub(crate) use loss::{nll, nll_padded};
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
 /// Whether a row of `hidden` fits a LayerNorm backward block's shared memory.
