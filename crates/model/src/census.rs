@@ -214,11 +214,10 @@ impl PreTrainingPass {
 
     /// The loss of the heads' outputs `out`.
     fn loss_of(&self, out: &crate::bert::PreTrainingOutput) -> Result<Tensor, ModelError> {
-        Ok(loss::pretraining_loss(
-            &out.mlm_logits,
+        Ok(loss::pretraining_loss_of(
+            out,
             &self.labels,
             &self.weights,
-            &out.nsp_logits,
             &self.next,
         )?)
     }

@@ -91,8 +91,19 @@ pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
 /// (`[batch, predictions]`: 1 for real masked positions, 0 for padding slots), averaged over
 /// the real ones, as Google's BERT computes it.
 pub fn masked_lm_loss(mlm_logits: &Tensor, labels: &Tensor, weights: &Tensor) -> Result<Tensor> {
-    let (_batch, _predictions, _vocabulary) = mlm_logits.dims3()?;
-    let nll = nll_per_row(mlm_logits, &labels.flatten_all()?)?;
+    let (_batch, _predictions, vocabulary) = mlm_logits.dims3()?;
+    masked_lm_loss_of(mlm_logits, vocabulary, labels, weights)
+}
+
+/// [`masked_lm_loss`] of logits in rows that may be wider than the `vocabulary`
+/// ([`nll_per_row_of`]: the decoder's rows as it wrote them).
+fn masked_lm_loss_of(
+    mlm_logits: &Tensor,
+    vocabulary: usize,
+    labels: &Tensor,
+    weights: &Tensor,
+) -> Result<Tensor> {
+    let nll = nll_per_row_of(mlm_logits, vocabulary, &labels.flatten_all()?)?;
     let w = weights.flatten_all()?.to_dtype(nll.dtype())?;
     let total = (nll * &w)?.sum_all()?;
     total.broadcast_div(&(w.sum_all()? + 1e-5)?)
@@ -107,4 +118,18 @@ pub fn pretraining_loss(
     nsp_labels: &Tensor,
 ) -> Result<Tensor> {
     masked_lm_loss(mlm_logits, mlm_labels, mlm_weights)? + cross_entropy(nsp_logits, nsp_labels)?
+}
+
+/// [`pretraining_loss`] of the heads' outputs, the masked-LM loss read from the logits' rows as
+/// the decoder wrote them ([`crate::PreTrainingOutput::mlm_decoded`]): no narrowing of padded
+/// rows between the loss and the decoder.
+pub fn pretraining_loss_of(
+    out: &crate::PreTrainingOutput,
+    mlm_labels: &Tensor,
+    mlm_weights: &Tensor,
+    nsp_labels: &Tensor,
+) -> Result<Tensor> {
+    let vocabulary = out.mlm_logits.dim(D::Minus1)?;
+    masked_lm_loss_of(&out.mlm_decoded, vocabulary, mlm_labels, mlm_weights)?
+        + cross_entropy(&out.nsp_logits, nsp_labels)?
 }
