@@ -1126,8 +1126,9 @@ pub(crate) static CUDA_NORM_BACKWARD_WARP: Switch =
 /// pieces of the row's input, residual and gradient at once, the row's sums are warp shuffles,
 /// and each warp adds the weight's and bias's gradients of its rows into its own slice of the
 /// block's shared memory (the block adds its four warps' in order: the parameters' partial sums
-/// are `[blocks, 2, hidden]` as before, with a block per five an SM rather than 2,048 of them:
-/// 2.6 MiB where 16 MiB at BERT-large's width on an H200). It reads the forward's keep bytes
+/// are `[blocks, 2, hidden]` as before, with as many blocks as the device holds at once (the
+/// driver's occupancy: five an SM on an H200) rather than 2,048 of them: 2.6 MiB where 16 MiB
+/// at BERT-large's width). It reads the forward's keep bytes
 /// where they are written ([`set_cuda_norm_keep_bits`]). ptxas (sm_90): 94 registers under its
 /// launch bounds (five blocks of four warps an SM), no spills; in registers the parameter sums
 /// took 165 (three blocks). The same arithmetic an element; the row's sums and the parameters'

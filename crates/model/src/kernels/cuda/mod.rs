@@ -184,20 +184,37 @@ fn config(blocks: usize, threads: usize, shared_floats: usize) -> LaunchConfig {
     }
 }
 
-/// The device's multiprocessors (asked once a process: one device a process, as a
-/// data-parallel run has): the grid of a kernel whose blocks should all be resident at once.
-fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
-    static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    if let Some(&n) = COUNT.get() {
-        return Ok(n);
+/// How many blocks of `threads` of kernel `name` (for `T`) the whole device holds at once: its
+/// multiprocessors times the blocks of it one holds (the driver's occupancy, from the kernel's
+/// registers and shared memory), asked once a kernel and device. The grid of a kernel whose
+/// blocks should all be resident, each taking its share of rows.
+fn resident_blocks<T: Element>(dev: &CudaDevice, name: &str, threads: usize) -> Result<usize> {
+    type Counts = HashMap<(String, usize), usize>;
+    static RESIDENT: Mutex<Vec<(DeviceId, Counts)>> = Mutex::new(Vec::new());
+    let key = (format!("{name}_{}", T::SUFFIX), threads);
+    {
+        let mut devices = RESIDENT.lock().map_err(|_| {
+            candle_core::Error::Msg("the CUDA kernels' occupancies: a poisoned lock".into())
+        })?;
+        if let Some(&n) = device_entry(&mut devices, dev, || Ok(HashMap::new()))?.get(&key) {
+            return Ok(n);
+        }
     }
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let n = dev
+    let multiprocessors = dev
         .cuda_stream()
         .context()
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?;
-    Ok(*COUNT.get_or_init(|| usize::try_from(n).unwrap_or(1).max(1)))
+    let per_multiprocessor = function::<T>(dev, name)?
+        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, 0, None)
+        .w()?;
+    let n = (usize::try_from(multiprocessors).unwrap_or(1) * per_multiprocessor as usize).max(1);
+    let mut devices = RESIDENT.lock().map_err(|_| {
+        candle_core::Error::Msg("the CUDA kernels' occupancies: a poisoned lock".into())
+    })?;
+    device_entry(&mut devices, dev, || Ok(HashMap::new()))?.insert(key, n);
+    Ok(n)
 }
 
 /// A block's threads for rows of `width`: about four elements a thread, a whole number of

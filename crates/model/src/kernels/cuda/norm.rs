@@ -132,9 +132,8 @@ const AHEAD_THREADS: usize = 256;
 /// Warps a block of the backward a warp per row ([`crate::kernels::set_cuda_norm_backward_warp`];
 /// `NORM_WARP_BACKWARD_WARPS` in `kernels.cu`).
 const WARP_BACKWARD_WARPS: usize = 4;
-/// Its blocks an SM at once (its launch bounds: 96 registers, 32 KiB of shared memory each):
-/// its grid is this many a multiprocessor, every block resident, each warp its share of rows.
-const WARP_BACKWARD_BLOCKS_PER_SM: usize = 5;
+/// Its block's threads.
+const WARP_BACKWARD_THREADS: usize = 32 * WARP_BACKWARD_WARPS;
 
 /// Whether the backward takes a warp per row ([`crate::kernels::set_cuda_norm_backward_warp`]):
 /// the rows the forward a warp per row takes (its lanes hold the same pieces).
@@ -165,7 +164,11 @@ fn backward<T: Element>(
     let mut out = unsafe { dev.alloc::<T>(parts * n + 2 * h)? };
     let warp = warp_backward::<T>(&s);
     let blocks = if warp {
-        let resident = multiprocessors(dev)? * WARP_BACKWARD_BLOCKS_PER_SM;
+        // Every block resident at once (five an SM on sm_90 under its launch bounds: 94
+        // registers, 32 KiB of shared memory; the form reading keep bytes has the same
+        // bounds), each warp its share of the rows.
+        let resident =
+            resident_blocks::<T>(dev, "layer_norm_warp_backward", WARP_BACKWARD_THREADS)?;
         s.rows.div_ceil(WARP_BACKWARD_WARPS).clamp(1, resident)
     } else if crate::kernels::cuda_norm_wide_grid() {
         s.rows.clamp(1, NORM_BACKWARD_BLOCKS)
@@ -192,7 +195,7 @@ fn backward<T: Element>(
             } else {
                 "layer_norm_warp_backward"
             };
-            (name, config(blocks, 32 * WARP_BACKWARD_WARPS, 0))
+            (name, config(blocks, WARP_BACKWARD_THREADS, 0))
         } else if s.vector {
             let name = if keep.is_some() {
                 "layer_norm_vec_backward_ahead_bits"
