@@ -189,13 +189,15 @@ memory() {
             --steps 2 2>&1 | tail -n 1
     done
     # The pool's spare above its tensors at phase 2 (2,289 MiB on 2026-11-27: nvidia-smi 1.12x
-    # PyTorch's): six steps as the build leaves it, then with the pool keeping at most 8.5 GiB
-    # of freed memory (the rest back to the driver at each step's read-back): what the spare
-    # costs in step time, and whether it forms within a step or over several.
-    local keep
-    for keep in "" 8704; do
-        log "2b' phase 2, micro-batch 8, six steps, BERTKIT_CUDA_POOL_KEEP_MIB=${keep:-unset}"
-        env ${keep:+BERTKIT_CUDA_POOL_KEEP_MIB=$keep} timeout 120 $b bench memory \
+    # PyTorch's): six steps as the build leaves it; with the pool keeping at most 8.5 GiB of
+    # freed memory (the rest back to the driver at each step's read-back); with the flat
+    # gradient bucket (1.34 GB) kept from step to step rather than found anew at each step's
+    # end: what each costs in step time and tensors, and the pool's held peak it leaves.
+    local setting
+    for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept; do
+        log "2b' phase 2, micro-batch 8, six steps, ${setting:-as built}"
+        # shellcheck disable=SC2086
+        env $setting timeout 120 $b bench memory \
             --config "$here/data/pipelines/pretrain-phase1.toml" --data "$here/data/records/phase2" \
             --preset large --precision bf16 --device cuda --predictions 80 --micro-batch 8 \
             --steps 6 2>&1 | tail -n 1

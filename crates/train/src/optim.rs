@@ -292,6 +292,9 @@ pub fn cuda_update_in_place() -> bool {
     CUDA_UPDATE_IN_PLACE.get()
 }
 
+/// Whether a step's flat gradient bucket is kept for the next step's sums.
+static KEPT_BUCKET: Switch = Switch::opt_in("BERTKIT_BUCKET", "kept");
+
 /// The optimiser over a model's parameters.
 ///
 /// Its state lives in a few buffers per parameter shape (see `Group`), and a step reads
@@ -309,6 +312,10 @@ pub struct Optimizer {
     scratch: Vec<f32>,
     step: u64,
     master_dtype: DType,
+    /// The last step's flat gradient bucket, kept for the next step's sums where
+    /// [`Optimizer::keep_buckets`] says (every element is written again before it is read).
+    kept_bucket: std::sync::Mutex<Option<Tensor>>,
+    keeps_buckets: bool,
 }
 
 impl Optimizer {
@@ -375,7 +382,41 @@ impl Optimizer {
             scratch: Vec::new(),
             step: 0,
             master_dtype,
+            kept_bucket: std::sync::Mutex::new(None),
+            keeps_buckets: KEPT_BUCKET.get(),
         })
+    }
+
+    /// Keeps each step's flat gradient bucket (every trainable parameter's gradient in the
+    /// master dtype: BERT-large's 1.34 GB in f32) for the next step's sums instead of a new one
+    /// a step. On a GPU the stream-ordered pool then never has to find that much contiguous
+    /// memory at a step's end, after the backward has scattered the parameters' gradients over
+    /// what the activations freed, at the cost of holding it through the next step's forward
+    /// (a higher high-water mark of tensors by its size). On BERT-large's phase 2 on an H200
+    /// the pool held 2.2 GiB above its tensors' high-water mark (BENCHMARKS.md, 2026-11-27): an
+    /// experiment for the next device run, off unless `BERTKIT_BUCKET=kept`. The same sums and
+    /// steps either way.
+    pub fn keep_buckets(&mut self, on: bool) {
+        self.keeps_buckets = on;
+        if !on && let Ok(mut kept) = self.kept_bucket.lock() {
+            kept.take();
+        }
+    }
+
+    /// The bucket kept for the next step, if any (a handle on the same storage).
+    #[cfg(test)]
+    pub(crate) fn kept_bucket(&self) -> Option<Tensor> {
+        self.kept_bucket.lock().ok().and_then(|k| k.clone())
+    }
+
+    /// Takes back a step's bucket, once the step has no other use for it (its update queued),
+    /// for the next step's sums where buckets are kept ([`Optimizer::keep_buckets`]).
+    pub(crate) fn return_bucket(&self, bucket: Tensor) {
+        if self.keeps_buckets
+            && let Ok(mut kept) = self.kept_bucket.lock()
+        {
+            *kept = Some(bucket);
+        }
     }
 
     /// Optimiser steps taken.
@@ -410,11 +451,10 @@ impl Optimizer {
     /// CUDA update by name or the composed one).
     pub(crate) fn gradient_sums(&self, loss_scale: f64) -> GradientSums {
         if self.on_flat_bucket() {
-            GradientSums::Flat(FlatSums::new(
-                self.layout.clone(),
-                self.master_dtype,
-                loss_scale,
-            ))
+            let kept = self.kept_bucket.lock().ok().and_then(|mut k| k.take());
+            GradientSums::Flat(
+                FlatSums::new(self.layout.clone(), self.master_dtype, loss_scale).reusing(kept),
+            )
         } else {
             GradientSums::ByName {
                 master: self.master_dtype,

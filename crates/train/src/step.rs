@@ -315,6 +315,7 @@ impl Step {
         if applied {
             optimizer.step(&bucket, lr, optimizer.clip_factor(grad_norm))?;
         }
+        optimizer.return_bucket(bucket);
         Ok(StepOutcome {
             loss,
             figures,
@@ -355,6 +356,37 @@ mod tests {
     fn loss(vars: &BTreeMap<String, Var>, factor: f64) -> Tensor {
         let w = vars["encoder.weight"].as_tensor();
         ((w * w).unwrap().sum_all().unwrap() * (factor / 2.0)).unwrap()
+    }
+
+    /// A kept bucket ([`Optimizer::keep_buckets`]) is the next step's: the same storage
+    /// written again (a handle kept from the first step reads the second's sums), and the
+    /// weights move exactly as with a new bucket a step.
+    #[test]
+    fn a_kept_bucket_is_written_again_and_the_steps_are_the_same() {
+        let (new_vars, mut new) = setup();
+        let (kept_vars, mut kept) = setup();
+        new.keep_buckets(false);
+        kept.keep_buckets(true);
+        let mut first = None;
+        for (n, factor) in [(1, 1.0), (2, -3.0), (3, 0.5)] {
+            for (vars, optimizer) in [(&new_vars, &mut new), (&kept_vars, &mut kept)] {
+                let mut step = Step::begin(vars, optimizer, None);
+                step.backward(&loss(vars, factor)).unwrap();
+                step.finish(&Local, optimizer, None, 1e-2, n).unwrap();
+            }
+            assert_eq!(weights(&kept_vars), weights(&new_vars), "step {n}");
+            assert!(new.kept_bucket().is_none());
+            let bucket = kept.kept_bucket().expect("the bucket kept");
+            let sums = bucket.to_vec1::<f32>().unwrap();
+            // The gradient is `factor · w` (w before the step).
+            match &first {
+                None => first = Some((bucket, sums)),
+                Some((handle, at_first)) => {
+                    assert_eq!(handle.to_vec1::<f32>().unwrap(), sums, "step {n}");
+                    assert_ne!(&sums, at_first, "step {n}");
+                }
+            }
+        }
     }
 
     /// fp16 overflow: an infinite gradient leaves the weights unchanged, counts the skip and
