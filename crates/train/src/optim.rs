@@ -403,12 +403,6 @@ impl Optimizer {
         }
     }
 
-    /// The bucket kept for the next step, if any (a handle on the same storage).
-    #[cfg(test)]
-    pub(crate) fn kept_bucket(&self) -> Option<Tensor> {
-        self.kept_bucket.lock().ok().and_then(|k| k.clone())
-    }
-
     /// Takes back a step's bucket, once the step has no other use for it (its update queued),
     /// for the next step's sums where buckets are kept ([`Optimizer::keep_buckets`]).
     pub(crate) fn return_bucket(&self, bucket: Tensor) {
@@ -726,6 +720,14 @@ impl Optimizer {
         }
         self.step = step;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+impl Optimizer {
+    /// The bucket kept for the next step, if any (a handle on the same storage).
+    pub(crate) fn kept_bucket(&self) -> Option<Tensor> {
+        self.kept_bucket.lock().ok().and_then(|k| k.clone())
     }
 }
 
