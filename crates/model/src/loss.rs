@@ -40,7 +40,7 @@ pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
 /// they are); elsewhere composed ops.
 pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(nll) = crate::kernels::cuda_nll(logits, labels) {
+    if let Some(nll) = crate::kernels::cuda_nll(logits, labels, None) {
         return nll;
     }
     let logits = if logits.dtype() == DType::F64 {
@@ -76,7 +76,7 @@ pub fn nll_per_row_of(logits: &Tensor, classes: usize, labels: &Tensor) -> Resul
         candle_core::bail!("nll: {classes} classes in rows of {width}")
     }
     #[cfg(feature = "cuda")]
-    if let Some(nll) = crate::kernels::cuda_nll_padded(logits, labels, classes) {
+    if let Some(nll) = crate::kernels::cuda_nll(logits, labels, Some(classes)) {
         return nll;
     }
     nll_per_row(&logits.narrow(D::Minus1, 0, classes)?, labels)

@@ -596,10 +596,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 ("bias", vec![i + 4], 0.5),
             ],
             run: |k, x, _, _, _| {
-                let weight = match x[1].dtype() {
-                    DType::F64 => x[1].clone(),
-                    _ => x[1].to_dtype(DType::F32)?,
-                };
+                let weight = kept_in_f32(&x[1])?;
                 k.linear(&x[0], &weight, Some(&x[2]))
             },
             train: false,
@@ -623,10 +620,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 ("bias", vec![i + 4], 0.5),
             ],
             run: |k, x, _, _, _| {
-                let weight = match x[1].dtype() {
-                    DType::F64 => x[1].clone(),
-                    _ => x[1].to_dtype(DType::F32)?,
-                };
+                let weight = kept_in_f32(&x[1])?;
                 let classes = weight.dim(0)?;
                 k.decoder(&x[0], &weight, &x[2], None)?
                     .narrow(candle_core::D::Minus1, 0, classes)
@@ -798,6 +792,15 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             Form::NormWarpBackward,
         ),
     ]
+}
+
+/// A weight as the model keeps the word table whatever the dtype (the masked-LM decoder's, tied
+/// to it): f32, or f64 in the CPU's reference.
+fn kept_in_f32(weight: &Tensor) -> Result<Tensor> {
+    match weight.dtype() {
+        DType::F64 => Ok(weight.clone()),
+        _ => weight.to_dtype(DType::F32),
+    }
 }
 
 /// Uniform values in `[-scale, scale)` from a seed (the same on every device), rounded to

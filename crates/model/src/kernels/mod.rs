@@ -539,25 +539,18 @@ pub fn cuda_loss() -> bool {
     CUDA_LOSS.get()
 }
 
-/// The negative log-likelihood of each row of `logits` (`[rows, classes]`) for `labels`
+/// The negative log-likelihood of each row of `logits` (`[rows, width]`) for `labels`
 /// (`[rows]` u32) through our CUDA kernel, where it takes them (see [`set_cuda_loss`]):
-/// `None` elsewhere.
+/// `None` elsewhere. `classes`: the logits of each row where fewer than its width (the padded
+/// decoder's rows, [`crate::loss::nll_per_row_of`]).
 #[cfg(feature = "cuda")]
-pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor>> {
-    (cuda_loss() && on_cuda(&[logits]) && labels.dtype() == DType::U32)
-        .then(|| cuda::nll(logits, labels))
-}
-
-/// [`cuda_nll`] of rows wider than their `classes` ([`crate::loss::nll_per_row_of`]): the
-/// loss's kernel reading the first `classes` of each row where it takes them.
-#[cfg(feature = "cuda")]
-pub(crate) fn cuda_nll_padded(
+pub(crate) fn cuda_nll(
     logits: &Tensor,
     labels: &Tensor,
-    classes: usize,
+    classes: Option<usize>,
 ) -> Option<Result<Tensor>> {
     (cuda_loss() && on_cuda(&[logits]) && labels.dtype() == DType::U32)
-        .then(|| cuda::nll_padded(logits, labels, classes))
+        .then(|| cuda::nll(logits, labels, classes))
 }
 
 /// The rows and classes of the negative log-likelihood's operands, for `op`'s errors: logits

@@ -9,23 +9,14 @@
 
 use super::*;
 
-/// `[rows]` f32: each row's `log Σ exp(x) - x[label]`, for `logits` `[..., classes]` (f32 or
-/// bf16) and `labels` `[rows]` u32 (checked on the host by `loss::labels`).
-pub(crate) fn nll(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+/// `[rows]` f32: each row's `log Σ exp(x) - x[label]`, for `logits` `[..., width]` (f32 or
+/// bf16) and `labels` `[rows]` u32 (checked on the host by `loss::labels`). `classes`: where
+/// fewer than the rows' width, the first `classes` of each row are the logits
+/// (`nll_*_padded` in `loss.cu`); the rest is not read, and its gradient is zeros.
+pub(crate) fn nll(logits: &Tensor, labels: &Tensor, classes: Option<usize>) -> Result<Tensor> {
     let op = Nll {
         lse: Handoff::empty(),
-        classes: None,
-    };
-    logits.contiguous()?.apply_op2(&labels.contiguous()?, op)
-}
-
-/// [`nll`] of rows padded past their logits (`nll_*_padded` in `loss.cu`): `logits`
-/// `[..., width]`, of which the first `classes` of each row are the logits; the rest is not
-/// read, and its gradient is zeros.
-pub(crate) fn nll_padded(logits: &Tensor, labels: &Tensor, classes: usize) -> Result<Tensor> {
-    let op = Nll {
-        lse: Handoff::empty(),
-        classes: Some(classes),
+        classes,
     };
     logits.contiguous()?.apply_op2(&labels.contiguous()?, op)
 }
@@ -58,7 +49,7 @@ fn row_config(rows: usize, classes: usize) -> LaunchConfig {
 
 struct Nll {
     lse: Handoff<CudaSlice<f32>>,
-    /// The logits of each row, where fewer than its width ([`nll_padded`]).
+    /// The logits of each row, where fewer than its width ([`nll`]'s `classes`).
     classes: Option<usize>,
 }
 

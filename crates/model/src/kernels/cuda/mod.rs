@@ -191,14 +191,13 @@ fn config(blocks: usize, threads: usize, shared_floats: usize) -> LaunchConfig {
 fn resident_blocks<T: Element>(dev: &CudaDevice, name: &str, threads: usize) -> Result<usize> {
     type Counts = HashMap<(String, usize), usize>;
     static RESIDENT: Mutex<Vec<(DeviceId, Counts)>> = Mutex::new(Vec::new());
+    let mut devices = RESIDENT.lock().map_err(|_| {
+        candle_core::Error::Msg("the CUDA kernels' occupancies: a poisoned lock".into())
+    })?;
+    let counts = device_entry(&mut devices, dev, || Ok(HashMap::new()))?;
     let key = (format!("{name}_{}", T::SUFFIX), threads);
-    {
-        let mut devices = RESIDENT.lock().map_err(|_| {
-            candle_core::Error::Msg("the CUDA kernels' occupancies: a poisoned lock".into())
-        })?;
-        if let Some(&n) = device_entry(&mut devices, dev, || Ok(HashMap::new()))?.get(&key) {
-            return Ok(n);
-        }
+    if let Some(&n) = counts.get(&key) {
+        return Ok(n);
     }
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
     let multiprocessors = dev
@@ -210,10 +209,7 @@ fn resident_blocks<T: Element>(dev: &CudaDevice, name: &str, threads: usize) -> 
         .occupancy_max_active_blocks_per_multiprocessor(threads as u32, 0, None)
         .w()?;
     let n = (usize::try_from(multiprocessors).unwrap_or(1) * per_multiprocessor as usize).max(1);
-    let mut devices = RESIDENT.lock().map_err(|_| {
-        candle_core::Error::Msg("the CUDA kernels' occupancies: a poisoned lock".into())
-    })?;
-    device_entry(&mut devices, dev, || Ok(HashMap::new()))?.insert(key, n);
+    counts.insert(key, n);
     Ok(n)
 }
 
@@ -361,7 +357,7 @@ pub(crate) use embeddings::{embeddings, embeddings_fit};
 pub(crate) use gather::gather_rows;
 pub(crate) use keyed_dropout::{keyed_dropout_rows, keyed_dropout_tokens};
 pub(crate) use linear::{activation, gelu_linear, linear, linear_into, padded_linear};
-pub(crate) use loss::{nll, nll_padded};
+pub(crate) use loss::nll;
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
 /// Whether a row of `hidden` fits a LayerNorm backward block's shared memory.
