@@ -1177,7 +1177,12 @@ bool check_add_half(const char* name, size_t n, size_t offset, unsigned grid) {
 // Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update
 // of the same weights, moments and gradients: the same bits. `ahead`: the in-place kernels with
 // their loads issued ahead (AdamW's in one launch).
-bool check_update(const char* name, bool lamb, bool decayed, bool apart, bool ahead = false) {
+// `held`: the in-place kernels read each row's gradient where it is held (a row of each element
+// type, times 1/4 as read; the first row absent at the second step) instead of the bucket's
+// rows (`update_moments_in_place_held`, `update_in_place_one_pass_held`), the two-buffer
+// update reading the values the bucket would hold.
+bool check_update(const char* name, bool lamb, bool decayed, bool apart, bool ahead = false,
+                  bool held = false) {
     const int rows = 3, numel = 2 * CHUNK + 777;
     const size_t total = (size_t)rows * numel;
     std::mt19937_64 rng(7 + lamb + 2 * decayed);
@@ -1216,8 +1221,32 @@ bool check_update(const char* name, bool lamb, bool decayed, bool apart, bool ah
         }
         return ratios.data();
     };
+    // The held rows (f32, bf16, f16) and their table.
+    std::vector<float> h32(numel);
+    std::vector<bf16> h16(numel);
+    std::vector<__half> hh(numel);
+    DeviceTensor held_rows[rows] = {{(uint64_t)h32.data(), ELEMENT_F32, 0},
+                                    {(uint64_t)h16.data(), ELEMENT_BF16, 0},
+                                    {(uint64_t)hh.data(), ELEMENT_F16, 0}};
+    const float unscale = 0.25f;
     for (int step = 1; step <= 2; ++step) {
         for (auto& x : g) x = 1e-3f * normal(rng);
+        if (held) {
+            // Each row held in its type (at 4x, as at a loss scale of 4), `g` what the bucket
+            // would hold: the held value times 1/4 (exact).
+            for (int j = 0; j < numel; ++j) {
+                h32[j] = 4.0f * g[j];
+                h16[j] = __float2bfloat16(4.0f * g[numel + j]);
+                hh[j] = __float2half(4.0f * g[2 * numel + j]);
+                g[j] = h32[j] * unscale;
+                g[numel + j] = __bfloat162float(h16[j]) * unscale;
+                g[2 * numel + j] = __half2float(hh[j]) * unscale;
+            }
+            if (step == 2) {
+                held_rows[0].address = 0;
+                std::fill(g.begin(), g.begin() + numel, 0.0f);
+            }
+        }
         const double b1 = 0.9, b2 = 0.999;
         Constants c{};
         c.clip = 0.5f;
@@ -1252,13 +1281,23 @@ bool check_update(const char* name, bool lamb, bool decayed, bool apart, bool ah
         const DeviceTensor* set = step == 1 ? nullptr : params;
         if (ahead && !lamb) {
             emulate_launch(grid, THREADS, [&] {
-                update_in_place_one_pass(state.data(), g.data(), rows, numel, lr, c, set);
+                if (held) {
+                    update_in_place_one_pass_held(state.data(), held_rows, unscale, rows, numel,
+                                                  lr, c, set);
+                } else {
+                    update_in_place_one_pass(state.data(), g.data(), rows, numel, lr, c, set);
+                }
             });
         } else {
             const auto moments = ahead ? update_moments_in_place_ahead : update_moments_in_place;
             const auto weights = ahead ? update_weights_in_place_ahead : update_weights_in_place;
             emulate_launch(grid, THREADS, [&] {
-                moments(state.data(), g.data(), norms.data(), rows, numel, c);
+                if (held) {
+                    update_moments_in_place_held(state.data(), held_rows, unscale, norms.data(),
+                                                 rows, numel, c);
+                } else {
+                    moments(state.data(), g.data(), norms.data(), rows, numel, c);
+                }
             });
             const float* in_place_ratios = ratios_of(norms);
             emulate_launch(grid, THREADS, [&] {
@@ -1380,6 +1419,64 @@ bool check_squares(const char* name, unsigned blocks) {
     const double error = std::fabs(got - want) / want;
     const bool ok = error < 1e-12;
     std::printf("  %-28s %-8s %.3e  (bound 1e-12) %s\n", name, "norm", error, ok ? "ok" : "FAILED");
+    return ok;
+}
+
+// The squared norm of held gradients (`pieces_squares_partial`, `sum_partials`): pieces of each
+// element type (and absent ones) times `unscale`, against the same in f64 by hand and against
+// the bucket `pieces_to_flat` makes from them measured by `squares_partial` (orders differ:
+// within 1e-12).
+bool check_held_squares(const char* name, unsigned blocks, float unscale) {
+    const std::vector<std::pair<size_t, int>> shape = {
+        {5, ELEMENT_F32},  {PIECES_CHUNK, ELEMENT_BF16}, {1, ELEMENT_F16}, {20000, -1},
+        {0, ELEMENT_F32},  {3, ELEMENT_F32},             {9000, ELEMENT_F16},
+        {3 * PIECES_CHUNK + 11, ELEMENT_BF16}, {17, ELEMENT_F32}};
+    std::mt19937_64 rng(13);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<std::vector<float>> f32s;
+    std::vector<std::vector<bf16>> bf16s;
+    std::vector<std::vector<__half>> f16s;
+    size_t total = 0;
+    for (auto [numel, type] : shape) total += numel;
+    std::vector<float> flat(total, NAN), values(total);
+    std::vector<Piece> pieces;
+    size_t start = 0;
+    double want = 0.0;
+    for (auto [numel, type] : shape) {
+        DeviceTensor t{0, type < 0 ? ELEMENT_F32 : type, 0};
+        for (size_t j = 0; j < numel; ++j) values[start + j] = type < 0 ? 0.0f : 8.0f * normal(rng);
+        if (type == ELEMENT_F32) {
+            f32s.emplace_back(values.begin() + start, values.begin() + start + numel);
+            t.address = (uint64_t)f32s.back().data();
+        } else if (type == ELEMENT_BF16) {
+            t.address = held_as(bf16s, &values[start], numel, __float2bfloat16, __bfloat162float);
+        } else if (type == ELEMENT_F16) {
+            t.address = held_as(f16s, &values[start], numel, __float2half, __half2float);
+        }
+        for (size_t j = 0; j < numel; ++j) {
+            const double x = values[start + j] * unscale;
+            want += x * x;
+        }
+        pieces.push_back({t, (uint64_t)(flat.data() + start), start, numel});
+        start += numel;
+    }
+    std::vector<double> partials(blocks, NAN), bucket_partials(blocks, NAN);
+    double got = NAN, bucket = NAN;
+    emulate_launch({blocks, 1, 1}, THREADS, [&] {
+        pieces_squares_partial(pieces.data(), (int)pieces.size(), total, unscale, partials.data());
+    });
+    emulate_launch({1, 1, 1}, THREADS, [&] { sum_partials(partials.data(), (int)blocks, &got); });
+    emulate_launch({3, 1, 1}, THREADS, [&] {
+        pieces_to_flat(pieces.data(), (int)pieces.size(), total, unscale, 0);
+    });
+    emulate_launch({blocks, 1, 1}, THREADS,
+                   [&] { squares_partial(flat.data(), total, bucket_partials.data()); });
+    emulate_launch({1, 1, 1}, THREADS,
+                   [&] { sum_partials(bucket_partials.data(), (int)blocks, &bucket); });
+    const double error = std::fabs(got - want) / want, from_bucket = std::fabs(got - bucket) / want;
+    const bool ok = error < 1e-12 && from_bucket < 1e-12;
+    std::printf("  %-28s %-8s %.3e against f64, %.3e against the bucket's  (bound 1e-12) %s\n",
+                name, "norm", error, from_bucket, ok ? "ok" : "FAILED");
     return ok;
 }
 
@@ -1527,12 +1624,18 @@ int main() {
     ok = check_update("LAMB, ahead, ratios apart", true, false, true, true) && ok;
     ok = check_update("AdamW, one pass", false, true, false, true) && ok;
     ok = check_update("AdamW, one pass, no decay", false, false, false, true) && ok;
+    ok = check_update("LAMB, held gradients", true, true, false, true, true) && ok;
+    ok = check_update("LAMB, held, ratios apart", true, false, true, true, true) && ok;
+    ok = check_update("AdamW, one pass, held", false, true, false, true, true) && ok;
     std::printf("the gradient bucket in one launch (cuda_update.cu) against copies by hand:\n");
     ok = check_pieces("a block per stretch", 8) && ok;
     ok = check_pieces("two blocks, looping", 2) && ok;
     std::printf("the bucket's squared norm (cuda_update.cu) against f64 by hand:\n");
     ok = check_squares("3 blocks, looping", 3) && ok;
     ok = check_squares("64 blocks", 64) && ok;
+    std::printf("held gradients' squared norm (cuda_update.cu) against f64 and the bucket's:\n");
+    ok = check_held_squares("3 blocks, looping, 1/4", 3, 0.25f) && ok;
+    ok = check_held_squares("64 blocks, unscaled", 64, 1.0f) && ok;
     std::printf(ok ? "all within bounds\n" : "FAILED\n");
     return ok ? 0 : 1;
 }

@@ -76,6 +76,11 @@ impl Layout {
         self.elements
     }
 
+    /// Parameters in the bucket.
+    pub(crate) fn entries(&self) -> usize {
+        self.entries.len()
+    }
+
     /// The entry of parameter `name`, whose gradient `g` must have its shape.
     pub(crate) fn index_of(&self, name: &str, g: &Tensor) -> Result<usize, TrainError> {
         let Some(&i) = self.by_name.get(name) else {
@@ -201,6 +206,23 @@ impl FlatSums {
         Ok(())
     }
 
+    /// The step's gradients as its norm and update read them: with `hold` and one
+    /// micro-batch's gradients (none yet in a bucket), those gradients as the backward made
+    /// them ([`StepGradients::Held`]); otherwise the bucket ([`FlatSums::into_bucket`]).
+    pub(crate) fn into_step_gradients(
+        self,
+        device: &candle_core::Device,
+        hold: bool,
+    ) -> Result<StepGradients, TrainError> {
+        if hold && self.bucket.is_none() && self.pending_count > 0 {
+            return Ok(StepGradients::Held {
+                gradients: self.pending,
+                unscale: self.unscale,
+            });
+        }
+        Ok(StepGradients::Bucket(self.into_bucket(device)?))
+    }
+
     /// The bucket of the step's sums (zeros if no gradient arrived), on `device`.
     pub(crate) fn into_bucket(
         mut self,
@@ -229,6 +251,157 @@ impl FlatSums {
             }
         }
         Ok(out)
+    }
+}
+
+/// A step's gradients as its norm ([`crate::optim::Optimizer::squared_norm_of`]) and update
+/// ([`crate::optim::Optimizer::update`]) read them.
+#[derive(Debug)]
+pub(crate) enum StepGradients {
+    /// The flat bucket: the micro-batches' sums, over the ranks once reduced.
+    Bucket(Tensor),
+    /// One micro-batch's gradients on one process as the backward made them (the compute
+    /// dtype, times the loss scale), by the layout's entry (`None`: no gradient), each element
+    /// read times `unscale`: the values the bucket would hold, without the bucket
+    /// ([`crate::optim::Optimizer::hold_gradients`]).
+    Held {
+        gradients: Vec<Option<Tensor>>,
+        unscale: f64,
+    },
+}
+
+impl StepGradients {
+    /// The `[rows, numel]` gradients of the `rows` parameters of `numel` elements whose layout
+    /// entries start at `entry` (their gradients start at `offset` in the bucket), in `dtype`:
+    /// a view of the bucket; the held gradients gathered into a new tensor (the bucket's
+    /// gather on the group alone).
+    pub(crate) fn rows(
+        &self,
+        (entry, offset): (usize, usize),
+        (rows, numel): (usize, usize),
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<Tensor, TrainError> {
+        match self {
+            StepGradients::Bucket(bucket) => Ok(bucket
+                .narrow(0, offset, rows * numel)?
+                .reshape((rows, numel))?),
+            StepGradients::Held { gradients, unscale } => {
+                let pieces = gradients[entry..entry + rows]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, g)| Piece {
+                        gradient: g.clone(),
+                        offset: i * numel,
+                        numel,
+                    })
+                    .collect();
+                // SAFETY: every element is written by the gather (its pieces tile the rows).
+                let out = unsafe { Tensor::empty(rows * numel, dtype, device)? };
+                out.inplace_op1(&Gather {
+                    pieces,
+                    unscale: *unscale,
+                    accumulate: false,
+                })?;
+                Ok(out.reshape((rows, numel))?)
+            }
+        }
+    }
+}
+
+/// `Σ (x · unscale)²` in f64 over held gradients' elements (`StepGradients::Held`), a scalar
+/// on `device` (nothing read back): the squared norm of the bucket they would make, each
+/// element's value in f32 as the bucket's gather writes it. On CUDA `pieces_squares_partial`
+/// and `sum_partials` (`cuda_update.cu`); the CPU twin sums each gradient in f64 in parallel,
+/// the gradients in order.
+pub(crate) fn held_squared_norm(
+    gradients: &[Option<Tensor>],
+    unscale: f64,
+    device: &candle_core::Device,
+) -> Result<Tensor, TrainError> {
+    let present: Vec<Tensor> = gradients.iter().flatten().cloned().collect();
+    let Some(first) = present.first().cloned() else {
+        return Ok(Tensor::zeros((), DType::F64, device)?);
+    };
+    // The op reads the gradients it holds; the first is only what it is applied to.
+    Ok(first.apply_op1_no_bwd(&HeldSquaredNorm {
+        gradients: present,
+        unscale,
+    })?)
+}
+
+struct HeldSquaredNorm {
+    gradients: Vec<Tensor>,
+    unscale: f64,
+}
+
+impl HeldSquaredNorm {
+    /// One CPU gradient's `Σ (x · unscale)²`: each element cast to f32 and multiplied in f32
+    /// (the bucket's value), squared and added in f64.
+    fn cpu_sum(&self, g: &Tensor) -> candle_core::Result<f64> {
+        let unscale = self.unscale as f32;
+        let (storage, layout) = g.storage_and_layout();
+        let candle_core::Storage::Cpu(storage) = &*storage else {
+            bail!("the held gradients' squared norm: a gradient off the CPU")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("the held gradients' squared norm: a strided gradient")
+        };
+        let squares = |x: f32| {
+            let x = if unscale == 1.0 { x } else { x * unscale };
+            f64::from(x) * f64::from(x)
+        };
+        Ok(match storage {
+            CpuStorage::F32(g) => g[start..end].iter().map(|&x| squares(x)).sum(),
+            CpuStorage::BF16(g) => g[start..end].iter().map(|x| squares(x.to_f32())).sum(),
+            CpuStorage::F16(g) => g[start..end].iter().map(|x| squares(x.to_f32())).sum(),
+            other => {
+                use candle_core::backend::BackendStorage;
+                bail!(
+                    "the held gradients' squared norm: a {:?} gradient (f32, bf16 or f16 held)",
+                    other.dtype()
+                )
+            }
+        })
+    }
+}
+
+impl candle_core::CustomOp1 for HeldSquaredNorm {
+    fn name(&self) -> &'static str {
+        "bertkit-held-gradients-squared-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
+        let sums = self
+            .gradients
+            .par_iter()
+            .map(|g| self.cpu_sum(g))
+            .collect::<candle_core::Result<Vec<f64>>>()?;
+        // Added in order: the same figure on any number of threads.
+        let sum = sums.iter().sum();
+        Ok((CpuStorage::F64(vec![sum]), candle_core::Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let gradients: Vec<&Tensor> = self.gradients.iter().collect();
+        Ok((
+            crate::cuda_update::held_squared_norm(
+                &storage.device,
+                &gradients,
+                self.unscale as f32,
+            )?,
+            candle_core::Shape::from(()),
+        ))
     }
 }
 
@@ -477,6 +650,20 @@ impl GradientSums {
         match self {
             GradientSums::Flat(flat) => flat.flush(),
             GradientSums::ByName { .. } => Ok(()),
+        }
+    }
+
+    /// The step's gradients as its norm and update read them: held as the backward made them
+    /// where `hold` allows and the sums are one micro-batch's on the flat bucket's path
+    /// ([`FlatSums::into_step_gradients`]), else the flat bucket.
+    pub(crate) fn into_step_gradients(
+        self,
+        optimizer: &crate::optim::Optimizer,
+        hold: bool,
+    ) -> Result<StepGradients, TrainError> {
+        match self {
+            GradientSums::Flat(flat) => flat.into_step_gradients(&optimizer.device(), hold),
+            by_name => Ok(StepGradients::Bucket(by_name.into_bucket(optimizer)?)),
         }
     }
 

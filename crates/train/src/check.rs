@@ -7,9 +7,10 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor, Var};
 
 use crate::TrainError;
+use crate::bucket::StepGradients;
 use crate::optim::{
-    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_AHEAD, CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig,
-    Rule, cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place,
+    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_AHEAD, CUDA_UPDATE_IN_PLACE, HELD_GRADIENTS, Optimizer,
+    OptimizerConfig, Rule, cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place,
     set_trust_ratios_apart, set_update_ahead, update_ahead,
 };
 
@@ -43,10 +44,13 @@ pub fn check_update(
         ("encoder.layer.0.attention.output.LayerNorm.weight", &[48]),
         ("encoder.layer.0.intermediate.dense.weight", &[300, 512]),
     ];
-    // Two steps on `device` in `dtype`: the state afterwards, by name, in f64 on the CPU.
+    // Two steps on `device` in `dtype` of `micro_batches` each (`held`: one, its gradients
+    // read without the bucket): the state afterwards, by name, in f64 on the CPU.
     let run = |rule: Rule,
                device: &Device,
-               dtype: DType|
+               dtype: DType,
+               micro_batches: u64,
+               held: bool|
      -> Result<BTreeMap<String, Tensor>, TrainError> {
         let mut vars = BTreeMap::new();
         for (i, (name, dims)) in shapes.iter().enumerate() {
@@ -60,11 +64,12 @@ pub fn check_update(
             ..OptimizerConfig::lamb()
         };
         let mut optimizer = Optimizer::new(config, &vars)?;
+        optimizer.hold_gradients(held);
         let mut norms = Vec::new();
         for (step, clip) in [(0u64, 1.0), (1, 0.5)] {
-            // Two micro-batches' gradients at a loss scale of 4, as a step sums them.
+            // The micro-batches' gradients at a loss scale of 4, as a step sums them.
             let mut sums = optimizer.gradient_sums(4.0);
-            for micro in 0..2u64 {
+            for micro in 0..micro_batches {
                 for (i, (name, dims)) in shapes.iter().enumerate() {
                     if step == 0 && i == 2 {
                         continue; // no gradient: zeros in the bucket
@@ -74,9 +79,19 @@ pub fn check_update(
                     sums.add(name, &g.to_dtype(dtype)?.to_device(device)?)?;
                 }
             }
-            let bucket = sums.into_bucket(&optimizer)?;
-            norms.push(optimizer.squared_norm(&bucket)?.to_device(&Device::Cpu)?);
-            optimizer.step(&bucket, 1e-2, clip)?;
+            let gradients = sums.into_step_gradients(&optimizer, optimizer.holds_gradients())?;
+            if held != matches!(gradients, StepGradients::Held { .. }) {
+                return Err(TrainError::Config(format!(
+                    "check_update: the gradients {}held, where the form says {held}",
+                    if held { "not " } else { "" }
+                )));
+            }
+            norms.push(
+                optimizer
+                    .squared_norm_of(&gradients)?
+                    .to_device(&Device::Cpu)?,
+            );
+            optimizer.update(&gradients, 1e-2, clip)?;
         }
         let mut state = optimizer.master_tensors()?;
         state.insert("norm".into(), Tensor::stack(&norms, 0)?);
@@ -93,27 +108,35 @@ pub fn check_update(
             .collect()
     };
     let mut checks = Vec::new();
-    // (in place, its loads ahead, the row's name, the parameters' dtype)
-    let forms: &[(bool, bool, &str, DType)] = if device.is_cuda() {
+    // (in place, its loads ahead, the gradients held, the row's name, the parameters' dtype)
+    let forms: &[(bool, bool, bool, &str, DType)] = if device.is_cuda() {
         &[
-            (false, false, "", DType::F32),
-            (true, false, " in place", DType::F32),
-            (true, false, " in place, bf16", DType::BF16),
-            (true, true, " in place, ahead", DType::F32),
-            (true, true, " in place, ahead, bf16", DType::BF16),
+            (false, false, false, "", DType::F32),
+            (true, false, false, " in place", DType::F32),
+            (true, false, false, " in place, bf16", DType::BF16),
+            (true, true, false, " in place, ahead", DType::F32),
+            (true, true, false, " in place, ahead, bf16", DType::BF16),
+            (true, true, true, " without a bucket", DType::F32),
+            (true, true, true, " without a bucket, bf16", DType::BF16),
         ]
     } else {
-        &[(false, false, "", DType::F32)]
+        &[
+            (false, false, false, "", DType::F32),
+            (false, false, true, " without a bucket", DType::F32),
+        ]
     };
     let (was_in_place, was_ahead) = (cuda_update_in_place(), update_ahead());
     for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
-        for &(in_place, ahead, form, dtype) in forms {
+        for &(in_place, ahead, held, form, dtype) in forms {
             let kernel = format!("optimizer update{form} ({name})");
             let mut needs = if in_place {
                 needing(&[&CUDA_UPDATE_IN_PLACE])
             } else {
                 Vec::new()
             };
+            if held && device.is_cuda() {
+                needs.extend(needing(&[&HELD_GRADIENTS]));
+            }
             if rule == Rule::Lamb && device.is_cuda() {
                 needs.extend(needing(&[&CUDA_TRUST_RATIOS_APART]));
             }
@@ -122,14 +145,18 @@ pub fn check_update(
             }
             // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
             let lines = || -> Result<Vec<KernelCheck>, TrainError> {
+                // (The reference with the bucket, as many micro-batches a step.)
+                let micro_batches = if held { 1 } else { 2 };
                 let want = run(
                     rule,
                     &Device::Cpu,
                     if device.is_cpu() { DType::F64 } else { dtype },
+                    micro_batches,
+                    false,
                 )?;
                 set_cuda_update_in_place(in_place);
                 set_update_ahead(ahead);
-                let got = run(rule, device, dtype);
+                let got = run(rule, device, dtype, micro_batches, held);
                 set_cuda_update_in_place(was_in_place);
                 set_update_ahead(was_ahead);
                 let got = got?;
@@ -204,7 +231,7 @@ mod tests {
     #[test]
     fn the_update_check_passes_on_the_cpu() {
         let checks = check_update(&candle_core::Device::Cpu).unwrap();
-        assert_eq!(checks.len(), 10, "{checks:?}");
+        assert_eq!(checks.len(), 20, "{checks:?}");
         for c in &checks {
             assert!(c.passed() && !c.gradient, "{c:?}");
             assert!(c.worst > 0.0 && c.worst < c.tolerance / 10.0, "{c:?}");

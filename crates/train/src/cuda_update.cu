@@ -281,10 +281,61 @@ __device__ __forceinline__ int ahead_index(int start, int k) {
     return start + threadIdx.x + k * THREADS;
 }
 
+// Where the moments' launches read a row's gradients. `BucketGradients`: the group's rows of
+// the flat f32 bucket. `HeldGradients` (`cuda_update::update_in_place_held`): each row's
+// gradient as the backward made it (f32, bf16 or f16; address 0: none, zeros), times
+// `unscale` as it is read: the value `pieces_to_flat` would have put in the bucket, bit for
+// bit, without the bucket. `with_row(r, f)` calls `f` with what row `r`'s elements are read
+// from (`at(i, j)`: element `j` of the row, at `i` in the group's rows), its element type
+// settled once a row (a branch a block, not an element: the loads stay ahead).
+struct BucketGradients {
+    const float* g;
+    template <class F>
+    __device__ __forceinline__ void with_row(int, F&& f) const { f(*this); }
+    __device__ __forceinline__ float at(size_t i, int) const { return g[i]; }
+};
+
+__device__ __forceinline__ float as_f32(float x) { return x; }
+__device__ __forceinline__ float as_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float as_f32(__half x) { return __half2float(x); }
+
+template <class T>
+struct HeldRow {
+    const T* g;
+    float unscale;
+    __device__ __forceinline__ float at(size_t, int j) const {
+        const float x = as_f32(g[j]);
+        return unscale == 1.0f ? x : x * unscale;
+    }
+};
+
+struct AbsentRow {
+    __device__ __forceinline__ float at(size_t, int) const { return 0.0f; }
+};
+
+struct HeldGradients {
+    const DeviceTensor* rows;
+    float unscale;
+    template <class F>
+    __device__ __forceinline__ void with_row(int r, F&& f) const {
+        const DeviceTensor t = rows[r];
+        if (t.address == 0) {
+            f(AbsentRow{});
+        } else if (t.dtype == ELEMENT_BF16) {
+            f(HeldRow<__nv_bfloat16>{(const __nv_bfloat16*)t.address, unscale});
+        } else if (t.dtype == ELEMENT_F16) {
+            f(HeldRow<__half>{(const __half*)t.address, unscale});
+        } else {
+            f(HeldRow<float>{(const float*)t.address, unscale});
+        }
+    }
+};
+
 // The thread's elements of the chunk at `start` of the row at `base` (the row ends at `end`),
-// all read before any arithmetic: each one's weight, moments and (`GRADIENT`) gradient.
-template <bool GRADIENT>
-__device__ __forceinline__ void load_ahead(const float* state, const float* g, size_t base,
+// all read before any arithmetic: each one's weight, moments and (`GRADIENT`) gradient, read
+// from `g`, a row of a gradients' source above.
+template <bool GRADIENT, class Row>
+__device__ __forceinline__ void load_ahead(const float* state, const Row& g, size_t base,
                                            size_t total, int start, int end, float (&gs)[AHEAD],
                                            float (&ws)[AHEAD], float (&ms)[AHEAD],
                                            float (&vs)[AHEAD]) {
@@ -293,7 +344,7 @@ __device__ __forceinline__ void load_ahead(const float* state, const float* g, s
         const int j = ahead_index(start, k);
         if (j < end) {
             const size_t i = base + j;
-            if (GRADIENT) gs[k] = g[i];
+            if (GRADIENT) gs[k] = g.at(i, j);
             ws[k] = state[i];
             ms[k] = state[total + i];
             vs[k] = state[2 * total + i];
@@ -301,9 +352,10 @@ __device__ __forceinline__ void load_ahead(const float* state, const float* g, s
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-update_moments_in_place_ahead(float* state, const float* g, double* norms, int rows, int numel,
-                              Constants c) {
+// The moments' launch with its loads ahead, over the gradients of `G` (above).
+template <class G>
+__device__ __forceinline__ void moments_in_place_ahead(float* state, const G& g, double* norms,
+                                                       int rows, int numel, Constants c) {
     __shared__ double scratch[32];
     const size_t total = (size_t)rows * numel;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
@@ -311,7 +363,9 @@ update_moments_in_place_ahead(float* state, const float* g, double* norms, int r
         const int start = blockIdx.x * CHUNK;
         const int end = min(start + CHUNK, numel);
         float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
-        load_ahead<true>(state, g, base, total, start, end, gs, ws, ms, vs);
+        g.with_row(row, [&](const auto& r) {
+            load_ahead<true>(state, r, base, total, start, end, gs, ws, ms, vs);
+        });
         double w2 = 0.0, u2 = 0.0;
 #pragma unroll
         for (int k = 0; k < AHEAD; ++k) {
@@ -333,6 +387,22 @@ update_moments_in_place_ahead(float* state, const float* g, double* norms, int r
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
+update_moments_in_place_ahead(float* state, const float* g, double* norms, int rows, int numel,
+                              Constants c) {
+    moments_in_place_ahead(state, BucketGradients{g}, norms, rows, numel, c);
+}
+
+// The same from each row's gradient as the backward made it (`rows`, `[rows]`), times
+// `unscale`: no flat bucket (`cuda_update::update_in_place_held`).
+// (Two blocks an SM, as the bucket's form has: the element types' loads would take 147
+// registers, one block.)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+update_moments_in_place_held(float* state, const DeviceTensor* rows_held, float unscale,
+                             double* norms, int rows, int numel, Constants c) {
+    moments_in_place_ahead(state, HeldGradients{rows_held, unscale}, norms, rows, numel, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
 update_weights_in_place_ahead(float* state, const double* norms, int rows, int numel, int blocks,
                               float lr, Constants c, const DeviceTensor* params,
                               const float* ratios) {
@@ -346,7 +416,7 @@ update_weights_in_place_ahead(float* state, const double* norms, int rows, int n
         const int start = blockIdx.x * CHUNK;
         const int end = min(start + CHUNK, numel);
         float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
-        load_ahead<false>(state, nullptr, base, total, start, end, gs, ws, ms, vs);
+        load_ahead<false>(state, BucketGradients{nullptr}, base, total, start, end, gs, ws, ms, vs);
         const DeviceTensor param =
             params != nullptr ? params[row] : DeviceTensor{0, ELEMENT_F32, 0};
         __syncthreads();
@@ -367,16 +437,19 @@ update_weights_in_place_ahead(float* state, const double* norms, int rows, int n
 // Without a trust ratio (AdamW): the moments, the update and the weight in one pass, the row's
 // parameter set from its new weights; the values `update_moments_in_place` and
 // `update_weights_in_place` make in two.
-extern "C" __global__ void __launch_bounds__(THREADS)
-update_in_place_one_pass(float* state, const float* g, int rows, int numel, float lr,
-                         Constants c, const DeviceTensor* params) {
+template <class G>
+__device__ __forceinline__ void in_place_one_pass(float* state, const G& g, int rows, int numel,
+                                                  float lr, Constants c,
+                                                  const DeviceTensor* params) {
     const size_t total = (size_t)rows * numel;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         const size_t base = (size_t)row * numel;
         const int start = blockIdx.x * CHUNK;
         const int end = min(start + CHUNK, numel);
         float gs[AHEAD], ws[AHEAD], ms[AHEAD], vs[AHEAD];
-        load_ahead<true>(state, g, base, total, start, end, gs, ws, ms, vs);
+        g.with_row(row, [&](const auto& r) {
+            load_ahead<true>(state, r, base, total, start, end, gs, ws, ms, vs);
+        });
         const DeviceTensor param =
             params != nullptr ? params[row] : DeviceTensor{0, ELEMENT_F32, 0};
 #pragma unroll
@@ -393,6 +466,21 @@ update_in_place_one_pass(float* state, const float* g, int rows, int numel, floa
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+update_in_place_one_pass(float* state, const float* g, int rows, int numel, float lr,
+                         Constants c, const DeviceTensor* params) {
+    in_place_one_pass(state, BucketGradients{g}, rows, numel, lr, c, params);
+}
+
+// The same from each row's gradient as the backward made it, times `unscale` (as
+// `update_moments_in_place_held`).
+extern "C" __global__ void __launch_bounds__(THREADS)
+update_in_place_one_pass_held(float* state, const DeviceTensor* rows_held, float unscale,
+                              int rows, int numel, float lr, Constants c,
+                              const DeviceTensor* params) {
+    in_place_one_pass(state, HeldGradients{rows_held, unscale}, rows, numel, lr, c, params);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -465,6 +553,33 @@ extern "C" __global__ void squares_partial(const float* flat, uint64_t n, double
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const double x = flat[i];
         s += x * x;
+    }
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+// The same over the pieces' elements as `pieces_to_flat` would write them (each times
+// `unscale`, in f32), read where the backward left them: the squared norm of the gradients a
+// step holds without a flat bucket (`cuda_update::held_squared_norm`). Each block takes
+// `PIECES_CHUNK` elements of the pieces' index at a time, striding by the grid (fixed: the
+// same sums run to run); `partials[blockIdx.x]`.
+extern "C" __global__ void pieces_squares_partial(const Piece* pieces, int count, uint64_t total,
+                                                  float unscale, double* partials) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    const uint64_t stride = (uint64_t)gridDim.x * PIECES_CHUNK;
+    for (uint64_t begin = (uint64_t)blockIdx.x * PIECES_CHUNK; begin < total; begin += stride) {
+        const uint64_t end = smaller(begin + PIECES_CHUNK, total);
+        for (int p = piece_at(pieces, count, begin); p < count && pieces[p].start < end; ++p) {
+            const Piece piece = pieces[p];
+            const uint64_t from = larger(begin, piece.start) - piece.start;
+            const uint64_t to = smaller(end, piece.start + piece.numel) - piece.start;
+            for (uint64_t j = from + threadIdx.x; j < to; j += blockDim.x) {
+                const float x = unscale == 1.0f ? load_f32(piece.tensor, j)
+                                                : load_f32(piece.tensor, j) * unscale;
+                s += (double)x * (double)x;
+            }
+        }
     }
     s = block_sum(s, scratch);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;

@@ -111,8 +111,66 @@ pub(crate) fn update_in_place(
             .map(|p| DeviceTensor::of(p.as_tensor()))
             .collect::<Result<_>>()?,
         numel: params.iter().map(|p| p.elem_count()).collect(),
+        held: None,
     };
     state.inplace_op2(&gradients.contiguous()?, &op)
+}
+
+/// As [`update_in_place`], from each row's gradient as the backward made it (`rows`, one a
+/// parameter in the group's order: f32, bf16 or f16, `None` for zeros) times `unscale`, read
+/// by the moments' launch itself (`update_moments_in_place_held`,
+/// `update_in_place_one_pass_held`): no flat gradient bucket. The values the bucket's form
+/// reads, bit for bit (`pieces_to_flat` makes them with the same two f32 operations). The
+/// kernels with their loads ahead only ([`crate::optim::set_update_ahead`]).
+pub(crate) fn update_in_place_held(
+    state: &Tensor,
+    rows: &[Option<&Tensor>],
+    unscale: f64,
+    s: Scalars,
+    params: &[Var],
+) -> Result<()> {
+    let name = "the optimiser's update from held gradients";
+    let numel = params.first().map_or(0, |p| p.elem_count());
+    if rows.len() != params.len() {
+        bail!(
+            "{name}: {} gradients for {} parameters",
+            rows.len(),
+            params.len()
+        )
+    }
+    // Held until the launch is queued (see `DeviceTensor::of`).
+    let mut sources = Vec::with_capacity(rows.len());
+    let mut table = Vec::with_capacity(rows.len());
+    for g in rows {
+        table.push(match g {
+            Some(g) if g.elem_count() != numel => {
+                bail!(
+                    "{name}: a gradient of {} elements for parameters of {numel}",
+                    g.elem_count()
+                )
+            }
+            Some(g) => {
+                let g = g.contiguous()?;
+                let tensor = DeviceTensor::of(&g)?;
+                sources.push(g);
+                tensor
+            }
+            None => DeviceTensor::default(),
+        });
+    }
+    let op = UpdateInPlace {
+        constants: Constants::of(s),
+        lr: s.lr as f32,
+        params: params
+            .iter()
+            .map(|p| DeviceTensor::of(p.as_tensor()))
+            .collect::<Result<_>>()?,
+        numel: params.iter().map(|p| p.elem_count()).collect(),
+        held: Some((table, unscale as f32)),
+    };
+    state.inplace_op1(&op)?;
+    drop(sources);
+    Ok(())
 }
 
 struct UpdateInPlace {
@@ -121,6 +179,46 @@ struct UpdateInPlace {
     /// Where each row's parameter is, and its size.
     params: Vec<DeviceTensor>,
     numel: Vec<usize>,
+    /// Each row's gradient as the backward made it and the factor it is read times
+    /// ([`update_in_place_held`]); `None`: the bucket's rows, the op's second tensor.
+    held: Option<(Vec<DeviceTensor>, f32)>,
+}
+
+/// Where the moments' launch reads the gradients (`BucketGradients`, `HeldGradients` in
+/// `cuda_update.cu`).
+enum Gradients<'a> {
+    Bucket(CudaView<'a, f32>),
+    Held(CudaSlice<DeviceTensor>, f32),
+}
+
+impl Gradients<'_> {
+    /// The kernels' arguments for them, in order.
+    fn push<'b>(&'b self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'b>) {
+        match self {
+            Gradients::Bucket(view) => b.arg(view),
+            Gradients::Held(rows, unscale) => b.arg(rows).arg(unscale),
+        };
+    }
+}
+
+impl candle_core::InplaceOp1 for UpdateInPlace {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-optimizer-update-in-place-held"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        let name = candle_core::InplaceOp1::name(self);
+        bail!("{name}: a CUDA kernel, given CPU tensors")
+    }
+
+    fn cuda_fwd(&self, state: &mut CudaStorage, sl: &Layout) -> Result<()> {
+        let Some((table, unscale)) = &self.held else {
+            let name = candle_core::InplaceOp1::name(self);
+            bail!("{name}: no gradients")
+        };
+        let rows = upload(&state.device, table)?;
+        self.launch(state, sl, &Gradients::Held(rows, *unscale))
+    }
 }
 
 impl InplaceOp2 for UpdateInPlace {
@@ -129,7 +227,8 @@ impl InplaceOp2 for UpdateInPlace {
     }
 
     fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
-        bail!("{}: a CUDA kernel, given CPU tensors", self.name())
+        let name = InplaceOp2::name(self);
+        bail!("{name}: a CUDA kernel, given CPU tensors")
     }
 
     fn cuda_fwd(
@@ -139,7 +238,16 @@ impl InplaceOp2 for UpdateInPlace {
         g: &CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        let name = self.name();
+        let (_, rows, numel) = sl.shape().dims3()?;
+        let g_view = view(InplaceOp2::name(self), g, gl, (rows, numel), "gradients")?;
+        self.launch(state, sl, &Gradients::Bucket(g_view))
+    }
+}
+
+impl UpdateInPlace {
+    /// The update's launches over `state` from `gradients`.
+    fn launch(&self, state: &mut CudaStorage, sl: &Layout, gradients: &Gradients) -> Result<()> {
+        let name = "bertkit-cuda-optimizer-update-in-place";
         let (parts, rows, numel) = sl.shape().dims3()?;
         let Some((start, end)) = sl.contiguous_offsets() else {
             bail!("{name}: a contiguous state expected")
@@ -151,7 +259,6 @@ impl InplaceOp2 for UpdateInPlace {
                 state.dtype()
             )
         }
-        let g_view = view(name, g, gl, (rows, numel), "gradients")?;
         if self.params.len() != rows || self.numel.iter().any(|&n| n != numel) {
             bail!(
                 "{name}: {rows} parameters of {numel} elements expected, got {:?}",
@@ -164,11 +271,22 @@ impl InplaceOp2 for UpdateInPlace {
         let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
         let mut state = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
         let ahead = crate::optim::update_ahead();
+        let held = matches!(gradients, Gradients::Held(..));
+        if held && !ahead {
+            bail!("{name}: held gradients are read by the kernels with their loads ahead only")
+        }
         if ahead && self.constants.trust_ratio == 0 {
             // No trust ratio: the moments, the update and the weights in one launch.
-            let func = dev.get_or_load_custom_func("update_in_place_one_pass", MODULE, PTX)?;
+            let one_pass = if held {
+                "update_in_place_one_pass_held"
+            } else {
+                "update_in_place_one_pass"
+            };
+            let func = dev.get_or_load_custom_func(one_pass, MODULE, PTX)?;
             let mut b = func.builder();
-            b.arg(&mut state).arg(&g_view).arg(&rows_i).arg(&numel_i);
+            b.arg(&mut state);
+            gradients.push(&mut b);
+            b.arg(&rows_i).arg(&numel_i);
             b.arg(&self.lr).arg(&self.constants).arg(&params);
             // SAFETY: the arguments `update_in_place_one_pass` declares, in order; `state`
             // holds `3 · rows · numel` values, `params` a row's parameter each (as below).
@@ -176,18 +294,23 @@ impl InplaceOp2 for UpdateInPlace {
             return Ok(());
         }
         let norms = partial_norms(&dev, rows, blocks)?;
-        let (moments, weights) = if ahead {
-            (
+        let (moments, weights) = match (ahead, held) {
+            (true, true) => (
+                "update_moments_in_place_held",
+                "update_weights_in_place_ahead",
+            ),
+            (true, false) => (
                 "update_moments_in_place_ahead",
                 "update_weights_in_place_ahead",
-            )
-        } else {
-            ("update_moments_in_place", "update_weights_in_place")
+            ),
+            _ => ("update_moments_in_place", "update_weights_in_place"),
         };
         {
             let func = dev.get_or_load_custom_func(moments, MODULE, PTX)?;
             let mut b = func.builder();
-            b.arg(&mut state).arg(&g_view).arg(&norms);
+            b.arg(&mut state);
+            gradients.push(&mut b);
+            b.arg(&norms);
             b.arg(&rows_i).arg(&numel_i).arg(&self.constants);
             unsafe { b.launch(cfg) }.w()?;
         }
@@ -523,8 +646,8 @@ pub(crate) fn squared_norm(bucket: &CudaStorage, layout: &Layout) -> Result<Cuda
     let dev = &bucket.device;
     let flat = bucket.as_cuda_slice::<f32>()?.slice(start..end);
     let n = (end - start) as u64;
-    // SAFETY: each written by the launches below (a partial a block, then the sum).
-    let (partials, mut out) = unsafe { (dev.alloc::<f64>(SQUARES_BLOCKS)?, dev.alloc::<f64>(1)?) };
+    // SAFETY: each written by its block of the launch below.
+    let partials = unsafe { dev.alloc::<f64>(SQUARES_BLOCKS)? };
     {
         let func = dev.get_or_load_custom_func("squares_partial", MODULE, PTX)?;
         let mut b = func.builder();
@@ -538,18 +661,86 @@ pub(crate) fn squared_norm(bucket: &CudaStorage, layout: &Layout) -> Result<Cuda
         // per block of the grid.
         unsafe { b.launch(cfg) }.w()?;
     }
+    sum_of_partials(dev, &partials)
+}
+
+/// `[Σ partials]` on the device (`sum_partials`, one block).
+fn sum_of_partials(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    partials: &CudaSlice<f64>,
+) -> Result<CudaStorage> {
+    // SAFETY: written by the launch.
+    let mut out = unsafe { dev.alloc::<f64>(1)? };
+    let count = partials.len() as i32;
+    let func = dev.get_or_load_custom_func("sum_partials", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(partials).arg(&count).arg(&mut out);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments `sum_partials` declares, in order: `count` partials in, one value
+    // out.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+/// `Σ (x · unscale)²` in f64 over the elements of `gradients` (each f32, bf16 or f16, as the
+/// backward made them; `[1]` on `dev`): the squared norm of the bucket they would make
+/// (`pieces_to_flat`'s values), without the bucket, in two launches (`pieces_squares_partial`
+/// on a fixed grid, then `sum_partials`). `bucket::held_squared_norm`'s CUDA half.
+pub(crate) fn held_squared_norm(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    gradients: &[&Tensor],
+    unscale: f32,
+) -> Result<CudaStorage> {
+    // Held until the launch is queued (see `DeviceTensor::of`).
+    let mut sources = Vec::with_capacity(gradients.len());
+    let mut table = Vec::with_capacity(gradients.len());
+    let mut start = 0u64;
+    for g in gradients {
+        let g = g.contiguous()?;
+        let numel = g.elem_count() as u64;
+        table.push(Piece {
+            tensor: DeviceTensor::of(&g)?,
+            flat: 0,
+            start,
+            numel,
+        });
+        sources.push(g);
+        start += numel;
+    }
+    if start == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(
+            dev.alloc_zeros::<f64>(1)?,
+            dev.clone(),
+        ));
+    }
+    // SAFETY: each written by its block of the launch below (a block that finds no elements
+    // writes its zero).
+    let partials = unsafe { dev.alloc::<f64>(SQUARES_BLOCKS)? };
+    let table = upload(dev, &table)?;
+    let count = gradients.len() as i32;
     {
-        let count = SQUARES_BLOCKS as i32;
-        let func = dev.get_or_load_custom_func("sum_partials", MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func("pieces_squares_partial", MODULE, PTX)?;
         let mut b = func.builder();
-        b.arg(&partials).arg(&count).arg(&mut out);
+        b.arg(&table)
+            .arg(&count)
+            .arg(&start)
+            .arg(&unscale)
+            .arg(&partials);
         let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
+            grid_dim: (SQUARES_BLOCKS as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: as above, for `sum_partials`: `count` partials in, one value out.
+        // SAFETY: the arguments `pieces_squares_partial` declares, in order; the pieces follow
+        // one another in the kernel's index, each reading a live gradient (`sources`) of its
+        // size; `partials` holds a value per block of the grid.
         unsafe { b.launch(cfg) }.w()?;
     }
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    let out = sum_of_partials(dev, &partials);
+    drop(sources);
+    out
 }

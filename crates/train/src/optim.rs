@@ -25,7 +25,7 @@ use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
-use crate::bucket::{Entry, FlatSums, GradientSums, Layout};
+use crate::bucket::{Entry, FlatSums, GradientSums, Layout, StepGradients};
 
 /// Which update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,6 +126,8 @@ struct Group {
     decay: bool,
     /// Where the group's gradients start in the flat bucket.
     offset: usize,
+    /// Its first parameter's place among the layout's entries.
+    first_entry: usize,
     master: Tensor,
     m: Tensor,
     v: Tensor,
@@ -150,6 +152,19 @@ impl Group {
         Ok(bucket
             .narrow(0, self.offset, count * numel)?
             .reshape((count, numel))?)
+    }
+
+    /// This group's `[count, numel]` gradients of a step, in the master's dtype.
+    fn step_gradients(&self, gradients: &StepGradients) -> Result<Tensor, TrainError> {
+        if let StepGradients::Bucket(bucket) = gradients {
+            return self.gradients(bucket);
+        }
+        gradients.rows(
+            (self.first_entry, self.offset),
+            (self.count(), self.numel()),
+            self.master.dtype(),
+            self.master.device(),
+        )
     }
 
     /// Row `i` in the parameter's shape (a view).
@@ -284,6 +299,7 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
     settings.extend(CUDA_UPDATE_IN_PLACE.turned_on_by());
     settings.extend(CUDA_TRUST_RATIOS_APART.turned_on_by());
     settings.extend(CUDA_UPDATE_AHEAD.turned_on_by());
+    settings.extend(HELD_GRADIENTS.turned_on_by());
     settings
 }
 
@@ -294,6 +310,10 @@ pub fn cuda_update_in_place() -> bool {
 
 /// Whether a step's flat gradient bucket is kept for the next step's sums.
 static KEPT_BUCKET: Switch = Switch::opt_in("BERTKIT_BUCKET", "kept");
+
+/// Whether a step of one micro-batch on one process reads its gradients where the backward
+/// left them, without the flat bucket ([`Optimizer::hold_gradients`]).
+pub(crate) static HELD_GRADIENTS: Switch = Switch::opt_in("BERTKIT_BUCKET", "none");
 
 /// The optimiser over a model's parameters.
 ///
@@ -316,6 +336,9 @@ pub struct Optimizer {
     /// [`Optimizer::keep_buckets`] says (every element is written again before it is read).
     kept_bucket: std::sync::Mutex<Option<Tensor>>,
     keeps_buckets: bool,
+    /// Whether a step of one micro-batch on one process may go without the bucket
+    /// ([`Optimizer::hold_gradients`]).
+    holds_gradients: bool,
 }
 
 impl Optimizer {
@@ -354,6 +377,7 @@ impl Optimizer {
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 let master = Tensor::stack(&rows, 0)?;
+                let first_entry = entries.len();
                 for (i, (name, _)) in chunk.iter().enumerate() {
                     entries.push(Entry {
                         name: (*name).clone(),
@@ -367,6 +391,7 @@ impl Optimizer {
                     shape: shape.clone(),
                     decay,
                     offset,
+                    first_entry,
                     m: master.zeros_like()?,
                     v: master.zeros_like()?,
                     master,
@@ -384,6 +409,7 @@ impl Optimizer {
             master_dtype,
             kept_bucket: std::sync::Mutex::new(None),
             keeps_buckets: KEPT_BUCKET.get(),
+            holds_gradients: HELD_GRADIENTS.get(),
         })
     }
 
@@ -401,6 +427,27 @@ impl Optimizer {
         if !on && let Ok(mut kept) = self.kept_bucket.lock() {
             kept.take();
         }
+    }
+
+    /// Lets a step go without the flat gradient bucket where it needs none: one micro-batch a
+    /// step on one process (nothing to add up, nothing to all-reduce), the sums on the flat
+    /// bucket's path (the CPU; CUDA in place, [`set_cuda_update_in_place`]), on CUDA with the
+    /// update's loads ahead ([`set_update_ahead`]). The gradients stay as the backward made
+    /// them (the compute dtype, times the loss scale); the global norm is summed over them
+    /// (`pieces_squares_partial` on CUDA) and the update's first launch reads each parameter's
+    /// own (`update_moments_in_place_held`, `update_in_place_one_pass_held`), unscaling as it
+    /// reads: the values the bucket would have held, bit for bit. On the CPU each group's rows
+    /// are gathered in turn (at most [`GROUP_ELEMENTS`] at once) for the CPU's update.
+    ///
+    /// BERT-large's bucket is 1.34 GB of f32 found at each step's end, after the backward has
+    /// scattered the parameters' gradients over what the activations freed (the likeliest
+    /// source of the device pool's 2.2 GiB above its tensors at phase 2 on an H200,
+    /// BENCHMARKS.md, 2026-11-27), and ~4 GB of the step's traffic (the bucket written, its
+    /// norm and the update's reads in f32, where the held gradients are read twice in bf16).
+    /// Off unless `BERTKIT_BUCKET=none` until its kernels pass `bertkit check kernels --device
+    /// cuda`. The same steps either way.
+    pub fn hold_gradients(&mut self, on: bool) {
+        self.holds_gradients = on;
     }
 
     /// Takes back a step's bucket, once the step has no other use for it (its update queued),
@@ -544,6 +591,28 @@ impl Optimizer {
         Ok(Tensor::cat(&per_group, 0)?.sum_all()?)
     }
 
+    /// Whether a step on one process may hand its one micro-batch's gradients to the norm and
+    /// the update as the backward made them ([`Optimizer::hold_gradients`]).
+    pub(crate) fn holds_gradients(&self) -> bool {
+        // (f32 masters: the held gradients' norm reads each element as the f32 bucket holds it.)
+        self.holds_gradients
+            && self.master_dtype == DType::F32
+            && self.on_flat_bucket()
+            && (self.device().is_cpu() || update_ahead())
+    }
+
+    /// The squared L2 norm of a step's gradients, as an f64 scalar on the device: the bucket's
+    /// ([`Optimizer::squared_norm`]), or over the held gradients' values times their unscale
+    /// factor (`bucket::held_squared_norm`).
+    pub(crate) fn squared_norm_of(&self, gradients: &StepGradients) -> Result<Tensor, TrainError> {
+        match gradients {
+            StepGradients::Bucket(bucket) => self.squared_norm(bucket),
+            StepGradients::Held { gradients, unscale } => {
+                crate::bucket::held_squared_norm(gradients, *unscale, &self.device())
+            }
+        }
+    }
+
     /// The factor clipping scales gradients by at global norm `grad_norm`:
     /// `1 / max(1, grad_norm / max_grad_norm)` (1 without clipping).
     pub fn clip_factor(&self, grad_norm: f64) -> f64 {
@@ -559,19 +628,39 @@ impl Optimizer {
     /// its gradients first scaled by `clip` (see [`Optimizer::clip_factor`]). Everything runs on
     /// the device; the model's parameters are then set from the master weights.
     pub fn step(&mut self, bucket: &Tensor, lr: f64, clip: f64) -> Result<(), TrainError> {
-        if bucket.dims() != [self.layout.elements()] {
-            return Err(TrainError::Config(format!(
-                "a gradient bucket of shape {:?} for {} parameters",
-                bucket.dims(),
-                self.layout.elements()
-            )));
+        self.update(&StepGradients::Bucket(bucket.clone()), lr, clip)
+    }
+
+    /// [`Optimizer::step`] on a step's gradients: the bucket, or one micro-batch's held as
+    /// the backward made them ([`Optimizer::hold_gradients`]).
+    pub(crate) fn update(
+        &mut self,
+        gradients: &StepGradients,
+        lr: f64,
+        clip: f64,
+    ) -> Result<(), TrainError> {
+        match gradients {
+            StepGradients::Bucket(bucket) if bucket.dims() != [self.layout.elements()] => {
+                return Err(TrainError::Config(format!(
+                    "a gradient bucket of shape {:?} for {} parameters",
+                    bucket.dims(),
+                    self.layout.elements()
+                )));
+            }
+            StepGradients::Held { gradients, .. } if gradients.len() != self.layout.entries() => {
+                return Err(TrainError::Config(format!(
+                    "{} held gradients for {} parameters",
+                    gradients.len(),
+                    self.layout.entries()
+                )));
+            }
+            _ => {}
         }
         let c = &self.config;
         self.step += 1;
         let t = self.step as i32;
         let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
         for group in self.groups.iter_mut() {
-            let g = group.gradients(bucket)?;
             let decay = if group.decay { c.weight_decay } else { 0.0 };
             let scalars = crate::cpu_update::Scalars {
                 clip,
@@ -591,9 +680,30 @@ impl Optimizer {
                 if cuda_update_in_place() {
                     // The parameters are set by the update's kernel.
                     let state = group.packed_state()?;
-                    crate::cuda_update::update_in_place(&state, &g, scalars, &group.vars)?;
+                    match gradients {
+                        StepGradients::Held { gradients, unscale } if update_ahead() => {
+                            // Each parameter's gradient read where the backward left it.
+                            let rows: Vec<Option<&Tensor>> = gradients
+                                [group.first_entry..group.first_entry + group.count()]
+                                .iter()
+                                .map(Option::as_ref)
+                                .collect();
+                            crate::cuda_update::update_in_place_held(
+                                &state,
+                                &rows,
+                                *unscale,
+                                scalars,
+                                &group.vars,
+                            )?;
+                        }
+                        _ => {
+                            let g = group.step_gradients(gradients)?;
+                            crate::cuda_update::update_in_place(&state, &g, scalars, &group.vars)?;
+                        }
+                    }
                     continue;
                 }
+                let g = group.step_gradients(gradients)?;
                 // Two launches over the state instead of the composed update's fifteen passes.
                 let state =
                     crate::cuda_update::update(&group.master, &group.m, &group.v, &g, scalars)?;
@@ -602,6 +712,7 @@ impl Optimizer {
                 group.write_back()?;
                 continue;
             }
+            let g = group.step_gradients(gradients)?;
             if group.master.device().is_cpu() && self.master_dtype == DType::F32 {
                 // One pass over the state instead of the composed update's fifteen, in place:
                 // no new state a group a step (fresh pages the kernel must zero and map).
