@@ -107,7 +107,8 @@ all_rows() {
         "BERTKIT_CUDA_BIAS_SUMS=registers | a linear layer's bias gradient alone summed in registers" \
         "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp | LayerNorm's backward a warp per row" \
         "BERTKIT_CUDA_DECODER=padded | the masked-LM decoder's rows padded to 30,528" \
-        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded | the five not yet run"
+        "BERTKIT_BUCKET=none | the step without the flat gradient bucket (one micro-batch)" \
+        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded BERTKIT_BUCKET=none | the six not yet run"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
@@ -192,9 +193,14 @@ memory() {
     # PyTorch's): six steps as the build leaves it; with the pool keeping at most 8.5 GiB of
     # freed memory (the rest back to the driver at each step's read-back); with the flat
     # gradient bucket (1.34 GB) kept from step to step rather than found anew at each step's
-    # end: what each costs in step time and tensors, and the pool's held peak it leaves.
+    # end; without the bucket at all (one micro-batch, one process; unless its check failed):
+    # what each costs in step time and tensors, and the pool's held peak it leaves.
     local setting
-    for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept; do
+    for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept BERTKIT_BUCKET=none; do
+        if [[ -n $setting && $leave_off == *" $setting "* ]]; then
+            echo "$setting: skipped (it failed its check)"
+            continue
+        fi
         log "2b' phase 2, micro-batch 8, six steps, ${setting:-as built}"
         # shellcheck disable=SC2086
         env $setting timeout 120 $b bench memory \

@@ -1338,38 +1338,57 @@ uint64_t held_as(std::vector<std::vector<T>>& held, float* want, size_t numel, T
     return (uint64_t)held.back().data();
 }
 
+// Gradients of `shape`'s sizes and element types (-1: absent) held in `f32s`, `bf16s` and
+// `f16s`, drawn from `rng` times `scale` (absent ones zeros), as the pieces of one index over
+// `flat` (`total` elements, which `values` receives as the gradients hold them).
+struct HeldPieces {
+    std::vector<std::vector<float>> f32s;
+    std::vector<std::vector<bf16>> bf16s;
+    std::vector<std::vector<__half>> f16s;
+    std::vector<float> flat, values;
+    std::vector<Piece> pieces;
+    size_t total = 0;
+
+    HeldPieces(const std::vector<std::pair<size_t, int>>& shape, uint64_t seed, float scale) {
+        std::mt19937_64 rng(seed);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (auto [numel, type] : shape) total += numel;
+        flat.assign(total, NAN);
+        values.assign(total, 0.0f);
+        f32s.reserve(shape.size());
+        bf16s.reserve(shape.size());
+        f16s.reserve(shape.size());
+        size_t start = 0;
+        for (auto [numel, type] : shape) {
+            DeviceTensor t{0, type < 0 ? ELEMENT_F32 : type, 0};
+            float* v = &values[start];
+            for (size_t j = 0; j < numel; ++j) v[j] = type < 0 ? 0.0f : scale * normal(rng);
+            if (type == ELEMENT_F32) {
+                f32s.emplace_back(v, v + numel);
+                t.address = (uint64_t)f32s.back().data();
+            } else if (type == ELEMENT_BF16) {
+                t.address = held_as(bf16s, v, numel, __float2bfloat16, __bfloat162float);
+            } else if (type == ELEMENT_F16) {
+                t.address = held_as(f16s, v, numel, __float2half, __half2float);
+            }
+            pieces.push_back({t, (uint64_t)(flat.data() + start), start, numel});
+            start += numel;
+        }
+    }
+};
+
 // The flat buffer `pieces_to_flat` fills, against each piece copied and cast by hand: every
 // element written (the buffer starts as NaN), the same bits (the casts to f32 are exact).
 bool check_pieces(const char* name, unsigned grid) {
     // (numel, type; -1: absent): pieces inside one block's stretch, across several, empty.
-    const std::vector<std::pair<size_t, int>> shape = {
-        {5, ELEMENT_F32},  {PIECES_CHUNK, ELEMENT_BF16}, {1, ELEMENT_F16}, {20000, -1},
-        {0, ELEMENT_F32},  {3, ELEMENT_F32},             {100, -1},        {9000, ELEMENT_F16},
-        {PIECES_CHUNK - 3, ELEMENT_BF16}, {17, ELEMENT_F32}};
-    std::mt19937_64 rng(11);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<std::vector<float>> f32s;
-    std::vector<std::vector<bf16>> bf16s;
-    std::vector<std::vector<__half>> f16s;
-    size_t total = 0;
-    for (auto [numel, type] : shape) total += numel;
-    std::vector<float> flat(total, NAN), want(total);
-    std::vector<Piece> pieces;
-    size_t start = 0;
-    for (auto [numel, type] : shape) {
-        DeviceTensor t{0, type < 0 ? ELEMENT_F32 : type, 0};
-        for (size_t j = 0; j < numel; ++j) want[start + j] = type < 0 ? 0.0f : normal(rng);
-        if (type == ELEMENT_F32) {
-            f32s.emplace_back(want.begin() + start, want.begin() + start + numel);
-            t.address = (uint64_t)f32s.back().data();
-        } else if (type == ELEMENT_BF16) {
-            t.address = held_as(bf16s, &want[start], numel, __float2bfloat16, __bfloat162float);
-        } else if (type == ELEMENT_F16) {
-            t.address = held_as(f16s, &want[start], numel, __float2half, __half2float);
-        }
-        pieces.push_back({t, (uint64_t)(flat.data() + start), start, numel});
-        start += numel;
-    }
+    HeldPieces held({{5, ELEMENT_F32}, {PIECES_CHUNK, ELEMENT_BF16}, {1, ELEMENT_F16},
+                     {20000, -1}, {0, ELEMENT_F32}, {3, ELEMENT_F32}, {100, -1},
+                     {9000, ELEMENT_F16}, {PIECES_CHUNK - 3, ELEMENT_BF16}, {17, ELEMENT_F32}},
+                    11, 1.0f);
+    const size_t total = held.total;
+    std::vector<float>& flat = held.flat;
+    const std::vector<float>& want = held.values;
+    const std::vector<Piece>& pieces = held.pieces;
     emulate_launch({grid, 1, 1}, THREADS,
                    [&] { pieces_to_flat(pieces.data(), (int)pieces.size(), total, 1.0f, 0); });
     size_t differ = 0;
@@ -1427,38 +1446,17 @@ bool check_squares(const char* name, unsigned blocks) {
 // the bucket `pieces_to_flat` makes from them measured by `squares_partial` (orders differ:
 // within 1e-12).
 bool check_held_squares(const char* name, unsigned blocks, float unscale) {
-    const std::vector<std::pair<size_t, int>> shape = {
-        {5, ELEMENT_F32},  {PIECES_CHUNK, ELEMENT_BF16}, {1, ELEMENT_F16}, {20000, -1},
-        {0, ELEMENT_F32},  {3, ELEMENT_F32},             {9000, ELEMENT_F16},
-        {3 * PIECES_CHUNK + 11, ELEMENT_BF16}, {17, ELEMENT_F32}};
-    std::mt19937_64 rng(13);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<std::vector<float>> f32s;
-    std::vector<std::vector<bf16>> bf16s;
-    std::vector<std::vector<__half>> f16s;
-    size_t total = 0;
-    for (auto [numel, type] : shape) total += numel;
-    std::vector<float> flat(total, NAN), values(total);
-    std::vector<Piece> pieces;
-    size_t start = 0;
+    HeldPieces held({{5, ELEMENT_F32}, {PIECES_CHUNK, ELEMENT_BF16}, {1, ELEMENT_F16},
+                     {20000, -1}, {0, ELEMENT_F32}, {3, ELEMENT_F32}, {9000, ELEMENT_F16},
+                     {3 * PIECES_CHUNK + 11, ELEMENT_BF16}, {17, ELEMENT_F32}},
+                    13, 8.0f);
+    const size_t total = held.total;
+    const std::vector<Piece>& pieces = held.pieces;
+    std::vector<float>& flat = held.flat;
     double want = 0.0;
-    for (auto [numel, type] : shape) {
-        DeviceTensor t{0, type < 0 ? ELEMENT_F32 : type, 0};
-        for (size_t j = 0; j < numel; ++j) values[start + j] = type < 0 ? 0.0f : 8.0f * normal(rng);
-        if (type == ELEMENT_F32) {
-            f32s.emplace_back(values.begin() + start, values.begin() + start + numel);
-            t.address = (uint64_t)f32s.back().data();
-        } else if (type == ELEMENT_BF16) {
-            t.address = held_as(bf16s, &values[start], numel, __float2bfloat16, __bfloat162float);
-        } else if (type == ELEMENT_F16) {
-            t.address = held_as(f16s, &values[start], numel, __float2half, __half2float);
-        }
-        for (size_t j = 0; j < numel; ++j) {
-            const double x = values[start + j] * unscale;
-            want += x * x;
-        }
-        pieces.push_back({t, (uint64_t)(flat.data() + start), start, numel});
-        start += numel;
+    for (float v : held.values) {
+        const double x = v * unscale;
+        want += x * x;
     }
     std::vector<double> partials(blocks, NAN), bucket_partials(blocks, NAN);
     double got = NAN, bucket = NAN;

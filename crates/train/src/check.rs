@@ -24,8 +24,10 @@ use crate::optim::{
 /// and the CUDA update is turned on for the process ([`set_cuda_optimizer`]), in both its
 /// forms: a new state per step, and in place ([`set_cuda_update_in_place`]: the bucket
 /// gathered and the parameters set by its kernels), the latter also with bf16 parameters and
-/// gradients, LAMB's trust ratios in a launch of their own ([`set_trust_ratios_apart`]); on
-/// the CPU it is the composed update in f64.
+/// gradients, LAMB's trust ratios in a launch of their own ([`set_trust_ratios_apart`]), and
+/// without a bucket ([`Optimizer::hold_gradients`]: one micro-batch a step, its gradients read
+/// where they are held, against the reference's bucket of the same one); on the CPU it is the
+/// composed update in f64, which the CPU's update with and without a bucket is checked against.
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {

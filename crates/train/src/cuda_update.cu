@@ -521,8 +521,13 @@ __device__ int piece_at(const Piece* pieces, int count, uint64_t i) {
 // every parameter's gradient at once, where a cast and an addition per parameter took a
 // launch each. Each block takes `PIECES_CHUNK` elements of the index at a time, the pieces
 // that cross it one after another.
-extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64_t total,
-                                          float unscale, int accumulate) {
+// `f(flat, j, x)` for each of this block's elements of the pieces (`flat`: the piece's part
+// of the flat buffer, `j` the element's index in the piece, `x` its value times `unscale` in
+// f32): `PIECES_CHUNK` elements of the pieces' index at a time, striding by the grid, the
+// pieces that cross a chunk one after another.
+template <class F>
+__device__ __forceinline__ void each_piece_element(const Piece* pieces, int count,
+                                                   uint64_t total, float unscale, F&& f) {
     const uint64_t stride = (uint64_t)gridDim.x * PIECES_CHUNK;
     for (uint64_t begin = (uint64_t)blockIdx.x * PIECES_CHUNK; begin < total; begin += stride) {
         const uint64_t end = smaller(begin + PIECES_CHUNK, total);
@@ -534,10 +539,17 @@ extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64
             for (uint64_t j = from + threadIdx.x; j < to; j += blockDim.x) {
                 const float x = unscale == 1.0f ? load_f32(piece.tensor, j)
                                                 : load_f32(piece.tensor, j) * unscale;
-                flat[j] = accumulate ? flat[j] + x : x;
+                f(flat, j, x);
             }
         }
     }
+}
+
+extern "C" __global__ void pieces_to_flat(const Piece* pieces, int count, uint64_t total,
+                                          float unscale, int accumulate) {
+    each_piece_element(pieces, count, total, unscale, [&](float* flat, uint64_t j, float x) {
+        flat[j] = accumulate ? flat[j] + x : x;
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -560,27 +572,14 @@ extern "C" __global__ void squares_partial(const float* flat, uint64_t n, double
 
 // The same over the pieces' elements as `pieces_to_flat` would write them (each times
 // `unscale`, in f32), read where the backward left them: the squared norm of the gradients a
-// step holds without a flat bucket (`cuda_update::held_squared_norm`). Each block takes
-// `PIECES_CHUNK` elements of the pieces' index at a time, striding by the grid (fixed: the
-// same sums run to run); `partials[blockIdx.x]`.
+// step holds without a flat bucket (`cuda_update::held_squared_norm`; no flat buffer). The
+// grid is fixed, so the sums are the same run to run; `partials[blockIdx.x]`.
 extern "C" __global__ void pieces_squares_partial(const Piece* pieces, int count, uint64_t total,
                                                   float unscale, double* partials) {
     __shared__ double scratch[32];
     double s = 0.0;
-    const uint64_t stride = (uint64_t)gridDim.x * PIECES_CHUNK;
-    for (uint64_t begin = (uint64_t)blockIdx.x * PIECES_CHUNK; begin < total; begin += stride) {
-        const uint64_t end = smaller(begin + PIECES_CHUNK, total);
-        for (int p = piece_at(pieces, count, begin); p < count && pieces[p].start < end; ++p) {
-            const Piece piece = pieces[p];
-            const uint64_t from = larger(begin, piece.start) - piece.start;
-            const uint64_t to = smaller(end, piece.start + piece.numel) - piece.start;
-            for (uint64_t j = from + threadIdx.x; j < to; j += blockDim.x) {
-                const float x = unscale == 1.0f ? load_f32(piece.tensor, j)
-                                                : load_f32(piece.tensor, j) * unscale;
-                s += (double)x * (double)x;
-            }
-        }
-    }
+    each_piece_element(pieces, count, total, unscale,
+                       [&](float*, uint64_t, float x) { s += (double)x * (double)x; });
     s = block_sum(s, scratch);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }

@@ -103,16 +103,7 @@ pub(crate) fn update_in_place(
     s: Scalars,
     params: &[Var],
 ) -> Result<()> {
-    let op = UpdateInPlace {
-        constants: Constants::of(s),
-        lr: s.lr as f32,
-        params: params
-            .iter()
-            .map(|p| DeviceTensor::of(p.as_tensor()))
-            .collect::<Result<_>>()?,
-        numel: params.iter().map(|p| p.elem_count()).collect(),
-        held: None,
-    };
+    let op = UpdateInPlace::new(s, params, None)?;
     state.inplace_op2(&gradients.contiguous()?, &op)
 }
 
@@ -141,33 +132,10 @@ pub(crate) fn update_in_place_held(
     // Held until the launch is queued (see `DeviceTensor::of`).
     let mut sources = Vec::with_capacity(rows.len());
     let mut table = Vec::with_capacity(rows.len());
-    for g in rows {
-        table.push(match g {
-            Some(g) if g.elem_count() != numel => {
-                bail!(
-                    "{name}: a gradient of {} elements for parameters of {numel}",
-                    g.elem_count()
-                )
-            }
-            Some(g) => {
-                let g = g.contiguous()?;
-                let tensor = DeviceTensor::of(&g)?;
-                sources.push(g);
-                tensor
-            }
-            None => DeviceTensor::default(),
-        });
+    for &g in rows {
+        table.push(device_gradient(name, g, numel, &mut sources)?);
     }
-    let op = UpdateInPlace {
-        constants: Constants::of(s),
-        lr: s.lr as f32,
-        params: params
-            .iter()
-            .map(|p| DeviceTensor::of(p.as_tensor()))
-            .collect::<Result<_>>()?,
-        numel: params.iter().map(|p| p.elem_count()).collect(),
-        held: Some((table, unscale as f32)),
-    };
+    let op = UpdateInPlace::new(s, params, Some((table, unscale as f32)))?;
     state.inplace_op1(&op)?;
     drop(sources);
     Ok(())
@@ -245,6 +213,21 @@ impl InplaceOp2 for UpdateInPlace {
 }
 
 impl UpdateInPlace {
+    /// The update with scalars `s` setting `params` (one a row), from `held` gradients or the
+    /// bucket's rows (`None`).
+    fn new(s: Scalars, params: &[Var], held: Option<(Vec<DeviceTensor>, f32)>) -> Result<Self> {
+        Ok(UpdateInPlace {
+            constants: Constants::of(s),
+            lr: s.lr as f32,
+            params: params
+                .iter()
+                .map(|p| DeviceTensor::of(p.as_tensor()))
+                .collect::<Result<_>>()?,
+            numel: params.iter().map(|p| p.elem_count()).collect(),
+            held,
+        })
+    }
+
     /// The update's launches over `state` from `gradients`.
     fn launch(&self, state: &mut CudaStorage, sl: &Layout, gradients: &Gradients) -> Result<()> {
         let name = "bertkit-cuda-optimizer-update-in-place";
@@ -530,6 +513,30 @@ struct Piece {
 // SAFETY: a plain `#[repr(C)]` value, laid out as the kernels' `struct Piece`.
 unsafe impl DeviceRepr for Piece {}
 
+/// `gradient` (of `numel` elements; `None`: none, zeros) as the kernels take it, its
+/// contiguous form kept in `sources` until the caller's launch is queued (see
+/// [`DeviceTensor::of`]).
+fn device_gradient(
+    name: &str,
+    gradient: Option<&Tensor>,
+    numel: usize,
+    sources: &mut Vec<Tensor>,
+) -> Result<DeviceTensor> {
+    let Some(g) = gradient else {
+        return Ok(DeviceTensor::default());
+    };
+    if g.elem_count() != numel {
+        bail!(
+            "{name}: a gradient of {} elements for {numel}",
+            g.elem_count()
+        )
+    }
+    let g = g.contiguous()?;
+    let tensor = DeviceTensor::of(&g)?;
+    sources.push(g);
+    Ok(tensor)
+}
+
 /// Elements of the pieces' index a block copies (`PIECES_CHUNK` in `cuda_update.cu`).
 const PIECES_CHUNK: usize = 8192;
 
@@ -578,21 +585,7 @@ pub(crate) fn gather(
         if offset < next || offset + numel > elements || (!accumulate && offset != next) {
             bail!("{name}: a piece of {numel} at {offset} after {next}, in a bucket of {elements}")
         }
-        let tensor = match gradient {
-            Some(g) if g.elem_count() != numel => {
-                bail!(
-                    "{name}: a gradient of {} elements for a piece of {numel}",
-                    g.elem_count()
-                )
-            }
-            Some(g) => {
-                let g = g.contiguous()?;
-                let tensor = DeviceTensor::of(&g)?;
-                sources.push(g);
-                tensor
-            }
-            None => DeviceTensor::default(),
-        };
+        let tensor = device_gradient(name, gradient, numel, &mut sources)?;
         table.push(Piece {
             tensor,
             flat: flat + 4 * offset as u64,
@@ -695,21 +688,20 @@ pub(crate) fn held_squared_norm(
     gradients: &[&Tensor],
     unscale: f32,
 ) -> Result<CudaStorage> {
+    let name = "the held gradients' squared norm";
     // Held until the launch is queued (see `DeviceTensor::of`).
     let mut sources = Vec::with_capacity(gradients.len());
     let mut table = Vec::with_capacity(gradients.len());
     let mut start = 0u64;
-    for g in gradients {
-        let g = g.contiguous()?;
-        let numel = g.elem_count() as u64;
+    for &g in gradients {
+        let numel = g.elem_count();
         table.push(Piece {
-            tensor: DeviceTensor::of(&g)?,
+            tensor: device_gradient(name, Some(g), numel, &mut sources)?,
             flat: 0,
             start,
-            numel,
+            numel: numel as u64,
         });
-        sources.push(g);
-        start += numel;
+        start += numel as u64;
     }
     if start == 0 {
         return Ok(CudaStorage::wrap_cuda_slice(
