@@ -337,7 +337,8 @@ struct HeldSquaredNorm {
 
 impl HeldSquaredNorm {
     /// One CPU gradient's `Σ (x · unscale)²`: each element cast to f32 and multiplied in f32
-    /// (the bucket's value), squared and added in f64.
+    /// (the bucket's value), squared and added in f64, over fixed blocks in parallel
+    /// (`cpu_update::sum_of_squares`'s).
     fn cpu_sum(&self, g: &Tensor) -> candle_core::Result<f64> {
         let unscale = self.unscale as f32;
         let (storage, layout) = g.storage_and_layout();
@@ -347,14 +348,13 @@ impl HeldSquaredNorm {
         let Some((start, end)) = layout.contiguous_offsets() else {
             bail!("the held gradients' squared norm: a strided gradient")
         };
-        let squares = |x: f32| {
-            let x = if unscale == 1.0 { x } else { x * unscale };
-            f64::from(x) * f64::from(x)
-        };
+        use crate::cpu_update::{sum_of_squares, sum_of_squares_of};
+        let scaled = |x: f32| if unscale == 1.0 { x } else { x * unscale };
         Ok(match storage {
-            CpuStorage::F32(g) => g[start..end].iter().map(|&x| squares(x)).sum(),
-            CpuStorage::BF16(g) => g[start..end].iter().map(|x| squares(x.to_f32())).sum(),
-            CpuStorage::F16(g) => g[start..end].iter().map(|x| squares(x.to_f32())).sum(),
+            CpuStorage::F32(g) if unscale == 1.0 => sum_of_squares(&g[start..end]),
+            CpuStorage::F32(g) => sum_of_squares_of(&g[start..end], scaled),
+            CpuStorage::BF16(g) => sum_of_squares_of(&g[start..end], |x| scaled(x.to_f32())),
+            CpuStorage::F16(g) => sum_of_squares_of(&g[start..end], |x| scaled(x.to_f32())),
             other => {
                 use candle_core::backend::BackendStorage;
                 bail!(
@@ -376,13 +376,13 @@ impl candle_core::CustomOp1 for HeldSquaredNorm {
         _: &CpuStorage,
         _: &candle_core::Layout,
     ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
-        use rayon::prelude::*;
+        // Each gradient over blocks in parallel, the gradients added in order: the same figure
+        // on any number of threads.
         let sums = self
             .gradients
-            .par_iter()
+            .iter()
             .map(|g| self.cpu_sum(g))
             .collect::<candle_core::Result<Vec<f64>>>()?;
-        // Added in order: the same figure on any number of threads.
         let sum = sums.iter().sum();
         Ok((CpuStorage::F64(vec![sum]), candle_core::Shape::from(())))
     }

@@ -266,6 +266,16 @@ pub(crate) fn sum_of_squares(x: &[f32]) -> f64 {
     blocks.iter().sum()
 }
 
+/// `Σ value(x)²` of a flat buffer of any element type in f64, over the same fixed blocks as
+/// [`sum_of_squares`] (each block's values made in f32 first, then summed as it sums them).
+pub(crate) fn sum_of_squares_of<S: Copy + Sync>(x: &[S], value: impl Fn(S) -> f32 + Sync) -> f64 {
+    let blocks: Vec<f64> = x
+        .par_chunks(BLOCK)
+        .map(|block| squared_norm(&block.iter().map(|&x| value(x)).collect::<Vec<f32>>()))
+        .collect();
+    blocks.iter().sum()
+}
+
 bertkit_model::vectorised! {
     /// A block's new weights in place: `w - (u · ratio) · lr`.
     fn weights(w: &mut [f32], u: &[f32], ratio: f32, lr: f32) = weights_portable
