@@ -132,8 +132,9 @@ struct Group {
     m: Tensor,
     v: Tensor,
     /// The in-place update's `[3, rows, numel]` buffer (the CPU's; CUDA's when turned on), of
-    /// which `master`, `m` and `v` are then views; `None` once any other update has replaced
-    /// them.
+    /// which `master`, `m` and `v` are then views: made with the group where the update runs
+    /// in place (`fresh_state`), else at the first in-place update; `None` once any other
+    /// update has replaced them.
     packed: Option<Tensor>,
 }
 
@@ -212,6 +213,37 @@ impl Group {
         }
         Ok(())
     }
+}
+
+/// Whether the update of `master_dtype` state on `device` runs in place on a packed
+/// `[3, rows, numel]` buffer a group (the CPU's f32 update; CUDA's in place).
+fn updates_in_place(device: &candle_core::Device, master_dtype: DType) -> bool {
+    master_dtype == DType::F32
+        && (device.is_cpu()
+            || (cfg!(feature = "cuda")
+                && device.is_cuda()
+                && cuda_optimizer()
+                && cuda_update_in_place()))
+}
+
+/// A new group's state from its master weights: `(master, m, v, packed)`, the moments zeros.
+/// Where the update runs in place (`in_place`), the three are views of one `[3, rows, numel]`
+/// buffer made here, at the start, rather than at the first step's update: there the packing
+/// copied all the state (BERT-large: 4 GB) into new buffers group by group while the old ones
+/// were still held, on a GPU after the backward had scattered its gradients over what the
+/// activations freed, and left the old state's buffers as holes in the device pool.
+fn fresh_state(
+    master: Tensor,
+    in_place: bool,
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>), TrainError> {
+    if !in_place {
+        let (m, v) = (master.zeros_like()?, master.zeros_like()?);
+        return Ok((master, m, v, None));
+    }
+    let (rows, numel) = master.dims2()?;
+    let state = Tensor::zeros((3, rows, numel), master.dtype(), master.device())?;
+    state.slice_set(&master.unsqueeze(0)?, 0, 0)?;
+    Ok((state.get(0)?, state.get(1)?, state.get(2)?, Some(state)))
 }
 
 /// Whether the optimiser's CUDA update runs on a CUDA device.
@@ -363,6 +395,10 @@ impl Optimizer {
         let mut groups = Vec::new();
         let mut entries = Vec::new();
         let mut offset = 0;
+        let in_place = vars
+            .values()
+            .next()
+            .is_some_and(|v| updates_in_place(v.device(), master_dtype));
         for ((shape, decay), members) in by_kind {
             let numel: usize = shape.iter().product::<usize>().max(1);
             let per_group = (GROUP_ELEMENTS / numel).max(1);
@@ -377,6 +413,8 @@ impl Optimizer {
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 let master = Tensor::stack(&rows, 0)?;
+                drop(rows);
+                let (master, m, v, packed) = fresh_state(master, in_place)?;
                 let first_entry = entries.len();
                 for (i, (name, _)) in chunk.iter().enumerate() {
                     entries.push(Entry {
@@ -392,10 +430,10 @@ impl Optimizer {
                     decay,
                     offset,
                     first_entry,
-                    m: master.zeros_like()?,
-                    v: master.zeros_like()?,
+                    m,
+                    v,
                     master,
-                    packed: None,
+                    packed,
                 });
                 offset += chunk.len() * numel;
             }
@@ -827,6 +865,10 @@ impl Optimizer {
             );
             (group.m, group.v, group.master) = (m, v, master);
             group.packed = None;
+            if updates_in_place(&device, dtype) {
+                // Packed now, before a step's activations exist (see `fresh_state`).
+                group.packed_state()?;
+            }
             group.write_back()?;
         }
         self.step = step;
@@ -845,7 +887,7 @@ impl Optimizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{Device, TensorId};
 
     fn vars() -> BTreeMap<String, Var> {
         vars_in(DType::F64)
@@ -917,6 +959,48 @@ mod tests {
             1.0
         };
         w.iter().zip(&u).map(|(w, u)| w - lr * ratio * u).collect()
+    }
+
+    /// Where the update runs in place (the CPU's f32 update) the state is packed when the
+    /// optimiser is made (weights from the parameters, zero moments) and the steps update that
+    /// same buffer: the first step packs nothing; f64 state, updated by the composed form, is
+    /// not packed. (Tried: packing left to the first step fails here.)
+    #[test]
+    fn the_state_is_packed_from_the_start() {
+        let f32_vars = vars_in(DType::F32);
+        let mut opt = Optimizer::new(OptimizerConfig::lamb(), &f32_vars).unwrap();
+        let packed = |opt: &Optimizer| -> Vec<Option<TensorId>> {
+            opt.groups
+                .iter()
+                .map(|g| g.packed.as_ref().map(Tensor::id))
+                .collect()
+        };
+        let at_start = packed(&opt);
+        assert!(at_start.iter().all(Option::is_some), "{at_start:?}");
+        let masters = opt.master_tensors().unwrap();
+        for (name, var) in &f32_vars {
+            assert_eq!(
+                masters[name].to_vec1::<f32>().unwrap(),
+                var.as_tensor().to_vec1::<f32>().unwrap()
+            );
+        }
+        let moments = opt.moment_tensors().unwrap();
+        assert!(
+            moments
+                .values()
+                .all(|m| m.to_vec1::<f32>().unwrap().iter().all(|&x| x == 0.0))
+        );
+        for scale in [1.0, -3.0] {
+            let g = grads(scale)
+                .into_iter()
+                .map(|(n, t)| (n, t.to_dtype(DType::F32).unwrap()))
+                .collect();
+            take_step(&mut opt, &g, 0.01);
+            assert_eq!(packed(&opt), at_start);
+        }
+        assert_ne!(values(&f32_vars["layer.weight"]), [0.5, -1.0, 2.0]);
+        let f64_opt = Optimizer::new(OptimizerConfig::lamb(), &vars()).unwrap();
+        assert!(packed(&f64_opt).iter().all(Option::is_none));
     }
 
     #[test]
