@@ -196,11 +196,12 @@ pub struct TrainingSteps {
 
 /// Runs `steps` optimiser steps of the run `config` describes (its output folder is not
 /// written: no metrics, no checkpoints), for measuring what a step holds in memory.
-/// `ready` is called once the model and optimiser are built, before the first step.
+/// `taken` is called with the steps taken so far: 0 once the model and optimiser are built,
+/// before the first step, then after each step.
 pub fn training_steps(
     config: crate::config::PretrainConfig,
     steps: usize,
-    ready: &mut dyn FnMut(),
+    taken: &mut dyn FnMut(usize),
 ) -> Result<TrainingSteps, TrainError> {
     if steps == 0 {
         return Err(TrainError::Config("bench memory: at least one step".into()));
@@ -210,11 +211,11 @@ pub fn training_steps(
         ..Default::default()
     };
     let mut trainer = crate::trainer::Trainer::new(config.clone(), options)?;
-    ready();
+    taken(0);
     let mut stream = trainer.dataset().stream(Default::default());
     let mut seq_len = 0;
     let mut seconds = Vec::with_capacity(steps);
-    for _ in 0..steps {
+    for step in 1..=steps {
         let batches = (0..trainer.accumulation())
             .map(|_| stream.next_batch())
             .collect::<Result<Vec<_>, _>>()?;
@@ -222,6 +223,7 @@ pub fn training_steps(
         let started = Instant::now();
         trainer.train_step(&batches)?;
         seconds.push(started.elapsed().as_secs_f64());
+        taken(step);
     }
     Ok(TrainingSteps {
         model: trainer.model().config.clone(),

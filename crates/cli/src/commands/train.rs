@@ -493,8 +493,18 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
     bertkit_model::reset_device_peak(&device);
     crate::alloc::start_counting();
     let mut state = 0;
-    let run = bertkit_train::bench::training_steps(config.clone(), args.steps, &mut || {
-        state = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().1);
+    // On a GPU, the pool's high-water marks of tensors and of memory held after each step:
+    // whether its spare above the tensors forms at the first step or grows over later ones.
+    let mut after_steps = Vec::new();
+    let run = bertkit_train::bench::training_steps(config.clone(), args.steps, &mut |taken| {
+        if taken == 0 {
+            state = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().1);
+        } else if let (Some(tensors), Some(held)) = (
+            bertkit_model::device_peak(&device),
+            bertkit_model::device_reserved_peak(&device),
+        ) {
+            after_steps.push((tensors, held));
+        }
     })?;
     let peak = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().0);
     // The pool's spare above its tensors (what nvidia-smi counts besides them and the context).
@@ -541,6 +551,10 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
                 "measured_by": counted,
                 "measured_state_bytes": state,
                 "measured_pool_held_bytes": held,
+                "pool_marks_after_each_step": after_steps
+                    .iter()
+                    .map(|&(tensors, held)| serde_json::json!({"tensors_bytes": tensors, "held_bytes": held}))
+                    .collect::<Vec<_>>(),
                 "predicted_peak_bytes": predicted_peak,
                 "predicted": {
                     "state_bytes": predicted.state_bytes,
@@ -569,8 +583,16 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
             config.train.activation_checkpointing,
             gib(peak as f64),
             gib(state as f64),
-            held.map(|h| format!("; the pool held {:.3} GiB at most", gib(h as f64)))
-                .unwrap_or_default(),
+            held.map(|h| format!(
+                "; the pool held {:.3} GiB at most (tensors / held after each step: {})",
+                gib(h as f64),
+                after_steps
+                    .iter()
+                    .map(|&(t, h)| format!("{:.3}/{:.3}", gib(t as f64), gib(h as f64)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+            .unwrap_or_default(),
             gib(predicted_peak),
             (predicted_peak / peak as f64 - 1.0) * 100.0,
             seconds
