@@ -193,14 +193,20 @@ memory() {
     # PyTorch's): six steps as the build leaves it; with the pool keeping at most 8.5 GiB of
     # freed memory (the rest back to the driver at each step's read-back); with the flat
     # gradient bucket (1.34 GB) kept from step to step rather than found anew at each step's
-    # end; without the bucket at all (one micro-batch, one process; unless its check failed):
-    # what each costs in step time and tensors, and the pool's held peak it leaves.
-    local setting
-    for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept BERTKIT_BUCKET=none; do
-        if [[ -n $setting && $leave_off == *" $setting "* ]]; then
-            echo "$setting: skipped (it failed its check)"
-            continue
-        fi
+    # end; without the bucket at all (one micro-batch, one process; unless its check failed);
+    # with 8.5 GiB taken from the driver in one piece when the device opens (whether the pool
+    # carves the step's tensors from it), alone and without the bucket: what each costs in
+    # step time and tensors, and the pool's held peak it leaves (and its marks after each
+    # step).
+    local setting word
+    for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept BERTKIT_BUCKET=none \
+        BERTKIT_CUDA_POOL_RESERVE_MIB=8704 "BERTKIT_CUDA_POOL_RESERVE_MIB=8704 BERTKIT_BUCKET=none"; do
+        for word in $setting; do
+            if [[ $leave_off == *" $word "* ]]; then
+                echo "$setting: skipped ($word failed its check)"
+                continue 2
+            fi
+        done
         log "2b' phase 2, micro-batch 8, six steps, ${setting:-as built}"
         # shellcheck disable=SC2086
         env $setting timeout 120 $b bench memory \

@@ -142,6 +142,10 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
                 unsafe { gpu.disable_event_tracking() };
                 if !crate::switch::env_is("BERTKIT_CUDA_POOL_KEEP", "0") {
                     device_pool::keep_freed_memory(gpu, pool_keep_limit()?);
+                    if let Some(bytes) = pool_reserve()? {
+                        device_pool::reserve(gpu, bytes)
+                            .map_err(|e| ModelError::Config(format!("device {cuda}: {e}")))?;
+                    }
                 }
             }
             if TF32.load(Ordering::Relaxed) == TF32_UNSET {
@@ -210,6 +214,16 @@ mod device_pool {
         }
     }
 
+    /// Has the pool take `bytes` from the driver in one allocation and keep them, freed (see
+    /// [`super::pool_reserve`]).
+    pub(super) fn reserve(gpu: &candle_core::CudaDevice, bytes: u64) -> candle_core::Result<()> {
+        use candle_core::backend::BackendDevice;
+        // SAFETY: never read; freed (into the pool, which keeps it) when dropped.
+        let block = unsafe { gpu.alloc::<u8>(bytes as usize)? };
+        drop(block);
+        gpu.synchronize()
+    }
+
     /// Keeps freed memory in the pool instead of returning it to the driver at each
     /// synchronisation (the pool's release threshold, 0 by default, raised to all of it, or to
     /// `limit` bytes: beyond them, free memory goes back at the next synchronisation), so a
@@ -241,6 +255,19 @@ mod device_pool {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn pool_keep_limit() -> Result<Option<u64>, ModelError> {
     const VARIABLE: &str = "BERTKIT_CUDA_POOL_KEEP_MIB";
+    mib_setting(VARIABLE, std::env::var(VARIABLE).ok().as_deref())
+}
+
+/// What the CUDA pool takes from the driver in one allocation when the device opens, freed
+/// and kept (`BERTKIT_CUDA_POOL_RESERVE_MIB`, in MiB; unset: nothing), where the pool keeps
+/// freed memory: an experiment on the pool's spare (the same measurement as
+/// [`pool_keep_limit`]'s). A step's tensors then start in one stretch of the pool's memory
+/// rather than in pieces the driver hands over as the first step grows, if the pool carves
+/// smaller allocations from a freed larger one; whether it does is what the device run tells
+/// (nvidia-smi, the pool's held peak against the reserve). Off by default.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn pool_reserve() -> Result<Option<u64>, ModelError> {
+    const VARIABLE: &str = "BERTKIT_CUDA_POOL_RESERVE_MIB";
     mib_setting(VARIABLE, std::env::var(VARIABLE).ok().as_deref())
 }
 
