@@ -480,8 +480,9 @@ impl Optimizer {
     /// BERT-large's bucket is 1.34 GB of f32 found at each step's end, after the backward has
     /// scattered the parameters' gradients over what the activations freed (the likeliest
     /// source of the device pool's 2.2 GiB above its tensors at phase 2 on an H200,
-    /// BENCHMARKS.md, 2026-11-27), and ~4 GB of the step's traffic (the bucket written, its
-    /// norm and the update's reads in f32, where the held gradients are read twice in bf16).
+    /// BENCHMARKS.md, 2026-11-27), and 4.7 GB of the step's traffic (the gradients read and
+    /// the bucket written, then read by its norm and by the update), where the held gradients
+    /// are read twice in bf16 (1.3 GB).
     /// Off unless `BERTKIT_BUCKET=none` until its kernels pass `bertkit check kernels --device
     /// cuda`. The same steps either way.
     pub fn hold_gradients(&mut self, on: bool) {
@@ -516,7 +517,7 @@ impl Optimizer {
     /// The flat gradient bucket: every parameter's gradient in the optimiser's order, in the
     /// master dtype, one 1-D tensor (what one all-reduce call takes). A parameter without a
     /// gradient contributes zeros. The gradients are added as a step adds them
-    /// ([`Optimizer::gradient_sums`]).
+    /// (`Optimizer::gradient_sums`).
     pub fn flatten(&self, grads: BTreeMap<String, Tensor>) -> Result<Tensor, TrainError> {
         let mut sums = self.gradient_sums(1.0);
         for (name, g) in grads {

@@ -17,7 +17,8 @@
 //! 3. [`Step::finish`] flattens the gradients into one bucket, has the [`GradientReducer`]
 //!    replace it by its sum over the ranks, measures the global norm, lets the scaler skip an
 //!    overflowing fp16 step (or stops a run whose loss or gradients are not finite) and
-//!    applies the optimiser.
+//!    applies the optimiser. (One micro-batch on one process may go without the bucket,
+//!    where the optimiser allows: [`Optimizer::hold_gradients`].)
 //!
 //! With data-parallel ranks, each rank's micro-batch losses are normalised by the whole
 //! step's counts over all ranks (masked tokens, sequences), so the sum of the ranks'
