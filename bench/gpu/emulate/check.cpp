@@ -1174,6 +1174,44 @@ bool check_add_half(const char* name, size_t n, size_t offset, unsigned grid) {
     return wrong == 0;
 }
 
+// `cast_f32_padded` (`kernels.cu`): `n` f32 values (`offset` elements into their buffers: 0 for
+// 16-byte aligned ones, else the element-a-thread path) cast into `T`, then zeros to `total`,
+// against each element cast by hand; the buffer starts as NaN, so an element left unwritten
+// (or written past `total`) shows.
+template <typename T>
+bool check_cast_padded(const char* name, size_t n, size_t total, size_t offset, unsigned grid) {
+    std::mt19937_64 rng(17 + n);
+    std::uniform_real_distribution<float> u(-70000.0f, 70000.0f);
+    std::vector<float> src(n + offset);
+    for (auto& x : src) x = u(rng);
+    // Values whose rounding is a tie, and the extremes.
+    if (n > 4) {
+        src[offset] = 1.00390625f;
+        src[offset + 1] = -3.0e-39f;
+        src[offset + 2] = INFINITY;
+        src[offset + 3] = 1.0e30f;
+    }
+    std::vector<T> dst(total + offset + 8, from_f32<T>(NAN));
+    emulate_launch({grid, 1, 1}, 64, [&] {
+        cast_f32_padded<T>(src.data() + offset, dst.data() + offset, n, total);
+    });
+    size_t wrong = 0;
+    for (size_t i = 0; i < dst.size(); ++i) {
+        const bool inside = i >= offset && i < offset + total;
+        const float got = to_f32(dst[i]);
+        if (!inside) {
+            wrong += !std::isnan(got);
+            continue;
+        }
+        const size_t j = i - offset;
+        const T want = from_f32<T>(j < n ? src[i] : 0.0f);
+        wrong += std::memcmp(&dst[i], &want, sizeof want) != 0;
+    }
+    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "cast", wrong, total,
+                wrong ? "FAILED" : "ok");
+    return wrong == 0;
+}
+
 // Two steps of the in-place update of a `[3, rows, numel]` state against the two-buffer update
 // of the same weights, moments and gradients: the same bits. `ahead`: the in-place kernels with
 // their loads issued ahead (AdamW's in one launch).
@@ -1595,6 +1633,10 @@ int main() {
     ok = check_add<bf16>("add bf16, aligned", 8 * 1000 + 5, 0, 3) && ok;
     ok = check_add<bf16>("add bf16, unaligned", 999, 3, 2) && ok;
     ok = check_add<f16>("add f16, aligned", 4096, 0, 5) && ok;
+    std::printf("the f32 weight cast into a padded copy (cast_f32_padded, kernels.cu) by hand:\n");
+    ok = check_cast_padded<bf16>("cast bf16, rows padded", 37 * 64, 40 * 64, 0, 3) && ok;
+    ok = check_cast_padded<bf16>("cast bf16, unaligned", 999, 1003, 3, 2) && ok;
+    ok = check_cast_padded<f16>("cast f16, not padded", 8 * 300 + 5, 8 * 300 + 5, 0, 4) && ok;
     ok = check_add_half<bf16>("add bf16 into f32, aligned", 8 * 1000 + 5, 0, 3) && ok;
     ok = check_add_half<bf16>("add bf16 into f32, unaligned", 999, 3, 2) && ok;
     ok = check_add_half<f16>("add f16 into f32, aligned", 4096 + 7, 0, 5) && ok;

@@ -58,12 +58,14 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // 16 bytes a thread, LayerNorm's backward a warp per row (their rows run on CUDA only), and
     // a linear layer's bias gradient (and its activation's slope) summed in registers, which
     // the linear, GELU and feed-forward lines need, and the masked-LM decoder's rows padded
-    // (the padded linear and loss lines); the others need nothing.
+    // (the padded linear and loss lines), and the decoder's f32 weight cast by our kernel (the
+    // f32-weight linear lines); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_HANDED_GRADIENT=half",
+            "BERTKIT_CUDA_TABLE_CAST=vector",
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_DELTA=vector",
             "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp",
@@ -82,7 +84,10 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             &[
                 "BERTKIT_CUDA_BIAS_SUMS=registers",
                 "BERTKIT_CUDA_DECODER=padded",
+                "BERTKIT_CUDA_TABLE_CAST=vector",
             ]
+        } else if c.kernel == "linear (f32 weight)" {
+            &["BERTKIT_CUDA_TABLE_CAST=vector"]
         } else if c.kernel == "nll (padded rows)" {
             &["BERTKIT_CUDA_DECODER=padded"]
         } else if registers.contains(&c.kernel.as_str()) || c.kernel.starts_with("feed_forward") {

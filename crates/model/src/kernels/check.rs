@@ -607,6 +607,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_VECTOR,
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
+                &super::CUDA_TABLE_CAST,
             ],
         },
         Case {
@@ -635,6 +636,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_LINEAR_BACKWARD_LT,
                 &super::CUDA_BIAS_SUMS_REGISTERS,
                 &super::CUDA_PADDED_DECODER,
+                &super::CUDA_TABLE_CAST,
             ],
         },
         linear("linear_gelu (erf)", false, |k, x, _, _, _| {

@@ -1334,6 +1334,29 @@ pub fn cuda_padded_decoder() -> bool {
     CUDA_PADDED_DECODER.get()
 }
 
+/// Whether the masked-LM decoder's f32 weight is cast for its products by our kernel on CUDA.
+pub(crate) static CUDA_TABLE_CAST: Switch = Switch::opt_in("BERTKIT_CUDA_TABLE_CAST", "vector");
+
+/// Turns on or off, for this process, our cast of a linear layer's f32 weight into half
+/// precision on CUDA (the masked-LM decoder's: the word table, cast for its products at each
+/// forward and backward; `cast_f32_padded`, 16 bytes of the copy a thread, the padding's zero
+/// rows written by the same launch where the decoder's rows are padded,
+/// [`set_cuda_padded_decoder`]), where candle's cast gives each element a thread (its cast the
+/// other way ran at ~0.6 TB/s on an H200, 297 µs for BERT-large's `[30522, 1024]`) and the
+/// padding takes a second copy, a concatenation. The same bits (each element rounded to
+/// nearest, ties to even). `bench/gpu/emulate` checks it against the cast by hand; `bertkit
+/// check kernels --device cuda` takes it in the f32-weight linear lines; not yet run on a GPU:
+/// unset, it is off unless `BERTKIT_CUDA_TABLE_CAST=vector`.
+pub fn set_cuda_table_cast(on: bool) {
+    CUDA_TABLE_CAST.set(on);
+}
+
+/// Whether the decoder's f32 weight is cast by our kernel on CUDA (see
+/// [`set_cuda_table_cast`]).
+pub fn cuda_table_cast() -> bool {
+    CUDA_TABLE_CAST.get()
+}
+
 /// Whether a half-precision gradient handed over is added into an f32 one by one kernel.
 pub(crate) static CUDA_HANDED_HALF: Switch = Switch::opt_in("BERTKIT_CUDA_HANDED_GRADIENT", "half");
 
@@ -1419,7 +1442,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 36] = [
+static CUDA_SWITCHES: [&Switch; 37] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1433,6 +1456,7 @@ static CUDA_SWITCHES: [&Switch; 36] = [
     &CUDA_LINEAR_EPILOGUE,
     &CUDA_LINEAR_BACKWARD_LT,
     &CUDA_LINEAR_CAST,
+    &CUDA_TABLE_CAST,
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
     &CUDA_FLASH_BATCHED_LOADS,

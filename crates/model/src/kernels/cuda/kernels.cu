@@ -1590,6 +1590,55 @@ extern "C" __global__ void add_half_into_f32_f16(const float* a, const f16* b, f
     add_half_into_f32<f16>(a, b, out, n);
 }
 
+// `n` f32 elements of `src` cast to half precision into `dst`, then zeros up to `total`
+// (`BERTKIT_CUDA_TABLE_CAST=vector`, `linear.rs`): the masked-LM decoder's weight (the f32 word
+// table) cast for its products at each forward and backward, into a copy with the padding's
+// zero rows where the logits' rows are padded (`BERTKIT_CUDA_DECODER=padded`). A thread 16
+// bytes of `dst` (8 elements) from 32 of `src`, each element rounded as candle's cast rounds
+// it (to nearest, ties to even): the same bits, where candle's cast gives each element a
+// thread and the padding takes a second copy (a concatenation). Grid-stride; the tail (and
+// the padding) an element a thread.
+template <typename T>
+__device__ void cast_f32_padded(const float* src, T* dst, size_t n, size_t total) {
+    constexpr int per = 16 / sizeof(T);
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool aligned =
+        ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+    const size_t vectors = aligned ? n / per : 0;
+    for (size_t v = first; v < vectors; v += stride) {
+        // `src`'s pieces, four floats each, all loaded before the store.
+        uint4 xs[per / 4];
+#pragma unroll
+        for (int piece = 0; piece < per / 4; ++piece) {
+            xs[piece] = reinterpret_cast<const uint4*>(src)[v * (per / 4) + piece];
+        }
+        T ys[per];
+#pragma unroll
+        for (int piece = 0; piece < per / 4; ++piece) {
+            float f[4];
+            memcpy(f, &xs[piece], sizeof f);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) ys[piece * 4 + k] = from_f32<T>(f[k]);
+        }
+        uint4 y;
+        memcpy(&y, ys, sizeof y);
+        reinterpret_cast<uint4*>(dst)[v] = y;
+    }
+    for (size_t i = vectors * per + first; i < total; i += stride) {
+        dst[i] = from_f32<T>(i < n ? src[i] : 0.0f);
+    }
+}
+
+extern "C" __global__ void cast_f32_padded_bf16(const float* src, bf16* dst, size_t n,
+                                                size_t total) {
+    cast_f32_padded<bf16>(src, dst, n, total);
+}
+extern "C" __global__ void cast_f32_padded_f16(const float* src, f16* dst, size_t n,
+                                               size_t total) {
+    cast_f32_padded<f16>(src, dst, n, total);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention in one pass over key tiles (bf16, tensor cores): its own file, the helpers above.
 

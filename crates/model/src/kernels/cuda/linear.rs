@@ -549,7 +549,7 @@ impl CustomOp3 for LinearOp {
                 // A weight kept in another dtype: cast again for the input's gradient, and its
                 // own gradient cast back to it.
                 let weight_dtype = weight.dtype();
-                let weight = padded_rows(weight.detach().to_dtype(x.dtype())?, out_features)?;
+                let weight = product_weight(weight, x.dtype(), out_features)?;
                 let lt = lt_backward_takes(&[&grad_pre, &x_rows, &weight]);
                 let grad_x = if lt {
                     grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?
@@ -788,6 +788,74 @@ pub(crate) fn padded_linear(
     linear_node(x, weight, &bias, None, None, sink.cloned(), Some(width)).map(Some)
 }
 
+/// `weight` (`[rows, in]`, detached) in `dtype` for a product, with zero rows after its own up
+/// to `width`: an f32 weight cast to half precision by [`CastPadded`] where turned on
+/// ([`crate::kernels::set_cuda_table_cast`]), else candle's cast and [`padded_rows`].
+fn product_weight(weight: &Tensor, dtype: DType, width: usize) -> Result<Tensor> {
+    let weight = weight.detach();
+    if weight.dtype() == DType::F32
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && crate::kernels::cuda_table_cast()
+    {
+        return weight
+            .contiguous()?
+            .apply_op1_no_bwd(&CastPadded { dtype, width });
+    }
+    padded_rows(weight.to_dtype(dtype)?, width)
+}
+
+/// An f32 `[rows, cols]` tensor cast to `dtype` (bf16 or f16) into `[width, cols]`, the rows
+/// past its own zeros (`cast_f32_padded` in `kernels.cu`), in one launch.
+struct CastPadded {
+    dtype: DType,
+    width: usize,
+}
+
+impl CustomOp1 for CastPadded {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-cast-f32-padded"
+    }
+
+    cuda_only!(1);
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            op: &CastPadded,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let (rows, cols) = l.shape().dims2()?;
+            if op.width < rows {
+                bail!("{}: {rows} rows into {}", op.name(), op.width)
+            }
+            let src = view::<f32>(op.name(), "the weight", s, l)?;
+            let (n, total) = (rows * cols, op.width * cols);
+            let dev = &s.device;
+            // SAFETY: the kernel writes every element (the cast, then the padding's zeros).
+            let mut out = unsafe { dev.alloc::<T>(total)? };
+            let threads = total.div_ceil(piece_elements::<T>());
+            launch!(
+                T,
+                dev,
+                "cast_f32_padded",
+                config(threads.div_ceil(256).min(65_535), 256, 0),
+                |bld| {
+                    bld.arg(&src).arg(&mut out).arg(&n).arg(&total);
+                }
+            )?;
+            Ok((wrap(out, dev), Shape::from((op.width, cols))))
+        }
+        if candle_core::backend::BackendStorage::dtype(s) != DType::F32 {
+            bail!("{}: an f32 tensor expected", self.name())
+        }
+        match self.dtype {
+            DType::BF16 => run::<half::bf16>(self, s, l),
+            DType::F16 => run::<half::f16>(self, s, l),
+            other => bail!("{}: into bf16 or f16, not {other:?}", self.name()),
+        }
+    }
+}
+
 /// `weight` (`[rows, in]`) with zero rows after its own up to `width` rows (itself where it
 /// has as many).
 fn padded_rows(weight: Tensor, width: usize) -> Result<Tensor> {
@@ -848,11 +916,7 @@ fn linear_node(
     // A weight kept in another dtype (`crate::kernels::set_cuda_linear_cast`): a cast copy for
     // the product, dropped after it.
     // Padded rows: the weight with zero rows to the width, so the product is that wide.
-    let product_weight = weight.detach().to_dtype(dtype)?;
-    let product_weight = match padded {
-        Some(width) => padded_rows(product_weight, width)?,
-        None => product_weight,
-    };
+    let product_weight = product_weight(weight, dtype, padded.unwrap_or(weight.dim(0)?))?;
     let pre = input.matmul(&product_weight.t()?)?;
     drop((input, product_weight));
     let op = LinearOp {
