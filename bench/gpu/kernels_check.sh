@@ -16,6 +16,8 @@
 # Steps run in the order of what they decide (the end of the file): a call cut off by its time
 # limit keeps what came first.
 # ROWS=REGEX: only the rows (below) whose settings or label match, beside the defaults.
+# PASSES=0: the rows' phase 1 and 2 steps without their passes per kernel (a call that must
+# fit every row, the memory rows and the check in its time).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -298,7 +300,7 @@ profile=
 [[ ${OPTIMIZER:-1} != 0 ]] && optimizer_forms
 if [[ -n ${EXTRA:-} ]]; then
     phase1_rows
-    pass_rows
+    [[ ${PASSES:-1} != 0 ]] && pass_rows
 fi
 [[ ${SIDE:-1} != 0 ]] && side_by_side
 [[ -n $profile ]] && sections
