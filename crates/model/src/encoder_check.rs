@@ -34,7 +34,7 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// when the default kernels do not record in `dtype` on `device` (they run under autograd
 /// there, so there is nothing to compare). On a CUDA device this turns every CUDA kernel on
 /// for the process, the backward by hand among them
-/// ([`crate::kernels::turn_cuda_kernels_on`]), and in bf16 checks the shapes with heads of 64 a
+/// (`crate::kernels::turn_cuda_kernels_on`), and in bf16 checks the shapes with heads of 64 a
 /// second time with the one-pass attention on ([`FLASH_NAME`]; as it was afterwards).
 pub fn check_encoder_backward(
     device: &Device,

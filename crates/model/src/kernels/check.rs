@@ -876,7 +876,7 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
 /// (see the module's documentation). On a CUDA device this turns every CUDA kernel on (those
 /// on by default and those not yet, [`cuda_settings_off_by_default`](super::cuda_settings_off_by_default))
-/// and TF32 off for the process ([`super::turn_cuda_kernels_on`], [`crate::set_tf32`]); the
+/// and TF32 off for the process (`super::turn_cuda_kernels_on`, [`crate::set_tf32`]); the
 /// one-pass attention runs for its own rows only and is as it was afterwards
 /// ([`super::set_cuda_flash_attention`]). A kernel that fails to run gives a failed line with
 /// its error ([`KernelCheck::not_run`]) and the check goes on, unless the error broke the

@@ -177,7 +177,7 @@ pub trait Kernels: Send + Sync + Debug {
     /// `dtype` on `device`, so that a backward pass can be run by hand over them
     /// ([`crate::bert::BertModel::encode_taped`]). Kernels that say no are run under candle's
     /// autograd; a kernel that says yes and then falls back to candle's ops for a shape
-    /// ([`tape::unrecorded`]) makes the tape refuse the pass, which then runs again under
+    /// (`tape::unrecorded`) makes the tape refuse the pass, which then runs again under
     /// autograd.
     fn records(&self, dtype: DType, device: &candle_core::Device) -> bool {
         let _ = (dtype, device);

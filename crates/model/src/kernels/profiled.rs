@@ -134,7 +134,7 @@ fn attention_flops(packing: &Packing, hidden: usize) -> f64 {
 
 /// The kernels `inner` with each call timed per method by a [`Clock`]. The forward passes
 /// only: a backward pass runs in candle's autograd (or by hand over the tape), which calls
-/// the fused ops' backward passes (timed apart by [`time_backwards`]) between its own
+/// the fused ops' backward passes (timed apart by `time_backwards`) between its own
 /// operations.
 #[derive(Debug)]
 pub struct Profiled {

@@ -15,7 +15,7 @@
 //!   op's saved tensors as soon as its backward has run.
 //!
 //! What the tape cannot follow, it refuses, never silently: a kernel that falls back to
-//! candle's composed ops while recording marks the recording refused ([`unrecorded`]; the
+//! candle's composed ops while recording marks the recording refused (`unrecorded`; the
 //! caller then runs the pass with candle's autograd), and a gradient that reaches a tensor the
 //! tape neither produced nor was told about is an error.
 
