@@ -270,43 +270,35 @@ pub(crate) enum StepGradients {
     },
 }
 
-impl StepGradients {
-    /// The `[rows, numel]` gradients of the `rows` parameters of `numel` elements whose layout
-    /// entries start at `entry` (their gradients start at `offset` in the bucket), in `dtype`:
-    /// a view of the bucket; the held gradients gathered into a new tensor (the bucket's
-    /// gather on the group alone).
-    pub(crate) fn rows(
-        &self,
-        (entry, offset): (usize, usize),
-        (rows, numel): (usize, usize),
-        dtype: DType,
-        device: &candle_core::Device,
-    ) -> Result<Tensor, TrainError> {
-        match self {
-            StepGradients::Bucket(bucket) => Ok(bucket
-                .narrow(0, offset, rows * numel)?
-                .reshape((rows, numel))?),
-            StepGradients::Held { gradients, unscale } => {
-                let pieces = gradients[entry..entry + rows]
-                    .iter()
-                    .enumerate()
-                    .map(|(i, g)| Piece {
-                        gradient: g.clone(),
-                        offset: i * numel,
-                        numel,
-                    })
-                    .collect();
-                // SAFETY: every element is written by the gather (its pieces tile the rows).
-                let out = unsafe { Tensor::empty(rows * numel, dtype, device)? };
-                out.inplace_op1(&Gather {
-                    pieces,
-                    unscale: *unscale,
-                    accumulate: false,
-                })?;
-                Ok(out.reshape((rows, numel))?)
-            }
-        }
-    }
+/// The `[rows, numel]` f32 (or `dtype`) rows of held gradients `gradients` (a group's: the
+/// `rows` parameters of `numel` elements, in order; `None`: zeros), each element times
+/// `unscale`: the bucket's gather on the group alone, into a new tensor
+/// ([`StepGradients::Held`] where the update reads a group's rows from one buffer).
+pub(crate) fn held_rows(
+    gradients: &[Option<Tensor>],
+    unscale: f64,
+    numel: usize,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<Tensor, TrainError> {
+    let rows = gradients.len();
+    let pieces = gradients
+        .iter()
+        .enumerate()
+        .map(|(i, g)| Piece {
+            gradient: g.clone(),
+            offset: i * numel,
+            numel,
+        })
+        .collect();
+    // SAFETY: every element is written by the gather (its pieces tile the rows).
+    let out = unsafe { Tensor::empty(rows * numel, dtype, device)? };
+    out.inplace_op1(&Gather {
+        pieces,
+        unscale,
+        accumulate: false,
+    })?;
+    Ok(out.reshape((rows, numel))?)
 }
 
 /// `Σ (x · unscale)²` in f64 over held gradients' elements (`StepGradients::Held`), a scalar

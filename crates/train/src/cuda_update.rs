@@ -626,6 +626,14 @@ pub(crate) fn gather(
 /// Blocks of the squared norm's first launch (a fixed grid: the same sums run to run).
 const SQUARES_BLOCKS: usize = 1024;
 
+/// The launch of a squared norm's first kernel (`squares_partial`, `pieces_squares_partial`):
+/// `SQUARES_BLOCKS` blocks, a partial each.
+const SQUARES_LAUNCH: LaunchConfig = LaunchConfig {
+    grid_dim: (SQUARES_BLOCKS as u32, 1, 1),
+    block_dim: (THREADS, 1, 1),
+    shared_mem_bytes: 0,
+};
+
 /// `Σ x²` of an f32 bucket in f64 (`[1]` on the device), in two launches: each block's share,
 /// then their sum (`bucket::squared_norm`, whose CPU twin sums fixed blocks too).
 pub(crate) fn squared_norm(bucket: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
@@ -645,14 +653,9 @@ pub(crate) fn squared_norm(bucket: &CudaStorage, layout: &Layout) -> Result<Cuda
         let func = dev.get_or_load_custom_func("squares_partial", MODULE, PTX)?;
         let mut b = func.builder();
         b.arg(&flat).arg(&n).arg(&partials);
-        let cfg = LaunchConfig {
-            grid_dim: (SQUARES_BLOCKS as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the arguments `squares_partial` declares, in order; `partials` holds a value
         // per block of the grid.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { b.launch(SQUARES_LAUNCH) }.w()?;
     }
     sum_of_partials(dev, &partials)
 }
@@ -722,15 +725,10 @@ pub(crate) fn held_squared_norm(
             .arg(&start)
             .arg(&unscale)
             .arg(&partials);
-        let cfg = LaunchConfig {
-            grid_dim: (SQUARES_BLOCKS as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the arguments `pieces_squares_partial` declares, in order; the pieces follow
         // one another in the kernel's index, each reading a live gradient (`sources`) of its
         // size; `partials` holds a value per block of the grid.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { b.launch(SQUARES_LAUNCH) }.w()?;
     }
     let out = sum_of_partials(dev, &partials);
     drop(sources);

@@ -155,17 +155,24 @@ impl Group {
             .reshape((count, numel))?)
     }
 
-    /// This group's `[count, numel]` gradients of a step, in the master's dtype.
+    /// This group's `[count, numel]` gradients of a step, in the master's dtype: its rows of
+    /// the bucket, or its held gradients gathered.
     fn step_gradients(&self, gradients: &StepGradients) -> Result<Tensor, TrainError> {
-        if let StepGradients::Bucket(bucket) = gradients {
-            return self.gradients(bucket);
+        match gradients {
+            StepGradients::Bucket(bucket) => self.gradients(bucket),
+            StepGradients::Held { gradients, unscale } => crate::bucket::held_rows(
+                self.own(gradients),
+                *unscale,
+                self.numel(),
+                self.master.dtype(),
+                self.master.device(),
+            ),
         }
-        gradients.rows(
-            (self.first_entry, self.offset),
-            (self.count(), self.numel()),
-            self.master.dtype(),
-            self.master.device(),
-        )
+    }
+
+    /// This group's entries of `held` (every parameter's, in the layout's order): one a row.
+    fn own<'g>(&self, held: &'g [Option<Tensor>]) -> &'g [Option<Tensor>] {
+        &held[self.first_entry..self.first_entry + self.count()]
     }
 
     /// Row `i` in the parameter's shape (a view).
@@ -722,11 +729,8 @@ impl Optimizer {
                     match gradients {
                         StepGradients::Held { gradients, unscale } if update_ahead() => {
                             // Each parameter's gradient read where the backward left it.
-                            let rows: Vec<Option<&Tensor>> = gradients
-                                [group.first_entry..group.first_entry + group.count()]
-                                .iter()
-                                .map(Option::as_ref)
-                                .collect();
+                            let rows: Vec<Option<&Tensor>> =
+                                group.own(gradients).iter().map(Option::as_ref).collect();
                             crate::cuda_update::update_in_place_held(
                                 &state,
                                 &rows,
