@@ -59,12 +59,14 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // a linear layer's bias gradient (and its activation's slope) summed in registers, which
     // the linear, GELU and feed-forward lines need, and the masked-LM decoder's rows padded
     // (the padded linear and loss lines), and the decoder's f32 weight cast by our kernel (the
-    // f32-weight linear lines); the others need nothing.
+    // f32-weight linear lines), and a linear layer's bias gradient from its weight gradient's
+    // product (the linear, feed-forward and padded linear lines); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_HANDED_GRADIENT=half",
+            "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
             "BERTKIT_CUDA_TABLE_CAST=vector",
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_DELTA=vector",
@@ -74,15 +76,11 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         ]
     );
     for c in &checks {
-        let registers = [
-            "linear",
-            "linear_gelu (erf)",
-            "linear_gelu (tanh)",
-            "gelu (erf)",
-        ];
+        let registers = ["linear_gelu (erf)", "linear_gelu (tanh)", "gelu (erf)"];
         let want: &[&str] = if c.kernel == "linear (padded rows)" {
             &[
                 "BERTKIT_CUDA_BIAS_SUMS=registers",
+                "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
                 "BERTKIT_CUDA_DECODER=padded",
                 "BERTKIT_CUDA_TABLE_CAST=vector",
             ]
@@ -90,7 +88,12 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             &["BERTKIT_CUDA_TABLE_CAST=vector"]
         } else if c.kernel == "nll (padded rows)" {
             &["BERTKIT_CUDA_DECODER=padded"]
-        } else if registers.contains(&c.kernel.as_str()) || c.kernel.starts_with("feed_forward") {
+        } else if c.kernel == "linear" || c.kernel.starts_with("feed_forward") {
+            &[
+                "BERTKIT_CUDA_BIAS_SUMS=registers",
+                "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
+            ]
+        } else if registers.contains(&c.kernel.as_str()) {
             &["BERTKIT_CUDA_BIAS_SUMS=registers"]
         } else {
             &[]

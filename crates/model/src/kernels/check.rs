@@ -437,7 +437,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         train: false,
         form: Form::Plain,
         // (Its bias's gradient, with the activation's slope where it has one, summed in
-        // registers where turned on.)
+        // registers where turned on; without an activation, by the weight gradient's product
+        // where that is.)
         needs: if epilogue {
             vec![
                 &super::CUDA_COLUMN_SUMS_LANES,
@@ -446,6 +447,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
                 &super::CUDA_BIAS_SUMS_REGISTERS,
+                &super::CUDA_BIAS_GRADIENT_EPILOGUE,
             ]
         } else {
             vec![
@@ -635,6 +637,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
                 &super::CUDA_BIAS_SUMS_REGISTERS,
+                &super::CUDA_BIAS_GRADIENT_EPILOGUE,
                 &super::CUDA_PADDED_DECODER,
                 &super::CUDA_TABLE_CAST,
             ],
@@ -680,6 +683,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
                 &super::CUDA_BIAS_SUMS_REGISTERS,
+                &super::CUDA_BIAS_GRADIENT_EPILOGUE,
             ],
         },
         attention("attention (eval)", false, Form::Plain),

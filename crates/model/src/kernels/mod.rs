@@ -1251,6 +1251,33 @@ pub fn cuda_linear_backward_lt() -> bool {
     CUDA_LINEAR_BACKWARD_LT.get()
 }
 
+/// Whether a linear layer's bias gradient on CUDA comes out of its weight gradient's product.
+pub(crate) static CUDA_BIAS_GRADIENT_EPILOGUE: Switch =
+    Switch::opt_in("BERTKIT_CUDA_BIAS_GRADIENT", "epilogue");
+
+/// Turns on or off, for this process, a linear layer's bias gradient (without an activation:
+/// the QKV projection's, the attention output's, both feed-forward layers'; four a BERT-large
+/// layer) written by the weight gradient's cuBLASLt product itself (its `BGRADB` epilogue: the
+/// sums of the output's gradient over the tokens, which that product reads anyway), where our
+/// kernel reads the whole gradient once more for them (`bias_act_vec_backward` and its column
+/// sums: on an H200 12.5 + 3.7 µs for `[8192, 1024]` bf16, 24.6 + 4.4 for the QKV's 3,072
+/// columns, 30.1 + 5.0 for the feed-forward's 4,096; ~2.3 ms of a BERT-large phase-1 pass;
+/// BENCHMARKS.md, 2026-11-27, evening). Where its backward takes its products through cuBLASLt
+/// ([`set_cuda_linear_backward_lt`]); the same sums in f32 in another order, rounded once to
+/// the gradient's dtype. A shape cuBLASLt has no such algorithm for gets the product and our
+/// sums as before. cuBLASLt cannot run on the CPU: checked by `bertkit check kernels --device
+/// cuda` (the linear and feed-forward rows' bias gradients), not yet run on a GPU: unset, it
+/// is off unless `BERTKIT_CUDA_BIAS_GRADIENT=epilogue`.
+pub fn set_cuda_bias_gradient_epilogue(on: bool) {
+    CUDA_BIAS_GRADIENT_EPILOGUE.set(on);
+}
+
+/// Whether a linear layer's bias gradient on CUDA comes out of its weight gradient's product
+/// (see [`set_cuda_bias_gradient_epilogue`]).
+pub fn cuda_bias_gradient_epilogue() -> bool {
+    CUDA_BIAS_GRADIENT_EPILOGUE.get()
+}
+
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -1442,7 +1469,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 37] = [
+static CUDA_SWITCHES: [&Switch; 38] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1455,6 +1482,7 @@ static CUDA_SWITCHES: [&Switch; 37] = [
     &CUDA_WIDE_LINEAR,
     &CUDA_LINEAR_EPILOGUE,
     &CUDA_LINEAR_BACKWARD_LT,
+    &CUDA_BIAS_GRADIENT_EPILOGUE,
     &CUDA_LINEAR_CAST,
     &CUDA_TABLE_CAST,
     &CUDA_FLASH_VECTOR_STORES,

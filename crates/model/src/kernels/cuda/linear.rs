@@ -5,7 +5,10 @@
 
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
+use candle_core::cuda_backend::cudarc::cublaslt::result::{self as lt_result, CublasError};
+use candle_core::cuda_backend::cudarc::cublaslt::sys as lt_sys;
+use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig, MatmulShared};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::*;
 use crate::config::Gelu;
@@ -292,6 +295,223 @@ fn lt_product(
     }
 }
 
+/// A cuBLASLt object (a product's description, a matrix's layout, the algorithm search's
+/// preferences), destroyed when dropped.
+struct LtObject<H: Copy> {
+    handle: H,
+    destroy: unsafe fn(H) -> std::result::Result<(), CublasError>,
+}
+
+impl<H: Copy> LtObject<H> {
+    fn new(
+        made: std::result::Result<H, CublasError>,
+        destroy: unsafe fn(H) -> std::result::Result<(), CublasError>,
+    ) -> Result<Self> {
+        Ok(LtObject {
+            handle: made.map_err(lt_error)?,
+            destroy,
+        })
+    }
+}
+
+impl<H: Copy> Drop for LtObject<H> {
+    fn drop(&mut self) {
+        // SAFETY: made by its create function, destroyed once, here (a failure would leak a
+        // few bytes of host memory: nothing a drop can do about it).
+        let _ = unsafe { (self.destroy)(self.handle) };
+    }
+}
+
+/// Sets `attribute` of a product's description to `value` (of the attribute's type).
+fn set_description<V>(
+    description: &LtObject<lt_sys::cublasLtMatmulDesc_t>,
+    attribute: lt_sys::cublasLtMatmulDescAttributes_t,
+    value: &V,
+) -> Result<()> {
+    // SAFETY: cuBLASLt copies the value's `size_of::<V>()` bytes, which the callers give as
+    // the attribute's type.
+    unsafe {
+        lt_result::set_matmul_desc_attribute(
+            description.handle,
+            attribute,
+            (value as *const V).cast(),
+            std::mem::size_of::<V>(),
+        )
+    }
+    .map_err(lt_error)
+}
+
+/// Sets `attribute` of the algorithm search's preferences to `value` (of its type).
+fn set_preference<V>(
+    preference: &LtObject<lt_sys::cublasLtMatmulPreference_t>,
+    attribute: lt_sys::cublasLtMatmulPreferenceAttributes_t,
+    value: &V,
+) -> Result<()> {
+    // SAFETY: as in `set_description`.
+    unsafe {
+        lt_result::set_matmul_pref_attribute(
+            preference.handle,
+            attribute,
+            (value as *const V).cast(),
+            std::mem::size_of::<V>(),
+        )
+    }
+    .map_err(lt_error)
+}
+
+/// The workspace of each device's products with the bias's gradient in their epilogue
+/// ([`lt_weight_and_bias`]), made at the first: cudarc keeps its handle's own out of reach.
+/// NVIDIA's recommended size, as cudarc's: 32 MiB on Hopper and later, 4 MiB before.
+static LT_WORKSPACES: Mutex<Vec<(DeviceId, Arc<CudaSlice<u8>>)>> = Mutex::new(Vec::new());
+
+fn lt_workspace(dev: &CudaDevice) -> Result<Arc<CudaSlice<u8>>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let mut workspaces = LT_WORKSPACES
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("the cuBLASLt workspaces' lock".into()))?;
+    let workspace = device_entry(&mut workspaces, dev, || {
+        let major = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .w()?;
+        let bytes = if major >= 9 { 32 << 20 } else { 4 << 20 };
+        // SAFETY: a workspace, written by cuBLASLt before it reads it.
+        Ok(Arc::new(unsafe { dev.alloc::<u8>(bytes)? }))
+    })?;
+    Ok(workspace.clone())
+}
+
+/// A linear layer's weight gradient with its bias's in one cuBLASLt product
+/// ([`crate::kernels::set_cuda_bias_gradient_epilogue`]): in column-major terms `weight` `[m,
+/// n]` = `a` `[m, k]` (ld m) times `b` (stored `[n, k]`, ld n) read transposed, as
+/// [`LtGradient::Weight`] lays it out, and the `BGRADB` epilogue writes the sums of `bᵀ`'s
+/// columns over `k` (the tokens: the output gradient's column sums, the bias's gradient, `n`
+/// long) into `bias`, in f32 until rounded to `T`. `Ok(false)` without launching anything
+/// where cuBLASLt's search finds no algorithm for it (the caller takes the product and the
+/// sums apart). The operands start on 16-byte boundaries with leading dimensions of whole
+/// 16-byte pieces (`lt_backward_takes`), as the preferences tell the search.
+fn lt_weight_and_bias<T: Element>(
+    dev: &CudaDevice,
+    lt: &CudaBlasLT,
+    (m, n, k): (usize, usize, usize),
+    a: &CudaView<'_, T>,
+    b: &CudaView<'_, T>,
+    weight: &mut CudaViewMut<'_, T>,
+    bias: &mut CudaViewMut<'_, T>,
+) -> Result<bool>
+where
+    CudaBlasLT: Matmul<T>,
+{
+    use lt_sys::cublasLtMatmulDescAttributes_t as Description;
+    use lt_sys::cublasLtMatmulPreferenceAttributes_t as Preference;
+    // cuBLAS's operations: as stored, and transposed.
+    const AS_STORED: i32 = 0;
+    const TRANSPOSED: i32 = 1;
+    let element = <CudaBlasLT as Matmul<T>>::matrix_type();
+    let description = LtObject::new(
+        lt_result::create_matmul_desc(
+            <CudaBlasLT as Matmul<T>>::compute_type(),
+            lt_sys::cudaDataType_t::CUDA_R_32F,
+        ),
+        lt_result::destroy_matmul_desc,
+    )?;
+    set_description(
+        &description,
+        Description::CUBLASLT_MATMUL_DESC_TRANSA,
+        &AS_STORED,
+    )?;
+    set_description(
+        &description,
+        Description::CUBLASLT_MATMUL_DESC_TRANSB,
+        &TRANSPOSED,
+    )?;
+    set_description(
+        &description,
+        Description::CUBLASLT_MATMUL_DESC_EPILOGUE,
+        &lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
+    )?;
+    let stream = lt.stream();
+    let (bias_ptr, _bias_used) = bias.device_ptr_mut(stream);
+    set_description(
+        &description,
+        Description::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+        &bias_ptr,
+    )?;
+    let layout = |rows: usize, cols: usize, ld: usize| {
+        LtObject::new(
+            lt_result::create_matrix_layout(element, rows as u64, cols as u64, ld as i64),
+            lt_result::destroy_matrix_layout,
+        )
+    };
+    let (a_layout, b_layout, d_layout) = (layout(m, k, m)?, layout(n, k, n)?, layout(m, n, m)?);
+    let workspace = lt_workspace(dev)?;
+    let preference = LtObject::new(
+        lt_result::create_matmul_pref(),
+        lt_result::destroy_matmul_pref,
+    )?;
+    set_preference(
+        &preference,
+        Preference::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+        &(workspace.len() as u64),
+    )?;
+    for alignment in [
+        Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+        Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+        Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+    ] {
+        set_preference(&preference, alignment, &16u32)?;
+    }
+    // SAFETY: the objects are live; the search reads only them.
+    let found = unsafe {
+        lt_result::get_matmul_algo_heuristic(
+            *lt.handle(),
+            description.handle,
+            a_layout.handle,
+            b_layout.handle,
+            d_layout.handle,
+            d_layout.handle,
+            preference.handle,
+        )
+    };
+    let heuristic = match found {
+        Ok(heuristic) => heuristic,
+        Err(CublasError(lt_sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => return Ok(false),
+        Err(e) => return Err(lt_error(e)),
+    };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (a_ptr, _a_used) = a.device_ptr(stream);
+    let (b_ptr, _b_used) = b.device_ptr(stream);
+    let (d_ptr, _d_used) = weight.device_ptr_mut(stream);
+    let (w_ptr, _w_used) = workspace.device_ptr(stream);
+    // SAFETY: the layouts are those of the buffers (`a` m x k, `b` n x k, `weight` m x n,
+    // `bias` n elements, checked by the caller), beta 0 (C is D, not read), the workspace as
+    // large as the preferences said, on the handle's stream.
+    unsafe {
+        lt_result::matmul(
+            *lt.handle(),
+            description.handle,
+            (&alpha as *const f32).cast(),
+            (&beta as *const f32).cast(),
+            a_ptr as *const _,
+            a_layout.handle,
+            b_ptr as *const _,
+            b_layout.handle,
+            d_ptr as *const _,
+            d_layout.handle,
+            d_ptr as *mut _,
+            d_layout.handle,
+            &heuristic.algo,
+            w_ptr as *mut _,
+            workspace.len(),
+            stream.cu_stream() as *mut _,
+        )
+    }
+    .map_err(lt_error)?;
+    Ok(true)
+}
+
 /// `x · weightᵀ + bias` (`x` `[rows, in]`, `weight` `[out, in]`, `bias` `[out]`, all
 /// row-major) in one cuBLASLt product, the bias added by its epilogue: in cuBLAS's
 /// column-major terms the output's transpose, `weight · xᵀ` (`m` = out, `n` = rows, `k` = in),
@@ -349,6 +569,17 @@ enum LtGradient {
     Input,
     /// `x` `[rows, in]` and `grad` `[rows, out]`: the weight's gradient `[out, in]`.
     Weight,
+    /// As `Weight`, with the bias's gradient (`grad`'s column sums, `[out]`) from the same
+    /// product's epilogue ([`lt_weight_and_bias`]): packed, the weight's `out · in` elements,
+    /// then the bias's from [`bias_gradient_start`].
+    WeightAndBias,
+}
+
+/// Where a packed [`LtGradient::WeightAndBias`] puts the bias's gradient: after the weight's
+/// `elements` (of `element_bytes` each), on a 256-byte boundary (as an allocation of its own
+/// would start).
+fn bias_gradient_start(elements: usize, element_bytes: usize) -> usize {
+    elements.next_multiple_of(256 / element_bytes)
 }
 
 impl CustomOp2 for LtGradient {
@@ -394,7 +625,7 @@ impl CustomOp2 for LtGradient {
                     let cfg = lt_product((false, false), (inner, rows, out), (inner, out));
                     (&right, &left, cfg, (rows, inner))
                 }
-                LtGradient::Weight => {
+                LtGradient::Weight | LtGradient::WeightAndBias => {
                     // `a` the layer's input [rows, in], `b` the gradient [rows, out]: the input
                     // [in, rows] (ld in) times the gradient [out, rows] (ld out) read
                     // transposed, [in, out].
@@ -410,6 +641,44 @@ impl CustomOp2 for LtGradient {
                     (&left, &right, cfg, (out, inner))
                 }
             };
+            if let LtGradient::WeightAndBias = op {
+                let (out, inner) = shape;
+                let rows = ar;
+                let start = bias_gradient_start(out * inner, std::mem::size_of::<T>());
+                // SAFETY: the product writes the weight's elements and the epilogue (or the
+                // column sums) the bias's; the padding between them is never read.
+                let mut packed = unsafe { dev.alloc::<T>(start + out)? };
+                let (mut weight, mut rest) = packed.split_at_mut(start);
+                let mut weight = weight.slice_mut(..out * inner);
+                let mut bias = rest.slice_mut(..out);
+                if !lt_weight_and_bias::<T>(
+                    dev,
+                    &lt,
+                    (inner, out, rows),
+                    first,
+                    second,
+                    &mut weight,
+                    &mut bias,
+                )? {
+                    // No algorithm with the epilogue for this shape: the product alone, and
+                    // the gradient's column sums by our kernel (which, without an activation,
+                    // reads neither the product nor the bias: the gradient stands for both).
+                    // SAFETY: as below.
+                    unsafe { lt.matmul(cfg, first, second, &mut weight, None, None) }
+                        .map_err(lt_error)?;
+                    let sums = backward::<T>(
+                        dev,
+                        &right,
+                        Some(&right.slice(..out)),
+                        &right,
+                        (rows, out),
+                        0,
+                        vector_end::<T>(out, &[bl]),
+                    )?;
+                    dev.memcpy_dtod(&sums, &mut bias)?;
+                }
+                return Ok((wrap(packed, dev), Shape::from(start + out)));
+            }
             // SAFETY: the product writes every element (beta 0).
             let mut c = unsafe { dev.alloc::<T>(shape.0 * shape.1)? };
             // SAFETY: the layouts above are those of the buffers' sizes.
@@ -525,6 +794,17 @@ impl CustomOp3 for LinearOp {
                 let out_features = self.padded.unwrap_or(weight_rows);
                 let rows = x.elem_count() / in_features.max(1);
                 let grad = grad.contiguous()?.reshape((rows, out_features))?;
+                let x_rows = x.detach().reshape((rows, in_features))?;
+                // A weight kept in another dtype: cast again for the input's gradient, and its
+                // own gradient cast back to it.
+                let weight_dtype = weight.dtype();
+                let weight = product_weight(weight, x.dtype(), out_features)?;
+                // Without an activation the product's gradient is the output's, and its
+                // column sums (the bias's gradient) may come out of the weight gradient's
+                // product (`lt_weight_and_bias`).
+                let bias_in_product = self.act.is_none()
+                    && crate::kernels::cuda_bias_gradient_epilogue()
+                    && lt_backward_takes(&[&grad, &x_rows, &weight]);
                 let (grad_pre, grad_bias) = match self.act {
                     Some(_) => {
                         let pre = self.pre.take(self.name())?;
@@ -533,23 +813,19 @@ impl CustomOp3 for LinearOp {
                         let n = rows * out_features;
                         (
                             packed.narrow(0, 0, n)?.reshape((rows, out_features))?,
-                            packed.narrow(0, n, out_features)?,
+                            Some(packed.narrow(0, n, out_features)?),
                         )
                     }
+                    None if bias_in_product => (grad, None),
                     None => {
                         let op = BiasActBackwardOp { act: None };
-                        // Without an activation the product's gradient is the output's; the kernel
-                        // sums the bias's (it reads `y`, here the output, only for an activation).
+                        // The kernel sums the bias's gradient (it reads `y`, here the output,
+                        // only for an activation).
                         let y = out.reshape((rows, out_features))?;
                         let packed = y.apply_op3_no_bwd(bias, &grad, &op)?;
-                        (grad, packed)
+                        (grad, Some(packed))
                     }
                 };
-                let x_rows = x.detach().reshape((rows, in_features))?;
-                // A weight kept in another dtype: cast again for the input's gradient, and its
-                // own gradient cast back to it.
-                let weight_dtype = weight.dtype();
-                let weight = product_weight(weight, x.dtype(), out_features)?;
                 let lt = lt_backward_takes(&[&grad_pre, &x_rows, &weight]);
                 let grad_x = if lt {
                     grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?
@@ -565,10 +841,24 @@ impl CustomOp3 for LinearOp {
                     ),
                     None => (x_rows, grad_x),
                 };
-                let grad_weight = if lt {
-                    input.apply_op2_no_bwd(&grad_pre, &LtGradient::Weight)?
-                } else {
-                    grad_pre.t()?.matmul(&input)?
+                let (grad_weight, grad_bias) = match grad_bias {
+                    Some(grad_bias) if lt => (
+                        input.apply_op2_no_bwd(&grad_pre, &LtGradient::Weight)?,
+                        grad_bias,
+                    ),
+                    Some(grad_bias) => (grad_pre.t()?.matmul(&input)?, grad_bias),
+                    None => {
+                        let packed =
+                            input.apply_op2_no_bwd(&grad_pre, &LtGradient::WeightAndBias)?;
+                        let elements = out_features * input.dim(1)?;
+                        let start = bias_gradient_start(elements, packed.dtype().size_in_bytes());
+                        (
+                            packed
+                                .narrow(0, 0, elements)?
+                                .reshape((out_features, input.dim(1)?))?,
+                            packed.narrow(0, start, out_features)?,
+                        )
+                    }
                 };
                 // (The padding's rows dropped: the first rows of a contiguous tensor, a view.)
                 let grad_weight = if out_features > weight_rows {
