@@ -359,28 +359,12 @@ fn set_preference<V>(
     .map_err(lt_error)
 }
 
-/// The workspace of each device's products with the bias's gradient in their epilogue
-/// ([`lt_weight_and_bias`]), made at the first: cudarc keeps its handle's own out of reach.
-/// NVIDIA's recommended size, as cudarc's: 32 MiB on Hopper and later, 4 MiB before.
-static LT_WORKSPACES: Mutex<Vec<(DeviceId, Arc<CudaSlice<u8>>)>> = Mutex::new(Vec::new());
-
-fn lt_workspace(dev: &CudaDevice) -> Result<Arc<CudaSlice<u8>>> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let mut workspaces = LT_WORKSPACES
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("the cuBLASLt workspaces' lock".into()))?;
-    let workspace = device_entry(&mut workspaces, dev, || {
-        let major = dev
-            .cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-            .w()?;
-        let bytes = if major >= 9 { 32 << 20 } else { 4 << 20 };
-        // SAFETY: a workspace, written by cuBLASLt before it reads it.
-        Ok(Arc::new(unsafe { dev.alloc::<u8>(bytes)? }))
-    })?;
-    Ok(workspace.clone())
-}
+/// The most workspace the products with the bias's gradient in their epilogue
+/// ([`lt_weight_and_bias`]) offer cuBLASLt's search: NVIDIA's recommendation for Hopper (32
+/// MiB, cudarc's handle's own). Only what the algorithm found needs is allocated, from the
+/// pool, for the product alone (cudarc keeps its handle's workspace out of reach, and one kept
+/// for these would count against every step's memory).
+const LT_MAX_WORKSPACE: usize = 32 << 20;
 
 /// A linear layer's weight gradient with its bias's in one cuBLASLt product
 /// ([`crate::kernels::set_cuda_bias_gradient_epilogue`]): in column-major terms `weight` `[m,
@@ -445,7 +429,6 @@ where
         )
     };
     let (a_layout, b_layout, d_layout) = (layout(m, k, m)?, layout(n, k, n)?, layout(m, n, m)?);
-    let workspace = lt_workspace(dev)?;
     let preference = LtObject::new(
         lt_result::create_matmul_pref(),
         lt_result::destroy_matmul_pref,
@@ -453,7 +436,7 @@ where
     set_preference(
         &preference,
         Preference::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-        &(workspace.len() as u64),
+        &(LT_MAX_WORKSPACE as u64),
     )?;
     for alignment in [
         Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
@@ -480,6 +463,9 @@ where
         Err(CublasError(lt_sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => return Ok(false),
         Err(e) => return Err(lt_error(e)),
     };
+    // SAFETY: a workspace, written by cuBLASLt before it reads it (at least one byte: a
+    // pointer to hand over where the algorithm needs none).
+    let workspace = unsafe { dev.alloc::<u8>(heuristic.workspaceSize.max(1))? };
     let (alpha, beta) = (1.0f32, 0.0f32);
     let (a_ptr, _a_used) = a.device_ptr(stream);
     let (b_ptr, _b_used) = b.device_ptr(stream);
@@ -487,7 +473,8 @@ where
     let (w_ptr, _w_used) = workspace.device_ptr(stream);
     // SAFETY: the layouts are those of the buffers (`a` m x k, `b` n x k, `weight` m x n,
     // `bias` n elements, checked by the caller), beta 0 (C is D, not read), the workspace as
-    // large as the preferences said, on the handle's stream.
+    // large as the algorithm needs, on the handle's stream (its freeing ordered after the
+    // product on the same stream).
     unsafe {
         lt_result::matmul(
             *lt.handle(),
@@ -504,7 +491,7 @@ where
             d_layout.handle,
             &heuristic.algo,
             w_ptr as *mut _,
-            workspace.len(),
+            heuristic.workspaceSize,
             stream.cu_stream() as *mut _,
         )
     }
