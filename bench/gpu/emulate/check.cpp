@@ -1174,6 +1174,47 @@ bool check_add_half(const char* name, size_t n, size_t offset, unsigned grid) {
     return wrong == 0;
 }
 
+// `join_rows` (`kernels.cu`): parts of `sizes` 16-byte pieces (each at its own place in one
+// buffer of random bytes) joined into one buffer, against the parts' bytes one after another;
+// the output starts as 0xAB bytes and is a piece longer, so a piece left unwritten, written
+// twice from the wrong part, or written past the end shows.
+bool check_join(const char* name, std::vector<unsigned> sizes, unsigned grid) {
+    std::mt19937_64 rng(41 + sizes.size());
+    size_t total = 0;
+    for (unsigned n : sizes) total += n;
+    // The parts a piece apart in their buffer, as tensors of their own would lie.
+    std::vector<uint4> src(total + sizes.size());
+    for (auto& piece : src) {
+        const uint64_t lo = rng(), hi = rng();
+        std::memcpy(&piece, &lo, 8);
+        std::memcpy(reinterpret_cast<char*>(&piece) + 8, &hi, 8);
+    }
+    JoinParts parts{};
+    parts.count = (int)sizes.size();
+    std::vector<const uint4*> firsts;
+    size_t at = 0, end = 0;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+        parts.src[k] = src.data() + at;
+        firsts.push_back(src.data() + at);
+        end += sizes[k];
+        parts.end[k] = end;
+        at += sizes[k] + 1;
+    }
+    std::vector<uint4> dst(total + 1);
+    std::memset(dst.data(), 0xAB, dst.size() * sizeof(uint4));
+    emulate_launch({grid, 1, 1}, 64, [&] { join_rows(parts, dst.data()); });
+    size_t wrong = 0, p = 0;
+    for (size_t k = 0; k < sizes.size(); ++k)
+        for (unsigned i = 0; i < sizes[k]; ++i, ++p)
+            wrong += std::memcmp(&dst[p], firsts[k] + i, sizeof(uint4)) != 0;
+    uint4 canary;
+    std::memset(&canary, 0xAB, sizeof canary);
+    wrong += std::memcmp(&dst[total], &canary, sizeof canary) != 0;
+    std::printf("  %-28s %-8s %zu of %zu pieces differ %s\n", name, "join", wrong, total + 1,
+                wrong ? "FAILED" : "ok");
+    return wrong == 0;
+}
+
 // `cast_f32_padded` (`kernels.cu`): `n` f32 values (`offset` elements into their buffers: 0 for
 // 16-byte aligned ones, else the element-a-thread path) cast into `T`, then zeros to `total`,
 // against each element cast by hand; the buffer starts as NaN, so an element left unwritten
@@ -1633,6 +1674,13 @@ int main() {
     ok = check_add<bf16>("add bf16, aligned", 8 * 1000 + 5, 0, 3) && ok;
     ok = check_add<bf16>("add bf16, unaligned", 999, 3, 2) && ok;
     ok = check_add<f16>("add f16, aligned", 4096, 0, 5) && ok;
+    std::printf("tensors joined along their rows (join_rows, kernels.cu) against their bytes:\n");
+    // (A layer's three projection weights at BERT-large's size in bf16, 131,072 pieces each;
+    // a LayerNorm's weight and bias; parts of one piece; a grid that loops.)
+    ok = check_join("three weights, looping", {131072, 131072, 131072}, 7) && ok;
+    ok = check_join("two of 128 pieces", {128, 128}, 3) && ok;
+    ok = check_join("three small, uneven", {1, 5, 2}, 1) && ok;
+    ok = check_join("two, more threads", {3, 700}, 40) && ok;
     std::printf("the f32 weight cast into a padded copy (cast_f32_padded, kernels.cu) by hand:\n");
     ok = check_cast_padded<bf16>("cast bf16, rows padded", 37 * 64, 40 * 64, 0, 3) && ok;
     ok = check_cast_padded<bf16>("cast bf16, unaligned", 999, 1003, 3, 2) && ok;

@@ -8,14 +8,18 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 19 kernels: an output and each input's gradient (1 + 5 + 2 + 1 + 1 + 3 + 4 × 4 + 1 + 5 +
-    // 1 + 1 + 1 + 4 inputs, and 3 + 1 for the padded decoder's linear layer and loss; the
+    // 21 kernels: an output and each input's gradient (1 + 5 + 3 + 2 + 2 + 1 + 3 + 4 × 4 + 1 +
+    // 5 + 1 + 1 + 1 + 4 inputs, and 3 + 1 for the padded decoder's linear layer and loss; the
     // one-pass attention's rows and LayerNorm's other forms only on CUDA).
-    assert_eq!(checks.len(), 19 + 45, "{checks:#?}");
+    assert_eq!(checks.len(), 21 + 50, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
-        if (c.kernel == "gather_rows" && !c.gradient) || (c.kernel == "add" && c.gradient) {
-            // Copied rows, a sum's gradient passed through: exact in any dtype.
+        if (c.kernel == "gather_rows" && !c.gradient)
+            || (c.kernel == "add" && c.gradient)
+            || c.kernel.starts_with("join")
+        {
+            // Copied rows, a sum's gradient passed through, joined rows and their gradients'
+            // views: exact in any dtype.
             assert_eq!(c.worst, 0.0, "{c:?}");
             continue;
         }
@@ -60,12 +64,15 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     // the linear, GELU and feed-forward lines need, and the masked-LM decoder's rows padded
     // (the padded linear and loss lines), and the decoder's f32 weight cast by our kernel (the
     // f32-weight linear lines), and a linear layer's bias gradient from its weight gradient's
-    // product (the linear, feed-forward and padded linear lines); the others need nothing.
+    // product (the linear, feed-forward and padded linear lines), and tensors joined by our
+    // kernel (the join lines, and the embeddings' and sublayer ends', which join their
+    // parameters); the others need nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_HANDED_GRADIENT=half",
+            "BERTKIT_CUDA_JOIN=kernel",
             "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
             "BERTKIT_CUDA_TABLE_CAST=vector",
             "BERTKIT_CUDA_FLASH_COPIES=async",
@@ -95,6 +102,11 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             ]
         } else if registers.contains(&c.kernel.as_str()) {
             &["BERTKIT_CUDA_BIAS_SUMS=registers"]
+        } else if c.kernel == "embeddings"
+            || c.kernel.starts_with("join")
+            || c.kernel.starts_with("residual_layer_norm")
+        {
+            &["BERTKIT_CUDA_JOIN=kernel"]
         } else {
             &[]
         };
@@ -188,6 +200,7 @@ fn in_bf16_on_the_cpu_the_bias_gradients_are_summed_in_f32() {
         .iter()
         .filter(|c| c.value.starts_with("bias") && c.gradient)
         .filter(|c| c.kernel != "layer_norm" && c.kernel != "embeddings")
+        .filter(|c| !c.kernel.starts_with("join"))
         .filter(|c| !c.kernel.starts_with("residual_layer_norm"))
         .collect();
     // linear, linear (wide), linear (f32 weight), linear (padded rows), linear_gelu (erf,

@@ -423,7 +423,12 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         },
         train: true,
         form,
-        needs: vec![&super::CUDA_NORM_WIDE_GRID, &super::CUDA_COLUMN_SUMS_LANES],
+        // (Its weight and bias stacked by our kernel where turned on.)
+        needs: vec![
+            &super::CUDA_NORM_WIDE_GRID,
+            &super::CUDA_COLUMN_SUMS_LANES,
+            &super::CUDA_JOIN,
+        ],
     };
     // A linear layer without an activation takes cuBLASLt's bias epilogue where turned on.
     let linear = |kernel, epilogue: bool, run: Run| Case {
@@ -518,11 +523,36 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: true,
             form: Form::Plain,
+            // (Its small tables and parameters joined by our kernel where turned on.)
             needs: vec![
                 &super::CUDA_EMBEDDINGS_END,
                 &super::CUDA_EMBEDDINGS_IN_PIECES,
                 &super::CUDA_COLUMN_SUMS_LANES,
+                &super::CUDA_JOIN,
             ],
+        },
+        Case {
+            kernel: "join (three parts)",
+            // Tensors joined along their rows ([`super::tape::cat_rows`]: a layer's query, key
+            // and value weights): parts of uneven rows.
+            inputs: vec![
+                ("first", vec![t, h], 1.0),
+                ("second", vec![3, h], 1.0),
+                ("third", vec![1, h], 1.0),
+            ],
+            run: |_, x, _, _, _| super::tape::cat_rows(&[&x[0], &x[1], &x[2]]),
+            train: false,
+            form: Form::Plain,
+            needs: vec![&super::CUDA_JOIN],
+        },
+        Case {
+            kernel: "join (stacked)",
+            // Two stacked ([`super::tape::stack_rows`]: a LayerNorm's weight and bias).
+            inputs: vec![("weight", vec![h], 1.0), ("bias", vec![h], 0.5)],
+            run: |_, x, _, _, _| super::tape::stack_rows(&[&x[0], &x[1]]),
+            train: false,
+            form: Form::Plain,
+            needs: vec![&super::CUDA_JOIN],
         },
         Case {
             kernel: "add",

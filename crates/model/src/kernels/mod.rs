@@ -1278,6 +1278,41 @@ pub fn cuda_bias_gradient_epilogue() -> bool {
     CUDA_BIAS_GRADIENT_EPILOGUE.get()
 }
 
+/// Whether tensors joined along their rows on CUDA take our kernel.
+pub(crate) static CUDA_JOIN: Switch = Switch::opt_in("BERTKIT_CUDA_JOIN", "kernel");
+
+/// Turns on or off, for this process, tensors joined along their rows on CUDA by our kernel
+/// (`join_rows`: every part's bytes in one launch, 16 a thread): a layer's query, key and value
+/// weights and biases joined for their one product at every training pass, a LayerNorm's
+/// weight and bias stacked for its kernel (two a layer), the embeddings' small tables and
+/// parameters, where candle's concatenation launches a copy a part, an element a thread (on
+/// an H200 5.6 µs a BERT-large `[1024, 1024]` bf16 weight, 2.3 a bias or a LayerNorm's
+/// parameter: ~30 µs a layer, ~0.7 ms a BERT-large training forward; BENCHMARKS.md,
+/// 2026-11-27, evening). Parts of whole 16-byte pieces, two or three of them; the same bytes
+/// (`bench/gpu/emulate`). Checked by `bertkit check kernels --device cuda` (the join lines,
+/// and the sublayer ends' and embeddings' that stack their parameters), not yet run on a GPU:
+/// unset, it is off unless `BERTKIT_CUDA_JOIN=kernel`.
+pub fn set_cuda_join(on: bool) {
+    CUDA_JOIN.set(on);
+}
+
+/// Whether tensors joined along their rows on CUDA take our kernel (see [`set_cuda_join`]).
+pub fn cuda_join() -> bool {
+    CUDA_JOIN.get()
+}
+
+/// `parts` as one tensor of `shape` (their concatenation along dimension 0, or their stack:
+/// the same elements in order) by our CUDA kernel where it takes them ([`set_cuda_join`]);
+/// `None` elsewhere, for the caller to join them with candle's ops (the twin).
+pub(crate) fn joined_on_device(parts: &[&Tensor], shape: &[usize]) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if cuda_join() && on_cuda(parts) && cuda::join_takes(parts) {
+        return cuda::join(parts, shape.into()).map(Some);
+    }
+    let _ = (parts, shape);
+    Ok(None)
+}
+
 /// Whether the CUDA linear kernels take outputs wider than a block's bias sums.
 pub(crate) static CUDA_WIDE_LINEAR: Switch = Switch::opt_out("BERTKIT_CUDA_LINEAR", "narrow");
 
@@ -1469,7 +1504,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 38] = [
+static CUDA_SWITCHES: [&Switch; 39] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1478,6 +1513,7 @@ static CUDA_SWITCHES: [&Switch; 38] = [
     &CUDA_EMBEDDINGS_END,
     &CUDA_ADD,
     &CUDA_HANDED_HALF,
+    &CUDA_JOIN,
     &CUDA_KEYED_DROPOUT,
     &CUDA_WIDE_LINEAR,
     &CUDA_LINEAR_EPILOGUE,

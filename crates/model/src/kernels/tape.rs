@@ -270,14 +270,49 @@ fn rows(parts: &[&Tensor], output: Tensor) -> Result<Tensor> {
     Ok(output)
 }
 
-/// `Tensor::cat(parts, 0)`, recorded while a recording is under way.
+/// `Tensor::cat(parts, 0)` (by the device's own kernel where it has one,
+/// [`super::joined_on_device`]), recorded while a recording is under way.
 pub(crate) fn cat_rows(parts: &[&Tensor]) -> Result<Tensor> {
-    rows(parts, Tensor::cat(parts, 0)?)
+    let joined = match joined_shape(parts, false) {
+        Some(shape) => super::joined_on_device(parts, &shape)?,
+        None => None,
+    };
+    rows(parts, joined.map_or_else(|| Tensor::cat(parts, 0), Ok)?)
 }
 
-/// `Tensor::stack(parts, 0)`, recorded while a recording is under way.
+/// `Tensor::stack(parts, 0)` (as [`cat_rows`]), recorded while a recording is under way.
 pub(crate) fn stack_rows(parts: &[&Tensor]) -> Result<Tensor> {
-    rows(parts, Tensor::stack(parts, 0)?)
+    let joined = match joined_shape(parts, true) {
+        Some(shape) => super::joined_on_device(parts, &shape)?,
+        None => None,
+    };
+    rows(parts, joined.map_or_else(|| Tensor::stack(parts, 0), Ok)?)
+}
+
+/// The shape of `parts` stacked (`stack`) or concatenated along dimension 0, where candle
+/// would join them (one dtype and device, the same shape or the same trailing dimensions);
+/// `None` otherwise (candle's own join then says why).
+fn joined_shape(parts: &[&Tensor], stack: bool) -> Option<Vec<usize>> {
+    let first = parts.first()?;
+    let alike = |t: &&Tensor| {
+        t.dtype() == first.dtype()
+            && t.device().same_device(first.device())
+            && if stack {
+                t.dims() == first.dims()
+            } else {
+                t.rank() == first.rank() && t.rank() > 0 && t.dims()[1..] == first.dims()[1..]
+            }
+    };
+    if !parts.iter().all(alike) {
+        return None;
+    }
+    let mut shape = first.dims().to_vec();
+    if stack {
+        shape.insert(0, parts.len());
+    } else {
+        shape[0] = parts.iter().map(|t| t.dims()[0]).sum();
+    }
+    Some(shape)
 }
 
 fn copied(x: &Tensor, output: Tensor) -> Result<Tensor> {
