@@ -74,6 +74,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_HANDED_GRADIENT=half",
             "BERTKIT_CUDA_JOIN=kernel",
             "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
+            "BERTKIT_CUDA_RESIDUAL_SUM=product",
             "BERTKIT_CUDA_TABLE_CAST=vector",
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_DELTA=vector",

@@ -1278,6 +1278,33 @@ pub fn cuda_bias_gradient_epilogue() -> bool {
     CUDA_BIAS_GRADIENT_EPILOGUE.get()
 }
 
+/// Whether a linear layer's input gradient on CUDA takes in the gradient its input has so far.
+pub(crate) static CUDA_RESIDUAL_SUM_IN_PRODUCT: Switch =
+    Switch::opt_in("BERTKIT_CUDA_RESIDUAL_SUM", "product");
+
+/// Turns on or off, for this process, the residual's gradient added by a linear layer's input
+/// gradient product (cuBLASLt with beta 1) where the tape's backward offers it
+/// ([`tape::take_gradient_so_far`]): a sublayer's input goes to its first linear layer (the
+/// QKV projection, the feed-forward's first) and to the sublayer's end, whose backward runs
+/// first; the tape added the two gradients after the product (`add_tensors`, 13 µs a
+/// BERT-large batch's `[8192, 1024]` bf16 on an H200, two a layer, ~0.6 ms a phase-1 pass;
+/// BENCHMARKS.md, 2026-11-27, evening), reading both and writing a third buffer. The product
+/// reads it as its `C` instead and writes the sum, each element rounded once (where the tape's
+/// sum rounds the product first). Where the backward's products go through cuBLASLt
+/// ([`set_cuda_linear_backward_lt`]). cuBLASLt cannot run on the CPU: checked by `bertkit
+/// check kernels --device cuda` (the encoder's backward by hand against autograd, which adds
+/// the two apart), not yet run on a GPU: unset, it is off unless
+/// `BERTKIT_CUDA_RESIDUAL_SUM=product`.
+pub fn set_cuda_residual_sum_in_product(on: bool) {
+    CUDA_RESIDUAL_SUM_IN_PRODUCT.set(on);
+}
+
+/// Whether a linear layer's input gradient on CUDA takes in the gradient its input has so far
+/// (see [`set_cuda_residual_sum_in_product`]).
+pub fn cuda_residual_sum_in_product() -> bool {
+    CUDA_RESIDUAL_SUM_IN_PRODUCT.get()
+}
+
 /// Whether tensors joined along their rows on CUDA take our kernel.
 pub(crate) static CUDA_JOIN: Switch = Switch::opt_in("BERTKIT_CUDA_JOIN", "kernel");
 
@@ -1504,7 +1531,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 39] = [
+static CUDA_SWITCHES: [&Switch; 40] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1519,6 +1546,7 @@ static CUDA_SWITCHES: [&Switch; 39] = [
     &CUDA_LINEAR_EPILOGUE,
     &CUDA_LINEAR_BACKWARD_LT,
     &CUDA_BIAS_GRADIENT_EPILOGUE,
+    &CUDA_RESIDUAL_SUM_IN_PRODUCT,
     &CUDA_LINEAR_CAST,
     &CUDA_TABLE_CAST,
     &CUDA_FLASH_VECTOR_STORES,

@@ -118,7 +118,17 @@ impl Tape {
             let Some(g) = grads.remove(&node.output.id()) else {
                 continue;
             };
-            let inputs = node.backward(&g)?;
+            // The gradient the node's first input has so far, offered to its backward
+            // ([`take_gradient_so_far`]); what it leaves is added as before, first.
+            let first = node.inputs.first();
+            let so_far = first.and_then(|x| Some((x.id(), grads.remove(&x.id())?)));
+            SO_FAR.with(|s| *s.borrow_mut() = so_far);
+            let inputs = node.backward(&g);
+            let left = SO_FAR.with(|s| s.borrow_mut().take());
+            let inputs = inputs?;
+            if let (Some(x), Some((_, so_far))) = (first, left) {
+                add_into(&mut grads, x, so_far, "the tape")?;
+            }
             for (input, g) in node.inputs.iter().zip(inputs) {
                 if let Some(g) = g {
                     add_into(&mut grads, input, g, node.name())?;
@@ -127,6 +137,30 @@ impl Tape {
         }
         Ok(grads)
     }
+}
+
+thread_local! {
+    /// The gradient the first input of the node whose backward [`Tape::backward`] is running
+    /// has so far (from the ops after it in the pass), by the input's id, until taken.
+    static SO_FAR: RefCell<Option<(TensorId, Tensor)>> = const { RefCell::new(None) };
+}
+
+/// For an op's backward run by [`Tape::backward`]: the gradient its first input `x` already
+/// has from the ops after it (a residual's, where `x` also went on to a sublayer's end),
+/// taken (the op must then add it: the tape no longer has it), for the op to fold into the
+/// gradient it returns for `x` (a product's accumulation
+/// adds it in the same pass, where the tape would add the two after it); the tape then takes
+/// the op's gradient for `x` as the sum. `None` where `x` has none yet, or it is not the first
+/// input of the node being taken back, or outside a tape's backward (candle's autograd adds
+/// its gradients itself).
+pub(crate) fn take_gradient_so_far(x: &Tensor) -> Option<Tensor> {
+    SO_FAR.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.as_ref() {
+            Some((id, _)) if *id == x.id() => s.take().map(|(_, g)| g),
+            _ => None,
+        }
+    })
 }
 
 /// Adds `grad` to `tensor`'s gradient: moved in when it is the first.
@@ -334,4 +368,73 @@ pub(crate) fn to_dtype(x: &Tensor, dtype: DType) -> Result<Tensor> {
 /// `x.contiguous()`, recorded (when it makes a new tensor) while a recording is under way.
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
     copied(x, x.contiguous()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{CpuStorage, Device, Layout, Shape};
+
+    /// `x · factor`, its backward `grad · factor`; with `folds`, the gradient its input has so
+    /// far taken into the one it returns (as the CUDA linear layer's product folds it in).
+    struct Scale {
+        factor: f32,
+        folds: bool,
+    }
+
+    impl CustomOp1 for Scale {
+        fn name(&self) -> &'static str {
+            "scale"
+        }
+
+        fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+            let (start, end) = l.contiguous_offsets().expect("contiguous");
+            let x = &s.as_slice::<f32>()?[start..end];
+            let y = x.iter().map(|v| v * self.factor).collect();
+            Ok((CpuStorage::F32(y), l.shape().clone()))
+        }
+
+        fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+            let own = (grad * self.factor as f64)?;
+            match self.folds.then(|| take_gradient_so_far(x)).flatten() {
+                Some(so_far) => Ok(Some((so_far + own)?)),
+                None => Ok(Some(own)),
+            }
+        }
+    }
+
+    /// `x`'s gradient from two ops on it (the first recorded folds what the second gave, when
+    /// `folds`), their outputs joined, for `upstream` on the join.
+    fn gradient(folds: bool, upstream: &Tensor) -> Vec<f32> {
+        let x = Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap();
+        let (out, tape) = record(|| {
+            let a = apply_op1(&x, Scale { factor: 2.0, folds })?;
+            let b = apply_op1(
+                &x,
+                Scale {
+                    factor: 3.0,
+                    folds: false,
+                },
+            )?;
+            cat_rows(&[&a, &b])
+        })
+        .unwrap();
+        let mut grads = tape.unwrap().backward(&out, upstream.clone()).unwrap();
+        grads.remove(&x.id()).unwrap().to_vec1().unwrap()
+    }
+
+    /// A node's backward that takes its input's gradient so far returns the sum, which the
+    /// tape keeps as it is (not added again); one that does not leaves it to the tape's sum,
+    /// the same values; and a node whose input has no gradient yet is offered none.
+    #[test]
+    fn a_gradient_so_far_is_added_once_by_whoever_takes_it() {
+        let upstream =
+            Tensor::new(&[1f32, 10., 100., 1000., 10000., 100000.], &Device::Cpu).unwrap();
+        let want = vec![2. + 3000., 20. + 30000., 200. + 300000.];
+        assert_eq!(gradient(true, &upstream), want);
+        assert_eq!(gradient(false, &upstream), want);
+        // Outside a tape's backward there is nothing to take.
+        let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+        assert!(take_gradient_so_far(&x).is_none());
+    }
 }

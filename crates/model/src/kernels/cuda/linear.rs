@@ -359,39 +359,47 @@ fn set_preference<V>(
     .map_err(lt_error)
 }
 
-/// The most workspace the products with the bias's gradient in their epilogue
-/// ([`lt_weight_and_bias`]) offer cuBLASLt's search: NVIDIA's recommendation for Hopper (32
-/// MiB, cudarc's handle's own). Only what the algorithm found needs is allocated, from the
-/// pool, for the product alone (cudarc keeps its handle's workspace out of reach, and one kept
-/// for these would count against every step's memory).
+/// The most workspace the products through [`lt_raw`] offer cuBLASLt's search: NVIDIA's
+/// recommendation for Hopper (32 MiB, cudarc's handle's own).
 const LT_MAX_WORKSPACE: usize = 32 << 20;
 
-/// A linear layer's weight gradient with its bias's in one cuBLASLt product
-/// ([`crate::kernels::set_cuda_bias_gradient_epilogue`]): in column-major terms `weight` `[m,
-/// n]` = `a` `[m, k]` (ld m) times `b` (stored `[n, k]`, ld n) read transposed, as
-/// [`LtGradient::Weight`] lays it out, and the `BGRADB` epilogue writes the sums of `bᵀ`'s
-/// columns over `k` (the tokens: the output gradient's column sums, the bias's gradient, `n`
-/// long) into `bias`, in f32 until rounded to `T`. `Ok(false)` without launching anything
-/// where cuBLASLt's search finds no algorithm for it (the caller takes the product and the
-/// sums apart). The operands start on 16-byte boundaries with leading dimensions of whole
-/// 16-byte pieces (`lt_backward_takes`), as the preferences tell the search.
-fn lt_weight_and_bias<T: Element>(
+/// What a product through [`lt_raw`] does besides `op(A) · op(B)`.
+enum LtExtra<'a, 'b, T> {
+    /// cuBLASLt's `BGRADB` epilogue: the sums of `op(B)`'s columns over `k` (`n` of them)
+    /// written to the view.
+    BiasGradient(&'a mut CudaViewMut<'b, T>),
+    /// `C` added (beta 1): `D = op(A) · op(B) + C`, `C` laid out as `D`, `D` another buffer.
+    Plus(&'a CudaView<'b, T>),
+}
+
+/// One column-major cuBLASLt product `D` `[m, n]` (ld m) = `op(A) · op(B)` and `extra`,
+/// through cuBLASLt's own API where cudarc's `matmul` has neither (its epilogues are the
+/// forward's; its `C` is its `D`), `op` transposing where `(transa, transb)` say, with the
+/// leading dimensions `(lda, ldb)` of A and B as stored (as [`lt_product`] lays them out),
+/// f32 accumulation, each result rounded once to `T`. `Ok(false)` without launching anything
+/// where cuBLASLt's search finds no algorithm (the caller then takes another way). The
+/// operands start on 16-byte boundaries with leading dimensions of whole 16-byte pieces
+/// (`lt_backward_takes`), as the preferences tell the search; the workspace is what the
+/// algorithm found needs, from the pool, for this product alone (cudarc keeps its handle's
+/// out of reach, and one kept for these would count against every step's memory).
+#[allow(clippy::too_many_arguments)]
+fn lt_raw<T: Element>(
     dev: &CudaDevice,
     lt: &CudaBlasLT,
+    (transa, transb): (bool, bool),
     (m, n, k): (usize, usize, usize),
-    a: &CudaView<'_, T>,
-    b: &CudaView<'_, T>,
-    weight: &mut CudaViewMut<'_, T>,
-    bias: &mut CudaViewMut<'_, T>,
+    (lda, ldb): (usize, usize),
+    (a, b): (&CudaView<'_, T>, &CudaView<'_, T>),
+    d: &mut CudaViewMut<'_, T>,
+    extra: LtExtra<'_, '_, T>,
 ) -> Result<bool>
 where
     CudaBlasLT: Matmul<T>,
 {
     use lt_sys::cublasLtMatmulDescAttributes_t as Description;
     use lt_sys::cublasLtMatmulPreferenceAttributes_t as Preference;
-    // cuBLAS's operations: as stored, and transposed.
-    const AS_STORED: i32 = 0;
-    const TRANSPOSED: i32 = 1;
+    // cuBLAS's operations: as stored (0), or transposed (1).
+    let operation = |transposed: bool| i32::from(transposed);
     let element = <CudaBlasLT as Matmul<T>>::matrix_type();
     let description = LtObject::new(
         lt_result::create_matmul_desc(
@@ -403,32 +411,48 @@ where
     set_description(
         &description,
         Description::CUBLASLT_MATMUL_DESC_TRANSA,
-        &AS_STORED,
+        &operation(transa),
     )?;
     set_description(
         &description,
         Description::CUBLASLT_MATMUL_DESC_TRANSB,
-        &TRANSPOSED,
-    )?;
-    set_description(
-        &description,
-        Description::CUBLASLT_MATMUL_DESC_EPILOGUE,
-        &lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
+        &operation(transb),
     )?;
     let stream = lt.stream();
-    let (bias_ptr, _bias_used) = bias.device_ptr_mut(stream);
-    set_description(
-        &description,
-        Description::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-        &bias_ptr,
-    )?;
+    let (beta, c) = match extra {
+        LtExtra::BiasGradient(bias) => {
+            set_description(
+                &description,
+                Description::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                &lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
+            )?;
+            let (bias_ptr, _bias_used) = bias.device_ptr_mut(stream);
+            set_description(
+                &description,
+                Description::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &bias_ptr,
+            )?;
+            (0.0f32, None)
+        }
+        LtExtra::Plus(c) => (1.0f32, Some(c.device_ptr(stream).0)),
+    };
     let layout = |rows: usize, cols: usize, ld: usize| {
         LtObject::new(
             lt_result::create_matrix_layout(element, rows as u64, cols as u64, ld as i64),
             lt_result::destroy_matrix_layout,
         )
     };
-    let (a_layout, b_layout, d_layout) = (layout(m, k, m)?, layout(n, k, n)?, layout(m, n, m)?);
+    let a_layout = if transa {
+        layout(k, m, lda)?
+    } else {
+        layout(m, k, lda)?
+    };
+    let b_layout = if transb {
+        layout(n, k, ldb)?
+    } else {
+        layout(k, n, ldb)?
+    };
+    let d_layout = layout(m, n, m)?;
     let preference = LtObject::new(
         lt_result::create_matmul_pref(),
         lt_result::destroy_matmul_pref,
@@ -466,14 +490,16 @@ where
     // SAFETY: a workspace, written by cuBLASLt before it reads it (at least one byte: a
     // pointer to hand over where the algorithm needs none).
     let workspace = unsafe { dev.alloc::<u8>(heuristic.workspaceSize.max(1))? };
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let alpha = 1.0f32;
     let (a_ptr, _a_used) = a.device_ptr(stream);
     let (b_ptr, _b_used) = b.device_ptr(stream);
-    let (d_ptr, _d_used) = weight.device_ptr_mut(stream);
+    let (d_ptr, _d_used) = d.device_ptr_mut(stream);
     let (w_ptr, _w_used) = workspace.device_ptr(stream);
-    // SAFETY: the layouts are those of the buffers (`a` m x k, `b` n x k, `weight` m x n,
-    // `bias` n elements, checked by the caller), beta 0 (C is D, not read), the workspace as
-    // large as the algorithm needs, on the handle's stream (its freeing ordered after the
+    // (Beta 0: C is not read; D stands in for it.)
+    let c_ptr = c.unwrap_or(d_ptr);
+    // SAFETY: the layouts are those of the buffers (the caller's sizes: `a` and `b` as laid
+    // out above, `d` and `C` m x n, the bias gradient n elements), the workspace as large as
+    // the algorithm needs, on the handle's stream (the workspace's freeing ordered after the
     // product on the same stream).
     unsafe {
         lt_result::matmul(
@@ -485,7 +511,7 @@ where
             a_layout.handle,
             b_ptr as *const _,
             b_layout.handle,
-            d_ptr as *const _,
+            c_ptr as *const _,
             d_layout.handle,
             d_ptr as *mut _,
             d_layout.handle,
@@ -557,7 +583,7 @@ enum LtGradient {
     /// `x` `[rows, in]` and `grad` `[rows, out]`: the weight's gradient `[out, in]`.
     Weight,
     /// As `Weight`, with the bias's gradient (`grad`'s column sums, `[out]`) from the same
-    /// product's epilogue ([`lt_weight_and_bias`]): packed, the weight's `out · in` elements,
+    /// product's epilogue ([`lt_raw`]): packed, the weight's `out · in` elements,
     /// then the bias's from [`bias_gradient_start`].
     WeightAndBias,
 }
@@ -638,14 +664,17 @@ impl CustomOp2 for LtGradient {
                 let (mut weight, mut rest) = packed.split_at_mut(start);
                 let mut weight = weight.slice_mut(..out * inner);
                 let mut bias = rest.slice_mut(..out);
-                if !lt_weight_and_bias::<T>(
+                // The product as `LtGradient::Weight` lays it out, its epilogue summing the
+                // gradient's rows (`op(B)`'s columns over the tokens) into the bias's.
+                if !lt_raw::<T>(
                     dev,
                     &lt,
+                    (false, true),
                     (inner, out, rows),
-                    first,
-                    second,
+                    (inner, out),
+                    (first, second),
                     &mut weight,
-                    &mut bias,
+                    LtExtra::BiasGradient(&mut bias),
                 )? {
                     // No algorithm with the epilogue for this shape: the product alone, and
                     // the gradient's column sums by our kernel (which, without an activation,
@@ -673,6 +702,85 @@ impl CustomOp2 for LtGradient {
             Ok((wrap(c, dev), Shape::from(shape)))
         }
         by_dtype!(self.name(), a, run(*self, (a, al), (b, bl)))
+    }
+}
+
+/// A linear layer's input gradient with the gradient its input has so far added by the same
+/// cuBLASLt product (beta 1, [`LtExtra::Plus`]): `grad` `[rows, out]`, `weight` `[out, in]`,
+/// `so_far` `[rows, in]`; out `grad · weight + so_far` `[rows, in]`, each element rounded once
+/// ([`crate::kernels::set_cuda_residual_sum_in_product`]).
+struct LtInputPlus;
+
+impl CustomOp3 for LtInputPlus {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-linear-input-gradient-plus"
+    }
+
+    cuda_only!(3);
+
+    fn cuda_fwd(
+        &self,
+        g: &CudaStorage,
+        gl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        c: &CudaStorage,
+        cl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: Element>(
+            name: &str,
+            (g, gl): (&CudaStorage, &Layout),
+            (w, wl): (&CudaStorage, &Layout),
+            (c, cl): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)>
+        where
+            CudaBlasLT: Matmul<T>,
+        {
+            let ((rows, out), (out_w, inner)) = (gl.shape().dims2()?, wl.shape().dims2()?);
+            if out != out_w || cl.dims() != [rows, inner] {
+                bail!(
+                    "{name}: a gradient {:?} for a weight {:?} and a sum so far {:?}",
+                    gl.dims(),
+                    wl.dims(),
+                    cl.dims()
+                )
+            }
+            let dev = &g.device;
+            let lt = lt_handle(dev)?;
+            let (grad, weight) = (
+                view::<T>(name, "gradient", g, gl)?,
+                view::<T>(name, "weight", w, wl)?,
+            );
+            let so_far = view::<T>(name, "sum so far", c, cl)?;
+            // SAFETY: the product writes every element (beta 1 reads `so_far`, not `out`).
+            let mut sum = unsafe { dev.alloc::<T>(rows * inner)? };
+            // As `LtGradient::Input` lays it out: the weight [in, out] (ld in) times the
+            // gradient [out, rows] (ld out), [in, rows], `so_far` laid out alike.
+            let mut d = sum.slice_mut(..);
+            if !lt_raw::<T>(
+                dev,
+                &lt,
+                (false, false),
+                (inner, rows, out),
+                (inner, out),
+                (&weight, &grad),
+                &mut d,
+                LtExtra::Plus(&so_far),
+            )? {
+                // No algorithm for it: the sum so far copied in, the product added to it in
+                // place (cudarc's product reads its C where it writes its D).
+                dev.memcpy_dtod(&so_far, &mut d)?;
+                let cfg = MatmulConfig {
+                    beta: 1.0,
+                    ..lt_product((false, false), (inner, rows, out), (inner, out))
+                };
+                // SAFETY: the layouts are those of the buffers' sizes.
+                unsafe { lt.matmul(cfg, &weight, &grad, &mut d, None, None) }.map_err(lt_error)?;
+            }
+            Ok((wrap(sum, dev), Shape::from((rows, inner))))
+        }
+        let name = self.name();
+        by_dtype!(name, g, run(name, (g, gl), (w, wl), (c, cl)))
     }
 }
 
@@ -788,7 +896,7 @@ impl CustomOp3 for LinearOp {
                 let weight = product_weight(weight, x.dtype(), out_features)?;
                 // Without an activation the product's gradient is the output's, and its
                 // column sums (the bias's gradient) may come out of the weight gradient's
-                // product (`lt_weight_and_bias`).
+                // product (`lt_raw`).
                 let bias_in_product = self.act.is_none()
                     && crate::kernels::cuda_bias_gradient_epilogue()
                     && lt_backward_takes(&[&grad, &x_rows, &weight]);
@@ -814,10 +922,26 @@ impl CustomOp3 for LinearOp {
                     }
                 };
                 let lt = lt_backward_takes(&[&grad_pre, &x_rows, &weight]);
-                let grad_x = if lt {
-                    grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?
-                } else {
-                    grad_pre.matmul(&weight)?
+                // The gradient `x` has so far (a residual's: `x` went on to a sublayer's end
+                // too) added by the input gradient's product itself, where it takes it.
+                let so_far = (lt
+                    && self.input_act.is_none()
+                    && crate::kernels::cuda_residual_sum_in_product())
+                .then(|| tape::take_gradient_so_far(x))
+                .flatten();
+                let grad_x = match so_far {
+                    Some(so_far) => {
+                        let so_far = so_far.reshape((rows, in_features))?;
+                        if lt_backward_takes(&[&so_far]) && so_far.dtype() == grad_pre.dtype() {
+                            grad_pre.apply_op3_no_bwd(&weight, &so_far, &LtInputPlus)?
+                        } else {
+                            // (Added as the tape would have: what it had first.)
+                            let product = grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?;
+                            crate::kernels::add_gradients(&so_far, &product)?
+                        }
+                    }
+                    None if lt => grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?,
+                    None => grad_pre.matmul(&weight)?,
                 };
                 let (input, grad_x) = match self.input_act {
                     // The product's input was `act(x)`: recomputed, and the gradient taken
