@@ -153,6 +153,8 @@ thread_local! {
 /// the op's gradient for `x` as the sum. `None` where `x` has none yet, or it is not the first
 /// input of the node being taken back, or outside a tape's backward (candle's autograd adds
 /// its gradients itself).
+// (Only CUDA's linear layers take it so far: unused in a CPU-only build but by the tests.)
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn take_gradient_so_far(x: &Tensor) -> Option<Tensor> {
     SO_FAR.with(|s| {
         let mut s = s.borrow_mut();
