@@ -17,7 +17,8 @@
 # limit keeps what came first.
 # ROWS=REGEX: only the rows (below) whose settings or label match, beside the defaults.
 # PASSES=0: the rows' phase 1 and 2 steps without their passes per kernel (a call that must
-# fit every row, the memory rows and the check in its time).
+# fit every row, the memory rows and the check in its time). MEMORY_ROWS=REGEX: only the
+# memory rows whose settings match (beside the build's own).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -207,6 +208,10 @@ memory() {
     local setting word
     for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept BERTKIT_BUCKET=none \
         BERTKIT_CUDA_POOL_RESERVE_MIB=8704 "BERTKIT_CUDA_POOL_RESERVE_MIB=8704 BERTKIT_BUCKET=none"; do
+        # (MEMORY_ROWS=REGEX keeps those whose settings match it, and the build's own.)
+        if [[ -n $setting && ! $setting =~ ${MEMORY_ROWS:-.} ]]; then
+            continue
+        fi
         for word in $setting; do
             if [[ $leave_off == *" $word "* ]]; then
                 echo "$setting: skipped ($word failed its check)"
