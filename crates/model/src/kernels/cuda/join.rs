@@ -122,15 +122,7 @@ impl CustomOp2 for JoinRows {
         "bertkit-cuda-join"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(CustomOp2::name(self))
-    }
+    cuda_only!(2);
 
     fn cuda_fwd(
         &self,
@@ -160,17 +152,7 @@ impl CustomOp3 for JoinRows {
         "bertkit-cuda-join"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_refused(CustomOp3::name(self))
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,

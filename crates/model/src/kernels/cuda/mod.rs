@@ -286,7 +286,7 @@ fn cpu_refused(op: &str) -> Result<(CpuStorage, Shape)> {
 macro_rules! cuda_only {
     (1) => {
         fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-            cpu_refused(self.name())
+            cpu_refused(CustomOp1::name(self))
         }
     };
     (2) => {
@@ -297,7 +297,7 @@ macro_rules! cuda_only {
             _: &CpuStorage,
             _: &Layout,
         ) -> Result<(CpuStorage, Shape)> {
-            cpu_refused(self.name())
+            cpu_refused(CustomOp2::name(self))
         }
     };
     (3) => {
@@ -310,7 +310,7 @@ macro_rules! cuda_only {
             _: &CpuStorage,
             _: &Layout,
         ) -> Result<(CpuStorage, Shape)> {
-            cpu_refused(self.name())
+            cpu_refused(CustomOp3::name(self))
         }
     };
 }
