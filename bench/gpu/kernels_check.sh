@@ -225,6 +225,19 @@ memory() {
             --preset large --precision bf16 --device cuda --predictions 80 --micro-batch 8 \
             --steps 6 2>&1 | tail -n 1
     done
+    # Where the pool grows (BERTKIT_CUDA_POOL_TRACE=on: a line each time it takes 32 MiB or
+    # more from the driver, at the op or stage), three steps as built and without the bucket:
+    # the whole trace in $out, its last lines here.
+    for setting in "" BERTKIT_BUCKET=none; do
+        log "2b'' phase 2, micro-batch 8, three steps, the pool's growth traced, ${setting:-as built}"
+        # shellcheck disable=SC2086
+        env $setting BERTKIT_CUDA_POOL_TRACE=on timeout 120 $b bench memory \
+            --config "$here/data/pipelines/pretrain-phase1.toml" --data "$here/data/records/phase2" \
+            --preset large --precision bf16 --device cuda --predictions 80 --micro-batch 8 \
+            --steps 3 > "$out/pool-trace${setting:+-${setting#*=}}.txt" 2>&1
+        grep -c '^pool:' "$out/pool-trace${setting:+-${setting#*=}}.txt"
+        grep '^pool:' "$out/pool-trace${setting:+-${setting#*=}}.txt" | tail -n 12
+    done
 }
 fp16() {
     log "2f phase 1 in fp16, 12 steps (the kernels' f16 forms)"

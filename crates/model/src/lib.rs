@@ -189,6 +189,22 @@ mod device_pool {
         )
     }
 
+    /// The bytes the pool holds from the driver now (in use, and freed but kept).
+    pub(super) fn held(gpu: &candle_core::CudaDevice) -> Option<u64> {
+        attribute(
+            gpu,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        )
+    }
+
+    /// The bytes in use (tensors) now.
+    pub(super) fn in_tensors(gpu: &candle_core::CudaDevice) -> Option<u64> {
+        attribute(
+            gpu,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+        )
+    }
+
     /// One of the pool's 64-bit attributes.
     fn attribute(gpu: &candle_core::CudaDevice, which: sys::CUmemPool_attribute) -> Option<u64> {
         let pool = default_pool(gpu)?;
@@ -307,6 +323,46 @@ pub fn device_reserved_peak(device: &candle_core::Device) -> Option<u64> {
         candle_core::Device::Cuda(gpu) => device_pool::reserved_peak(gpu),
         _ => None,
     }
+}
+
+/// Whether the device pool's growth is traced ([`trace_device_pool`]).
+static POOL_TRACE: switch::Switch = switch::Switch::opt_in("BERTKIT_CUDA_POOL_TRACE", "on");
+
+/// What the pool held from the driver at the last line [`trace_device_pool`] wrote (bytes).
+static POOL_TRACED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A diagnostic of where a CUDA step's memory comes from (`BERTKIT_CUDA_POOL_TRACE=on`; off
+/// otherwise, one atomic load): a line on stderr each time the device's pool holds 32 MiB or
+/// more from the driver than at its last line, saying how much it holds, how much of it is in
+/// tensors, and `at` (the tape's op whose forward or backward just allocated, the step's
+/// stage). The pool grows where no freed stretch fits a new tensor: where its spare above the
+/// tensors (what nvidia-smi counts beyond them) forms. The pool's own figures, asked of the
+/// driver without waiting for the device (allocations are the pool's at the call). Nothing on
+/// the CPU.
+pub fn trace_device_pool(device: &candle_core::Device, at: impl FnOnce() -> String) {
+    if !POOL_TRACE.get() {
+        return;
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(gpu) = device
+        && let Some(held) = device_pool::held(gpu)
+    {
+        let last = POOL_TRACED.load(Ordering::Relaxed);
+        if held >= last + (32 << 20) {
+            POOL_TRACED.store(held, Ordering::Relaxed);
+            let in_tensors = device_pool::in_tensors(gpu).unwrap_or(0);
+            let mib = |b: u64| b >> 20;
+            eprintln!(
+                "pool: holds {} MiB (+{}), {} MiB in tensors, at {}",
+                mib(held),
+                mib(held - last),
+                mib(in_tensors),
+                at()
+            );
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (device, at, &POOL_TRACED);
 }
 
 /// Starts [`device_peak`]'s count again from the bytes held now.

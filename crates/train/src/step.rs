@@ -116,6 +116,12 @@ pub struct StepOutcome {
 }
 
 /// `sum + x`, starting from nothing.
+/// A line where the device's pool grew (`BERTKIT_CUDA_POOL_TRACE=on`,
+/// [`bertkit_model::trace_device_pool`]), at the step's stage `at`, on `on`'s device.
+fn trace_pool(on: &Tensor, at: &str) {
+    bertkit_model::trace_device_pool(on.device(), || at.to_string());
+}
+
 fn add_up(sum: Option<Tensor>, x: Tensor) -> Result<Tensor, TrainError> {
     Ok(match sum {
         Some(sum) => (sum + x)?,
@@ -239,7 +245,9 @@ impl Step {
         self.grads.settle()?;
         let pass = bert.encoder_pass(inputs, mode, checkpoint_every)?;
         let loss = head(pass.top(), self)?;
+        trace_pool(&loss, "the head and the loss");
         let mut store = self.scaled_backward(&loss)?;
+        trace_pool(&loss, "the head's backward");
         drop(loss);
         let embeddings = pass.backward(&store, |grads| self.accumulate_gradients(&grads))?;
         // The head's and the embeddings' gradients as one graph's backward sums them (the
@@ -292,6 +300,7 @@ impl Step {
         let mut gradients = grads.into_step_gradients(optimizer, hold)?;
         if let StepGradients::Bucket(bucket) = &mut gradients {
             reducer.all_reduce_sum(bucket)?;
+            trace_pool(bucket, "the gradient bucket");
         }
         let squared_norm = optimizer.squared_norm_of(&gradients)?.reshape(1)?;
         let loss = match loss {
@@ -321,6 +330,7 @@ impl Step {
         };
         if applied {
             optimizer.update(&gradients, lr, optimizer.clip_factor(grad_norm))?;
+            trace_pool(&read, "the optimiser's update");
         }
         if let StepGradients::Bucket(bucket) = gradients {
             optimizer.return_bucket(bucket);

@@ -126,6 +126,13 @@ impl Tape {
             let inputs = node.backward(&g);
             let left = SO_FAR.with(|s| s.borrow_mut().take());
             let inputs = inputs?;
+            crate::trace_device_pool(g.device(), || {
+                format!(
+                    "the backward of {} (the tape's op {})",
+                    node.name(),
+                    nodes.len()
+                )
+            });
             if let (Some(x), Some((_, so_far))) = (first, left) {
                 add_into(&mut grads, x, so_far, "the tape")?;
             }
@@ -203,6 +210,13 @@ pub(crate) fn recording() -> bool {
 fn push(node: Node) {
     RECORDING.with(|r| {
         if let Some(r) = r.borrow_mut().as_mut() {
+            crate::trace_device_pool(node.output.device(), || {
+                format!(
+                    "the forward of {} (the tape's op {})",
+                    node.name(),
+                    r.nodes.len()
+                )
+            });
             r.nodes.push(node);
         }
     });
