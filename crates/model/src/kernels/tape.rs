@@ -154,12 +154,11 @@ thread_local! {
 
 /// For an op's backward run by [`Tape::backward`]: the gradient its first input `x` already
 /// has from the ops after it (a residual's, where `x` also went on to a sublayer's end),
-/// taken (the op must then add it: the tape no longer has it), for the op to fold into the
-/// gradient it returns for `x` (a product's accumulation
-/// adds it in the same pass, where the tape would add the two after it); the tape then takes
-/// the op's gradient for `x` as the sum. `None` where `x` has none yet, or it is not the first
-/// input of the node being taken back, or outside a tape's backward (candle's autograd adds
-/// its gradients itself).
+/// taken, for the op to fold into the gradient it returns for `x` (a product's accumulation
+/// adds it in the same pass, where the tape would add the two after it). Once taken the tape
+/// no longer has it: the op must add it, and the tape takes the op's gradient for `x` as the
+/// sum. `None` where `x` has none yet, or it is not the first input of the node being taken
+/// back, or outside a tape's backward (candle's autograd adds its gradients itself).
 // (Only CUDA's linear layers take it so far: unused in a CPU-only build but by the tests.)
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn take_gradient_so_far(x: &Tensor) -> Option<Tensor> {
@@ -323,20 +322,27 @@ fn rows(parts: &[&Tensor], output: Tensor) -> Result<Tensor> {
 /// `Tensor::cat(parts, 0)` (by the device's own kernel where it has one,
 /// [`super::joined_on_device`]), recorded while a recording is under way.
 pub(crate) fn cat_rows(parts: &[&Tensor]) -> Result<Tensor> {
-    let joined = match joined_shape(parts, false) {
-        Some(shape) => super::joined_on_device(parts, &shape)?,
-        None => None,
-    };
-    rows(parts, joined.map_or_else(|| Tensor::cat(parts, 0), Ok)?)
+    rows(parts, joined(parts, false)?)
 }
 
 /// `Tensor::stack(parts, 0)` (as [`cat_rows`]), recorded while a recording is under way.
 pub(crate) fn stack_rows(parts: &[&Tensor]) -> Result<Tensor> {
-    let joined = match joined_shape(parts, true) {
-        Some(shape) => super::joined_on_device(parts, &shape)?,
-        None => None,
-    };
-    rows(parts, joined.map_or_else(|| Tensor::stack(parts, 0), Ok)?)
+    rows(parts, joined(parts, true)?)
+}
+
+/// `parts` stacked (`stack`) or concatenated along dimension 0: by the device's own kernel
+/// where it takes them, else by candle.
+fn joined(parts: &[&Tensor], stack: bool) -> Result<Tensor> {
+    if let Some(shape) = joined_shape(parts, stack)
+        && let Some(joined) = super::joined_on_device(parts, &shape)?
+    {
+        return Ok(joined);
+    }
+    if stack {
+        Tensor::stack(parts, 0)
+    } else {
+        Tensor::cat(parts, 0)
+    }
 }
 
 /// The shape of `parts` stacked (`stack`) or concatenated along dimension 0, where candle
