@@ -1284,7 +1284,7 @@ pub(crate) static CUDA_RESIDUAL_SUM_IN_PRODUCT: Switch =
 
 /// Turns on or off, for this process, the residual's gradient added by a linear layer's input
 /// gradient product (cuBLASLt with beta 1) where the tape's backward offers it
-/// ([`tape::take_gradient_so_far`]): a sublayer's input goes to its first linear layer (the
+/// (`tape::take_gradient_so_far`): a sublayer's input goes to its first linear layer (the
 /// QKV projection, the feed-forward's first) and to the sublayer's end, whose backward runs
 /// first; the tape added the two gradients after the product (`add_tensors`, 13 µs a
 /// BERT-large batch's `[8192, 1024]` bf16 on an H200, two a layer, ~0.6 ms a phase-1 pass;
