@@ -229,3 +229,34 @@ fn check_shape(
     line("params", true, params);
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::kernels::cpu::offer_for_tests::{ON, TAKEN};
+
+    /// The tape's offer of an input's gradient so far reaches a real encoder's linear layers
+    /// whose input also went to a residual (the QKV projection and the feed-forward's first:
+    /// two a layer), and a layer that takes it and adds it as the tape would leaves every
+    /// gradient of the backward by hand as it was, to the bit (the CUDA linear layers take it
+    /// into their product; the CPU's take it here only under test).
+    #[test]
+    fn the_offer_reaches_the_residuals_linear_layers_and_changes_nothing() {
+        let shapes = &CheckShape::defaults()[..1];
+        let worst_of =
+            |checks: Vec<KernelCheck>| -> Vec<f64> { checks.iter().map(|c| c.worst).collect() };
+        let without = worst_of(check_encoder_backward(&Device::Cpu, DType::F32, shapes).unwrap());
+        ON.store(true, Ordering::SeqCst);
+        let before = TAKEN.load(Ordering::SeqCst);
+        let with = check_encoder_backward(&Device::Cpu, DType::F32, shapes);
+        ON.store(false, Ordering::SeqCst);
+        let taken = TAKEN.load(Ordering::SeqCst) - before;
+        let with = worst_of(with.unwrap());
+        assert!(!without.is_empty() && without.iter().all(|w| *w < tolerance(DType::F32)));
+        // Two layers, two offers taken each (other tests' CPU layers may take some too).
+        assert!(taken >= 4, "{taken} offers taken");
+        assert_eq!(with, without);
+    }
+}
