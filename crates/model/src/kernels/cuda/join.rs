@@ -29,10 +29,9 @@ unsafe impl DeviceRepr for JoinParts {}
 /// 16-byte pieces from a 16-byte boundary of its buffer (the buffers themselves are aligned).
 pub(crate) fn join_takes(parts: &[&Tensor]) -> bool {
     let whole = |t: &Tensor| {
-        let size = t.dtype().size_in_bytes();
         t.is_contiguous()
-            && (t.elem_count() * size).is_multiple_of(16)
-            && (t.layout().start_offset() * size).is_multiple_of(16)
+            && (t.elem_count() * t.dtype().size_in_bytes()).is_multiple_of(16)
+            && starts_on_16_bytes(t)
     };
     (2..=JOIN_PARTS).contains(&parts.len())
         && parts
@@ -82,12 +81,9 @@ impl JoinRows {
             table.src[i] = address;
             table.end[i] = pieces;
         }
-        let n = self.shape.elem_count();
-        if (n * std::mem::size_of::<T>()) as u64 != 16 * pieces {
-            bail!("{name}: {pieces} pieces into {:?}", self.shape.dims())
-        }
-        // SAFETY: the kernel writes every piece of the output (its bytes are the parts').
-        let mut out = unsafe { dev.alloc::<T>(n)? };
+        // SAFETY: the kernel writes every piece of the output (its bytes are the parts', as
+        // many as the shape's: `join` checked).
+        let mut out = unsafe { dev.alloc::<T>(self.shape.elem_count())? };
         let pieces = pieces as usize;
         launch!(
             T,

@@ -232,8 +232,6 @@ struct LinearOp {
 /// widths of whole 16-byte pieces (every row aligned: the masked-LM decoder's 30,522 words
 /// keep the product and our bias kernel), and every input starting on a 16-byte boundary.
 fn epilogue_takes(x: &Tensor, weight: &Tensor, bias: &Tensor, rows: usize) -> bool {
-    let aligned =
-        |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     let whole = |n: usize| n.is_multiple_of(8);
     crate::kernels::cuda_linear_epilogue()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
@@ -244,7 +242,7 @@ fn epilogue_takes(x: &Tensor, weight: &Tensor, bias: &Tensor, rows: usize) -> bo
         && x.is_contiguous()
         && weight.is_contiguous()
         && bias.is_contiguous()
-        && [x, weight, bias].into_iter().all(aligned)
+        && [x, weight, bias].into_iter().all(starts_on_16_bytes)
 }
 
 /// The cuBLASLt handle of each device (with its workspace: 32 MiB on Hopper, 4 MiB before),
@@ -372,23 +370,20 @@ enum LtExtra<'a, 'b, T> {
     Plus(&'a CudaView<'b, T>),
 }
 
-/// One column-major cuBLASLt product `D` `[m, n]` (ld m) = `op(A) · op(B)` and `extra`,
-/// through cuBLASLt's own API where cudarc's `matmul` has neither (its epilogues are the
-/// forward's; its `C` is its `D`), `op` transposing where `(transa, transb)` say, with the
-/// leading dimensions `(lda, ldb)` of A and B as stored (as [`lt_product`] lays them out),
-/// f32 accumulation, each result rounded once to `T`. `Ok(false)` without launching anything
+/// The column-major cuBLASLt product `cfg` lays out ([`lt_product`]: `D` `[m, n]` (ld m) =
+/// `op(A) · op(B)`, `op` transposing where `transa`, `transb` say, A and B stored with leading
+/// dimensions `lda`, `ldb`) and `extra` (which decides beta), through cuBLASLt's own API where
+/// cudarc's `matmul` has neither (its epilogues are the forward's; its `C` is its `D`), f32
+/// accumulation, each result rounded once to `T`. `Ok(false)` without launching anything
 /// where cuBLASLt's search finds no algorithm (the caller then takes another way). The
 /// operands start on 16-byte boundaries with leading dimensions of whole 16-byte pieces
 /// (`lt_backward_takes`), as the preferences tell the search; the workspace is what the
 /// algorithm found needs, from the pool, for this product alone (cudarc keeps its handle's
 /// out of reach, and one kept for these would count against every step's memory).
-#[allow(clippy::too_many_arguments)]
 fn lt_raw<T: Element>(
     dev: &CudaDevice,
     lt: &CudaBlasLT,
-    (transa, transb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
-    (lda, ldb): (usize, usize),
+    cfg: &MatmulConfig,
     (a, b): (&CudaView<'_, T>, &CudaView<'_, T>),
     d: &mut CudaViewMut<'_, T>,
     extra: LtExtra<'_, '_, T>,
@@ -396,6 +391,7 @@ fn lt_raw<T: Element>(
 where
     CudaBlasLT: Matmul<T>,
 {
+    let (m, n, k) = (cfg.m, cfg.n, cfg.k);
     use lt_sys::cublasLtMatmulDescAttributes_t as Description;
     use lt_sys::cublasLtMatmulPreferenceAttributes_t as Preference;
     // cuBLAS's operations: as stored (0), or transposed (1).
@@ -411,12 +407,12 @@ where
     set_description(
         &description,
         Description::CUBLASLT_MATMUL_DESC_TRANSA,
-        &operation(transa),
+        &operation(cfg.transa),
     )?;
     set_description(
         &description,
         Description::CUBLASLT_MATMUL_DESC_TRANSB,
-        &operation(transb),
+        &operation(cfg.transb),
     )?;
     let stream = lt.stream();
     let (beta, c) = match extra {
@@ -436,23 +432,23 @@ where
         }
         LtExtra::Plus(c) => (1.0f32, Some(c.device_ptr(stream).0)),
     };
-    let layout = |rows: usize, cols: usize, ld: usize| {
+    let layout = |rows: u64, cols: u64, ld: i64| {
         LtObject::new(
-            lt_result::create_matrix_layout(element, rows as u64, cols as u64, ld as i64),
+            lt_result::create_matrix_layout(element, rows, cols, ld),
             lt_result::destroy_matrix_layout,
         )
     };
-    let a_layout = if transa {
-        layout(k, m, lda)?
+    let a_layout = if cfg.transa {
+        layout(k, m, cfg.lda)?
     } else {
-        layout(m, k, lda)?
+        layout(m, k, cfg.lda)?
     };
-    let b_layout = if transb {
-        layout(n, k, ldb)?
+    let b_layout = if cfg.transb {
+        layout(n, k, cfg.ldb)?
     } else {
-        layout(k, n, ldb)?
+        layout(k, n, cfg.ldb)?
     };
-    let d_layout = layout(m, n, m)?;
+    let d_layout = layout(m, n, cfg.ldc)?;
     let preference = LtObject::new(
         lt_result::create_matmul_pref(),
         lt_result::destroy_matmul_pref,
@@ -559,13 +555,11 @@ where
 /// contiguous from a 16-byte boundary with rows of whole 16-byte pieces (the products' leading
 /// dimensions; the token count, a packed batch's, may be any).
 fn lt_backward_takes(tensors: &[&Tensor]) -> bool {
-    let aligned =
-        |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     crate::kernels::cuda_linear_backward_lt()
         && tensors.iter().all(|t| {
             matches!(t.dtype(), DType::BF16 | DType::F16)
                 && t.is_contiguous()
-                && aligned(t)
+                && starts_on_16_bytes(t)
                 && t.dims().last().is_some_and(|d| d.is_multiple_of(8))
         })
 }
@@ -669,9 +663,7 @@ impl CustomOp2 for LtGradient {
                 if !lt_raw::<T>(
                     dev,
                     &lt,
-                    (false, true),
-                    (inner, out, rows),
-                    (inner, out),
+                    &cfg,
                     (first, second),
                     &mut weight,
                     LtExtra::BiasGradient(&mut bias),
@@ -757,12 +749,11 @@ impl CustomOp3 for LtInputPlus {
             // As `LtGradient::Input` lays it out: the weight [in, out] (ld in) times the
             // gradient [out, rows] (ld out), [in, rows], `so_far` laid out alike.
             let mut d = sum.slice_mut(..);
+            let cfg = lt_product((false, false), (inner, rows, out), (inner, out));
             if !lt_raw::<T>(
                 dev,
                 &lt,
-                (false, false),
-                (inner, rows, out),
-                (inner, out),
+                &cfg,
                 (&weight, &grad),
                 &mut d,
                 LtExtra::Plus(&so_far),
@@ -770,10 +761,7 @@ impl CustomOp3 for LtInputPlus {
                 // No algorithm for it: the sum so far copied in, the product added to it in
                 // place (cudarc's product reads its C where it writes its D).
                 dev.memcpy_dtod(&so_far, &mut d)?;
-                let cfg = MatmulConfig {
-                    beta: 1.0,
-                    ..lt_product((false, false), (inner, rows, out), (inner, out))
-                };
+                let cfg = MatmulConfig { beta: 1.0, ..cfg };
                 // SAFETY: the layouts are those of the buffers' sizes.
                 unsafe { lt.matmul(cfg, &weight, &grad, &mut d, None, None) }.map_err(lt_error)?;
             }
@@ -961,12 +949,12 @@ impl CustomOp3 for LinearOp {
                     None => {
                         let packed =
                             input.apply_op2_no_bwd(&grad_pre, &LtGradient::WeightAndBias)?;
-                        let elements = out_features * input.dim(1)?;
+                        let elements = out_features * in_features;
                         let start = bias_gradient_start(elements, packed.dtype().size_in_bytes());
                         (
                             packed
                                 .narrow(0, 0, elements)?
-                                .reshape((out_features, input.dim(1)?))?,
+                                .reshape((out_features, in_features))?,
                             packed.narrow(0, start, out_features)?,
                         )
                     }

@@ -232,6 +232,12 @@ fn view<'a, T: CudaDType + DeviceRepr>(
     Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
 }
 
+/// Whether tensor `t` starts on a 16-byte boundary of its buffer (the buffers themselves are
+/// aligned): what a 16-byte load of it, or a cuBLASLt operand told so, needs.
+fn starts_on_16_bytes(t: &Tensor) -> bool {
+    (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
+}
+
 /// Whether rows of `cols` elements of `T` are whole 16-byte pieces and every input starting at
 /// the elements `starts` of its buffer (the buffers themselves are aligned) lies on a 16-byte
 /// boundary: what the kernels 16 bytes a thread need.
