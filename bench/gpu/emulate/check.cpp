@@ -341,6 +341,27 @@ bool run(const Case& c) {
                                                         lse_pair_exp2.data(), scatter.data(),
                                                         tokens, batch, heads, seq, scale, d);
     });
+    // The joint backward (`flash_registers_joint[_exp2][_dropout]_backward`: one block of eight
+    // warps a row's head, rows of at most 128 places, the delta its own): the same bits as the
+    // delta kernel and the two straight backwards together, each form's.
+    const EmulatedDim joint_grid{1, (unsigned)heads, (unsigned)batch};
+    size_t joint_differ = 0;
+    if (seq <= FR_PAIR_ROWS) {
+        std::vector<bf16> joint(grad_qkv.size(), unwritten), joint_exp2(grad_qkv.size(), unwritten);
+        emulate_launch(joint_grid, FR_PAIR_THREADS, [&] {
+            (d.on ? flash_registers_joint_dropout_backward_bf16
+                  : flash_registers_joint_backward_bf16)(
+                qkv.data(), context_reg.data(), grad.data(), lse_bat.data(), joint.data(),
+                scatter.data(), tokens, batch, heads, seq, scale, d);
+        }, sizeof(FrJointShared));
+        emulate_launch(joint_grid, FR_PAIR_THREADS, [&] {
+            (d.on ? flash_registers_joint_exp2_dropout_backward_bf16
+                  : flash_registers_joint_exp2_backward_bf16)(
+                qkv.data(), context_reg.data(), grad.data(), lse_exp2.data(), joint_exp2.data(),
+                scatter.data(), tokens, batch, heads, seq, scale, d);
+        }, sizeof(FrJointShared));
+        joint_differ += differ(grad_qkv_str, joint) + differ(grad_qkv_exp2, joint_exp2);
+    }
     // The straight forms with their keep bits (`flash_registers_*_bits_*`, dropout only): the
     // batched forward writes the words, both backwards read them: the same bits as the straight
     // forms'; the asynchronous and pair forwards write the same words (those the backwards read:
@@ -389,6 +410,18 @@ bool run(const Case& c) {
                     qkv.data(), grad.data(), l.data(), delta_reg.data(), gqkv.data(),
                     scatter.data(), tokens, batch, heads, seq, scale, d, keep.data());
             });
+            // The joint backward from the same words (rows of at most 128 places): the same
+            // gradients (the delta from the context the others' delta was made from).
+            if (seq <= FR_PAIR_ROWS) {
+                std::vector<bf16> joint(grad_qkv.size(), unwritten);
+                emulate_launch(joint_grid, FR_PAIR_THREADS, [&] {
+                    (e2 ? flash_registers_joint_exp2_bits_backward_bf16
+                        : flash_registers_joint_bits_backward_bf16)(
+                        qkv.data(), context_reg.data(), grad.data(), l.data(), joint.data(),
+                        scatter.data(), tokens, batch, heads, seq, scale, d, keep.data());
+                }, sizeof(FrJointShared));
+                joint_differ += differ(gqkv, joint);
+            }
             const auto& want_ctx = e2 ? context_exp2 : context_str;
             const auto& want_l = e2 ? lse_exp2 : lse_str;
             keep_differ += differ(want_ctx, ctx) + differ(want_ctx, ctx_async) +
@@ -540,13 +573,17 @@ bool run(const Case& c) {
                 "pair", pair_differ, pair_differ ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu of both deltas off their sums in f64 by more than f32's rounding %s\n",
                 c.name, "delta", delta_off, delta_off ? "FAILED" : "ok");
+    if (seq <= FR_PAIR_ROWS) {
+        std::printf("  %-28s %-8s %zu gradients differ from the delta and two backwards' %s\n",
+                    c.name, "joint", joint_differ, joint_differ ? "FAILED" : "ok");
+    }
     if (d.on) {
         std::printf("  %-28s %-8s %zu values and keep words differ from the straight forms' %s\n",
                     c.name, "bits", keep_differ, keep_differ ? "FAILED" : "ok");
     }
     return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
            straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0 && keep_differ == 0 &&
-           delta_off == 0;
+           delta_off == 0 && joint_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a
@@ -1639,6 +1676,11 @@ int main() {
         {"rows of 512 and 300, dropout", {512, 300}, 512, 1, true},
         // BERT-large's heads (hidden 1,024: the keys' and values' columns far into each row).
         {"16 heads, rows of 128, dropout", {128, 97}, 128, 16, true},
+        // Rows of at most 128 places (the joint backward): one ending inside the second tile,
+        // one of a whole tile, one token, one of padding only; holes in both tiles; one tile.
+        {"rows of 100, 64, 1, 0, dropout", {100, 64, 1, 0}, 100, 2, true},
+        {"holes, rows of 120, eval", {120, 70}, 120, 2, false, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
+        {"rows of 50 and 7, dropout", {50, 7}, 50, 3, true},
     };
     bool ok = true;
     std::printf("one-pass attention (flash.cu) on the CPU emulation against f64:\n");

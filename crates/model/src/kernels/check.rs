@@ -216,6 +216,8 @@ enum Form {
     FlashBitsPairExp2,
     /// The same (the defaults since 2026-11-27's evening run) with its delta 16 bytes a thread.
     FlashDelta,
+    /// The defaults with the joint backward (one kernel for rows of at most 128 places).
+    FlashJoint,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -262,6 +264,13 @@ impl Form {
                 &super::CUDA_FLASH_KEEP_BITS,
                 &super::CUDA_FLASH_DELTA_VECTOR,
             ],
+            Form::FlashJoint => vec![
+                &super::CUDA_FLASH_STRAIGHT,
+                &super::CUDA_FLASH_PAIR_FORWARD,
+                &super::CUDA_FLASH_EXP2,
+                &super::CUDA_FLASH_KEEP_BITS,
+                &super::CUDA_FLASH_JOINT_BACKWARD,
+            ],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
             Form::NormAhead => vec![&super::CUDA_NORM_BACKWARD_AHEAD],
@@ -295,7 +304,8 @@ impl Form {
             | Form::FlashBits
             | Form::FlashBitsAsync
             | Form::FlashBitsPairExp2
-            | Form::FlashDelta => {
+            | Form::FlashDelta
+            | Form::FlashJoint => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector
@@ -310,7 +320,11 @@ impl Form {
     fn set(self) {
         let bits = matches!(
             self,
-            Form::FlashBits | Form::FlashBitsAsync | Form::FlashBitsPairExp2 | Form::FlashDelta
+            Form::FlashBits
+                | Form::FlashBitsAsync
+                | Form::FlashBitsPairExp2
+                | Form::FlashDelta
+                | Form::FlashJoint
         );
         let straight = bits
             || matches!(
@@ -332,14 +346,15 @@ impl Form {
         super::set_cuda_flash_straight(straight);
         super::set_cuda_flash_exp2(matches!(
             self,
-            Form::FlashStraightExp2 | Form::FlashBitsPairExp2 | Form::FlashDelta
+            Form::FlashStraightExp2 | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
         ));
         super::set_cuda_flash_pair_forward(matches!(
             self,
-            Form::FlashPair | Form::FlashBitsPairExp2 | Form::FlashDelta
+            Form::FlashPair | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
         ));
         super::set_cuda_flash_keep_bits(bits);
         super::set_cuda_flash_delta_vector(self == Form::FlashDelta);
+        super::set_cuda_flash_joint_backward(self == Form::FlashJoint);
         let norm_bits = matches!(self, Form::NormBits | Form::NormWarpBackward);
         let norm_ahead = norm_bits || self == Form::NormAhead;
         let norm_warp = norm_ahead || self == Form::NormWarp;
@@ -363,7 +378,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 14] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 15] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -373,6 +388,7 @@ static FORM_SWITCHES: [&crate::switch::Switch; 14] = [
     &super::CUDA_FLASH_PAIR_FORWARD,
     &super::CUDA_FLASH_KEEP_BITS,
     &super::CUDA_FLASH_DELTA_VECTOR,
+    &super::CUDA_FLASH_JOINT_BACKWARD,
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
     &super::CUDA_NORM_BACKWARD_AHEAD,
@@ -783,6 +799,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         ),
         attention("attention flash delta (eval)", false, Form::FlashDelta),
         attention("attention flash delta (dropout)", true, Form::FlashDelta),
+        attention("attention flash joint (eval)", false, Form::FlashJoint),
+        attention("attention flash joint (dropout)", true, Form::FlashJoint),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.

@@ -954,6 +954,36 @@ pub fn cuda_flash_delta_vector() -> bool {
     CUDA_FLASH_DELTA_VECTOR.get()
 }
 
+/// Whether the one-pass attention's backward takes one kernel for rows of at most 128 places.
+pub(crate) static CUDA_FLASH_JOINT_BACKWARD: Switch =
+    Switch::opt_in("BERTKIT_CUDA_FLASH_BACKWARD", "joint");
+
+/// Turns the one-pass attention's joint backward on or off for this process (with its straight
+/// kernels, [`set_cuda_flash_straight`], with or without [`set_cuda_flash_exp2`] and
+/// [`set_cuda_flash_keep_bits`]; rows of at most 128 places, on a device that gives a block 113
+/// KB of shared memory: sm_80, sm_90): a block of eight warps a row's head computes the delta and
+/// the queries', keys' and values' gradients in one launch, where the backward takes three (the
+/// delta, then the keys' and values' kernel and the queries', each computing the row's
+/// probabilities and their gradient again, each reading the row's tiles). The whole row's
+/// queries, keys, values and output gradients are copied into shared memory once; each warp
+/// makes its 16 keys' gradients as the keys' and values' kernel does and leaves the scores'
+/// gradient there, from which each warp then sums its 16 queries' gradient: five products a
+/// pair of tiles where the two kernels make seven. The attention's backward took 3.7 ms of a
+/// BERT-large phase-1 pass on an H200 (delta 30 µs, keys' and values' 67.5, queries' 50.5 a
+/// layer; BENCHMARKS.md, 2026-11-27, evening). The same bits as the delta and the two kernels
+/// (`bench/gpu/emulate`); one block an SM by registers (sm_90: 226-255, no spill with
+/// dropout). Checked by `bertkit check kernels --device cuda` (its `attention flash joint`
+/// rows), not yet run on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_BACKWARD=joint`.
+pub fn set_cuda_flash_joint_backward(on: bool) {
+    CUDA_FLASH_JOINT_BACKWARD.set(on);
+}
+
+/// Whether the one-pass attention's backward takes one kernel for rows of at most 128 places
+/// (see [`set_cuda_flash_joint_backward`]).
+pub fn cuda_flash_joint_backward() -> bool {
+    CUDA_FLASH_JOINT_BACKWARD.get()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -1531,7 +1561,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 40] = [
+static CUDA_SWITCHES: [&Switch; 41] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1558,6 +1588,7 @@ static CUDA_SWITCHES: [&Switch; 40] = [
     &CUDA_FLASH_PAIR_FORWARD,
     &CUDA_FLASH_KEEP_BITS,
     &CUDA_FLASH_DELTA_VECTOR,
+    &CUDA_FLASH_JOINT_BACKWARD,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

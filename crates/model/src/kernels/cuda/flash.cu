@@ -406,6 +406,22 @@ __device__ __forceinline__ void flash_forward(const bf16* qkv, bf16* context, fl
     if (k.half == 0 && i < seq) lse[rows + i] = query ? m + logf(l) : 0.0f;
 }
 
+// `Σ dO·O` over head `h`'s columns of token `t` (0 for padding, `t` = `tokens`), the whole
+// warp's sum in every lane: two bytes of each a lane, then a five-step warp sum. The delta
+// kernel's and the joint backward's (`fr_backward_joint`), so that both give the same bits.
+__device__ __forceinline__ float flash_token_delta(const bf16* context, const bf16* grad,
+                                                   uint32_t t, int tokens, int hidden, int h) {
+    const int lane = threadIdx.x & 31;
+    float s = 0.0f;
+    if (t < (uint32_t)tokens) {
+        const size_t at = (size_t)t * hidden + h * FLASH_HEAD;
+        for (int e = lane; e < FLASH_HEAD; e += 32) {
+            s += __bfloat162float(context[at + e]) * __bfloat162float(grad[at + e]);
+        }
+    }
+    return warp_sum(s);
+}
+
 // `delta[b, h, i] = Σ dO·O` over the head's columns of query `i` (0 for padding): a warp a
 // query, `[batch, heads, seq]` f32.
 extern "C" __global__ void flash_attention_delta_bf16(const bf16* context, const bf16* grad,
@@ -414,15 +430,8 @@ extern "C" __global__ void flash_attention_delta_bf16(const bf16* context, const
                                                       int seq) {
     const int hidden = heads * FLASH_HEAD, lane = threadIdx.x & 31;
     for_each_query(batch, heads, seq, [&](size_t q, int b, int h, int i) {
-        const uint32_t t = scatter[(size_t)b * seq + i];
-        float s = 0.0f;
-        if (t < (uint32_t)tokens) {
-            const size_t at = (size_t)t * hidden + h * FLASH_HEAD;
-            for (int e = lane; e < FLASH_HEAD; e += 32) {
-                s += __bfloat162float(context[at + e]) * __bfloat162float(grad[at + e]);
-            }
-        }
-        s = warp_sum(s);
+        const float s =
+            flash_token_delta(context, grad, scatter[(size_t)b * seq + i], tokens, hidden, h);
         if (lane == 0) delta[q] = s;
     });
 }

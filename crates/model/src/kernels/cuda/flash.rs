@@ -35,16 +35,7 @@ fn entry(kernel: &str, dropout: &DeviceDropout, bits: bool) -> String {
         let copies = kernel == "forward" && crate::kernels::cuda_flash_async_copies();
         let batched = crate::kernels::cuda_flash_batched_loads();
         if batched && crate::kernels::cuda_flash_straight() {
-            let drop = match (dropout.on != 0, bits) {
-                (false, _) => "",
-                (true, false) => "_dropout",
-                (true, true) => "_bits",
-            };
-            let exp2 = if crate::kernels::cuda_flash_exp2() {
-                "_exp2"
-            } else {
-                ""
-            };
+            let (exp2, drop) = straight_form(dropout, bits);
             if kernel == "forward" && pair_forward() {
                 return format!("flash_registers_pair{exp2}{drop}_forward");
             }
@@ -62,6 +53,45 @@ fn entry(kernel: &str, dropout: &DeviceDropout, bits: bool) -> String {
     } else {
         format!("flash_attention_{kernel}")
     }
+}
+
+/// The straight forms' parts of an entry point's name: `_exp2` where their exponentials are by
+/// `ex2` ([`crate::kernels::set_cuda_flash_exp2`]), and `_dropout`, `_bits` (the keep bits)
+/// or nothing.
+fn straight_form(dropout: &DeviceDropout, bits: bool) -> (&'static str, &'static str) {
+    let exp2 = if crate::kernels::cuda_flash_exp2() {
+        "_exp2"
+    } else {
+        ""
+    };
+    let drop = match (dropout.on != 0, bits) {
+        (false, _) => "",
+        (true, false) => "_dropout",
+        (true, true) => "_bits",
+    };
+    (exp2, drop)
+}
+
+/// Places a row the joint backward takes (`FR_PAIR_ROWS`: two tiles).
+const JOINT_ROWS: usize = 2 * TILE;
+/// The joint backward's dynamic shared memory (`FrJointShared`, whose size
+/// `flash_registers.cu` asserts): the row's four tiles, dSᵀ and each place's values.
+const JOINT_SHARED_BYTES: usize = 113_152;
+
+/// The joint backward's entry point where it takes this batch
+/// ([`crate::kernels::set_cuda_flash_joint_backward`]: with the straight forms, rows of at most
+/// [`JOINT_ROWS`] places, a device that gives a block [`JOINT_SHARED_BYTES`]), its function
+/// allowed them; `None` for the delta and the two backwards.
+fn joint_entry(dev: &CudaDevice, h: &Heads, bits: bool) -> Result<Option<String>> {
+    let straight = crate::kernels::cuda_flash_registers()
+        && crate::kernels::cuda_flash_batched_loads()
+        && crate::kernels::cuda_flash_straight();
+    if !(crate::kernels::cuda_flash_joint_backward() && straight && h.places.seq <= JOINT_ROWS) {
+        return Ok(None);
+    }
+    let (exp2, drop) = straight_form(&h.dropout, bits);
+    let name = format!("flash_registers_joint{exp2}{drop}_backward");
+    Ok(allow_dynamic_shared::<half::bf16>(dev, &name, JOINT_SHARED_BYTES)?.then_some(name))
 }
 
 /// Elements of a 16-byte load, the kernels' unit: each input's first element must sit on one.
@@ -281,11 +311,36 @@ impl CustomOp3 for FlashBackward<'_> {
         let grad = input(name, "gradient", g, gl, p.tokens, hidden)?;
         let dev = &s.device;
         let queries = p.batch * h.heads * p.seq;
-        // SAFETY: the first launch writes every place's delta; the last two every token's
-        // query, key and value gradients (each token is one place of the padded batch).
-        let mut delta = unsafe { dev.alloc::<f32>(queries)? };
+        // SAFETY: the joint backward, or the last two launches, write every token's query, key
+        // and value gradients (each token is one place of the padded batch).
         let mut grad_qkv = unsafe { dev.alloc::<half::bf16>(p.tokens * 3 * hidden)? };
         let args = shape_args(h);
+        // (The bits where the forward wrote them and the settings still take the forms that
+        // read them: else the backwards draw the same keeps from the keys.)
+        let keep = (self.saved.keep.as_ref()).filter(|_| crate::kernels::cuda_flash_keeps_bits());
+        if let Some(entry) = joint_entry(dev, h, keep.is_some())? {
+            let grid = LaunchConfig {
+                grid_dim: (1, h.heads as u32, p.batch as u32),
+                block_dim: (THREADS * PAIR as u32, 1, 1),
+                shared_mem_bytes: JOINT_SHARED_BYTES as u32,
+            };
+            with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
+                launch!(half::bf16, dev, entry, grid, |b| {
+                    b.arg(&qkv).arg(&context).arg(&grad).arg(&self.saved.lse);
+                    b.arg(&mut grad_qkv).arg(&scatter);
+                    for a in &args {
+                        b.arg(a);
+                    }
+                    b.arg(&h.scale).arg(&h.dropout);
+                    if let Some(keep) = keep {
+                        b.arg(keep);
+                    }
+                })
+            })?;
+            return Ok((wrap(grad_qkv, dev), Shape::from((p.tokens, 3 * hidden))));
+        }
+        // SAFETY: the first launch writes every place's delta.
+        let mut delta = unsafe { dev.alloc::<f32>(queries)? };
         // The delta a warp a query's head, or eight threads a head 16 bytes each
         // (`crate::kernels::set_cuda_flash_delta_vector`; its 32-bit index needs the threads
         // under 2^32).
@@ -306,10 +361,6 @@ impl CustomOp3 for FlashBackward<'_> {
                     b.arg(a);
                 }
             })?;
-            // (The bits where the forward wrote them and the settings still take the forms
-            // that read them: else the backwards draw the same keeps from the keys.)
-            let keep =
-                (self.saved.keep.as_ref()).filter(|_| crate::kernels::cuda_flash_keeps_bits());
             for kernel in ["backward_kv", "backward_q"] {
                 let entry = entry(kernel, &h.dropout, keep.is_some());
                 launch!(half::bf16, dev, entry, grid(h), |b| {

@@ -561,6 +561,91 @@ __device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS,
     r.finish(queries, context, lse, rows, k, seq, tokens);
 }
 
+// One query tile of the keys' and values' backward for the warp's 16 keys (rows `row0..row0 +
+// 16` of the shared `keys` and `values`; `key`, `j`: whether each of the lane's two is a token,
+// and its place) against the tile's 64 queries and their output gradients (`queries`, `grads`,
+// with each query's `query_valid`, `tile_lse`, `tile_delta` and dropout `tile_line`; with
+// `FR_BITS` the forward's keep words of the tile pair, `tile_bits`, the warp's quarter
+// `bits_warp`): `dv` and `dk` summed on. `each_ds(c, a)` sees dSᵀ's A fragment of each chunk of
+// 16 queries (times the scale, as bf16: the left operand of dK's product), for a kernel that
+// makes the queries' gradient from it too (`fr_backward_joint`). The keys' and values' kernel's
+// whole work a tile, and the joint backward's.
+template <int E, typename EachDs>
+__device__ __forceinline__ void fr_kv_query_tile(const bf16* keys, const bf16* values, int row0,
+                                                 const bf16* queries, const bf16* grads,
+                                                 const int* query_valid, const float* tile_lse,
+                                                 const float* tile_delta,
+                                                 const uint64_t* tile_line,
+                                                 const uint32_t* tile_bits, int bits_warp,
+                                                 const bool (&key)[2], const int (&j)[2],
+                                                 float scale, const Dropout& d,
+                                                 float (&dk)[8][4], float (&dv)[8][4],
+                                                 EachDs each_ds) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    // Pᵀ: the warp's keys against the tile's queries, then the probabilities in place.
+    float p[8][4];
+    {
+        uint32_t kf[4][4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) fr_load_a(kf[c], keys, row0, c * 16);
+        fr_scores(p, kf, queries);
+    }
+    uint32_t kept = 0;  // bit 4n + e: element (n, e) kept by the dropout
+    if constexpr ((E & FR_BITS) != 0) kept = fr_kept_transposed(tile_bits, bits_warp, g, t);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qi = n * 8 + 2 * t + (e & 1);
+            // (`&`, not `&&`, in the straight form: `query_valid` read with no test.)
+            const bool live = E == FR_BRANCHING ? key[e >> 1] && query_valid[qi]
+                                                : key[e >> 1] & (query_valid[qi] != 0);
+            p[n][e] = fr_probability<E>(live, p[n][e], scale, &tile_lse[qi]);
+            if constexpr (E != FR_BRANCHING) {
+                // (With `FR_BITS` read above.)
+                if constexpr ((E & FR_BITS) == 0) {
+                    fr_mark_kept<E>(kept, d, tile_line[qi], j[e >> 1], 4 * n + e);
+                }
+            } else if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
+                kept |= 1u << (4 * n + e);
+            }
+        }
+    const auto keep = [&](int n, int e) { return fr_keep<E>(d, kept, 4 * n + e); };
+    // dV += dropped Pᵀ · dO, Pᵀ's 16-query chunks as left operands.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        uint32_t a[4];
+        fr_to_a(a, p, c, keep);
+        fr_accumulate(dv, a, grads, c * 16);
+    }
+    // A chunk of 16 queries at a time: dPᵀ (of the dropped probabilities) = V · dOᵀ,
+    // dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ kept − delta), dK += dSᵀ · Q.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        float dp[2][4] = {};
+#pragma unroll
+        for (int e16 = 0; e16 < 4; ++e16) {
+            uint32_t v[4], b[4];
+            fr_load_a(v, values, row0, e16 * 16);
+            fr_load_bt(b, grads, c * 16, e16 * 16);
+            mma_bf16(dp[0], v, b[0], b[1]);
+            mma_bf16(dp[1], v, b[2], b[3]);
+        }
+        float ds[2][4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = 2 * c + half, qi = n * 8 + 2 * t + (e & 1);
+                ds[half][e] = p[n][e] * (dp[half][e] * keep(n, e) - tile_delta[qi]);
+            }
+        uint32_t a[4];
+        fr_pair_to_a(a, ds, scale);
+        fr_accumulate(dk, a, queries, c * 16);
+        each_ds(c, a);
+    }
+}
+
 // The keys' and values' gradients: grid (key tiles, heads, batch); the warp's 16 keys summed
 // over every query tile, as `flash_backward_kv`'s. Held to 168 registers a lane, three blocks
 // an SM (nvcc's choice, 182, allows two): ptxas spills 36 bytes a lane for it (sm_90).
@@ -576,7 +661,7 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS,
     __shared__ int query_valid[FLASH_TILE];
     const FlashBlock k = flash_block(scatter, tokens, heads, seq);
     if (k.first >= k.end) return;  // padding keys only: no gradient to write
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int g = (threadIdx.x & 31) >> 2;
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
     // (`FR_BITS`: the forward's keep words of the query tile against this key tile.)
     __shared__ uint32_t tile_bits[(E & FR_BITS) ? FLASH_THREADS : 1];
@@ -615,67 +700,9 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS,
         flash_load_query_tile<Batched>(queries, grads, query_valid, tile_lse, tile_delta,
                                        tile_line, qkv, grad, lse, delta, k, q0, rows, seq, tokens,
                                        d, head_key);
-        // Pᵀ: the warp's keys against the tile's queries, then the probabilities in place.
-        float p[8][4];
-        {
-            uint32_t kf[4][4];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) fr_load_a(kf[c], keys, k.warp * 16, c * 16);
-            fr_scores(p, kf, queries);
-        }
-        uint32_t kept = 0;  // bit 4n + e: element (n, e) kept by the dropout
-        if constexpr ((E & FR_BITS) != 0) kept = fr_kept_transposed(tile_bits, k.warp, g, t);
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = n * 8 + 2 * t + (e & 1);
-                // (`&`, not `&&`, in the straight form: `query_valid` read with no test.)
-                const bool live = E == FR_BRANCHING ? key[e >> 1] && query_valid[qi]
-                                                    : key[e >> 1] & (query_valid[qi] != 0);
-                p[n][e] = fr_probability<E>(live, p[n][e], scale, &tile_lse[qi]);
-                if constexpr (E != FR_BRANCHING) {
-                    // (With `FR_BITS` read above.)
-                    if constexpr ((E & FR_BITS) == 0) {
-                        fr_mark_kept<E>(kept, d, tile_line[qi], j[e >> 1], 4 * n + e);
-                    }
-                } else if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
-                    kept |= 1u << (4 * n + e);
-                }
-            }
-        const auto keep = [&](int n, int e) { return fr_keep<E>(d, kept, 4 * n + e); };
-        // dV += dropped Pᵀ · dO, Pᵀ's 16-query chunks as left operands.
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            uint32_t a[4];
-            fr_to_a(a, p, c, keep);
-            fr_accumulate(dv, a, grads, c * 16);
-        }
-        // A chunk of 16 queries at a time: dPᵀ (of the dropped probabilities) = V · dOᵀ,
-        // dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ kept − delta), dK += dSᵀ · Q.
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            float dp[2][4] = {};
-#pragma unroll
-            for (int e16 = 0; e16 < 4; ++e16) {
-                uint32_t v[4], b[4];
-                fr_load_a(v, values, k.warp * 16, e16 * 16);
-                fr_load_bt(b, grads, c * 16, e16 * 16);
-                mma_bf16(dp[0], v, b[0], b[1]);
-                mma_bf16(dp[1], v, b[2], b[3]);
-            }
-            float ds[2][4];
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int n = 2 * c + half, qi = n * 8 + 2 * t + (e & 1);
-                    ds[half][e] = p[n][e] * (dp[half][e] * keep(n, e) - tile_delta[qi]);
-                }
-            uint32_t a[4];
-            fr_pair_to_a(a, ds, scale);
-            fr_accumulate(dk, a, queries, c * 16);
-        }
+        fr_kv_query_tile<E>(keys, values, k.warp * 16, queries, grads, query_valid, tile_lse,
+                            tile_delta, tile_line, tile_bits, k.warp, key, j, scale, d, dk, dv,
+                            [](int, const uint32_t(&)[4]) {});
         __syncthreads();
     }
     const float one[2] = {1.0f, 1.0f};
@@ -786,6 +813,160 @@ __device__ __forceinline__ void fr_backward_q(FLASH_BACKWARD_ARGS,
     const float one[2] = {1.0f, 1.0f};
     fr_store_rows(dq, one, queries, grad_qkv, k.stride, k.column(0), k.places,
                   k.first + k.warp * 16, seq, tokens);
+}
+
+// The A fragment of rows `col0..col0 + 16`, columns `row0..row0 + 16` of a matrix held
+// transposed in a shared tile whose rows are `ld` elements apart (the tile's rows are the
+// matrix's columns): `ldmatrix`'s transposed loads, its matrix `i` the tile's rows
+// `row0 + 8 · (i / 2)` on, columns `col0 + 8 · (i % 2)` on (A's `a[i]`, see
+// `tensor_core.cuh`).
+__device__ __forceinline__ void fr_load_a_transposed(uint32_t (&a)[4], const bf16* tile, int ld,
+                                                     int row0, int col0) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    ldmatrix_x4_trans(a, tile + (row0 + (m >> 1) * 8 + (lane & 7)) * ld + col0 + (m & 1) * 8);
+}
+
+// The joint backward (`BERTKIT_CUDA_FLASH_BACKWARD=joint`, rows of at most 128 places): one
+// block a row's head, eight warps, the three gradients and the delta in one launch, where the
+// forms above take three (the delta; the keys' and values' backward; the queries'). At phase
+// 1's 128 places the two backwards each compute the row's P and dP (the queries' kernel again
+// what the keys' kernel had), read the queries, keys, values and output gradients once per
+// tile pair, and the delta kernel reads the context and the gradient once more. Here the whole
+// row's queries, keys, values and gradients sit in shared memory once; each warp owns 16 keys
+// and goes over both query tiles as the keys' and values' kernel does (`fr_kv_query_tile`: the
+// same products in the same order, the same dK and dV), writing dSᵀ's bf16 fragments (the
+// left operand of dK's product, already times the scale) into a shared `[128 keys][136]` tile
+// as they are made; after a barrier each warp owns 16 queries and sums dQ = dS · K from that
+// tile (read transposed by `ldmatrix`) in the queries' kernel's order of keys: the same bits as
+// that kernel's, without computing P and dP again, and no atomics. The delta is computed by
+// each warp for 16 queries in the delta kernel's order (`flash_token_delta`) while the tiles'
+// copies are in flight. Grid (1, heads, batch); `FrJointShared` of dynamic shared memory (an
+// opt-in above 48 KB: `flash.rs` sets it).
+struct FrJointShared {
+    bf16 queries[FR_PAIR_ROWS * FLASH_LD];
+    bf16 grads[FR_PAIR_ROWS * FLASH_LD];
+    bf16 keys[FR_PAIR_ROWS * FLASH_LD];
+    bf16 values[FR_PAIR_ROWS * FLASH_LD];
+    // dSᵀ: a key a row, the row's 128 queries and 8 more elements (rows 272 bytes apart: a
+    // warp's 4-byte stores and each `ldmatrix` matrix's eight rows on distinct banks).
+    bf16 ds[FR_PAIR_ROWS * (FR_PAIR_ROWS + 8)];
+    uint64_t line[FR_PAIR_ROWS];  // each query's dropout line
+    float lse[FR_PAIR_ROWS], delta[FR_PAIR_ROWS];
+    int valid[FR_PAIR_ROWS];            // which places are tokens
+    uint32_t bits[4 * FLASH_THREADS];   // `FR_BITS`: the forward's words of the four tile pairs
+};
+#define FR_JOINT_LD (FR_PAIR_ROWS + 8)
+// (`flash.rs`'s `JOINT_SHARED_BYTES`, the launch's dynamic shared memory.)
+static_assert(sizeof(FrJointShared) == 113152, "flash.rs launches the joint backward with it");
+
+template <int E>
+__device__ __forceinline__ void fr_backward_joint(const bf16* qkv, const bf16* context,
+                                                  const bf16* grad, const float* lse,
+                                                  bf16* grad_qkv, const uint32_t* scatter,
+                                                  int tokens, int batch, int heads, int seq,
+                                                  float scale, Dropout d,
+                                                  const uint32_t* keep_bits = nullptr) {
+    DYNAMIC_SHARED(uint4, joint_shared);
+    FrJointShared& s = *reinterpret_cast<FrJointShared*>(joint_shared);
+    const FlashBlock k = flash_block<FR_PAIR_WARPS>(scatter, tokens, heads, seq);
+    if (k.end == 0) return;  // a row of padding: no gradient to write
+    const int g = (threadIdx.x & 31) >> 2;
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    const int tiles = (k.end + FLASH_TILE - 1) / FLASH_TILE;  // those holding a token: 1 or 2
+    // The row's queries, keys, values and output gradients, one group of copies.
+    fr_copy_tiles<3, FR_PAIR_ROWS, FR_PAIR_THREADS>(
+        {s.queries, s.keys, s.values}, qkv, k.stride, {k.column(0), k.column(1), k.column(2)},
+        k.places, 0, seq, tokens, s.valid);
+    fr_copy_tiles<1, FR_PAIR_ROWS, FR_PAIR_THREADS>({s.grads}, grad, k.hidden, {k.column(0)},
+                                                    k.places, 0, seq, tokens, nullptr);
+    cp_async_commit();
+    // While they land: each query's log-sum-exp and dropout line (as `flash_load_query_tile`
+    // reads them), the keep words, and the delta, a warp's 16 queries.
+    const uint64_t head_key = d.on ? line_key(row_key(d, k.b), k.h) : 0;
+    if (threadIdx.x < FR_PAIR_ROWS) {
+        const int i = threadIdx.x;
+        s.lse[i] = i < seq ? lse[rows + i] : 0.0f;
+        s.line[i] = d.on ? line_key(head_key, i) : 0;
+    }
+    if constexpr ((E & FR_BITS) != 0) {
+        const int all = (seq + FLASH_TILE - 1) / FLASH_TILE;  // the words' layout's tiles
+        for (int w = threadIdx.x; w < 4 * FLASH_THREADS; w += FR_PAIR_THREADS) {
+            const int pair = w / FLASH_THREADS, qt = pair >> 1, kt = pair & 1;
+            if (qt < tiles && kt < tiles) {
+                s.bits[w] = keep_bits[fr_bits_at(k.b, k.h, heads, all, qt) +
+                                      (size_t)kt * FLASH_THREADS + w % FLASH_THREADS];
+            }
+        }
+    }
+#pragma unroll 4
+    for (int r = 0; r < 16; ++r) {
+        const int i = k.warp * 16 + r;
+        const uint32_t t = i < seq ? k.places[i] : (uint32_t)tokens;
+        const float delta = flash_token_delta(context, grad, t, tokens, k.hidden, k.h);
+        if ((threadIdx.x & 31) == 0) s.delta[i] = delta;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // The warp's 16 keys (those of a tile holding no token have nothing to compute: their
+    // rows of dSᵀ are never read, their gradients are padding's).
+    const bool live_keys = k.warp * 16 < tiles * FLASH_TILE;
+    int j[2];
+    bool key[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        j[h] = k.warp * 16 + g + 8 * h;
+        key[h] = j[h] < seq && k.places[j[h]] < (uint32_t)tokens;
+    }
+    float dk[8][4], dv[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+    if (live_keys) {
+        const int t = threadIdx.x & 3;
+        for (int qt = 0; qt < tiles; ++qt) {
+            const int q0 = qt * FLASH_TILE;
+            bf16* ds = s.ds + (k.warp * 16 + g) * FR_JOINT_LD + q0 + 2 * t;
+            fr_kv_query_tile<E>(s.keys, s.values, k.warp * 16, s.queries + q0 * FLASH_LD,
+                                s.grads + q0 * FLASH_LD, s.valid + q0, s.lse + q0, s.delta + q0,
+                                s.line + q0, s.bits + (qt * 2 + (k.warp >> 2)) * FLASH_THREADS,
+                                k.warp & 3, key, j, scale, d, dk, dv,
+                                [&](int c, const uint32_t (&a)[4]) {
+                                    // A's layout: rows g and g + 8, columns 2t and 8 + 2t.
+                                    uint32_t* at = reinterpret_cast<uint32_t*>(ds + c * 16);
+                                    at[0] = a[0];
+                                    at[4] = a[2];
+                                    at[8 * FR_JOINT_LD / 2] = a[1];
+                                    at[8 * FR_JOINT_LD / 2 + 4] = a[3];
+                                });
+        }
+    }
+    // Every warp done with the queries, the gradients and the values; dSᵀ whole.
+    __syncthreads();
+    const float one[2] = {1.0f, 1.0f};
+    if (live_keys) {
+        // (Staged in the warp's own rows of the queries' and gradients' tiles.)
+        fr_store_rows(dk, one, s.queries, grad_qkv, k.stride, k.column(1), k.places, k.warp * 16,
+                      seq, tokens);
+        fr_store_rows(dv, one, s.grads, grad_qkv, k.stride, k.column(2), k.places, k.warp * 16,
+                      seq, tokens);
+    }
+    // dQ = dS · K for the warp's 16 queries, 16 keys at a time in order.
+    if (k.warp * 16 < k.end) {
+        float dq[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+        for (int c = 0; c < 4 * tiles; ++c) {
+            uint32_t a[4];
+            fr_load_a_transposed(a, s.ds, FR_JOINT_LD, c * 16, k.warp * 16);
+            fr_accumulate(dq, a, s.keys, c * 16);
+        }
+        fr_store_rows(dq, one, s.values, grad_qkv, k.stride, k.column(0), k.places, k.warp * 16,
+                      seq, tokens);
+    }
 }
 
 // The entry points: `flash_registers_NAME_bf16` with `flash_load_tile`'s loads,
@@ -904,5 +1085,33 @@ FR_BITS_FORWARD(straight_exp2, FR_EXP2, async_forward, FLASH_THREADS, 4, FR_ASYN
 FR_BITS_FORWARD(pair_exp2, FR_EXP2, forward, FR_PAIR_THREADS, 2, FR_PAIR)
 FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_kv, fr_backward_kv)
 FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
+
+
+// The joint backward (`flash_registers_joint[_exp2][_dropout|_bits]_backward_bf16`), the
+// straight forms' element-wise code: the context in place of the delta, the keep words last
+// for `_bits`.
+#define FLASH_JOINT_ARGS                                                                          \
+    const bf16 *qkv, const bf16 *context, const bf16 *grad, const float *lse, bf16 *grad_qkv,     \
+        const uint32_t *scatter, int tokens, int batch, int heads, int seq, float scale, Dropout d
+#define FR_JOINT_BACKWARD(FORM, FLAGS)                                                            \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 1)                              \
+        flash_registers_##FORM##_backward_bf16(FLASH_JOINT_ARGS) {                                \
+        fr_backward_joint<FR_PLAIN | FLAGS>(qkv, context, grad, lse, grad_qkv, scatter, tokens,   \
+                                            batch, heads, seq, scale, d);                         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 1)                              \
+        flash_registers_##FORM##_dropout_backward_bf16(FLASH_JOINT_ARGS) {                        \
+        fr_backward_joint<FR_DROPOUT | FLAGS>(qkv, context, grad, lse, grad_qkv, scatter, tokens, \
+                                              batch, heads, seq, scale, d);                       \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 1)                              \
+        flash_registers_##FORM##_bits_backward_bf16(FLASH_JOINT_ARGS,                             \
+                                                    const uint32_t* keep_bits) {                  \
+        fr_backward_joint<FR_DROPOUT | FR_BITS | FLAGS>(qkv, context, grad, lse, grad_qkv,        \
+                                                        scatter, tokens, batch, heads, seq,       \
+                                                        scale, d, keep_bits);                     \
+    }
+FR_JOINT_BACKWARD(joint, 0)
+FR_JOINT_BACKWARD(joint_exp2, FR_EXP2)
 
 #endif

@@ -213,6 +213,39 @@ fn resident_blocks<T: Element>(dev: &CudaDevice, name: &str, threads: usize) -> 
     Ok(n)
 }
 
+/// Whether `dev` gives a block of kernel `name` (for `T`) `bytes` of dynamic shared memory
+/// beside its static shared memory, and if so the function allowed them: above 48 KB a kernel
+/// must ask (`cuFuncSetAttribute`, a host call with no sync, made at each launch that needs it).
+/// (sm_80 and sm_90 give a block up to 163 and 227 KB; sm_86 and sm_89, 99.)
+fn allow_dynamic_shared<T: Element>(dev: &CudaDevice, name: &str, bytes: usize) -> Result<bool> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        CUdevice_attribute, CUfunction_attribute,
+    };
+    let most = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    let func = function::<T>(dev, name)?;
+    let fixed = func.shared_size_bytes().w()?;
+    let (Ok(most), Ok(fixed), Ok(asked)) = (
+        usize::try_from(most),
+        usize::try_from(fixed),
+        i32::try_from(bytes),
+    ) else {
+        return Ok(false);
+    };
+    if fixed + bytes > most {
+        return Ok(false);
+    }
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        asked,
+    )
+    .w()?;
+    Ok(true)
+}
+
 /// A block's threads for rows of `width`: about four elements a thread, a whole number of
 /// warps, 32 to 1024.
 fn row_threads(width: usize) -> usize {
