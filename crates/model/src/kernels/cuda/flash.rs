@@ -13,7 +13,10 @@
 //!
 //! Two forms of the kernels, one launcher: `flash.cu` (`wmma` tiles, each tile of results
 //! through shared memory) and `flash_registers.cu` (`mma.sync` tiles whose results stay in
-//! registers, [`crate::kernels::set_cuda_flash_registers`]): the same grid and arguments.
+//! registers, [`crate::kernels::set_cuda_flash_registers`]): the same grid and arguments. The
+//! backward is three launches (each query's delta, the keys' and values' gradients, the
+//! queries'), or at rows of at most 128 places one (the joint backward,
+//! [`crate::kernels::set_cuda_flash_joint_backward`]: a block a row's head, its own grid).
 
 use super::attention::Heads;
 use super::*;

@@ -873,13 +873,24 @@ __device__ __forceinline__ void fr_backward_joint(const bf16* qkv, const bf16* c
     const int g = (threadIdx.x & 31) >> 2;
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
     const int tiles = (k.end + FLASH_TILE - 1) / FLASH_TILE;  // those holding a token: 1 or 2
-    // The row's queries, keys, values and output gradients, one group of copies.
-    fr_copy_tiles<3, FR_PAIR_ROWS, FR_PAIR_THREADS>(
-        {s.queries, s.keys, s.values}, qkv, k.stride, {k.column(0), k.column(1), k.column(2)},
-        k.places, 0, seq, tokens, s.valid);
-    fr_copy_tiles<1, FR_PAIR_ROWS, FR_PAIR_THREADS>({s.grads}, grad, k.hidden, {k.column(0)},
-                                                    k.places, 0, seq, tokens, nullptr);
-    cp_async_commit();
+    // The row's keys and values and the first query tile's queries and output gradients, one
+    // group of copies; the second tile's, another (empty where there is none), in flight while
+    // the warps work on the first.
+    fr_copy_tiles<2, FR_PAIR_ROWS, FR_PAIR_THREADS>({s.keys, s.values}, qkv, k.stride,
+                                                    {k.column(1), k.column(2)}, k.places, 0, seq,
+                                                    tokens, s.valid);
+    for (int qt = 0; qt < 2; ++qt) {
+        if (qt < tiles) {
+            const int q0 = qt * FLASH_TILE;
+            fr_copy_tiles<1, FLASH_TILE, FR_PAIR_THREADS>({s.queries + q0 * FLASH_LD}, qkv,
+                                                          k.stride, {k.column(0)}, k.places, q0,
+                                                          seq, tokens, nullptr);
+            fr_copy_tiles<1, FLASH_TILE, FR_PAIR_THREADS>({s.grads + q0 * FLASH_LD}, grad,
+                                                          k.hidden, {k.column(0)}, k.places, q0,
+                                                          seq, tokens, nullptr);
+        }
+        cp_async_commit();
+    }
     // While they land: each query's log-sum-exp and dropout line (as `flash_load_query_tile`
     // reads them), the keep words, and the delta, a warp's 16 queries.
     const uint64_t head_key = d.on ? line_key(row_key(d, k.b), k.h) : 0;
@@ -905,8 +916,6 @@ __device__ __forceinline__ void fr_backward_joint(const bf16* qkv, const bf16* c
         const float delta = flash_token_delta(context, grad, t, tokens, k.hidden, k.h);
         if ((threadIdx.x & 31) == 0) s.delta[i] = delta;
     }
-    cp_async_wait<0>();
-    __syncthreads();
 
     // The warp's 16 keys (those of a tile holding no token have nothing to compute: their
     // rows of dSᵀ are never read, their gradients are padding's).
@@ -923,9 +932,16 @@ __device__ __forceinline__ void fr_backward_joint(const bf16* qkv, const bf16* c
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
-    if (live_keys) {
-        const int t = threadIdx.x & 3;
-        for (int qt = 0; qt < tiles; ++qt) {
+    const int t = threadIdx.x & 3;
+    for (int qt = 0; qt < tiles; ++qt) {
+        // This tile's copies landed for every warp (and the first time, every place's values).
+        if (qt == 0) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (live_keys) {
             const int q0 = qt * FLASH_TILE;
             bf16* ds = s.ds + (k.warp * 16 + g) * FR_JOINT_LD + q0 + 2 * t;
             fr_kv_query_tile<E>(s.keys, s.values, k.warp * 16, s.queries + q0 * FLASH_LD,
