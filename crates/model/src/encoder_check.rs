@@ -85,7 +85,8 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
 fn needs(check: &str, dtype: DType) -> Vec<String> {
     use crate::kernels::{
         CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ASYNC_COPIES,
-        CUDA_FLASH_ATTENTION, CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_REGISTERS, CUDA_JOIN,
+        CUDA_FLASH_ATTENTION, CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_DELTA_VECTOR,
+        CUDA_FLASH_JOINT_BACKWARD, CUDA_FLASH_REGISTERS, CUDA_JOIN,
         CUDA_LINEAR_BACKWARD_LT, CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD,
         CUDA_NORM_WIDE_GRID, CUDA_RESIDUAL_SUM_IN_PRODUCT, CUDA_TAPE,
     };
@@ -108,12 +109,15 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
     ];
     if check == FLASH_NAME {
         // Every setting is on here: the form with the scores in registers, its loads batched
-        // and its forward's copies asynchronous, is the one run.
+        // and its forward's copies asynchronous, is the one run; its backward the joint one at
+        // rows of at most 128 places, else with its delta 16 bytes a thread.
         switches.extend([
             &CUDA_FLASH_ATTENTION,
             &CUDA_FLASH_REGISTERS,
             &CUDA_FLASH_BATCHED_LOADS,
             &CUDA_FLASH_ASYNC_COPIES,
+            &CUDA_FLASH_DELTA_VECTOR,
+            &CUDA_FLASH_JOINT_BACKWARD,
         ]);
     }
     needing_in(dtype, &switches)
