@@ -971,8 +971,9 @@ pub(crate) static CUDA_FLASH_JOINT_BACKWARD: Switch =
 /// pair of tiles where the two kernels make seven. The attention's backward took 3.7 ms of a
 /// BERT-large phase-1 pass on an H200 (delta 30 µs, keys' and values' 67.5, queries' 50.5 a
 /// layer; BENCHMARKS.md, 2026-11-27, evening). The same bits as the delta and the two kernels
-/// (`bench/gpu/emulate`); one block an SM by registers (sm_90: 215-254, none spilled), the
-/// second query tile's copies in flight while the warps work on the first. Checked by
+/// (`bench/gpu/emulate`); two blocks an SM on sm_90 (128 registers, the keys' work a chunk of
+/// 16 queries at a time; at most 16 bytes spilled), the second query tile's copies in flight
+/// while the warps work on the first. Checked by
 /// `bertkit check kernels --device cuda` (its `attention flash joint` rows), not yet run on a
 /// GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_BACKWARD=joint`.
 pub fn set_cuda_flash_joint_backward(on: bool) {

@@ -90,13 +90,20 @@ __device__ __forceinline__ void fr_to_a(uint32_t (&a)[4], const float (&x)[8][4]
     a[3] = pack_bf16(x[2 * c + 1][2] * f(2 * c + 1, 2), x[2 * c + 1][3] * f(2 * c + 1, 3));
 }
 
-// The A fragment of two 8-column accumulators (`x[0]` the first 8 columns), times `scale`.
+// The A fragment of two 8-column accumulators (`x[0]` the first 8 columns), each element times
+// `f(half, e)` (its accumulator and place): `fr_to_a`'s fragment of a chunk held on its own.
+template <typename F>
+__device__ __forceinline__ void fr_pair_to_a(uint32_t (&a)[4], const float (&x)[2][4], F f) {
+    a[0] = pack_bf16(x[0][0] * f(0, 0), x[0][1] * f(0, 1));
+    a[1] = pack_bf16(x[0][2] * f(0, 2), x[0][3] * f(0, 3));
+    a[2] = pack_bf16(x[1][0] * f(1, 0), x[1][1] * f(1, 1));
+    a[3] = pack_bf16(x[1][2] * f(1, 2), x[1][3] * f(1, 3));
+}
+
+// The same, every element times `scale`.
 __device__ __forceinline__ void fr_pair_to_a(uint32_t (&a)[4], const float (&x)[2][4],
                                              float scale) {
-    a[0] = pack_bf16(x[0][0] * scale, x[0][1] * scale);
-    a[1] = pack_bf16(x[0][2] * scale, x[0][3] * scale);
-    a[2] = pack_bf16(x[1][0] * scale, x[1][1] * scale);
-    a[3] = pack_bf16(x[1][2] * scale, x[1][3] * scale);
+    fr_pair_to_a(a, x, [scale](int, int) { return scale; });
 }
 
 // The warp's `[16, 64]` accumulators, row r times `scale[r / 8]`, to 64 columns from `col` of
@@ -561,16 +568,71 @@ __device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS,
     r.finish(queries, context, lse, rows, k, seq, tokens);
 }
 
-// One query tile of the keys' and values' backward for the warp's 16 keys (rows `row0..row0 +
-// 16` of the shared `keys` and `values`; `key`, `j`: whether each of the lane's two is a token,
-// and its place) against the tile's 64 queries and their output gradients (`queries`, `grads`,
-// with each query's `query_valid`, `tile_lse`, `tile_delta` and dropout `tile_line`; with
+// The keys' and values' backward's steps for the warp's 16 keys (rows `row0..row0 + 16` of the
+// shared `keys` and `values`; `key`, `j`: whether each of the lane's two is a token, and its
+// place) against a tile of 64 queries and their output gradients (`queries`, `grads`, with
+// each query's `query_valid`, `tile_lse`, `tile_delta` and dropout `tile_line`). Pᵀ's 8-query
+// accumulator `x` (columns `8n..8n + 8` of the tile): the probabilities in place of the
+// scores, and without `FR_BITS` the dropout's keeps marked in `kept` (bit `4n + e`).
+template <int E>
+__device__ __forceinline__ void fr_kv_probabilities(float (&x)[4], int n, const bool (&key)[2],
+                                                    const int (&j)[2], const int* query_valid,
+                                                    const float* tile_lse,
+                                                    const uint64_t* tile_line, float scale,
+                                                    const Dropout& d, uint32_t& kept) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int qi = n * 8 + 2 * t + (e & 1);
+        // (`&`, not `&&`, in the straight form: `query_valid` read with no test.)
+        const bool live = E == FR_BRANCHING ? key[e >> 1] && query_valid[qi]
+                                            : key[e >> 1] & (query_valid[qi] != 0);
+        x[e] = fr_probability<E>(live, x[e], scale, &tile_lse[qi]);
+        if constexpr (E != FR_BRANCHING) {
+            // (With `FR_BITS` read by the caller.)
+            if constexpr ((E & FR_BITS) == 0) {
+                fr_mark_kept<E>(kept, d, tile_line[qi], j[e >> 1], 4 * n + e);
+            }
+        } else if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
+            kept |= 1u << (4 * n + e);
+        }
+    }
+}
+
+// Chunk `c` (16 queries) of dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ kept − delta), its probabilities `p0`, `p1` (the
+// chunk's two 8-query accumulators), as dK's bf16 left operand `a` times the scale; dPᵀ (of the
+// dropped probabilities) = V · dOᵀ computed here.
+template <int E>
+__device__ __forceinline__ void fr_kv_ds(uint32_t (&a)[4], const float (&p0)[4],
+                                         const float (&p1)[4], int c, const bf16* values,
+                                         int row0, const bf16* grads, const float* tile_delta,
+                                         uint32_t kept, float scale, const Dropout& d) {
+    const int t = threadIdx.x & 3;
+    float dp[2][4] = {};
+#pragma unroll
+    for (int e16 = 0; e16 < 4; ++e16) {
+        uint32_t v[4], b[4];
+        fr_load_a(v, values, row0, e16 * 16);
+        fr_load_bt(b, grads, c * 16, e16 * 16);
+        mma_bf16(dp[0], v, b[0], b[1]);
+        mma_bf16(dp[1], v, b[2], b[3]);
+    }
+    float ds[2][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = 2 * c + half, qi = n * 8 + 2 * t + (e & 1);
+            const float p = half ? p1[e] : p0[e];
+            ds[half][e] = p * (dp[half][e] * fr_keep<E>(d, kept, 4 * n + e) - tile_delta[qi]);
+        }
+    fr_pair_to_a(a, ds, scale);
+}
+
+// One query tile of the keys' and values' backward for the warp's 16 keys (see above; with
 // `FR_BITS` the forward's keep words of the tile pair, `tile_bits`, the warp's quarter
-// `bits_warp`): `dv` and `dk` summed on. `each_ds(c, a)` sees dSᵀ's A fragment of each chunk of
-// 16 queries (times the scale, as bf16: the left operand of dK's product), for a kernel that
-// makes the queries' gradient from it too (`fr_backward_joint`). The keys' and values' kernel's
-// whole work a tile, and the joint backward's.
-template <int E, typename EachDs>
+// `bits_warp`): `dv` and `dk` summed on. The keys' and values' kernel's whole work a tile.
+template <int E>
 __device__ __forceinline__ void fr_kv_query_tile(const bf16* keys, const bf16* values, int row0,
                                                  const bf16* queries, const bf16* grads,
                                                  const int* query_valid, const float* tile_lse,
@@ -579,8 +641,7 @@ __device__ __forceinline__ void fr_kv_query_tile(const bf16* keys, const bf16* v
                                                  const uint32_t* tile_bits, int bits_warp,
                                                  const bool (&key)[2], const int (&j)[2],
                                                  float scale, const Dropout& d,
-                                                 float (&dk)[8][4], float (&dv)[8][4],
-                                                 EachDs each_ds) {
+                                                 float (&dk)[8][4], float (&dv)[8][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // Pᵀ: the warp's keys against the tile's queries, then the probabilities in place.
     float p[8][4];
@@ -593,23 +654,9 @@ __device__ __forceinline__ void fr_kv_query_tile(const bf16* keys, const bf16* v
     uint32_t kept = 0;  // bit 4n + e: element (n, e) kept by the dropout
     if constexpr ((E & FR_BITS) != 0) kept = fr_kept_transposed(tile_bits, bits_warp, g, t);
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int qi = n * 8 + 2 * t + (e & 1);
-            // (`&`, not `&&`, in the straight form: `query_valid` read with no test.)
-            const bool live = E == FR_BRANCHING ? key[e >> 1] && query_valid[qi]
-                                                : key[e >> 1] & (query_valid[qi] != 0);
-            p[n][e] = fr_probability<E>(live, p[n][e], scale, &tile_lse[qi]);
-            if constexpr (E != FR_BRANCHING) {
-                // (With `FR_BITS` read above.)
-                if constexpr ((E & FR_BITS) == 0) {
-                    fr_mark_kept<E>(kept, d, tile_line[qi], j[e >> 1], 4 * n + e);
-                }
-            } else if (!d.on || keep_factor(d, tile_line[qi], j[e >> 1]) != 0.0f) {
-                kept |= 1u << (4 * n + e);
-            }
-        }
+    for (int n = 0; n < 8; ++n) {
+        fr_kv_probabilities<E>(p[n], n, key, j, query_valid, tile_lse, tile_line, scale, d, kept);
+    }
     const auto keep = [&](int n, int e) { return fr_keep<E>(d, kept, 4 * n + e); };
     // dV += dropped Pᵀ · dO, Pᵀ's 16-query chunks as left operands.
 #pragma unroll
@@ -618,29 +665,54 @@ __device__ __forceinline__ void fr_kv_query_tile(const bf16* keys, const bf16* v
         fr_to_a(a, p, c, keep);
         fr_accumulate(dv, a, grads, c * 16);
     }
-    // A chunk of 16 queries at a time: dPᵀ (of the dropped probabilities) = V · dOᵀ,
-    // dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ kept − delta), dK += dSᵀ · Q.
+    // A chunk of 16 queries at a time: dSᵀ, then dK += dSᵀ · Q.
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-        float dp[2][4] = {};
+        uint32_t a[4];
+        fr_kv_ds<E>(a, p[2 * c], p[2 * c + 1], c, values, row0, grads, tile_delta, kept, scale, d);
+        fr_accumulate(dk, a, queries, c * 16);
+    }
+}
+
+// The same tile's work a chunk of 16 queries at a time from the scores on, for a kernel that
+// makes the queries' gradient from dSᵀ too (`fr_backward_joint`): `each_ds(c, a)` sees each
+// chunk's dSᵀ fragment (dK's left operand). The same products in the same order into each
+// accumulator, so the same `dk` and `dv`; a chunk's 8 probabilities live at a time, where the
+// tile's form holds the tile's 32 (the joint kernel fits two blocks an SM by it).
+template <int E, typename EachDs>
+__device__ __forceinline__ void fr_kv_query_chunks(
+    const bf16* keys, const bf16* values, int row0, const bf16* queries, const bf16* grads,
+    const int* query_valid, const float* tile_lse, const float* tile_delta,
+    const uint64_t* tile_line, const uint32_t* tile_bits, int bits_warp, const bool (&key)[2],
+    const int (&j)[2], float scale, const Dropout& d, float (&dk)[8][4], float (&dv)[8][4],
+    EachDs each_ds) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    uint32_t kept = 0;  // bit 4n + e: element (n, e) kept by the dropout
+    if constexpr ((E & FR_BITS) != 0) kept = fr_kept_transposed(tile_bits, bits_warp, g, t);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        // Pᵀ's chunk: the warp's keys against its 16 queries (`fr_scores`' sums for them).
+        float p[2][4] = {};
 #pragma unroll
         for (int e16 = 0; e16 < 4; ++e16) {
-            uint32_t v[4], b[4];
-            fr_load_a(v, values, row0, e16 * 16);
-            fr_load_bt(b, grads, c * 16, e16 * 16);
-            mma_bf16(dp[0], v, b[0], b[1]);
-            mma_bf16(dp[1], v, b[2], b[3]);
+            uint32_t kf[4], b[4];
+            fr_load_a(kf, keys, row0, e16 * 16);
+            fr_load_bt(b, queries, c * 16, e16 * 16);
+            mma_bf16(p[0], kf, b[0], b[1]);
+            mma_bf16(p[1], kf, b[2], b[3]);
         }
-        float ds[2][4];
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int n = 2 * c + half, qi = n * 8 + 2 * t + (e & 1);
-                ds[half][e] = p[n][e] * (dp[half][e] * keep(n, e) - tile_delta[qi]);
-            }
+        for (int half = 0; half < 2; ++half) {
+            fr_kv_probabilities<E>(p[half], 2 * c + half, key, j, query_valid, tile_lse,
+                                   tile_line, scale, d, kept);
+        }
+        // dV += dropped Pᵀ · dO (`fr_to_a`'s fragment of the chunk).
         uint32_t a[4];
-        fr_pair_to_a(a, ds, scale);
+        fr_pair_to_a(a, p, [&](int half, int e) {
+            return fr_keep<E>(d, kept, 4 * (2 * c + half) + e);
+        });
+        fr_accumulate(dv, a, grads, c * 16);
+        fr_kv_ds<E>(a, p[0], p[1], c, values, row0, grads, tile_delta, kept, scale, d);
         fr_accumulate(dk, a, queries, c * 16);
         each_ds(c, a);
     }
@@ -701,8 +773,7 @@ __device__ __forceinline__ void fr_backward_kv(FLASH_BACKWARD_ARGS,
                                        tile_line, qkv, grad, lse, delta, k, q0, rows, seq, tokens,
                                        d, head_key);
         fr_kv_query_tile<E>(keys, values, k.warp * 16, queries, grads, query_valid, tile_lse,
-                            tile_delta, tile_line, tile_bits, k.warp, key, j, scale, d, dk, dv,
-                            [](int, const uint32_t(&)[4]) {});
+                            tile_delta, tile_line, tile_bits, k.warp, key, j, scale, d, dk, dv);
         __syncthreads();
     }
     const float one[2] = {1.0f, 1.0f};
@@ -833,15 +904,16 @@ __device__ __forceinline__ void fr_load_a_transposed(uint32_t (&a)[4], const bf1
 // what the keys' kernel had), read the queries, keys, values and output gradients once per
 // tile pair, and the delta kernel reads the context and the gradient once more. Here the whole
 // row's queries, keys, values and gradients sit in shared memory once; each warp owns 16 keys
-// and goes over both query tiles as the keys' and values' kernel does (`fr_kv_query_tile`: the
-// same products in the same order, the same dK and dV), writing dSᵀ's bf16 fragments (the
+// and goes over both query tiles as the keys' and values' kernel does (`fr_kv_query_chunks`:
+// the same products in the same order, the same dK and dV), writing dSᵀ's bf16 fragments (the
 // left operand of dK's product, already times the scale) into a shared `[128 keys][136]` tile
 // as they are made; after a barrier each warp owns 16 queries and sums dQ = dS · K from that
 // tile (read transposed by `ldmatrix`) in the queries' kernel's order of keys: the same bits as
 // that kernel's, without computing P and dP again, and no atomics. The delta is computed by
 // each warp for 16 queries in the delta kernel's order (`flash_token_delta`) while the tiles'
 // copies are in flight. Grid (1, heads, batch); `FrJointShared` of dynamic shared memory (an
-// opt-in above 48 KB: `flash.rs` sets it).
+// opt-in above 48 KB: `flash.rs` sets it); two blocks an SM on sm_90 (128 registers: at most
+// 16 bytes spilled; 2 x 113 KB of the SM's 228 KB of shared memory).
 struct FrJointShared {
     bf16 queries[FR_PAIR_ROWS * FLASH_LD];
     bf16 grads[FR_PAIR_ROWS * FLASH_LD];
@@ -944,7 +1016,7 @@ __device__ __forceinline__ void fr_backward_joint(const bf16* qkv, const bf16* c
         if (live_keys) {
             const int q0 = qt * FLASH_TILE;
             bf16* ds = s.ds + (k.warp * 16 + g) * FR_JOINT_LD + q0 + 2 * t;
-            fr_kv_query_tile<E>(s.keys, s.values, k.warp * 16, s.queries + q0 * FLASH_LD,
+            fr_kv_query_chunks<E>(s.keys, s.values, k.warp * 16, s.queries + q0 * FLASH_LD,
                                 s.grads + q0 * FLASH_LD, s.valid + q0, s.lse + q0, s.delta + q0,
                                 s.line + q0, s.bits + (qt * 2 + (k.warp >> 2)) * FLASH_THREADS,
                                 k.warp & 3, key, j, scale, d, dk, dv,
@@ -1110,17 +1182,17 @@ FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
     const bf16 *qkv, const bf16 *context, const bf16 *grad, const float *lse, bf16 *grad_qkv,     \
         const uint32_t *scatter, int tokens, int batch, int heads, int seq, float scale, Dropout d
 #define FR_JOINT_BACKWARD(FORM, FLAGS)                                                            \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 1)                              \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
         flash_registers_##FORM##_backward_bf16(FLASH_JOINT_ARGS) {                                \
         fr_backward_joint<FR_PLAIN | FLAGS>(qkv, context, grad, lse, grad_qkv, scatter, tokens,   \
                                             batch, heads, seq, scale, d);                         \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 1)                              \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
         flash_registers_##FORM##_dropout_backward_bf16(FLASH_JOINT_ARGS) {                        \
         fr_backward_joint<FR_DROPOUT | FLAGS>(qkv, context, grad, lse, grad_qkv, scatter, tokens, \
                                               batch, heads, seq, scale, d);                       \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 1)                              \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
         flash_registers_##FORM##_bits_backward_bf16(FLASH_JOINT_ARGS,                             \
                                                     const uint32_t* keep_bits) {                  \
         fr_backward_joint<FR_DROPOUT | FR_BITS | FLAGS>(qkv, context, grad, lse, grad_qkv,        \
