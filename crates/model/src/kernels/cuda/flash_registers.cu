@@ -599,6 +599,20 @@ __device__ __forceinline__ void fr_kv_probabilities(float (&x)[4], int n, const 
     }
 }
 
+// `acc += rows · tile[16c..16c + 16]ᵀ` over the 64 columns of both (16 at a time in order):
+// the warp's 16 rows of `rows` (from `row0`) against a chunk of 16 rows of `tile`.
+__device__ __forceinline__ void fr_chunk_product(float (&acc)[2][4], const bf16* rows, int row0,
+                                                 const bf16* tile, int c) {
+#pragma unroll
+    for (int e16 = 0; e16 < 4; ++e16) {
+        uint32_t a[4], b[4];
+        fr_load_a(a, rows, row0, e16 * 16);
+        fr_load_bt(b, tile, c * 16, e16 * 16);
+        mma_bf16(acc[0], a, b[0], b[1]);
+        mma_bf16(acc[1], a, b[2], b[3]);
+    }
+}
+
 // Chunk `c` (16 queries) of dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ kept − delta), its probabilities `p0`, `p1` (the
 // chunk's two 8-query accumulators), as dK's bf16 left operand `a` times the scale; dPᵀ (of the
 // dropped probabilities) = V · dOᵀ computed here.
@@ -609,14 +623,7 @@ __device__ __forceinline__ void fr_kv_ds(uint32_t (&a)[4], const float (&p0)[4],
                                          uint32_t kept, float scale, const Dropout& d) {
     const int t = threadIdx.x & 3;
     float dp[2][4] = {};
-#pragma unroll
-    for (int e16 = 0; e16 < 4; ++e16) {
-        uint32_t v[4], b[4];
-        fr_load_a(v, values, row0, e16 * 16);
-        fr_load_bt(b, grads, c * 16, e16 * 16);
-        mma_bf16(dp[0], v, b[0], b[1]);
-        mma_bf16(dp[1], v, b[2], b[3]);
-    }
+    fr_chunk_product(dp, values, row0, grads, c);
     float ds[2][4];
 #pragma unroll
     for (int half = 0; half < 2; ++half)
@@ -693,14 +700,7 @@ __device__ __forceinline__ void fr_kv_query_chunks(
     for (int c = 0; c < 4; ++c) {
         // Pᵀ's chunk: the warp's keys against its 16 queries (`fr_scores`' sums for them).
         float p[2][4] = {};
-#pragma unroll
-        for (int e16 = 0; e16 < 4; ++e16) {
-            uint32_t kf[4], b[4];
-            fr_load_a(kf, keys, row0, e16 * 16);
-            fr_load_bt(b, queries, c * 16, e16 * 16);
-            mma_bf16(p[0], kf, b[0], b[1]);
-            mma_bf16(p[1], kf, b[2], b[3]);
-        }
+        fr_chunk_product(p, keys, row0, queries, c);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             fr_kv_probabilities<E>(p[half], 2 * c + half, key, j, query_valid, tile_lse,
