@@ -185,6 +185,25 @@ fn shape_args(h: &Heads) -> [i32; 4] {
     [p.tokens, p.batch, h.heads, p.seq].map(|v| v as i32)
 }
 
+/// The arguments each backward kernel takes after its buffers: the padded places, the shape,
+/// the scale and the dropout, then the forward's keep bits where it reads them.
+fn backward_tail<'a, 'c: 'a>(
+    b: &mut LaunchArgs<'a>,
+    scatter: &'a CudaView<'c, u32>,
+    args: &'a [i32; 4],
+    h: &'a Heads,
+    keep: Option<&'a CudaSlice<u32>>,
+) {
+    b.arg(scatter);
+    for a in args {
+        b.arg(a);
+    }
+    b.arg(&h.scale).arg(&h.dropout);
+    if let Some(keep) = keep {
+        b.arg(keep);
+    }
+}
+
 /// Checks a bf16 input of `[tokens, cols]` from an aligned element and returns its elements.
 fn input<'a>(
     name: &str,
@@ -330,14 +349,8 @@ impl CustomOp3 for FlashBackward<'_> {
             with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
                 launch!(half::bf16, dev, entry, grid, |b| {
                     b.arg(&qkv).arg(&context).arg(&grad).arg(&self.saved.lse);
-                    b.arg(&mut grad_qkv).arg(&scatter);
-                    for a in &args {
-                        b.arg(a);
-                    }
-                    b.arg(&h.scale).arg(&h.dropout);
-                    if let Some(keep) = keep {
-                        b.arg(keep);
-                    }
+                    b.arg(&mut grad_qkv);
+                    backward_tail(b, &scatter, &args, h, keep);
                 })
             })?;
             return Ok((wrap(grad_qkv, dev), Shape::from((p.tokens, 3 * hidden))));
@@ -368,14 +381,8 @@ impl CustomOp3 for FlashBackward<'_> {
                 let entry = entry(kernel, &h.dropout, keep.is_some());
                 launch!(half::bf16, dev, entry, grid(h), |b| {
                     b.arg(&qkv).arg(&grad).arg(&self.saved.lse).arg(&delta);
-                    b.arg(&mut grad_qkv).arg(&scatter);
-                    for a in &args {
-                        b.arg(a);
-                    }
-                    b.arg(&h.scale).arg(&h.dropout);
-                    if let Some(keep) = keep {
-                        b.arg(keep);
-                    }
+                    b.arg(&mut grad_qkv);
+                    backward_tail(b, &scatter, &args, h, keep);
                 })?;
             }
             Ok(())

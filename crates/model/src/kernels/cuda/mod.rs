@@ -20,7 +20,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{
