@@ -17,8 +17,10 @@
 # limit keeps what came first.
 # ROWS=REGEX: only the rows (below) whose settings or label match, beside the defaults.
 # PASSES=0: the rows' phase 1 and 2 steps without their passes per kernel (a call that must
-# fit every row, the memory rows and the check in its time). MEMORY_ROWS=REGEX: only the
-# memory rows whose settings match (beside the build's own).
+# fit every row, the memory rows and the check in its time); PASS_ROWS=REGEX with it: the
+# passes of the rows that match it all the same (beside the defaults'), those whose kernels'
+# times a step's cannot show. MEMORY_ROWS=REGEX: only the memory rows whose settings match
+# (beside the build's own).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -322,7 +324,11 @@ profile=
 [[ ${OPTIMIZER:-1} != 0 ]] && optimizer_forms
 if [[ -n ${EXTRA:-} ]]; then
     phase1_rows
-    [[ ${PASSES:-1} != 0 ]] && pass_rows
+    if [[ ${PASSES:-1} != 0 ]]; then
+        pass_rows
+    elif [[ -n ${PASS_ROWS:-} ]]; then
+        ROWS=$PASS_ROWS pass_rows
+    fi
 fi
 [[ ${SIDE:-1} != 0 ]] && side_by_side
 [[ -n $profile ]] && sections
