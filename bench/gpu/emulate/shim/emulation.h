@@ -78,39 +78,57 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) {
     return other;
 }
 
-// Runs `kernel` over the grid, a block at a time, each with `threads` real threads (a whole
-// number of warps) and `shared_bytes` of dynamic shared memory.
+// Runs `kernel` over the grid, a block at a time (x fastest, then y, then z), with `threads`
+// real threads (a whole number of warps) and `shared_bytes` of dynamic shared memory. The
+// threads are made once a launch and go through the blocks together, each block starting from
+// fresh state (its exchange slots and dynamic shared memory zeroed, no copies in flight), as
+// if each block had threads of its own: making them a block at a time took most of the
+// emulation's time (the system's, for thread creation).
 inline void emulate_launch(EmulatedDim grid, unsigned threads, const std::function<void()>& kernel,
-                           size_t shared_bytes = 0) {
-    gridDim = grid;
-    blockDim = {threads, 1, 1};
-    for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
-                std::barrier<> block((std::ptrdiff_t)threads);
-                EmulatedBlock state{&block,
-                                    {},
-                                    std::vector<double>(threads),
-                                    std::vector<double>((shared_bytes + 7) / 8),
-                                    std::vector<uint32_t>(threads * 6),
-                                    std::vector<const __nv_bfloat16*>(threads)};
-                std::vector<std::unique_ptr<std::barrier<>>> owned;
-                for (unsigned w = 0; w < threads / 32; ++w) {
-                    owned.push_back(std::make_unique<std::barrier<>>(32));
-                    state.warps.push_back(owned.back().get());
-                }
-                emulated_block = &state;
-                std::vector<std::thread> pool;
-                for (unsigned t = 0; t < threads; ++t) {
-                    pool.emplace_back([&, t] {
-                        threadIdx = {t, 0, 0};
-                        blockIdx = {x, y, z};
-                        kernel();
-                    });
-                }
-                for (auto& th : pool) th.join();
-                emulated_block = nullptr;
-            }
-}
+                           size_t shared_bytes = 0);
 
 #include "tensor_core.h"
+
+inline void emulate_launch(EmulatedDim grid, unsigned threads, const std::function<void()>& kernel,
+                           size_t shared_bytes) {
+    gridDim = grid;
+    blockDim = {threads, 1, 1};
+    std::barrier<> block((std::ptrdiff_t)threads);
+    EmulatedBlock state{&block,
+                        {},
+                        std::vector<double>(threads),
+                        std::vector<double>((shared_bytes + 7) / 8),
+                        std::vector<uint32_t>(threads * 6),
+                        std::vector<const __nv_bfloat16*>(threads)};
+    std::vector<std::unique_ptr<std::barrier<>>> owned;
+    for (unsigned w = 0; w < threads / 32; ++w) {
+        owned.push_back(std::make_unique<std::barrier<>>(32));
+        state.warps.push_back(owned.back().get());
+    }
+    emulated_block = &state;
+    const size_t blocks = (size_t)grid.x * grid.y * grid.z;
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+            for (size_t n = 0; n < blocks; ++n) {
+                threadIdx = {t, 0, 0};
+                blockIdx = {(unsigned)(n % grid.x), (unsigned)(n / grid.x % grid.y),
+                            (unsigned)(n / ((size_t)grid.x * grid.y))};
+                emulated_copies.assign(1, {});
+                kernel();
+                // Every thread done with the block before its state is cleared for the next.
+                block.arrive_and_wait();
+                if (t == 0) {
+                    std::fill(state.slots.begin(), state.slots.end(), 0.0);
+                    std::fill(state.dynamic_shared.begin(), state.dynamic_shared.end(), 0.0);
+                    std::fill(state.words.begin(), state.words.end(), 0u);
+                    std::fill(state.addresses.begin(), state.addresses.end(), nullptr);
+                }
+                block.arrive_and_wait();
+            }
+        });
+    }
+    for (auto& th : pool) th.join();
+    emulated_block = nullptr;
+}
+

@@ -94,7 +94,8 @@ struct EmulatedCopy {
     const void* src;
     bool valid;
 };
-// The thread's groups, oldest first; the last one still open (threads live for one block).
+// The thread's groups, oldest first; the last one still open (`emulate_launch` clears them at
+// each block's start).
 inline thread_local std::vector<std::vector<EmulatedCopy>> emulated_copies(1);
 
 inline void cp_async_16(void* dst, const void* src, bool valid) {
