@@ -14,7 +14,9 @@
 //   fixed at compile time), both forwards and both backwards, against the batched form, bit for
 //   bit, and with their exponentials by `ex2` against the reference (their log-sum-exp against
 //   the first form's); the forward with a block for two query tiles against the straight
-//   forwards, bit for bit;
+//   forwards, bit for bit; the joint backward (rows of at most 128 places, every form)
+//   against the delta kernel and the two straight backwards, bit for bit (not yet run on a
+//   GPU);
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
 //   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,

@@ -914,20 +914,20 @@ __device__ __forceinline__ void fr_load_a_transposed(uint32_t (&a)[4], const bf1
 // copies are in flight. Grid (1, heads, batch); `FrJointShared` of dynamic shared memory (an
 // opt-in above 48 KB: `flash.rs` sets it); two blocks an SM on sm_90 (128 registers: at most
 // 16 bytes spilled; 2 x 113 KB of the SM's 228 KB of shared memory).
+// dSᵀ's row length in elements: the row's 128 queries and 8 more (rows 272 bytes apart: a
+// warp's 4-byte stores and each `ldmatrix` matrix's eight rows on distinct banks).
+#define FR_JOINT_LD (FR_PAIR_ROWS + 8)
 struct FrJointShared {
     bf16 queries[FR_PAIR_ROWS * FLASH_LD];
     bf16 grads[FR_PAIR_ROWS * FLASH_LD];
     bf16 keys[FR_PAIR_ROWS * FLASH_LD];
     bf16 values[FR_PAIR_ROWS * FLASH_LD];
-    // dSᵀ: a key a row, the row's 128 queries and 8 more elements (rows 272 bytes apart: a
-    // warp's 4-byte stores and each `ldmatrix` matrix's eight rows on distinct banks).
-    bf16 ds[FR_PAIR_ROWS * (FR_PAIR_ROWS + 8)];
+    bf16 ds[FR_PAIR_ROWS * FR_JOINT_LD];  // dSᵀ: a key a row
     uint64_t line[FR_PAIR_ROWS];  // each query's dropout line
     float lse[FR_PAIR_ROWS], delta[FR_PAIR_ROWS];
     int valid[FR_PAIR_ROWS];            // which places are tokens
     uint32_t bits[4 * FLASH_THREADS];   // `FR_BITS`: the forward's words of the four tile pairs
 };
-#define FR_JOINT_LD (FR_PAIR_ROWS + 8)
 // (`flash.rs`'s `JOINT_SHARED_BYTES`, the launch's dynamic shared memory.)
 static_assert(sizeof(FrJointShared) == 113152, "flash.rs launches the joint backward with it");
 
@@ -1173,7 +1173,6 @@ FR_BITS_FORWARD(straight_exp2, FR_EXP2, async_forward, FLASH_THREADS, 4, FR_ASYN
 FR_BITS_FORWARD(pair_exp2, FR_EXP2, forward, FR_PAIR_THREADS, 2, FR_PAIR)
 FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_kv, fr_backward_kv)
 FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
-
 
 // The joint backward (`flash_registers_joint[_exp2][_dropout|_bits]_backward_bf16`), the
 // straight forms' element-wise code: the context in place of the delta, the keep words last
