@@ -89,31 +89,25 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* row) {
 // `cp.async`: each thread's copies queued in groups and made when a wait retires their group,
 // so that a read before its wait (or, from another thread, before the barrier after it) finds
 // what was there before, as it may on a GPU.
-struct EmulatedCopy {
-    void* dst;
-    const void* src;
-    bool valid;
-};
-// The thread's groups, oldest first; the last one still open (`emulate_launch` clears them at
-// each block's start).
-inline thread_local std::vector<std::vector<EmulatedCopy>> emulated_copies(1);
+// (The thread's groups, `emulated_copies()`, oldest first, the last one still open;
+// `emulate_launch` clears them at each block's start.)
 
 inline void cp_async_16(void* dst, const void* src, bool valid) {
-    emulated_copies.back().push_back({dst, src, valid});
+    emulated_copies().back().push_back({dst, src, valid});
 }
 
-inline void cp_async_commit() { emulated_copies.emplace_back(); }
+inline void cp_async_commit() { emulated_copies().emplace_back(); }
 
 template <int N>
 inline void cp_async_wait() {
-    while ((int)emulated_copies.size() - 1 > N) {
-        for (const auto& c : emulated_copies.front()) {
+    while ((int)emulated_copies().size() - 1 > N) {
+        for (const auto& c : emulated_copies().front()) {
             if (c.valid) {
                 std::memcpy(c.dst, c.src, 16);
             } else {
                 std::memset(c.dst, 0, 16);
             }
         }
-        emulated_copies.erase(emulated_copies.begin());
+        emulated_copies().erase(emulated_copies().begin());
     }
 }
