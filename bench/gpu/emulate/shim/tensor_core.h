@@ -86,14 +86,30 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* row) {
     emulated_ldmatrix(r, row, true);
 }
 
-// `cp.async`: each thread's copies queued in groups and made when a wait retires their group,
-// so that a read before its wait (or, from another thread, before the barrier after it) finds
-// what was there before, as it may on a GPU.
+// `cp.async`: on a GPU a copy lands some time between its issue and the wait that retires its
+// group. In the blocks whose threads run up (see emulation.h) each thread's copies are queued
+// in groups and made when a wait retires their group, the latest they may land, so that a read
+// before its wait (or, from another thread, before the barrier after it) finds what was there
+// before; in the blocks whose threads run down each copy is made when it is issued, the
+// earliest, so that a copy into shared memory that other threads still read (with no barrier
+// between their reads and its issue) overwrites what they read.
 // (The thread's groups, `emulated_copies()`, oldest first, the last one still open;
 // `emulate_launch` clears them at each block's start.)
 
+inline void emulated_copy_16(void* dst, const void* src, bool valid) {
+    if (valid) {
+        std::memcpy(dst, src, 16);
+    } else {
+        std::memset(dst, 0, 16);
+    }
+}
+
 inline void cp_async_16(void* dst, const void* src, bool valid) {
-    emulated_copies().back().push_back({dst, src, valid});
+    if (emulated_scheduler->downwards) {
+        emulated_copy_16(dst, src, valid);
+    } else {
+        emulated_copies().back().push_back({dst, src, valid});
+    }
 }
 
 inline void cp_async_commit() { emulated_copies().emplace_back(); }
@@ -101,13 +117,7 @@ inline void cp_async_commit() { emulated_copies().emplace_back(); }
 template <int N>
 inline void cp_async_wait() {
     while ((int)emulated_copies().size() - 1 > N) {
-        for (const auto& c : emulated_copies().front()) {
-            if (c.valid) {
-                std::memcpy(c.dst, c.src, 16);
-            } else {
-                std::memset(c.dst, 0, 16);
-            }
-        }
+        for (const auto& c : emulated_copies().front()) emulated_copy_16(c.dst, c.src, c.valid);
         emulated_copies().erase(emulated_copies().begin());
     }
 }
