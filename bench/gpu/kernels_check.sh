@@ -118,7 +118,8 @@ all_rows() {
         "BERTKIT_CUDA_JOIN=kernel | the QKV weights and LayerNorms' parameters joined in one launch" \
         "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products" \
         "BERTKIT_CUDA_FLASH_BACKWARD=joint | the attention's backward in one kernel at rows of at most 128 (phase 1; phase 2 as the defaults)" \
-        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded BERTKIT_BUCKET=none BERTKIT_CUDA_TABLE_CAST=vector BERTKIT_CUDA_BIAS_GRADIENT=epilogue BERTKIT_CUDA_JOIN=kernel BERTKIT_CUDA_RESIDUAL_SUM=product BERTKIT_CUDA_FLASH_BACKWARD=joint | the eleven not yet run"
+        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)" \
+        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded BERTKIT_BUCKET=none BERTKIT_CUDA_TABLE_CAST=vector BERTKIT_CUDA_BIAS_GRADIENT=epilogue BERTKIT_CUDA_JOIN=kernel BERTKIT_CUDA_RESIDUAL_SUM=product BERTKIT_CUDA_FLASH_BACKWARD=joint BERTKIT_CUDA_FLASH_KEYS=pair | the twelve not yet run"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a

@@ -9,14 +9,16 @@
 //   values, at rows of several lengths (a row of one token, rows ending inside a tile,
 //   padding) over one to three key tiles; the second form's log-sum-exp against the first's;
 //   the second form with its tiles' loads batched, and its forward with its tiles copied
-//   asynchronously (`cp.async`, the shim queueing each thread's copies until their wait),
+//   asynchronously (`cp.async`, the shim making each thread's copies at their wait, or in the
+//   blocks run downwards when issued),
 //   against it, bit for bit; and its straight forms (no branch at an element, the dropout
 //   fixed at compile time), both forwards and both backwards, against the batched form, bit for
 //   bit, and with their exponentials by `ex2` against the reference (their log-sum-exp against
 //   the first form's); the forward with a block for two query tiles against the straight
 //   forwards, bit for bit; the joint backward (rows of at most 128 places, every form)
-//   against the delta kernel and the two straight backwards, bit for bit (not yet run on a
-//   GPU);
+//   against the delta kernel and the two straight backwards, bit for bit, and the keys' and
+//   values' backward over two key tiles a block (every form, rows of any length) against the
+//   straight one, bit for bit (neither yet run on a GPU);
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
 //   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
@@ -364,6 +366,37 @@ bool run(const Case& c) {
         }, sizeof(FrJointShared));
         joint_differ += differ(grad_qkv_str, joint) + differ(grad_qkv_exp2, joint_exp2);
     }
+    // The keys' and values' backward over two key tiles a block
+    // (`flash_registers_pair[_exp2][_dropout|_bits]_backward_kv`, rows of any length): the same
+    // keys' and values' gradients as the straight keys' backward, bit for bit (the queries'
+    // columns, which it does not write, taken from `want`; an element it leaves unwritten
+    // differs).
+    size_t pair_keys_differ = 0;
+    const auto pair_keys = [&](const std::vector<bf16>& want, bool e2, const float* l,
+                               const uint32_t* keep_words) {
+        std::vector<bf16> g(grad_qkv.size(), unwritten);
+        emulate_launch(pair_grid, FR_PAIR_THREADS, [&] {
+            auto kernel = keep_words ? nullptr
+                          : e2 ? (d.on ? flash_registers_pair_exp2_dropout_backward_kv_bf16
+                                       : flash_registers_pair_exp2_backward_kv_bf16)
+                               : (d.on ? flash_registers_pair_dropout_backward_kv_bf16
+                                       : flash_registers_pair_backward_kv_bf16);
+            if (kernel) {
+                kernel(qkv.data(), grad.data(), l, delta_reg.data(), g.data(), scatter.data(),
+                       tokens, batch, heads, seq, scale, d);
+            } else {
+                (e2 ? flash_registers_pair_exp2_bits_backward_kv_bf16
+                    : flash_registers_pair_bits_backward_kv_bf16)(
+                    qkv.data(), grad.data(), l, delta_reg.data(), g.data(), scatter.data(),
+                    tokens, batch, heads, seq, scale, d, keep_words);
+            }
+        }, sizeof(FrPairKvShared));
+        for (int t = 0; t < tokens; ++t)
+            for (int c = 0; c < hidden; ++c) g[(size_t)t * 3 * hidden + c] = want[(size_t)t * 3 * hidden + c];
+        return differ(want, g);
+    };
+    pair_keys_differ += pair_keys(grad_qkv_str, false, lse_bat.data(), nullptr) +
+                        pair_keys(grad_qkv_exp2, true, lse_exp2.data(), nullptr);
     // The straight forms with their keep bits (`flash_registers_*_bits_*`, dropout only): the
     // batched forward writes the words, both backwards read them: the same bits as the straight
     // forms'; the asynchronous and pair forwards write the same words (those the backwards read:
@@ -424,6 +457,8 @@ bool run(const Case& c) {
                 }, sizeof(FrJointShared));
                 joint_differ += differ(gqkv, joint);
             }
+            // The pair keys' backward from the same words.
+            pair_keys_differ += pair_keys(gqkv, e2, l.data(), keep.data());
             const auto& want_ctx = e2 ? context_exp2 : context_str;
             const auto& want_l = e2 ? lse_exp2 : lse_str;
             keep_differ += differ(want_ctx, ctx) + differ(want_ctx, ctx_async) +
@@ -579,13 +614,15 @@ bool run(const Case& c) {
         std::printf("  %-28s %-8s %zu gradients differ from the delta and two backwards' %s\n",
                     c.name, "joint", joint_differ, joint_differ ? "FAILED" : "ok");
     }
+    std::printf("  %-28s %-8s %zu keys' and values' gradients differ from the straight kernel's %s\n",
+                c.name, "pair kv", pair_keys_differ, pair_keys_differ ? "FAILED" : "ok");
     if (d.on) {
         std::printf("  %-28s %-8s %zu values and keep words differ from the straight forms' %s\n",
                     c.name, "bits", keep_differ, keep_differ ? "FAILED" : "ok");
     }
     return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
            straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0 && keep_differ == 0 &&
-           delta_off == 0 && joint_differ == 0;
+           delta_off == 0 && joint_differ == 0 && pair_keys_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a

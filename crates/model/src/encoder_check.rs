@@ -86,9 +86,9 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
     use crate::kernels::{
         CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ASYNC_COPIES,
         CUDA_FLASH_ATTENTION, CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_DELTA_VECTOR,
-        CUDA_FLASH_JOINT_BACKWARD, CUDA_FLASH_REGISTERS, CUDA_JOIN, CUDA_LINEAR_BACKWARD_LT,
-        CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD, CUDA_NORM_WIDE_GRID,
-        CUDA_RESIDUAL_SUM_IN_PRODUCT, CUDA_TAPE,
+        CUDA_FLASH_JOINT_BACKWARD, CUDA_FLASH_PAIR_KEYS, CUDA_FLASH_REGISTERS, CUDA_JOIN,
+        CUDA_LINEAR_BACKWARD_LT, CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD,
+        CUDA_NORM_WIDE_GRID, CUDA_RESIDUAL_SUM_IN_PRODUCT, CUDA_TAPE,
     };
     // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid,
     // the column sums, the linear layers' epilogue, the joins of their parameters (whose
@@ -110,7 +110,8 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
     if check == FLASH_NAME {
         // Every setting is on here: the form with the scores in registers, its loads batched
         // and its forward's copies asynchronous, is the one run; its backward the joint one at
-        // rows of at most 128 places, else with its delta 16 bytes a thread.
+        // rows of at most 128 places, else with its delta 16 bytes a thread and its keys'
+        // backward over two key tiles a block.
         switches.extend([
             &CUDA_FLASH_ATTENTION,
             &CUDA_FLASH_REGISTERS,
@@ -118,6 +119,7 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
             &CUDA_FLASH_ASYNC_COPIES,
             &CUDA_FLASH_DELTA_VECTOR,
             &CUDA_FLASH_JOINT_BACKWARD,
+            &CUDA_FLASH_PAIR_KEYS,
         ]);
     }
     needing_in(dtype, &switches)

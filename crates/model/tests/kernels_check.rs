@@ -59,7 +59,8 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     };
     // Off by default: a half-precision gradient added into an f32 one by one kernel (its row
     // runs in half precision only), the one-pass attention's asynchronous copies, its delta
-    // 16 bytes a thread and its joint backward, LayerNorm's backward a warp per row (their rows run on CUDA only), and
+    // 16 bytes a thread, its joint backward and its keys' backward over two key tiles a block,
+    // LayerNorm's backward a warp per row (their rows run on CUDA only), and
     // a linear layer's bias gradient (and its activation's slope) summed in registers, which
     // the linear, GELU and feed-forward lines need, and the masked-LM decoder's rows padded
     // (the padded linear and loss lines), and the decoder's f32 weight cast by our kernel (the
@@ -79,6 +80,7 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             "BERTKIT_CUDA_FLASH_COPIES=async",
             "BERTKIT_CUDA_FLASH_DELTA=vector",
             "BERTKIT_CUDA_FLASH_BACKWARD=joint",
+            "BERTKIT_CUDA_FLASH_KEYS=pair",
             "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp",
             "BERTKIT_CUDA_BIAS_SUMS=registers",
             "BERTKIT_CUDA_DECODER=padded"

@@ -218,6 +218,8 @@ enum Form {
     FlashDelta,
     /// The defaults with the joint backward (one kernel for rows of at most 128 places).
     FlashJoint,
+    /// The defaults with the keys' and values' backward over two key tiles a block.
+    FlashPairKeys,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -271,6 +273,13 @@ impl Form {
                 &super::CUDA_FLASH_KEEP_BITS,
                 &super::CUDA_FLASH_JOINT_BACKWARD,
             ],
+            Form::FlashPairKeys => vec![
+                &super::CUDA_FLASH_STRAIGHT,
+                &super::CUDA_FLASH_PAIR_FORWARD,
+                &super::CUDA_FLASH_EXP2,
+                &super::CUDA_FLASH_KEEP_BITS,
+                &super::CUDA_FLASH_PAIR_KEYS,
+            ],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
             Form::NormAhead => vec![&super::CUDA_NORM_BACKWARD_AHEAD],
@@ -305,7 +314,8 @@ impl Form {
             | Form::FlashBitsAsync
             | Form::FlashBitsPairExp2
             | Form::FlashDelta
-            | Form::FlashJoint => {
+            | Form::FlashJoint
+            | Form::FlashPairKeys => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector
@@ -325,6 +335,7 @@ impl Form {
                 | Form::FlashBitsPairExp2
                 | Form::FlashDelta
                 | Form::FlashJoint
+                | Form::FlashPairKeys
         );
         let straight = bits
             || matches!(
@@ -346,15 +357,24 @@ impl Form {
         super::set_cuda_flash_straight(straight);
         super::set_cuda_flash_exp2(matches!(
             self,
-            Form::FlashStraightExp2 | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
+            Form::FlashStraightExp2
+                | Form::FlashBitsPairExp2
+                | Form::FlashDelta
+                | Form::FlashJoint
+                | Form::FlashPairKeys
         ));
         super::set_cuda_flash_pair_forward(matches!(
             self,
-            Form::FlashPair | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
+            Form::FlashPair
+                | Form::FlashBitsPairExp2
+                | Form::FlashDelta
+                | Form::FlashJoint
+                | Form::FlashPairKeys
         ));
         super::set_cuda_flash_keep_bits(bits);
         super::set_cuda_flash_delta_vector(self == Form::FlashDelta);
         super::set_cuda_flash_joint_backward(self == Form::FlashJoint);
+        super::set_cuda_flash_pair_keys(self == Form::FlashPairKeys);
         let norm_bits = matches!(self, Form::NormBits | Form::NormWarpBackward);
         let norm_ahead = norm_bits || self == Form::NormAhead;
         let norm_warp = norm_ahead || self == Form::NormWarp;
@@ -378,7 +398,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 15] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 16] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -389,6 +409,7 @@ static FORM_SWITCHES: [&crate::switch::Switch; 15] = [
     &super::CUDA_FLASH_KEEP_BITS,
     &super::CUDA_FLASH_DELTA_VECTOR,
     &super::CUDA_FLASH_JOINT_BACKWARD,
+    &super::CUDA_FLASH_PAIR_KEYS,
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
     &super::CUDA_NORM_BACKWARD_AHEAD,
@@ -801,6 +822,16 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         attention("attention flash delta (dropout)", true, Form::FlashDelta),
         attention("attention flash joint (eval)", false, Form::FlashJoint),
         attention("attention flash joint (dropout)", true, Form::FlashJoint),
+        attention(
+            "attention flash pair keys (eval)",
+            false,
+            Form::FlashPairKeys,
+        ),
+        attention(
+            "attention flash pair keys (dropout)",
+            true,
+            Form::FlashPairKeys,
+        ),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.

@@ -986,6 +986,38 @@ pub fn cuda_flash_joint_backward() -> bool {
     CUDA_FLASH_JOINT_BACKWARD.get()
 }
 
+/// Whether the one-pass attention's keys' and values' backward takes a block of eight warps
+/// over two key tiles.
+pub(crate) static CUDA_FLASH_PAIR_KEYS: Switch = Switch::opt_in("BERTKIT_CUDA_FLASH_KEYS", "pair");
+
+/// Turns the one-pass attention's keys' and values' backward over two key tiles a block on or
+/// off for this process (with its straight kernels, [`set_cuda_flash_straight`], with or
+/// without [`set_cuda_flash_exp2`] and [`set_cuda_flash_keep_bits`]; rows of more than one
+/// tile the joint backward does not take, [`set_cuda_flash_joint_backward`]; on a device that
+/// gives a block 92 KB of shared memory: sm_80, sm_90). The kernel in use gives a block four
+/// warps and one key tile, and its 168 registers a lane hold an SM to three such blocks: at
+/// phase 2's eight rows of 512 places, 1,024 blocks a layer go over the H200's 132 SMs 396 at
+/// a time (three rounds, the last 59% full), each loading a query tile, waiting for it at a
+/// barrier, working on it, then loading the next. Here eight warps share each query tile's
+/// queries and output gradients over two key tiles (read once where twice), the next tile's
+/// copies in flight while the warps work on this one, and the keys' work a chunk of 16 queries
+/// at a time (the joint backward's, [`set_cuda_flash_joint_backward`]) in 128 registers: two
+/// blocks an SM (16 warps), 512 blocks in two nearly full rounds. The attention's backward
+/// took 4.73 ms of a BERT-large phase-2 pass on an H200 (BENCHMARKS.md, 2026-11-27, evening).
+/// The same products in the same order: the same dK and dV (`bench/gpu/emulate`). Compiled for
+/// sm_90, ptxas spills 20-32 bytes a lane without dropout and 84-128 with it. Checked by
+/// `bertkit check kernels --device cuda` (its `attention flash pair keys` rows), not yet run
+/// on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_KEYS=pair`.
+pub fn set_cuda_flash_pair_keys(on: bool) {
+    CUDA_FLASH_PAIR_KEYS.set(on);
+}
+
+/// Whether the one-pass attention's keys' and values' backward takes two key tiles a block
+/// (see [`set_cuda_flash_pair_keys`]).
+pub fn cuda_flash_pair_keys() -> bool {
+    CUDA_FLASH_PAIR_KEYS.get()
+}
+
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -1563,7 +1595,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 41] = [
+static CUDA_SWITCHES: [&Switch; 42] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1591,6 +1623,7 @@ static CUDA_SWITCHES: [&Switch; 41] = [
     &CUDA_FLASH_KEEP_BITS,
     &CUDA_FLASH_DELTA_VECTOR,
     &CUDA_FLASH_JOINT_BACKWARD,
+    &CUDA_FLASH_PAIR_KEYS,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,

@@ -1057,6 +1057,137 @@ __device__ __forceinline__ void fr_backward_joint(const bf16* qkv, const bf16* c
     }
 }
 
+// The keys' and values' backward a block of eight warps over two key tiles
+// (`BERTKIT_CUDA_FLASH_KEYS=pair`, for rows the joint backward does not take): the work of two
+// blocks of `fr_backward_kv`'s straight forms in one, each warp's 16 keys summed over every
+// query tile in the same order, by the same products (`fr_kv_query_chunks`, a chunk of 16
+// queries at a time): the same dK and dV. That kernel's 168 registers a lane hold an SM to three
+// blocks of four warps (12 warps; at phase 2's eight rows of 512 places, 1,024 blocks over
+// 396 at a time: three rounds, the last 59% full), and each block loads a query tile, waits for
+// it at a barrier, works on it, and only then loads the next. Here the chunks' 128 registers
+// give an SM two blocks of eight warps (16; 512 blocks, two rounds nearly full), each query
+// tile's queries and output gradients are read once for two key tiles, and the next tile's
+// copies are in flight while the warps work on this one (two buffers); each place's values
+// (log-sum-exp, delta, dropout line, keep words) are staged once a row at the start. Grid (key
+// tile pairs, heads, batch); `FrPairKvShared` of dynamic shared memory (above 48 KB:
+// `flash.rs` opts in).
+// Places a row the kernels take at most (`cuda::MAX_SEQ`).
+#define FR_MAX_PLACES 512
+struct FrPairKvShared {
+    bf16 keys[FR_PAIR_ROWS * FLASH_LD];
+    bf16 values[FR_PAIR_ROWS * FLASH_LD];
+    bf16 queries[2][FLASH_TILE * FLASH_LD];
+    bf16 grads[2][FLASH_TILE * FLASH_LD];
+    // Each place's dropout line, log-sum-exp and delta, and whether it is a token, the row's.
+    uint64_t line[FR_MAX_PLACES];
+    float lse[FR_MAX_PLACES], delta[FR_MAX_PLACES];
+    int valid[FR_MAX_PLACES];
+    // `FR_BITS`: each query tile's keep words against the block's two key tiles, the row's.
+    uint32_t bits[FR_MAX_PLACES / FLASH_TILE][2 * FLASH_THREADS];
+};
+// (`flash.rs`'s `PAIR_KEYS_SHARED_BYTES`, the launch's dynamic shared memory.)
+static_assert(sizeof(FrPairKvShared) == 92160, "flash.rs launches the pair keys' backward with it");
+
+template <int E>
+__device__ __forceinline__ void fr_backward_kv_pair(FLASH_BACKWARD_ARGS,
+                                                    const uint32_t* keep_bits = nullptr) {
+    DYNAMIC_SHARED(uint4, pair_shared);
+    FrPairKvShared& s = *reinterpret_cast<FrPairKvShared*>(pair_shared);
+    const FlashBlock k = flash_block<FR_PAIR_WARPS>(scatter, tokens, heads, seq);
+    if (k.first >= k.end) return;  // padding keys only: no gradient to write
+    const int g = (threadIdx.x & 31) >> 2;
+    const size_t rows = ((size_t)k.b * heads + k.h) * seq;
+    const int all = (seq + FLASH_TILE - 1) / FLASH_TILE;  // the keep words' layout's tiles
+    const int tiles = (k.end + FLASH_TILE - 1) / FLASH_TILE;  // the query tiles holding a token
+    // Each place's dropout line, log-sum-exp and delta and whether it is a token, as
+    // `flash_load_query_tile` reads a tile's, and each query tile's keep words against the
+    // block's two key tiles (one a thread, none past the row's tiles): the row's at the start,
+    // so that the loop over query tiles holds no more than their copies' addresses.
+    const uint64_t head_key = d.on ? line_key(row_key(d, k.b), k.h) : 0;
+    for (int i = threadIdx.x; i < FR_MAX_PLACES; i += FR_PAIR_THREADS) {
+        const bool place = i < seq;
+        s.line[i] = d.on ? line_key(head_key, i) : 0;
+        s.lse[i] = place ? lse[rows + i] : 0.0f;
+        s.delta[i] = place ? delta[rows + i] : 0.0f;
+        s.valid[i] = place && k.places[i] < (uint32_t)tokens;
+    }
+    if constexpr ((E & FR_BITS) != 0) {
+        const int kt = k.first / FLASH_TILE + threadIdx.x / FLASH_THREADS;
+        if (kt < all) {
+            for (int qt = 0; qt < tiles; ++qt) {
+                s.bits[qt][threadIdx.x] = keep_bits[fr_bits_at(k.b, k.h, heads, all, qt) +
+                                                    (size_t)kt * FLASH_THREADS +
+                                                    threadIdx.x % FLASH_THREADS];
+            }
+        }
+    }
+    // Query tile `qt`'s queries and output gradients into buffer `qt % 2` (the caller closes
+    // the group).
+    const auto stage = [&](int qt) {
+        const int q0 = qt * FLASH_TILE, buf = qt & 1;
+        fr_copy_tiles<1, FLASH_TILE, FR_PAIR_THREADS>({s.queries[buf]}, qkv, k.stride,
+                                                      {k.column(0)}, k.places, q0, seq, tokens,
+                                                      nullptr);
+        fr_copy_tiles<1, FLASH_TILE, FR_PAIR_THREADS>({s.grads[buf]}, grad, k.hidden,
+                                                      {k.column(0)}, k.places, q0, seq, tokens,
+                                                      nullptr);
+    };
+    // The block's keys and values and the first query tile, one group of copies; the second
+    // tile, another.
+    fr_copy_tiles<2, FR_PAIR_ROWS, FR_PAIR_THREADS>({s.keys, s.values}, qkv, k.stride,
+                                                    {k.column(1), k.column(2)}, k.places, k.first,
+                                                    seq, tokens, nullptr);
+    stage(0);
+    cp_async_commit();
+    if (tiles > 1) stage(1);
+    cp_async_commit();
+    // The warp's 16 keys (none of them a token where the row ends before them: nothing to
+    // compute, their gradients are padding's).
+    const bool live_keys = k.first + k.warp * 16 < k.end;
+    int j[2];
+    bool key[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        j[h] = k.first + k.warp * 16 + g + 8 * h;
+        key[h] = j[h] < seq && k.places[j[h]] < (uint32_t)tokens;
+    }
+    float dk[8][4], dv[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+#pragma unroll 1
+    for (int qt = 0; qt < tiles; ++qt) {
+        // This tile's copies landed for every warp (the first time, the keys' and values'
+        // too), the next one's still in flight.
+        cp_async_wait<1>();
+        __syncthreads();
+        if (live_keys) {
+            const int buf = qt & 1;
+            const int q0 = qt * FLASH_TILE;
+            fr_kv_query_chunks<E>(s.keys, s.values, k.warp * 16, s.queries[buf], s.grads[buf],
+                                  s.valid + q0, s.lse + q0, s.delta + q0, s.line + q0,
+                                  s.bits[qt] + (k.warp >> 2) * FLASH_THREADS, k.warp & 3, key,
+                                  j, scale, d, dk, dv, [](int, const uint32_t (&)[4]) {});
+        }
+        // Every warp done with this tile's buffer, then the tile after next into it (its
+        // copies in flight while the warps work on the next).
+        __syncthreads();
+        if (qt + 2 < tiles) stage(qt + 2);
+        cp_async_commit();
+    }
+    if (live_keys) {
+        // (Staged in the warp's own rows of the keys' and values' tiles: each warp reads only
+        // its own rows of those.)
+        const float one[2] = {1.0f, 1.0f};
+        const int first = k.first + k.warp * 16;
+        fr_store_rows(dk, one, s.keys, grad_qkv, k.stride, k.column(1), k.places, first, seq,
+                      tokens);
+        fr_store_rows(dv, one, s.values, grad_qkv, k.stride, k.column(2), k.places, first, seq,
+                      tokens);
+    }
+}
+
 // The entry points: `flash_registers_NAME_bf16` with `flash_load_tile`'s loads,
 // `flash_registers_batched_NAME_bf16` with them batched (`flash.rs` chooses).
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
@@ -1200,5 +1331,29 @@ FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
     }
 FR_JOINT_BACKWARD(joint, 0)
 FR_JOINT_BACKWARD(joint_exp2, FR_EXP2)
+
+// The keys' and values' backward over two key tiles a block
+// (`flash_registers_pair[_exp2][_dropout|_bits]_backward_kv_bf16`): the straight backwards'
+// arguments.
+#define FR_PAIR_KV_BACKWARD(FORM, FLAGS)                                                          \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_backward_kv_bf16(FLASH_BACKWARD_ARGS) {                          \
+        fr_backward_kv_pair<FR_PLAIN | FLAGS>(qkv, grad, lse, delta, grad_qkv, scatter, tokens,   \
+                                              batch, heads, seq, scale, d);                       \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_dropout_backward_kv_bf16(FLASH_BACKWARD_ARGS) {                  \
+        fr_backward_kv_pair<FR_DROPOUT | FLAGS>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, \
+                                                batch, heads, seq, scale, d);                     \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_bits_backward_kv_bf16(FLASH_BACKWARD_ARGS,                       \
+                                                       const uint32_t* keep_bits) {               \
+        fr_backward_kv_pair<FR_DROPOUT | FR_BITS | FLAGS>(qkv, grad, lse, delta, grad_qkv,        \
+                                                          scatter, tokens, batch, heads, seq,     \
+                                                          scale, d, keep_bits);                   \
+    }
+FR_PAIR_KV_BACKWARD(pair, 0)
+FR_PAIR_KV_BACKWARD(pair_exp2, FR_EXP2)
 
 #endif
