@@ -76,7 +76,8 @@ struct EmulatedCopy {
 // the callee-saved registers and the floating-point control words pushed on the stack being
 // left, the stack pointer saved, the other's loaded, and popped from it. Elsewhere by
 // `swapcontext`, which also saves and restores the signal mask, a system call at each switch
-// (on x86-64 it made the emulation ~1.5x slower than this; `-DEMULATION_UCONTEXT` picks it).
+// (on x86-64 it made the whole emulation take 3:02 where this takes 0:46, 75 s of it in the
+// system; `-DEMULATION_UCONTEXT` picks it).
 #if defined(__x86_64__) && !defined(EMULATION_UCONTEXT)
 #define EMULATION_OWN_SWITCH 1
 extern "C" void emulated_jump(void** save_sp, void* load_sp);
