@@ -568,6 +568,24 @@ __device__ __forceinline__ void fr_forward_pair(FLASH_FORWARD_ARGS,
     r.finish(queries, context, lse, rows, k, seq, tokens);
 }
 
+// The lane's two keys of a warp's 16 from place `first` (rows `g` and `g + 8`): their places
+// `j` and whether each is a token (`key`); and the warp's gradients of its keys and values
+// (`dk`, `dv`: the 16 keys by the head's 64 columns) zeroed.
+__device__ __forceinline__ void fr_warp_keys(int (&j)[2], bool (&key)[2], float (&dk)[8][4],
+                                             float (&dv)[8][4], const uint32_t* places, int first,
+                                             int seq, int tokens) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        j[h] = first + g + 8 * h;
+        key[h] = j[h] < seq && places[j[h]] < (uint32_t)tokens;
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+}
+
 // The keys' and values' backward's steps for the warp's 16 keys (rows `row0..row0 + 16` of the
 // shared `keys` and `values`; `key`, `j`: whether each of the lane's two is a token, and its
 // place) against a tile of 64 queries and their output gradients (`queries`, `grads`, with
@@ -994,16 +1012,8 @@ __device__ __forceinline__ void fr_backward_joint(const bf16* qkv, const bf16* c
     const bool live_keys = k.warp * 16 < tiles * FLASH_TILE;
     int j[2];
     bool key[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        j[h] = k.warp * 16 + g + 8 * h;
-        key[h] = j[h] < seq && k.places[j[h]] < (uint32_t)tokens;
-    }
     float dk[8][4], dv[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+    fr_warp_keys(j, key, dk, dv, k.places, k.warp * 16, seq, tokens);
     const int t = threadIdx.x & 3;
     for (int qt = 0; qt < tiles; ++qt) {
         // This tile's copies landed for every warp (and the first time, every place's values).
@@ -1095,7 +1105,6 @@ __device__ __forceinline__ void fr_backward_kv_pair(FLASH_BACKWARD_ARGS,
     FrPairKvShared& s = *reinterpret_cast<FrPairKvShared*>(pair_shared);
     const FlashBlock k = flash_block<FR_PAIR_WARPS>(scatter, tokens, heads, seq);
     if (k.first >= k.end) return;  // padding keys only: no gradient to write
-    const int g = (threadIdx.x & 31) >> 2;
     const size_t rows = ((size_t)k.b * heads + k.h) * seq;
     const int all = (seq + FLASH_TILE - 1) / FLASH_TILE;  // the keep words' layout's tiles
     const int tiles = (k.end + FLASH_TILE - 1) / FLASH_TILE;  // the query tiles holding a token
@@ -1146,16 +1155,8 @@ __device__ __forceinline__ void fr_backward_kv_pair(FLASH_BACKWARD_ARGS,
     const bool live_keys = k.first + k.warp * 16 < k.end;
     int j[2];
     bool key[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        j[h] = k.first + k.warp * 16 + g + 8 * h;
-        key[h] = j[h] < seq && k.places[j[h]] < (uint32_t)tokens;
-    }
     float dk[8][4], dv[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+    fr_warp_keys(j, key, dk, dv, k.places, k.first + k.warp * 16, seq, tokens);
 #pragma unroll 1
     for (int qt = 0; qt < tiles; ++qt) {
         // This tile's copies landed for every warp (the first time, the keys' and values'
@@ -1305,30 +1306,32 @@ FR_BITS_FORWARD(pair_exp2, FR_EXP2, forward, FR_PAIR_THREADS, 2, FR_PAIR)
 FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_kv, fr_backward_kv)
 FR_BITS_BACKWARD(straight_exp2, FR_EXP2, backward_q, fr_backward_q)
 
-// The joint backward (`flash_registers_joint[_exp2][_dropout|_bits]_backward_bf16`), the
-// straight forms' element-wise code: the context in place of the delta, the keep words last
-// for `_bits`.
+// The backwards of a block of eight warps, each in three forms: `flash_registers_FORM_NAME`,
+// `..._FORM_dropout_NAME` and `..._FORM_bits_NAME` (`_bf16`), the straight forms' element-wise
+// code, `BODY` called with the arguments `...` (and the keep words last for `_bits`).
+#define FR_EIGHT_WARP_BACKWARD(FORM, NAME, FLAGS, ARGS, BODY, ...)                                \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_##NAME##_bf16(ARGS) {                                            \
+        BODY<FR_PLAIN | FLAGS>(__VA_ARGS__);                                                      \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_dropout_##NAME##_bf16(ARGS) {                                    \
+        BODY<FR_DROPOUT | FLAGS>(__VA_ARGS__);                                                    \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
+        flash_registers_##FORM##_bits_##NAME##_bf16(ARGS, const uint32_t* keep_bits) {            \
+        BODY<FR_DROPOUT | FR_BITS | FLAGS>(__VA_ARGS__, keep_bits);                               \
+    }
+
+// The joint backward (`flash_registers_joint[_exp2][_dropout|_bits]_backward_bf16`): the
+// context in place of the delta.
 #define FLASH_JOINT_ARGS                                                                          \
     const bf16 *qkv, const bf16 *context, const bf16 *grad, const float *lse, bf16 *grad_qkv,     \
         const uint32_t *scatter, int tokens, int batch, int heads, int seq, float scale, Dropout d
 #define FR_JOINT_BACKWARD(FORM, FLAGS)                                                            \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
-        flash_registers_##FORM##_backward_bf16(FLASH_JOINT_ARGS) {                                \
-        fr_backward_joint<FR_PLAIN | FLAGS>(qkv, context, grad, lse, grad_qkv, scatter, tokens,   \
-                                            batch, heads, seq, scale, d);                         \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
-        flash_registers_##FORM##_dropout_backward_bf16(FLASH_JOINT_ARGS) {                        \
-        fr_backward_joint<FR_DROPOUT | FLAGS>(qkv, context, grad, lse, grad_qkv, scatter, tokens, \
-                                              batch, heads, seq, scale, d);                       \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
-        flash_registers_##FORM##_bits_backward_bf16(FLASH_JOINT_ARGS,                             \
-                                                    const uint32_t* keep_bits) {                  \
-        fr_backward_joint<FR_DROPOUT | FR_BITS | FLAGS>(qkv, context, grad, lse, grad_qkv,        \
-                                                        scatter, tokens, batch, heads, seq,       \
-                                                        scale, d, keep_bits);                     \
-    }
+    FR_EIGHT_WARP_BACKWARD(FORM, backward, FLAGS, FLASH_JOINT_ARGS, fr_backward_joint, qkv,       \
+                           context, grad, lse, grad_qkv, scatter, tokens, batch, heads, seq,      \
+                           scale, d)
 FR_JOINT_BACKWARD(joint, 0)
 FR_JOINT_BACKWARD(joint_exp2, FR_EXP2)
 
@@ -1336,23 +1339,9 @@ FR_JOINT_BACKWARD(joint_exp2, FR_EXP2)
 // (`flash_registers_pair[_exp2][_dropout|_bits]_backward_kv_bf16`): the straight backwards'
 // arguments.
 #define FR_PAIR_KV_BACKWARD(FORM, FLAGS)                                                          \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
-        flash_registers_##FORM##_backward_kv_bf16(FLASH_BACKWARD_ARGS) {                          \
-        fr_backward_kv_pair<FR_PLAIN | FLAGS>(qkv, grad, lse, delta, grad_qkv, scatter, tokens,   \
-                                              batch, heads, seq, scale, d);                       \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
-        flash_registers_##FORM##_dropout_backward_kv_bf16(FLASH_BACKWARD_ARGS) {                  \
-        fr_backward_kv_pair<FR_DROPOUT | FLAGS>(qkv, grad, lse, delta, grad_qkv, scatter, tokens, \
-                                                batch, heads, seq, scale, d);                     \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(FR_PAIR_THREADS, 2)                              \
-        flash_registers_##FORM##_bits_backward_kv_bf16(FLASH_BACKWARD_ARGS,                       \
-                                                       const uint32_t* keep_bits) {               \
-        fr_backward_kv_pair<FR_DROPOUT | FR_BITS | FLAGS>(qkv, grad, lse, delta, grad_qkv,        \
-                                                          scatter, tokens, batch, heads, seq,     \
-                                                          scale, d, keep_bits);                   \
-    }
+    FR_EIGHT_WARP_BACKWARD(FORM, backward_kv, FLAGS, FLASH_BACKWARD_ARGS, fr_backward_kv_pair,    \
+                           qkv, grad, lse, delta, grad_qkv, scatter, tokens, batch, heads, seq,   \
+                           scale, d)
 FR_PAIR_KV_BACKWARD(pair, 0)
 FR_PAIR_KV_BACKWARD(pair_exp2, FR_EXP2)
 
