@@ -19,8 +19,9 @@
 # PASSES=0: the rows' phase 1 and 2 steps without their passes per kernel (a call that must
 # fit every row, the memory rows and the check in its time); PASS_ROWS=REGEX with it: the
 # passes of the rows that match it all the same (beside the defaults'), those whose kernels'
-# times a step's cannot show. MEMORY_ROWS=REGEX: only the memory rows whose settings match
-# (beside the build's own).
+# times a step's cannot show. PASS_LONG=1: each row's passes also a training pass at phase 2's
+# 8 x 512 (the kernels for long rows). MEMORY_ROWS=REGEX: only the memory rows whose settings
+# match (beside the build's own).
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -295,6 +296,11 @@ pass_rows() {
         echo "$label${dropped:+ (without$dropped)}, inference:"
         env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 64 --seq 128 \
             --dtype bf16 --device cuda --passes 2 --inference 2>&1 | tail -n 12 | head -n 11
+        if [[ -n ${PASS_LONG:-} ]]; then
+            echo "$label${dropped:+ (without$dropped)}, training at phase 2's 8 x 512:"
+            env "${kept[@]}" timeout 120 $b bench kernels --config large --batch 8 --seq 512 \
+                --dtype bf16 --device cuda --passes 2 2>&1 | tail -n 12 | head -n 11
+        fi
     done < <(rows)
 }
 # Why the costliest kernels take what they take (throughput, occupancy, stall reasons): the
