@@ -88,10 +88,10 @@ const JOINT_SHARED_BYTES: usize = 113_152;
 /// [`JOINT_ROWS`] places, a device that gives a block [`JOINT_SHARED_BYTES`]), its function
 /// allowed them; `None` for the delta and the two backwards.
 fn joint_entry(dev: &CudaDevice, h: &Heads, bits: bool) -> Result<Option<String>> {
-    let straight = crate::kernels::cuda_flash_registers()
-        && crate::kernels::cuda_flash_batched_loads()
-        && crate::kernels::cuda_flash_straight();
-    if !(crate::kernels::cuda_flash_joint_backward() && straight && h.places.seq <= JOINT_ROWS) {
+    if !(crate::kernels::cuda_flash_joint_backward()
+        && straight_forms()
+        && h.places.seq <= JOINT_ROWS)
+    {
         return Ok(None);
     }
     let (exp2, drop) = straight_form(&h.dropout, bits);
@@ -113,10 +113,7 @@ fn pair_keys_launch(
     h: &Heads,
     bits: bool,
 ) -> Result<Option<(String, LaunchConfig)>> {
-    let straight = crate::kernels::cuda_flash_registers()
-        && crate::kernels::cuda_flash_batched_loads()
-        && crate::kernels::cuda_flash_straight();
-    if !(crate::kernels::cuda_flash_pair_keys() && straight && h.places.seq > TILE) {
+    if !(crate::kernels::cuda_flash_pair_keys() && straight_forms() && h.places.seq > TILE) {
         return Ok(None);
     }
     let (exp2, drop) = straight_form(&h.dropout, bits);
@@ -142,10 +139,16 @@ const PAIR: usize = 2;
 /// ([`crate::kernels::set_cuda_flash_pair_forward`]: with the straight forms, which it is one
 /// of).
 fn pair_forward() -> bool {
+    straight_forms() && crate::kernels::cuda_flash_pair_forward()
+}
+
+/// Whether the kernels take their straight forms: the scores in registers, the tiles' loads
+/// batched, no branch at an element ([`crate::kernels::set_cuda_flash_straight`]), which the
+/// pair forward, the joint backward and the pair keys' backward are forms of.
+fn straight_forms() -> bool {
     crate::kernels::cuda_flash_registers()
         && crate::kernels::cuda_flash_batched_loads()
         && crate::kernels::cuda_flash_straight()
-        && crate::kernels::cuda_flash_pair_forward()
 }
 
 /// Whether the forward hands the dropout's keep bits to the backward
