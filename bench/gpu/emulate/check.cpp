@@ -1720,6 +1720,10 @@ int main() {
         {"rows of 100, 64, 1, 0, dropout", {100, 64, 1, 0}, 100, 2, true},
         {"holes, rows of 120, eval", {120, 70}, 120, 2, false, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
         {"rows of 50 and 7, dropout", {50, 7}, 50, 3, true},
+        // SQuAD's length: six key tiles (three pairs for the pair keys' backward), the second
+        // row ending inside the second pair's second tile (its third pair padding only),
+        // holes in the second pair.
+        {"rows of 384 and 200, holes", {384, 200}, 384, 2, true, {{0, 130}, {0, 191}, {1, 150}}},
     };
     bool ok = true;
     std::printf("one-pass attention (flash.cu) on the CPU emulation against f64:\n");
