@@ -39,7 +39,7 @@ fn entry(kernel: &str, dropout: &DeviceDropout, bits: bool) -> String {
     if crate::kernels::cuda_flash_registers() {
         let copies = kernel == "forward" && crate::kernels::cuda_flash_async_copies();
         let batched = crate::kernels::cuda_flash_batched_loads();
-        if batched && crate::kernels::cuda_flash_straight() {
+        if straight_forms() {
             let (exp2, drop) = straight_form(dropout, bits);
             if kernel == "forward" && pair_forward() {
                 return format!("flash_registers_pair{exp2}{drop}_forward");

@@ -1110,10 +1110,10 @@ __device__ __forceinline__ void fr_backward_kv_pair(FLASH_BACKWARD_ARGS,
     const int tiles = (k.end + FLASH_TILE - 1) / FLASH_TILE;  // the query tiles holding a token
     // Each place's dropout line, log-sum-exp and delta and whether it is a token, as
     // `flash_load_query_tile` reads a tile's, and each query tile's keep words against the
-    // block's two key tiles (one a thread, none past the row's tiles): the row's at the start,
-    // so that the loop over query tiles holds no more than their copies' addresses.
+    // block's two key tiles (one a thread, none past the row's tiles): the row's query tiles'
+    // at the start, so that the loop over them holds no more than their copies' addresses.
     const uint64_t head_key = d.on ? line_key(row_key(d, k.b), k.h) : 0;
-    for (int i = threadIdx.x; i < FR_MAX_PLACES; i += FR_PAIR_THREADS) {
+    for (int i = threadIdx.x; i < tiles * FLASH_TILE; i += FR_PAIR_THREADS) {
         const bool place = i < seq;
         s.line[i] = d.on ? line_key(head_key, i) : 0;
         s.lse[i] = place ? lse[rows + i] : 0.0f;
