@@ -1005,7 +1005,7 @@ pub(crate) static CUDA_FLASH_PAIR_KEYS: Switch = Switch::opt_in("BERTKIT_CUDA_FL
 /// blocks an SM (16 warps), 512 blocks in two nearly full rounds. The attention's backward
 /// took 4.73 ms of a BERT-large phase-2 pass on an H200 (BENCHMARKS.md, 2026-11-27, evening).
 /// The same products in the same order: the same dK and dV (`bench/gpu/emulate`). Compiled for
-/// sm_90, ptxas spills 20-32 bytes a lane without dropout and 84-128 with it. Checked by
+/// sm_90, its chunks a loop (not unrolled), ptxas spills at most 4 bytes a lane. Checked by
 /// `bertkit check kernels --device cuda` (its `attention flash pair keys` rows), not yet run
 /// on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_KEYS=pair`.
 pub fn set_cuda_flash_pair_keys(on: bool) {

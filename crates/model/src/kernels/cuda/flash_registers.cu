@@ -703,8 +703,10 @@ __device__ __forceinline__ void fr_kv_query_tile(const bf16* keys, const bf16* v
 // makes the queries' gradient from dSᵀ too (`fr_backward_joint`): `each_ds(c, a)` sees each
 // chunk's dSᵀ fragment (dK's left operand). The same products in the same order into each
 // accumulator, so the same `dk` and `dv`; a chunk's 8 probabilities live at a time, where the
-// tile's form holds the tile's 32 (the joint kernel fits two blocks an SM by it).
-template <int E, typename EachDs>
+// tile's form holds the tile's 32 (the joint kernel fits two blocks an SM by it). `Unroll`:
+// the chunks' loop unrolled that many times (1: a loop), which decides what ptxas may schedule
+// across chunks (below).
+template <int E, int Unroll = 4, typename EachDs>
 __device__ __forceinline__ void fr_kv_query_chunks(
     const bf16* keys, const bf16* values, int row0, const bf16* queries, const bf16* grads,
     const int* query_valid, const float* tile_lse, const float* tile_delta,
@@ -714,7 +716,7 @@ __device__ __forceinline__ void fr_kv_query_chunks(
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     uint32_t kept = 0;  // bit 4n + e: element (n, e) kept by the dropout
     if constexpr ((E & FR_BITS) != 0) kept = fr_kept_transposed(tile_bits, bits_warp, g, t);
-#pragma unroll
+#pragma unroll Unroll
     for (int c = 0; c < 4; ++c) {
         // Pᵀ's chunk: the warp's keys against its 16 queries (`fr_scores`' sums for them).
         float p[2][4] = {};
@@ -1166,10 +1168,13 @@ __device__ __forceinline__ void fr_backward_kv_pair(FLASH_BACKWARD_ARGS,
         if (live_keys) {
             const int buf = qt & 1;
             const int q0 = qt * FLASH_TILE;
-            fr_kv_query_chunks<E>(s.keys, s.values, k.warp * 16, s.queries[buf], s.grads[buf],
-                                  s.valid + q0, s.lse + q0, s.delta + q0, s.line + q0,
-                                  s.bits[qt] + (k.warp >> 2) * FLASH_THREADS, k.warp & 3, key,
-                                  j, scale, d, dk, dv, [](int, const uint32_t (&)[4]) {});
+            // (The chunks a loop: unrolled, ptxas holds the four chunks' operands at once and
+            // spilled 20-32 bytes a lane without dropout and 84-128 with it, in the loop.)
+            fr_kv_query_chunks<E, 1>(s.keys, s.values, k.warp * 16, s.queries[buf],
+                                     s.grads[buf], s.valid + q0, s.lse + q0, s.delta + q0,
+                                     s.line + q0, s.bits[qt] + (k.warp >> 2) * FLASH_THREADS,
+                                     k.warp & 3, key, j, scale, d, dk, dv,
+                                     [](int, const uint32_t (&)[4]) {});
         }
         // Every warp done with this tile's buffer, then the tile after next into it (its
         // copies in flight while the warps work on the next).

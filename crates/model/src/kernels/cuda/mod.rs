@@ -185,66 +185,87 @@ fn config(blocks: usize, threads: usize, shared_floats: usize) -> LaunchConfig {
     }
 }
 
+/// Answers about kernels kept per device, keyed by a kernel's name and element type and a size.
+type Answers<V> = Mutex<Vec<(DeviceId, HashMap<(String, usize), V>)>>;
+
+/// `dev`'s answer in `answers` (`what` they are, for a poisoned lock's error) for kernel `name`
+/// (for `T`) at `size`: asked (`ask`) the first time, then kept.
+fn answer_once<T: Element, V: Copy>(
+    answers: &Answers<V>,
+    what: &str,
+    dev: &CudaDevice,
+    (name, size): (&str, usize),
+    ask: impl FnOnce() -> Result<V>,
+) -> Result<V> {
+    let mut devices = answers.lock().map_err(|_| {
+        candle_core::Error::Msg(format!("the CUDA kernels' {what}: a poisoned lock"))
+    })?;
+    let kept = device_entry(&mut devices, dev, || Ok(HashMap::new()))?;
+    let key = (format!("{name}_{}", T::SUFFIX), size);
+    if let Some(&answer) = kept.get(&key) {
+        return Ok(answer);
+    }
+    let answer = ask()?;
+    kept.insert(key, answer);
+    Ok(answer)
+}
+
 /// How many blocks of `threads` of kernel `name` (for `T`) the whole device holds at once: its
 /// multiprocessors times the blocks of it one holds (the driver's occupancy, from the kernel's
 /// registers and shared memory), asked once a kernel and device. The grid of a kernel whose
 /// blocks should all be resident, each taking its share of rows.
 fn resident_blocks<T: Element>(dev: &CudaDevice, name: &str, threads: usize) -> Result<usize> {
-    type Counts = HashMap<(String, usize), usize>;
-    static RESIDENT: Mutex<Vec<(DeviceId, Counts)>> = Mutex::new(Vec::new());
-    let mut devices = RESIDENT.lock().map_err(|_| {
-        candle_core::Error::Msg("the CUDA kernels' occupancies: a poisoned lock".into())
-    })?;
-    let counts = device_entry(&mut devices, dev, || Ok(HashMap::new()))?;
-    let key = (format!("{name}_{}", T::SUFFIX), threads);
-    if let Some(&n) = counts.get(&key) {
-        return Ok(n);
-    }
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let multiprocessors = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?;
-    let per_multiprocessor = function::<T>(dev, name)?
-        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, 0, None)
-        .w()?;
-    let n = (usize::try_from(multiprocessors).unwrap_or(1) * per_multiprocessor as usize).max(1);
-    counts.insert(key, n);
-    Ok(n)
+    static RESIDENT: Answers<usize> = Mutex::new(Vec::new());
+    answer_once::<T, _>(&RESIDENT, "occupancies", dev, (name, threads), || {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+        let multiprocessors = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?;
+        let per_multiprocessor = function::<T>(dev, name)?
+            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, 0, None)
+            .w()?;
+        Ok((usize::try_from(multiprocessors).unwrap_or(1) * per_multiprocessor as usize).max(1))
+    })
 }
 
 /// Whether `dev` gives a block of kernel `name` (for `T`) `bytes` of dynamic shared memory
 /// beside its static shared memory, and if so the function allowed them: above 48 KB a kernel
-/// must ask (`cuFuncSetAttribute`, a host call with no sync, made at each launch that needs it).
+/// must ask (`cuFuncSetAttribute`). Asked and allowed once a kernel, size and device (the
+/// attribute stays with the function, whose handle [`function`] keeps; candle's lookup gives
+/// the same handle from its loaded module), where every launch made two driver calls.
 /// (sm_80 and sm_90 give a block up to 163 and 227 KB; sm_86 and sm_89, 99.)
 fn allow_dynamic_shared<T: Element>(dev: &CudaDevice, name: &str, bytes: usize) -> Result<bool> {
-    use candle_core::cuda_backend::cudarc::driver::sys::{
-        CUdevice_attribute, CUfunction_attribute,
-    };
-    let most = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    static ALLOWED: Answers<bool> = Mutex::new(Vec::new());
+    answer_once::<T, _>(&ALLOWED, "shared memory", dev, (name, bytes), || {
+        use candle_core::cuda_backend::cudarc::driver::sys::{
+            CUdevice_attribute, CUfunction_attribute,
+        };
+        let most = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .w()?;
+        let func = function::<T>(dev, name)?;
+        let fixed = func.shared_size_bytes().w()?;
+        let (Ok(most), Ok(fixed), Ok(asked)) = (
+            usize::try_from(most),
+            usize::try_from(fixed),
+            i32::try_from(bytes),
+        ) else {
+            return Ok(false);
+        };
+        if fixed + bytes > most {
+            return Ok(false);
+        }
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            asked,
+        )
         .w()?;
-    let func = function::<T>(dev, name)?;
-    let fixed = func.shared_size_bytes().w()?;
-    let (Ok(most), Ok(fixed), Ok(asked)) = (
-        usize::try_from(most),
-        usize::try_from(fixed),
-        i32::try_from(bytes),
-    ) else {
-        return Ok(false);
-    };
-    if fixed + bytes > most {
-        return Ok(false);
-    }
-    func.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        asked,
-    )
-    .w()?;
-    Ok(true)
+        Ok(true)
+    })
 }
 
 /// A block's threads for rows of `width`: about four elements a thread, a whole number of
