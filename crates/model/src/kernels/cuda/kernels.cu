@@ -162,6 +162,26 @@ __device__ __forceinline__ void store_vec16(T* p, const float (&v)[Vec16<T>::N])
     *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// Whether every pointer starts on a 16-byte boundary.
+template <typename... P>
+__device__ __forceinline__ bool aligned16(const P*... p) {
+    return ((reinterpret_cast<uintptr_t>(p) | ...) & 15) == 0;
+}
+
+// The grid's threads strided over `n` elements of `T` 16 bytes at a time where `aligned`
+// (`piece(v)` for each whole piece `v`, `Vec16<T>::N` elements), then an element at a time
+// (`element(i)`) from the first no piece covered up to `end` (`n`, or beyond it for what a
+// kernel writes past its input).
+template <typename T, typename Piece, typename Element>
+__device__ __forceinline__ void grid_pieces(size_t n, size_t end, bool aligned, Piece piece,
+                                            Element element) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t pieces = aligned ? n / Vec16<T>::N : 0;
+    for (size_t v = first; v < pieces; v += stride) piece(v);
+    for (size_t i = pieces * Vec16<T>::N + first; i < end; i += stride) element(i);
+}
+
 // Two sums over the block at once, returned to every thread; `scratch` holds 64 floats.
 __device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {
     a = warp_sum(a);
@@ -1163,28 +1183,23 @@ extern "C" __global__ void join_rows_f16(JoinParts parts, uint4* dst) { join_row
 
 template <typename T>
 __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
-    constexpr int per = 16 / sizeof(T);
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool aligned = ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
-                           reinterpret_cast<uintptr_t>(out)) & 15) == 0;
-    const size_t vectors = aligned ? n / per : 0;
-    for (size_t v = first; v < vectors; v += stride) {
-        const uint4 x = reinterpret_cast<const uint4*>(a)[v];
-        const uint4 y = reinterpret_cast<const uint4*>(b)[v];
-        // The 16 bytes as elements through memcpy (registers on the device; no aliasing).
-        T xs[per], ys[per], zs[per];
-        memcpy(xs, &x, sizeof x);
-        memcpy(ys, &y, sizeof y);
+    grid_pieces<T>(
+        n, n, aligned16(a, b, out),
+        [&](size_t v) {
+            constexpr int per = Vec16<T>::N;
+            const uint4 x = reinterpret_cast<const uint4*>(a)[v];
+            const uint4 y = reinterpret_cast<const uint4*>(b)[v];
+            // The 16 bytes as elements through memcpy (registers on the device; no aliasing).
+            T xs[per], ys[per], zs[per];
+            memcpy(xs, &x, sizeof x);
+            memcpy(ys, &y, sizeof y);
 #pragma unroll
-        for (int k = 0; k < per; ++k) zs[k] = from_f32<T>(to_f32(xs[k]) + to_f32(ys[k]));
-        uint4 z;
-        memcpy(&z, zs, sizeof z);
-        reinterpret_cast<uint4*>(out)[v] = z;
-    }
-    for (size_t i = vectors * per + first; i < n; i += stride) {
-        out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
-    }
+            for (int k = 0; k < per; ++k) zs[k] = from_f32<T>(to_f32(xs[k]) + to_f32(ys[k]));
+            uint4 z;
+            memcpy(&z, zs, sizeof z);
+            reinterpret_cast<uint4*>(out)[v] = z;
+        },
+        [&](size_t i) { out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i])); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1596,36 +1611,28 @@ ENTRY_POINTS(f16, f16)
 // cast and the f32 addition it replaces give it; grid-stride, the tail an element a thread.
 template <typename T>
 __device__ void add_half_into_f32(const float* a, const T* b, float* out, size_t n) {
-    constexpr int per = 16 / sizeof(T);
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool aligned = ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
-                           reinterpret_cast<uintptr_t>(out)) & 15) == 0;
-    const size_t vectors = aligned ? n / per : 0;
-    for (size_t v = first; v < vectors; v += stride) {
-        const uint4 y = reinterpret_cast<const uint4*>(b)[v];
-        T ys[per];
-        memcpy(ys, &y, sizeof y);
-        // `a`'s and `out`'s 16-byte pieces, four floats each (through memcpy: registers on the
-        // device, no aliasing), all of `a`'s loaded before the first store (which the compiler
-        // may not move a load past: `out` could alias `a`).
-        uint4 xa[per / 4];
+    constexpr int per = Vec16<T>::N, floats = per / 4;
+    grid_pieces<T>(
+        n, n, aligned16(a, b, out),
+        [&](size_t v) {
+            float y[per];
+            load_vec16(b + v * per, y);
+            // `a`'s and `out`'s 16-byte pieces, four floats each, all of `a`'s loaded before
+            // the first store (which the compiler may not move a load past: `out` could alias
+            // `a`).
+            float x[floats][4];
 #pragma unroll
-        for (int piece = 0; piece < per / 4; ++piece) {
-            xa[piece] = reinterpret_cast<const uint4*>(a)[v * (per / 4) + piece];
-        }
+            for (int piece = 0; piece < floats; ++piece) {
+                load_vec16(a + (v * floats + piece) * 4, x[piece]);
+            }
 #pragma unroll
-        for (int piece = 0; piece < per / 4; ++piece) {
-            float xs[4], zs[4];
-            memcpy(xs, &xa[piece], sizeof xs);
+            for (int piece = 0; piece < floats; ++piece) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) zs[k] = xs[k] + to_f32(ys[piece * 4 + k]);
-            uint4 z;
-            memcpy(&z, zs, sizeof z);
-            reinterpret_cast<uint4*>(out)[v * (per / 4) + piece] = z;
-        }
-    }
-    for (size_t i = vectors * per + first; i < n; i += stride) out[i] = a[i] + to_f32(b[i]);
+                for (int k = 0; k < 4; ++k) x[piece][k] += y[piece * 4 + k];
+                store_vec16(out + (v * floats + piece) * 4, x[piece]);
+            }
+        },
+        [&](size_t i) { out[i] = a[i] + to_f32(b[i]); });
 }
 
 extern "C" __global__ void add_half_into_f32_bf16(const float* a, const bf16* b, float* out,
@@ -1647,34 +1654,22 @@ extern "C" __global__ void add_half_into_f32_f16(const float* a, const f16* b, f
 // the padding) an element a thread.
 template <typename T>
 __device__ void cast_f32_padded(const float* src, T* dst, size_t n, size_t total) {
-    constexpr int per = 16 / sizeof(T);
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool aligned =
-        ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
-    const size_t vectors = aligned ? n / per : 0;
-    for (size_t v = first; v < vectors; v += stride) {
-        // `src`'s pieces, four floats each, all loaded before the store.
-        uint4 xs[per / 4];
+    constexpr int per = Vec16<T>::N, floats = per / 4;
+    grid_pieces<T>(
+        n, total, aligned16(src, dst),
+        [&](size_t v) {
+            // `src`'s pieces, four floats each, all loaded before the store.
+            float x[per];
 #pragma unroll
-        for (int piece = 0; piece < per / 4; ++piece) {
-            xs[piece] = reinterpret_cast<const uint4*>(src)[v * (per / 4) + piece];
-        }
-        T ys[per];
+            for (int piece = 0; piece < floats; ++piece) {
+                float f[4];
+                load_vec16(src + (v * floats + piece) * 4, f);
 #pragma unroll
-        for (int piece = 0; piece < per / 4; ++piece) {
-            float f[4];
-            memcpy(f, &xs[piece], sizeof f);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) ys[piece * 4 + k] = from_f32<T>(f[k]);
-        }
-        uint4 y;
-        memcpy(&y, ys, sizeof y);
-        reinterpret_cast<uint4*>(dst)[v] = y;
-    }
-    for (size_t i = vectors * per + first; i < total; i += stride) {
-        dst[i] = from_f32<T>(i < n ? src[i] : 0.0f);
-    }
+                for (int k = 0; k < 4; ++k) x[piece * 4 + k] = f[k];
+            }
+            store_vec16(dst + v * per, x);
+        },
+        [&](size_t i) { dst[i] = from_f32<T>(i < n ? src[i] : 0.0f); });
 }
 
 extern "C" __global__ void cast_f32_padded_bf16(const float* src, bf16* dst, size_t n,
