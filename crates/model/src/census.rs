@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -232,6 +233,11 @@ pub struct PassProfile {
     pub forward_seconds: f64,
     /// The backward pass.
     pub backward_seconds: f64,
+    /// The host's time in the forward pass and loss, and in the backward pass: with
+    /// [`Clock::Events`] on a GPU, what issuing them took (the device running behind); where
+    /// it nears the device's own time, the pass is bound by the host. On the CPU, or with
+    /// [`Clock::Synchronised`], the passes' whole time.
+    pub host_seconds: (f64, f64),
     /// Each kernel of the forward pass (see [`Profiled`]), by name.
     pub kernels: BTreeMap<&'static str, KernelTime>,
     /// The backward passes of the fused ops, by the name of the kernel whose op each is (and
@@ -266,8 +272,10 @@ pub fn profile(
     let profiled = Arc::new(Profiled::new(kernels, clock));
     pass.loaded.model.bert.set_kernels(profiled.clone());
     let passes = passes.max(1);
-    // Each timed pass's start, end of forward and end of backward, read at the end.
+    // Each timed pass's start, end of forward and end of backward, read at the end; and the
+    // host's time in its forward and backward.
     let mut marks = Vec::with_capacity(passes);
+    let mut host = (0.0, 0.0);
     for i in 0..=passes {
         if i == 1 {
             profiled.take()?;
@@ -275,9 +283,12 @@ pub fn profile(
         }
         device.synchronize()?;
         let started = Mark::now(device, clock)?;
+        let host_started = Instant::now();
+        let host_forwarded;
         let forwarded;
         if inference {
             pass.loss_in(Mode::Eval)?;
+            host_forwarded = Instant::now();
             forwarded = Mark::now(device, clock)?;
         } else {
             // A training pass as training runs it (`train::step`): the encoder's backward by
@@ -291,14 +302,18 @@ pub fn profile(
             let (out, sink) =
                 model.heads_handing_over(encoder.top(), &pass.inputs, &pass.masked)?;
             let total = pass.loss_of(&out)?;
+            host_forwarded = Instant::now();
             forwarded = Mark::now(device, clock)?;
             let mut store = total.backward()?;
             sink.add_to(&mut store)?;
             drop(encoder.backward(&store, |_| Ok::<(), ModelError>(()))?);
         }
+        let host_ended = Instant::now();
         let ended = Mark::now(device, clock)?;
         if i > 0 {
             marks.push((started, forwarded, ended));
+            host.0 += (host_forwarded - host_started).as_secs_f64();
+            host.1 += (host_ended - host_forwarded).as_secs_f64();
         }
     }
     device.synchronize()?;
@@ -315,6 +330,7 @@ pub fn profile(
                 let per_pass = KernelTime {
                     calls: t.calls / passes as u64,
                     seconds: t.seconds / n,
+                    host_seconds: t.host_seconds / n,
                     flops: t.flops / n,
                 };
                 (name, per_pass)
@@ -325,6 +341,7 @@ pub fn profile(
         clock,
         forward_seconds: forward / n,
         backward_seconds: backward / n,
+        host_seconds: (host.0 / n, host.1 / n),
         kernels: per_pass(profiled.take()?),
         backward_kernels: per_pass(crate::kernels::time_backwards(None)?),
     })
@@ -423,6 +440,27 @@ mod tests {
         let in_backwards: f64 = timed.backward_kernels.values().map(|k| k.seconds).sum();
         assert!(
             in_backwards > 0.0 && in_backwards < timed.backward_seconds,
+            "{timed:?}"
+        );
+        // The host's time: within each call's by the same clock (on the CPU the host's, the
+        // marks read around the host's own), and each part's kernels' within the part's.
+        for k in timed
+            .kernels
+            .values()
+            .chain(timed.backward_kernels.values())
+        {
+            assert!(
+                k.host_seconds > 0.0 && k.host_seconds <= k.seconds,
+                "{timed:?}"
+            );
+        }
+        let host_in = |t: &BTreeMap<&'static str, KernelTime>| -> f64 {
+            t.values().map(|k| k.host_seconds).sum()
+        };
+        assert!(host_in(&timed.kernels) <= timed.host_seconds.0, "{timed:?}");
+        assert!(timed.host_seconds.0 <= timed.forward_seconds, "{timed:?}");
+        assert!(
+            host_in(&timed.backward_kernels) <= timed.host_seconds.1,
             "{timed:?}"
         );
         // Outside a profile nothing is timed.

@@ -776,8 +776,8 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         args.passes.max(1)
     );
     println!(
-        "{:<22} {:>8} {:>12} {:>12} {:>11} {:>13}",
-        "", "calls", "forward ms", "of forward", "TFLOP/s", "backward ms"
+        "{:<22} {:>8} {:>12} {:>12} {:>11} {:>13} {:>13}",
+        "", "calls", "forward ms", "of forward", "TFLOP/s", "backward ms", "host ms"
     );
     let ms = |s: f64| s * 1e3;
     let share = |s: f64| 100.0 * s / p.forward_seconds.max(1e-12);
@@ -798,50 +798,77 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
     let cell = |t: Option<&bertkit_model::kernels::KernelTime>| {
         t.map_or("".to_string(), |t| format!("{:.2}", ms(t.seconds)))
     };
+    let host_cell = |f: Option<&bertkit_model::kernels::KernelTime>,
+                     b: Option<&bertkit_model::kernels::KernelTime>| {
+        let host = |t: Option<&bertkit_model::kernels::KernelTime>| {
+            t.map(|t| format!("{:.2}", ms(t.host_seconds)))
+        };
+        match (host(f), host(b)) {
+            (Some(f), Some(b)) => format!("{f} + {b}"),
+            (Some(f), None) => format!("{f} +"),
+            (None, Some(b)) => format!("+ {b}"),
+            (None, None) => String::new(),
+        }
+    };
     for name in &names {
         let forward = p.kernels.get(name);
-        let calls = forward
-            .or(p.backward_kernels.get(name))
-            .map_or(0, |t| t.calls);
+        let backward = p.backward_kernels.get(name);
+        let calls = forward.or(backward).map_or(0, |t| t.calls);
         println!(
-            "{name:<22} {calls:>8} {:>12} {:>12} {:>11} {:>13}",
+            "{name:<22} {calls:>8} {:>12} {:>12} {:>11} {:>13} {:>13}",
             cell(forward),
             forward.map_or("".to_string(), |t| format!("{:.1}%", share(t.seconds))),
             forward.filter(|t| t.flops > 0.0 && t.seconds > 0.0).map_or(
                 "".to_string(),
                 |t| format!("{:.2}", t.flops / t.seconds / 1e12)
             ),
-            cell(p.backward_kernels.get(name)),
+            cell(backward),
+            host_cell(forward, backward),
         );
     }
     let in_kernels: f64 = p.kernels.values().map(|t| t.seconds).sum();
     let in_backwards: f64 = p.backward_kernels.values().map(|t| t.seconds).sum();
+    let host_in = |t: &std::collections::BTreeMap<&str, bertkit_model::kernels::KernelTime>| {
+        t.values().map(|t| t.host_seconds).sum::<f64>()
+    };
+    let (host_forward, host_backward) = p.host_seconds;
     println!(
-        "{:<22} {:>8} {:>12.2} {:>11.1}% {:>11} {:>13.2}",
+        "{:<22} {:>8} {:>12.2} {:>11.1}% {:>11} {:>13.2} {:>13}",
         "outside the kernels",
         "",
         ms(p.forward_seconds - in_kernels),
         share(p.forward_seconds - in_kernels),
         "",
         ms(p.backward_seconds - in_backwards),
+        format!(
+            "{:.2} + {:.2}",
+            ms(host_forward - host_in(&p.kernels)),
+            ms(host_backward - host_in(&p.backward_kernels))
+        ),
     );
     let flops: f64 = p.kernels.values().map(|t| t.flops).sum();
     println!(
-        "{:<22} {:>8} {:>12.2} {:>12} {:>11.2} {:>13.2}",
+        "{:<22} {:>8} {:>12.2} {:>12} {:>11.2} {:>13.2} {:>13}",
         "total",
         "",
         ms(p.forward_seconds),
         "",
         flops / p.forward_seconds.max(1e-12) / 1e12,
-        ms(p.backward_seconds)
+        ms(p.backward_seconds),
+        format!("{:.2} + {:.2}", ms(host_forward), ms(host_backward)),
     );
     println!(
-        "(each kernel call and each fused op's backward timed {}; TFLOP/s: the kernel's matrix products (the linear layers', attention's within each sequence) over its time, the whole forward pass's over the pass; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, the encoder's gradients added where two meet (a residual) and the embeddings', heads' and loss's backward in candle's autograd; where the kernels do not record, the encoder's too: a zeroed gradient and an addition per graph edge)",
+        "(each kernel call and each fused op's backward timed {}; TFLOP/s: the kernel's matrix products (the linear layers', attention's within each sequence) over its time, the whole forward pass's over the pass; outside the kernels: forward, the embeddings, gathers, heads and loss; backward, the encoder's gradients added where two meet (a residual) and the embeddings', heads' and loss's backward in candle's autograd; where the kernels do not record, the encoder's too: a zeroed gradient and an addition per graph edge; host ms: the host's time in the calls, forward + backward, {})",
         match p.clock {
             bertkit_model::kernels::Clock::Synchronised =>
                 "with the device synchronised around it (the host's clock)",
             bertkit_model::kernels::Clock::Events =>
                 "by events on the device's stream (its own time, the host launching ahead; on the CPU the host's clock)",
+        },
+        match (p.clock, device.is_cuda()) {
+            (bertkit_model::kernels::Clock::Events, true) =>
+                "issuing them (launches, allocations, the ops' host work): a part whose host time nears the device's is bound by the host",
+            _ => "their whole time (the host waits for each)",
         }
     );
     Ok(())

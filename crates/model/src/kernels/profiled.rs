@@ -93,8 +93,17 @@ struct Span {
     name: &'static str,
     start: Mark,
     end: Mark,
+    /// The host's time in the call (its clock read around it, apart from the marks').
+    host: f64,
     /// The call's matrix products' floating-point operations (0 where none are counted).
     flops: f64,
+}
+
+/// `call`'s result and the host's seconds in it.
+fn host_timed<T>(call: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
+    let started = Instant::now();
+    let out = call()?;
+    Ok((out, started.elapsed().as_secs_f64()))
 }
 
 /// Each name's calls, seconds and counted operations.
@@ -105,6 +114,7 @@ fn read(spans: Vec<Span>) -> Result<BTreeMap<&'static str, KernelTime>> {
         let t = times.entry(span.name).or_default();
         t.calls += 1;
         t.seconds += seconds;
+        t.host_seconds += span.host;
         t.flops += span.flops;
     }
     Ok(times)
@@ -156,6 +166,10 @@ pub struct KernelTime {
     pub calls: u64,
     /// Seconds in them, by the profile's [`Clock`].
     pub seconds: f64,
+    /// The host's seconds in them: with [`Clock::Events`] on a GPU, what issuing them took
+    /// (launches, allocations, the ops' own host work), the device's time apart; on the CPU,
+    /// or with [`Clock::Synchronised`], the calls' whole time.
+    pub host_seconds: f64,
     /// The floating-point operations of their matrix products (the linear layers' and
     /// attention's within each sequence; 0 for a kernel without products): with
     /// [`KernelTime::seconds`], the rate the products ran at, kernel time around them included.
@@ -198,12 +212,13 @@ impl Profiled {
         call: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
         let start = Mark::now(on.device(), self.clock)?;
-        let out = call()?;
+        let (out, host) = host_timed(call)?;
         let end = Mark::now(out.device(), self.clock)?;
         self.spans.lock().expect("not poisoned").push(Span {
             name,
             start,
             end,
+            host,
             flops,
         });
         Ok(out)
@@ -243,7 +258,7 @@ pub(crate) fn backward<T>(
         return call();
     };
     let start = Mark::now(device, clock)?;
-    let out = call()?;
+    let (out, host) = host_timed(call)?;
     let end = Mark::now(device, clock)?;
     BACKWARDS.with(|b| {
         if let Some((_, spans)) = b.borrow_mut().as_mut() {
@@ -251,6 +266,7 @@ pub(crate) fn backward<T>(
                 name,
                 start,
                 end,
+                host,
                 flops: 0.0,
             });
         }
