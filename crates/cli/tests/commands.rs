@@ -234,13 +234,26 @@ fn bench_kernels_times_each_kernel() {
     );
     let attention = stdout.lines().find(|l| l.starts_with("attention")).unwrap();
     let columns: Vec<&str> = attention.split_whitespace().collect();
-    assert_eq!(columns.len(), 6, "{attention}");
+    assert_eq!(columns.len(), 9, "{attention}");
     let rate: f64 = columns[4].parse().unwrap();
     assert!(rate.is_finite() && rate >= 0.0, "{attention}");
-    // A kernel without products has no rate: five columns.
+    // The host's time in its calls, forward + backward (on the CPU their whole time: within
+    // the time columns' figures, to their rounding).
+    let ms = |c: &str| -> f64 { c.parse().unwrap() };
+    assert_eq!(columns[7], "+", "{attention}");
+    assert!(
+        ms(columns[6]) >= 0.0 && ms(columns[6]) <= ms(columns[2]) + 0.01,
+        "{attention}"
+    );
+    assert!(
+        ms(columns[8]) >= 0.0 && ms(columns[8]) <= ms(columns[5]) + 0.01,
+        "{attention}"
+    );
+    assert!(stdout.contains("host ms"), "{stdout}");
+    // A kernel without products has no rate: eight columns.
     let norm = stdout
         .lines()
         .find(|l| l.starts_with("residual_layer_norm"))
         .unwrap();
-    assert_eq!(norm.split_whitespace().count(), 5, "{norm}");
+    assert_eq!(norm.split_whitespace().count(), 8, "{norm}");
 }
