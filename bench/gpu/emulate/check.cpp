@@ -376,19 +376,18 @@ bool run(const Case& c) {
                                const uint32_t* keep_words) {
         std::vector<bf16> g(grad_qkv.size(), unwritten);
         emulate_launch(pair_grid, FR_PAIR_THREADS, [&] {
-            auto kernel = keep_words ? nullptr
-                          : e2 ? (d.on ? flash_registers_pair_exp2_dropout_backward_kv_bf16
-                                       : flash_registers_pair_exp2_backward_kv_bf16)
-                               : (d.on ? flash_registers_pair_dropout_backward_kv_bf16
-                                       : flash_registers_pair_backward_kv_bf16);
-            if (kernel) {
-                kernel(qkv.data(), grad.data(), l, delta_reg.data(), g.data(), scatter.data(),
-                       tokens, batch, heads, seq, scale, d);
-            } else {
+            if (keep_words) {
                 (e2 ? flash_registers_pair_exp2_bits_backward_kv_bf16
                     : flash_registers_pair_bits_backward_kv_bf16)(
                     qkv.data(), grad.data(), l, delta_reg.data(), g.data(), scatter.data(),
                     tokens, batch, heads, seq, scale, d, keep_words);
+            } else {
+                (e2 ? (d.on ? flash_registers_pair_exp2_dropout_backward_kv_bf16
+                            : flash_registers_pair_exp2_backward_kv_bf16)
+                    : (d.on ? flash_registers_pair_dropout_backward_kv_bf16
+                            : flash_registers_pair_backward_kv_bf16))(
+                    qkv.data(), grad.data(), l, delta_reg.data(), g.data(), scatter.data(),
+                    tokens, batch, heads, seq, scale, d);
             }
         }, sizeof(FrPairKvShared));
         for (int t = 0; t < tokens; ++t)
