@@ -135,7 +135,8 @@ pub(crate) enum BenchCommand {
     /// kernel launch on CUDA) and the fused ones: what fusion removes, counted on any device.
     Graph(BenchGraphArgs),
     /// Where a training pass's time goes: each kernel's calls and time in the forward pass
-    /// (the device synchronised around each call), the rest of the forward, and the backward.
+    /// and its backward, the rest of each, and the host's time in them (on a GPU, with CUDA
+    /// events: what issuing the calls took, against the device's time).
     Kernels(BenchKernelsArgs),
     /// The data-parallel gradient all-reduce of a model-sized f32 bucket, run under the
     /// launcher (`mpirun -np N bertkit bench allreduce`): time and bandwidth.
