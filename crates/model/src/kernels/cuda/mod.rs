@@ -232,13 +232,14 @@ fn resident_blocks<T: Element>(dev: &CudaDevice, name: &str, threads: usize) -> 
 
 /// Whether `dev` gives a block of kernel `name` (for `T`) `bytes` of dynamic shared memory
 /// beside its static shared memory, and if so the function allowed them: above 48 KB a kernel
-/// must ask (`cuFuncSetAttribute`). Asked and allowed once a kernel, size and device (the
-/// attribute stays with the function, whose handle [`function`] keeps; candle's lookup gives
-/// the same handle from its loaded module), where every launch made two driver calls.
+/// must ask (`cuFuncSetAttribute`). Asked and allowed once a kernel, size and device while
+/// [`function`] keeps the handles (the attribute stays with the function; every launch made
+/// the two driver calls before); at every launch, as before, with each launch looking the
+/// function up again (`BERTKIT_CUDA_FUNCTIONS=lookup`).
 /// (sm_80 and sm_90 give a block up to 163 and 227 KB; sm_86 and sm_89, 99.)
 fn allow_dynamic_shared<T: Element>(dev: &CudaDevice, name: &str, bytes: usize) -> Result<bool> {
     static ALLOWED: Answers<bool> = Mutex::new(Vec::new());
-    answer_once::<T, _>(&ALLOWED, "shared memory", dev, (name, bytes), || {
+    let ask = || {
         use candle_core::cuda_backend::cudarc::driver::sys::{
             CUdevice_attribute, CUfunction_attribute,
         };
@@ -265,7 +266,11 @@ fn allow_dynamic_shared<T: Element>(dev: &CudaDevice, name: &str, bytes: usize) 
         )
         .w()?;
         Ok(true)
-    })
+    };
+    if !crate::kernels::CUDA_FUNCTIONS_KEPT.get() {
+        return ask();
+    }
+    answer_once::<T, _>(&ALLOWED, "shared memory", dev, (name, bytes), ask)
 }
 
 /// A block's threads for rows of `width`: about four elements a thread, a whole number of
