@@ -21,7 +21,8 @@
 # passes of the rows that match it all the same (beside the defaults'), those whose kernels'
 # times a step's cannot show. PASS_LONG=1: each row's passes also a training pass at phase 2's
 # 8 x 512 (the kernels for long rows). MEMORY_ROWS=REGEX: only the memory rows whose settings
-# match (beside the build's own).
+# match (beside the build's own). MEMORY_FIRST=1: the memory rows right after the check (and
+# the optimiser's forms), before the rows' steps, for a call whose time may not reach them.
 # Usage: bash .gpu/kernels_check.sh   (OUT: where the logs go)
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -107,6 +108,7 @@ all_rows() {
     # the linear layers' three.) The pair forward against the asynchronous copies of a block a
     # query tile: a tie in the evening's runs (inference, phase 2), kept as a row.
     printf '%s\n' "- | the defaults" \
+        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded BERTKIT_BUCKET=none BERTKIT_CUDA_TABLE_CAST=vector BERTKIT_CUDA_BIAS_GRADIENT=epilogue BERTKIT_CUDA_JOIN=kernel BERTKIT_CUDA_RESIDUAL_SUM=product BERTKIT_CUDA_FLASH_BACKWARD=joint BERTKIT_CUDA_FLASH_KEYS=pair | the twelve not yet run" \
         "BERTKIT_CUDA_FLASH_FORWARD=single BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward a block a query tile, its tiles copied asynchronously (not the pair forward)" \
         "BERTKIT_CUDA_FLASH_DELTA=vector | the attention's backward's delta 16 bytes a thread" \
         "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy" \
@@ -119,8 +121,7 @@ all_rows() {
         "BERTKIT_CUDA_JOIN=kernel | the QKV weights and LayerNorms' parameters joined in one launch" \
         "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products" \
         "BERTKIT_CUDA_FLASH_BACKWARD=joint | the attention's backward in one kernel at rows of at most 128 (phase 1; phase 2 as the defaults)" \
-        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)" \
-        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded BERTKIT_BUCKET=none BERTKIT_CUDA_TABLE_CAST=vector BERTKIT_CUDA_BIAS_GRADIENT=epilogue BERTKIT_CUDA_JOIN=kernel BERTKIT_CUDA_RESIDUAL_SUM=product BERTKIT_CUDA_FLASH_BACKWARD=joint BERTKIT_CUDA_FLASH_KEYS=pair | the twelve not yet run"
+        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
@@ -329,6 +330,7 @@ sections() {
 profile=
 [[ -n ${PROFILE:-} ]] && command -v ncu > /dev/null && profile=1
 [[ ${OPTIMIZER:-1} != 0 ]] && optimizer_forms
+[[ -n ${EXTRA:-} && -n ${MEMORY_FIRST:-} ]] && memory
 if [[ -n ${EXTRA:-} ]]; then
     phase1_rows
     if [[ ${PASSES:-1} != 0 ]]; then
@@ -340,7 +342,7 @@ fi
 [[ ${SIDE:-1} != 0 ]] && side_by_side
 [[ -n $profile ]] && sections
 if [[ -n ${EXTRA:-} ]]; then
-    memory
+    [[ -z ${MEMORY_FIRST:-} ]] && memory
     fp16
 fi
 [[ -n $profile ]] && pass_kernels
