@@ -106,22 +106,24 @@ all_rows() {
     # run turned on the attention's straight kernels, ex2, pair forward and keep bits, the
     # sublayer ends' backward ahead and keep bits, the embeddings' end, the keyed dropout and
     # the linear layers' three.) The pair forward against the asynchronous copies of a block a
-    # query tile: a tie in the evening's runs (inference, phase 2), kept as a row.
+    # query tile: a tie in the evening's runs (inference, phase 2), kept as a row. After the
+    # defaults and the combination, the single rows in the order of the time they aim at (a
+    # call cut by its limit loses the last).
     printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded BERTKIT_BUCKET=none BERTKIT_CUDA_TABLE_CAST=vector BERTKIT_CUDA_BIAS_GRADIENT=epilogue BERTKIT_CUDA_JOIN=kernel BERTKIT_CUDA_RESIDUAL_SUM=product BERTKIT_CUDA_FLASH_BACKWARD=joint BERTKIT_CUDA_FLASH_KEYS=pair | the twelve not yet run" \
-        "BERTKIT_CUDA_FLASH_FORWARD=single BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward a block a query tile, its tiles copied asynchronously (not the pair forward)" \
-        "BERTKIT_CUDA_FLASH_DELTA=vector | the attention's backward's delta 16 bytes a thread" \
-        "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy" \
-        "BERTKIT_CUDA_BIAS_SUMS=registers | a linear layer's bias gradient alone summed in registers" \
+        "BERTKIT_CUDA_FLASH_BACKWARD=joint | the attention's backward in one kernel at rows of at most 128 (phase 1; phase 2 as the defaults)" \
+        "BERTKIT_CUDA_BIAS_GRADIENT=epilogue | a linear layer's bias gradient from its weight gradient's cuBLASLt product" \
+        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)" \
         "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp | LayerNorm's backward a warp per row" \
+        "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products" \
+        "BERTKIT_CUDA_JOIN=kernel | the QKV weights and LayerNorms' parameters joined in one launch" \
         "BERTKIT_CUDA_DECODER=padded | the masked-LM decoder's rows padded to 30,528" \
         "BERTKIT_BUCKET=none | the step without the flat gradient bucket (one micro-batch)" \
+        "BERTKIT_CUDA_BIAS_SUMS=registers | a linear layer's bias gradient alone summed in registers" \
+        "BERTKIT_CUDA_FLASH_DELTA=vector | the attention's backward's delta 16 bytes a thread" \
         "BERTKIT_CUDA_TABLE_CAST=vector | the decoder's f32 weight cast 16 bytes a thread (into the padded copy where padded)" \
-        "BERTKIT_CUDA_BIAS_GRADIENT=epilogue | a linear layer's bias gradient from its weight gradient's cuBLASLt product" \
-        "BERTKIT_CUDA_JOIN=kernel | the QKV weights and LayerNorms' parameters joined in one launch" \
-        "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products" \
-        "BERTKIT_CUDA_FLASH_BACKWARD=joint | the attention's backward in one kernel at rows of at most 128 (phase 1; phase 2 as the defaults)" \
-        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)"
+        "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy" \
+        "BERTKIT_CUDA_FLASH_FORWARD=single BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward a block a query tile, its tiles copied asynchronously (not the pair forward)"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
 # line "to use them: ..." names them, also when another setting's kernel failed; none when a
@@ -208,12 +210,14 @@ memory() {
     # gradient bucket (1.34 GB) kept from step to step rather than found anew at each step's
     # end; without the bucket at all (one micro-batch, one process; unless its check failed);
     # with 8.5 GiB taken from the driver in one piece when the device opens (whether the pool
-    # carves the step's tensors from it), alone and without the bucket: what each costs in
-    # step time and tensors, and the pool's held peak it leaves (and its marks after each
-    # step).
+    # carves the step's tensors from it), alone and without the bucket; without the bucket and
+    # with the lean feed-forward (its GELU recomputed, ~0.75 GiB fewer tensors at phase 2, where
+    # the plan takes the full one on this GPU): what each costs in step time and tensors, and
+    # the pool's held peak it leaves (and its marks after each step).
     local setting word
     for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept BERTKIT_BUCKET=none \
-        BERTKIT_CUDA_POOL_RESERVE_MIB=8704 "BERTKIT_CUDA_POOL_RESERVE_MIB=8704 BERTKIT_BUCKET=none"; do
+        BERTKIT_CUDA_POOL_RESERVE_MIB=8704 "BERTKIT_CUDA_POOL_RESERVE_MIB=8704 BERTKIT_BUCKET=none" \
+        "BERTKIT_CUDA_FEED_FORWARD=lean BERTKIT_BUCKET=none"; do
         # (MEMORY_ROWS=REGEX keeps those whose settings match it, and the build's own.)
         if [[ -n $setting && ! $setting =~ ${MEMORY_ROWS:-.} ]]; then
             continue
