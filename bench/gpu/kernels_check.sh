@@ -106,23 +106,27 @@ all_rows() {
     # run turned on the attention's straight kernels, ex2, pair forward and keep bits, the
     # sublayer ends' backward ahead and keep bits, the embeddings' end, the keyed dropout and
     # the linear layers' three.) The pair forward against the asynchronous copies of a block a
-    # query tile: a tie in the evening's runs (inference, phase 2), kept as a row. After the
-    # defaults and the combination, the single rows in the order of the time they aim at (a
-    # call cut by its limit loses the last).
-    printf '%s\n' "- | the defaults" \
-        "BERTKIT_CUDA_FLASH_DELTA=vector BERTKIT_CUDA_HANDED_GRADIENT=half BERTKIT_CUDA_BIAS_SUMS=registers BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp BERTKIT_CUDA_DECODER=padded BERTKIT_BUCKET=none BERTKIT_CUDA_TABLE_CAST=vector BERTKIT_CUDA_BIAS_GRADIENT=epilogue BERTKIT_CUDA_JOIN=kernel BERTKIT_CUDA_RESIDUAL_SUM=product BERTKIT_CUDA_FLASH_BACKWARD=joint BERTKIT_CUDA_FLASH_KEYS=pair | the twelve not yet run" \
-        "BERTKIT_CUDA_FLASH_BACKWARD=joint | the attention's backward in one kernel at rows of at most 128 (phase 1; phase 2 as the defaults)" \
-        "BERTKIT_CUDA_BIAS_GRADIENT=epilogue | a linear layer's bias gradient from its weight gradient's cuBLASLt product" \
-        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)" \
-        "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp | LayerNorm's backward a warp per row" \
-        "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products" \
-        "BERTKIT_CUDA_JOIN=kernel | the QKV weights and LayerNorms' parameters joined in one launch" \
-        "BERTKIT_CUDA_DECODER=padded | the masked-LM decoder's rows padded to 30,528" \
-        "BERTKIT_BUCKET=none | the step without the flat gradient bucket (one micro-batch)" \
-        "BERTKIT_CUDA_BIAS_SUMS=registers | a linear layer's bias gradient alone summed in registers" \
-        "BERTKIT_CUDA_FLASH_DELTA=vector | the attention's backward's delta 16 bytes a thread" \
-        "BERTKIT_CUDA_TABLE_CAST=vector | the decoder's f32 weight cast 16 bytes a thread (into the padded copy where padded)" \
-        "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy" \
+    # query tile: a tie in the evening's runs (inference, phase 2), kept as a row, last. After
+    # the defaults and the combination of the settings not yet run, their single rows in the
+    # order of the time they aim at (a call cut by its limit loses the last).
+    # (The combination is made from the single rows, every setting not yet run.)
+    local singles=(
+        "BERTKIT_CUDA_FLASH_BACKWARD=joint | the attention's backward in one kernel at rows of at most 128 (phase 1; phase 2 as the defaults)"
+        "BERTKIT_CUDA_BIAS_GRADIENT=epilogue | a linear layer's bias gradient from its weight gradient's cuBLASLt product"
+        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)"
+        "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp | LayerNorm's backward a warp per row"
+        "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products"
+        "BERTKIT_CUDA_JOIN=kernel | the QKV weights and LayerNorms' parameters joined in one launch"
+        "BERTKIT_CUDA_DECODER=padded | the masked-LM decoder's rows padded to 30,528"
+        "BERTKIT_BUCKET=none | the step without the flat gradient bucket (one micro-batch)"
+        "BERTKIT_CUDA_BIAS_SUMS=registers | a linear layer's bias gradient alone summed in registers"
+        "BERTKIT_CUDA_FLASH_DELTA=vector | the attention's backward's delta 16 bytes a thread"
+        "BERTKIT_CUDA_TABLE_CAST=vector | the decoder's f32 weight cast 16 bytes a thread (into the padded copy where padded)"
+        "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy"
+    )
+    local all="" row
+    for row in "${singles[@]}"; do all+=" ${row%% |*}"; done
+    printf '%s\n' "- | the defaults" "${all# } | all ${#singles[@]} not yet run" "${singles[@]}" \
         "BERTKIT_CUDA_FLASH_FORWARD=single BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward a block a query tile, its tiles copied asynchronously (not the pair forward)"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its
