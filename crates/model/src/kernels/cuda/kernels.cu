@@ -1190,6 +1190,8 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
             const uint4 x = reinterpret_cast<const uint4*>(a)[v];
             const uint4 y = reinterpret_cast<const uint4*>(b)[v];
             // The 16 bytes as elements through memcpy (registers on the device; no aliasing).
+            // (`load_vec16`/`store_vec16` would do the same arithmetic, but the kernel, in use,
+            // then compiles to other SASS: kept as it ran.)
             T xs[per], ys[per], zs[per];
             memcpy(xs, &x, sizeof x);
             memcpy(ys, &y, sizeof y);
