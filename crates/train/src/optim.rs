@@ -351,8 +351,19 @@ pub fn cuda_update_in_place() -> bool {
 static KEPT_BUCKET: Switch = Switch::opt_in("BERTKIT_BUCKET", "kept");
 
 /// Whether a step of one micro-batch on one process reads its gradients where the backward
-/// left them, without the flat bucket ([`Optimizer::hold_gradients`]).
+/// left them, without the flat bucket ([`Optimizer::hold_gradients`]): chosen by
+/// `BERTKIT_BUCKET` (`none` on, any other value off), else by the device
+/// ([`holds_gradients_by_default`]).
 pub(crate) static HELD_GRADIENTS: Switch = Switch::opt_in("BERTKIT_BUCKET", "none");
+
+/// Whether an optimiser on `device` goes without the bucket where it may, unless
+/// `BERTKIT_BUCKET` chooses: on the CPU yes (the same steps bit for bit, BERT-base's resident
+/// memory ~0.4 GB lower at the same speed, BENCHMARKS.md 2026-11-28); on CUDA not until its
+/// kernels pass `bertkit check kernels --device cuda` (the switch stays off there, listed
+/// among the settings to check).
+fn holds_gradients_by_default(device: &candle_core::Device) -> bool {
+    HELD_GRADIENTS.chosen().unwrap_or(device.is_cpu())
+}
 
 /// The optimiser over a model's parameters.
 ///
@@ -454,7 +465,11 @@ impl Optimizer {
             master_dtype,
             kept_bucket: std::sync::Mutex::new(None),
             keeps_buckets: KEPT_BUCKET.get(),
-            holds_gradients: HELD_GRADIENTS.get(),
+            holds_gradients: holds_gradients_by_default(
+                vars.values()
+                    .next()
+                    .map_or(&candle_core::Device::Cpu, |v| v.device()),
+            ),
         })
     }
 
@@ -490,8 +505,9 @@ impl Optimizer {
     /// BENCHMARKS.md, 2026-11-27), and 4.7 GB of the step's traffic (the gradients read and
     /// the bucket written, then read by its norm and by the update), where the held gradients
     /// are read twice in bf16 (1.3 GB).
-    /// Off unless `BERTKIT_BUCKET=none` until its kernels pass `bertkit check kernels --device
-    /// cuda`. The same steps either way.
+    /// Unless `BERTKIT_BUCKET` chooses, on for an optimiser on the CPU and off on CUDA until its
+    /// kernels pass `bertkit check kernels --device cuda` (`BERTKIT_BUCKET=none` turns it on).
+    /// The same steps either way.
     pub fn hold_gradients(&mut self, on: bool) {
         self.holds_gradients = on;
     }
@@ -1006,6 +1022,20 @@ mod tests {
         assert_ne!(values(&f32_vars["layer.weight"]), [0.5, -1.0, 2.0]);
         let f64_opt = Optimizer::new(OptimizerConfig::lamb(), &vars()).unwrap();
         assert!(packed(&f64_opt).iter().all(Option::is_none));
+    }
+
+    /// On the CPU an optimiser goes without the flat bucket where it may (one micro-batch a
+    /// step on one process, f32 masters), unless `BERTKIT_BUCKET` chooses; f64 masters keep
+    /// it (the held norm reads f32 values).
+    #[test]
+    fn the_cpu_holds_gradients_by_default() {
+        if HELD_GRADIENTS.chosen().is_some() {
+            return; // BERTKIT_BUCKET set for this process.
+        }
+        let f32_opt = Optimizer::new(OptimizerConfig::lamb(), &vars_in(DType::F32)).unwrap();
+        assert!(f32_opt.holds_gradients());
+        let f64_opt = Optimizer::new(OptimizerConfig::lamb(), &vars()).unwrap();
+        assert!(!f64_opt.holds_gradients());
     }
 
     #[test]

@@ -604,9 +604,37 @@ impl std::fmt::Display for FeedForwardChoice {
 /// already hold) and set for the process. `None` off CUDA: nothing to choose.
 pub fn settle_feed_forward(
     c: &BertConfig,
+    shape: (usize, usize, usize),
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> Option<FeedForwardChoice> {
+    settle_feed_forward_with(c, shape, dtype, device, WeightsOnDevice::Loaded)
+}
+
+/// [`settle_feed_forward`] before the model is on `device` (`bertkit bench kernels`, which
+/// builds its own): its weights are still among the free bytes, not counted again.
+pub fn settle_feed_forward_before_model(
+    c: &BertConfig,
+    shape: (usize, usize, usize),
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> Option<FeedForwardChoice> {
+    settle_feed_forward_with(c, shape, dtype, device, WeightsOnDevice::NotYet)
+}
+
+/// Whether the model's weights hold device memory already when its feed-forward is chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum WeightsOnDevice {
+    Loaded,
+    NotYet,
+}
+
+fn settle_feed_forward_with(
+    c: &BertConfig,
     (seq, micro_batch, accumulation): (usize, usize, usize),
     dtype: candle_core::DType,
     device: &candle_core::Device,
+    weights: WeightsOnDevice,
 ) -> Option<FeedForwardChoice> {
     if !device.is_cuda() {
         return None;
@@ -623,25 +651,29 @@ pub fn settle_feed_forward(
         micro_batch: micro_batch.max(1),
         accumulation: accumulation.max(1),
     };
-    let choice = feed_forward_before_state(c, &shape, precision, free);
+    let choice = feed_forward_before_state(c, &shape, precision, free, weights);
     bertkit_model::kernels::set_lean_cuda_feed_forward(choice.lean);
     Some(choice)
 }
 
-/// [`feed_forward_for`] with `free` bytes left on the device once the weights are on it, and
-/// before the optimiser's state is: the memory is the free bytes, the weights' and the
-/// runtime's (the f32 master weights and both moments, 12 bytes a parameter, are still to
-/// come and are in the prediction).
+/// [`feed_forward_for`] with `free` bytes left on the device before the optimiser's state is
+/// made: the memory is the free bytes, the runtime's and, where they are on the device
+/// already, the weights' (the f32 master weights and both moments, 12 bytes a parameter, are
+/// still to come and are in the prediction, as the weights are).
 fn feed_forward_before_state(
     c: &BertConfig,
     shape: &Shape,
     precision: Precision,
     free: f64,
+    weights: WeightsOnDevice,
 ) -> FeedForwardChoice {
     // Neither the state nor the runtime depends on the kernels' forms.
     let probe = predict(c, shape, precision, 0, Target::Cuda);
-    let held = probe.state_bytes - 12.0 * parameters(c) as f64 + probe.runtime_bytes;
-    feed_forward_for(c, shape, precision, 0, free + held)
+    let loaded = match weights {
+        WeightsOnDevice::Loaded => probe.state_bytes - 12.0 * parameters(c) as f64,
+        WeightsOnDevice::NotYet => 0.0,
+    };
+    feed_forward_for(c, shape, precision, 0, free + loaded + probe.runtime_bytes)
 }
 
 /// The feed-forward for a CUDA step of `shape` in `memory` bytes (the device's, state and
@@ -686,6 +718,7 @@ mod tests {
     /// memory beside the free bytes, and the state still to come as part of the peak: SQuAD on
     /// BERT-large in bf16 (32 windows of 384) keeps the activation with 70 GiB free, not where
     /// the memory would hold the full form's peak only without the 10% the plan keeps back.
+    /// Before the model is loaded (`bench kernels`) the weights are among the free bytes.
     #[test]
     fn fine_tuning_counts_the_weights_as_held() {
         if bertkit_model::kernels::lean_cuda_feed_forward_chosen().is_some() {
@@ -699,7 +732,8 @@ mod tests {
             accumulation: 1,
         };
         let gib = (1u64 << 30) as f64;
-        let roomy = feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib);
+        let loaded = WeightsOnDevice::Loaded;
+        let roomy = feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib, loaded);
         assert!(!roomy.lean && roomy.by_plan, "{roomy:?}");
         let p = parameters(&c) as f64;
         let weights = roomy.prediction.state_bytes - 12.0 * p;
@@ -707,11 +741,20 @@ mod tests {
         assert!((roomy.usable - USABLE * memory).abs() < 1.0);
         // Free bytes that hold the full form's peak but not with the 10% kept back.
         let tight = roomy.full_peak - weights - roomy.prediction.runtime_bytes;
-        let lean = feed_forward_before_state(&c, &shape, Precision::Half, tight);
+        let lean = feed_forward_before_state(&c, &shape, Precision::Half, tight, loaded);
         assert!(
             lean.lean && lean.prediction.total() < lean.full_peak,
             "{lean:?}"
         );
+        // Before the model is loaded its weights are among the free bytes: the same free
+        // bytes are less memory, and the tight free bytes plus the weights hold the full
+        // form's peak there as the tight ones did with the weights loaded.
+        let unloaded = WeightsOnDevice::NotYet;
+        let before = feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib, unloaded);
+        assert!(!before.lean && (before.usable - USABLE * (memory - weights)).abs() < 1.0);
+        let before_tight =
+            feed_forward_before_state(&c, &shape, Precision::Half, tight + weights, unloaded);
+        assert!(before_tight.lean, "{before_tight:?}");
     }
 
     /// The feed-forward's line says the form and why: the plan's figures, or the setting.

@@ -748,6 +748,18 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         seq: g.seq,
         predictions: g.predictions,
     };
+    // A training pass on CUDA takes the feed-forward `bertkit pretrain` would at this shape
+    // (the plan's, unless BERTKIT_CUDA_FEED_FORWARD says), so its profile is the step's.
+    let feed_forward = (!args.inference)
+        .then(|| {
+            bertkit_train::plan::settle_feed_forward_before_model(
+                &config,
+                (g.seq, g.batch, 1),
+                dtype,
+                &device,
+            )
+        })
+        .flatten();
     let p = profile(
         &config,
         kernels,
@@ -775,6 +787,9 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         g.device,
         args.passes.max(1)
     );
+    if let Some(choice) = feed_forward {
+        println!("{choice}");
+    }
     println!(
         "{:<22} {:>8} {:>12} {:>12} {:>11} {:>13} {:>13}",
         "", "calls", "forward ms", "of forward", "TFLOP/s", "backward ms", "host ms"

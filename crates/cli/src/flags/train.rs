@@ -136,7 +136,8 @@ pub(crate) enum BenchCommand {
     Graph(BenchGraphArgs),
     /// Where a training pass's time goes: each kernel's calls and time in the forward pass
     /// and its backward, the rest of each, and the host's time in them (on a GPU, with CUDA
-    /// events: what issuing the calls took, against the device's time).
+    /// events: what issuing the calls took, against the device's time). On CUDA a training
+    /// pass takes the feed-forward `bertkit pretrain` would at its shape, and says which.
     Kernels(BenchKernelsArgs),
     /// The data-parallel gradient all-reduce of a model-sized f32 bucket, run under the
     /// launcher (`mpirun -np N bertkit bench allreduce`): time and bandwidth.
