@@ -175,7 +175,8 @@ fn plan_of_a_recipe_takes_the_feed_forward_the_run_would() {
 }
 
 /// `bench memory` takes steps of a run config without touching its output folder: the folder
-/// is not made, and a run holding it does not stop the measurement.
+/// is not made, and a run holding it does not stop the measurement. It reports the process's
+/// resident peak beside the heap's.
 #[test]
 fn bench_memory_leaves_the_run_folder_alone() {
     let dir = tempfile::tempdir().unwrap();
@@ -205,6 +206,9 @@ fn bench_memory_leaves_the_run_folder_alone() {
         ]));
         let figures: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
         assert_eq!(figures["micro_batch"], 16, "{out}");
+        // On the CPU the process's resident peak beside the heap's (Linux reports it).
+        let resident = figures["measured_resident_peak_bytes"].as_u64();
+        assert!(resident.is_some_and(|b| b > 1 << 20), "{out}");
     };
     bench();
     assert!(!run.exists(), "bench memory made the run folder");

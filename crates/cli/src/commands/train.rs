@@ -492,6 +492,9 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
     let on_device = bertkit_model::device_peak(&device).is_some();
     bertkit_model::reset_device_peak(&device);
     crate::alloc::start_counting();
+    // On the CPU also the process's resident peak (what an out-of-memory killer sees: the heap
+    // with the pages the allocator keeps), from here where the system lets it be reset.
+    let resident = (!on_device).then(bertkit_stage_io::cost::Meter::start);
     let mut state = 0;
     // On a GPU, the pool's high-water marks of tensors and of memory held after each step:
     // whether its spare above the tensors forms at the first step or grows over later ones.
@@ -507,6 +510,14 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
         }
     })?;
     let peak = bertkit_model::device_peak(&device).unwrap_or(crate::alloc::peak_and_live().0);
+    let resident = resident.map(|meter| meter.finish()).and_then(|cost| {
+        let since = if cost.peak_is_own {
+            "over the steps"
+        } else {
+            "since the process started"
+        };
+        cost.peak_rss_bytes.map(|bytes| (bytes, since))
+    });
     // The pool's spare above its tensors (what nvidia-smi counts besides them and the context).
     let held = bertkit_model::device_reserved_peak(&device);
     let counted = if on_device {
@@ -551,6 +562,7 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
                 "measured_by": counted,
                 "measured_state_bytes": state,
                 "measured_pool_held_bytes": held,
+                "measured_resident_peak_bytes": resident.map(|(bytes, _)| bytes),
                 "pool_marks_after_each_step": after_steps
                     .iter()
                     .map(|&(tensors, held)| serde_json::json!({"tensors_bytes": tensors, "held_bytes": held}))
@@ -592,7 +604,13 @@ fn bench_memory(args: BenchMemoryArgs) -> Result<()> {
                     .collect::<Vec<_>>()
                     .join(", ")
             ))
-            .unwrap_or_default(),
+            .unwrap_or_default()
+                + &resident
+                    .map(|(bytes, since)| format!(
+                        "; resident peak {:.3} GiB, {since}",
+                        gib(bytes as f64)
+                    ))
+                    .unwrap_or_default(),
             gib(predicted_peak),
             (predicted_peak / peak as f64 - 1.0) * 100.0,
             seconds

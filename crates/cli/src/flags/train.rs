@@ -124,8 +124,9 @@ pub(crate) enum BenchCommand {
     Inference(BenchInferenceArgs),
     /// The optimiser step alone (gradient norm and update) on a model of a given size.
     Optimizer(BenchOptimizerArgs),
-    /// Peak bytes a few real training steps hold (the allocator's count), beside `plan`'s
-    /// prediction for the same shapes.
+    /// Peak bytes a few real training steps hold (the allocator's count; on a GPU the device
+    /// pool's), beside `plan`'s prediction for the same shapes; on the CPU also the process's
+    /// resident peak (the heap with the pages its allocator keeps).
     Memory(BenchMemoryArgs),
     /// The matrix products of a model's linear layers: TFLOP/s per shape and the fastest, the
     /// peak `pretrain` reports MFU against on the CPU (`[train] peak_tflops` to set your own).
