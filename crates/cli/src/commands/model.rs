@@ -215,6 +215,24 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
             );
         }
     }
+    // Not a kernel of ours: which GELU cuBLASLt's epilogue computes (BERT's is the erf form),
+    // for the planning of what its gradient's epilogue could take over.
+    if device.is_cuda() && broken.is_none() {
+        match bertkit_model::kernels::check::cuda_gelu_epilogue(&device) {
+            Ok(Some(probe)) => println!(
+                "cuBLASLt's GELU epilogue (f32, values in [-6, 6]): {:.1e} from the erf form, {:.1e} from the tanh approximation: {}",
+                probe.from_erf,
+                probe.from_tanh,
+                match probe.form() {
+                    Some(bertkit_model::Gelu::Erf) => "the erf form",
+                    Some(bertkit_model::Gelu::Tanh) => "the tanh approximation",
+                    None => "neither closely",
+                }
+            ),
+            Ok(None) => {}
+            Err(e) => println!("cuBLASLt's GELU epilogue: not probed ({e})"),
+        }
+    }
     if failed > 0 {
         return Err(format!("{failed} of {checked} kernel values out of bounds").into());
     }

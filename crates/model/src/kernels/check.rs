@@ -1045,3 +1045,99 @@ pub fn check_kernels(
     Form::restore(before);
     Ok(checks)
 }
+
+/// How far cuBLASLt's GELU epilogue lies from GELU's two forms (the largest absolute
+/// difference over values in [-6, 6], f32): [`cuda_gelu_epilogue`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GeluEpilogue {
+    /// From `x · Φ(x)` by erf (BERT's GELU, [`Gelu::Erf`]).
+    pub from_erf: f64,
+    /// From its tanh approximation ([`Gelu::Tanh`]).
+    pub from_tanh: f64,
+}
+
+impl GeluEpilogue {
+    /// The form the epilogue computes: the one it lies at least four times closer to (the
+    /// forms differ by up to 4.7e-4 over these values, at 2.69; an f32 epilogue with accurate
+    /// functions lies within ~1e-6 of its own, one with `tanh.approx` up to ~1e-3); `None`
+    /// where neither is.
+    pub fn form(&self) -> Option<Gelu> {
+        if 4.0 * self.from_erf < self.from_tanh {
+            Some(Gelu::Erf)
+        } else if 4.0 * self.from_tanh < self.from_erf {
+            Some(Gelu::Tanh)
+        } else {
+            None
+        }
+    }
+}
+
+/// On a CUDA device, which GELU cuBLASLt's own epilogue computes: values `j / 32` for `j` in
+/// `-192..=192` (each at most 8 significant bits, carried exactly by the f32 product's TF32
+/// inputs) times an identity with `CUBLASLT_EPILOGUE_GELU`, against GELU's erf form and its
+/// tanh approximation in f64 on the CPU. NVIDIA's documentation says only "GELU"; the answer
+/// decides whether the epilogue's gradient form (`DGELU_BGRAD`) could take BERT's GELU backward
+/// and its bias sums into a product. `None` off CUDA.
+pub fn cuda_gelu_epilogue(device: &Device) -> Result<Option<GeluEpilogue>> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let x = gelu_probe_values()?;
+        let identity = Tensor::eye(x.dim(1)?, DType::F32, &Device::Cpu)?;
+        let got = super::cuda::gelu_epilogue(&x.to_device(device)?, &identity.to_device(device)?)?;
+        return Ok(Some(gelu_distances(&x, &got.to_device(&Device::Cpu)?)?));
+    }
+    let _ = device;
+    Ok(None)
+}
+
+/// The probe's values, `[64, 64]` f32: `j / 32` for `j` in `-192..=192`, over and over.
+// (Without the `cuda` feature only the CPU test of the probe's method takes this and the next.)
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn gelu_probe_values() -> Result<Tensor> {
+    const K: usize = 64;
+    let values: Vec<f32> = (0..K * K)
+        .map(|i| ((i % 385) as f32 - 192.0) / 32.0)
+        .collect();
+    Tensor::from_vec(values, (K, K), &Device::Cpu)
+}
+
+/// How far `got`, some GELU of `x` (on the CPU), lies from GELU's two forms in f64.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn gelu_distances(x: &Tensor, got: &Tensor) -> Result<GeluEpilogue> {
+    let x = x.to_dtype(DType::F64)?;
+    let got = got.to_dtype(DType::F64)?;
+    let distance = |want: Tensor| -> Result<f64> {
+        got.sub(&want)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f64>()
+    };
+    Ok(GeluEpilogue {
+        from_erf: distance(x.gelu_erf()?)?,
+        from_tanh: distance(x.gelu()?)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The probe tells the forms apart: the CPU's f32 GELUs of its values (each form computed
+    /// as an epilogue in f32 would) are each named as their own form, the distances between
+    /// the forms in f64 near 4.7e-4; off CUDA there is nothing to probe.
+    #[test]
+    fn the_gelu_probe_tells_erf_from_tanh() {
+        let x = gelu_probe_values().unwrap();
+        let erf = gelu_distances(&x, &x.gelu_erf().unwrap()).unwrap();
+        assert_eq!(erf.form(), Some(Gelu::Erf), "{erf:?}");
+        assert!(erf.from_erf < 1e-6 && erf.from_tanh > 4e-4, "{erf:?}");
+        let tanh = gelu_distances(&x, &x.gelu().unwrap()).unwrap();
+        assert_eq!(tanh.form(), Some(Gelu::Tanh), "{tanh:?}");
+        assert!(tanh.from_tanh < 1e-6 && tanh.from_erf > 4e-4, "{tanh:?}");
+        // Halfway between the forms: neither.
+        let halfway = ((x.gelu_erf().unwrap() + x.gelu().unwrap()).unwrap() / 2.0).unwrap();
+        assert_eq!(gelu_distances(&x, &halfway).unwrap().form(), None);
+        assert_eq!(cuda_gelu_epilogue(&Device::Cpu).unwrap(), None);
+    }
+}

@@ -1323,3 +1323,58 @@ fn linear_node(
 pub(crate) fn activation(y: &Tensor, act: Gelu) -> Result<Tensor> {
     tape::apply_op1(&tape::contiguous(y)?, ActOp { act })
 }
+
+/// cuBLASLt's own GELU (`CUBLASLT_EPILOGUE_GELU`, through cudarc's `matmul`) of each of `x`'s
+/// elements: `x` (`[n, k]` f32, row-major) times a `[k, k]` identity, the epilogue applied to
+/// the product. Where every element of `x` has at most 8 significant bits (TF32, cudarc's f32
+/// product, keeps 11) each output is the epilogue's GELU of that element exactly, so comparing
+/// it with GELU's erf form and its tanh approximation tells which one the epilogue computes
+/// (`check::cuda_gelu_epilogue`): whether its gradient's epilogue (`DGELU_BGRAD`) could take
+/// BERT's GELU backward and bias sums into the input gradient's product.
+pub(crate) fn gelu_epilogue(x: &Tensor, identity: &Tensor) -> Result<Tensor> {
+    x.apply_op2_no_bwd(identity, &GeluEpilogue)
+}
+
+struct GeluEpilogue;
+
+impl CustomOp2 for GeluEpilogue {
+    fn name(&self) -> &'static str {
+        "bertkit-cuda-gelu-epilogue"
+    }
+
+    cuda_only!(2);
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        identity: &CudaStorage,
+        il: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let name = CustomOp2::name(self);
+        let ((n, k), (rows, cols)) = (xl.shape().dims2()?, il.shape().dims2()?);
+        if (rows, cols) != (k, k) {
+            bail!(
+                "{name}: a [{k}, {k}] identity expected, got {:?}",
+                il.dims()
+            )
+        }
+        let (x_view, identity_view) = (
+            view::<f32>(name, "x", x, xl)?,
+            view::<f32>(name, "the identity", identity, il)?,
+        );
+        let dev = &x.device;
+        let lt = lt_handle(dev)?;
+        // Column-major: the identity [k, k] times x's transpose [k, n] (x row-major), [k, n]:
+        // x's elements in x's order.
+        let cfg = lt_product((false, false), (k, n, k), (k, k));
+        // SAFETY: the product writes every element (beta 0).
+        let mut out = unsafe { dev.alloc::<f32>(n * k)? };
+        let gelu = candle_core::cuda_backend::cudarc::cublaslt::Activation::Gelu;
+        // SAFETY: the layouts are those of the buffers: the identity k x k, x k x n and the
+        // output k x n (column-major), no bias.
+        unsafe { lt.matmul(cfg, &identity_view, &x_view, &mut out, None, Some(&gelu)) }
+            .map_err(lt_error)?;
+        Ok((wrap(out, dev), Shape::from((n, k))))
+    }
+}
