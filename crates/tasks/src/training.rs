@@ -163,7 +163,13 @@ pub fn settle_feed_forward(
     let parts = settings.accumulation.max(1) * reducer.ranks().world_size.max(1);
     let micro_batch = settings.batch.div_ceil(parts);
     let shape = (seq, micro_batch, settings.accumulation);
-    if let Some(choice) = bertkit_train::plan::settle_feed_forward(config, shape, dtype, device) {
+    if let Some(choice) = bertkit_train::plan::settle_feed_forward(
+        config,
+        shape,
+        dtype,
+        device,
+        bertkit_train::plan::WeightsOnDevice::Loaded,
+    ) {
         progress(&choice.to_string());
     }
 }

@@ -597,39 +597,23 @@ impl std::fmt::Display for FeedForwardChoice {
     }
 }
 
-/// For fine-tuning on `device` with the model loaded and its optimiser's state not yet made:
-/// the CUDA feed-forward for micro-batches of `micro_batch` sequences of up to `seq` tokens
-/// (`accumulation` a step) in `dtype`, chosen as `bertkit pretrain`'s memory check chooses
-/// ([`feed_forward_for`], in the device's free memory plus what the weights and the runtime
-/// already hold) and set for the process. `None` off CUDA: nothing to choose.
-pub fn settle_feed_forward(
-    c: &BertConfig,
-    shape: (usize, usize, usize),
-    dtype: candle_core::DType,
-    device: &candle_core::Device,
-) -> Option<FeedForwardChoice> {
-    settle_feed_forward_with(c, shape, dtype, device, WeightsOnDevice::Loaded)
-}
-
-/// [`settle_feed_forward`] before the model is on `device` (`bertkit bench kernels`, which
-/// builds its own): its weights are still among the free bytes, not counted again.
-pub fn settle_feed_forward_before_model(
-    c: &BertConfig,
-    shape: (usize, usize, usize),
-    dtype: candle_core::DType,
-    device: &candle_core::Device,
-) -> Option<FeedForwardChoice> {
-    settle_feed_forward_with(c, shape, dtype, device, WeightsOnDevice::NotYet)
-}
-
-/// Whether the model's weights hold device memory already when its feed-forward is chosen.
+/// Whether the model's weights hold device memory already when its feed-forward is chosen
+/// ([`settle_feed_forward`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum WeightsOnDevice {
+pub enum WeightsOnDevice {
+    /// On the device (fine-tuning, the model loaded): counted beside the free bytes.
     Loaded,
+    /// Not yet (`bertkit bench kernels`, which builds its own): still among the free bytes,
+    /// not counted again.
     NotYet,
 }
 
-fn settle_feed_forward_with(
+/// Before the optimiser's state is made (the model's weights on `device` or not yet, as
+/// `weights` says): the CUDA feed-forward for micro-batches of `micro_batch` sequences of up
+/// to `seq` tokens (`accumulation` a step) in `dtype`, chosen as `bertkit pretrain`'s memory
+/// check chooses ([`feed_forward_for`], in the device's free memory plus what the runtime and
+/// loaded weights already hold) and set for the process. `None` off CUDA: nothing to choose.
+pub fn settle_feed_forward(
     c: &BertConfig,
     (seq, micro_batch, accumulation): (usize, usize, usize),
     dtype: candle_core::DType,

@@ -770,11 +770,12 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
     // (the plan's, unless BERTKIT_CUDA_FEED_FORWARD says), so its profile is the step's.
     let feed_forward = (!args.inference)
         .then(|| {
-            bertkit_train::plan::settle_feed_forward_before_model(
+            bertkit_train::plan::settle_feed_forward(
                 &config,
                 (g.seq, g.batch, 1),
                 dtype,
                 &device,
+                bertkit_train::plan::WeightsOnDevice::NotYet,
             )
         })
         .flatten();
