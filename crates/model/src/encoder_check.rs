@@ -15,6 +15,7 @@ use crate::dropout::DropoutSource;
 use crate::kernels::check::{
     CheckShape, KernelCheck, device_broken, needing_in, tolerance, values, worst,
 };
+use crate::switch::Switch;
 use crate::{BertConfig, ModelError};
 
 /// The name the report gives the check.
@@ -54,8 +55,11 @@ pub fn check_encoder_backward(
 /// [`check_encoder_backward`]'s shapes, the one-pass attention set for each.
 fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<Vec<KernelCheck>> {
     let mut checks = Vec::new();
+    // Each check's settings to blame where its lines fail, once found ([`attribute`]).
+    let mut blamed: Vec<(&'static str, Vec<String>)> = Vec::new();
     for shape in shapes {
         crate::kernels::set_cuda_flash_attention(false);
+        let from = checks.len();
         match check_shape(device, dtype, shape, NAME, &mut checks) {
             Ok(true) => {}
             Ok(false) => return Ok(Vec::new()),
@@ -65,18 +69,125 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
                 }
             }
         }
+        blame(device, dtype, shape, NAME, from, &mut checks, &mut blamed);
         if device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads {
             crate::kernels::set_cuda_flash_attention(true);
+            let from = checks.len();
             let checked = check_shape(device, dtype, shape, FLASH_NAME, &mut checks);
-            crate::kernels::set_cuda_flash_attention(false);
             if let Err(e) = checked
                 && not_run(device, dtype, shape, FLASH_NAME, &e, &mut checks)
             {
+                crate::kernels::set_cuda_flash_attention(false);
                 return Ok(checks);
             }
+            blame(
+                device,
+                dtype,
+                shape,
+                FLASH_NAME,
+                from,
+                &mut checks,
+                &mut blamed,
+            );
+            crate::kernels::set_cuda_flash_attention(false);
         }
     }
     Ok(checks)
+}
+
+/// Where a line of `check` at `shape` failed on CUDA (those from `from` on in `checks`): the
+/// settings to blame ([`attribute`], found once a check and kept in `blamed`) become the
+/// failed lines' `needs`, so that `bertkit check kernels` leaves off those and no others; the
+/// first time, the runs that found them are added as lines of their own.
+fn blame(
+    device: &Device,
+    dtype: DType,
+    shape: &CheckShape,
+    check: &'static str,
+    from: usize,
+    checks: &mut Vec<KernelCheck>,
+    blamed: &mut Vec<(&'static str, Vec<String>)>,
+) {
+    if !device.is_cuda() || checks[from..].iter().all(KernelCheck::passed) {
+        return;
+    }
+    let needs = match blamed.iter().find(|(c, _)| *c == check) {
+        Some((_, needs)) => needs.clone(),
+        None => {
+            let (needs, lines) = attribute(device, dtype, shape, check);
+            blamed.push((check, needs.clone()));
+            checks.extend(lines);
+            needs
+        }
+    };
+    for line in &mut checks[from..] {
+        if !line.passed() && line.kernel.starts_with(check) {
+            line.needs = needs.clone();
+        }
+    }
+}
+
+/// Which settings still off by default a failure of `check` at `shape` follows
+/// ([`blame_among`] over those on now, the check run again at `shape`).
+fn attribute(
+    device: &Device,
+    dtype: DType,
+    shape: &CheckShape,
+    check: &'static str,
+) -> (Vec<String>, Vec<KernelCheck>) {
+    let suspects: Vec<&'static Switch> = crate::kernels::cuda_switches_off_by_default()
+        .into_iter()
+        .filter(|s| s.get())
+        .collect();
+    blame_among(&suspects, check, || {
+        let mut lines = Vec::new();
+        let ran = check_shape(device, dtype, shape, check, &mut lines);
+        matches!(ran, Ok(true)).then_some(lines)
+    })
+}
+
+/// Of `suspects` (switches on), those a failing check (`run`: its lines, `None` where it could
+/// not run) follows: run with all of them off (where it still fails, a kernel taken by default
+/// is wrong: none blamed, so every setting is left off), then with each alone off. Those
+/// without which it passes are blamed (each such run's lines kept, named for the setting), or,
+/// where none alone makes it pass, every suspect. The switches as they were afterwards.
+fn blame_among(
+    suspects: &[&'static Switch],
+    check: &str,
+    run: impl Fn() -> Option<Vec<KernelCheck>>,
+) -> (Vec<String>, Vec<KernelCheck>) {
+    let without = |off: &[&'static Switch]| {
+        for s in off {
+            s.set(false);
+        }
+        let lines = run();
+        for s in off {
+            s.set(true);
+        }
+        lines.filter(|l| !l.is_empty() && l.iter().all(KernelCheck::passed))
+    };
+    if without(suspects).is_none() {
+        return (Vec::new(), Vec::new());
+    }
+    let mut blamed = Vec::new();
+    let mut lines = Vec::new();
+    for s in suspects {
+        if let Some(run) = without(&[s]) {
+            let setting = s.turned_on_by().unwrap_or_default();
+            lines.extend(run.into_iter().map(|mut line| {
+                line.kernel = format!("{check} without {setting}");
+                line
+            }));
+            blamed.push(setting);
+        }
+    }
+    if blamed.is_empty() {
+        blamed = suspects.iter().filter_map(|s| s.turned_on_by()).collect();
+    }
+    for line in &mut lines {
+        line.needs = blamed.clone();
+    }
+    (blamed, lines)
 }
 
 /// The settings still off by default that check `check` runs with: the backward by hand's
@@ -84,14 +195,16 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
 /// ends), and the one-pass attention's where it runs with it.
 fn needs(check: &str, dtype: DType) -> Vec<String> {
     use crate::kernels::{
-        CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ASYNC_COPIES,
-        CUDA_FLASH_ATTENTION, CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_DELTA_VECTOR,
-        CUDA_FLASH_JOINT_BACKWARD, CUDA_FLASH_PAIR_KEYS, CUDA_FLASH_REGISTERS, CUDA_JOIN,
-        CUDA_LINEAR_BACKWARD_LT, CUDA_LINEAR_EPILOGUE, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD,
+        CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_BIAS_GRADIENT_EPILOGUE, CUDA_BIAS_SUMS_REGISTERS,
+        CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ASYNC_COPIES, CUDA_FLASH_ATTENTION,
+        CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_DELTA_VECTOR, CUDA_FLASH_JOINT_BACKWARD,
+        CUDA_FLASH_PAIR_KEYS, CUDA_FLASH_REGISTERS, CUDA_JOIN, CUDA_LINEAR_BACKWARD_LT,
+        CUDA_LINEAR_EPILOGUE, CUDA_NORM_BACKWARD_WARP, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD,
         CUDA_NORM_WIDE_GRID, CUDA_RESIDUAL_SUM_IN_PRODUCT, CUDA_TAPE,
     };
-    // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid,
-    // the column sums, the linear layers' epilogue, the joins of their parameters (whose
+    // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid
+    // and its backward a warp a row, the column sums, the linear layers' epilogues (the bias
+    // gradient's too) and bias sums, the joins of their parameters (whose
     // backward the tape takes as views, autograd through the join's own), the residuals'
     // gradients added by the products (on the tape; autograd adds them apart).
     let mut switches = vec![
@@ -106,6 +219,9 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
         &CUDA_LINEAR_EPILOGUE,
         &CUDA_BIAS_ACT_VECTOR,
         &CUDA_LINEAR_BACKWARD_LT,
+        &CUDA_BIAS_GRADIENT_EPILOGUE,
+        &CUDA_BIAS_SUMS_REGISTERS,
+        &CUDA_NORM_BACKWARD_WARP,
     ];
     if check == FLASH_NAME {
         // Every setting is on here: the form with the scores in registers, its loads batched
@@ -153,6 +269,49 @@ fn check_shape(
     check: &'static str,
     checks: &mut Vec<KernelCheck>,
 ) -> Result<bool> {
+    let Some(both) = both_ways(device, dtype, shape, check)? else {
+        return Ok(false);
+    };
+    let needs = needs(check, dtype);
+    let mut line = |value: &'static str, gradient: bool, worst: f64| {
+        checks.push(KernelCheck {
+            kernel: check.to_string(),
+            shape: shape.name,
+            value,
+            gradient,
+            worst,
+            tolerance: tolerance(dtype),
+            needs: needs.clone(),
+            error: None,
+        })
+    };
+    line("output", false, worst(&both.output.0, &both.output.1)?);
+    line("x", true, worst(&both.input.0, &both.input.1)?);
+    let (params, farthest) = farthest_off(&both.params);
+    line("params", true, params);
+    if let Some(last) = checks.last_mut()
+        && !last.passed()
+    {
+        last.kernel = format!("{} (farthest: {farthest})", last.kernel);
+    }
+    Ok(true)
+}
+
+/// Two encoder layers' pass both ways (see the module's documentation), in f64 on the CPU:
+/// the output and the input's gradient (by hand, by autograd) and each parameter's gradient.
+struct BothWays {
+    output: (Tensor, Tensor),
+    input: (Tensor, Tensor),
+    params: Vec<ParamGradients>,
+}
+
+/// [`BothWays`] at `shape`: `None` when the kernels do not record there.
+fn both_ways(
+    device: &Device,
+    dtype: DType,
+    shape: &CheckShape,
+    check: &str,
+) -> Result<Option<BothWays>> {
     let config = BertConfig {
         vocab_size: 8,
         hidden_size: shape.hidden,
@@ -181,7 +340,7 @@ fn check_shape(
         .encode_taped(&x, &inputs, 0..2, mode)
         .map_err(model_error)?;
     if !backward.by_hand() {
-        return Ok(false);
+        return Ok(None);
     }
     let (grad_x, grads) = backward.backward(&upstream).map_err(model_error)?;
 
@@ -193,29 +352,10 @@ fn check_shape(
     let store = crate::bert::backward_from(&reference, &upstream)?;
 
     let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
-    let needs = needs(check, dtype);
-    let mut line = |value: &'static str, gradient: bool, worst: f64| {
-        checks.push(KernelCheck {
-            kernel: check.to_string(),
-            shape: shape.name,
-            value,
-            gradient,
-            worst,
-            tolerance: tolerance(dtype),
-            needs: needs.clone(),
-            error: None,
-        })
-    };
-    line(
-        "output",
-        false,
-        worst(&f64_cpu(&y)?, &f64_cpu(&reference)?)?,
-    );
     let Some(want) = store.get(input.as_tensor()) else {
         candle_core::bail!("{check}: autograd gave the input no gradient")
     };
-    line("x", true, worst(&f64_cpu(&grad_x)?, &f64_cpu(want)?)?);
-    let mut params = 0f64;
+    let mut params = Vec::new();
     for (name, var) in loaded.params.vars() {
         if !name.starts_with("encoder.layer.") {
             continue;
@@ -224,16 +364,68 @@ fn check_shape(
         else {
             candle_core::bail!("{check}: no gradient for {name}")
         };
-        // A NaN stays a NaN (f64::max would drop it).
-        let w = worst(&f64_cpu(ours)?, &f64_cpu(theirs)?)?;
-        params = if w.is_nan() || params.is_nan() {
-            f64::NAN
-        } else {
-            params.max(w)
-        };
+        let flat = |t: &Tensor| f64_cpu(t)?.flatten_all()?.to_vec1::<f64>();
+        params.push(ParamGradients {
+            name: name.clone(),
+            rank: var.as_tensor().rank(),
+            ours: flat(ours)?,
+            theirs: flat(theirs)?,
+        });
     }
-    line("params", true, params);
-    Ok(true)
+    Ok(Some(BothWays {
+        output: (f64_cpu(&y)?, f64_cpu(&reference)?),
+        input: (f64_cpu(&grad_x)?, f64_cpu(want)?),
+        params,
+    }))
+}
+
+/// One parameter's gradient both ways: by hand (`ours`) and by autograd (`theirs`).
+struct ParamGradients {
+    name: String,
+    rank: usize,
+    ours: Vec<f64>,
+    theirs: Vec<f64>,
+}
+
+/// The parameters' worst difference and whose it is: each parameter's largest `|ours -
+/// theirs|` over the largest `|theirs|` among the parameters of its rank (the biases and
+/// LayerNorms' vectors together, the weights together), not over its own. The attention's key
+/// bias has a gradient of zero in exact arithmetic (the softmax's backward sums to zero over
+/// each query's keys, and the bias adds the same to each of them): both ways it is rounding
+/// noise, and over its own largest value any change in where the rounding falls (a residual's
+/// gradient added by the product that makes the other, rounded once where the tape rounded
+/// twice) reads as a difference of ~100% (1.3 on an H200, 2026-11-28, the other gradients
+/// within bounds). A NaN anywhere gives NaN.
+fn farthest_off(params: &[ParamGradients]) -> (f64, String) {
+    let largest = |rank: usize| {
+        params
+            .iter()
+            .filter(|p| p.rank == rank)
+            .flat_map(|p| p.theirs.iter())
+            .fold(f64::MIN_POSITIVE, |m, v| m.max(v.abs()))
+    };
+    let mut worst = 0f64;
+    let mut name = String::new();
+    for p in params {
+        let scale = largest(p.rank);
+        let mut diff = 0f64;
+        for (a, b) in p.ours.iter().zip(&p.theirs) {
+            diff = if a.is_nan() || b.is_nan() {
+                f64::NAN
+            } else {
+                diff.max((a - b).abs())
+            };
+        }
+        let w = diff / scale;
+        if w.is_nan() || w > worst {
+            name = p.name.clone();
+            worst = w;
+        }
+        if worst.is_nan() {
+            break;
+        }
+    }
+    (worst, name)
 }
 
 #[cfg(test)]
@@ -264,5 +456,136 @@ mod tests {
         // Two layers, two offers taken each (other tests' CPU layers may take some too).
         assert!(taken >= 4, "{taken} offers taken");
         assert_eq!(with, without);
+    }
+
+    static FIRST: Switch = Switch::opt_in("BERTKIT_TEST_BLAME_FIRST", "on");
+    static SECOND: Switch = Switch::opt_in("BERTKIT_TEST_BLAME_SECOND", "on");
+
+    /// A check's lines: one, failing while `wrong` says so.
+    fn lines(wrong: bool) -> Option<Vec<KernelCheck>> {
+        Some(vec![KernelCheck {
+            kernel: NAME.to_string(),
+            shape: "small",
+            value: "params",
+            gradient: true,
+            worst: if wrong { 1.0 } else { 0.0 },
+            tolerance: 0.5,
+            needs: Vec::new(),
+            error: None,
+        }])
+    }
+
+    /// A failure is blamed on the setting without which the check passes (its run kept as a
+    /// line under its name, passing, needing it), on every suspect where no one alone is to
+    /// blame, and on none (every setting then left off) where it fails with all of them off;
+    /// the switches are on again afterwards.
+    fn gradients(name: &str, rank: usize, ours: &[f64], theirs: &[f64]) -> ParamGradients {
+        ParamGradients {
+            name: name.to_string(),
+            rank,
+            ours: ours.to_vec(),
+            theirs: theirs.to_vec(),
+        }
+    }
+
+    /// A gradient that is rounding noise both ways (the key bias's, zero in exact arithmetic)
+    /// is measured against its rank's largest, not its own: a change in its noise passes,
+    /// while a bias gradient off by a tenth of its rank's largest fails and is named; the
+    /// weights have their own scale; a NaN is NaN.
+    #[test]
+    fn a_gradient_of_noise_is_measured_against_its_ranks_largest() {
+        let key = gradients("key.bias", 1, &[1e-6, -2e-6], &[-1e-6, 1e-6]);
+        let value = gradients("value.bias", 1, &[0.5, -1.0], &[0.5, -1.0]);
+        let weight = gradients("value.weight", 2, &[100.0, 0.0], &[100.0, 0.0]);
+        let (worst, _) = farthest_off(&[key, value, weight]);
+        assert!(worst < 1e-5, "{worst}");
+        let key = gradients("key.bias", 1, &[1e-6, -2e-6], &[-1e-6, 1e-6]);
+        let value = gradients("value.bias", 1, &[0.5, -0.9], &[0.5, -1.0]);
+        let weight = gradients("value.weight", 2, &[100.0, 0.0], &[100.0, 0.0]);
+        let (worst, name) = farthest_off(&[key, value, weight]);
+        assert!((worst - 0.1).abs() < 1e-12, "{worst}");
+        assert_eq!(name, "value.bias");
+        // The weights' scale is theirs: a weight off by 1 of 2 fails though the biases are small.
+        let bias = gradients("a.bias", 1, &[1e-3], &[1e-3]);
+        let weight = gradients("a.weight", 2, &[1.0, 1.0], &[2.0, 1.0]);
+        assert_eq!(farthest_off(&[bias, weight]), (0.5, "a.weight".to_string()));
+        let bias = gradients("a.bias", 1, &[f64::NAN], &[1.0]);
+        let weight = gradients("a.weight", 2, &[1.0], &[1.0]);
+        let (worst, name) = farthest_off(&[bias, weight]);
+        assert!(worst.is_nan());
+        assert_eq!(name, "a.bias");
+    }
+
+    /// What [`farthest_off`] rests on, through the real encoder on the CPU: the attention's
+    /// key bias gets a gradient of rounding noise both ways (its exact value is zero; in f32
+    /// ~1e-10 of its rank's largest), while every other bias's is far above that (the query's,
+    /// the smallest, ~6e-4 at initialisation, where the attention is near uniform).
+    #[test]
+    fn the_key_bias_gradient_is_rounding_noise() {
+        let shape = &CheckShape::defaults()[0];
+        let both = both_ways(&Device::Cpu, DType::F32, shape, NAME)
+            .unwrap()
+            .expect("the CPU's kernels record");
+        let largest = |p: &ParamGradients| {
+            p.ours
+                .iter()
+                .chain(&p.theirs)
+                .fold(0f64, |m, v| m.max(v.abs()))
+        };
+        let vectors: Vec<&ParamGradients> = both.params.iter().filter(|p| p.rank == 1).collect();
+        let scale = vectors.iter().map(|p| largest(p)).fold(0f64, f64::max);
+        let keys: Vec<&&ParamGradients> = vectors
+            .iter()
+            .filter(|p| p.name.ends_with("attention.self.key.bias"))
+            .collect();
+        assert_eq!(keys.len(), 2, "one a layer");
+        for p in &vectors {
+            let share = largest(p) / scale;
+            if p.name.ends_with("attention.self.key.bias") {
+                assert!(share < 1e-7, "{}: {share}", p.name);
+            } else if p.name.ends_with(".bias") {
+                assert!(share > 1e-5, "{}: {share}", p.name);
+            }
+        }
+        assert!(farthest_off(&both.params).0 < tolerance(DType::F32));
+    }
+
+    #[test]
+    fn a_failure_is_blamed_on_the_setting_it_follows() {
+        let suspects = [&FIRST, &SECOND];
+        let on = || {
+            FIRST.set(true);
+            SECOND.set(true);
+        };
+        on();
+        let (blamed, kept) = blame_among(&suspects, NAME, || lines(SECOND.get()));
+        assert_eq!(blamed, ["BERTKIT_TEST_BLAME_SECOND=on"]);
+        assert_eq!(kept.len(), 1);
+        assert!(kept[0].passed());
+        assert_eq!(
+            kept[0].kernel,
+            format!("{NAME} without BERTKIT_TEST_BLAME_SECOND=on")
+        );
+        assert_eq!(kept[0].needs, blamed);
+        assert!(FIRST.get() && SECOND.get());
+        let both = [
+            "BERTKIT_TEST_BLAME_FIRST=on",
+            "BERTKIT_TEST_BLAME_SECOND=on",
+        ];
+        // Wrong only with both on: either alone off makes it pass, so both are blamed.
+        let (blamed, kept) = blame_among(&suspects, NAME, || lines(FIRST.get() && SECOND.get()));
+        assert_eq!(blamed, both);
+        assert_eq!(kept.len(), 2);
+        // Wrong with either on: no one alone off makes it pass, so every suspect is blamed.
+        let (blamed, kept) = blame_among(&suspects, NAME, || lines(FIRST.get() || SECOND.get()));
+        assert_eq!(blamed, both);
+        assert!(kept.is_empty());
+        // Wrong with both off too: a default is wrong, no setting to blame.
+        let (blamed, kept) = blame_among(&suspects, NAME, || lines(true));
+        assert!(blamed.is_empty() && kept.is_empty());
+        // A run that could not run (or gave no lines) passes nothing.
+        let (blamed, _) = blame_among(&suspects, NAME, || None);
+        assert!(blamed.is_empty());
+        assert!(FIRST.get() && SECOND.get());
     }
 }

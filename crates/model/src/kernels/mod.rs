@@ -1650,6 +1650,17 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
         .collect()
 }
 
+/// The CUDA kernels' switches still off by default (those of
+/// [`cuda_settings_off_by_default`]), but the f16 forms' (`CUDA_FP16`: in f16 the kernels run
+/// only with it): what a failed check may blame (`encoder_check`).
+pub(crate) fn cuda_switches_off_by_default() -> Vec<&'static Switch> {
+    CUDA_SWITCHES
+        .iter()
+        .copied()
+        .filter(|s| s.turned_on_by().is_some() && !std::ptr::eq(*s, &CUDA_FP16))
+        .collect()
+}
+
 /// Turns every CUDA kernel setting on for the process, those on by default and those not yet:
 /// what the checks compare (`check::check_kernels`, `encoder_check`), whatever the
 /// environment says.
