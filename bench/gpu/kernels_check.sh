@@ -105,22 +105,19 @@ all_rows() {
     # (The settings of 2026-11-27's rows passed on an H200 and are on by default; the evening's
     # run turned on the attention's straight kernels, ex2, pair forward and keep bits, the
     # sublayer ends' backward ahead and keep bits, the embeddings' end, the keyed dropout and
-    # the linear layers' three.) The pair forward against the asynchronous copies of a block a
+    # the linear layers' three; 2026-11-28's evening run LayerNorm's backward a warp a row, the
+    # bias gradient's epilogue and sums in registers, the joins, the attention's joint
+    # backward and vector delta, and the step without the bucket. Of those still off, the
+    # padded decoder, the table's cast, the handed gradient and the pair keys passed then but
+    # were no faster by a phase-1 pass: PASS_LONG=1 times phase 2's, where the pair keys aim.) The pair forward against the asynchronous copies of a block a
     # query tile: a tie in the evening's runs (inference, phase 2), kept as a row, last. After
     # the defaults and the combination of the settings not yet run, their single rows in the
     # order of the time they aim at (a call cut by its limit loses the last).
     # (The combination is made from the single rows, every setting not yet run.)
     local singles=(
-        "BERTKIT_CUDA_FLASH_BACKWARD=joint | the attention's backward in one kernel at rows of at most 128 (phase 1; phase 2 as the defaults)"
-        "BERTKIT_CUDA_BIAS_GRADIENT=epilogue | a linear layer's bias gradient from its weight gradient's cuBLASLt product"
-        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)"
-        "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp | LayerNorm's backward a warp per row"
         "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products"
-        "BERTKIT_CUDA_JOIN=kernel | the QKV weights and LayerNorms' parameters joined in one launch"
+        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)"
         "BERTKIT_CUDA_DECODER=padded | the masked-LM decoder's rows padded to 30,528"
-        "BERTKIT_BUCKET=none | the step without the flat gradient bucket (one micro-batch)"
-        "BERTKIT_CUDA_BIAS_SUMS=registers | a linear layer's bias gradient alone summed in registers"
-        "BERTKIT_CUDA_FLASH_DELTA=vector | the attention's backward's delta 16 bytes a thread"
         "BERTKIT_CUDA_TABLE_CAST=vector | the decoder's f32 weight cast 16 bytes a thread (into the padded copy where padded)"
         "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy"
     )
@@ -208,20 +205,14 @@ memory() {
             --predictions "$predictions" --micro-batch "$micro" --accumulation "$accumulation" \
             --steps 2 2>&1 | tail -n 1
     done
-    # The pool's spare above its tensors at phase 2 (2,289 MiB on 2026-11-27: nvidia-smi 1.12x
-    # PyTorch's): six steps as the build leaves it; with the pool keeping at most 8.5 GiB of
-    # freed memory (the rest back to the driver at each step's read-back); with the flat
-    # gradient bucket (1.34 GB) kept from step to step rather than found anew at each step's
-    # end; without the bucket at all (one micro-batch, one process; unless its check failed);
-    # with 8.5 GiB taken from the driver in one piece when the device opens (whether the pool
-    # carves the step's tensors from it), alone and without the bucket; without the bucket and
-    # with the lean feed-forward (its GELU recomputed, ~0.75 GiB fewer tensors at phase 2, where
-    # the plan takes the full one on this GPU): what each costs in step time and tensors, and
-    # the pool's held peak it leaves (and its marks after each step).
+    # The pool's spare above its tensors at phase 2 (2,289 MiB with the flat gradient bucket
+    # found at each step's end, 2026-11-27; 0.1 GiB without it, the default since 2026-11-28):
+    # six steps as the build leaves it; with the bucket found anew at each step's end, and kept
+    # from step to step; with the lean feed-forward (its GELU recomputed, ~0.75 GiB fewer
+    # tensors at phase 2, where the plan takes the full one on this GPU): what each costs in
+    # step time and tensors, and the pool's held peak it leaves (and its marks after each step).
     local setting word
-    for setting in "" BERTKIT_CUDA_POOL_KEEP_MIB=8704 BERTKIT_BUCKET=kept BERTKIT_BUCKET=none \
-        BERTKIT_CUDA_POOL_RESERVE_MIB=8704 "BERTKIT_CUDA_POOL_RESERVE_MIB=8704 BERTKIT_BUCKET=none" \
-        "BERTKIT_CUDA_FEED_FORWARD=lean BERTKIT_BUCKET=none"; do
+    for setting in "" BERTKIT_BUCKET=flat BERTKIT_BUCKET=kept BERTKIT_CUDA_FEED_FORWARD=lean; do
         # (MEMORY_ROWS=REGEX keeps those whose settings match it, and the build's own.)
         if [[ -n $setting && ! $setting =~ ${MEMORY_ROWS:-.} ]]; then
             continue
@@ -240,9 +231,9 @@ memory() {
             --steps 6 2>&1 | tail -n 1
     done
     # Where the pool grows (BERTKIT_CUDA_POOL_TRACE=on: a line each time it takes 32 MiB or
-    # more from the driver, at the op or stage), three steps as built and without the bucket:
+    # more from the driver, at the op or stage), three steps as built and with the bucket:
     # the whole trace in $out, its last lines here.
-    for setting in "" BERTKIT_BUCKET=none; do
+    for setting in "" BERTKIT_BUCKET=flat; do
         log "2b'' phase 2, micro-batch 8, three steps, the pool's growth traced, ${setting:-as built}"
         # shellcheck disable=SC2086
         env $setting BERTKIT_CUDA_POOL_TRACE=on timeout 120 $b bench memory \

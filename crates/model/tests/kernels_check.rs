@@ -58,40 +58,27 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
     // Off by default: a half-precision gradient added into an f32 one by one kernel (its row
-    // runs in half precision only), the one-pass attention's asynchronous copies, its delta
-    // 16 bytes a thread, its joint backward and its keys' backward over two key tiles a block,
-    // LayerNorm's backward a warp per row (their rows run on CUDA only), and
-    // a linear layer's bias gradient (and its activation's slope) summed in registers, which
-    // the linear, GELU and feed-forward lines need, and the masked-LM decoder's rows padded
-    // (the padded linear and loss lines), and the decoder's f32 weight cast by our kernel (the
-    // f32-weight linear lines), and a linear layer's bias gradient from its weight gradient's
-    // product (the linear, feed-forward and padded linear lines), and tensors joined by our
-    // kernel (the join lines, and the embeddings' and sublayer ends', which join their
-    // parameters); the others need nothing.
+    // runs in half precision only), a residual's gradient added by the input gradient's
+    // product (the encoder check's, on CUDA), the one-pass attention's asynchronous copies
+    // and its keys' backward over two key tiles a block (their rows run on CUDA only), the
+    // masked-LM decoder's rows padded (the padded linear and loss lines), and the decoder's
+    // f32 weight cast by our kernel (the f32-weight and padded linear lines); the others need
+    // nothing.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
     assert_eq!(
         settings,
         [
             "BERTKIT_CUDA_HANDED_GRADIENT=half",
-            "BERTKIT_CUDA_JOIN=kernel",
-            "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
             "BERTKIT_CUDA_RESIDUAL_SUM=product",
             "BERTKIT_CUDA_TABLE_CAST=vector",
             "BERTKIT_CUDA_FLASH_COPIES=async",
-            "BERTKIT_CUDA_FLASH_DELTA=vector",
-            "BERTKIT_CUDA_FLASH_BACKWARD=joint",
             "BERTKIT_CUDA_FLASH_KEYS=pair",
-            "BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp",
-            "BERTKIT_CUDA_BIAS_SUMS=registers",
             "BERTKIT_CUDA_DECODER=padded"
         ]
     );
     for c in &checks {
-        let registers = ["linear_gelu (erf)", "linear_gelu (tanh)", "gelu (erf)"];
         let want: &[&str] = if c.kernel == "linear (padded rows)" {
             &[
-                "BERTKIT_CUDA_BIAS_SUMS=registers",
-                "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
                 "BERTKIT_CUDA_DECODER=padded",
                 "BERTKIT_CUDA_TABLE_CAST=vector",
             ]
@@ -99,18 +86,6 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
             &["BERTKIT_CUDA_TABLE_CAST=vector"]
         } else if c.kernel == "nll (padded rows)" {
             &["BERTKIT_CUDA_DECODER=padded"]
-        } else if c.kernel == "linear" || c.kernel.starts_with("feed_forward") {
-            &[
-                "BERTKIT_CUDA_BIAS_SUMS=registers",
-                "BERTKIT_CUDA_BIAS_GRADIENT=epilogue",
-            ]
-        } else if registers.contains(&c.kernel.as_str()) {
-            &["BERTKIT_CUDA_BIAS_SUMS=registers"]
-        } else if c.kernel == "embeddings"
-            || c.kernel.starts_with("join")
-            || c.kernel.starts_with("residual_layer_norm")
-        {
-            &["BERTKIT_CUDA_JOIN=kernel"]
         } else {
             &[]
         };

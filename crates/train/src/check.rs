@@ -9,8 +9,8 @@ use candle_core::{DType, Tensor, Var};
 use crate::TrainError;
 use crate::bucket::StepGradients;
 use crate::optim::{
-    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_AHEAD, CUDA_UPDATE_IN_PLACE, HELD_GRADIENTS, Optimizer,
-    OptimizerConfig, Rule, cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place,
+    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_AHEAD, CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig,
+    Rule, cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place,
     set_trust_ratios_apart, set_update_ahead, update_ahead,
 };
 
@@ -136,9 +136,6 @@ pub fn check_update(
             } else {
                 Vec::new()
             };
-            if held && device.is_cuda() {
-                needs.extend(needing(&[&HELD_GRADIENTS]));
-            }
             if rule == Rule::Lamb && device.is_cuda() {
                 needs.extend(needing(&[&CUDA_TRUST_RATIOS_APART]));
             }

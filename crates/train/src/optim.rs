@@ -338,7 +338,6 @@ pub fn cuda_settings_off_by_default() -> Vec<String> {
     settings.extend(CUDA_UPDATE_IN_PLACE.turned_on_by());
     settings.extend(CUDA_TRUST_RATIOS_APART.turned_on_by());
     settings.extend(CUDA_UPDATE_AHEAD.turned_on_by());
-    settings.extend(HELD_GRADIENTS.turned_on_by());
     settings
 }
 
@@ -351,18 +350,19 @@ pub fn cuda_update_in_place() -> bool {
 static KEPT_BUCKET: Switch = Switch::opt_in("BERTKIT_BUCKET", "kept");
 
 /// Whether a step of one micro-batch on one process reads its gradients where the backward
-/// left them, without the flat bucket ([`Optimizer::hold_gradients`]): chosen by
-/// `BERTKIT_BUCKET` (`none` on, any other value off), else by the device
-/// ([`holds_gradients_by_default`]).
-pub(crate) static HELD_GRADIENTS: Switch = Switch::opt_in("BERTKIT_BUCKET", "none");
+/// left them, without the flat bucket ([`Optimizer::hold_gradients`]): on unless
+/// `BERTKIT_BUCKET=flat` (or `kept`, which keeps the bucket from step to step:
+/// [`holds_gradients_by_default`]). The same steps bit for bit; on the CPU BERT-base's
+/// resident memory ~0.4 GB lower at the same speed (BENCHMARKS.md, 2026-11-28); on an H200 it
+/// passed its check (the update's `without a bucket` rows), and at phase 2 (BERT-large, bf16,
+/// micro-batch 8) the device pool held 8.1 GiB at most where 10.7 with the bucket, at the same
+/// step time (BENCHMARKS.md, H200, 2026-11-28, evening).
+pub(crate) static HELD_GRADIENTS: Switch = Switch::opt_out("BERTKIT_BUCKET", "flat");
 
-/// Whether an optimiser on `device` goes without the bucket where it may, unless
-/// `BERTKIT_BUCKET` chooses: on the CPU yes (the same steps bit for bit, BERT-base's resident
-/// memory ~0.4 GB lower at the same speed, BENCHMARKS.md 2026-11-28); on CUDA not until its
-/// kernels pass `bertkit check kernels --device cuda` (the switch stays off there, listed
-/// among the settings to check).
-fn holds_gradients_by_default(device: &candle_core::Device) -> bool {
-    HELD_GRADIENTS.chosen().unwrap_or(device.is_cpu())
+/// Whether an optimiser goes without the bucket where it may: [`HELD_GRADIENTS`], unless
+/// `BERTKIT_BUCKET=kept` asks for the bucket kept from step to step.
+fn holds_gradients_by_default() -> bool {
+    HELD_GRADIENTS.get() && !KEPT_BUCKET.get()
 }
 
 /// The optimiser over a model's parameters.
@@ -465,11 +465,7 @@ impl Optimizer {
             master_dtype,
             kept_bucket: std::sync::Mutex::new(None),
             keeps_buckets: KEPT_BUCKET.get(),
-            holds_gradients: holds_gradients_by_default(
-                vars.values()
-                    .next()
-                    .map_or(&candle_core::Device::Cpu, |v| v.device()),
-            ),
+            holds_gradients: holds_gradients_by_default(),
         })
     }
 
@@ -479,9 +475,12 @@ impl Optimizer {
     /// memory at a step's end, after the backward has scattered the parameters' gradients over
     /// what the activations freed, at the cost of holding it through the next step's forward
     /// (a higher high-water mark of tensors by its size). On BERT-large's phase 2 on an H200
-    /// the pool held 2.2 GiB above its tensors' high-water mark (BENCHMARKS.md, 2026-11-27): an
-    /// experiment for the next device run, off unless `BERTKIT_BUCKET=kept`. The same sums and
-    /// steps either way.
+    /// the pool held 2.2 GiB above its tensors' high-water mark (BENCHMARKS.md, 2026-11-27);
+    /// kept, it held 9.4 GiB for 9.3 in tensors where the bucket found anew held 10.7 for 8.0,
+    /// and without the bucket ([`Optimizer::hold_gradients`], the default) 8.1 for 8.0
+    /// (BENCHMARKS.md, H200, 2026-11-28, evening): off unless `BERTKIT_BUCKET=kept` (a step of
+    /// several micro-batches or processes, which needs the bucket). The same sums and steps
+    /// either way.
     pub fn keep_buckets(&mut self, on: bool) {
         self.keeps_buckets = on;
         if !on && let Ok(mut kept) = self.kept_bucket.lock() {
@@ -504,10 +503,10 @@ impl Optimizer {
     /// source of the device pool's 2.2 GiB above its tensors at phase 2 on an H200,
     /// BENCHMARKS.md, 2026-11-27), and 4.7 GB of the step's traffic (the gradients read and
     /// the bucket written, then read by its norm and by the update), where the held gradients
-    /// are read twice in bf16 (1.3 GB).
-    /// Unless `BERTKIT_BUCKET` chooses, on for an optimiser on the CPU and off on CUDA until its
-    /// kernels pass `bertkit check kernels --device cuda` (`BERTKIT_BUCKET=none` turns it on).
-    /// The same steps either way.
+    /// are read twice in bf16 (1.3 GB). Without it an H200's pool held 8.1 GiB at most at
+    /// phase 2 where 10.7 with it, at the same step time (BENCHMARKS.md, H200, 2026-11-28,
+    /// evening). On unless `BERTKIT_BUCKET=flat` (or `kept`) on every device. The same steps
+    /// either way.
     pub fn hold_gradients(&mut self, on: bool) {
         self.holds_gradients = on;
     }
@@ -1024,14 +1023,15 @@ mod tests {
         assert!(packed(&f64_opt).iter().all(Option::is_none));
     }
 
-    /// On the CPU an optimiser goes without the flat bucket where it may (one micro-batch a
-    /// step on one process, f32 masters), unless `BERTKIT_BUCKET` chooses; f64 masters keep
-    /// it (the held norm reads f32 values).
+    /// An optimiser goes without the flat bucket where it may (one micro-batch a step on one
+    /// process, f32 masters), on every device, unless `BERTKIT_BUCKET` chooses; f64 masters
+    /// keep it (the held norm reads f32 values).
     #[test]
-    fn the_cpu_holds_gradients_by_default() {
-        if HELD_GRADIENTS.chosen().is_some() {
+    fn an_optimiser_holds_gradients_by_default() {
+        if HELD_GRADIENTS.chosen().is_some() || KEPT_BUCKET.chosen().is_some() {
             return; // BERTKIT_BUCKET set for this process.
         }
+        assert!(holds_gradients_by_default());
         let f32_opt = Optimizer::new(OptimizerConfig::lamb(), &vars_in(DType::F32)).unwrap();
         assert!(f32_opt.holds_gradients());
         let f64_opt = Optimizer::new(OptimizerConfig::lamb(), &vars()).unwrap();

@@ -931,7 +931,7 @@ pub fn cuda_flash_keeps_bits() -> bool {
 
 /// Whether the one-pass attention's backward takes its rows' `Σ dO·O` 16 bytes a thread.
 pub(crate) static CUDA_FLASH_DELTA_VECTOR: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FLASH_DELTA", "vector");
+    Switch::opt_out("BERTKIT_CUDA_FLASH_DELTA", "scalar");
 
 /// Turns the one-pass attention's delta 16 bytes a thread on or off for this process (each
 /// query's and head's `Σ dO·O`, which both backwards read, every form of the one-pass
@@ -942,8 +942,10 @@ pub(crate) static CUDA_FLASH_DELTA_VECTOR: Switch =
 /// 2026-11-27, evening), 0.7 ms a pass. The same products, another order of their sum
 /// (`bench/gpu/emulate` holds it to the kernel in use's within f32's rounding). Compiled for
 /// sm_90: 208 instructions where 376, 30 registers. Checked by `bertkit check kernels --device
-/// cuda` (its `attention flash delta` rows), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_FLASH_DELTA=vector`.
+/// cuda` (its `attention flash delta` rows); it passed its check on an H200, where a BERT-large
+/// phase-1 training pass's attention backward took 3.26 ms where 3.74 (BENCHMARKS.md, H200,
+/// 2026-11-28, evening; at phase 1 the joint backward, [`set_cuda_flash_joint_backward`], now
+/// makes the delta itself): unset, it is on unless `BERTKIT_CUDA_FLASH_DELTA=scalar`.
 pub fn set_cuda_flash_delta_vector(on: bool) {
     CUDA_FLASH_DELTA_VECTOR.set(on);
 }
@@ -956,7 +958,7 @@ pub fn cuda_flash_delta_vector() -> bool {
 
 /// Whether the one-pass attention's backward takes one kernel for rows of at most 128 places.
 pub(crate) static CUDA_FLASH_JOINT_BACKWARD: Switch =
-    Switch::opt_in("BERTKIT_CUDA_FLASH_BACKWARD", "joint");
+    Switch::opt_out("BERTKIT_CUDA_FLASH_BACKWARD", "split");
 
 /// Turns the one-pass attention's joint backward on or off for this process (with its straight
 /// kernels, [`set_cuda_flash_straight`], with or without [`set_cuda_flash_exp2`] and
@@ -974,8 +976,10 @@ pub(crate) static CUDA_FLASH_JOINT_BACKWARD: Switch =
 /// (`bench/gpu/emulate`); two blocks an SM on sm_90 (128 registers, the keys' work a chunk of
 /// 16 queries at a time; at most 16 bytes spilled), the second query tile's copies in flight
 /// while the warps work on the first. Checked by
-/// `bertkit check kernels --device cuda` (its `attention flash joint` rows), not yet run on a
-/// GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_BACKWARD=joint`.
+/// `bertkit check kernels --device cuda` (its `attention flash joint` rows); it passed its
+/// check on an H200, where a BERT-large phase-1 training pass's attention backward took 2.75
+/// ms where 3.74 (BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is on unless
+/// `BERTKIT_CUDA_FLASH_BACKWARD=split`.
 pub fn set_cuda_flash_joint_backward(on: bool) {
     CUDA_FLASH_JOINT_BACKWARD.set(on);
 }
@@ -1172,7 +1176,7 @@ pub fn cuda_norm_backward_ahead() -> bool {
 
 /// Whether LayerNorm's backward on CUDA takes a warp per row.
 pub(crate) static CUDA_NORM_BACKWARD_WARP: Switch =
-    Switch::opt_in("BERTKIT_CUDA_NORM_BACKWARD_ROWS", "warp");
+    Switch::opt_out("BERTKIT_CUDA_NORM_BACKWARD_ROWS", "block");
 
 /// Turns on or off, for this process, LayerNorm's (and a sublayer end's) backward a warp per row
 /// (`layer_norm_warp_backward`, the forward a warp per row's twin, for the rows it takes: up to
@@ -1192,8 +1196,10 @@ pub(crate) static CUDA_NORM_BACKWARD_WARP: Switch =
 /// in another order: `bench/gpu/emulate` compares it with the backward in use (f32, bf16, f16,
 /// with and without a residual and dropout: bf16 within 1.4e-4 of the largest magnitude, the
 /// keep bytes' and the drawn keeps' gradients the same bits). Checked by `bertkit check kernels
-/// --device cuda` (its `backward a warp a row` norm rows), not yet run on a GPU: unset, it is off
-/// unless `BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp`.
+/// --device cuda` (its `backward a warp a row` norm rows); it passed its check on an H200, where
+/// a BERT-large phase-1 training pass's sublayer ends' backward took 1.71 ms where 3.39
+/// (BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is on unless
+/// `BERTKIT_CUDA_NORM_BACKWARD_ROWS=block`.
 pub fn set_cuda_norm_backward_warp(on: bool) {
     CUDA_NORM_BACKWARD_WARP.set(on);
 }
@@ -1317,7 +1323,7 @@ pub fn cuda_linear_backward_lt() -> bool {
 
 /// Whether a linear layer's bias gradient on CUDA comes out of its weight gradient's product.
 pub(crate) static CUDA_BIAS_GRADIENT_EPILOGUE: Switch =
-    Switch::opt_in("BERTKIT_CUDA_BIAS_GRADIENT", "epilogue");
+    Switch::opt_out("BERTKIT_CUDA_BIAS_GRADIENT", "kernel");
 
 /// Turns on or off, for this process, a linear layer's bias gradient (without an activation:
 /// the QKV projection's, the attention output's, both feed-forward layers'; four a BERT-large
@@ -1330,8 +1336,10 @@ pub(crate) static CUDA_BIAS_GRADIENT_EPILOGUE: Switch =
 /// ([`set_cuda_linear_backward_lt`]); the same sums in f32 in another order, rounded once to
 /// the gradient's dtype. A shape cuBLASLt has no such algorithm for gets the product and our
 /// sums as before. cuBLASLt cannot run on the CPU: checked by `bertkit check kernels --device
-/// cuda` (the linear and feed-forward rows' bias gradients), not yet run on a GPU: unset, it
-/// is off unless `BERTKIT_CUDA_BIAS_GRADIENT=epilogue`.
+/// cuda` (the linear and feed-forward rows' bias gradients); it passed its check on an H200,
+/// where a BERT-large phase-1 training pass's linear layers' backward took 11.06 ms where 11.91
+/// (BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is on unless
+/// `BERTKIT_CUDA_BIAS_GRADIENT=kernel`.
 pub fn set_cuda_bias_gradient_epilogue(on: bool) {
     CUDA_BIAS_GRADIENT_EPILOGUE.set(on);
 }
@@ -1370,7 +1378,7 @@ pub fn cuda_residual_sum_in_product() -> bool {
 }
 
 /// Whether tensors joined along their rows on CUDA take our kernel.
-pub(crate) static CUDA_JOIN: Switch = Switch::opt_in("BERTKIT_CUDA_JOIN", "kernel");
+pub(crate) static CUDA_JOIN: Switch = Switch::opt_out("BERTKIT_CUDA_JOIN", "candle");
 
 /// Turns on or off, for this process, tensors joined along their rows on CUDA by our kernel
 /// (`join_rows`: every part's bytes in one launch, 16 a thread): a layer's query, key and value
@@ -1381,8 +1389,10 @@ pub(crate) static CUDA_JOIN: Switch = Switch::opt_in("BERTKIT_CUDA_JOIN", "kerne
 /// parameter: ~30 µs a layer, ~0.7 ms a BERT-large training forward; BENCHMARKS.md,
 /// 2026-11-27, evening). Parts of whole 16-byte pieces, two or three of them; the same bytes
 /// (`bench/gpu/emulate`). Checked by `bertkit check kernels --device cuda` (the join lines,
-/// and the sublayer ends' and embeddings' that stack their parameters), not yet run on a GPU:
-/// unset, it is off unless `BERTKIT_CUDA_JOIN=kernel`.
+/// and the sublayer ends' and embeddings' that stack their parameters); it passed its check on
+/// an H200, where a BERT-large phase-1 training forward took 12.43 ms where 13.11
+/// (BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is on unless
+/// `BERTKIT_CUDA_JOIN=candle`.
 pub fn set_cuda_join(on: bool) {
     CUDA_JOIN.set(on);
 }
@@ -1534,7 +1544,7 @@ pub fn cuda_handed_half() -> bool {
 
 /// Whether a linear layer's bias gradient alone (no activation) is summed in registers.
 pub(crate) static CUDA_BIAS_SUMS_REGISTERS: Switch =
-    Switch::opt_in("BERTKIT_CUDA_BIAS_SUMS", "registers");
+    Switch::opt_out("BERTKIT_CUDA_BIAS_SUMS", "shared");
 
 /// Turns on or off, for this process, the bias gradient of a linear layer without an
 /// activation (the QKV projection's, the attention output's, both feed-forward layers': four a
@@ -1555,8 +1565,12 @@ pub(crate) static CUDA_BIAS_SUMS_REGISTERS: Switch =
 /// written, the bias's sums in registers; on an H200 the GELU backward alone took 80.6 µs for
 /// `[8192, 4096]` bf16 (~2.5 TB/s). The same slopes and sums to the bit (`bench/gpu/emulate`);
 /// ptxas (sm_90): 95 registers, no spills, five blocks an SM. Checked by `bertkit check kernels
-/// --device cuda` (the linear, GELU and feed-forward rows), not yet run on a GPU: unset, it is
-/// off unless `BERTKIT_CUDA_BIAS_SUMS=registers`.
+/// --device cuda` (the linear, GELU and feed-forward rows); it passed its check on an H200,
+/// where a BERT-large phase-1 training pass's linear layers' backward took 11.38 ms where
+/// 11.91, the masked-LM head transform's 6.03 where 6.54 (BENCHMARKS.md, H200, 2026-11-28,
+/// evening; where the bias gradient comes out of the product,
+/// [`set_cuda_bias_gradient_epilogue`], the layers with GELU take it): unset, it is on unless
+/// `BERTKIT_CUDA_BIAS_SUMS=shared`.
 pub fn set_cuda_bias_sums_registers(on: bool) {
     CUDA_BIAS_SUMS_REGISTERS.set(on);
 }
