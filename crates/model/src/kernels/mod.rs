@@ -1010,8 +1010,10 @@ pub(crate) static CUDA_FLASH_PAIR_KEYS: Switch = Switch::opt_in("BERTKIT_CUDA_FL
 /// took 4.73 ms of a BERT-large phase-2 pass on an H200 (BENCHMARKS.md, 2026-11-27, evening).
 /// The same products in the same order: the same dK and dV (`bench/gpu/emulate`). Compiled for
 /// sm_90, its chunks a loop (not unrolled), ptxas spills at most 4 bytes a lane. Checked by
-/// `bertkit check kernels --device cuda` (its `attention flash pair keys` rows), not yet run
-/// on a GPU: unset, it is off unless `BERTKIT_CUDA_FLASH_KEYS=pair`.
+/// `bertkit check kernels --device cuda` (its `attention flash pair keys` rows). It passed them
+/// on an H200, where phase 2's steps took 30 ms with it and without (a phase-2 pass not yet
+/// timed by kernel; BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is off unless
+/// `BERTKIT_CUDA_FLASH_KEYS=pair`.
 pub fn set_cuda_flash_pair_keys(on: bool) {
     CUDA_FLASH_PAIR_KEYS.set(on);
 }
@@ -1365,8 +1367,11 @@ pub(crate) static CUDA_RESIDUAL_SUM_IN_PRODUCT: Switch =
 /// sum rounds the product first). Where the backward's products go through cuBLASLt
 /// ([`set_cuda_linear_backward_lt`]). cuBLASLt cannot run on the CPU: checked by `bertkit
 /// check kernels --device cuda` (the encoder's backward by hand against autograd, which adds
-/// the two apart), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_RESIDUAL_SUM=product`.
+/// the two apart). On an H200 that check failed in bf16 and f16 on one parameter, the
+/// attention's key bias, whose gradient is rounding noise both ways (zero in exact arithmetic),
+/// then measured over its own largest value; the check now measures it over its rank's
+/// largest (BENCHMARKS.md, H200, 2026-11-28, evening): until it passes there, unset, it is off
+/// unless `BERTKIT_CUDA_RESIDUAL_SUM=product`.
 pub fn set_cuda_residual_sum_in_product(on: bool) {
     CUDA_RESIDUAL_SUM_IN_PRODUCT.set(on);
 }
@@ -1486,8 +1491,10 @@ pub(crate) static CUDA_PADDED_DECODER: Switch = Switch::opt_in("BERTKIT_CUDA_DEC
 /// logits the model returns are the same (`mlm_logits`: a view of their first 30,522 columns;
 /// `PreTrainingOutput::mlm_decoded`: the rows as written). `bench/gpu/emulate` checks the
 /// padded loss against f64 (the padding NaNs it must not read); `bertkit check kernels
-/// --device cuda` has its rows (`linear (padded rows)`, `nll (padded rows)`); not yet run on a
-/// GPU: unset, it is off unless `BERTKIT_CUDA_DECODER=padded`.
+/// --device cuda` has its rows (`linear (padded rows)`, `nll (padded rows)`). It passed them
+/// on an H200, but a BERT-large phase-1 training pass was no faster with it (within 0.1 ms;
+/// BENCHMARKS.md, H200, 2026-11-28, evening: why not is for a profile by kernel): unset, it is
+/// off unless `BERTKIT_CUDA_DECODER=padded`.
 pub fn set_cuda_padded_decoder(on: bool) {
     CUDA_PADDED_DECODER.set(on);
 }
@@ -1508,8 +1515,10 @@ pub(crate) static CUDA_TABLE_CAST: Switch = Switch::opt_in("BERTKIT_CUDA_TABLE_C
 /// other way ran at ~0.6 TB/s on an H200, 297 µs for BERT-large's `[30522, 1024]`) and the
 /// padding takes a second copy, a concatenation. The same bits (each element rounded to
 /// nearest, ties to even). `bench/gpu/emulate` checks it against the cast by hand; `bertkit
-/// check kernels --device cuda` takes it in the f32-weight linear lines; not yet run on a GPU:
-/// unset, it is off unless `BERTKIT_CUDA_TABLE_CAST=vector`.
+/// check kernels --device cuda` takes it in the f32-weight linear lines. It passed them on an
+/// H200, where a BERT-large phase-1 training pass was no faster with it (within 0.1 ms;
+/// BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is off unless
+/// `BERTKIT_CUDA_TABLE_CAST=vector`.
 pub fn set_cuda_table_cast(on: bool) {
     CUDA_TABLE_CAST.set(on);
 }
@@ -1530,8 +1539,9 @@ pub(crate) static CUDA_HANDED_HALF: Switch = Switch::opt_in("BERTKIT_CUDA_HANDED
 /// cast to f32 by candle's cast (on an H200 297 µs for BERT-large's `[30522, 1024]`, ~0.6 TB/s,
 /// and an f32 copy of 125 MB) and then added. The same values (each element `a + float(b)`:
 /// `bench/gpu/emulate` compares the bits). Checked by `bertkit check kernels --device cuda`
-/// (its `add (f32 and half)` row), not yet run on a GPU: unset, it is off unless
-/// `BERTKIT_CUDA_HANDED_GRADIENT=half`.
+/// (its `add (f32 and half)` row). It passed it on an H200, where a BERT-large phase-1 training
+/// pass was no faster with it (within 0.1 ms; BENCHMARKS.md, H200, 2026-11-28, evening):
+/// unset, it is off unless `BERTKIT_CUDA_HANDED_GRADIENT=half`.
 pub fn set_cuda_handed_half(on: bool) {
     CUDA_HANDED_HALF.set(on);
 }
