@@ -36,7 +36,10 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// there, so there is nothing to compare). On a CUDA device this turns every CUDA kernel on
 /// for the process, the backward by hand among them
 /// (`crate::kernels::turn_cuda_kernels_on`), and in bf16 checks the shapes with heads of 64 a
-/// second time with the one-pass attention on ([`FLASH_NAME`]; as it was afterwards).
+/// second time with the one-pass attention on ([`FLASH_NAME`]; as it was afterwards). Where a
+/// line fails on CUDA, the check runs again with settings still off by default turned off, to
+/// blame the one (or ones) its failure follows (`blame_among`): the failed lines need those
+/// alone, and the runs that found them are lines of their own (`... without VARIABLE=value`).
 pub fn check_encoder_backward(
     device: &Device,
     dtype: DType,
