@@ -46,8 +46,8 @@ pub use composed::Composed;
 use composed::{
     composed_attention, composed_embeddings, composed_linear, composed_residual_layer_norm,
 };
+pub(crate) use profiled::{Caller, Mark, backward as profiled_backward, time_backwards};
 pub use profiled::{Clock, KernelTime, Profiled};
-pub(crate) use profiled::{Mark, backward as profiled_backward, time_backwards};
 
 /// A parameter's gradient handed over by an op outside candle's graph
 /// ([`Kernels::linear_into`]): the masked-LM decoder's weight, the word embeddings it is tied
@@ -2001,7 +2001,7 @@ impl Kernels for Fused {
             }
             if on_cpu_in_f32(x) && [w1, b1, w2, b2].iter().all(|t| t.dtype() == DType::F32) {
                 let pre = self.linear(x, w1, Some(b1))?;
-                return tape::apply_op3(&pre, w2, b2, cpu::GeluLinear { form });
+                return tape::apply_op3(&pre, w2, b2, cpu::GeluLinear::new(form));
             }
         }
         let inner = self.linear_gelu(x, w1, b1, form)?;

@@ -212,7 +212,10 @@ impl Profiled {
         call: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
         let start = Mark::now(on.device(), self.clock)?;
-        let (out, host) = host_timed(call)?;
+        let outer = CALLER.with(|c| c.replace(Some(name)));
+        let called = host_timed(call);
+        CALLER.with(|c| c.set(outer));
+        let (out, host) = called?;
         let end = Mark::now(out.device(), self.clock)?;
         self.spans.lock().expect("not poisoned").push(Span {
             name,
@@ -222,6 +225,30 @@ impl Profiled {
             flops,
         });
         Ok(out)
+    }
+}
+
+thread_local! {
+    /// The [`Kernels`] method a [`Profiled`] set is running on this thread, if any.
+    static CALLER: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// Which [`Kernels`] method an op is made in, to count its backward pass to that method: an op
+/// may serve several (the linear op makes a feed-forward block's layers as well as a plain
+/// linear layer), and a profile reads best when each method's backward is its own calls'.
+/// Outside a profile, none (the op's own name for it then).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Caller(Option<&'static str>);
+
+impl Caller {
+    /// The method a [`Profiled`] set is running on this thread now, if any.
+    pub(crate) fn now() -> Self {
+        Caller(CALLER.with(std::cell::Cell::get))
+    }
+
+    /// The method's name, else `own` (the op's name for its backward).
+    pub(crate) fn or(self, own: &'static str) -> &'static str {
+        self.0.unwrap_or(own)
     }
 }
 

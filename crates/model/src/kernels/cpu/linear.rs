@@ -20,9 +20,18 @@ use rayon::prelude::*;
 /// gradient buffer and an addition over the whole tensor. With a sink
 /// ([`crate::kernels::Kernels::linear_into`]) the weight's gradient is handed over there,
 /// not to the graph.
-#[derive(Default)]
 pub(crate) struct Linear {
     sink: Option<crate::kernels::GradientSink>,
+    caller: crate::kernels::Caller,
+}
+
+impl Default for Linear {
+    fn default() -> Self {
+        Linear {
+            sink: None,
+            caller: crate::kernels::Caller::now(),
+        }
+    }
 }
 
 impl Linear {
@@ -30,6 +39,7 @@ impl Linear {
     pub(crate) fn handing_to(sink: &crate::kernels::GradientSink) -> Self {
         Linear {
             sink: Some(sink.clone()),
+            ..Linear::default()
         }
     }
 }
@@ -340,7 +350,7 @@ impl CustomOp3 for Linear {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("linear", grad.device(), || {
+        crate::kernels::profiled_backward(self.caller.or("linear"), grad.device(), || {
             let op = "bertkit-linear-backward";
             let grad = grad.contiguous()?;
             let (g_storage, g_layout) = grad.storage_and_layout();
@@ -369,6 +379,7 @@ pub(crate) struct LinearGelu {
     keep_pre_activation: bool,
     pre_activation: std::sync::OnceLock<Vec<f32>>,
     form: Gelu,
+    caller: crate::kernels::Caller,
 }
 
 impl LinearGelu {
@@ -378,6 +389,7 @@ impl LinearGelu {
             keep_pre_activation: trains,
             pre_activation: std::sync::OnceLock::new(),
             form,
+            caller: crate::kernels::Caller::now(),
         }
     }
 }
@@ -423,7 +435,7 @@ impl CustomOp3 for LinearGelu {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("linear_gelu", grad.device(), || {
+        crate::kernels::profiled_backward(self.caller.or("linear_gelu"), grad.device(), || {
             let op = "bertkit-linear-gelu-backward";
             let Some(pre) = self.pre_activation.get() else {
                 bail!("{op}: no pre-activation kept (the op was built for inference)")
@@ -445,7 +457,18 @@ impl CustomOp3 for LinearGelu {
 /// `x` alone where [`LinearGelu`] then [`Linear`] keep `x` and its activation both. The same
 /// values as that pair to the bit, forward and backward.
 pub(crate) struct GeluLinear {
-    pub(crate) form: Gelu,
+    form: Gelu,
+    caller: crate::kernels::Caller,
+}
+
+impl GeluLinear {
+    /// The op with GELU in `form`.
+    pub(crate) fn new(form: Gelu) -> Self {
+        GeluLinear {
+            form,
+            caller: crate::kernels::Caller::now(),
+        }
+    }
 }
 
 impl CustomOp3 for GeluLinear {
@@ -481,7 +504,7 @@ impl CustomOp3 for GeluLinear {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("feed_forward", grad.device(), || {
+        crate::kernels::profiled_backward(self.caller.or("feed_forward"), grad.device(), || {
             let op = "bertkit-gelu-linear-backward";
             let (activated, grad_activated, weight_and_bias) = {
                 let (x_storage, x_layout) = x.storage_and_layout();

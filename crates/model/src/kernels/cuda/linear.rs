@@ -224,6 +224,8 @@ struct LinearOp {
     /// the product handed over and the bias that wide, the weight padded with zero rows for
     /// the backward's products and its gradient's padding dropped.
     padded: Option<usize>,
+    /// The [`crate::kernels::Kernels`] method that made it, its backward counted there.
+    caller: crate::kernels::Caller,
 }
 
 /// Whether a linear layer without an activation on either side takes cuBLASLt's product with
@@ -866,11 +868,11 @@ impl CustomOp3 for LinearOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         crate::kernels::profiled_backward(
-            match (self.act, self.input_act) {
+            self.caller.or(match (self.act, self.input_act) {
                 (Some(_), _) => "linear_gelu",
                 (None, Some(_)) => "feed_forward",
                 (None, None) => "linear",
-            },
+            }),
             grad.device(),
             || {
                 let (weight_rows, in_features) = weight.dims2()?;
@@ -1294,6 +1296,7 @@ fn linear_node(
             epilogue: true,
             sink,
             padded,
+            caller: crate::kernels::Caller::now(),
         };
         return tape::apply_op3(&x, weight, &bias, op);
     }
@@ -1315,6 +1318,7 @@ fn linear_node(
         epilogue: false,
         sink,
         padded,
+        caller: crate::kernels::Caller::now(),
     };
     tape::apply_op3(&x, weight, &bias, op)
 }
