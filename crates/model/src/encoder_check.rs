@@ -400,17 +400,16 @@ struct ParamGradients {
 /// twice) reads as a difference of ~100% (1.3 on an H200, 2026-11-28, the other gradients
 /// within bounds). A NaN anywhere gives NaN.
 fn farthest_off(params: &[ParamGradients]) -> (f64, String) {
-    let largest = |rank: usize| {
-        params
-            .iter()
-            .filter(|p| p.rank == rank)
-            .flat_map(|p| p.theirs.iter())
-            .fold(f64::MIN_POSITIVE, |m, v| m.max(v.abs()))
-    };
+    // Each rank's largest `|theirs|`, once.
+    let mut largest = std::collections::BTreeMap::<usize, f64>::new();
+    for p in params {
+        let scale = largest.entry(p.rank).or_insert(f64::MIN_POSITIVE);
+        *scale = p.theirs.iter().fold(*scale, |m, v| m.max(v.abs()));
+    }
     let mut worst = 0f64;
     let mut name = String::new();
     for p in params {
-        let scale = largest(p.rank);
+        let scale = largest[&p.rank];
         let mut diff = 0f64;
         for (a, b) in p.ours.iter().zip(&p.theirs) {
             diff = if a.is_nan() || b.is_nan() {

@@ -1890,7 +1890,7 @@ impl Kernels for Fused {
         }
         match bias {
             Some(bias) if on_cpu_in_f32(x) && weight.dtype() == DType::F32 => {
-                tape::apply_op3(&tape::contiguous(x)?, weight, bias, cpu::Linear::default())
+                tape::apply_op3(&tape::contiguous(x)?, weight, bias, cpu::Linear::new())
             }
             // Half precision on the CPU: candle's product, and the bias whose gradient is
             // summed in f32.

@@ -25,21 +25,21 @@ pub(crate) struct Linear {
     caller: crate::kernels::Caller,
 }
 
-impl Default for Linear {
-    fn default() -> Self {
+impl Linear {
+    /// The layer, its weight's gradient to the graph (its backward counted to the kernel
+    /// method making it now, [`crate::kernels::Caller`]).
+    pub(crate) fn new() -> Self {
         Linear {
             sink: None,
             caller: crate::kernels::Caller::now(),
         }
     }
-}
 
-impl Linear {
     /// The layer whose weight's gradient goes to `sink`.
     pub(crate) fn handing_to(sink: &crate::kernels::GradientSink) -> Self {
         Linear {
             sink: Some(sink.clone()),
-            ..Linear::default()
+            ..Linear::new()
         }
     }
 }
