@@ -2,10 +2,15 @@
 #
 #   make demo [MIRROR=../shared/data]   build, then run the pipeline on small real data
 #   make data                           the full pipeline (pipelines/data.toml)
-#   make pretrain-phase1 / -phase2      NVIDIA's BERT-large recipe on the data (resumes if stopped);
-#                                       on a GPU (CUDA build made here), or DEVICE=cpu MAX_STEPS=2
-#   make finetune-glue TASK=mrpc [MODEL=dir]  fine-tune (default: the shared MiniLM) and score dev
+#   make pretrain-phase1 / -phase2      NVIDIA's BERT-large recipe on the data (resumes if stopped)
+#                                       into RUNS=runs/phase1, /phase2; on a GPU (CUDA build made
+#                                       here), or DEVICE=cpu MAX_STEPS=2 [PRESET=tiny]
+#                                       [RECORDS=out/demo/records]
+#   make finetune-glue TASK=mrpc [MODEL=dir]  fine-tune (default: phase 2's run where there is
+#                                       one, else the shared MiniLM) and score dev
 #   make finetune-squad [MODEL=dir] [SQUAD_TRAIN=train.json SQUAD_DEV=dev.json] [SQUAD_FLAGS=…]
+#   (the three chain: make pretrain-phase1 pretrain-phase2 finetune-squad fine-tunes the model
+#   phase 2 wrote; BERTKIT=path runs an installed binary instead of building one)
 #                                       fine-tune, predict and score SQuAD (offline: the split of
 #                                       the mirror's dev-v1.1.json, first 38 articles / last 10)
 #   make test                           every test (what CI runs); installs pyarrow and
@@ -39,7 +44,12 @@ CARGO ?= cargo
 # Where cargo puts its builds: CARGO_TARGET_DIR, a `build.target-dir` in a cargo config, or target/.
 TARGET_DIR ?= $(or $(shell $(CARGO) metadata --no-deps --format-version 1 2>/dev/null \
 	| python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null),$(CARGO_TARGET_DIR),target)
-BERTKIT := $(TARGET_DIR)/release/bertkit
+# BERTKIT=path runs that binary (an installed one: `cargo install --path crates/cli`) and builds
+# nothing; by default the targets build the workspace's own.
+BERTKIT ?=
+OWN_BUILD := $(if $(BERTKIT),,yes)
+override BERTKIT := $(or $(BERTKIT),$(TARGET_DIR)/release/bertkit)
+BUILD := $(if $(OWN_BUILD),build)
 # What the tests need beyond Rust: a Python with pyarrow >= 16 (a test reads the records stage's
 # Parquet files with it, as users will; the files use BYTE_STREAM_SPLIT for integers) and
 # tensorboard (a test reads the trainer's event files with TensorBoard's own reader). The
@@ -57,7 +67,7 @@ all: build
 build:
 	$(CARGO) build --release --locked
 
-demo: build
+demo: $(BUILD)
 	@echo "== the demo pipeline (pipelines/demo.toml), downloading from MIRROR=$(MIRROR)"
 	$(BERTKIT) pipeline --config pipelines/demo.toml --mirror "$(MIRROR)"
 	@echo "== a tiny BERT pre-trained on the demo records (pipelines/tiny.toml), on the CPU"
@@ -71,17 +81,31 @@ HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
 DEVICE ?= $(if $(HAVE_GPU),cuda,cpu)
 FEATURES ?= $(if $(filter cuda%,$(DEVICE)),cuda)
 MAX_STEPS ?=
-TRAIN_BERTKIT := $(if $(FEATURES),$(TARGET_DIR)/cuda/release/bertkit,$(BERTKIT))
+TRAIN_BERTKIT := $(if $(OWN_BUILD),$(if $(FEATURES),$(TARGET_DIR)/cuda/release/bertkit,$(BERTKIT)),$(BERTKIT))
+BUILD_TRAIN := $(if $(OWN_BUILD),build-train)
 TRAIN_FLAGS := --device $(DEVICE) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS))
 # Fine-tuning goes on from its newest checkpoint when run again (none: from the start).
 FINETUNE_FLAGS := $(TRAIN_FLAGS) --resume
-# Pre-training overrides: DATA=records folder; on the CPU the recipe's batch (65536 sequences a
-# step, 256 or 32 at a time) would take hours a step and more memory than a CPU machine has, so
-# DEVICE=cpu runs 4 sequences a step, 2 at a time, unless MICRO_BATCH/GLOBAL_BATCH say.
-DATA ?=
+# Where the pre-training runs go: $(RUNS)/phase1, $(RUNS)/phase2 (phase 2 starts from phase 1's
+# model). Each run folder ends as a model folder (config.json, model.safetensors, vocab.txt,
+# tokenizer_config.json) that the fine-tuning targets take.
+RUNS ?= runs
+# Pre-training overrides. RECORDS=folder: its phase1/ and phase2/ records (and phase1-heldout/,
+# phase2-heldout/ for the held-out evaluation, where present) instead of the recipes' data/records
+# (make demo makes out/demo/records). PRESET=tiny|base|large: another model than the recipes'
+# BERT-large (a smoke run). On the CPU the recipe's batch (65536 sequences a step, 256 or 32 at a
+# time) would take hours a step and more memory than a CPU machine has, so DEVICE=cpu runs 4
+# sequences a step, 2 at a time, unless MICRO_BATCH/GLOBAL_BATCH say.
+RECORDS ?=
+PRESET ?=
 MICRO_BATCH ?= $(if $(filter cpu,$(DEVICE)),2)
 GLOBAL_BATCH ?= $(if $(filter cpu,$(DEVICE)),4)
-PRETRAIN_FLAGS := $(if $(DATA),--data $(DATA) $(if $(wildcard $(DATA)-heldout),--eval-data $(DATA)-heldout,--no-eval)) $(if $(MICRO_BATCH),--micro-batch $(MICRO_BATCH)) $(if $(GLOBAL_BATCH),--global-batch $(GLOBAL_BATCH))
+# Expanded in the recipe, where $* is the phase and the earlier phase's run is on disk.
+PRETRAIN_FLAGS = --output $(RUNS)/$* $(if $(filter phase2,$*),--set model.init=$(RUNS)/phase1) \
+	$(if $(PRESET),--set model.preset=$(PRESET)) \
+	$(if $(RECORDS),--data $(RECORDS)/$* $(if $(wildcard $(RECORDS)/$*-heldout),--eval-data $(RECORDS)/$*-heldout,--no-eval)) \
+	$(if $(MICRO_BATCH),--micro-batch $(MICRO_BATCH)) $(if $(GLOBAL_BATCH),--global-batch $(GLOBAL_BATCH)) \
+	$(if $(wildcard $(RUNS)/$*/checkpoints/step-*),--resume)
 # The pre-training recipes are BERT-large on GPUs: without one, say what is missing rather than
 # start a months-long CPU run.
 define NO_GPU
@@ -108,7 +132,9 @@ CUDA_COMPUTE_CAP ?= $(or $(GPU_COMPUTE_CAP),80)
 COMPUTE_CAP_SOURCE := $(if $(filter command line environment,$(origin CUDA_COMPUTE_CAP)),CUDA_COMPUTE_CAP,$(if $(GPU_COMPUTE_CAP),nvidia-smi,no GPU found: the default))
 
 build-train:
-ifneq ($(FEATURES),)
+ifeq ($(OWN_BUILD),)
+	@echo "== BERTKIT=$(BERTKIT): nothing to build"
+else ifneq ($(FEATURES),)
 	@command -v nvcc >/dev/null 2>&1 || [ -x "$$CUDA_ROOT/bin/nvcc" ] || { echo "$$NO_NVCC" >&2; exit 1; }
 	@echo "== CUDA build for compute capability $(CUDA_COMPUTE_CAP) ($(COMPUTE_CAP_SOURCE)) into $(TARGET_DIR)/cuda"
 	CUDA_COMPUTE_CAP=$(CUDA_COMPUTE_CAP) $(CARGO) build --release --locked --features $(FEATURES) --target-dir $(TARGET_DIR)/cuda
@@ -116,11 +142,19 @@ else
 	$(CARGO) build --release --locked
 endif
 
+# The model the fine-tuning targets start from: phase 2's run where it has written one (so
+# `make pretrain-phase1 pretrain-phase2 finetune-squad` fine-tunes the model it pre-trained),
+# else the shared MiniLM. Expanded in the recipe, after phase 2 has run.
+MODEL ?= $(if $(wildcard $(RUNS)/phase2/model.safetensors $(RUNS)/phase2/checkpoints/step-*),$(RUNS)/phase2,$(MIRROR)/minilm)
+# Within one make, each stage waits for the one before it (also under -j).
+pretrain-phase2: $(filter pretrain-phase1,$(MAKECMDGOALS))
+finetune-glue finetune-squad: $(filter pretrain-phase2,$(MAKECMDGOALS))
+
 # Fine-tune a model folder on a GLUE task (MRPC, CoLA, SST-2, MNLI) from the shared data layout.
 TASK ?= mrpc
-MODEL ?= $(MIRROR)/minilm
-finetune-glue: build-train
-	$(TRAIN_BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o out/finetune/$(TASK) $(FINETUNE_FLAGS)
+finetune-glue: $(BUILD_TRAIN)
+	@echo "== fine-tuning $(MODEL) on $(TASK)"
+	$(TRAIN_BERTKIT) finetune glue --task $(TASK) --model "$(MODEL)" --data "$(MIRROR)/glue/$(shell echo $(TASK) | sed 's/mrpc/MRPC/;s/cola/CoLA/;s/sst-2/SST-2/;s/sst2/SST-2/;s/mnli/MNLI/')" -o $(OUT)/finetune/$(TASK) $(FINETUNE_FLAGS)
 
 # Fine-tune on SQuAD, then predict and score the dev set (files in out/finetune/squad/predictions/).
 # Without SQUAD_TRAIN: the documented offline split of SQuAD v1.1 dev (train on its first 38
@@ -129,7 +163,8 @@ finetune-glue: build-train
 SQUAD_TRAIN ?=
 SQUAD_DEV ?=
 SQUAD_FLAGS ?=
-finetune-squad: build-train
+finetune-squad: $(BUILD_TRAIN)
+	@echo "== fine-tuning $(MODEL) on SQuAD"
 ifeq ($(SQUAD_TRAIN),)
 	$(TRAIN_BERTKIT) split squad --input "$(MIRROR)/squad/dev-v1.1.json" --train-articles 38 -o $(OUT)/squad-split
 	$(TRAIN_BERTKIT) finetune squad --model "$(MODEL)" --train $(OUT)/squad-split/train.json --dev $(OUT)/squad-split/dev.json -o $(OUT)/finetune/squad $(FINETUNE_FLAGS) $(SQUAD_FLAGS)
@@ -140,10 +175,10 @@ endif
 require-gpu:
 	@[ -n "$(HAVE_GPU)" ] || [ "$(origin DEVICE)" != file ] || { echo "$$NO_GPU" >&2; exit 1; }
 
-pretrain-phase1 pretrain-phase2: pretrain-%: require-gpu build-train
-	$(TRAIN_BERTKIT) pretrain --config pipelines/pretrain-$*.toml $(TRAIN_FLAGS) $(PRETRAIN_FLAGS) $(if $(wildcard runs/$*/checkpoints/step-*),--resume)
+pretrain-phase1 pretrain-phase2: pretrain-%: require-gpu $(BUILD_TRAIN)
+	$(TRAIN_BERTKIT) pretrain --config pipelines/pretrain-$*.toml $(TRAIN_FLAGS) $(PRETRAIN_FLAGS)
 
-data: build
+data: $(BUILD)
 	@echo "== the full data pipeline (pipelines/data.toml): downloads tens of GB"
 	$(BERTKIT) pipeline --config pipelines/data.toml
 

@@ -656,8 +656,8 @@ fn model_empty() {
     std::fs::create_dir_all(&folder).unwrap();
     refused(
         finetune_glue(&folder, &dir.path().join("o1")),
-        &folder.join("vocab.txt"),
-        &["No such file or directory"],
+        &folder.join("config.json"),
+        &["not found (a model folder holds config.json and model.safetensors"],
     );
     let model = model_copy(dir.path(), |m| {
         write(&m.join("model.safetensors"), b"");
@@ -678,7 +678,7 @@ fn model_missing() {
     refused(
         finetune_glue(&model, &dir.path().join("o")),
         &model.join("model.safetensors"),
-        &["not found (a model directory holds config.json and model.safetensors)"],
+        &["not found (a model folder holds config.json and model.safetensors"],
     );
 }
 

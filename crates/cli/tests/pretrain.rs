@@ -57,6 +57,9 @@ fn pretrain_writes_metrics_and_checkpoints_and_resumes() {
     ] {
         assert!(rows[4][key].as_f64().unwrap().is_finite(), "{key}");
     }
+    // Every checkpoint is a model folder with the records' tokenizer, and so is the run
+    // folder once the run has ended.
+    let vocab = std::fs::read_to_string(bertkit_test_support::require("minilm/vocab.txt")).unwrap();
     for step in [3, 5] {
         let c = run.join(format!("checkpoints/step-{step}"));
         for f in [
@@ -64,10 +67,42 @@ fn pretrain_writes_metrics_and_checkpoints_and_resumes() {
             "model.safetensors",
             "optimizer.safetensors",
             "state.json",
+            "tokenizer_config.json",
         ] {
             assert!(c.join(f).is_file(), "{}", c.join(f).display());
         }
+        assert_eq!(std::fs::read_to_string(c.join("vocab.txt")).unwrap(), vocab);
     }
+    assert!(
+        second.contains(&format!("model at step 5: {}", run.display())),
+        "{second}"
+    );
+    for f in ["config.json", "model.safetensors", "tokenizer_config.json"] {
+        assert!(run.join(f).is_file(), "{}", run.join(f).display());
+    }
+    assert_eq!(
+        std::fs::read_to_string(run.join("vocab.txt")).unwrap(),
+        vocab
+    );
+    let casing: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(casing["do_lower_case"], true);
+    // A new run in a folder that holds one is refused, and the old run is untouched.
+    let refused = bertkit(&args("5", false));
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "{} holds an earlier run (checkpoints up to step 5)",
+            run.display()
+        )) && stderr.contains("--resume"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(),
+        metrics
+    );
     let svg = dir.path().join("loss.svg");
     assert!(
         ok(bertkit(&[

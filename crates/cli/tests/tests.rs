@@ -2,6 +2,7 @@
 //! per file), a module per subject.
 
 mod bad_input;
+mod chain;
 mod cli;
 mod commands;
 mod disk_full;

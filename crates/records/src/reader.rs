@@ -204,6 +204,18 @@ impl RecordsFile {
         Ok((ids, sha256))
     }
 
+    /// The tokenizer the file was made with, as a model folder stores it: the vocabulary's
+    /// text and whether it was uncased (`None` for a file that stores no vocabulary).
+    pub fn tokenizer_files(&self) -> Option<bertkit_tokenizer::folder::TokenizerFiles> {
+        let vocab = self.metadata_value(VOCAB_KEY)?;
+        let parameters = self.metadata_value("bertkit.parameters")?;
+        let json: serde_json::Value = serde_json::from_str(&parameters).ok()?;
+        Some(bertkit_tokenizer::folder::TokenizerFiles {
+            vocab,
+            lower_case: json["lower_case"].as_bool()?,
+        })
+    }
+
     /// The `max_seq_length` the file was made with (from its `bertkit.parameters`), if it
     /// says.
     pub fn max_seq_length(&self) -> Option<usize> {

@@ -127,6 +127,7 @@ pub fn extract_features(
     options: &FeatureOptions,
     progress: &mut dyn FnMut(usize),
 ) -> Result<FeatureSummary, TaskError> {
+    let model = &crate::model_dir::resolve(model)?;
     let loaded = load_frozen::<BertModel>(model, options.dtype, &options.device)?;
     let tokenizer = load_tokenizer(model, options.lower_case)?;
     let layer_count = loaded.config.num_hidden_layers as i64;

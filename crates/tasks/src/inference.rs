@@ -163,7 +163,7 @@ pub fn forward_file(
     dtype: DType,
     device: &Device,
 ) -> Result<ForwardSummary, TaskError> {
-    let loaded = load_frozen::<BertModel>(model, dtype, device)?;
+    let loaded = load_frozen::<BertModel>(&crate::model_dir::resolve(model)?, dtype, device)?;
     let bad_input = |message: String| TaskError::Format {
         path: input.to_path_buf(),
         message,

@@ -9,7 +9,8 @@
 //!   `evaluate-v1.1.py` and `evaluate-v2.0.py` down to the printed digits;
 //! - [`training`]: the fine-tuning loop (AdamW, warmup + linear decay, accumulation, bf16/fp16);
 //! - [`batch`]: padding sequences into model inputs;
-//! - [`model_dir`]: a model folder's vocabulary, and saving a fine-tuned model with it;
+//! - [`model_dir`]: which folder `--model` stands for (a model, checkpoint or run folder), its
+//!   tokenizer, and saving a fine-tuned model with it;
 //! - [`glue`]: GLUE task files (MRPC, CoLA, SST-2, MNLI), metrics (accuracy, F1, Matthews
 //!   correlation) and fine-tuning of a checkpoint with AdamW;
 //! - [`inference`]: forward-pass throughput and latency (`bertkit bench inference`);

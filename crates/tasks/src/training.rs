@@ -25,6 +25,7 @@
 
 use bertkit_model::bert::{BertArchitecture, Loaded};
 use bertkit_model::{DropoutSource, Mode, ParamStore};
+use bertkit_tokenizer::folder::TokenizerFiles;
 use bertkit_train::checkpoint;
 use bertkit_train::logs::RunLog;
 use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
@@ -222,17 +223,24 @@ pub struct Checkpoints {
     /// The model's `config.json` text, saved beside its weights (a checkpoint is a model
     /// folder).
     pub config_json: String,
+    /// The tokenizer the model is fine-tuned with, saved beside its weights too.
+    pub tokenizer: TokenizerFiles,
     /// Continue from the run folder's newest checkpoint (none: start at step 0). Without it a
     /// folder holding checkpoints is refused rather than mixed with a new run's.
     pub resume: bool,
 }
 
 /// Checkpointing for a run fine-tuning `model`.
-pub fn checkpoints_of<M: BertArchitecture>(model: &Loaded<M>, resume: bool) -> Checkpoints {
+pub fn checkpoints_of<M: BertArchitecture>(
+    model: &Loaded<M>,
+    tokenizer: TokenizerFiles,
+    resume: bool,
+) -> Checkpoints {
     Checkpoints {
         config_json: model
             .config
             .to_hf_json(M::ARCHITECTURE, &[("torch_dtype", "float32".into())]),
+        tokenizer,
         resume,
     }
 }
@@ -515,6 +523,7 @@ pub fn train(
                     state.step,
                     &optimizer,
                     &c.config_json,
+                    Some(&c.tokenizer),
                     &state,
                     settings.keep_checkpoints,
                 )

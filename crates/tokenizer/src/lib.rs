@@ -11,7 +11,8 @@
 //!   word pieces and a fast path over ASCII lines (tested equal to the rules above);
 //! - [`basic_tokenize`]: the basic tokenizer alone (SQuAD's answer mapping needs it);
 //! - [`jsonl::tokenize_lines`]: a stream of lines to JSON Lines (`bertkit tokenize`);
-//! - [`vocab::train_vocab`]: a WordPiece vocabulary trained on a corpus, in BERT's layout.
+//! - [`vocab::train_vocab`]: a WordPiece vocabulary trained on a corpus, in BERT's layout;
+//! - [`folder::TokenizerFiles`]: a model folder's `vocab.txt` and `tokenizer_config.json`.
 //!
 //! The fast paths (the WordPiece table, the word cache, the ASCII line scanner) are private
 //! modules; their equivalence to the spec is tested inside the crate.
@@ -19,6 +20,7 @@
 #![deny(missing_docs)]
 
 mod ascii_scan;
+pub mod folder;
 mod full;
 pub mod jsonl;
 pub mod vocab;

@@ -4,6 +4,9 @@
 //! - `model.safetensors`: the optimiser's f32 master weights under transformers' names, so the
 //!   folder (with `config.json`) loads as a model in the model crate and in transformers;
 //! - `config.json`: the model's configuration;
+//! - `vocab.txt` and `tokenizer_config.json`: the tokenizer the model was trained with (for
+//!   pre-training, the records' vocabulary and casing), so that every checkpoint is a complete
+//!   model folder that fine-tuning, prediction and conversion take as it is;
 //! - `optimizer.safetensors`: the moments (`m.<name>`, `v.<name>`);
 //! - `state.json`: what the loop needs besides tensors to go on exactly (its step, data
 //!   position, loss scaler, settings), a type of the loop's own.
@@ -13,6 +16,11 @@
 //! checkpoints (all but the newest `keep`) are renamed out of sight before they are deleted. A
 //! kill at any moment leaves whole checkpoints and at most hidden leftovers, which the next
 //! write removes.
+//!
+//! At its end a run also writes its final model at the top of the run folder ([`write_model`]:
+//! the same four model files, no optimiser state), so the run folder itself is the model
+//! folder a user hands on (to `bertkit finetune --model RUN`, to transformers'
+//! `from_pretrained`). [`model_folder`] says which folder a path stands for.
 
 use bertkit_stage_io::lock::FolderLock;
 use std::collections::HashMap;
@@ -22,8 +30,24 @@ use candle_core::{Device, Tensor};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use bertkit_tokenizer::folder::TokenizerFiles;
+
 use crate::optim::Optimizer;
 use crate::{TrainError, io_err};
+
+/// The files that make a folder a model folder (besides the tokenizer's), in the order
+/// [`write_model`] writes them: the weights last, so a folder with them is whole.
+const MODEL_FILES: [&str; 2] = ["config.json", "model.safetensors"];
+
+/// The model folder `path` stands for: `path` itself where it holds `config.json` and
+/// `model.safetensors` (a model folder, a checkpoint, or a run folder with its final model),
+/// else the newest checkpoint of the run folder `path` (a run that has not ended yet).
+pub fn model_folder(path: &Path) -> Option<PathBuf> {
+    if MODEL_FILES.iter().all(|f| path.join(f).is_file()) {
+        return Some(path.to_path_buf());
+    }
+    newest(path).map(|(_, dir)| dir)
+}
 
 /// The whole checkpoints of a run folder, oldest first: (step, folder).
 pub fn list(run: &Path) -> Vec<(u64, PathBuf)> {
@@ -53,14 +77,38 @@ pub fn newest(run: &Path) -> Option<(u64, PathBuf)> {
     list(run).pop()
 }
 
+/// The optimiser's f32 master weights under transformers' names.
+fn weights(optimizer: &Optimizer) -> Result<HashMap<String, Tensor>, TrainError> {
+    Ok(optimizer
+        .master_tensors()?
+        .into_iter()
+        .map(|(k, v)| (bertkit_model::params::hf_name(&k, true), v))
+        .collect())
+}
+
+fn save_tensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<(), TrainError> {
+    candle_core::safetensors::save(tensors, path)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))
+}
+
+fn write_tokenizer(tokenizer: Option<&TokenizerFiles>, dir: &Path) -> Result<(), TrainError> {
+    match tokenizer {
+        Some(t) => t
+            .write_into(dir)
+            .map_err(|e| TrainError::Checkpoint(e.to_string())),
+        None => Ok(()),
+    }
+}
+
 /// Writes `run/checkpoints/step-<step>/` atomically from the optimiser's master weights and
-/// moments, the model's `config_json` and the loop's `state`, then deletes all but the newest
-/// `keep` checkpoints. Returns its folder.
+/// moments, the model's `config_json`, the `tokenizer` it is trained with (where known) and
+/// the loop's `state`, then deletes all but the newest `keep` checkpoints. Returns its folder.
 pub fn save(
     run: &Path,
     step: u64,
     optimizer: &Optimizer,
     config_json: &str,
+    tokenizer: Option<&TokenizerFiles>,
     state: &impl Serialize,
     keep: usize,
 ) -> Result<PathBuf, TrainError> {
@@ -70,23 +118,17 @@ pub fn save(
     let partial = root.join(format!(".{name}.partial"));
     remove_leftovers(&root)?;
     std::fs::create_dir_all(&partial).map_err(io_err(&partial))?;
-    let weights: HashMap<String, Tensor> = optimizer
-        .master_tensors()?
-        .into_iter()
-        .map(|(k, v)| (bertkit_model::params::hf_name(&k, true), v))
-        .collect();
-    let save_tensors = |tensors: &HashMap<String, Tensor>, file: &str| {
-        let path = partial.join(file);
-        candle_core::safetensors::save(tensors, &path)
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))
-    };
-    save_tensors(&weights, "model.safetensors")?;
-    save_tensors(&optimizer.moment_tensors()?, "optimizer.safetensors")?;
+    save_tensors(&weights(optimizer)?, &partial.join("model.safetensors"))?;
+    save_tensors(
+        &optimizer.moment_tensors()?,
+        &partial.join("optimizer.safetensors"),
+    )?;
     let write = |file: &str, text: &str| {
         let path = partial.join(file);
         std::fs::write(&path, text).map_err(io_err(&path))
     };
     write("config.json", config_json)?;
+    write_tokenizer(tokenizer, &partial)?;
     write(
         "state.json",
         &serde_json::to_string_pretty(state).expect("a checkpoint's state serialises"),
@@ -101,6 +143,39 @@ pub fn save(
         discard(&old)?;
     }
     Ok(dir)
+}
+
+/// Writes the run's final model at the top of the run folder `run`: `config.json`, the
+/// optimiser's f32 master weights as `model.safetensors` and the `tokenizer`'s files, each file
+/// atomically and the weights last (a folder is a model folder once they are there).
+pub fn write_model(
+    run: &Path,
+    optimizer: &Optimizer,
+    config_json: &str,
+    tokenizer: Option<&TokenizerFiles>,
+) -> Result<(), TrainError> {
+    write_tokenizer(tokenizer, run)?;
+    let config = run.join(MODEL_FILES[0]);
+    bertkit_stage_io::write_atomically(&config, config_json.as_bytes()).map_err(io_err(&config))?;
+    let weights_path = run.join(MODEL_FILES[1]);
+    let partial = bertkit_stage_io::partial_path(&weights_path);
+    save_tensors(&weights(optimizer)?, &partial)?;
+    std::fs::rename(&partial, &weights_path).map_err(io_err(&weights_path))
+}
+
+/// Takes away the final model at the top of the run folder `run` (the weights first, so a
+/// kill halfway leaves no folder that passes for a model): a run that goes on from its
+/// newest checkpoint makes it stale, and that checkpoint holds the same weights.
+pub fn remove_model(run: &Path) -> Result<(), TrainError> {
+    for file in MODEL_FILES.iter().rev() {
+        let path = run.join(file);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&path)(e)),
+        }
+    }
+    Ok(())
 }
 
 /// Bytes of a checkpoint folder's files (0 for what cannot be read).

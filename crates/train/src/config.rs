@@ -173,6 +173,34 @@ fn default_eval_sequences() -> usize {
     10_000
 }
 
+/// Sets `section.key=value` in a config's table (see [`PretrainConfig::load_with`]).
+fn apply_override(table: &mut toml::Table, setting: &str) -> Result<(), TrainError> {
+    let bad = |why: &str| TrainError::Config(format!("--set {setting:?}: {why}"));
+    let (key, value) = setting
+        .split_once('=')
+        .ok_or_else(|| bad("not KEY=VALUE (e.g. model.preset=tiny or schedule.lr=4e-3)"))?;
+    let path: Vec<&str> = key.trim().split('.').collect();
+    if path.iter().any(|part| part.is_empty()) || path.len() > 2 {
+        return Err(bad("the key is a top-level key or section.key"));
+    }
+    let value = value.trim();
+    let value = match toml::from_str::<toml::Table>(&format!("v = {value}")) {
+        Ok(mut parsed) => parsed.remove("v").expect("the one key parsed"),
+        Err(_) => toml::Value::String(value.to_string()),
+    };
+    let (last, sections) = path.split_last().expect("at least one part");
+    let mut place = table;
+    for section in sections {
+        place = place
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(|| bad(&format!("{section} is a value, not a section")))?;
+    }
+    place.insert(last.to_string(), value);
+    Ok(())
+}
+
 /// A whole pre-training config.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -197,12 +225,30 @@ pub struct PretrainConfig {
 impl PretrainConfig {
     /// Reads and checks a config file; relative paths in it are taken from the current folder.
     pub fn load(path: &Path) -> Result<Self, TrainError> {
+        Self::load_with(path, &[])
+    }
+
+    /// [`PretrainConfig::load`] with `overrides` applied first, each `section.key=value` (or
+    /// `key=value` for a top-level key such as `output`), the value in TOML's syntax (`4e-3`,
+    /// `true`, `["a", "b"]`) or else a bare string (`model.preset=tiny`). A key the config does
+    /// not know is an error naming it and the keys there are.
+    pub fn load_with(path: &Path, overrides: &[String]) -> Result<Self, TrainError> {
         let text = bertkit_stage_io::read_text(path).map_err(crate::io_err(path))?;
-        let config: PretrainConfig = toml::from_str(&text)
-            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
-        config
-            .validate(1)
-            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        let in_file =
+            |e: &dyn std::fmt::Display| TrainError::Config(format!("{}: {e}", path.display()));
+        // Without overrides, straight from the text: its errors then give the line.
+        let config: PretrainConfig = if overrides.is_empty() {
+            toml::from_str(&text).map_err(|e| in_file(&e))?
+        } else {
+            let mut table: toml::Table = toml::from_str(&text).map_err(|e| in_file(&e))?;
+            for setting in overrides {
+                apply_override(&mut table, setting)?;
+            }
+            table
+                .try_into()
+                .map_err(|e| in_file(&format!("{e} (with --set {})", overrides.join(" --set "))))?
+        };
+        config.validate(1).map_err(|e| in_file(&e))?;
         Ok(config)
     }
 
@@ -304,5 +350,57 @@ impl PretrainConfig {
             config.attention_probs_dropout_prob = p;
         }
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_recipe() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../pipelines/tiny.toml")
+    }
+
+    #[test]
+    fn set_overrides_a_key_of_a_section_or_the_top() {
+        let sets = [
+            "model.preset=base",
+            "schedule.lr=4e-3",
+            "model.init=runs/phase1",
+            "output=elsewhere",
+            "data.records=[\"a\", \"b\"]",
+        ]
+        .map(String::from);
+        let config = PretrainConfig::load_with(&tiny_recipe(), &sets).unwrap();
+        assert_eq!(config.model.preset.as_deref(), Some("base"));
+        assert_eq!(config.schedule.lr, 4e-3);
+        assert_eq!(config.model.init, Some(PathBuf::from("runs/phase1")));
+        assert_eq!(config.output, PathBuf::from("elsewhere"));
+        assert_eq!(
+            config.data.records,
+            [PathBuf::from("a"), PathBuf::from("b")]
+        );
+    }
+
+    #[test]
+    fn a_bad_set_names_the_setting() {
+        let err = |set: &str| {
+            PretrainConfig::load_with(&tiny_recipe(), &[set.to_string()])
+                .unwrap_err()
+                .to_string()
+        };
+        let unknown = err("model.presets=base");
+        assert!(
+            unknown.contains("presets") && unknown.contains("preset") && unknown.contains("--set"),
+            "{unknown}"
+        );
+        assert!(err("model.preset").contains("not KEY=VALUE"));
+        assert!(err("a.b.c=1").contains("section.key"));
+        assert!(err("output.x=1").contains("output is a value"));
+        let typed = err("schedule.lr=fast");
+        assert!(
+            typed.contains("lr") || typed.contains("invalid type"),
+            "{typed}"
+        );
     }
 }

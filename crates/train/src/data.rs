@@ -31,6 +31,7 @@ use bertkit_records::masking::{MaskOptions, MaskScratch, VocabIds, draw_masks};
 use bertkit_records::reader::{Record, RecordsFile};
 use bertkit_rng::{shuffle, splitmix64 as splitmix};
 use bertkit_stage_io::Ranks;
+use bertkit_tokenizer::folder::TokenizerFiles;
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
@@ -245,6 +246,8 @@ pub struct Dataset {
     options: DataOptions,
     /// The vocabulary stored in the records (all files agree), when they carry one.
     vocab: Option<VocabIds>,
+    /// The same vocabulary as a model folder stores it, with the records' casing.
+    tokenizer: Option<TokenizerFiles>,
     remasker: Option<Remasker>,
 }
 
@@ -281,6 +284,7 @@ impl Dataset {
             files.push(file);
         }
         let vocab = shared_vocabulary(&files)?;
+        let tokenizer = vocab.as_ref().and_then(|_| files[0].tokenizer_files());
         let remasker = match &options.dynamic_masking {
             None => None,
             Some(masking) => Some(Remasker {
@@ -301,6 +305,7 @@ impl Dataset {
             units,
             options,
             vocab,
+            tokenizer,
             remasker,
         };
         if dataset.steps_per_epoch() == 0 {
@@ -316,6 +321,12 @@ impl Dataset {
     /// The vocabulary the records were made with (stored in every file), if they carry one.
     pub fn vocabulary(&self) -> Option<&VocabIds> {
         self.vocab.as_ref()
+    }
+
+    /// The records' vocabulary and casing as a model folder stores them (`vocab.txt`,
+    /// `tokenizer_config.json`), so that a model trained on them is a complete folder.
+    pub fn tokenizer_files(&self) -> Option<&TokenizerFiles> {
+        self.tokenizer.as_ref()
     }
 
     /// The longest sequence the records can hold: the largest `max_seq_length` their files

@@ -332,11 +332,23 @@ fn check_same_model(
     )))
 }
 
+/// Refuses to start a new run in a folder that holds an earlier one (its checkpoints or its
+/// final model), which the new run's checkpoints and rotation would overwrite piecemeal.
+fn refuse_an_earlier_run(output: &Path) -> Result<(), TrainError> {
+    let held = match (checkpoint::newest(output), checkpoint::model_folder(output)) {
+        (Some((step, _)), _) => format!("checkpoints up to step {step}"),
+        (None, Some(_)) => "a final model".to_string(),
+        (None, None) => return Ok(()),
+    };
+    Err(TrainError::Config(format!(
+        "{} holds an earlier run ({held}): --resume to continue it, or write to another \
+         folder (--output)",
+        output.display()
+    )))
+}
+
 fn init_dir(init: &Path) -> Result<PathBuf, TrainError> {
-    if init.join("model.safetensors").is_file() {
-        return Ok(init.to_path_buf());
-    }
-    checkpoint::newest(init).map(|(_, p)| p).ok_or_else(|| {
+    checkpoint::model_folder(init).ok_or_else(|| {
         TrainError::Config(format!(
             "[model] init {}: neither a model folder (config.json + model.safetensors) nor a run with checkpoints",
             init.display()
@@ -593,7 +605,11 @@ impl Trainer {
         // Before anything is read from the run folder: a second run on it must not resume
         // from, or clean up, what the first is writing.
         let lock = if ranks.rank == 0 && !options.steps_only {
-            Some(checkpoint::hold(&config.output)?)
+            let lock = checkpoint::hold(&config.output)?;
+            if !options.resume {
+                refuse_an_earlier_run(&config.output)?;
+            }
+            Some(lock)
         } else {
             None
         };
@@ -717,6 +733,11 @@ impl Trainer {
         };
         if let Some((step, dir)) = &resume_from {
             let saved: RunState = checkpoint::restore(dir, *step, &mut optimizer, &device)?;
+            // The final model of the run's last end is stale from the first step on; the
+            // checkpoint just read holds its weights, and the run's end writes it anew.
+            if lock.is_some() {
+                checkpoint::remove_model(&config.output)?;
+            }
             scaler = saved.scaler.clone();
             state = RunState {
                 config: config.clone(),
@@ -954,18 +975,23 @@ impl Trainer {
     /// Writes `checkpoints/step-N/` atomically and deletes all but the newest
     /// `keep_checkpoints`. Returns its folder.
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
-        let config_json = self
-            .model
-            .config
-            .to_hf_json("BertForPreTraining", &[("torch_dtype", "float32".into())]);
+        let config_json = self.config_json();
         checkpoint::save(
             &self.config.output,
             self.state.step,
             &self.optimizer,
             &config_json,
+            self.dataset.tokenizer_files(),
             &self.state,
             self.config.train.keep_checkpoints,
         )
+    }
+
+    /// The model's `config.json` as transformers writes it for a pre-training model.
+    fn config_json(&self) -> String {
+        self.model
+            .config
+            .to_hf_json("BertForPreTraining", &[("torch_dtype", "float32".into())])
     }
 
     /// Runs to `total_steps` (or `max_steps`), calling `progress` after each step; rank 0
@@ -1023,6 +1049,14 @@ impl Trainer {
             {
                 checkpoint_writes.push(CheckpointWrite::timed(|| self.save_checkpoint())?);
             }
+        }
+        if writes {
+            checkpoint::write_model(
+                &self.config.output,
+                &self.optimizer,
+                &self.config_json(),
+                self.dataset.tokenizer_files(),
+            )?;
         }
         Ok(RunSummary {
             started_at,

@@ -61,7 +61,8 @@ fn from_tf(args: TfCheckpointArgs) -> Result<()> {
 
 fn to_tf(args: ToTfCheckpointArgs) -> Result<()> {
     let started = Instant::now();
-    let done = bertkit_model::google::convert_to_tf(&args.model, &args.output)?;
+    let model = bertkit_tasks::model_dir::resolve(&args.model)?;
+    let done = bertkit_model::google::convert_to_tf(&model, &args.output)?;
     println!(
         "{}: {} variables, {:.1} MB, with bert_config.json{} ({:.1} s)",
         done.prefix.display(),

@@ -100,6 +100,7 @@ fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) 
     let task = Task::parse(&args.task)?;
     let data = args.data;
     let speaks = reducer.ranks().rank == 0;
+    let lower_case = bertkit_tasks::model_dir::lower_case(&args.model, args.train.cased)?;
     let options = bertkit_tasks::glue::finetune::FinetuneOptions {
         task,
         model: args.model,
@@ -108,7 +109,7 @@ fn finetune_glue_rank(args: FinetuneGlueArgs, reducer: Rc<dyn GradientReducer>) 
         settings: args.train.settings(TrainSettings::glue()),
         resume: args.train.resume,
         max_seq_length: args.max_seq_length,
-        lower_case: !args.train.cased,
+        lower_case,
         dtype: bertkit_model::parse_dtype(&args.train.dtype)?,
         device: super::rank_device(reducer.as_ref(), &args.train.device)?,
         reducer,
@@ -151,7 +152,7 @@ fn finetune_squad(args: FinetuneSquadArgs) -> Result<()> {
 
 fn finetune_squad_rank(args: FinetuneSquadArgs, reducer: Rc<dyn GradientReducer>) -> Result<()> {
     let speaks = reducer.ranks().rank == 0;
-    let lower_case = !args.train_flags.cased;
+    let lower_case = bertkit_tasks::model_dir::lower_case(&args.model, args.train_flags.cased)?;
     let device = super::rank_device(reducer.as_ref(), &args.train_flags.device)?;
     let options = squad::SquadFinetuneOptions {
         model: args.model.clone(),
@@ -229,9 +230,10 @@ fn predict_squad_rank(args: PredictSquadArgs, reducer: &dyn GradientReducer) -> 
     let device = super::rank_device(reducer, &args.device)?;
     let dtype = bertkit_model::parse_dtype(&args.dtype)?;
     let model = squad::load_for_prediction(&args.model, dtype, &device)?;
-    let tokenizer = bertkit_tasks::model_dir::load_tokenizer(&args.model, !args.cased)?;
+    let lower_case = bertkit_tasks::model_dir::lower_case(&args.model, args.cased)?;
+    let tokenizer = bertkit_tasks::model_dir::load_tokenizer(&args.model, lower_case)?;
     let dataset = Dataset::load(&args.data)?;
-    let options = args.squad.options(!args.cased, device);
+    let options = args.squad.options(lower_case, device);
     let report = squad::predict_dataset(
         &model,
         &tokenizer,
@@ -280,6 +282,7 @@ fn predict_squad_rank(args: PredictSquadArgs, reducer: &dyn GradientReducer) -> 
 fn predict_glue(args: PredictGlueArgs) -> Result<()> {
     let task = Task::parse(&args.task)?;
     let data = args.data;
+    let lower_case = bertkit_tasks::model_dir::lower_case(&args.model, args.cased)?;
     let evaluation = bertkit_tasks::glue::finetune::predict_file(
         &bertkit_tasks::glue::finetune::GluePredictOptions {
             task,
@@ -287,7 +290,7 @@ fn predict_glue(args: PredictGlueArgs) -> Result<()> {
             data: data.clone(),
             output: args.output.clone(),
             max_seq_length: args.max_seq_length,
-            lower_case: !args.cased,
+            lower_case,
             batch: args.batch,
             device: bertkit_model::parse_device(&args.device)?,
         },
@@ -340,7 +343,7 @@ pub(crate) fn extract_features(args: ExtractFeaturesArgs) -> Result<()> {
         layers: parse_layers(&args.layers).map_err(|e| format!("--layers: {e}"))?,
         max_seq_length: args.max_seq_length,
         batch: args.batch_size.max(1),
-        lower_case: !args.cased,
+        lower_case: bertkit_tasks::model_dir::lower_case(&args.model, args.cased)?,
         dtype: bertkit_model::parse_dtype(&args.dtype)?,
         device: bertkit_model::parse_device(&args.device)?,
         format,

@@ -40,7 +40,7 @@ pub(crate) fn forward(args: ForwardArgs) -> Result<()> {
 }
 
 pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
-    let mut config = bertkit_train::config::PretrainConfig::load(&args.config)?;
+    let mut config = bertkit_train::config::PretrainConfig::load_with(&args.config, &args.set)?;
     if let Some(data) = args.data {
         config.data.records = vec![data];
     }
@@ -59,6 +59,11 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
         config.output = output;
     }
     if let Some(device) = args.device {
+        // The config's peak_tflops is its device's: MFU on another (a GPU recipe's smoke run
+        // on the CPU) is against that device's measured peak instead.
+        if device != config.train.device {
+            config.train.peak_tflops = None;
+        }
         config.train.device = device;
     }
     if let Some(micro) = args.micro_batch {
@@ -174,6 +179,20 @@ fn run_pretraining(
     }
     for w in &summary.checkpoint_writes {
         println!("{w}");
+    }
+    if config.output.join("vocab.txt").is_file() {
+        println!(
+            "model at step {}: {} (config.json, model.safetensors, vocab.txt, tokenizer_config.json)",
+            summary.step,
+            config.output.display()
+        );
+    } else {
+        println!(
+            "model at step {}: {} (config.json, model.safetensors; the records store no \
+             vocabulary: put their vocab.txt beside it before fine-tuning)",
+            summary.step,
+            config.output.display()
+        );
     }
     if let Some(peak) = bertkit_model::device_peak(trainer.device()) {
         // What PyTorch's `max_memory_allocated` counts; the pool's reserve what its

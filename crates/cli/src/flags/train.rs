@@ -24,6 +24,11 @@ pub(crate) struct PretrainArgs {
     /// Run folder instead of the config's.
     #[arg(long)]
     pub(crate) output: Option<PathBuf>,
+    /// Set a config key, SECTION.KEY=VALUE, over the file's (repeatable): e.g.
+    /// `--set model.preset=tiny --set model.init=runs/phase1 --set schedule.lr=4e-3`. The value
+    /// is TOML (numbers, true/false, ["lists"]) or else a string.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub(crate) set: Vec<String>,
     /// Stop after this many optimiser steps (the schedule still spans the config's).
     #[arg(long)]
     pub(crate) max_steps: Option<u64>,

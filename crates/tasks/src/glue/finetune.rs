@@ -17,7 +17,7 @@ use bertkit_train::checkpoint;
 use bertkit_train::step::GradientReducer;
 use candle_core::{DType, Device, Tensor};
 
-use crate::model_dir::{load_tokenizer, save_finetuned};
+use crate::model_dir::{load_tokenizer, resolve, save_finetuned, tokenizer_files};
 use crate::training::{TrainSettings, Watch, checkpoints_of, train};
 
 use crate::glue::data::{Example, Task, read};
@@ -241,13 +241,15 @@ pub fn finetune(
         Some(dir) if options.reducer.ranks().rank == 0 => Some(checkpoint::hold(dir)?),
         _ => None,
     };
-    let tokenizer = load_tokenizer(&options.model, options.lower_case)?;
+    let model_dir = resolve(&options.model)?;
+    let tokenizer = load_tokenizer(&model_dir, options.lower_case)?;
+    let saved_tokenizer = tokenizer_files(&model_dir, options.lower_case)?;
     let encode_all = |path: &Path| encode_file(task, &tokenizer, path, options.max_seq_length);
     let train_set = encode_all(&options.data.join("train.tsv"))?;
     let dev = encode_all(&options.data.join(task.dev_file()))?;
     let labels = task.labels();
     let model = load_with::<BertForSequenceClassification>(
-        &options.model,
+        &model_dir,
         options.dtype,
         &options.device,
         options.settings.seed,
@@ -310,7 +312,7 @@ pub fn finetune(
             checkpoints: options
                 .output
                 .is_some()
-                .then(|| checkpoints_of(&model, options.resume)),
+                .then(|| checkpoints_of(&model, saved_tokenizer.clone(), options.resume)),
         },
         progress,
     )?;
@@ -322,7 +324,7 @@ pub fn finetune(
     if let Some(out) = &options.output
         && options.reducer.ranks().rank == 0
     {
-        save_finetuned(&model, &options.model, out)?;
+        save_finetuned(&model, &saved_tokenizer, out)?;
     }
     Ok(FinetuneReport {
         started_at: log.started_at,
@@ -359,12 +361,13 @@ pub struct GluePredictOptions {
 pub fn predict_file(options: &GluePredictOptions) -> Result<Evaluation, crate::TaskError> {
     let GluePredictOptions {
         task,
-        model: model_dir,
+        model,
         data,
         output,
         ..
     } = options;
     let task = *task;
+    let model_dir = &resolve(model)?;
     let tokenizer = load_tokenizer(model_dir, options.lower_case)?;
     let model = bertkit_model::bert::load_frozen::<BertForSequenceClassification>(
         model_dir,

@@ -24,7 +24,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::TaskError;
 use crate::batch::pad;
-use crate::model_dir::{load_tokenizer, save_finetuned};
+use crate::model_dir::{load_tokenizer, resolve, save_finetuned, tokenizer_files};
 use crate::squad::data::Dataset;
 use crate::squad::features::{Examples, Feature, FeatureOptions, build_features, read_examples};
 use crate::squad::postprocess::{FeatureLogits, PostprocessOptions, Prediction, predict};
@@ -276,6 +276,7 @@ pub fn load_for_prediction(
     dtype: DType,
     device: &Device,
 ) -> Result<Loaded<BertForQuestionAnswering>, TaskError> {
+    let dir = &resolve(dir)?;
     let model = load_frozen::<BertForQuestionAnswering>(dir, dtype, device)?;
     if !model.params.initialised.is_empty() {
         return Err(TaskError::Format {
@@ -335,7 +336,9 @@ pub fn finetune(
         .then(|| checkpoint::hold(&options.output))
         .transpose()?;
     let lower_case = options.predict.postprocess.lower_case;
-    let tokenizer = load_tokenizer(&options.model, lower_case)?;
+    let model_dir = resolve(&options.model)?;
+    let tokenizer = load_tokenizer(&model_dir, lower_case)?;
+    let saved_tokenizer = tokenizer_files(&model_dir, lower_case)?;
     let version_2 = options.predict.postprocess.version_2;
     let examples = read_examples(&options.train, true, version_2)?;
     let features = build_features(&examples, &tokenizer, &options.predict.features, true)?;
@@ -347,7 +350,7 @@ pub fn finetune(
     ));
     let device = &options.predict.device;
     let model = load_with::<BertForQuestionAnswering>(
-        &options.model,
+        &model_dir,
         options.dtype,
         device,
         options.settings.seed,
@@ -387,12 +390,16 @@ pub fn finetune(
         Watch {
             dir: Some(&options.output),
             after_epoch: None,
-            checkpoints: Some(checkpoints_of(&model, options.resume)),
+            checkpoints: Some(checkpoints_of(
+                &model,
+                saved_tokenizer.clone(),
+                options.resume,
+            )),
         },
         progress,
     )?;
     if options.reducer.ranks().rank == 0 {
-        save_finetuned(&model, &options.model, &options.output)?;
+        save_finetuned(&model, &saved_tokenizer, &options.output)?;
     }
     // Every rank waits here until rank 0 has saved the model, which prediction loads next.
     options.reducer.all_reduce_sum_host(&mut [0.0])?;
