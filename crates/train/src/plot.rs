@@ -43,22 +43,45 @@ fn curve(rows: &[serde_json::Value], key: &str, name: &'static str, colour: &'st
 /// Round tick values covering `[lo, hi]`: multiples of 1, 2 or 5 × 10^k, about `target` of
 /// them; the axis runs from the first to the last.
 pub fn ticks(lo: f64, hi: f64, target: usize) -> Vec<f64> {
-    let (lo, hi) = if hi > lo {
+    let target = target.max(1);
+    let scale = lo.abs().max(hi.abs());
+    let span = hi - lo;
+    if span.is_infinite() {
+        // Past f64's range: the ends alone.
+        return vec![lo, hi];
+    }
+    // A span too small to tell apart from its values (or none: a flat series) is drawn
+    // around them, a tenth of their size each way (where f64 goes that far); one below
+    // what f64 resolves (subnormal values), a unit each way.
+    let (lo, hi) = if span > scale * 1e-9 && span.is_normal() {
         (lo, hi)
+    } else if scale.is_normal() {
+        let pad = scale * 0.1;
+        let widened = |v: f64| if v.is_finite() { Some(v) } else { None };
+        (
+            widened(lo - pad).unwrap_or(lo),
+            widened(hi + pad).unwrap_or(hi),
+        )
     } else {
-        let pad = if lo == 0.0 { 1.0 } else { lo.abs() * 0.1 };
-        (lo - pad, hi + pad)
+        (lo - 1.0, hi + 1.0)
     };
-    let rough = (hi - lo) / target.max(1) as f64;
+    let rough = (hi - lo) / target as f64;
     let magnitude = 10f64.powf(rough.log10().floor());
     let step = [1.0, 2.0, 5.0, 10.0]
         .iter()
         .map(|m| m * magnitude)
         .find(|s| *s >= rough)
         .unwrap_or(10.0 * magnitude);
-    let first = (lo / step).floor() as i64;
-    let last = (hi / step).ceil() as i64;
-    (first..=last).map(|i| i as f64 * step).collect()
+    let (first, last) = ((lo / step).floor(), (hi / step).ceil());
+    // Values at the ends of f64's range leave no round step: the ends alone.
+    if !(step.is_normal() && first.is_finite() && last.is_finite())
+        || last - first > 4.0 * target as f64 + 4.0
+    {
+        return vec![lo, hi];
+    }
+    (first as i64..=last as i64)
+        .map(|i| i as f64 * step)
+        .collect()
 }
 
 /// A tick value as text: as many decimals as the tick step needs, or scientific notation for
@@ -286,5 +309,26 @@ mod tests {
         assert_eq!(label(0.25, 0.05), "0.25");
         // A flat series still gets an axis.
         assert!(ticks(0.7, 0.7, 5).len() >= 2);
+    }
+
+    /// Spans a step cannot divide (none, subnormal, nearly none, the whole of f64's range)
+    /// still give a few ordered, finite ticks covering the values.
+    #[test]
+    fn any_finite_span_gets_a_few_ticks() {
+        for (lo, hi) in [
+            (0.0, 1e-323),
+            (0.0, 0.0),
+            (1.0, 1.0 + f64::EPSILON),
+            (-f64::MAX, f64::MAX),
+            (f64::MAX, f64::MAX),
+            (-5e-324, 5e-324),
+            (1e300, 1.0000001e300),
+        ] {
+            let t = ticks(lo, hi, 5);
+            assert!((2..=24).contains(&t.len()), "{lo} {hi}: {t:?}");
+            assert!(t.iter().all(|v| v.is_finite()), "{lo} {hi}: {t:?}");
+            assert!(t.windows(2).all(|w| w[0] < w[1]), "{lo} {hi}: {t:?}");
+            assert!(t[0] <= lo && hi <= t[t.len() - 1], "{lo} {hi}: {t:?}");
+        }
     }
 }
