@@ -107,23 +107,11 @@ all_rows() {
     # sublayer ends' backward ahead and keep bits, the embeddings' end, the keyed dropout and
     # the linear layers' three; 2026-11-28's evening run LayerNorm's backward a warp a row, the
     # bias gradient's epilogue and sums in registers, the joins, the attention's joint
-    # backward and vector delta, and the step without the bucket. Of those still off, the
-    # padded decoder, the table's cast, the handed gradient and the pair keys passed then but
-    # were no faster by a phase-1 pass: PASS_LONG=1 times phase 2's, where the pair keys aim.) The pair forward against the asynchronous copies of a block a
-    # query tile: a tie in the evening's runs (inference, phase 2), kept as a row, last. After
-    # the defaults and the combination of the settings not yet run, their single rows in the
-    # order of the time they aim at (a call cut by its limit loses the last).
-    # (The combination is made from the single rows, every setting not yet run.)
-    local singles=(
-        "BERTKIT_CUDA_RESIDUAL_SUM=product | the residuals' gradients added by the input gradients' products"
-        "BERTKIT_CUDA_FLASH_KEYS=pair | the attention's keys' and values' backward over two key tiles a block (phase 2; phase 1 as the defaults)"
-        "BERTKIT_CUDA_DECODER=padded | the masked-LM decoder's rows padded to 30,528"
-        "BERTKIT_CUDA_TABLE_CAST=vector | the decoder's f32 weight cast 16 bytes a thread (into the padded copy where padded)"
-        "BERTKIT_CUDA_HANDED_GRADIENT=half | the decoder's gradient added into the word embeddings' without a cast copy"
-    )
-    local all="" row
-    for row in "${singles[@]}"; do all+=" ${row%% |*}"; done
-    printf '%s\n' "- | the defaults" "${all# } | all ${#singles[@]} not yet run" "${singles[@]}" \
+    # backward and vector delta, and the step without the bucket. The five forms still off then
+    # are deleted (BENCHMARKS.md, 2026-12-02).) The pair forward against the asynchronous copies
+    # of a block a query tile: a tie in the evening's runs (inference, phase 2), kept as a row.
+    # A new setting gets a row of its own here, after the defaults.
+    printf '%s\n' "- | the defaults" \
         "BERTKIT_CUDA_FLASH_FORWARD=single BERTKIT_CUDA_FLASH_COPIES=async | the attention's forward a block a query tile, its tiles copied asynchronously (not the pair forward)"
 }
 # ALL_ON=1: the side-by-side table with every setting whose kernels the check just passed (its

@@ -16,9 +16,7 @@
 //   bit, and with their exponentials by `ex2` against the reference (their log-sum-exp against
 //   the first form's); the forward with a block for two query tiles against the straight
 //   forwards, bit for bit; the joint backward (rows of at most 128 places, every form)
-//   against the delta kernel and the two straight backwards, bit for bit, and the keys' and
-//   values' backward over two key tiles a block (every form, rows of any length) against the
-//   straight one, bit for bit (neither yet run on a GPU);
+//   against the delta kernel and the two straight backwards, bit for bit;
 // - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
 //   (`layer_norm_warp_forward`) and the lanes' column sums
 //   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
@@ -27,8 +25,8 @@
 // - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
 //   gathered and summed by hand in token order (the same bits, f32, bf16 and f16), and the
 //   backward in pieces against the pieces' f32 sums by hand, in order;
-// - the gradients' sum (`add_tensors`, the same file; `add_half_into_f32`, a half gradient into
-//   an f32 one) against sums by hand, 16-byte aligned and not;
+// - the gradients' sum (`add_tensors`, the same file) against sums by hand, 16-byte aligned and
+//   not;
 // - the keyed dropout (`keyed_dropout`, the same file) against each element's keep drawn by hand
 //   from `dropout.rs`'s keys, packed tokens and plain rows;
 // - the embeddings' end (`embeddings_forward` and `embeddings_backward`, the same file: the
@@ -366,36 +364,6 @@ bool run(const Case& c) {
         }, sizeof(FrJointShared));
         joint_differ += differ(grad_qkv_str, joint) + differ(grad_qkv_exp2, joint_exp2);
     }
-    // The keys' and values' backward over two key tiles a block
-    // (`flash_registers_pair[_exp2][_dropout|_bits]_backward_kv`, rows of any length): the same
-    // keys' and values' gradients as the straight keys' backward, bit for bit (the queries'
-    // columns, which it does not write, taken from `want`; an element it leaves unwritten
-    // differs).
-    size_t pair_keys_differ = 0;
-    const auto pair_keys = [&](const std::vector<bf16>& want, bool e2, const float* l,
-                               const uint32_t* keep_words) {
-        std::vector<bf16> g(grad_qkv.size(), unwritten);
-        emulate_launch(pair_grid, FR_PAIR_THREADS, [&] {
-            if (keep_words) {
-                (e2 ? flash_registers_pair_exp2_bits_backward_kv_bf16
-                    : flash_registers_pair_bits_backward_kv_bf16)(
-                    qkv.data(), grad.data(), l, delta_reg.data(), g.data(), scatter.data(),
-                    tokens, batch, heads, seq, scale, d, keep_words);
-            } else {
-                (e2 ? (d.on ? flash_registers_pair_exp2_dropout_backward_kv_bf16
-                            : flash_registers_pair_exp2_backward_kv_bf16)
-                    : (d.on ? flash_registers_pair_dropout_backward_kv_bf16
-                            : flash_registers_pair_backward_kv_bf16))(
-                    qkv.data(), grad.data(), l, delta_reg.data(), g.data(), scatter.data(),
-                    tokens, batch, heads, seq, scale, d);
-            }
-        }, sizeof(FrPairKvShared));
-        for (int t = 0; t < tokens; ++t)
-            for (int c = 0; c < hidden; ++c) g[(size_t)t * 3 * hidden + c] = want[(size_t)t * 3 * hidden + c];
-        return differ(want, g);
-    };
-    pair_keys_differ += pair_keys(grad_qkv_str, false, lse_bat.data(), nullptr) +
-                        pair_keys(grad_qkv_exp2, true, lse_exp2.data(), nullptr);
     // The straight forms with their keep bits (`flash_registers_*_bits_*`, dropout only): the
     // batched forward writes the words, both backwards read them: the same bits as the straight
     // forms'; the asynchronous and pair forwards write the same words (those the backwards read:
@@ -456,8 +424,6 @@ bool run(const Case& c) {
                 }, sizeof(FrJointShared));
                 joint_differ += differ(gqkv, joint);
             }
-            // The pair keys' backward from the same words.
-            pair_keys_differ += pair_keys(gqkv, e2, l.data(), keep.data());
             const auto& want_ctx = e2 ? context_exp2 : context_str;
             const auto& want_l = e2 ? lse_exp2 : lse_str;
             keep_differ += differ(want_ctx, ctx) + differ(want_ctx, ctx_async) +
@@ -613,15 +579,13 @@ bool run(const Case& c) {
         std::printf("  %-28s %-8s %zu gradients differ from the delta and two backwards' %s\n",
                     c.name, "joint", joint_differ, joint_differ ? "FAILED" : "ok");
     }
-    std::printf("  %-28s %-8s %zu keys' and values' gradients differ from the straight kernel's %s\n",
-                c.name, "pair kv", pair_keys_differ, pair_keys_differ ? "FAILED" : "ok");
     if (d.on) {
         std::printf("  %-28s %-8s %zu values and keep words differ from the straight forms' %s\n",
                     c.name, "bits", keep_differ, keep_differ ? "FAILED" : "ok");
     }
     return ok && vec_differ == 0 && batched_differ == 0 && async_differ == 0 &&
            straight_differ == 0 && exp2_async_differ == 0 && pair_differ == 0 && keep_differ == 0 &&
-           delta_off == 0 && joint_differ == 0 && pair_keys_differ == 0;
+           delta_off == 0 && joint_differ == 0;
 }
 
 // The lookup of `rows` (one per token) in a `[table_rows, cols]` table and the backward of a
@@ -1224,31 +1188,6 @@ bool check_add(const char* name, size_t n, size_t offset, unsigned grid) {
     return wrong == 0;
 }
 
-// `a + float(b)` over `n` elements for an f32 `a` and a half `b` (`add_half_into_f32` in
-// `kernels.cu`, the handed-over gradient's sum) from `offset` elements in: the bits of the
-// cast and f32 addition it replaces; nothing before `offset` written.
-template <typename T>
-bool check_add_half(const char* name, size_t n, size_t offset, unsigned grid) {
-    std::mt19937_64 rng(11 + n);
-    std::uniform_real_distribution<float> u(-4.0f, 4.0f);
-    std::vector<float> a(n + offset), out(n + offset, 0.0f);
-    std::vector<T> b(n + offset);
-    for (auto& x : a) x = u(rng);
-    for (auto& x : b) x = from_f32<T>(u(rng));
-    emulate_launch({grid, 1, 1}, 64, [&] {
-        add_half_into_f32<T>(a.data() + offset, b.data() + offset, out.data() + offset, n);
-    });
-    size_t wrong = 0;
-    for (size_t i = offset; i < n + offset; ++i) {
-        const float want = a[i] + to_f32(b[i]);
-        wrong += std::memcmp(&out[i], &want, sizeof want) != 0;
-    }
-    for (size_t i = 0; i < offset; ++i) wrong += out[i] != 0.0f;
-    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "sum", wrong, n,
-                wrong ? "FAILED" : "ok");
-    return wrong == 0;
-}
-
 // `join_rows` (`kernels.cu`): parts of `sizes` 16-byte pieces (each at its own place in one
 // buffer of random bytes) joined into one buffer, against the parts' bytes one after another;
 // the output starts as 0xAB bytes and is a piece longer, so a piece left unwritten, written
@@ -1286,44 +1225,6 @@ bool check_join(const char* name, std::vector<unsigned> sizes, unsigned grid) {
     std::memset(&canary, 0xAB, sizeof canary);
     wrong += std::memcmp(&dst[total], &canary, sizeof canary) != 0;
     std::printf("  %-28s %-8s %zu of %zu pieces differ %s\n", name, "join", wrong, total + 1,
-                wrong ? "FAILED" : "ok");
-    return wrong == 0;
-}
-
-// `cast_f32_padded` (`kernels.cu`): `n` f32 values (`offset` elements into their buffers: 0 for
-// 16-byte aligned ones, else the element-a-thread path) cast into `T`, then zeros to `total`,
-// against each element cast by hand; the buffer starts as NaN, so an element left unwritten
-// (or written past `total`) shows.
-template <typename T>
-bool check_cast_padded(const char* name, size_t n, size_t total, size_t offset, unsigned grid) {
-    std::mt19937_64 rng(17 + n);
-    std::uniform_real_distribution<float> u(-70000.0f, 70000.0f);
-    std::vector<float> src(n + offset);
-    for (auto& x : src) x = u(rng);
-    // Values whose rounding is a tie, and the extremes.
-    if (n > 4) {
-        src[offset] = 1.00390625f;
-        src[offset + 1] = -3.0e-39f;
-        src[offset + 2] = INFINITY;
-        src[offset + 3] = 1.0e30f;
-    }
-    std::vector<T> dst(total + offset + 8, from_f32<T>(NAN));
-    emulate_launch({grid, 1, 1}, 64, [&] {
-        cast_f32_padded<T>(src.data() + offset, dst.data() + offset, n, total);
-    });
-    size_t wrong = 0;
-    for (size_t i = 0; i < dst.size(); ++i) {
-        const bool inside = i >= offset && i < offset + total;
-        const float got = to_f32(dst[i]);
-        if (!inside) {
-            wrong += !std::isnan(got);
-            continue;
-        }
-        const size_t j = i - offset;
-        const T want = from_f32<T>(j < n ? src[i] : 0.0f);
-        wrong += std::memcmp(&dst[i], &want, sizeof want) != 0;
-    }
-    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "cast", wrong, total,
                 wrong ? "FAILED" : "ok");
     return wrong == 0;
 }
@@ -1633,13 +1534,10 @@ bool check_held_squares(const char* name, unsigned blocks, float unscale) {
 }
 
 // The negative log-likelihood of `rows` rows of `classes` logits in `T` and its backward
-// (`loss.cu`), against the same in f64 from the same inputs. `width` > `classes`: the padded
-// form (`nll_*_padded`), rows that far apart, the padding holding NaNs it must not read, its
-// gradient zeros.
+// (`loss.cu`), against the same in f64 from the same inputs.
 template <typename T>
-bool check_nll(const char* name, int rows, int classes, int width = 0) {
-    const bool padded = width > 0;
-    if (!padded) width = classes;
+bool check_nll(const char* name, int rows, int classes) {
+    const int width = classes;
     std::mt19937_64 rng(5 + classes);
     std::uniform_real_distribution<float> u(-4.0f, 4.0f);
     std::vector<T> logits((size_t)rows * width);
@@ -1655,22 +1553,12 @@ bool check_nll(const char* name, int rows, int classes, int width = 0) {
     std::vector<float> nll(rows, NAN), lse(rows, NAN);
     const unsigned threads = std::min(1024u, (unsigned)(((classes + 3) / 4 + 31) / 32 * 32));
     emulate_launch({5, 1, 1}, threads, [&] {
-        if (padded) {
-            nll_forward<T, true>(logits.data(), labels.data(), nll.data(), lse.data(), rows,
-                                 classes, width);
-        } else {
-            nll_forward<T>(logits.data(), labels.data(), nll.data(), lse.data(), rows, classes);
-        }
+        nll_forward<T>(logits.data(), labels.data(), nll.data(), lse.data(), rows, classes);
     });
     std::vector<T> grad_logits(logits.size(), from_f32<T>(NAN));
     emulate_launch({5, 1, 1}, threads, [&] {
-        if (padded) {
-            nll_backward<T, true>(logits.data(), labels.data(), lse.data(), grad.data(),
-                                  grad_logits.data(), rows, classes, width);
-        } else {
-            nll_backward<T>(logits.data(), labels.data(), lse.data(), grad.data(),
-                            grad_logits.data(), rows, classes);
-        }
+        nll_backward<T>(logits.data(), labels.data(), lse.data(), grad.data(),
+                        grad_logits.data(), rows, classes);
     });
     std::vector<double> got_nll(nll.begin(), nll.end()), want_nll(rows), got_grad, want_grad;
     for (int r = 0; r < rows; ++r) {
@@ -1719,9 +1607,8 @@ int main() {
         {"rows of 100, 64, 1, 0, dropout", {100, 64, 1, 0}, 100, 2, true},
         {"holes, rows of 120, eval", {120, 70}, 120, 2, false, {{0, 0}, {0, 63}, {0, 64}, {1, 40}}},
         {"rows of 50 and 7, dropout", {50, 7}, 50, 3, true},
-        // SQuAD's length: six key tiles (three pairs for the pair keys' backward), the second
-        // row ending inside the second pair's second tile (its third pair padding only),
-        // holes in the second pair.
+        // SQuAD's length: six key tiles, the second row ending inside the fourth (the last two
+        // padding only), holes in the third.
         {"rows of 384 and 200, holes", {384, 200}, 384, 2, true, {{0, 130}, {0, 191}, {1, 150}}},
     };
     bool ok = true;
@@ -1765,13 +1652,6 @@ int main() {
     ok = check_join("two of 128 pieces", {128, 128}, 3) && ok;
     ok = check_join("three small, uneven", {1, 5, 2}, 1) && ok;
     ok = check_join("two, more threads", {3, 700}, 40) && ok;
-    std::printf("the f32 weight cast into a padded copy (cast_f32_padded, kernels.cu) by hand:\n");
-    ok = check_cast_padded<bf16>("cast bf16, rows padded", 37 * 64, 40 * 64, 0, 3) && ok;
-    ok = check_cast_padded<bf16>("cast bf16, unaligned", 999, 1003, 3, 2) && ok;
-    ok = check_cast_padded<f16>("cast f16, not padded", 8 * 300 + 5, 8 * 300 + 5, 0, 4) && ok;
-    ok = check_add_half<bf16>("add bf16 into f32, aligned", 8 * 1000 + 5, 0, 3) && ok;
-    ok = check_add_half<bf16>("add bf16 into f32, unaligned", 999, 3, 2) && ok;
-    ok = check_add_half<f16>("add f16 into f32, aligned", 4096 + 7, 0, 5) && ok;
     std::printf("the keyed dropout (keyed_dropout, kernels.cu) against the keys by hand:\n");
     ok = check_keyed_dropout<bf16>("dropout bf16, packed tokens", 29, 1024, true) && ok;
     ok = check_keyed_dropout<float>("dropout f32, rows", 11, 300, false) && ok;
@@ -1785,8 +1665,6 @@ int main() {
     ok = check_nll<float>("nll f32", 37, 517) && ok;
     ok = check_nll<bf16>("nll bf16", 23, 30522) && ok;
     ok = check_nll<f16>("nll f16", 23, 30522) && ok;
-    ok = check_nll<float>("nll f32, rows padded", 37, 517, 520) && ok;
-    ok = check_nll<bf16>("nll bf16, rows padded", 23, 30522, 30528) && ok;
     std::printf("optimiser update in place (cuda_update.cu) against the two-buffer update:\n");
     ok = check_update("LAMB, decayed", true, true, false) && ok;
     ok = check_update("LAMB, not decayed", true, false, false) && ok;

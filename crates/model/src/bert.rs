@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{D, DType, Device, IndexOp, Tensor, Var};
+use candle_core::{DType, Device, IndexOp, Tensor, Var};
 
 use crate::config::Gelu;
 pub use crate::kernels::Mode;
@@ -1194,13 +1194,6 @@ impl BertArchitecture for BertModel {
 pub struct PreTrainingOutput {
     /// Masked-LM logits at the asked positions, `[batch, predictions, vocab]`.
     pub mlm_logits: Tensor,
-    /// The masked-LM logits as the decoder wrote them, `[batch, predictions, width]`: rows
-    /// wider than the vocabulary where the kernels pad them for the decoder's products
-    /// ([`crate::kernels::set_cuda_padded_decoder`]; `mlm_logits` are their first `vocab`
-    /// columns, the rest zeros), else the same tensor as `mlm_logits`. The training loss
-    /// reads them ([`crate::loss::nll_per_row_of`]), so no narrowing sits between the loss
-    /// and the decoder.
-    pub mlm_decoded: Tensor,
     /// Next-sentence logits (0 = is next, 1 = random), `[batch, 2]`.
     pub nsp_logits: Tensor,
 }
@@ -1318,21 +1311,13 @@ impl BertForPreTraining {
         let decoder = self.bert.word_embeddings();
         let bias = self.output_bias.to_dtype(t.dtype())?;
         let t = t.reshape((batch, predictions, ()))?;
-        let decoded = k.decoder(&t, decoder, &bias, sink)?;
-        let vocab = decoder.dim(0)?;
-        // (Rows padded past the vocabulary: the logits are their first columns, a view.)
-        let logits = if decoded.dim(D::Minus1)? > vocab {
-            decoded.narrow(D::Minus1, 0, vocab)?
-        } else {
-            decoded.clone()
-        };
+        let logits = k.decoder(&t, decoder, &bias, sink)?;
         let pooled = self
             .bert
             .pool(x, inputs)?
             .expect("the pre-training model has a pooler");
         Ok(PreTrainingOutput {
             mlm_logits: logits,
-            mlm_decoded: decoded,
             nsp_logits: self.seq_relationship.forward(k, &pooled)?,
         })
     }

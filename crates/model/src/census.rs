@@ -215,10 +215,11 @@ impl PreTrainingPass {
 
     /// The loss of the heads' outputs `out`.
     fn loss_of(&self, out: &crate::bert::PreTrainingOutput) -> Result<Tensor, ModelError> {
-        Ok(loss::pretraining_loss_of(
-            out,
+        Ok(loss::pretraining_loss(
+            &out.mlm_logits,
             &self.labels,
             &self.weights,
+            &out.nsp_logits,
             &self.next,
         )?)
     }

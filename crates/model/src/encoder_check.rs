@@ -201,20 +201,18 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
         CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_BIAS_GRADIENT_EPILOGUE, CUDA_BIAS_SUMS_REGISTERS,
         CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ASYNC_COPIES, CUDA_FLASH_ATTENTION,
         CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_DELTA_VECTOR, CUDA_FLASH_JOINT_BACKWARD,
-        CUDA_FLASH_PAIR_KEYS, CUDA_FLASH_REGISTERS, CUDA_JOIN, CUDA_LINEAR_BACKWARD_LT,
-        CUDA_LINEAR_EPILOGUE, CUDA_NORM_BACKWARD_WARP, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD,
-        CUDA_NORM_WIDE_GRID, CUDA_RESIDUAL_SUM_IN_PRODUCT, CUDA_TAPE,
+        CUDA_FLASH_REGISTERS, CUDA_JOIN, CUDA_LINEAR_BACKWARD_LT, CUDA_LINEAR_EPILOGUE,
+        CUDA_NORM_BACKWARD_WARP, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD, CUDA_NORM_WIDE_GRID,
+        CUDA_TAPE,
     };
     // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid
     // and its backward a warp a row, the column sums, the linear layers' epilogues (the bias
     // gradient's too) and bias sums, the joins of their parameters (whose
-    // backward the tape takes as views, autograd through the join's own), the residuals'
-    // gradients added by the products (on the tape; autograd adds them apart).
+    // backward the tape takes as views, autograd through the join's own).
     let mut switches = vec![
         &CUDA_TAPE,
         &CUDA_ADD,
         &CUDA_JOIN,
-        &CUDA_RESIDUAL_SUM_IN_PRODUCT,
         &CUDA_NORM_WIDE_GRID,
         &CUDA_NORM_VECTOR,
         &CUDA_NORM_WARP_FORWARD,
@@ -229,8 +227,7 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
     if check == FLASH_NAME {
         // Every setting is on here: the form with the scores in registers, its loads batched
         // and its forward's copies asynchronous, is the one run; its backward the joint one at
-        // rows of at most 128 places, else with its delta 16 bytes a thread and its keys'
-        // backward over two key tiles a block.
+        // rows of at most 128 places, else with its delta 16 bytes a thread.
         switches.extend([
             &CUDA_FLASH_ATTENTION,
             &CUDA_FLASH_REGISTERS,
@@ -238,7 +235,6 @@ fn needs(check: &str, dtype: DType) -> Vec<String> {
             &CUDA_FLASH_ASYNC_COPIES,
             &CUDA_FLASH_DELTA_VECTOR,
             &CUDA_FLASH_JOINT_BACKWARD,
-            &CUDA_FLASH_PAIR_KEYS,
         ]);
     }
     needing_in(dtype, &switches)
@@ -432,33 +428,7 @@ fn farthest_off(params: &[ParamGradients]) -> (f64, String) {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::Ordering;
-
     use super::*;
-    use crate::kernels::cpu::offer_for_tests::{ON, TAKEN};
-
-    /// The tape's offer of an input's gradient so far reaches a real encoder's linear layers
-    /// whose input also went to a residual (the QKV projection and the feed-forward's first:
-    /// two a layer), and a layer that takes it and adds it as the tape would leaves every
-    /// gradient of the backward by hand as it was, to the bit (the CUDA linear layers take it
-    /// into their product; the CPU's take it here only under test).
-    #[test]
-    fn the_offer_reaches_the_residuals_linear_layers_and_changes_nothing() {
-        let shapes = &CheckShape::defaults()[..1];
-        let worst_of =
-            |checks: Vec<KernelCheck>| -> Vec<f64> { checks.iter().map(|c| c.worst).collect() };
-        let without = worst_of(check_encoder_backward(&Device::Cpu, DType::F32, shapes).unwrap());
-        ON.store(true, Ordering::SeqCst);
-        let before = TAKEN.load(Ordering::SeqCst);
-        let with = check_encoder_backward(&Device::Cpu, DType::F32, shapes);
-        ON.store(false, Ordering::SeqCst);
-        let taken = TAKEN.load(Ordering::SeqCst) - before;
-        let with = worst_of(with.unwrap());
-        assert!(!without.is_empty() && without.iter().all(|w| *w < tolerance(DType::F32)));
-        // Two layers, two offers taken each (other tests' CPU layers may take some too).
-        assert!(taken >= 4, "{taken} offers taken");
-        assert_eq!(with, without);
-    }
 
     static FIRST: Switch = Switch::opt_in("BERTKIT_TEST_BLAME_FIRST", "on");
     static SECOND: Switch = Switch::opt_in("BERTKIT_TEST_BLAME_SECOND", "on");

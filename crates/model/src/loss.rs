@@ -40,7 +40,7 @@ pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
 /// they are); elsewhere composed ops.
 pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(nll) = crate::kernels::cuda_nll(logits, labels, None) {
+    if let Some(nll) = crate::kernels::cuda_nll(logits, labels) {
         return nll;
     }
     let logits = if logits.dtype() == DType::F64 {
@@ -63,25 +63,6 @@ pub fn nll_per_row(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     picked.squeeze(1)?.neg()
 }
 
-/// [`nll_per_row`] of logits whose rows may be wider than their `classes`: `[..., width]`, the
-/// first `classes` of each row the logits (the masked-LM decoder's rows as it wrote them,
-/// [`crate::PreTrainingOutput::mlm_decoded`]). On CUDA the loss's kernel reads them as they
-/// are (where it takes them); elsewhere the narrowed logits go through [`nll_per_row`].
-pub fn nll_per_row_of(logits: &Tensor, classes: usize, labels: &Tensor) -> Result<Tensor> {
-    let width = logits.dim(D::Minus1)?;
-    if width == classes {
-        return nll_per_row(logits, labels);
-    }
-    if classes == 0 || classes > width {
-        candle_core::bail!("nll: {classes} classes in rows of {width}")
-    }
-    #[cfg(feature = "cuda")]
-    if let Some(nll) = crate::kernels::cuda_nll(logits, labels, Some(classes)) {
-        return nll;
-    }
-    nll_per_row(&logits.narrow(D::Minus1, 0, classes)?, labels)
-}
-
 /// Mean cross-entropy of `labels` (`[rows]`) under `logits` (`[rows, classes]`).
 pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     nll_per_row(logits, labels)?.mean_all()
@@ -91,19 +72,9 @@ pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
 /// (`[batch, predictions]`: 1 for real masked positions, 0 for padding slots), averaged over
 /// the real ones, as Google's BERT computes it.
 pub fn masked_lm_loss(mlm_logits: &Tensor, labels: &Tensor, weights: &Tensor) -> Result<Tensor> {
-    let (_batch, _predictions, vocabulary) = mlm_logits.dims3()?;
-    masked_lm_loss_of(mlm_logits, vocabulary, labels, weights)
-}
-
-/// [`masked_lm_loss`] of logits in rows that may be wider than the `vocabulary`
-/// ([`nll_per_row_of`]: the decoder's rows as it wrote them).
-fn masked_lm_loss_of(
-    mlm_logits: &Tensor,
-    vocabulary: usize,
-    labels: &Tensor,
-    weights: &Tensor,
-) -> Result<Tensor> {
-    let nll = nll_per_row_of(mlm_logits, vocabulary, &labels.flatten_all()?)?;
+    // `[batch, predictions, vocabulary]`, read as rows as they are.
+    mlm_logits.dims3()?;
+    let nll = nll_per_row(mlm_logits, &labels.flatten_all()?)?;
     let w = weights.flatten_all()?.to_dtype(nll.dtype())?;
     let total = (nll * &w)?.sum_all()?;
     total.broadcast_div(&(w.sum_all()? + 1e-5)?)
@@ -118,18 +89,4 @@ pub fn pretraining_loss(
     nsp_labels: &Tensor,
 ) -> Result<Tensor> {
     masked_lm_loss(mlm_logits, mlm_labels, mlm_weights)? + cross_entropy(nsp_logits, nsp_labels)?
-}
-
-/// [`pretraining_loss`] of the heads' outputs, the masked-LM loss read from the logits' rows as
-/// the decoder wrote them ([`crate::PreTrainingOutput::mlm_decoded`]): no narrowing of padded
-/// rows between the loss and the decoder.
-pub fn pretraining_loss_of(
-    out: &crate::PreTrainingOutput,
-    mlm_labels: &Tensor,
-    mlm_weights: &Tensor,
-    nsp_labels: &Tensor,
-) -> Result<Tensor> {
-    let vocabulary = out.mlm_logits.dim(D::Minus1)?;
-    masked_lm_loss_of(&out.mlm_decoded, vocabulary, mlm_labels, mlm_weights)?
-        + cross_entropy(&out.nsp_logits, nsp_labels)?
 }

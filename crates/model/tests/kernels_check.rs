@@ -8,10 +8,10 @@ use candle_core::{DType, Device};
 fn every_fused_cpu_kernel_matches_the_composed_ops_in_f64() {
     let shapes = CheckShape::defaults();
     let checks = check_kernels(&Device::Cpu, DType::F32, &shapes[..1]).unwrap();
-    // 21 kernels: an output and each input's gradient (1 + 5 + 3 + 2 + 2 + 1 + 3 + 4 × 4 + 1 +
-    // 5 + 1 + 1 + 1 + 4 inputs, and 3 + 1 for the padded decoder's linear layer and loss; the
-    // one-pass attention's rows and LayerNorm's other forms only on CUDA).
-    assert_eq!(checks.len(), 21 + 50, "{checks:#?}");
+    // 19 kernels: an output and each input's gradient (1 + 5 + 3 + 2 + 2 + 1 + 3 + 4 × 4 + 1 +
+    // 5 + 1 + 1 + 1 + 4 inputs; the one-pass attention's rows and LayerNorm's other forms only
+    // on CUDA).
+    assert_eq!(checks.len(), 19 + 46, "{checks:#?}");
     for c in &checks {
         assert!(c.passed(), "{c:?}");
         if (c.kernel == "gather_rows" && !c.gradient)
@@ -57,39 +57,12 @@ fn a_failed_kernel_keeps_only_its_own_setting_off() {
     let position = |checks: &[bertkit_model::kernels::check::KernelCheck], kernel: &str| {
         checks.iter().position(|c| c.kernel == kernel).unwrap()
     };
-    // Off by default: a half-precision gradient added into an f32 one by one kernel (its row
-    // runs in half precision only), a residual's gradient added by the input gradient's
-    // product (the encoder check's, on CUDA), the one-pass attention's asynchronous copies
-    // and its keys' backward over two key tiles a block (their rows run on CUDA only), the
-    // masked-LM decoder's rows padded (the padded linear and loss lines), and the decoder's
-    // f32 weight cast by our kernel (the f32-weight and padded linear lines); the others need
-    // nothing.
+    // Off by default: the one-pass attention's asynchronous copies (its rows run on CUDA
+    // only); no line on the CPU needs it.
     let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    assert_eq!(
-        settings,
-        [
-            "BERTKIT_CUDA_HANDED_GRADIENT=half",
-            "BERTKIT_CUDA_RESIDUAL_SUM=product",
-            "BERTKIT_CUDA_TABLE_CAST=vector",
-            "BERTKIT_CUDA_FLASH_COPIES=async",
-            "BERTKIT_CUDA_FLASH_KEYS=pair",
-            "BERTKIT_CUDA_DECODER=padded"
-        ]
-    );
+    assert_eq!(settings, ["BERTKIT_CUDA_FLASH_COPIES=async"]);
     for c in &checks {
-        let want: &[&str] = if c.kernel == "linear (padded rows)" {
-            &[
-                "BERTKIT_CUDA_DECODER=padded",
-                "BERTKIT_CUDA_TABLE_CAST=vector",
-            ]
-        } else if c.kernel == "linear (f32 weight)" {
-            &["BERTKIT_CUDA_TABLE_CAST=vector"]
-        } else if c.kernel == "nll (padded rows)" {
-            &["BERTKIT_CUDA_DECODER=padded"]
-        } else {
-            &[]
-        };
-        assert_eq!(c.needs, want, "{c:?}");
+        assert!(c.needs.is_empty(), "{c:?}");
     }
     // Two checked settings (lines of their own), and one no line checks.
     for (kernel, setting) in [
@@ -182,9 +155,9 @@ fn in_bf16_on_the_cpu_the_bias_gradients_are_summed_in_f32() {
         .filter(|c| !c.kernel.starts_with("join"))
         .filter(|c| !c.kernel.starts_with("residual_layer_norm"))
         .collect();
-    // linear, linear (wide), linear (f32 weight), linear (padded rows), linear_gelu (erf,
-    // tanh) and feed_forward's two, at three shapes.
-    assert_eq!(biases.len(), 24, "{biases:#?}");
+    // linear, linear (wide), linear (f32 weight), linear_gelu (erf, tanh) and feed_forward's
+    // two, at three shapes.
+    assert_eq!(biases.len(), 21, "{biases:#?}");
     for c in biases {
         assert!(c.worst < 8e-3, "{c:?}");
     }

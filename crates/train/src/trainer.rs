@@ -468,9 +468,7 @@ fn loss_sums(
 ) -> Result<(Tensor, Tensor, Tensor), TrainError> {
     // The logits as the heads give them: a reshape would cost the backward a zeroed tensor
     // and an addition over all of them.
-    // (As the decoder wrote them: rows it may have padded past the vocabulary.)
-    let vocab = out.mlm_logits.dim(candle_core::D::Minus1)?;
-    let mlm_nll = loss::nll_per_row_of(&out.mlm_decoded, vocab, &d.labels.flatten_all()?)?;
+    let mlm_nll = loss::nll_per_row(&out.mlm_logits, &d.labels.flatten_all()?)?;
     let w = d.weights.flatten_all()?.to_dtype(mlm_nll.dtype())?;
     let mlm_sum = (&mlm_nll * &w)?.sum_all()?;
     let nsp_sum = loss::nll_per_row(&out.nsp_logits, &d.nsp)?.sum_all()?;

@@ -190,8 +190,6 @@ const SEED: u64 = 1234;
 enum Form {
     /// The attention around cuBLAS, LayerNorm a block per row (and every other case).
     Plain,
-    /// The plain form, run in half precision only (its kernel takes a half operand).
-    Half,
     /// The one-pass attention through shared memory (`flash.cu`), its 16-byte stores on.
     FlashSharedTiles,
     /// The one-pass attention with its scores in registers (`flash_registers.cu`).
@@ -218,8 +216,6 @@ enum Form {
     FlashDelta,
     /// The defaults with the joint backward (one kernel for rows of at most 128 places).
     FlashJoint,
-    /// The defaults with the keys' and values' backward over two key tiles a block.
-    FlashPairKeys,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -236,7 +232,7 @@ impl Form {
     /// The settings off by default that the form runs only with.
     fn needs(self) -> Vec<&'static crate::switch::Switch> {
         match self {
-            Form::Plain | Form::Half => vec![],
+            Form::Plain => vec![],
             Form::FlashSharedTiles => vec![&super::CUDA_FLASH_VECTOR_STORES],
             Form::FlashRegisters => vec![&super::CUDA_FLASH_REGISTERS],
             Form::FlashBatched => vec![&super::CUDA_FLASH_BATCHED_LOADS],
@@ -273,13 +269,6 @@ impl Form {
                 &super::CUDA_FLASH_KEEP_BITS,
                 &super::CUDA_FLASH_JOINT_BACKWARD,
             ],
-            Form::FlashPairKeys => vec![
-                &super::CUDA_FLASH_STRAIGHT,
-                &super::CUDA_FLASH_PAIR_FORWARD,
-                &super::CUDA_FLASH_EXP2,
-                &super::CUDA_FLASH_KEEP_BITS,
-                &super::CUDA_FLASH_PAIR_KEYS,
-            ],
             Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
             Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
             Form::NormAhead => vec![&super::CUDA_NORM_BACKWARD_AHEAD],
@@ -301,7 +290,6 @@ impl Form {
     fn runs(self, on_cuda: bool, dtype: DType, shape: &CheckShape) -> bool {
         match self {
             Form::Plain => true,
-            Form::Half => matches!(dtype, DType::BF16 | DType::F16),
             Form::FlashSharedTiles
             | Form::FlashRegisters
             | Form::FlashBatched
@@ -314,8 +302,7 @@ impl Form {
             | Form::FlashBitsAsync
             | Form::FlashBitsPairExp2
             | Form::FlashDelta
-            | Form::FlashJoint
-            | Form::FlashPairKeys => {
+            | Form::FlashJoint => {
                 on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
             }
             Form::NormVector
@@ -335,7 +322,6 @@ impl Form {
                 | Form::FlashBitsPairExp2
                 | Form::FlashDelta
                 | Form::FlashJoint
-                | Form::FlashPairKeys
         );
         let straight = bits
             || matches!(
@@ -357,24 +343,15 @@ impl Form {
         super::set_cuda_flash_straight(straight);
         super::set_cuda_flash_exp2(matches!(
             self,
-            Form::FlashStraightExp2
-                | Form::FlashBitsPairExp2
-                | Form::FlashDelta
-                | Form::FlashJoint
-                | Form::FlashPairKeys
+            Form::FlashStraightExp2 | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
         ));
         super::set_cuda_flash_pair_forward(matches!(
             self,
-            Form::FlashPair
-                | Form::FlashBitsPairExp2
-                | Form::FlashDelta
-                | Form::FlashJoint
-                | Form::FlashPairKeys
+            Form::FlashPair | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
         ));
         super::set_cuda_flash_keep_bits(bits);
         super::set_cuda_flash_delta_vector(self == Form::FlashDelta);
         super::set_cuda_flash_joint_backward(self == Form::FlashJoint);
-        super::set_cuda_flash_pair_keys(self == Form::FlashPairKeys);
         let norm_bits = matches!(self, Form::NormBits | Form::NormWarpBackward);
         let norm_ahead = norm_bits || self == Form::NormAhead;
         let norm_warp = norm_ahead || self == Form::NormWarp;
@@ -398,7 +375,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 16] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 15] = [
     &super::CUDA_FLASH_ATTENTION,
     &super::CUDA_FLASH_REGISTERS,
     &super::CUDA_FLASH_BATCHED_LOADS,
@@ -409,7 +386,6 @@ static FORM_SWITCHES: [&crate::switch::Switch; 16] = [
     &super::CUDA_FLASH_KEEP_BITS,
     &super::CUDA_FLASH_DELTA_VECTOR,
     &super::CUDA_FLASH_JOINT_BACKWARD,
-    &super::CUDA_FLASH_PAIR_KEYS,
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
     &super::CUDA_NORM_BACKWARD_AHEAD,
@@ -601,17 +577,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             needs: vec![&super::CUDA_ADD],
         },
         Case {
-            kernel: "add (f32 and half)",
-            // A gradient handed over in half precision added into an f32 one
-            // ([`super::add_gradients`]: the masked-LM decoder's into the word embeddings'), at a
-            // layer's width.
-            inputs: vec![("a", vec![t, h], 1.0), ("b", vec![t, h], 1.0)],
-            run: |_, x, _, _, _| super::add_gradients(&x[0].to_dtype(DType::F32)?, &x[1]),
-            train: false,
-            form: Form::Half,
-            needs: vec![&super::CUDA_HANDED_HALF],
-        },
-        Case {
             kernel: "dropout (tokens)",
             // The embeddings' dropout of a packed tensor ([`super::Mode::dropout_tokens`]):
             // each token's line keyed by its place, the CPU's masks on every device.
@@ -676,37 +641,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 &super::CUDA_BIAS_ACT_VECTOR,
                 &super::CUDA_BIAS_ACT_ROWS,
                 &super::CUDA_LINEAR_BACKWARD_LT,
-                &super::CUDA_TABLE_CAST,
-            ],
-        },
-        Case {
-            kernel: "linear (padded rows)",
-            // The masked-LM decoder ([`Kernels::decoder`]): an f32 weight of rows not whole
-            // 16-byte pieces, its output rows padded to them in half precision on CUDA where
-            // turned on; compared on its logits, the padding's gradient zeros.
-            inputs: vec![
-                ("x", vec![t, h], 1.0),
-                ("weight", vec![i + 4, h], w),
-                ("bias", vec![i + 4], 0.5),
-            ],
-            run: |k, x, _, _, _| {
-                let weight = kept_in_f32(&x[1])?;
-                let classes = weight.dim(0)?;
-                k.decoder(&x[0], &weight, &x[2], None)?
-                    .narrow(candle_core::D::Minus1, 0, classes)
-            },
-            train: false,
-            form: Form::Plain,
-            needs: vec![
-                &super::CUDA_LINEAR_CAST,
-                &super::CUDA_COLUMN_SUMS_LANES,
-                &super::CUDA_BIAS_ACT_VECTOR,
-                &super::CUDA_BIAS_ACT_ROWS,
-                &super::CUDA_LINEAR_BACKWARD_LT,
-                &super::CUDA_BIAS_SUMS_REGISTERS,
-                &super::CUDA_BIAS_GRADIENT_EPILOGUE,
-                &super::CUDA_PADDED_DECODER,
-                &super::CUDA_TABLE_CAST,
             ],
         },
         linear("linear_gelu (erf)", false, |k, x, _, _, _| {
@@ -822,16 +756,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         attention("attention flash delta (dropout)", true, Form::FlashDelta),
         attention("attention flash joint (eval)", false, Form::FlashJoint),
         attention("attention flash joint (dropout)", true, Form::FlashJoint),
-        attention(
-            "attention flash pair keys (eval)",
-            false,
-            Form::FlashPairKeys,
-        ),
-        attention(
-            "attention flash pair keys (dropout)",
-            true,
-            Form::FlashPairKeys,
-        ),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.
@@ -845,21 +769,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             train: false,
             form: Form::Plain,
             needs: vec![&super::CUDA_LOSS],
-        },
-        Case {
-            kernel: "nll (padded rows)",
-            // Rows of 520 of which the first 517 are logits ([`crate::loss::nll_per_row_of`],
-            // the padded decoder's): the padding not read, its gradient zeros.
-            inputs: vec![("logits", vec![t, 520], 4.0)],
-            run: |_, x, _, _, _| {
-                let rows = x[0].dim(0)?;
-                let labels: Vec<u32> = (0..rows).map(|r| ((r * 31 + 7) % 517) as u32).collect();
-                let labels = Tensor::from_vec(labels, rows, x[0].device())?;
-                crate::loss::nll_per_row_of(&x[0], 517, &labels)
-            },
-            train: false,
-            form: Form::Plain,
-            needs: vec![&super::CUDA_LOSS, &super::CUDA_PADDED_DECODER],
         },
         residual_norm("residual_layer_norm (dropout)", Form::Plain),
         residual_norm("residual_layer_norm (dropout, vector)", Form::NormVector),

@@ -59,7 +59,7 @@ pub use profiled::{Clock, KernelTime, Profiled};
 /// ([`GradientSink::add_to`]) after the backward pass: an op that hands over returns no
 /// gradient for the parameter to the graph. An op hands it over in the dtype it made it in
 /// (the CUDA linear op: its product's, bf16 for the f32 table), cast to the parameter's when
-/// taken or added ([`set_cuda_handed_half`]: on CUDA, added without the cast's copy).
+/// taken or added.
 #[derive(Debug, Clone)]
 pub struct GradientSink {
     of: candle_core::TensorId,
@@ -104,8 +104,7 @@ impl GradientSink {
 
     /// Adds the gradient handed over since the last take (or add) to `store`'s gradient of the
     /// parameter, the sum in the store's dtype (where it holds one; else the gradient cast to
-    /// the parameter's), and empties the sink: a half-precision gradient is added into an f32
-    /// one without a cast copy where [`set_cuda_handed_half`] is on.
+    /// the parameter's), and empties the sink.
     pub fn add_to(&self, store: &mut candle_core::backprop::GradStore) -> Result<()> {
         let Ok(mut held) = self.grad.lock() else {
             candle_core::bail!("a gradient sink: a poisoned lock")
@@ -239,10 +238,7 @@ pub trait Kernels: Send + Sync + Debug {
     }
 
     /// The masked-LM decoder: [`Kernels::linear_into`] where `sink` is given, else
-    /// [`Kernels::linear`], with a bias, whose rows a kernel set may write wider than
-    /// `weight`'s rows (the classes), the padding zeros, for products on aligned rows
-    /// ([`set_cuda_padded_decoder`]): `[..., width]`, the first `weight.dim(0)` of each row the
-    /// logits. The losses read them so ([`crate::loss::nll_per_row_of`]).
+    /// [`Kernels::linear`], with a bias.
     fn decoder(
         &self,
         x: &Tensor,
@@ -250,7 +246,10 @@ pub trait Kernels: Send + Sync + Debug {
         bias: &Tensor,
         sink: Option<&GradientSink>,
     ) -> Result<Tensor> {
-        unpadded_decoder(self, x, weight, bias, sink)
+        match sink {
+            Some(sink) => self.linear_into(x, weight, Some(bias), sink),
+            None => self.linear(x, weight, Some(bias)),
+        }
     }
 
     /// GELU in the `form` the model's config names: exact, `x * Φ(x)` with the error function,
@@ -541,16 +540,11 @@ pub fn cuda_loss() -> bool {
 
 /// The negative log-likelihood of each row of `logits` (`[rows, width]`) for `labels`
 /// (`[rows]` u32) through our CUDA kernel, where it takes them (see [`set_cuda_loss`]):
-/// `None` elsewhere. `classes`: the logits of each row where fewer than its width (the padded
-/// decoder's rows, [`crate::loss::nll_per_row_of`]).
+/// `None` elsewhere.
 #[cfg(feature = "cuda")]
-pub(crate) fn cuda_nll(
-    logits: &Tensor,
-    labels: &Tensor,
-    classes: Option<usize>,
-) -> Option<Result<Tensor>> {
+pub(crate) fn cuda_nll(logits: &Tensor, labels: &Tensor) -> Option<Result<Tensor>> {
     (cuda_loss() && on_cuda(&[logits]) && labels.dtype() == DType::U32)
-        .then(|| cuda::nll(logits, labels, classes))
+        .then(|| cuda::nll(logits, labels))
 }
 
 /// The rows and classes of the negative log-likelihood's operands, for `op`'s errors: logits
@@ -990,40 +984,6 @@ pub fn cuda_flash_joint_backward() -> bool {
     CUDA_FLASH_JOINT_BACKWARD.get()
 }
 
-/// Whether the one-pass attention's keys' and values' backward takes a block of eight warps
-/// over two key tiles.
-pub(crate) static CUDA_FLASH_PAIR_KEYS: Switch = Switch::opt_in("BERTKIT_CUDA_FLASH_KEYS", "pair");
-
-/// Turns the one-pass attention's keys' and values' backward over two key tiles a block on or
-/// off for this process (with its straight kernels, [`set_cuda_flash_straight`], with or
-/// without [`set_cuda_flash_exp2`] and [`set_cuda_flash_keep_bits`]; rows of more than one
-/// tile the joint backward does not take, [`set_cuda_flash_joint_backward`]; on a device that
-/// gives a block 92 KB of shared memory: sm_80, sm_90). The kernel in use gives a block four
-/// warps and one key tile, and its 168 registers a lane hold an SM to three such blocks: at
-/// phase 2's eight rows of 512 places, 1,024 blocks a layer go over the H200's 132 SMs 396 at
-/// a time (three rounds, the last 59% full), each loading a query tile, waiting for it at a
-/// barrier, working on it, then loading the next. Here eight warps share each query tile's
-/// queries and output gradients over two key tiles (read once where twice), the next tile's
-/// copies in flight while the warps work on this one, and the keys' work a chunk of 16 queries
-/// at a time (the joint backward's, [`set_cuda_flash_joint_backward`]) in 128 registers: two
-/// blocks an SM (16 warps), 512 blocks in two nearly full rounds. The attention's backward
-/// took 4.73 ms of a BERT-large phase-2 pass on an H200 (BENCHMARKS.md, 2026-11-27, evening).
-/// The same products in the same order: the same dK and dV (`bench/gpu/emulate`). Compiled for
-/// sm_90, its chunks a loop (not unrolled), ptxas spills at most 4 bytes a lane. Checked by
-/// `bertkit check kernels --device cuda` (its `attention flash pair keys` rows). It passed them
-/// on an H200, where phase 2's steps took 30 ms with it and without (a phase-2 pass not yet
-/// timed by kernel; BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is off unless
-/// `BERTKIT_CUDA_FLASH_KEYS=pair`.
-pub fn set_cuda_flash_pair_keys(on: bool) {
-    CUDA_FLASH_PAIR_KEYS.set(on);
-}
-
-/// Whether the one-pass attention's keys' and values' backward takes two key tiles a block
-/// (see [`set_cuda_flash_pair_keys`]).
-pub fn cuda_flash_pair_keys() -> bool {
-    CUDA_FLASH_PAIR_KEYS.get()
-}
-
 /// Whether LayerNorm's backward on CUDA spreads its rows over more blocks.
 pub(crate) static CUDA_NORM_WIDE_GRID: Switch = Switch::opt_out("BERTKIT_CUDA_NORM_GRID", "narrow");
 
@@ -1352,36 +1312,6 @@ pub fn cuda_bias_gradient_epilogue() -> bool {
     CUDA_BIAS_GRADIENT_EPILOGUE.get()
 }
 
-/// Whether a linear layer's input gradient on CUDA takes in the gradient its input has so far.
-pub(crate) static CUDA_RESIDUAL_SUM_IN_PRODUCT: Switch =
-    Switch::opt_in("BERTKIT_CUDA_RESIDUAL_SUM", "product");
-
-/// Turns on or off, for this process, the residual's gradient added by a linear layer's input
-/// gradient product (cuBLASLt with beta 1) where the tape's backward offers it
-/// (`tape::take_gradient_so_far`): a sublayer's input goes to its first linear layer (the
-/// QKV projection, the feed-forward's first) and to the sublayer's end, whose backward runs
-/// first; the tape added the two gradients after the product (`add_tensors`, 13 µs a
-/// BERT-large batch's `[8192, 1024]` bf16 on an H200, two a layer, ~0.6 ms a phase-1 pass;
-/// BENCHMARKS.md, 2026-11-27, evening), reading both and writing a third buffer. The product
-/// reads it as its `C` instead and writes the sum, each element rounded once (where the tape's
-/// sum rounds the product first). Where the backward's products go through cuBLASLt
-/// ([`set_cuda_linear_backward_lt`]). cuBLASLt cannot run on the CPU: checked by `bertkit
-/// check kernels --device cuda` (the encoder's backward by hand against autograd, which adds
-/// the two apart). On an H200 that check failed in bf16 and f16 on one parameter, the
-/// attention's key bias, whose gradient is rounding noise both ways (zero in exact arithmetic),
-/// then measured over its own largest value; the check now measures it over its rank's
-/// largest (BENCHMARKS.md, H200, 2026-11-28, evening): until it passes there, unset, it is off
-/// unless `BERTKIT_CUDA_RESIDUAL_SUM=product`.
-pub fn set_cuda_residual_sum_in_product(on: bool) {
-    CUDA_RESIDUAL_SUM_IN_PRODUCT.set(on);
-}
-
-/// Whether a linear layer's input gradient on CUDA takes in the gradient its input has so far
-/// (see [`set_cuda_residual_sum_in_product`]).
-pub fn cuda_residual_sum_in_product() -> bool {
-    CUDA_RESIDUAL_SUM_IN_PRODUCT.get()
-}
-
 /// Whether tensors joined along their rows on CUDA take our kernel.
 pub(crate) static CUDA_JOIN: Switch = Switch::opt_out("BERTKIT_CUDA_JOIN", "candle");
 
@@ -1442,15 +1372,6 @@ pub fn cuda_wide_linear() -> bool {
 pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dtype() != b.dtype() {
         // A gradient handed over in half precision into an f32 one ([`GradientSink`]).
-        #[cfg(feature = "cuda")]
-        if cuda_handed_half()
-            && a.dtype() == DType::F32
-            && is_half(b.dtype())
-            && a.dims() == b.dims()
-            && on_cuda(&[a, b])
-        {
-            return cuda::add_half_into_f32(a, b);
-        }
         return add_gradients(a, &b.to_dtype(a.dtype())?);
     }
     #[cfg(feature = "cuda")]
@@ -1458,98 +1379,6 @@ pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return cuda::add(a, b);
     }
     a + b
-}
-
-/// [`Kernels::decoder`] without padding: the linear layer, its weight's gradient to `sink`
-/// where given.
-fn unpadded_decoder<K: Kernels + ?Sized>(
-    k: &K,
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    sink: Option<&GradientSink>,
-) -> Result<Tensor> {
-    match sink {
-        Some(sink) => k.linear_into(x, weight, Some(bias), sink),
-        None => k.linear(x, weight, Some(bias)),
-    }
-}
-
-/// Whether the masked-LM decoder's rows are padded on CUDA.
-pub(crate) static CUDA_PADDED_DECODER: Switch = Switch::opt_in("BERTKIT_CUDA_DECODER", "padded");
-
-/// Turns on or off, for this process, the masked-LM decoder's rows padded on CUDA
-/// ([`Kernels::decoder`]): in half precision, where the vocabulary is not whole 16-byte pieces
-/// (BERT's 30,522 words), the logits' rows are written 30,528 wide (the weight cast into a copy
-/// with zero rows, as it is cast for the product anyway; the bias padded), so that each of the
-/// decoder's three products and its bias's kernels take aligned rows, and the loss reads the
-/// first 30,522 of each row (`nll_*_padded`, its backward writing zeros past them). On an H200
-/// the decoder's products ran at ~230 TFLOP/s on the unaligned rows (`cutlass_80` kernels,
-/// 345-357 µs each a BERT-large phase-1 pass, where the layers' run at ~700) and its bias at
-/// 110 + 138 µs by the element-a-thread kernels: ~1.3 ms a pass where ~0.5 would do
-/// (BENCHMARKS.md, 2026-11-27, evening); NVIDIA's BERT pads its vocabulary to 30,528. The
-/// logits the model returns are the same (`mlm_logits`: a view of their first 30,522 columns;
-/// `PreTrainingOutput::mlm_decoded`: the rows as written). `bench/gpu/emulate` checks the
-/// padded loss against f64 (the padding NaNs it must not read); `bertkit check kernels
-/// --device cuda` has its rows (`linear (padded rows)`, `nll (padded rows)`). It passed them
-/// on an H200, but a BERT-large phase-1 training pass was no faster with it (within 0.1 ms;
-/// BENCHMARKS.md, H200, 2026-11-28, evening: why not is for a profile by kernel): unset, it is
-/// off unless `BERTKIT_CUDA_DECODER=padded`.
-pub fn set_cuda_padded_decoder(on: bool) {
-    CUDA_PADDED_DECODER.set(on);
-}
-
-/// Whether the masked-LM decoder's rows are padded on CUDA (see [`set_cuda_padded_decoder`]).
-pub fn cuda_padded_decoder() -> bool {
-    CUDA_PADDED_DECODER.get()
-}
-
-/// Whether the masked-LM decoder's f32 weight is cast for its products by our kernel on CUDA.
-pub(crate) static CUDA_TABLE_CAST: Switch = Switch::opt_in("BERTKIT_CUDA_TABLE_CAST", "vector");
-
-/// Turns on or off, for this process, our cast of a linear layer's f32 weight into half
-/// precision on CUDA (the masked-LM decoder's: the word table, cast for its products at each
-/// forward and backward; `cast_f32_padded`, 16 bytes of the copy a thread, the padding's zero
-/// rows written by the same launch where the decoder's rows are padded,
-/// [`set_cuda_padded_decoder`]), where candle's cast gives each element a thread (its cast the
-/// other way ran at ~0.6 TB/s on an H200, 297 µs for BERT-large's `[30522, 1024]`) and the
-/// padding takes a second copy, a concatenation. The same bits (each element rounded to
-/// nearest, ties to even). `bench/gpu/emulate` checks it against the cast by hand; `bertkit
-/// check kernels --device cuda` takes it in the f32-weight linear lines. It passed them on an
-/// H200, where a BERT-large phase-1 training pass was no faster with it (within 0.1 ms;
-/// BENCHMARKS.md, H200, 2026-11-28, evening): unset, it is off unless
-/// `BERTKIT_CUDA_TABLE_CAST=vector`.
-pub fn set_cuda_table_cast(on: bool) {
-    CUDA_TABLE_CAST.set(on);
-}
-
-/// Whether the decoder's f32 weight is cast by our kernel on CUDA (see
-/// [`set_cuda_table_cast`]).
-pub fn cuda_table_cast() -> bool {
-    CUDA_TABLE_CAST.get()
-}
-
-/// Whether a half-precision gradient handed over is added into an f32 one by one kernel.
-pub(crate) static CUDA_HANDED_HALF: Switch = Switch::opt_in("BERTKIT_CUDA_HANDED_GRADIENT", "half");
-
-/// Turns on or off, for this process, the addition of a half-precision gradient handed over
-/// ([`GradientSink`]: the masked-LM decoder's, made in bf16 by its product) into the f32
-/// gradient of the parameter it belongs to (the word embeddings', from the lookup's backward)
-/// by one kernel (`add_half_into_f32`, 16 bytes of the half gradient a thread), where it is
-/// cast to f32 by candle's cast (on an H200 297 µs for BERT-large's `[30522, 1024]`, ~0.6 TB/s,
-/// and an f32 copy of 125 MB) and then added. The same values (each element `a + float(b)`:
-/// `bench/gpu/emulate` compares the bits). Checked by `bertkit check kernels --device cuda`
-/// (its `add (f32 and half)` row). It passed it on an H200, where a BERT-large phase-1 training
-/// pass was no faster with it (within 0.1 ms; BENCHMARKS.md, H200, 2026-11-28, evening):
-/// unset, it is off unless `BERTKIT_CUDA_HANDED_GRADIENT=half`.
-pub fn set_cuda_handed_half(on: bool) {
-    CUDA_HANDED_HALF.set(on);
-}
-
-/// Whether a half-precision gradient handed over is added into an f32 one by one kernel (see
-/// [`set_cuda_handed_half`]).
-pub fn cuda_handed_half() -> bool {
-    CUDA_HANDED_HALF.get()
 }
 
 /// Whether a linear layer's bias gradient alone (no activation) is summed in registers.
@@ -1619,7 +1448,7 @@ pub fn cuda_fp16() -> bool {
 
 /// Every setting of the model's CUDA kernels, in one list: what is still off by default
 /// ([`cuda_settings_off_by_default`]) and what a check turns on ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 42] = [
+static CUDA_SWITCHES: [&Switch; 37] = [
     &CUDA_KERNELS,
     &LEAN_CUDA_FEED_FORWARD,
     &CUDA_TAPE,
@@ -1627,16 +1456,13 @@ static CUDA_SWITCHES: [&Switch; 42] = [
     &CUDA_EMBEDDINGS_IN_PIECES,
     &CUDA_EMBEDDINGS_END,
     &CUDA_ADD,
-    &CUDA_HANDED_HALF,
     &CUDA_JOIN,
     &CUDA_KEYED_DROPOUT,
     &CUDA_WIDE_LINEAR,
     &CUDA_LINEAR_EPILOGUE,
     &CUDA_LINEAR_BACKWARD_LT,
     &CUDA_BIAS_GRADIENT_EPILOGUE,
-    &CUDA_RESIDUAL_SUM_IN_PRODUCT,
     &CUDA_LINEAR_CAST,
-    &CUDA_TABLE_CAST,
     &CUDA_FLASH_VECTOR_STORES,
     &CUDA_FLASH_REGISTERS,
     &CUDA_FLASH_BATCHED_LOADS,
@@ -1647,7 +1473,6 @@ static CUDA_SWITCHES: [&Switch; 42] = [
     &CUDA_FLASH_KEEP_BITS,
     &CUDA_FLASH_DELTA_VECTOR,
     &CUDA_FLASH_JOINT_BACKWARD,
-    &CUDA_FLASH_PAIR_KEYS,
     &CUDA_NORM_WIDE_GRID,
     &CUDA_NORM_VECTOR,
     &CUDA_NORM_WARP_FORWARD,
@@ -1660,7 +1485,6 @@ static CUDA_SWITCHES: [&Switch; 42] = [
     &CUDA_BIAS_SUMS_REGISTERS,
     &CUDA_FLASH_ATTENTION,
     &CUDA_LOSS,
-    &CUDA_PADDED_DECODER,
     &CUDA_FP16,
 ];
 
@@ -1932,24 +1756,6 @@ impl Kernels for Fused {
             ),
             _ => self.linear(x, weight, bias),
         }
-    }
-
-    fn decoder(
-        &self,
-        x: &Tensor,
-        weight: &Tensor,
-        bias: &Tensor,
-        sink: Option<&GradientSink>,
-    ) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if cuda_padded_decoder()
-            && on_cuda(&[x, weight, bias])
-            && cuda::bias_fits(weight.dim(0)?.next_multiple_of(8))
-            && let Some(logits) = cuda::padded_linear(x, weight, bias, sink)?
-        {
-            return Ok(logits);
-        }
-        unpadded_decoder(self, x, weight, bias, sink)
     }
 
     fn linear_gelu(

@@ -118,14 +118,7 @@ impl Tape {
             let Some(g) = grads.remove(&node.output.id()) else {
                 continue;
             };
-            // The gradient the node's first input has so far, offered to its backward
-            // ([`take_gradient_so_far`]); what it leaves is added as before, first.
-            let first = node.inputs.first();
-            let so_far = first.and_then(|x| Some((x.id(), grads.remove(&x.id())?)));
-            SO_FAR.with(|s| *s.borrow_mut() = so_far);
-            let inputs = node.backward(&g);
-            let left = SO_FAR.with(|s| s.borrow_mut().take());
-            let inputs = inputs?;
+            let inputs = node.backward(&g)?;
             crate::trace_device_pool(g.device(), || {
                 format!(
                     "the backward of {} (the tape's op {})",
@@ -133,9 +126,6 @@ impl Tape {
                     nodes.len()
                 )
             });
-            if let (Some(x), Some((_, so_far))) = (first, left) {
-                add_into(&mut grads, x, so_far, "the tape")?;
-            }
             for (input, g) in node.inputs.iter().zip(inputs) {
                 if let Some(g) = g {
                     add_into(&mut grads, input, g, node.name())?;
@@ -144,31 +134,6 @@ impl Tape {
         }
         Ok(grads)
     }
-}
-
-thread_local! {
-    /// The gradient the first input of the node whose backward [`Tape::backward`] is running
-    /// has so far (from the ops after it in the pass), by the input's id, until taken.
-    static SO_FAR: RefCell<Option<(TensorId, Tensor)>> = const { RefCell::new(None) };
-}
-
-/// For an op's backward run by [`Tape::backward`]: the gradient its first input `x` already
-/// has from the ops after it (a residual's, where `x` also went on to a sublayer's end),
-/// taken, for the op to fold into the gradient it returns for `x` (a product's accumulation
-/// adds it in the same pass, where the tape would add the two after it). Once taken the tape
-/// no longer has it: the op must add it, and the tape takes the op's gradient for `x` as the
-/// sum. `None` where `x` has none yet, or it is not the first input of the node being taken
-/// back, or outside a tape's backward (candle's autograd adds its gradients itself).
-// (Only CUDA's linear layers take it so far: unused in a CPU-only build but by the tests.)
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn take_gradient_so_far(x: &Tensor) -> Option<Tensor> {
-    SO_FAR.with(|s| {
-        let mut s = s.borrow_mut();
-        match s.as_ref() {
-            Some((id, _)) if *id == x.id() => s.take().map(|(_, g)| g),
-            _ => None,
-        }
-    })
 }
 
 /// Adds `grad` to `tensor`'s gradient: moved in when it is the first.
@@ -397,12 +362,8 @@ mod tests {
     use super::*;
     use candle_core::{CpuStorage, Device, Layout, Shape};
 
-    /// `x · factor`, its backward `grad · factor`; with `folds`, the gradient its input has so
-    /// far taken into the one it returns (as the CUDA linear layer's product folds it in).
-    struct Scale {
-        factor: f32,
-        folds: bool,
-    }
+    /// `x · factor`, its backward `grad · factor`.
+    struct Scale(f32);
 
     impl CustomOp1 for Scale {
         fn name(&self) -> &'static str {
@@ -412,51 +373,30 @@ mod tests {
         fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
             let (start, end) = l.contiguous_offsets().expect("contiguous");
             let x = &s.as_slice::<f32>()?[start..end];
-            let y = x.iter().map(|v| v * self.factor).collect();
+            let y = x.iter().map(|v| v * self.0).collect();
             Ok((CpuStorage::F32(y), l.shape().clone()))
         }
 
-        fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-            let own = (grad * self.factor as f64)?;
-            match self.folds.then(|| take_gradient_so_far(x)).flatten() {
-                Some(so_far) => Ok(Some((so_far + own)?)),
-                None => Ok(Some(own)),
-            }
+        fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+            Ok(Some((grad * self.0 as f64)?))
         }
     }
 
-    /// `x`'s gradient from two ops on it (the first recorded folds what the second gave, when
-    /// `folds`), their outputs joined, for `upstream` on the join.
-    fn gradient(folds: bool, upstream: &Tensor) -> Vec<f32> {
+    /// A tensor two recorded ops took gets the sum of their gradients, through their outputs
+    /// joined.
+    #[test]
+    fn a_tensor_two_ops_took_gets_the_sum_of_their_gradients() {
         let x = Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap();
         let (out, tape) = record(|| {
-            let a = apply_op1(&x, Scale { factor: 2.0, folds })?;
-            let b = apply_op1(
-                &x,
-                Scale {
-                    factor: 3.0,
-                    folds: false,
-                },
-            )?;
+            let a = apply_op1(&x, Scale(2.0))?;
+            let b = apply_op1(&x, Scale(3.0))?;
             cat_rows(&[&a, &b])
         })
         .unwrap();
-        let mut grads = tape.unwrap().backward(&out, upstream.clone()).unwrap();
-        grads.remove(&x.id()).unwrap().to_vec1().unwrap()
-    }
-
-    /// A node's backward that takes its input's gradient so far returns the sum, which the
-    /// tape keeps as it is (not added again); one that does not leaves it to the tape's sum,
-    /// the same values; and a node whose input has no gradient yet is offered none.
-    #[test]
-    fn a_gradient_so_far_is_added_once_by_whoever_takes_it() {
         let upstream =
             Tensor::new(&[1f32, 10., 100., 1000., 10000., 100000.], &Device::Cpu).unwrap();
-        let want = vec![2. + 3000., 20. + 30000., 200. + 300000.];
-        assert_eq!(gradient(true, &upstream), want);
-        assert_eq!(gradient(false, &upstream), want);
-        // Outside a tape's backward there is nothing to take.
-        let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
-        assert!(take_gradient_so_far(&x).is_none());
+        let mut grads = tape.unwrap().backward(&out, upstream).unwrap();
+        let got: Vec<f32> = grads.remove(&x.id()).unwrap().to_vec1().unwrap();
+        assert_eq!(got, [2. + 3000., 20. + 30000., 200. + 300000.]);
     }
 }

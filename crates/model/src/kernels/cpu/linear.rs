@@ -356,8 +356,6 @@ impl CustomOp3 for Linear {
             let (g_storage, g_layout) = grad.storage_and_layout();
             let g = cpu_slice(op, "gradient", &g_storage, g_layout)?;
             let (grad_x, grad_weight, grad_bias) = linear_backward(op, x, weight, bias, g)?;
-            #[cfg(test)]
-            let grad_x = offer_for_tests::fold(x, grad_x)?;
             match (&self.sink, grad_weight) {
                 (Some(sink), Some(grad_weight)) => {
                     sink.put(&grad_weight)?;
@@ -635,36 +633,5 @@ vectorised! {
 fn add_into_portable(sums: &mut [f32], row: &[f32]) {
     for (s, &r) in sums.iter_mut().zip(row) {
         *s += r;
-    }
-}
-
-/// For the model's unit tests: the CPU linear layer takes the tape's offer of its input's
-/// gradient so far (`tape::take_gradient_so_far`, which CUDA's linear layers take into their
-/// product) and adds it as the tape would have (the same addition, the same order: the same
-/// bits), counting the offers it took, so that the offer's way through a real encoder's
-/// backward is tested on the CPU.
-#[cfg(test)]
-pub(crate) mod offer_for_tests {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-    use candle_core::{Result, Tensor};
-
-    /// Whether the CPU linear layer takes the offer.
-    pub(crate) static ON: AtomicBool = AtomicBool::new(false);
-    /// The offers taken so far.
-    pub(crate) static TAKEN: AtomicUsize = AtomicUsize::new(0);
-
-    pub(super) fn fold(x: &Tensor, grad_x: Option<Tensor>) -> Result<Option<Tensor>> {
-        if !ON.load(Ordering::SeqCst) {
-            return Ok(grad_x);
-        }
-        match (crate::kernels::tape::take_gradient_so_far(x), grad_x) {
-            (Some(so_far), Some(g)) => {
-                TAKEN.fetch_add(1, Ordering::SeqCst);
-                Ok(Some(crate::kernels::add_gradients(&so_far, &g)?))
-            }
-            (Some(so_far), None) => Ok(Some(so_far)),
-            (None, g) => Ok(g),
-        }
     }
 }

@@ -26,8 +26,6 @@ pub(crate) use attention::Attention;
 pub(crate) use embeddings::Embeddings;
 pub(crate) use gelu::GeluOp;
 pub(crate) use layer_norm::{LayerNorm, ResidualLayerNorm};
-#[cfg(test)]
-pub(crate) use linear::offer_for_tests;
 pub(crate) use linear::{GeluLinear, HalfBias, Linear, LinearGelu};
 pub(crate) use nll::NegativeLogLikelihood;
 

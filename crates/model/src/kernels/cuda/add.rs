@@ -3,9 +3,7 @@
 //! bytes a thread, each element added in f32 and rounded once (`add_tensors` in `kernels.cu`).
 //! candle's addition gives each element a thread of its own: on an H200, 70 µs for a BERT-large
 //! batch's `[8192, 1024]` bf16 gradients, about 0.7 TB/s. The twin is candle's addition on the
-//! CPU (bf16 and f16 through f32, rounded once: the same bits). And a half-precision gradient
-//! handed over added into an f32 one without the cast's copy (`add_half_into_f32`,
-//! [`crate::kernels::set_cuda_handed_half`]).
+//! CPU (bf16 and f16 through f32, rounded once: the same bits).
 
 use super::*;
 
@@ -79,58 +77,4 @@ impl CustomOp2 for AddTensors {
 /// `a + b` through [`AddTensors`] (CUDA tensors of one shape and dtype the kernels take).
 pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a.contiguous()?.apply_op2(&b.contiguous()?, AddTensors)
-}
-
-/// `a + b` for an f32 `a` and a bf16 or f16 `b` of one shape, into f32
-/// (`add_half_into_f32` in `kernels.cu`): the cast of `b` and the f32 addition in one pass,
-/// without the cast's f32 copy.
-struct AddHalfIntoF32;
-
-impl CustomOp2 for AddHalfIntoF32 {
-    fn name(&self) -> &'static str {
-        "bertkit-cuda-add-half-into-f32"
-    }
-
-    cuda_only!(2);
-
-    fn cuda_fwd(
-        &self,
-        a: &CudaStorage,
-        al: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        fn run<T: Element>(
-            op: &AddHalfIntoF32,
-            a: (&CudaStorage, &Layout),
-            b: (&CudaStorage, &Layout),
-        ) -> Result<(CudaStorage, Shape)> {
-            sum::<f32, T, f32>(op.name(), "add_half_into_f32", a, b)
-        }
-        match candle_core::backend::BackendStorage::dtype(b) {
-            DType::BF16 => run::<half::bf16>(self, (a, al), (b, bl)),
-            DType::F16 => run::<half::f16>(self, (a, al), (b, bl)),
-            other => bail!(
-                "{}: a bf16 or f16 second operand, got {other:?}",
-                self.name()
-            ),
-        }
-    }
-
-    // (The tape adds gradients outside any graph; this serves the check, which takes every
-    // kernel's gradients through candle's autograd: `a`'s in f32, `b`'s in its own dtype.)
-    fn bwd(
-        &self,
-        _a: &Tensor,
-        b: &Tensor,
-        _sum: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(grad.clone()), Some(grad.to_dtype(b.dtype())?)))
-    }
-}
-
-/// `a + b` through [`AddHalfIntoF32`] (CUDA tensors of one shape: `a` f32, `b` bf16 or f16).
-pub(crate) fn add_half_into_f32(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    a.contiguous()?.apply_op2(&b.contiguous()?, AddHalfIntoF32)
 }

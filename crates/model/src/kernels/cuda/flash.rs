@@ -16,9 +16,7 @@
 //! registers, [`crate::kernels::set_cuda_flash_registers`]): the same grid and arguments. The
 //! backward is three launches (each query's delta, the keys' and values' gradients, the
 //! queries'), or at rows of at most 128 places one (the joint backward,
-//! [`crate::kernels::set_cuda_flash_joint_backward`]: a block a row's head, its own grid); the
-//! keys' and values' kernel may take two key tiles a block
-//! ([`crate::kernels::set_cuda_flash_pair_keys`]).
+//! [`crate::kernels::set_cuda_flash_joint_backward`]: a block a row's head, its own grid).
 
 use super::attention::Heads;
 use super::*;
@@ -99,33 +97,6 @@ fn joint_entry(dev: &CudaDevice, h: &Heads, bits: bool) -> Result<Option<String>
     Ok(allow_dynamic_shared::<half::bf16>(dev, &name, JOINT_SHARED_BYTES)?.then_some(name))
 }
 
-/// The keys' and values' backward over two key tiles a block: its dynamic shared memory
-/// (`FrPairKvShared`, whose size `flash_registers.cu` asserts: the block's keys and values, two
-/// buffers of a query tile's queries and output gradients, each place's values and keep words).
-const PAIR_KEYS_SHARED_BYTES: usize = 92_160;
-
-/// The keys' and values' backward over two key tiles a block where it takes this batch
-/// ([`crate::kernels::set_cuda_flash_pair_keys`]: with the straight forms, rows of more than
-/// one tile, a device that gives a block [`PAIR_KEYS_SHARED_BYTES`]): its entry point, allowed
-/// them, and its launch; `None` for the kernel of a key tile a block.
-fn pair_keys_launch(
-    dev: &CudaDevice,
-    h: &Heads,
-    bits: bool,
-) -> Result<Option<(String, LaunchConfig)>> {
-    if !(crate::kernels::cuda_flash_pair_keys() && straight_forms() && h.places.seq > TILE) {
-        return Ok(None);
-    }
-    let (exp2, drop) = straight_form(&h.dropout, bits);
-    let name = format!("flash_registers_pair{exp2}{drop}_backward_kv");
-    if !allow_dynamic_shared::<half::bf16>(dev, &name, PAIR_KEYS_SHARED_BYTES)? {
-        return Ok(None);
-    }
-    let mut grid = tiles_grid(h, PAIR);
-    grid.shared_mem_bytes = PAIR_KEYS_SHARED_BYTES as u32;
-    Ok(Some((name, grid)))
-}
-
 /// Elements of a 16-byte load, the kernels' unit: each input's first element must sit on one.
 const ALIGN: usize = 8;
 /// Queries (or keys) a block of the kernels covers (`FLASH_TILE`).
@@ -144,7 +115,7 @@ fn pair_forward() -> bool {
 
 /// Whether the kernels take their straight forms: the scores in registers, the tiles' loads
 /// batched, no branch at an element ([`crate::kernels::set_cuda_flash_straight`]), which the
-/// pair forward, the joint backward and the pair keys' backward are forms of.
+/// pair forward and the joint backward are forms of.
 fn straight_forms() -> bool {
     crate::kernels::cuda_flash_registers()
         && crate::kernels::cuda_flash_batched_loads()
@@ -412,13 +383,9 @@ impl CustomOp3 for FlashBackward<'_> {
                     b.arg(a);
                 }
             })?;
-            let pair_keys = pair_keys_launch(dev, h, keep.is_some())?;
             for kernel in ["backward_kv", "backward_q"] {
-                let (kernel_name, config) = match &pair_keys {
-                    Some((pair, config)) if kernel == "backward_kv" => (pair.clone(), *config),
-                    _ => (entry(kernel, &h.dropout, keep.is_some()), grid(h)),
-                };
-                launch!(half::bf16, dev, kernel_name, config, |b| {
+                let kernel_name = entry(kernel, &h.dropout, keep.is_some());
+                launch!(half::bf16, dev, kernel_name, grid(h), |b| {
                     b.arg(&qkv).arg(&grad).arg(&self.saved.lse).arg(&delta);
                     b.arg(&mut grad_qkv);
                     backward_tail(b, &scatter, &args, h, keep);

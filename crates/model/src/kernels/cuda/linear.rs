@@ -220,10 +220,6 @@ struct LinearOp {
     epilogue: bool,
     /// Where the weight's gradient goes instead of the graph ([`linear_into`]).
     sink: Option<GradientSink>,
-    /// The output's rows padded past the weight's rows to this width ([`padded_linear`]):
-    /// the product handed over and the bias that wide, the weight padded with zero rows for
-    /// the backward's products and its gradient's padding dropped.
-    padded: Option<usize>,
     /// The [`crate::kernels::Kernels`] method that made it, its backward counted there.
     caller: crate::kernels::Caller,
 }
@@ -363,20 +359,12 @@ fn set_preference<V>(
 /// recommendation for Hopper (32 MiB, cudarc's handle's own).
 const LT_MAX_WORKSPACE: usize = 32 << 20;
 
-/// What a product through [`lt_raw`] does besides `op(A) · op(B)`.
-enum LtExtra<'a, 'b, T> {
-    /// cuBLASLt's `BGRADB` epilogue: the sums of `op(B)`'s columns over `k` (`n` of them)
-    /// written to the view.
-    BiasGradient(&'a mut CudaViewMut<'b, T>),
-    /// `C` added (beta 1): `D = op(A) · op(B) + C`, `C` laid out as `D`, `D` another buffer.
-    Plus(&'a CudaView<'b, T>),
-}
-
 /// The column-major cuBLASLt product `cfg` lays out ([`lt_product`]: `D` `[m, n]` (ld m) =
 /// `op(A) · op(B)`, `op` transposing where `transa`, `transb` say, A and B stored with leading
-/// dimensions `lda`, `ldb`) and `extra` (which decides beta), through cuBLASLt's own API where
-/// cudarc's `matmul` has neither (its epilogues are the forward's; its `C` is its `D`), f32
-/// accumulation, each result rounded once to `T`. `Ok(false)` without launching anything
+/// dimensions `lda`, `ldb`) with cuBLASLt's `BGRADB` epilogue (the sums of `op(B)`'s columns
+/// over `k`, `n` of them, written to `bias`), through cuBLASLt's own API where cudarc's
+/// `matmul` has none (its epilogues are the forward's), f32 accumulation, each result rounded
+/// once to `T`. `Ok(false)` without launching anything
 /// where cuBLASLt's search finds no algorithm (the caller then takes another way). The
 /// operands start on 16-byte boundaries with leading dimensions of whole 16-byte pieces
 /// (`lt_backward_takes`), as the preferences tell the search; the workspace is what the
@@ -388,7 +376,7 @@ fn lt_raw<T: Element>(
     cfg: &MatmulConfig,
     (a, b): (&CudaView<'_, T>, &CudaView<'_, T>),
     d: &mut CudaViewMut<'_, T>,
-    extra: LtExtra<'_, '_, T>,
+    bias: &mut CudaViewMut<'_, T>,
 ) -> Result<bool>
 where
     CudaBlasLT: Matmul<T>,
@@ -417,23 +405,18 @@ where
         &operation(cfg.transb),
     )?;
     let stream = lt.stream();
-    let (beta, c) = match extra {
-        LtExtra::BiasGradient(bias) => {
-            set_description(
-                &description,
-                Description::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                &lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
-            )?;
-            let (bias_ptr, _bias_used) = bias.device_ptr_mut(stream);
-            set_description(
-                &description,
-                Description::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                &bias_ptr,
-            )?;
-            (0.0f32, None)
-        }
-        LtExtra::Plus(c) => (1.0f32, Some(c.device_ptr(stream).0)),
-    };
+    set_description(
+        &description,
+        Description::CUBLASLT_MATMUL_DESC_EPILOGUE,
+        &lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
+    )?;
+    let (bias_ptr, _bias_used) = bias.device_ptr_mut(stream);
+    set_description(
+        &description,
+        Description::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+        &bias_ptr,
+    )?;
+    let beta = 0.0f32;
     let layout = |rows: u64, cols: u64, ld: i64| {
         LtObject::new(
             lt_result::create_matrix_layout(element, rows, cols, ld),
@@ -494,7 +477,7 @@ where
     let (d_ptr, _d_used) = d.device_ptr_mut(stream);
     let (w_ptr, _w_used) = workspace.device_ptr(stream);
     // (Beta 0: C is not read; D stands in for it.)
-    let c_ptr = c.unwrap_or(d_ptr);
+    let c_ptr = d_ptr;
     // SAFETY: the layouts are those of the buffers (the caller's sizes: `a` and `b` as laid
     // out above, `d` and `C` m x n, the bias gradient n elements), the workspace as large as
     // the algorithm needs, on the handle's stream (the workspace's freeing ordered after the
@@ -662,14 +645,7 @@ impl CustomOp2 for LtGradient {
                 let mut bias = rest.slice_mut(..out);
                 // The product as `LtGradient::Weight` lays it out, its epilogue summing the
                 // gradient's rows (`op(B)`'s columns over the tokens) into the bias's.
-                if !lt_raw::<T>(
-                    dev,
-                    &lt,
-                    &cfg,
-                    (first, second),
-                    &mut weight,
-                    LtExtra::BiasGradient(&mut bias),
-                )? {
+                if !lt_raw::<T>(dev, &lt, &cfg, (first, second), &mut weight, &mut bias)? {
                     // No algorithm with the epilogue for this shape: the product alone, and
                     // the gradient's column sums by our kernel (which, without an activation,
                     // reads neither the product nor the bias: the gradient stands for both).
@@ -696,81 +672,6 @@ impl CustomOp2 for LtGradient {
             Ok((wrap(c, dev), Shape::from(shape)))
         }
         by_dtype!(self.name(), a, run(*self, (a, al), (b, bl)))
-    }
-}
-
-/// A linear layer's input gradient with the gradient its input has so far added by the same
-/// cuBLASLt product (beta 1, [`LtExtra::Plus`]): `grad` `[rows, out]`, `weight` `[out, in]`,
-/// `so_far` `[rows, in]`; out `grad · weight + so_far` `[rows, in]`, each element rounded once
-/// ([`crate::kernels::set_cuda_residual_sum_in_product`]).
-struct LtInputPlus;
-
-impl CustomOp3 for LtInputPlus {
-    fn name(&self) -> &'static str {
-        "bertkit-cuda-linear-input-gradient-plus"
-    }
-
-    cuda_only!(3);
-
-    fn cuda_fwd(
-        &self,
-        g: &CudaStorage,
-        gl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        c: &CudaStorage,
-        cl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        fn run<T: Element>(
-            name: &str,
-            (g, gl): (&CudaStorage, &Layout),
-            (w, wl): (&CudaStorage, &Layout),
-            (c, cl): (&CudaStorage, &Layout),
-        ) -> Result<(CudaStorage, Shape)>
-        where
-            CudaBlasLT: Matmul<T>,
-        {
-            let ((rows, out), (out_w, inner)) = (gl.shape().dims2()?, wl.shape().dims2()?);
-            if out != out_w || cl.dims() != [rows, inner] {
-                bail!(
-                    "{name}: a gradient {:?} for a weight {:?} and a sum so far {:?}",
-                    gl.dims(),
-                    wl.dims(),
-                    cl.dims()
-                )
-            }
-            let dev = &g.device;
-            let lt = lt_handle(dev)?;
-            let (grad, weight) = (
-                view::<T>(name, "gradient", g, gl)?,
-                view::<T>(name, "weight", w, wl)?,
-            );
-            let so_far = view::<T>(name, "sum so far", c, cl)?;
-            // SAFETY: the product writes every element (beta 1 reads `so_far`, not `out`).
-            let mut sum = unsafe { dev.alloc::<T>(rows * inner)? };
-            // As `LtGradient::Input` lays it out: the weight [in, out] (ld in) times the
-            // gradient [out, rows] (ld out), [in, rows], `so_far` laid out alike.
-            let mut d = sum.slice_mut(..);
-            let cfg = lt_product((false, false), (inner, rows, out), (inner, out));
-            if !lt_raw::<T>(
-                dev,
-                &lt,
-                &cfg,
-                (&weight, &grad),
-                &mut d,
-                LtExtra::Plus(&so_far),
-            )? {
-                // No algorithm for it: the sum so far copied in, the product added to it in
-                // place (cudarc's product reads its C where it writes its D).
-                dev.memcpy_dtod(&so_far, &mut d)?;
-                let cfg = MatmulConfig { beta: 1.0, ..cfg };
-                // SAFETY: the layouts are those of the buffers' sizes.
-                unsafe { lt.matmul(cfg, &weight, &grad, &mut d, None, None) }.map_err(lt_error)?;
-            }
-            Ok((wrap(sum, dev), Shape::from((rows, inner))))
-        }
-        let name = self.name();
-        by_dtype!(name, g, run(name, (g, gl), (w, wl), (c, cl)))
     }
 }
 
@@ -835,7 +736,6 @@ impl CustomOp3 for LinearOp {
             };
             let dims = rows_cols(name, pl, Some(bl))?;
             let (out_features, in_features) = wl.shape().dims2()?;
-            let out_features = op.padded.unwrap_or(out_features);
             if xl.dims().last() != Some(&in_features) || dims.1 != out_features {
                 bail!(
                     "{name}: an input {:?} for a weight {:?}",
@@ -875,15 +775,14 @@ impl CustomOp3 for LinearOp {
             }),
             grad.device(),
             || {
-                let (weight_rows, in_features) = weight.dims2()?;
-                let out_features = self.padded.unwrap_or(weight_rows);
+                let (out_features, in_features) = weight.dims2()?;
                 let rows = x.elem_count() / in_features.max(1);
                 let grad = grad.contiguous()?.reshape((rows, out_features))?;
                 let x_rows = x.detach().reshape((rows, in_features))?;
                 // A weight kept in another dtype: cast again for the input's gradient, and its
                 // own gradient cast back to it.
                 let weight_dtype = weight.dtype();
-                let weight = product_weight(weight, x.dtype(), out_features)?;
+                let weight = weight.detach().to_dtype(x.dtype())?;
                 // Without an activation the product's gradient is the output's, and its
                 // column sums (the bias's gradient) may come out of the weight gradient's
                 // product (`lt_raw`).
@@ -912,26 +811,10 @@ impl CustomOp3 for LinearOp {
                     }
                 };
                 let lt = lt_backward_takes(&[&grad_pre, &x_rows, &weight]);
-                // The gradient `x` has so far (a residual's: `x` went on to a sublayer's end
-                // too) added by the input gradient's product itself, where it takes it.
-                let so_far = (lt
-                    && self.input_act.is_none()
-                    && crate::kernels::cuda_residual_sum_in_product())
-                .then(|| tape::take_gradient_so_far(x))
-                .flatten();
-                let grad_x = match so_far {
-                    Some(so_far) => {
-                        let so_far = so_far.reshape((rows, in_features))?;
-                        if lt_backward_takes(&[&so_far]) && so_far.dtype() == grad_pre.dtype() {
-                            grad_pre.apply_op3_no_bwd(&weight, &so_far, &LtInputPlus)?
-                        } else {
-                            // (Added as the tape would have: what it had first.)
-                            let product = grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?;
-                            crate::kernels::add_gradients(&so_far, &product)?
-                        }
-                    }
-                    None if lt => grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?,
-                    None => grad_pre.matmul(&weight)?,
+                let grad_x = if lt {
+                    grad_pre.apply_op2_no_bwd(&weight, &LtGradient::Input)?
+                } else {
+                    grad_pre.matmul(&weight)?
                 };
                 let (input, grad_x) = match self.input_act {
                     // The product's input was `act(x)`: recomputed, and the gradient taken
@@ -960,12 +843,6 @@ impl CustomOp3 for LinearOp {
                             packed.narrow(0, start, out_features)?,
                         )
                     }
-                };
-                // (The padding's rows dropped: the first rows of a contiguous tensor, a view.)
-                let grad_weight = if out_features > weight_rows {
-                    grad_weight.narrow(0, 0, weight_rows)?
-                } else {
-                    grad_weight
                 };
                 // Handed over in the product's dtype (cast, or added into the parameter's
                 // gradient without a cast copy, where the sink's gradient is added), else cast
@@ -1129,7 +1006,7 @@ pub(crate) fn linear(
     bias: &Tensor,
     act: Option<Gelu>,
 ) -> Result<Tensor> {
-    linear_node(x, weight, bias, act, None, None, None)
+    linear_node(x, weight, bias, act, None, None)
 }
 
 /// [`linear`] (no activation) with the weight's gradient handed to `sink`
@@ -1145,116 +1022,10 @@ pub(crate) fn linear_into(
 ) -> Result<Tensor> {
     let sink = Some(sink.clone());
     if weight.dtype() == x.dtype() || crate::kernels::cuda_linear_cast() {
-        linear_node(x, weight, bias, None, None, sink, None)
+        linear_node(x, weight, bias, None, None, sink)
     } else {
         let cast = weight.detach().to_dtype(x.dtype())?;
-        linear_node(x, &cast, bias, None, None, sink, None)
-    }
-}
-
-/// The masked-LM decoder's rows padded (`BERTKIT_CUDA_DECODER=padded`,
-/// [`crate::kernels::Kernels::decoder`]): [`linear_into`]'s `x · weightᵀ + bias` (the weight's
-/// gradient to `sink` where given), its rows `width` wide, `weight`'s rows (the vocabulary:
-/// BERT's 30,522) rounded up to whole 16-byte pieces, the padding zeros. Rows of 30,522 bf16
-/// leave every operand of the decoder's three products with that leading dimension 4-byte
-/// aligned: on an H200 cuBLAS takes `cutlass_80` kernels for them at ~230 TFLOP/s (345-357 µs
-/// each a BERT-large phase-1 pass) where the layers' aligned products run at ~700, and the
-/// bias's kernels cannot take their 16-byte forms (110 and 138 µs); NVIDIA's BERT pads its
-/// vocabulary to 30,528 for this. The weight (the f32 word table) is cast into a padded copy
-/// (as it is cast for the product anyway), the bias padded in the graph (its gradient's
-/// padding dropped there), and the losses read the first `weight.dim(0)` of each row
-/// ([`crate::loss::nll_per_row_of`]). `None` where the rows need no padding.
-pub(crate) fn padded_linear(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    sink: Option<&GradientSink>,
-) -> Result<Option<Tensor>> {
-    let (out, _) = weight.dims2()?;
-    let width = out.next_multiple_of(16 / x.dtype().size_in_bytes());
-    if width == out || !matches!(x.dtype(), DType::BF16 | DType::F16) {
-        return Ok(None);
-    }
-    let bias = tape::to_dtype(bias, x.dtype())?.pad_with_zeros(0, 0, width - out)?;
-    linear_node(x, weight, &bias, None, None, sink.cloned(), Some(width)).map(Some)
-}
-
-/// `weight` (`[rows, in]`, detached) in `dtype` for a product, with zero rows after its own up
-/// to `width`: an f32 weight cast to half precision by [`CastPadded`] where turned on
-/// ([`crate::kernels::set_cuda_table_cast`]), else candle's cast and [`padded_rows`].
-fn product_weight(weight: &Tensor, dtype: DType, width: usize) -> Result<Tensor> {
-    let weight = weight.detach();
-    if weight.dtype() == DType::F32
-        && matches!(dtype, DType::BF16 | DType::F16)
-        && crate::kernels::cuda_table_cast()
-    {
-        return weight
-            .contiguous()?
-            .apply_op1_no_bwd(&CastPadded { dtype, width });
-    }
-    padded_rows(weight.to_dtype(dtype)?, width)
-}
-
-/// An f32 `[rows, cols]` tensor cast to `dtype` (bf16 or f16) into `[width, cols]`, the rows
-/// past its own zeros (`cast_f32_padded` in `kernels.cu`), in one launch.
-struct CastPadded {
-    dtype: DType,
-    width: usize,
-}
-
-impl CustomOp1 for CastPadded {
-    fn name(&self) -> &'static str {
-        "bertkit-cuda-cast-f32-padded"
-    }
-
-    cuda_only!(1);
-
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        fn run<T: Element>(
-            op: &CastPadded,
-            s: &CudaStorage,
-            l: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            let (rows, cols) = l.shape().dims2()?;
-            if op.width < rows {
-                bail!("{}: {rows} rows into {}", op.name(), op.width)
-            }
-            let src = view::<f32>(op.name(), "the weight", s, l)?;
-            let (n, total) = (rows * cols, op.width * cols);
-            let dev = &s.device;
-            // SAFETY: the kernel writes every element (the cast, then the padding's zeros).
-            let mut out = unsafe { dev.alloc::<T>(total)? };
-            let threads = total.div_ceil(piece_elements::<T>());
-            launch!(
-                T,
-                dev,
-                "cast_f32_padded",
-                config(threads.div_ceil(256).min(65_535), 256, 0),
-                |bld| {
-                    bld.arg(&src).arg(&mut out).arg(&n).arg(&total);
-                }
-            )?;
-            Ok((wrap(out, dev), Shape::from((op.width, cols))))
-        }
-        if candle_core::backend::BackendStorage::dtype(s) != DType::F32 {
-            bail!("{}: an f32 tensor expected", self.name())
-        }
-        match self.dtype {
-            DType::BF16 => run::<half::bf16>(self, s, l),
-            DType::F16 => run::<half::f16>(self, s, l),
-            other => bail!("{}: into bf16 or f16, not {other:?}", self.name()),
-        }
-    }
-}
-
-/// `weight` (`[rows, in]`) with zero rows after its own up to `width` rows (itself where it
-/// has as many).
-fn padded_rows(weight: Tensor, width: usize) -> Result<Tensor> {
-    let rows = weight.dim(0)?;
-    if width > rows {
-        weight.pad_with_zeros(0, 0, width - rows)
-    } else {
-        Ok(weight)
+        linear_node(x, &cast, bias, None, None, sink)
     }
 }
 
@@ -1263,7 +1034,7 @@ fn padded_rows(weight: Tensor, width: usize) -> Result<Tensor> {
 /// in the backward pass (the feed-forward's second layer,
 /// [`crate::kernels::Kernels::feed_forward`]). The twin of `cpu::GeluLinear`.
 pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: &Tensor, act: Gelu) -> Result<Tensor> {
-    linear_node(x, weight, bias, None, Some(act), None, None)
+    linear_node(x, weight, bias, None, Some(act), None)
 }
 
 /// `act(input_act(x) · weightᵀ + bias)` as one [`LinearOp`]: the product by cuBLAS outside
@@ -1275,7 +1046,6 @@ fn linear_node(
     act: Option<Gelu>,
     input_act: Option<Gelu>,
     sink: Option<GradientSink>,
-    padded: Option<usize>,
 ) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = tape::contiguous(x)?;
@@ -1283,19 +1053,13 @@ fn linear_node(
     let rows = x.elem_count() / in_features.max(1);
     let bias = tape::to_dtype(bias, dtype)?;
     let same = weight.dtype() == dtype;
-    if same
-        && act.is_none()
-        && input_act.is_none()
-        && padded.is_none()
-        && epilogue_takes(&x, weight, &bias, rows)
-    {
+    if same && act.is_none() && input_act.is_none() && epilogue_takes(&x, weight, &bias, rows) {
         let op = LinearOp {
             act,
             input_act,
             pre: Handoff::empty(),
             epilogue: true,
             sink,
-            padded,
             caller: crate::kernels::Caller::now(),
         };
         return tape::apply_op3(&x, weight, &bias, op);
@@ -1307,8 +1071,7 @@ fn linear_node(
     };
     // A weight kept in another dtype (`crate::kernels::set_cuda_linear_cast`): a cast copy for
     // the product, dropped after it.
-    // Padded rows: the weight with zero rows to the width, so the product is that wide.
-    let product_weight = product_weight(weight, dtype, padded.unwrap_or(weight.dim(0)?))?;
+    let product_weight = weight.detach().to_dtype(dtype)?;
     let pre = input.matmul(&product_weight.t()?)?;
     drop((input, product_weight));
     let op = LinearOp {
@@ -1317,7 +1080,6 @@ fn linear_node(
         pre: Handoff::new(pre),
         epilogue: false,
         sink,
-        padded,
         caller: crate::kernels::Caller::now(),
     };
     tape::apply_op3(&x, weight, &bias, op)

@@ -6,20 +6,15 @@
 // copy of the `[slots, vocabulary]` logits), sums in f32. The forward keeps each row's
 // log-sum-exp (`[rows]` f32) for the backward, which writes `g · (softmax(x) - onehot(label))`
 // in the logits' dtype in one pass.
-//
-// `Padded` (`nll_*_padded`, `BERTKIT_CUDA_DECODER=padded`): rows `width` elements apart, of
-// which the first `classes` are the logits (the masked-LM decoder's rows padded to whole
-// 16-byte pieces for its products); the backward writes zeros past them.
 
 #include "common.cuh"
 
-template <typename T, bool Padded = false>
+template <typename T>
 __device__ void nll_forward(const T* logits, const uint32_t* labels, float* nll, float* lse,
-                            int rows, int classes, int width = 0) {
+                            int rows, int classes) {
     __shared__ float scratch[32];
-    const int stride = Padded ? width : classes;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const T* x = logits + (size_t)r * stride;
+        const T* x = logits + (size_t)r * classes;
         float m = -INFINITY;
         for (int c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, to_f32(x[c]));
         m = block_max(m, scratch);
@@ -34,24 +29,17 @@ __device__ void nll_forward(const T* logits, const uint32_t* labels, float* nll,
     }
 }
 
-template <typename T, bool Padded = false>
+template <typename T>
 __device__ void nll_backward(const T* logits, const uint32_t* labels, const float* lse,
-                             const float* grad, T* grad_logits, int rows, int classes,
-                             int width = 0) {
-    const int stride = Padded ? width : classes;
+                             const float* grad, T* grad_logits, int rows, int classes) {
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const size_t at = (size_t)r * stride;
+        const size_t at = (size_t)r * classes;
         const float g = grad[r], l = lse[r];
         const int label = (int)labels[r];
         for (int c = threadIdx.x; c < classes; c += blockDim.x) {
             float v = g * expf(to_f32(logits[at + c]) - l);
             if (c == label) v -= g;
             grad_logits[at + c] = from_f32<T>(v);
-        }
-        if constexpr (Padded) {
-            for (int c = classes + threadIdx.x; c < width; c += blockDim.x) {
-                grad_logits[at + c] = from_f32<T>(0.0f);
-            }
         }
     }
 }
@@ -66,16 +54,6 @@ __device__ void nll_backward(const T* logits, const uint32_t* labels, const floa
                                                      const float* lse, const float* grad,      \
                                                      T* grad_logits, int rows, int classes) {  \
         nll_backward<T>(logits, labels, lse, grad, grad_logits, rows, classes);                \
-    }                                                                                          \
-    extern "C" __global__ void nll_forward_padded_##SUFFIX(                                    \
-        const T* logits, const uint32_t* labels, float* nll, float* lse, int rows, int classes, \
-        int width) {                                                                           \
-        nll_forward<T, true>(logits, labels, nll, lse, rows, classes, width);                  \
-    }                                                                                          \
-    extern "C" __global__ void nll_backward_padded_##SUFFIX(                                   \
-        const T* logits, const uint32_t* labels, const float* lse, const float* grad,          \
-        T* grad_logits, int rows, int classes, int width) {                                    \
-        nll_backward<T, true>(logits, labels, lse, grad, grad_logits, rows, classes, width);   \
     }
 
 NLL_ENTRY_POINTS(float, f32)

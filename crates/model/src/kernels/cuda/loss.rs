@@ -9,14 +9,11 @@
 
 use super::*;
 
-/// `[rows]` f32: each row's `log Σ exp(x) - x[label]`, for `logits` `[..., width]` (f32 or
-/// bf16) and `labels` `[rows]` u32 (checked on the host by `loss::labels`). `classes`: where
-/// fewer than the rows' width, the first `classes` of each row are the logits
-/// (`nll_*_padded` in `loss.cu`); the rest is not read, and its gradient is zeros.
-pub(crate) fn nll(logits: &Tensor, labels: &Tensor, classes: Option<usize>) -> Result<Tensor> {
+/// `[rows]` f32: each row's `log Σ exp(x) - x[label]`, for `logits` `[..., classes]` (f32 or
+/// bf16) and `labels` `[rows]` u32 (checked on the host by `loss::labels`).
+pub(crate) fn nll(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     let op = Nll {
         lse: Handoff::empty(),
-        classes,
     };
     logits.contiguous()?.apply_op2(&labels.contiguous()?, op)
 }
@@ -27,21 +24,6 @@ fn nll_dims(name: &str, logits: &Layout, labels: &Layout) -> Result<(usize, usiz
     crate::kernels::nll_rows(name, logits.dims(), labels.dims())
 }
 
-/// The kernels' names and their row's classes and width: the padded forms where `classes`
-/// is asked of rows of `width` (at most it).
-fn nll_form(
-    name: &str,
-    classes: Option<usize>,
-    width: usize,
-    (plain, padded): (&'static str, &'static str),
-) -> Result<(&'static str, i32, i32)> {
-    match classes {
-        None => Ok((plain, width as i32, width as i32)),
-        Some(c) if c <= width && c > 0 => Ok((padded, c as i32, width as i32)),
-        Some(c) => bail!("{name}: {c} classes in rows of {width}"),
-    }
-}
-
 /// The kernels' launch: a block per row, rows strided past 65,535.
 fn row_config(rows: usize, classes: usize) -> LaunchConfig {
     config(rows.min(65_535), row_threads(classes), 0)
@@ -49,8 +31,6 @@ fn row_config(rows: usize, classes: usize) -> LaunchConfig {
 
 struct Nll {
     lse: Handoff<CudaSlice<f32>>,
-    /// The logits of each row, where fewer than its width ([`nll`]'s `classes`).
-    classes: Option<usize>,
 }
 
 impl CustomOp2 for Nll {
@@ -73,27 +53,18 @@ impl CustomOp2 for Nll {
             (y, yl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let (rows, width) = nll_dims(name, xl, yl)?;
-            let (kernel, classes_i, width_i) = nll_form(
-                name,
-                op.classes,
-                width,
-                ("nll_forward", "nll_forward_padded"),
-            )?;
+            let (rows, classes) = nll_dims(name, xl, yl)?;
             let logits = view::<T>(name, "logits", x, xl)?;
             let labels = view::<u32>(name, "labels", y, yl)?;
             let dev = &x.device;
             // SAFETY: the kernel writes every row's loss and log-sum-exp.
             let mut nll = unsafe { dev.alloc::<f32>(rows)? };
             let mut lse = unsafe { dev.alloc::<f32>(rows)? };
-            let rows_i = rows as i32;
-            let cfg = row_config(rows, classes_i as usize);
-            launch!(T, dev, kernel, cfg, |b| {
+            let (rows_i, classes_i) = (rows as i32, classes as i32);
+            let cfg = row_config(rows, classes);
+            launch!(T, dev, "nll_forward", cfg, |b| {
                 b.arg(&logits).arg(&labels).arg(&mut nll).arg(&mut lse);
                 b.arg(&rows_i).arg(&classes_i);
-                if op.classes.is_some() {
-                    b.arg(&width_i);
-                }
             })?;
             op.lse.put(name, lse)?;
             Ok((
@@ -114,10 +85,7 @@ impl CustomOp2 for Nll {
         crate::kernels::profiled_backward("loss", grad.device(), || {
             let lse = self.lse.take(self.name())?;
             let grad = grad.to_dtype(DType::F32)?.contiguous()?;
-            let op = NllBackward {
-                lse,
-                classes: self.classes,
-            };
+            let op = NllBackward { lse };
             let grad_logits = logits.apply_op3_no_bwd(labels, &grad, &op)?;
             Ok((Some(grad_logits), None))
         })
@@ -127,8 +95,6 @@ impl CustomOp2 for Nll {
 /// The backward from the logits, the labels and the rows' gradients: the logits' gradient.
 struct NllBackward {
     lse: CudaSlice<f32>,
-    /// As [`Nll`]'s.
-    classes: Option<usize>,
 }
 
 impl CustomOp3 for NllBackward {
@@ -154,30 +120,21 @@ impl CustomOp3 for NllBackward {
             (g, gl): (&CudaStorage, &Layout),
         ) -> Result<(CudaStorage, Shape)> {
             let name = op.name();
-            let (rows, width) = nll_dims(name, xl, yl)?;
+            let (rows, classes) = nll_dims(name, xl, yl)?;
             if gl.dims() != [rows] {
                 bail!("{name}: [{rows}] gradients expected, got {:?}", gl.dims())
             }
-            let (kernel, classes_i, width_i) = nll_form(
-                name,
-                op.classes,
-                width,
-                ("nll_backward", "nll_backward_padded"),
-            )?;
             let logits = view::<T>(name, "logits", x, xl)?;
             let labels = view::<u32>(name, "labels", y, yl)?;
             let grad = view::<f32>(name, "gradient", g, gl)?;
             let dev = &x.device;
-            // SAFETY: the kernel writes every element (zeros past a padded row's logits).
-            let mut out = unsafe { dev.alloc::<T>(rows * width)? };
-            let rows_i = rows as i32;
-            let cfg = row_config(rows, classes_i as usize);
-            launch!(T, dev, kernel, cfg, |b| {
+            // SAFETY: the kernel writes every element.
+            let mut out = unsafe { dev.alloc::<T>(rows * classes)? };
+            let (rows_i, classes_i) = (rows as i32, classes as i32);
+            let cfg = row_config(rows, classes);
+            launch!(T, dev, "nll_backward", cfg, |b| {
                 b.arg(&logits).arg(&labels).arg(&op.lse).arg(&grad);
                 b.arg(&mut out).arg(&rows_i).arg(&classes_i);
-                if op.classes.is_some() {
-                    b.arg(&width_i);
-                }
             })?;
             Ok((wrap(out, dev), xl.shape().clone()))
         }

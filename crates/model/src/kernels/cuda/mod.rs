@@ -418,15 +418,13 @@ mod linear;
 mod loss;
 mod norm;
 
-pub(crate) use add::{add, add_half_into_f32};
+pub(crate) use add::add;
 pub(crate) use attention::attention;
 pub(crate) use embeddings::{embeddings, embeddings_fit};
 pub(crate) use gather::gather_rows;
 pub(crate) use join::{join, join_takes};
 pub(crate) use keyed_dropout::{keyed_dropout_rows, keyed_dropout_tokens};
-pub(crate) use linear::{
-    activation, gelu_epilogue, gelu_linear, linear, linear_into, padded_linear,
-};
+pub(crate) use linear::{activation, gelu_epilogue, gelu_linear, linear, linear_into};
 pub(crate) use loss::nll;
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
