@@ -1350,3 +1350,27 @@ fn features_text_bad_encoding() {
     );
     assert!(!out.exists());
 }
+
+// --- Metrics for `plot` -------------------------------------------------------------------------
+
+/// Curves whose values span almost nothing (a loss of 0 then 1e-323) or the whole of f64's
+/// range are drawn, not a panic in the axis's ticks.
+#[test]
+fn metrics_degenerate_span() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, values) in [("tiny", [0.0, 1e-323]), ("huge", [-f64::MAX, f64::MAX])] {
+        let rows: String = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| format!("{{\"step\": {}, \"loss\": {v:e}, \"lr\": {v:e}}}\n", i + 1))
+            .collect();
+        let metrics = write(&dir.path().join(format!("{name}.jsonl")), rows.as_bytes());
+        let svg = dir.path().join(format!("{name}.svg"));
+        let out = bertkit(&["plot", p(&metrics), "-o", p(&svg)]);
+        assert!(out.status.success(), "{name}: {}", text(&out.stderr));
+        assert!(
+            std::fs::read_to_string(&svg).unwrap().contains("<polyline"),
+            "{name}"
+        );
+    }
+}

@@ -79,9 +79,14 @@ pub fn ticks(lo: f64, hi: f64, target: usize) -> Vec<f64> {
     {
         return vec![lo, hi];
     }
-    (first as i64..=last as i64)
+    let round: Vec<f64> = (first as i64..=last as i64)
         .map(|i| i as f64 * step)
-        .collect()
+        .collect();
+    if round.iter().all(|t| t.is_finite()) {
+        round
+    } else {
+        vec![lo, hi]
+    }
 }
 
 /// A tick value as text: as many decimals as the tick step needs, or scientific notation for
