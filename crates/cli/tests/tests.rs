@@ -14,4 +14,5 @@ mod kills;
 mod memory;
 mod pipeline;
 mod pretrain;
+mod settings;
 mod util;

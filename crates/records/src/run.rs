@@ -420,6 +420,7 @@ pub fn records_to_file(
     jsonl: Option<&Path>,
     options: &RecordsOptions,
 ) -> Result<Outcome<FileSummary>, RecordsError> {
+    options.instances.validate().map_err(RecordsError::Usage)?;
     let vocab = Vocabulary::load(vocab, options.lower_case)?;
     let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     let clock = std::time::Instant::now();
@@ -472,6 +473,7 @@ pub fn records_to_dir(
     options: &RecordsOptions,
     reporter: &dyn Reporter,
 ) -> Result<Outcome<Vec<FileSummary>>, RecordsError> {
+    options.instances.validate().map_err(RecordsError::Usage)?;
     let vocab = Vocabulary::load(vocab, options.lower_case)?;
     let files = bertkit_stage_io::text::expand_text_inputs(inputs)?;
     std::fs::create_dir_all(output_dir).map_err(|e| RecordsError::Write {

@@ -64,6 +64,14 @@ impl Schedule {
                 "[schedule] total_steps must be at least 1".into(),
             ));
         }
+        // A power at or below 0 makes the "decay" hold or climb (at -2 the rate reaches
+        // hundreds of times its peak by the end).
+        if self.decay == Decay::Poly && !(self.power > 0.0 && self.power.is_finite()) {
+            return Err(TrainError::Config(format!(
+                "[schedule] power {} must be positive (0.5 in NVIDIA's recipes, 1 a linear decay)",
+                self.power
+            )));
+        }
         Ok(())
     }
 

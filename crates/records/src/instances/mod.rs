@@ -53,7 +53,56 @@ pub struct InstanceOptions {
     pub seed: u64,
 }
 
+/// The longest sequence the records stage makes: BERT's position table holds 512; longer-context
+/// encoders go to 8,192.
+pub const MAX_SEQ_LENGTH: usize = 8192;
+
 impl InstanceOptions {
+    /// Checks the values: an error names the setting (its flag), the value and what is
+    /// accepted.
+    pub fn validate(&self) -> Result<(), String> {
+        let bad = |name: &str, value: &dyn std::fmt::Display, accepted: &str| {
+            Err(format!("{name} is {value}: {accepted}"))
+        };
+        if !(4..=MAX_SEQ_LENGTH).contains(&self.max_seq_length) {
+            return bad(
+                "max_seq_length (--max-seq-length)",
+                &self.max_seq_length,
+                &format!("from 4 ([CLS], two [SEP] and a token) to {MAX_SEQ_LENGTH}"),
+            );
+        }
+        if self.max_predictions_per_seq == 0 || self.max_predictions_per_seq > self.max_seq_length {
+            return bad(
+                "max_predictions_per_seq (--max-predictions-per-seq)",
+                &self.max_predictions_per_seq,
+                "at least 1 (0 leaves pre-training nothing but next-sentence prediction) and at \
+                 most max_seq_length",
+            );
+        }
+        if !(self.masked_lm_prob > 0.0 && self.masked_lm_prob <= 1.0) {
+            return bad(
+                "masked_lm_prob (--masked-lm-prob)",
+                &self.masked_lm_prob,
+                "a share of the tokens, above 0 and at most 1 (BERT: 0.15)",
+            );
+        }
+        if !(0.0..=1.0).contains(&self.short_seq_prob) {
+            return bad(
+                "short_seq_prob (--short-seq-prob)",
+                &self.short_seq_prob,
+                "a probability, from 0 to 1 (BERT: 0.1)",
+            );
+        }
+        if self.dupe_factor == 0 {
+            return bad(
+                "dupe_factor (--dupe-factor)",
+                &self.dupe_factor,
+                "at least 1 (0 makes no instance)",
+            );
+        }
+        Ok(())
+    }
+
     /// Phase 1 of BERT pre-training: sequences of 128, 20 predictions.
     pub fn phase1() -> Self {
         InstanceOptions {
