@@ -37,6 +37,18 @@ fn assert_model_folder(dir: &Path) {
         "{}",
         dir.display()
     );
+    // The weights as readable as the files beside them (the umask's modes, not 0600).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |f: &str| std::fs::metadata(dir.join(f)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(
+            mode("model.safetensors"),
+            mode("config.json"),
+            "{}",
+            dir.display()
+        );
+    }
 }
 
 #[test]

@@ -383,6 +383,11 @@ impl ParamStore {
         let partial = bertkit_stage_io::partial_path(path);
         candle_core::safetensors::save(&tensors, &partial)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", partial.display())))?;
+        let io = |e| ModelError::Io {
+            path: path.into(),
+            source: e,
+        };
+        bertkit_stage_io::give_created_mode(&partial).map_err(io)?;
         std::fs::rename(&partial, path).map_err(|e| ModelError::Io {
             path: path.into(),
             source: e,

@@ -226,9 +226,55 @@ pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
     fs::rename(&tmp, path)
 }
 
+/// Gives `path` the permissions a file created now gets (`0o666` less the umask), for files a
+/// library creates as private temporaries and renames into place (the safetensors crate's
+/// writer makes them `0600` whatever the umask). The mode is read off a probe file created
+/// beside `path`, so no process-wide umask is touched. Elsewhere than Unix, nothing.
+pub fn give_created_mode(path: &Path) -> io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let probe = path.with_file_name(format!(
+            ".{}.mode-probe",
+            path.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        ));
+        let mode = {
+            let file = fs::File::create(&probe)?;
+            let mode = file.metadata()?.permissions().mode() & 0o777;
+            drop(file);
+            fs::remove_file(&probe)?;
+            mode
+        };
+        fs::set_permissions(path, fs::Permissions::from_mode(mode))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file made private by its writer gets the mode `File::create` gives, and no probe is
+    /// left beside it.
+    #[cfg(unix)]
+    #[test]
+    fn a_private_file_gets_the_created_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let made = dir.path().join("made");
+        let private = dir.path().join("private");
+        fs::File::create(&made).unwrap();
+        fs::write(&private, b"x").unwrap();
+        fs::set_permissions(&private, fs::Permissions::from_mode(0o600)).unwrap();
+        give_created_mode(&private).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&private), mode(&made));
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
 
     #[test]
     fn read_text_says_where_the_bytes_are_not_utf8() {

@@ -195,6 +195,10 @@ pub fn forward_file(
     }
     let partial = bertkit_stage_io::partial_path(output);
     candle_core::safetensors::save(&tensors, &partial)?;
+    bertkit_stage_io::give_created_mode(&partial).map_err(|source| TaskError::Io {
+        path: output.to_path_buf(),
+        source,
+    })?;
     std::fs::rename(&partial, output).map_err(|source| TaskError::Io {
         path: output.to_path_buf(),
         source,

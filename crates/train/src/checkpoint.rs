@@ -88,7 +88,8 @@ fn weights(optimizer: &Optimizer) -> Result<HashMap<String, Tensor>, TrainError>
 
 fn save_tensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<(), TrainError> {
     candle_core::safetensors::save(tensors, path)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    bertkit_stage_io::give_created_mode(path).map_err(io_err(path))
 }
 
 fn write_tokenizer(tokenizer: Option<&TokenizerFiles>, dir: &Path) -> Result<(), TrainError> {
