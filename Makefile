@@ -111,8 +111,8 @@ PRETRAIN_FLAGS = --output $(RUNS)/$* $(if $(filter phase2,$*),--set model.init=$
 define NO_GPU
 no NVIDIA GPU found (nvidia-smi -L lists none). The recipe needs one with its driver (for the
 CUDA 13.0 build: driver >= 580) and the CUDA 13.0 toolkit (nvcc) to build with. To try the
-same recipe on this machine's CPU: make $(MAKECMDGOALS) DEVICE=cpu MAX_STEPS=2 (DATA=out/demo/records/phase1
-after make demo, if make data has not run)
+same recipe on this machine's CPU: make $(MAKECMDGOALS) DEVICE=cpu MAX_STEPS=2 (PRESET=tiny for a
+small model; RECORDS=out/demo/records after make demo, if make data has not run)
 endef
 define NO_NVCC
 the CUDA build needs nvcc 13.0 (the CUDA toolkit: NVIDIA's cuda-toolkit-13-0 package, with
