@@ -1349,6 +1349,49 @@ fn features_text_bad_encoding() {
         &["line 2 (byte offset 9) is not valid UTF-8"],
     );
     assert!(!out.exists());
+    // Nothing left behind, not even the hidden partial file.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn features_output_wrong_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(&dir.path().join("lines.txt"), b"fine\n");
+    let folder = dir.path().join("out");
+    std::fs::create_dir(&folder).unwrap();
+    let file = write(&dir.path().join("out.npy"), b"");
+    let model = require("minilm");
+    for (output, format, says) in [
+        (
+            &folder,
+            "jsonl",
+            "the output is a folder: --format jsonl writes a file",
+        ),
+        (
+            &file,
+            "npy",
+            "the output is a file: --format npy writes a folder",
+        ),
+    ] {
+        refused(
+            bertkit(&[
+                "extract-features",
+                "--model",
+                p(&model),
+                "--input",
+                p(&input),
+                "--format",
+                format,
+                "-o",
+                p(output),
+            ]),
+            output,
+            &[says],
+        );
+    }
+    // Refused before any work: nothing new beside them.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+    assert_eq!(std::fs::read_dir(&folder).unwrap().count(), 0);
 }
 
 // --- Metrics for `plot` -------------------------------------------------------------------------

@@ -127,6 +127,19 @@ pub fn extract_features(
     options: &FeatureOptions,
     progress: &mut dyn FnMut(usize),
 ) -> Result<FeatureSummary, TaskError> {
+    // An output of the wrong kind is refused before any work (it was found only at the
+    // rename, after computing everything).
+    let wrong_kind = match options.format {
+        FeatureFormat::Jsonl if output.is_dir() => Some("a folder: --format jsonl writes a file"),
+        FeatureFormat::Npy if output.is_file() => Some("a file: --format npy writes a folder"),
+        _ => None,
+    };
+    if let Some(message) = wrong_kind {
+        return Err(TaskError::Format {
+            path: output.to_path_buf(),
+            message: format!("the output is {message}"),
+        });
+    }
     let model = &crate::model_dir::resolve(model)?;
     let loaded = load_frozen::<BertModel>(model, options.dtype, &options.device)?;
     let tokenizer = load_tokenizer(model, options.lower_case)?;
@@ -285,11 +298,21 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TaskError + '_ {
     }
 }
 
-/// A buffered file under its partial name, renamed to its name when finished.
+/// A buffered file under its partial name, renamed to its name when finished; removed when
+/// dropped unfinished (a run that fails leaves nothing behind).
 struct PartialFile {
     path: PathBuf,
     partial: PathBuf,
-    file: BufWriter<File>,
+    /// The open file, until [`PartialFile::finish`] takes it.
+    file: Option<BufWriter<File>>,
+}
+
+impl Drop for PartialFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
 }
 
 impl PartialFile {
@@ -299,28 +322,38 @@ impl PartialFile {
         Ok(PartialFile {
             path: path.to_path_buf(),
             partial,
-            file: BufWriter::with_capacity(1 << 20, file),
+            file: Some(BufWriter::with_capacity(1 << 20, file)),
         })
     }
 
     fn write(&mut self, bytes: &[u8]) -> Result<(), TaskError> {
-        self.file.write_all(bytes).map_err(io(&self.partial))
+        let file = self
+            .file
+            .as_mut()
+            .expect("a partial file is open until finished");
+        file.write_all(bytes).map_err(io(&self.partial))
     }
 
     /// Flushes, lets `fix` rewrite the start of the file, syncs and renames.
-    fn finish(self, header: Option<&[u8]>) -> Result<(), TaskError> {
-        let partial = self.partial;
-        let mut file = self
-            .file
-            .into_inner()
-            .map_err(|e| io(&partial)(e.into_error()))?;
-        if let Some(header) = header {
-            file.seek(SeekFrom::Start(0))
-                .and_then(|_| file.write_all(header))
-                .map_err(io(&partial))?;
+    fn finish(mut self, header: Option<&[u8]>) -> Result<(), TaskError> {
+        let writer = self.file.take().expect("a partial file is finished once");
+        let partial = &self.partial;
+        let done = (|| {
+            let mut file = writer
+                .into_inner()
+                .map_err(|e| io(partial)(e.into_error()))?;
+            if let Some(header) = header {
+                file.seek(SeekFrom::Start(0))
+                    .and_then(|_| file.write_all(header))
+                    .map_err(io(partial))?;
+            }
+            file.sync_all().map_err(io(partial))?;
+            std::fs::rename(partial, &self.path).map_err(io(&self.path))
+        })();
+        if done.is_err() {
+            let _ = std::fs::remove_file(partial);
         }
-        file.sync_all().map_err(io(&partial))?;
-        std::fs::rename(&partial, &self.path).map_err(io(&self.path))
+        done
     }
 }
 
