@@ -12,10 +12,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::bert::{BertModel, Inputs, Mode, init};
 use crate::dropout::DropoutSource;
-use crate::kernels::check::{
-    CheckShape, KernelCheck, device_broken, needing_in, tolerance, values, worst,
-};
-use crate::switch::Switch;
+use crate::kernels::check::{CheckShape, KernelCheck, device_broken, tolerance, values, worst};
 use crate::{BertConfig, ModelError};
 
 /// The name the report gives the check.
@@ -58,204 +55,42 @@ pub fn check_encoder_backward(
 /// [`check_encoder_backward`]'s shapes, the one-pass attention set for each.
 fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<Vec<KernelCheck>> {
     let mut checks = Vec::new();
-    // Each check's settings to blame where its lines fail, once found ([`attribute`]).
-    let mut blamed: Vec<(&'static str, Vec<String>)> = Vec::new();
     for shape in shapes {
         crate::kernels::set_cuda_flash_attention(false);
-        let from = checks.len();
         match check_shape(device, dtype, shape, NAME, &mut checks) {
             Ok(true) => {}
             Ok(false) => return Ok(Vec::new()),
             Err(e) => {
-                if not_run(device, dtype, shape, NAME, &e, &mut checks) {
+                if not_run(device, shape, NAME, &e, &mut checks) {
                     return Ok(checks);
                 }
             }
         }
-        blame(device, dtype, shape, NAME, from, &mut checks, &mut blamed);
         if device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads {
             crate::kernels::set_cuda_flash_attention(true);
-            let from = checks.len();
             let checked = check_shape(device, dtype, shape, FLASH_NAME, &mut checks);
             if let Err(e) = checked
-                && not_run(device, dtype, shape, FLASH_NAME, &e, &mut checks)
+                && not_run(device, shape, FLASH_NAME, &e, &mut checks)
             {
                 crate::kernels::set_cuda_flash_attention(false);
                 return Ok(checks);
             }
-            blame(
-                device,
-                dtype,
-                shape,
-                FLASH_NAME,
-                from,
-                &mut checks,
-                &mut blamed,
-            );
             crate::kernels::set_cuda_flash_attention(false);
         }
     }
     Ok(checks)
 }
 
-/// Where a line of `check` at `shape` failed on CUDA (those from `from` on in `checks`): the
-/// settings to blame ([`attribute`], found once a check and kept in `blamed`) become the
-/// failed lines' `needs`, so that `bertkit check kernels` leaves off those and no others; the
-/// first time, the runs that found them are added as lines of their own.
-fn blame(
-    device: &Device,
-    dtype: DType,
-    shape: &CheckShape,
-    check: &'static str,
-    from: usize,
-    checks: &mut Vec<KernelCheck>,
-    blamed: &mut Vec<(&'static str, Vec<String>)>,
-) {
-    if !device.is_cuda() || checks[from..].iter().all(KernelCheck::passed) {
-        return;
-    }
-    let needs = match blamed.iter().find(|(c, _)| *c == check) {
-        Some((_, needs)) => needs.clone(),
-        None => {
-            let (needs, lines) = attribute(device, dtype, shape, check);
-            blamed.push((check, needs.clone()));
-            checks.extend(lines);
-            needs
-        }
-    };
-    for line in &mut checks[from..] {
-        if !line.passed() && line.kernel.starts_with(check) {
-            line.needs = needs.clone();
-        }
-    }
-}
-
-/// Which settings still off by default a failure of `check` at `shape` follows
-/// ([`blame_among`] over those on now, the check run again at `shape`).
-fn attribute(
-    device: &Device,
-    dtype: DType,
-    shape: &CheckShape,
-    check: &'static str,
-) -> (Vec<String>, Vec<KernelCheck>) {
-    let suspects: Vec<&'static Switch> = crate::kernels::cuda_switches_off_by_default()
-        .into_iter()
-        .filter(|s| s.get())
-        .collect();
-    blame_among(&suspects, check, || {
-        let mut lines = Vec::new();
-        let ran = check_shape(device, dtype, shape, check, &mut lines);
-        matches!(ran, Ok(true)).then_some(lines)
-    })
-}
-
-/// Of `suspects` (switches on), those a failing check (`run`: its lines, `None` where it could
-/// not run) follows: run with all of them off (where it still fails, a kernel taken by default
-/// is wrong: none blamed, so every setting is left off), then with each alone off. Those
-/// without which it passes are blamed (each such run's lines kept, named for the setting), or,
-/// where none alone makes it pass, every suspect. The switches as they were afterwards.
-fn blame_among(
-    suspects: &[&'static Switch],
-    check: &str,
-    run: impl Fn() -> Option<Vec<KernelCheck>>,
-) -> (Vec<String>, Vec<KernelCheck>) {
-    let without = |off: &[&'static Switch]| {
-        for s in off {
-            s.set(false);
-        }
-        let lines = run();
-        for s in off {
-            s.set(true);
-        }
-        lines.filter(|l| !l.is_empty() && l.iter().all(KernelCheck::passed))
-    };
-    if without(suspects).is_none() {
-        return (Vec::new(), Vec::new());
-    }
-    let mut blamed = Vec::new();
-    let mut lines = Vec::new();
-    for s in suspects {
-        if let Some(run) = without(&[s]) {
-            let setting = s.turned_on_by().unwrap_or_default();
-            lines.extend(run.into_iter().map(|mut line| {
-                line.kernel = format!("{check} without {setting}");
-                line
-            }));
-            blamed.push(setting);
-        }
-    }
-    if blamed.is_empty() {
-        blamed = suspects.iter().filter_map(|s| s.turned_on_by()).collect();
-    }
-    for line in &mut lines {
-        line.needs = blamed.clone();
-    }
-    (blamed, lines)
-}
-
-/// The settings still off by default that check `check` runs with: the backward by hand's
-/// (its sums, LayerNorm's forms and grid, the column sums, the linear layers' epilogue and
-/// ends), and the one-pass attention's where it runs with it.
-fn needs(check: &str, dtype: DType) -> Vec<String> {
-    use crate::kernels::{
-        CUDA_ADD, CUDA_BIAS_ACT_VECTOR, CUDA_BIAS_GRADIENT_EPILOGUE, CUDA_BIAS_SUMS_REGISTERS,
-        CUDA_COLUMN_SUMS_LANES, CUDA_FLASH_ASYNC_COPIES, CUDA_FLASH_ATTENTION,
-        CUDA_FLASH_BATCHED_LOADS, CUDA_FLASH_DELTA_VECTOR, CUDA_FLASH_JOINT_BACKWARD,
-        CUDA_FLASH_REGISTERS, CUDA_JOIN, CUDA_LINEAR_BACKWARD_LT, CUDA_LINEAR_EPILOGUE,
-        CUDA_NORM_BACKWARD_WARP, CUDA_NORM_VECTOR, CUDA_NORM_WARP_FORWARD, CUDA_NORM_WIDE_GRID,
-        CUDA_TAPE,
-    };
-    // The layers' kernels as every setting has them (on, here): LayerNorm's forms and grid
-    // and its backward a warp a row, the column sums, the linear layers' epilogues (the bias
-    // gradient's too) and bias sums, the joins of their parameters (whose
-    // backward the tape takes as views, autograd through the join's own).
-    let mut switches = vec![
-        &CUDA_TAPE,
-        &CUDA_ADD,
-        &CUDA_JOIN,
-        &CUDA_NORM_WIDE_GRID,
-        &CUDA_NORM_VECTOR,
-        &CUDA_NORM_WARP_FORWARD,
-        &CUDA_COLUMN_SUMS_LANES,
-        &CUDA_LINEAR_EPILOGUE,
-        &CUDA_BIAS_ACT_VECTOR,
-        &CUDA_LINEAR_BACKWARD_LT,
-        &CUDA_BIAS_GRADIENT_EPILOGUE,
-        &CUDA_BIAS_SUMS_REGISTERS,
-        &CUDA_NORM_BACKWARD_WARP,
-    ];
-    if check == FLASH_NAME {
-        // Every setting is on here: the form with the scores in registers, its loads batched
-        // and its forward's copies asynchronous, is the one run; its backward the joint one at
-        // rows of at most 128 places, else with its delta 16 bytes a thread.
-        switches.extend([
-            &CUDA_FLASH_ATTENTION,
-            &CUDA_FLASH_REGISTERS,
-            &CUDA_FLASH_BATCHED_LOADS,
-            &CUDA_FLASH_ASYNC_COPIES,
-            &CUDA_FLASH_DELTA_VECTOR,
-            &CUDA_FLASH_JOINT_BACKWARD,
-        ]);
-    }
-    needing_in(dtype, &switches)
-}
-
 /// Reports `check` at `shape` as not run (`error`); whether the device broke (the check
 /// stops).
 fn not_run(
     device: &Device,
-    dtype: DType,
     shape: &CheckShape,
     check: &'static str,
     error: &candle_core::Error,
     checks: &mut Vec<KernelCheck>,
 ) -> bool {
-    checks.push(KernelCheck::not_run(
-        check.to_string(),
-        shape.name,
-        needs(check, dtype),
-        error,
-    ));
+    checks.push(KernelCheck::not_run(check.to_string(), shape.name, error));
     device_broken(device).is_some()
 }
 
@@ -271,7 +106,6 @@ fn check_shape(
     let Some(both) = both_ways(device, dtype, shape, check)? else {
         return Ok(false);
     };
-    let needs = needs(check, dtype);
     let mut line = |value: &'static str, gradient: bool, worst: f64| {
         checks.push(KernelCheck {
             kernel: check.to_string(),
@@ -280,7 +114,6 @@ fn check_shape(
             gradient,
             worst,
             tolerance: tolerance(dtype),
-            needs: needs.clone(),
             error: None,
         })
     };
@@ -430,27 +263,6 @@ fn farthest_off(params: &[ParamGradients]) -> (f64, String) {
 mod tests {
     use super::*;
 
-    static FIRST: Switch = Switch::opt_in("BERTKIT_TEST_BLAME_FIRST", "on");
-    static SECOND: Switch = Switch::opt_in("BERTKIT_TEST_BLAME_SECOND", "on");
-
-    /// A check's lines: one, failing while `wrong` says so.
-    fn lines(wrong: bool) -> Option<Vec<KernelCheck>> {
-        Some(vec![KernelCheck {
-            kernel: NAME.to_string(),
-            shape: "small",
-            value: "params",
-            gradient: true,
-            worst: if wrong { 1.0 } else { 0.0 },
-            tolerance: 0.5,
-            needs: Vec::new(),
-            error: None,
-        }])
-    }
-
-    /// A failure is blamed on the setting without which the check passes (its run kept as a
-    /// line under its name, passing, needing it), on every suspect where no one alone is to
-    /// blame, and on none (every setting then left off) where it fails with all of them off;
-    /// the switches are on again afterwards.
     fn gradients(name: &str, rank: usize, ours: &[f64], theirs: &[f64]) -> ParamGradients {
         ParamGradients {
             name: name.to_string(),
@@ -520,44 +332,5 @@ mod tests {
             }
         }
         assert!(farthest_off(&both.params).0 < tolerance(DType::F32));
-    }
-
-    #[test]
-    fn a_failure_is_blamed_on_the_setting_it_follows() {
-        let suspects = [&FIRST, &SECOND];
-        let on = || {
-            FIRST.set(true);
-            SECOND.set(true);
-        };
-        on();
-        let (blamed, kept) = blame_among(&suspects, NAME, || lines(SECOND.get()));
-        assert_eq!(blamed, ["BERTKIT_TEST_BLAME_SECOND=on"]);
-        assert_eq!(kept.len(), 1);
-        assert!(kept[0].passed());
-        assert_eq!(
-            kept[0].kernel,
-            format!("{NAME} without BERTKIT_TEST_BLAME_SECOND=on")
-        );
-        assert_eq!(kept[0].needs, blamed);
-        assert!(FIRST.get() && SECOND.get());
-        let both = [
-            "BERTKIT_TEST_BLAME_FIRST=on",
-            "BERTKIT_TEST_BLAME_SECOND=on",
-        ];
-        // Wrong only with both on: either alone off makes it pass, so both are blamed.
-        let (blamed, kept) = blame_among(&suspects, NAME, || lines(FIRST.get() && SECOND.get()));
-        assert_eq!(blamed, both);
-        assert_eq!(kept.len(), 2);
-        // Wrong with either on: no one alone off makes it pass, so every suspect is blamed.
-        let (blamed, kept) = blame_among(&suspects, NAME, || lines(FIRST.get() || SECOND.get()));
-        assert_eq!(blamed, both);
-        assert!(kept.is_empty());
-        // Wrong with both off too: a default is wrong, no setting to blame.
-        let (blamed, kept) = blame_among(&suspects, NAME, || lines(true));
-        assert!(blamed.is_empty() && kept.is_empty());
-        // A run that could not run (or gave no lines) passes nothing.
-        let (blamed, _) = blame_among(&suspects, NAME, || None);
-        assert!(blamed.is_empty());
-        assert!(FIRST.get() && SECOND.get());
     }
 }

@@ -85,11 +85,6 @@ impl Switch {
             .filter(|v| !v.is_empty())?;
         Some(self.default != (value == self.value))
     }
-
-    /// For a switch off by default, the environment setting that turns it on: `VARIABLE=value`.
-    pub fn turned_on_by(&self) -> Option<String> {
-        (!self.default).then(|| format!("{}={}", self.variable, self.value))
-    }
 }
 
 /// Whether the environment variable `name` is set to `value`.
@@ -116,11 +111,6 @@ mod tests {
         assert!(!env_is("BERTKIT_NO_SUCH_VARIABLE", "x"));
         assert_eq!(ON_UNTIL_SET.chosen(), Some(false));
         assert_eq!(OFF_UNTIL_SET.chosen(), Some(true));
-        assert_eq!(ON_UNTIL_SET.turned_on_by(), None);
-        assert_eq!(
-            OFF_UNTIL_SET.turned_on_by().as_deref(),
-            Some("BERTKIT_NO_SUCH_VARIABLE=on")
-        );
     }
 
     /// A default read is not a choice; a setting made afterwards is.

@@ -9,9 +9,8 @@ use candle_core::{DType, Tensor, Var};
 use crate::TrainError;
 use crate::bucket::StepGradients;
 use crate::optim::{
-    CUDA_TRUST_RATIOS_APART, CUDA_UPDATE_AHEAD, CUDA_UPDATE_IN_PLACE, Optimizer, OptimizerConfig,
-    Rule, cuda_update_in_place, set_cuda_optimizer, set_cuda_update_in_place,
-    set_trust_ratios_apart, set_update_ahead, update_ahead,
+    Optimizer, OptimizerConfig, Rule, cuda_update_in_place, set_cuda_optimizer,
+    set_cuda_update_in_place, set_trust_ratios_apart, set_update_ahead, update_ahead,
 };
 
 /// The optimiser update on `device` against its reference, as `bertkit check kernels` reports
@@ -31,9 +30,7 @@ use crate::optim::{
 pub fn check_update(
     device: &candle_core::Device,
 ) -> Result<Vec<bertkit_model::kernels::check::KernelCheck>, TrainError> {
-    use bertkit_model::kernels::check::{
-        KernelCheck, device_broken, needing, tolerance, values, worst,
-    };
+    use bertkit_model::kernels::check::{KernelCheck, device_broken, tolerance, values, worst};
     const SHAPE: &str = "4 params";
     use candle_core::Device;
     if device.is_cuda() {
@@ -131,17 +128,6 @@ pub fn check_update(
     for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
         for &(in_place, ahead, held, form, dtype) in forms {
             let kernel = format!("optimizer update{form} ({name})");
-            let mut needs = if in_place {
-                needing(&[&CUDA_UPDATE_IN_PLACE])
-            } else {
-                Vec::new()
-            };
-            if rule == Rule::Lamb && device.is_cuda() {
-                needs.extend(needing(&[&CUDA_TRUST_RATIOS_APART]));
-            }
-            if ahead {
-                needs.extend(needing(&[&CUDA_UPDATE_AHEAD]));
-            }
             // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
             let lines = || -> Result<Vec<KernelCheck>, TrainError> {
                 // (The reference with the bucket, as many micro-batches a step.)
@@ -189,7 +175,6 @@ pub fn check_update(
                         } else {
                             DType::F32
                         }),
-                        needs: needs.clone(),
                         error: None,
                     });
                 }
@@ -201,7 +186,6 @@ pub fn check_update(
                     gradient: false,
                     worst: worst(&got["norm"], &want["norm"])?,
                     tolerance: tolerance(DType::F32),
-                    needs: needs.clone(),
                     error: None,
                 });
                 Ok(lines)
@@ -209,7 +193,7 @@ pub fn check_update(
             match lines() {
                 Ok(lines) => checks.extend(lines),
                 Err(e) => {
-                    checks.push(KernelCheck::not_run(kernel, SHAPE, needs, &e));
+                    checks.push(KernelCheck::not_run(kernel, SHAPE, &e));
                     if device_broken(device).is_some() {
                         return Ok(checks);
                     }

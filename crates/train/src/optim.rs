@@ -330,17 +330,6 @@ pub fn update_ahead() -> bool {
     CUDA_UPDATE_AHEAD.get()
 }
 
-/// The CUDA settings still off by default that `bertkit check kernels --device cuda` checks:
-/// the model's kernels' ([`bertkit_model::kernels::cuda_settings_off_by_default`]) and the
-/// optimiser's update in place, as the environment turns each on (`VARIABLE=value`).
-pub fn cuda_settings_off_by_default() -> Vec<String> {
-    let mut settings = bertkit_model::kernels::cuda_settings_off_by_default();
-    settings.extend(CUDA_UPDATE_IN_PLACE.turned_on_by());
-    settings.extend(CUDA_TRUST_RATIOS_APART.turned_on_by());
-    settings.extend(CUDA_UPDATE_AHEAD.turned_on_by());
-    settings
-}
-
 /// Whether the CUDA update writes in place (see [`set_cuda_update_in_place`]).
 pub fn cuda_update_in_place() -> bool {
     CUDA_UPDATE_IN_PLACE.get()

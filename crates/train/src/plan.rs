@@ -249,9 +249,9 @@ struct CudaKernels {
     /// The embeddings' end in one op ([`bertkit_model::kernels::set_cuda_embeddings_end`]):
     /// it keeps its output alone (the composed path, every intermediate of its graph).
     fused_embeddings: bool,
-    /// The one-pass attention's dropout keep bits handed from its forward to its backward
-    /// ([`bertkit_model::kernels::cuda_flash_keeps_bits`]): a bit a probability, in words of a
-    /// pair of 64-place tiles.
+    /// The one-pass attention's dropout keep bits handed from its forward to its backward: a
+    /// bit a probability, in words of a pair of 64-place tiles. Always, where it drops (the
+    /// peaks measured before it did, which the tests compare, had none).
     keep_bits: bool,
     /// The sublayer ends' dropout keep bits handed from their forward to their backward
     /// ([`bertkit_model::kernels::cuda_norm_keeps_bits`]): a byte a 16-byte piece of a row.
@@ -267,7 +267,7 @@ impl CudaKernels {
             update_in_place: crate::optim::cuda_optimizer() && crate::optim::cuda_update_in_place(),
             tape: bertkit_model::kernels::cuda_tape(),
             fused_embeddings: bertkit_model::kernels::cuda_embeddings_end(),
-            keep_bits: bertkit_model::kernels::cuda_flash_keeps_bits(),
+            keep_bits: true,
             norm_keep_bits: bertkit_model::kernels::cuda_norm_keeps_bits(),
         }
     }

@@ -192,30 +192,6 @@ fn check_kernels(args: CheckKernelsArgs) -> Result<()> {
     if failed == 0 {
         println!("all {checked} kernel values within bounds");
     }
-    if all.iter().any(|c| !c.passed() && c.needs.is_empty()) {
-        // What a run takes without any setting is wrong here: no setting is safe beside it.
-        println!("a kernel taken by default failed: runs on this device are not to be trusted");
-    }
-    // What these checks cover that a run does not take unless told (the one-pass attention is
-    // checked in bf16 only, the optimiser's update in f32): the settings whose kernels all
-    // passed, even where another's failed.
-    let both = [candle_core::DType::F32, candle_core::DType::BF16];
-    if device.is_cuda() && both.iter().all(|d| dtypes.contains(d)) {
-        let (passed, off) = bertkit_model::kernels::check::settings_passed(
-            &all,
-            bertkit_train::optim::cuda_settings_off_by_default(),
-        );
-        if !off.is_empty() {
-            println!("failed or not checked here, leave off: {}", off.join(" "));
-        }
-        if !passed.is_empty() {
-            println!(
-                "checked here, off by default until recorded on a GPU (BENCHMARKS.md); to use \
-                 them: {}",
-                passed.join(" ")
-            );
-        }
-    }
     // Not a kernel of ours: which GELU cuBLASLt's epilogue computes (BERT's is the erf form),
     // for the planning of what its gradient's epilogue could take over.
     if device.is_cuda() && broken.is_none() {

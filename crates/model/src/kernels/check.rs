@@ -29,46 +29,9 @@ pub struct KernelCheck {
     pub worst: f64,
     /// The most [`KernelCheck::worst`] may be.
     pub tolerance: f64,
-    /// The settings still off by default that the checked kernel runs only with
-    /// (`VARIABLE=value`, [`crate::switch::Switch::turned_on_by`]); empty for a kernel runs
-    /// take by default. A failed line keeps these settings off and nothing else: `bertkit
-    /// check kernels` names the others as safe to turn on.
-    pub needs: Vec<String>,
     /// Why the kernel could not run, where it could not ([`KernelCheck::not_run`]; the line
     /// fails).
     pub error: Option<String>,
-}
-
-/// Of `settings` (off by default, `VARIABLE=value`), those some line of `checks` needs and no
-/// failed line needs (checked: to turn on), and the others (failed, or not checked: to leave
-/// off). Where a kernel taken by default failed, every setting is left off: what the others
-/// were checked beside is wrong.
-pub fn settings_passed(
-    checks: &[KernelCheck],
-    settings: Vec<String>,
-) -> (Vec<String>, Vec<String>) {
-    let failed: Vec<&KernelCheck> = checks.iter().filter(|c| !c.passed()).collect();
-    if failed.iter().any(|c| c.needs.is_empty()) {
-        return (Vec::new(), settings);
-    }
-    settings.into_iter().partition(|s| {
-        checks.iter().any(|c| c.needs.contains(s)) && !failed.iter().any(|c| c.needs.contains(s))
-    })
-}
-
-/// The settings among `switches` still off by default, as [`KernelCheck::needs`] names them.
-pub fn needing(switches: &[&crate::switch::Switch]) -> Vec<String> {
-    switches.iter().filter_map(|s| s.turned_on_by()).collect()
-}
-
-/// [`needing`] for a kernel run in `dtype`: in f16 the CUDA kernels' f16 forms too
-/// ([`super::set_cuda_fp16`]).
-pub fn needing_in(dtype: DType, switches: &[&crate::switch::Switch]) -> Vec<String> {
-    let mut needs = needing(switches);
-    if dtype == DType::F16 {
-        needs.extend(needing(&[&super::CUDA_FP16]));
-    }
-    needs
 }
 
 impl KernelCheck {
@@ -78,13 +41,8 @@ impl KernelCheck {
     }
 
     /// The line of a kernel that failed to run (an error where its values would be): a failed
-    /// line, which keeps the settings it `needs` off and no others.
-    pub fn not_run(
-        kernel: String,
-        shape: &'static str,
-        needs: Vec<String>,
-        error: &dyn std::fmt::Display,
-    ) -> Self {
+    /// line.
+    pub fn not_run(kernel: String, shape: &'static str, error: &dyn std::fmt::Display) -> Self {
         KernelCheck {
             kernel,
             shape,
@@ -92,7 +50,6 @@ impl KernelCheck {
             gradient: false,
             worst: f64::NAN,
             tolerance: f64::NAN,
-            needs,
             error: Some(error.to_string()),
         }
     }
@@ -190,32 +147,8 @@ const SEED: u64 = 1234;
 enum Form {
     /// The attention around cuBLAS, LayerNorm a block per row (and every other case).
     Plain,
-    /// The one-pass attention through shared memory (`flash.cu`), its 16-byte stores on.
-    FlashSharedTiles,
-    /// The one-pass attention with its scores in registers (`flash_registers.cu`).
-    FlashRegisters,
-    /// The same with its tiles' loads batched.
-    FlashBatched,
-    /// The same with its forward's tiles copied asynchronously.
-    FlashAsync,
-    /// The same with its loads batched, in its straight form (no branch at a score).
-    FlashStraight,
-    /// The straight form with its forward's tiles copied asynchronously.
-    FlashStraightAsync,
-    /// The straight form with its exponentials by `ex2`.
-    FlashStraightExp2,
-    /// The straight form with its forward a block for a pair of query tiles.
-    FlashPair,
-    /// The straight form with its dropout's keep bits handed from the forward to the backward.
-    FlashBits,
-    /// The same with its forward's tiles copied asynchronously.
-    FlashBitsAsync,
-    /// The same with its forward a block for a pair of query tiles, its exponentials by `ex2`.
-    FlashBitsPairExp2,
-    /// The same (the defaults since 2026-11-27's evening run) with its delta 16 bytes a thread.
-    FlashDelta,
-    /// The defaults with the joint backward (one kernel for rows of at most 128 places).
-    FlashJoint,
+    /// The one-pass attention (`flash.cu`).
+    Flash,
     /// LayerNorm 16 bytes a thread.
     NormVector,
     /// The same with its forward a warp per row.
@@ -229,82 +162,13 @@ enum Form {
 }
 
 impl Form {
-    /// The settings off by default that the form runs only with.
-    fn needs(self) -> Vec<&'static crate::switch::Switch> {
-        match self {
-            Form::Plain => vec![],
-            Form::FlashSharedTiles => vec![&super::CUDA_FLASH_VECTOR_STORES],
-            Form::FlashRegisters => vec![&super::CUDA_FLASH_REGISTERS],
-            Form::FlashBatched => vec![&super::CUDA_FLASH_BATCHED_LOADS],
-            Form::FlashAsync => vec![&super::CUDA_FLASH_ASYNC_COPIES],
-            Form::FlashStraight => vec![&super::CUDA_FLASH_STRAIGHT],
-            Form::FlashStraightAsync => {
-                vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_ASYNC_COPIES]
-            }
-            Form::FlashStraightExp2 => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_EXP2],
-            Form::FlashPair => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_PAIR_FORWARD],
-            Form::FlashBits => vec![&super::CUDA_FLASH_STRAIGHT, &super::CUDA_FLASH_KEEP_BITS],
-            Form::FlashBitsAsync => vec![
-                &super::CUDA_FLASH_STRAIGHT,
-                &super::CUDA_FLASH_ASYNC_COPIES,
-                &super::CUDA_FLASH_KEEP_BITS,
-            ],
-            Form::FlashBitsPairExp2 => vec![
-                &super::CUDA_FLASH_STRAIGHT,
-                &super::CUDA_FLASH_PAIR_FORWARD,
-                &super::CUDA_FLASH_EXP2,
-                &super::CUDA_FLASH_KEEP_BITS,
-            ],
-            Form::FlashDelta => vec![
-                &super::CUDA_FLASH_STRAIGHT,
-                &super::CUDA_FLASH_PAIR_FORWARD,
-                &super::CUDA_FLASH_EXP2,
-                &super::CUDA_FLASH_KEEP_BITS,
-                &super::CUDA_FLASH_DELTA_VECTOR,
-            ],
-            Form::FlashJoint => vec![
-                &super::CUDA_FLASH_STRAIGHT,
-                &super::CUDA_FLASH_PAIR_FORWARD,
-                &super::CUDA_FLASH_EXP2,
-                &super::CUDA_FLASH_KEEP_BITS,
-                &super::CUDA_FLASH_JOINT_BACKWARD,
-            ],
-            Form::NormVector => vec![&super::CUDA_NORM_VECTOR],
-            Form::NormWarp => vec![&super::CUDA_NORM_WARP_FORWARD],
-            Form::NormAhead => vec![&super::CUDA_NORM_BACKWARD_AHEAD],
-            Form::NormBits => vec![
-                &super::CUDA_NORM_BACKWARD_AHEAD,
-                &super::CUDA_NORM_KEEP_BITS,
-            ],
-            Form::NormWarpBackward => vec![
-                &super::CUDA_NORM_BACKWARD_AHEAD,
-                &super::CUDA_NORM_KEEP_BITS,
-                &super::CUDA_NORM_BACKWARD_WARP,
-            ],
-        }
-    }
-
     /// Whether the form runs where the kernels are `on_cuda` in `dtype` at `shape`: the
     /// one-pass attention in bf16 with heads of 64, LayerNorm's vector form on CUDA (its
     /// kernels decide row by row; on the CPU the row would repeat the plain one).
     fn runs(self, on_cuda: bool, dtype: DType, shape: &CheckShape) -> bool {
         match self {
             Form::Plain => true,
-            Form::FlashSharedTiles
-            | Form::FlashRegisters
-            | Form::FlashBatched
-            | Form::FlashAsync
-            | Form::FlashStraight
-            | Form::FlashStraightAsync
-            | Form::FlashStraightExp2
-            | Form::FlashPair
-            | Form::FlashBits
-            | Form::FlashBitsAsync
-            | Form::FlashBitsPairExp2
-            | Form::FlashDelta
-            | Form::FlashJoint => {
-                on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads
-            }
+            Form::Flash => on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads,
             Form::NormVector
             | Form::NormWarp
             | Form::NormAhead
@@ -315,43 +179,7 @@ impl Form {
 
     /// Sets the process's settings for the form.
     fn set(self) {
-        let bits = matches!(
-            self,
-            Form::FlashBits
-                | Form::FlashBitsAsync
-                | Form::FlashBitsPairExp2
-                | Form::FlashDelta
-                | Form::FlashJoint
-        );
-        let straight = bits
-            || matches!(
-                self,
-                Form::FlashStraight
-                    | Form::FlashStraightAsync
-                    | Form::FlashStraightExp2
-                    | Form::FlashPair
-            );
-        let batched = straight || matches!(self, Form::FlashBatched | Form::FlashAsync);
-        let registers = batched || self == Form::FlashRegisters;
-        super::set_cuda_flash_attention(registers || self == Form::FlashSharedTiles);
-        super::set_cuda_flash_registers(registers);
-        super::set_cuda_flash_batched_loads(batched);
-        super::set_cuda_flash_async_copies(matches!(
-            self,
-            Form::FlashAsync | Form::FlashStraightAsync | Form::FlashBitsAsync
-        ));
-        super::set_cuda_flash_straight(straight);
-        super::set_cuda_flash_exp2(matches!(
-            self,
-            Form::FlashStraightExp2 | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
-        ));
-        super::set_cuda_flash_pair_forward(matches!(
-            self,
-            Form::FlashPair | Form::FlashBitsPairExp2 | Form::FlashDelta | Form::FlashJoint
-        ));
-        super::set_cuda_flash_keep_bits(bits);
-        super::set_cuda_flash_delta_vector(self == Form::FlashDelta);
-        super::set_cuda_flash_joint_backward(self == Form::FlashJoint);
+        super::set_cuda_flash_attention(self == Form::Flash);
         let norm_bits = matches!(self, Form::NormBits | Form::NormWarpBackward);
         let norm_ahead = norm_bits || self == Form::NormAhead;
         let norm_warp = norm_ahead || self == Form::NormWarp;
@@ -375,17 +203,8 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 15] = [
+static FORM_SWITCHES: [&crate::switch::Switch; 6] = [
     &super::CUDA_FLASH_ATTENTION,
-    &super::CUDA_FLASH_REGISTERS,
-    &super::CUDA_FLASH_BATCHED_LOADS,
-    &super::CUDA_FLASH_ASYNC_COPIES,
-    &super::CUDA_FLASH_STRAIGHT,
-    &super::CUDA_FLASH_EXP2,
-    &super::CUDA_FLASH_PAIR_FORWARD,
-    &super::CUDA_FLASH_KEEP_BITS,
-    &super::CUDA_FLASH_DELTA_VECTOR,
-    &super::CUDA_FLASH_JOINT_BACKWARD,
     &super::CUDA_NORM_VECTOR,
     &super::CUDA_NORM_WARP_FORWARD,
     &super::CUDA_NORM_BACKWARD_AHEAD,
@@ -403,9 +222,6 @@ struct Case {
     train: bool,
     /// Which of its op's CUDA forms the case runs ([`Form::runs`] says where).
     form: Form,
-    /// The settings off by default the kernel runs only with on CUDA, besides its form's
-    /// ([`KernelCheck::needs`]).
-    needs: Vec<&'static crate::switch::Switch>,
 }
 
 fn cases(s: &CheckShape) -> Vec<Case> {
@@ -421,7 +237,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run: |k, x, _, _, _| k.layer_norm(&x[0], &x[1], &x[2], 1e-12),
         train: false,
         form,
-        needs: vec![&super::CUDA_NORM_WIDE_GRID, &super::CUDA_COLUMN_SUMS_LANES],
     };
     let residual_norm = |kernel, form| Case {
         kernel,
@@ -436,15 +251,8 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         },
         train: true,
         form,
-        // (Its weight and bias stacked by our kernel where turned on.)
-        needs: vec![
-            &super::CUDA_NORM_WIDE_GRID,
-            &super::CUDA_COLUMN_SUMS_LANES,
-            &super::CUDA_JOIN,
-        ],
     };
-    // A linear layer without an activation takes cuBLASLt's bias epilogue where turned on.
-    let linear = |kernel, epilogue: bool, run: Run| Case {
+    let linear = |kernel, run: Run| Case {
         kernel,
         inputs: vec![
             ("x", vec![t, h], 1.0),
@@ -454,28 +262,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run,
         train: false,
         form: Form::Plain,
-        // (Its bias's gradient, with the activation's slope where it has one, summed in
-        // registers where turned on; without an activation, by the weight gradient's product
-        // where that is.)
-        needs: if epilogue {
-            vec![
-                &super::CUDA_COLUMN_SUMS_LANES,
-                &super::CUDA_LINEAR_EPILOGUE,
-                &super::CUDA_BIAS_ACT_VECTOR,
-                &super::CUDA_BIAS_ACT_ROWS,
-                &super::CUDA_LINEAR_BACKWARD_LT,
-                &super::CUDA_BIAS_SUMS_REGISTERS,
-                &super::CUDA_BIAS_GRADIENT_EPILOGUE,
-            ]
-        } else {
-            vec![
-                &super::CUDA_COLUMN_SUMS_LANES,
-                &super::CUDA_BIAS_ACT_VECTOR,
-                &super::CUDA_BIAS_ACT_ROWS,
-                &super::CUDA_LINEAR_BACKWARD_LT,
-                &super::CUDA_BIAS_SUMS_REGISTERS,
-            ]
-        },
     };
     let attention = |kernel, train, form| Case {
         kernel,
@@ -483,7 +269,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
         run: |k, x, p, mode, s| k.attention(&x[0], p, s.heads, mode, DROPOUT),
         train,
         form,
-        needs: vec![],
     };
     vec![
         Case {
@@ -499,7 +284,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_EMBEDDINGS_IN_PIECES],
         },
         Case {
             kernel: "embeddings",
@@ -536,13 +320,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: true,
             form: Form::Plain,
-            // (Its small tables and parameters joined by our kernel where turned on.)
-            needs: vec![
-                &super::CUDA_EMBEDDINGS_END,
-                &super::CUDA_EMBEDDINGS_IN_PIECES,
-                &super::CUDA_COLUMN_SUMS_LANES,
-                &super::CUDA_JOIN,
-            ],
         },
         Case {
             kernel: "join (three parts)",
@@ -556,7 +333,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |_, x, _, _, _| super::tape::cat_rows(&[&x[0], &x[1], &x[2]]),
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_JOIN],
         },
         Case {
             kernel: "join (stacked)",
@@ -565,7 +341,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |_, x, _, _, _| super::tape::stack_rows(&[&x[0], &x[1]]),
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_JOIN],
         },
         Case {
             kernel: "add",
@@ -574,7 +349,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |_, x, _, _, _| super::add_gradients(&x[0], &x[1]),
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_ADD],
         },
         Case {
             kernel: "dropout (tokens)",
@@ -584,7 +358,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |_, x, p, mode, _| mode.dropout_tokens(&x[0], DROPOUT, p),
             train: true,
             form: Form::Plain,
-            needs: vec![&super::CUDA_KEYED_DROPOUT],
         },
         Case {
             kernel: "dropout (rows)",
@@ -593,14 +366,13 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |_, x, _, mode, _| mode.dropout(&x[0], DROPOUT),
             train: true,
             form: Form::Plain,
-            needs: vec![&super::CUDA_KEYED_DROPOUT],
         },
         norm("layer_norm", Form::Plain),
         norm("layer_norm (vector)", Form::NormVector),
         norm("layer_norm (warp forward)", Form::NormWarp),
         norm("layer_norm (backward ahead)", Form::NormAhead),
         norm("layer_norm (backward a warp a row)", Form::NormWarpBackward),
-        linear("linear", true, |k, x, _, _, _| {
+        linear("linear", |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
         Case {
@@ -615,9 +387,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.linear(&x[0], &x[1], Some(&x[2])),
             train: false,
             form: Form::Plain,
-            // (12,300 columns: not whole 16-byte rows, so cuBLAS's product and our bias
-            // kernel, not the epilogue.)
-            needs: vec![&super::CUDA_WIDE_LINEAR, &super::CUDA_COLUMN_SUMS_LANES],
         },
         Case {
             kernel: "linear (f32 weight)",
@@ -635,18 +404,11 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             form: Form::Plain,
-            needs: vec![
-                &super::CUDA_LINEAR_CAST,
-                &super::CUDA_COLUMN_SUMS_LANES,
-                &super::CUDA_BIAS_ACT_VECTOR,
-                &super::CUDA_BIAS_ACT_ROWS,
-                &super::CUDA_LINEAR_BACKWARD_LT,
-            ],
         },
-        linear("linear_gelu (erf)", false, |k, x, _, _, _| {
+        linear("linear_gelu (erf)", |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Erf)
         }),
-        linear("linear_gelu (tanh)", false, |k, x, _, _, _| {
+        linear("linear_gelu (tanh)", |k, x, _, _, _| {
             k.linear_gelu(&x[0], &x[1], Some(&x[2]), Gelu::Tanh)
         }),
         Case {
@@ -655,12 +417,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             run: |k, x, _, _, _| k.gelu(&x[0], Gelu::Erf),
             train: false,
             form: Form::Plain,
-            // (Its backward, the slope alone, in registers where the bias sums are.)
-            needs: vec![
-                &super::CUDA_BIAS_ACT_VECTOR,
-                &super::CUDA_BIAS_ACT_ROWS,
-                &super::CUDA_BIAS_SUMS_REGISTERS,
-            ],
         },
         Case {
             kernel: "feed_forward (erf)",
@@ -676,86 +432,11 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             form: Form::Plain,
-            needs: vec![
-                &super::LEAN_CUDA_FEED_FORWARD,
-                &super::CUDA_COLUMN_SUMS_LANES,
-                &super::CUDA_LINEAR_EPILOGUE,
-                &super::CUDA_BIAS_ACT_VECTOR,
-                &super::CUDA_BIAS_ACT_ROWS,
-                &super::CUDA_LINEAR_BACKWARD_LT,
-                &super::CUDA_BIAS_SUMS_REGISTERS,
-                &super::CUDA_BIAS_GRADIENT_EPILOGUE,
-            ],
         },
         attention("attention (eval)", false, Form::Plain),
         attention("attention (dropout)", true, Form::Plain),
-        attention("attention flash (eval)", false, Form::FlashSharedTiles),
-        attention("attention flash (dropout)", true, Form::FlashSharedTiles),
-        attention(
-            "attention flash registers (eval)",
-            false,
-            Form::FlashRegisters,
-        ),
-        attention(
-            "attention flash registers (dropout)",
-            true,
-            Form::FlashRegisters,
-        ),
-        attention("attention flash batched (eval)", false, Form::FlashBatched),
-        attention(
-            "attention flash batched (dropout)",
-            true,
-            Form::FlashBatched,
-        ),
-        attention("attention flash async (eval)", false, Form::FlashAsync),
-        attention("attention flash async (dropout)", true, Form::FlashAsync),
-        attention(
-            "attention flash straight (eval)",
-            false,
-            Form::FlashStraight,
-        ),
-        attention(
-            "attention flash straight (dropout)",
-            true,
-            Form::FlashStraight,
-        ),
-        attention(
-            "attention flash straight async (eval)",
-            false,
-            Form::FlashStraightAsync,
-        ),
-        attention(
-            "attention flash straight async (dropout)",
-            true,
-            Form::FlashStraightAsync,
-        ),
-        attention(
-            "attention flash straight exp2 (eval)",
-            false,
-            Form::FlashStraightExp2,
-        ),
-        attention(
-            "attention flash straight exp2 (dropout)",
-            true,
-            Form::FlashStraightExp2,
-        ),
-        attention("attention flash pair (eval)", false, Form::FlashPair),
-        attention("attention flash pair (dropout)", true, Form::FlashPair),
-        attention("attention flash bits (dropout)", true, Form::FlashBits),
-        attention(
-            "attention flash bits async (dropout)",
-            true,
-            Form::FlashBitsAsync,
-        ),
-        attention(
-            "attention flash bits pair exp2 (dropout)",
-            true,
-            Form::FlashBitsPairExp2,
-        ),
-        attention("attention flash delta (eval)", false, Form::FlashDelta),
-        attention("attention flash delta (dropout)", true, Form::FlashDelta),
-        attention("attention flash joint (eval)", false, Form::FlashJoint),
-        attention("attention flash joint (dropout)", true, Form::FlashJoint),
+        attention("attention one pass (eval)", false, Form::Flash),
+        attention("attention one pass (dropout)", true, Form::Flash),
         Case {
             kernel: "nll",
             // A row of logits per token over 517 classes, labels spread over them.
@@ -768,7 +449,6 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             },
             train: false,
             form: Form::Plain,
-            needs: vec![&super::CUDA_LOSS],
         },
         residual_norm("residual_layer_norm (dropout)", Form::Plain),
         residual_norm("residual_layer_norm (dropout, vector)", Form::NormVector),
@@ -866,9 +546,8 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
-/// (see the module's documentation). On a CUDA device this turns every CUDA kernel on (those
-/// on by default and those not yet, [`cuda_settings_off_by_default`](super::cuda_settings_off_by_default))
-/// and TF32 off for the process (`super::turn_cuda_kernels_on`, [`crate::set_tf32`]); the
+/// (see the module's documentation). On a CUDA device this turns every CUDA kernel on and TF32
+/// off for the process (`super::turn_cuda_kernels_on`, [`crate::set_tf32`]); the
 /// one-pass attention runs for its own rows only and is as it was afterwards
 /// ([`super::set_cuda_flash_attention`]). A kernel that fails to run gives a failed line with
 /// its error ([`KernelCheck::not_run`]) and the check goes on, unless the error broke the
@@ -900,13 +579,6 @@ pub fn check_kernels(
                 continue;
             }
             case.form.set();
-            let switches: Vec<&crate::switch::Switch> = case
-                .needs
-                .iter()
-                .copied()
-                .chain(case.form.needs())
-                .collect();
-            let needs = needing_in(dtype, &switches);
             let run = || -> Result<Vec<KernelCheck>> {
                 let inputs = case
                     .inputs
@@ -928,7 +600,6 @@ pub fn check_kernels(
                             gradient: value != "output",
                             worst: worst(got, want)?,
                             tolerance: tolerance(dtype),
-                            needs: needs.clone(),
                             error: None,
                         })
                     })
@@ -940,7 +611,6 @@ pub fn check_kernels(
                     checks.push(KernelCheck::not_run(
                         case.kernel.to_string(),
                         shape.name,
-                        needs,
                         &e,
                     ));
                     if device_broken(device).is_some() {

@@ -11,68 +11,24 @@
 //! from the forward to the backward); it recomputes the probabilities from it, and sums every
 //! gradient in one block in a fixed order (no atomics: a run repeats its bits).
 //!
-//! Two forms of the kernels, one launcher: `flash.cu` (`wmma` tiles, each tile of results
-//! through shared memory) and `flash_registers.cu` (`mma.sync` tiles whose results stay in
-//! registers, [`crate::kernels::set_cuda_flash_registers`]): the same grid and arguments. The
-//! backward is three launches (each query's delta, the keys' and values' gradients, the
-//! queries'), or at rows of at most 128 places one (the joint backward,
-//! [`crate::kernels::set_cuda_flash_joint_backward`]: a block a row's head, its own grid).
+//! The forward takes a block of eight warps for each pair of query tiles (each key tile copied
+//! once for both), its scores in registers (`mma.sync`), its exponentials by `ex2`. Where it
+//! drops, it writes each kept element's bit, and the backward reads them rather than drawing
+//! the keeps again. The backward is one launch for rows of at most [`JOINT_ROWS`] places
+//! (a block a row's head, the delta its own) where the device gives a block the shared memory
+//! it needs, else three: each query's delta, the keys' and values' gradients, the queries'.
 
 use super::attention::Heads;
 use super::*;
 
-/// The entry point of `kernel` (`forward`, `backward_kv`, `backward_q`) for the form turned
-/// on: the scores in registers (`flash_registers.cu`,
-/// [`crate::kernels::set_cuda_flash_registers`]) with the tiles' loads one by one or batched
-/// ([`crate::kernels::set_cuda_flash_batched_loads`]), the forward's by asynchronous copies
-/// ([`crate::kernels::set_cuda_flash_async_copies`]), each with its loads batched in its
-/// straight form where turned on ([`crate::kernels::set_cuda_flash_straight`]: an entry
-/// point with `dropout` and one without; its exponentials by `ex2` where
-/// [`crate::kernels::set_cuda_flash_exp2`] is on), or through shared memory (`flash.cu`) with its
-/// results stored two bytes at a time, or 16 (`_vec`,
-/// [`crate::kernels::set_cuda_flash_vector_stores`]). `bits`: the straight forms with the
-/// dropout's keep bits (their forward writes them, their backwards read them), in place of
-/// those with dropout.
-fn entry(kernel: &str, dropout: &DeviceDropout, bits: bool) -> String {
-    if crate::kernels::cuda_flash_registers() {
-        let copies = kernel == "forward" && crate::kernels::cuda_flash_async_copies();
-        let batched = crate::kernels::cuda_flash_batched_loads();
-        if straight_forms() {
-            let (exp2, drop) = straight_form(dropout, bits);
-            if kernel == "forward" && pair_forward() {
-                return format!("flash_registers_pair{exp2}{drop}_forward");
-            }
-            let copies = if copies { "async_" } else { "" };
-            format!("flash_registers_straight{exp2}{drop}_{copies}{kernel}")
-        } else if copies {
-            "flash_registers_async_forward".to_string()
-        } else if batched {
-            format!("flash_registers_batched_{kernel}")
-        } else {
-            format!("flash_registers_{kernel}")
-        }
-    } else if crate::kernels::cuda_flash_vector_stores() {
-        format!("flash_attention_{kernel}_vec")
+/// The entry point of `kernel` (`forward`, `backward_kv`, `backward_q`, `backward_joint`):
+/// `_bits` where the pass drops (the forward writes the keep bits, the backwards read them).
+fn entry(kernel: &str, dropout: &DeviceDropout) -> String {
+    if dropout.on != 0 {
+        format!("flash_{kernel}_bits")
     } else {
-        format!("flash_attention_{kernel}")
+        format!("flash_{kernel}")
     }
-}
-
-/// The straight forms' parts of an entry point's name: `_exp2` where their exponentials are by
-/// `ex2` ([`crate::kernels::set_cuda_flash_exp2`]), and `_dropout`, `_bits` (the keep bits)
-/// or nothing.
-fn straight_form(dropout: &DeviceDropout, bits: bool) -> (&'static str, &'static str) {
-    let exp2 = if crate::kernels::cuda_flash_exp2() {
-        "_exp2"
-    } else {
-        ""
-    };
-    let drop = match (dropout.on != 0, bits) {
-        (false, _) => "",
-        (true, false) => "_dropout",
-        (true, true) => "_bits",
-    };
-    (exp2, drop)
 }
 
 /// Places a row the joint backward takes (`FR_PAIR_ROWS`: two tiles).
@@ -81,19 +37,14 @@ const JOINT_ROWS: usize = 2 * TILE;
 /// `flash_registers.cu` asserts): the row's four tiles, dSᵀ and each place's values.
 const JOINT_SHARED_BYTES: usize = 113_152;
 
-/// The joint backward's entry point where it takes this batch
-/// ([`crate::kernels::set_cuda_flash_joint_backward`]: with the straight forms, rows of at most
+/// The joint backward's entry point where it takes this batch (rows of at most
 /// [`JOINT_ROWS`] places, a device that gives a block [`JOINT_SHARED_BYTES`]), its function
 /// allowed them; `None` for the delta and the two backwards.
-fn joint_entry(dev: &CudaDevice, h: &Heads, bits: bool) -> Result<Option<String>> {
-    if !(crate::kernels::cuda_flash_joint_backward()
-        && straight_forms()
-        && h.places.seq <= JOINT_ROWS)
-    {
+fn joint_entry(dev: &CudaDevice, h: &Heads) -> Result<Option<String>> {
+    if h.places.seq > JOINT_ROWS {
         return Ok(None);
     }
-    let (exp2, drop) = straight_form(&h.dropout, bits);
-    let name = format!("flash_registers_joint{exp2}{drop}_backward");
+    let name = entry("backward_joint", &h.dropout);
     Ok(allow_dynamic_shared::<half::bf16>(dev, &name, JOINT_SHARED_BYTES)?.then_some(name))
 }
 
@@ -103,29 +54,12 @@ const ALIGN: usize = 8;
 const TILE: usize = 64;
 /// Threads a block (`FLASH_THREADS`).
 const THREADS: u32 = 128;
-/// Query tiles and threads a block of the pair forward (`flash_registers_pair_*`).
+/// Query tiles and threads a block of the forward and of the joint backward.
 const PAIR: usize = 2;
 
-/// Whether the forward takes a block for each pair of query tiles
-/// ([`crate::kernels::set_cuda_flash_pair_forward`]: with the straight forms, which it is one
-/// of).
-fn pair_forward() -> bool {
-    straight_forms() && crate::kernels::cuda_flash_pair_forward()
-}
-
-/// Whether the kernels take their straight forms: the scores in registers, the tiles' loads
-/// batched, no branch at an element ([`crate::kernels::set_cuda_flash_straight`]), which the
-/// pair forward and the joint backward are forms of.
-fn straight_forms() -> bool {
-    crate::kernels::cuda_flash_registers()
-        && crate::kernels::cuda_flash_batched_loads()
-        && crate::kernels::cuda_flash_straight()
-}
-
-/// Whether the forward hands the dropout's keep bits to the backward
-/// ([`crate::kernels::cuda_flash_keeps_bits`]): where it drops.
+/// Whether the forward hands the dropout's keep bits to the backward: where it drops.
 fn keeps_bits(dropout: &DeviceDropout) -> bool {
-    dropout.on != 0 && crate::kernels::cuda_flash_keeps_bits()
+    dropout.on != 0
 }
 
 /// The keep bits' `u32` words of a pass (`[batch, heads, tiles, tiles, THREADS]`, `tiles` of
@@ -272,8 +206,8 @@ impl CustomOp1 for Flash {
             launch!(
                 half::bf16,
                 dev,
-                entry("forward", &h.dropout, keep.is_some()),
-                tiles_grid(h, if pair_forward() { PAIR } else { 1 }),
+                entry("forward", &h.dropout),
+                tiles_grid(h, PAIR),
                 |b| {
                     b.arg(&qkv).arg(&mut context).arg(&mut lse).arg(&scatter);
                     for a in &args {
@@ -343,10 +277,8 @@ impl CustomOp3 for FlashBackward<'_> {
         // and value gradients (each token is one place of the padded batch).
         let mut grad_qkv = unsafe { dev.alloc::<half::bf16>(p.tokens * 3 * hidden)? };
         let args = shape_args(h);
-        // (The bits where the forward wrote them and the settings still take the forms that
-        // read them: else the backwards draw the same keeps from the keys.)
-        let keep = (self.saved.keep.as_ref()).filter(|_| crate::kernels::cuda_flash_keeps_bits());
-        if let Some(entry) = joint_entry(dev, h, keep.is_some())? {
+        let keep = self.saved.keep.as_ref();
+        if let Some(entry) = joint_entry(dev, h)? {
             let grid = LaunchConfig {
                 grid_dim: (1, h.heads as u32, p.batch as u32),
                 block_dim: (THREADS * PAIR as u32, 1, 1),
@@ -363,28 +295,22 @@ impl CustomOp3 for FlashBackward<'_> {
         }
         // SAFETY: the first launch writes every place's delta.
         let mut delta = unsafe { dev.alloc::<f32>(queries)? };
-        // The delta a warp a query's head, or eight threads a head 16 bytes each
-        // (`crate::kernels::set_cuda_flash_delta_vector`; its 32-bit index needs the threads
-        // under 2^32).
+        // The delta: eight threads a query's head, 16 bytes each (its 32-bit index needs the
+        // threads under 2^32).
         let delta_threads = queries * (h.head / ALIGN);
-        let (delta_kernel, delta_config) =
-            if crate::kernels::cuda_flash_delta_vector() && u32::try_from(delta_threads).is_ok() {
-                (
-                    "flash_attention_delta_vec",
-                    config(delta_threads.div_ceil(256).min(65_535), 256, 0),
-                )
-            } else {
-                ("flash_attention_delta", config(queries.div_ceil(8), 256, 0))
-            };
+        if u32::try_from(delta_threads).is_err() {
+            bail!("{name}: {queries} query heads, more than the delta kernel's index holds")
+        }
+        let delta_config = config(delta_threads.div_ceil(256).min(65_535), 256, 0);
         with_view::<u32, _>(name, "padded places", &p.scatter, |scatter| {
-            launch!(half::bf16, dev, delta_kernel, delta_config, |b| {
+            launch!(half::bf16, dev, "flash_delta", delta_config, |b| {
                 b.arg(&context).arg(&grad).arg(&mut delta).arg(&scatter);
                 for a in &args {
                     b.arg(a);
                 }
             })?;
             for kernel in ["backward_kv", "backward_q"] {
-                let kernel_name = entry(kernel, &h.dropout, keep.is_some());
+                let kernel_name = entry(kernel, &h.dropout);
                 launch!(half::bf16, dev, kernel_name, grid(h), |b| {
                     b.arg(&qkv).arg(&grad).arg(&self.saved.lse).arg(&delta);
                     b.arg(&mut grad_qkv);
