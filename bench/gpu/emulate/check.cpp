@@ -10,14 +10,14 @@
 //   (a row of one token, rows ending inside a tile, padding, holes) over one to eight key
 //   tiles, with and without dropout (its keep words, written by the forward, read by the
 //   backwards: every one they read written);
-// - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), its forward a warp per row
-//   (`layer_norm_warp_forward`) and the lanes' column sums
-//   (`column_sums_lanes`, `common.cuh`) against the block-per-row kernels and `column_sums`,
-//   which passed on an H200: f32, bf16 and f16, with and without a residual and dropout, rows
+// - LayerNorm 16 bytes a thread (`layer_norm_vec_*` in `kernels.cu`), a block a row and a warp
+//   a row (`layer_norm_warp_*`, with the dropout's keep bytes handed from the forward to the
+//   backward), against the kernels an element a thread (`layer_norm_forward`,
+//   `layer_norm_backward`): f32, bf16 and f16, with and without a residual and dropout, rows
 //   narrower than a block's threads;
-// - the embedding lookup and its backward (`gather_rows*` in `kernels.cu`) against the rows
-//   gathered and summed by hand in token order (the same bits, f32, bf16 and f16), and the
-//   backward in pieces against the pieces' f32 sums by hand, in order;
+// - the embedding lookup and its backward in pieces (`gather_rows*` in `kernels.cu`) against
+//   the rows gathered by hand (the same bits, f32, bf16 and f16) and the pieces' f32 sums by
+//   hand, in order;
 // - the gradients' sum (`add_tensors`, the same file) against sums by hand, 16-byte aligned and
 //   not;
 // - the keyed dropout (`keyed_dropout`, the same file) against each element's keep drawn by hand
@@ -26,9 +26,9 @@
 //   three rows summed, LayerNorm, dropout) against f64 by hand, f32, bf16 and f16 (not yet run
 //   on a GPU);
 // - a linear layer's end backward (`bias_act_backward`) on rows wider than a block's bias sums;
-//   and the end 16 bytes a thread (`bias_act_vec_*`) against the kernels an element a thread,
-//   bit for bit (f32, bf16, f16; with GELU in both forms and without, with a bias and without),
-//   its forward with a thread's columns fixed too;
+//   and the end 16 bytes a thread (`bias_act_rows_forward`, `bias_sums_vec`) against the
+//   kernels an element a thread, bit for bit (f32, bf16, f16; with GELU in both forms and
+//   without, with a bias and without);
 // - the negative log-likelihood and its backward (`loss.cu`) against f64 (f32, bf16 and f16,
 //   a vocabulary's width);
 // - the optimiser's in-place update (`update_*_in_place` in `crates/train/src/cuda_update.cu`)
@@ -367,26 +367,12 @@ bool check_gather(const char* name, int table_rows, int cols, int tokens) {
     emulate_launch({(unsigned)std::min<size_t>((n + 255) / 256, 7), 1, 1}, 256, [&] {
         gather_rows<T>(table.data(), rows.data(), out.data(), tokens, cols);
     });
-    std::vector<T> grad_table((size_t)table_rows * cols, from_f32<T>(0.0f));
     const unsigned threads = std::min(1024u, (unsigned)(((cols + 3) / 4 + 31) / 32 * 32));
-    emulate_launch({(unsigned)std::min(groups, 5), 1, 1}, threads, [&] {
-        gather_rows_backward<T>(grad.data(), order.data(), starts.data(), distinct.data(),
-                                grad_table.data(), groups, cols);
-    });
-
-    size_t gathered_wrong = 0, summed_wrong = 0;
+    size_t gathered_wrong = 0;
     for (int t = 0; t < tokens; ++t)
         for (int c = 0; c < cols; ++c)
             gathered_wrong += to_f32(out[(size_t)t * cols + c]) !=
                               to_f32(table[(size_t)rows[t] * cols + c]);
-    for (int r = 0; r < table_rows; ++r)
-        for (int c = 0; c < cols; ++c) {
-            T sum = from_f32<T>(0.0f);
-            for (int t = 0; t < tokens; ++t)
-                if ((int)rows[t] == r) sum = from_f32<T>(to_f32(sum) + to_f32(grad[(size_t)t * cols + c]));
-            const float got = to_f32(grad_table[(size_t)r * cols + c]);
-            summed_wrong += !(got == to_f32(sum));
-        }
     // The backward in pieces (RowGroups' split_rows, pieces of at most 5 tokens here) against
     // the same sums by hand: each piece in f32 in token order, then each row's pieces in order.
     const uint32_t piece = 5;
@@ -425,11 +411,9 @@ bool check_gather(const char* name, int table_rows, int cols, int tokens) {
         }
     std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "output", gathered_wrong, n,
                 gathered_wrong ? "FAILED" : "ok");
-    std::printf("  %-28s %-8s %zu of %zu elements differ %s\n", name, "dtable", summed_wrong,
-                (size_t)table_rows * cols, summed_wrong ? "FAILED" : "ok");
     std::printf("  %-28s %-8s %zu of %zu elements differ %s (%d pieces)\n", name, "pieces",
                 pieces_wrong, (size_t)table_rows * cols, pieces_wrong ? "FAILED" : "ok", pieces);
-    return gathered_wrong == 0 && summed_wrong == 0 && pieces_wrong == 0;
+    return gathered_wrong == 0 && pieces_wrong == 0;
 }
 
 // A linear layer's end backward (`bias_act_backward` in `kernels.cu`) on rows wider than one
@@ -477,8 +461,8 @@ bool check_bias(const char* name, int rows, int cols, int act, unsigned blocks) 
     return ok;
 }
 
-// A linear layer's end 16 bytes a thread (`bias_act_vec_*` in `kernels.cu`) against the kernels
-// an element a thread (which passed on an H200), on the same inputs: the output, the
+// A linear layer's end 16 bytes a thread (`bias_act_rows_forward`, `bias_sums_vec` in
+// `kernels.cu`) against the kernels an element a thread, on the same inputs: the output, the
 // activation's gradient and the blocks' partial bias sums, bit for bit (the same arithmetic
 // per element, each column's rows summed in the same order). `threads` fewer than a row's
 // pieces makes a thread take several; `blocks` fewer than the rows, a block several rows.
@@ -492,12 +476,9 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
     const T* b = with_bias ? bias.data() : nullptr;
     const size_t n = (size_t)rows * cols;
     const T unwritten = from_f32<T>(std::nanf(""));
-    std::vector<T> out(n, unwritten), out_vec(n, unwritten);
+    std::vector<T> out(n, unwritten);
     emulate_launch({blocks, 1, 1}, 256, [&] {
         bias_act_forward<T>(y.data(), b, out.data(), rows, cols, act);
-    });
-    emulate_launch({blocks, 1, 1}, threads, [&] {
-        bias_act_vec_forward<T>(y.data(), b, out_vec.data(), rows, cols, act);
     });
     // The forward with a thread's columns fixed (`bias_act_rows_forward`), on one stretch of
     // pieces and on two (`blockIdx.y`): the same bits.
@@ -508,17 +489,13 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
     emulate_launch({blocks, 2, 1}, threads, [&] {
         bias_act_rows_forward<T>(y.data(), b, out_rows2.data(), rows, cols, act);
     });
-    std::vector<T> grad_y(act ? n : 0, unwritten), grad_y_vec(act ? n : 0, unwritten);
-    std::vector<float> partial((size_t)blocks * cols, std::nanf("")), partial_vec = partial;
+    std::vector<T> grad_y(act ? n : 0, unwritten);
+    std::vector<float> partial((size_t)blocks * cols, std::nanf(""));
     const unsigned chunks = (unsigned)((cols + BIAS_CHUNK - 1) / BIAS_CHUNK);
     const size_t shared = std::min(cols, BIAS_CHUNK) * sizeof(float);
     emulate_launch({blocks, chunks, 1}, 256, [&] {
         bias_act_backward<T>(y.data(), b, grad.data(), act ? grad_y.data() : nullptr,
                              with_bias ? partial.data() : nullptr, rows, cols, act);
-    }, shared);
-    emulate_launch({blocks, chunks, 1}, threads, [&] {
-        bias_act_vec_backward<T>(y.data(), b, grad.data(), act ? grad_y_vec.data() : nullptr,
-                                 with_bias ? partial_vec.data() : nullptr, rows, cols, act);
     }, shared);
     // Bits, NaNs included (an element either kernel never wrote stays a NaN in both or fails).
     const auto differ = [](const auto& a, const auto& b2) {
@@ -535,10 +512,7 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
         std::printf("  %-28s %-8s %zu of %zu differ %s\n", name, what, wrong, of,
                     wrong ? "FAILED" : "ok");
     };
-    report("output", differ(out, out_vec), n);
     report("by rows", differ(out, out_rows) + differ(out, out_rows2), 2 * n);
-    if (act) report("dy", differ(grad_y, grad_y_vec), n);
-    if (with_bias) report("partials", differ(partial, partial_vec), partial.size());
     if (with_bias && act == 0) {
         // The bias's sums alone in registers (`bias_sums_vec`, blocks of BIAS_SUMS_THREADS, the
         // rows of each block in the same order): the same partial sums, to the bit.
@@ -552,7 +526,7 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
     }
     if (act && cols % Vec16<T>::N == 0) {
         // With the activation (`bias_act_sums_vec`, `bias_sums_vec<T, true>`): its slopes and
-        // (with a bias) its partial sums, the same bits as `bias_act_vec_backward`'s.
+        // (with a bias) its partial sums, the same bits as `bias_act_backward`'s.
         std::vector<T> grad_y_sums(n, unwritten);
         std::vector<float> partial_sums(partial.size(), std::nanf(""));
         const unsigned pieces = (unsigned)(cols / Vec16<T>::N);
@@ -567,11 +541,10 @@ bool check_bias_vec(const char* name, int rows, int cols, int act, bool with_bia
     return ok;
 }
 
-// LayerNorm 16 bytes a thread (`layer_norm_vec_*`) against the block-per-row kernels that
-// passed on an H200 (`layer_norm_forward`, `layer_norm_backward`), on the same rows, with or
-// without a residual and dropout, and the weight's and bias's gradients summed by the lanes'
-// column sums (`column_sums_lanes`) against `column_sums`: the same values up to the order of
-// the f32 sums (`bound`, relative to the largest; in f16 and bf16 at most 1% of the elements
+// LayerNorm 16 bytes a thread (`layer_norm_vec_*`, `layer_norm_warp_*`) against the kernels an
+// element a thread (`layer_norm_forward`, `layer_norm_backward`), on the same rows, with or
+// without a residual and dropout, the weight's and bias's gradients summed by the lanes'
+// column sums (`column_sums_lanes`): the same values up to the order of the f32 sums (`bound`, relative to the largest; in f16 and bf16 at most 1% of the elements
 // differing).
 template <typename T>
 bool check_norm(const char* name, int rows, int hidden, bool residual, bool dropout,
@@ -629,8 +602,8 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
                                        grad_x.data(), partial.data(), rows, hidden, eps, d, p,
                                        seq);
             }, (3 * hidden + 32) * sizeof(float));
-            emulate_launch({(unsigned)((2 * hidden + 255) / 256), 1, 1}, 256, [&] {
-                column_sums<T>(partial.data(), params.data(), (int)blocks, 2 * hidden);
+            emulate_launch({(unsigned)((2 * hidden + 31) / 32), 1, 1}, 1024, [&] {
+                column_sums_lanes<T>(partial.data(), params.data(), (int)blocks, 2 * hidden);
             });
         }
     };
@@ -639,8 +612,8 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     std::vector<float> partial_old((size_t)blocks * 2 * hidden, NAN), partial_vec(partial_old);
     backward(false, gs_old, gx_old, pa_old, partial_old);
     backward(true, gs_vec, gx_vec, pa_vec, partial_vec);
-    // The vector backward with each row's loads at once (`layer_norm_vec_backward<T, true>`,
-    // `BERTKIT_CUDA_NORM_BACKWARD=ahead`): the vector backward's bits.
+    // The vector backward with each row's loads at once (`layer_norm_vec_backward<T, true>`):
+    // the vector backward's bits.
     std::vector<T> gs_ahead(n, nan), gx_ahead(n, nan);
     std::vector<float> partial_ahead(partial_vec.size(), NAN);
     emulate_launch({blocks, 1, 1}, vec_threads, [&] {
@@ -659,40 +632,7 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
     bool ok = ahead_differ == 0;
     std::printf("  %-28s %-8s %zu values differ from the vector backward's %s\n", name, "ahead",
                 ahead_differ, ahead_differ ? "FAILED" : "ok");
-    // With dropout, the keep bits (`BERTKIT_CUDA_NORM_DROPOUT=bits`): the warp forward writing
-    // them gives the warp forward's output, and the backward ahead reading them the backward
-    // ahead's gradients and partial sums, bit for bit.
-    if (dropout) {
-        const int pieces = hidden / per;
-        std::vector<uint8_t> keep((size_t)rows * pieces, 0xa5);
-        std::vector<T> y_bits(n, nan), gs_bits(n, nan), gx_bits(n, nan);
-        std::vector<float> partial_bits(partial_vec.size(), NAN);
-        emulate_launch({2, 1, 1}, 128, [&] {
-            layer_norm_warp_forward<T, true>(x.data(), r, weight.data(), bias.data(),
-                                             y_bits.data(), rows, hidden, eps, d, p, seq,
-                                             keep.data());
-        });
-        emulate_launch({blocks, 1, 1}, vec_threads, [&] {
-            layer_norm_vec_backward<T, true, true>(x.data(), r, weight.data(), grad.data(),
-                                                   gs_bits.data(), gx_bits.data(),
-                                                   partial_bits.data(), rows, hidden, eps, d, p,
-                                                   seq, keep.data());
-        });
-        size_t bits_differ = 0;
-        for (size_t i = 0; i < n; ++i) {
-            bits_differ += to_f32(y_bits[i]) != to_f32(y_warp[i]) ||
-                           to_f32(gs_bits[i]) != to_f32(gs_ahead[i]) ||
-                           to_f32(gx_bits[i]) != to_f32(gx_ahead[i]);
-        }
-        for (size_t i = 0; i < partial_bits.size(); ++i) {
-            bits_differ += !(partial_bits[i] == partial_ahead[i]);
-        }
-        ok = ok && bits_differ == 0;
-        std::printf("  %-28s %-8s %zu values differ from the forms drawing the keeps %s\n", name,
-                    "bits", bits_differ, bits_differ ? "FAILED" : "ok");
-    }
-    // The backward a warp per row (`layer_norm_warp_backward`, `BERTKIT_CUDA_NORM_BACKWARD_ROWS=
-    // warp`): two blocks of four warps, each warp several rows, its parameter sums through the
+    // The backward a warp per row (`layer_norm_warp_backward`): two blocks of four warps, each warp several rows, its parameter sums through the
     // lanes' column sums; drawing the keeps and, with dropout, reading the warp forward's keep
     // bytes (the same values: the same keeps). Against the backward ahead below.
     std::vector<T> gs_warp(n, nan), gx_warp(n, nan), pa_warp(2 * hidden, nan);
@@ -728,6 +668,7 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
         warp_backward(keep.data(), gs_warp_bits, gx_warp_bits, pa_warp_bits);
         size_t bits_differ = 0;
         for (size_t i = 0; i < n; ++i) {
+            bits_differ += to_f32(y_keep[i]) != to_f32(y_warp[i]);
             bits_differ += to_f32(gs_warp_bits[i]) != to_f32(gs_warp[i]) ||
                            to_f32(gx_warp_bits[i]) != to_f32(gx_warp[i]);
         }
@@ -735,7 +676,7 @@ bool check_norm(const char* name, int rows, int hidden, bool residual, bool drop
             bits_differ += to_f32(pa_warp_bits[j]) != to_f32(pa_warp[j]);
         }
         ok = ok && bits_differ == 0;
-        std::printf("  %-28s %-8s %zu values differ from the warp backward drawing the keeps %s\n",
+        std::printf("  %-28s %-8s %zu values differ from the warp forms drawing the keeps %s\n",
                     name, "warp bits", bits_differ, bits_differ ? "FAILED" : "ok");
     }
     const auto report = [&](const char* what, const std::vector<T>& got,
@@ -808,7 +749,7 @@ bool check_keyed_dropout(const char* name, int rows, int width, bool packed) {
 // reading rows of three f32 tables (words repeated, both token types, positions from the
 // tokens' places), the weight and bias as `[2, hidden]` of `T`, dropout keyed by the places,
 // against the same computed in f64 by hand (the sum, its mean and variance, the dropout's keeps
-// drawn from `dropout.rs`'s keys); the backward's parameter gradients through `column_sums`.
+// drawn from `dropout.rs`'s keys); the backward's parameter gradients through `column_sums_lanes`.
 // On a grid of `blocks` blocks of four warps (fewer warps than tokens: a warp takes several).
 template <typename T>
 bool check_embeddings(const char* name, int tokens, int hidden, bool dropout, unsigned blocks,
@@ -1370,7 +1311,7 @@ int main() {
     ok = check_bias("bias, 2 chunks", 7, BIAS_CHUNK + 300, 0, 3) && ok;
     ok = check_bias("bias + GELU, 2 chunks", 5, BIAS_CHUNK + 40, 1, 2) && ok;
     ok = check_bias("bias + GELU, one chunk", 9, 1000, 1, 4) && ok;
-    std::printf("a linear layer's end 16 bytes a thread (bias_act_vec_*, kernels.cu) against an element a thread:\n");
+    std::printf("a linear layer's end 16 bytes a thread (bias_act_rows_forward, bias_sums_vec) against an element a thread:\n");
     ok = check_bias_vec<bf16>("bf16, bias + GELU", 13, 4096, 1, true, 5, 256) && ok;
     ok = check_bias_vec<bf16>("bf16, bias, 2 chunks", 6, BIAS_CHUNK + 64, 0, true, 4, 128) && ok;
     ok = check_bias_vec<bf16>("bf16, bias, 37 rows of 3072", 37, 3072, 0, true, 3, 128) && ok;

@@ -298,9 +298,6 @@ pub struct RowIndex {
 pub(crate) struct RowGroups {
     /// The tokens, ordered by the row they read (and by token within a row).
     pub(crate) order: Tensor,
-    /// Where each distinct row's tokens start in `order`, and the end of the last
-    /// (`distinct + 1` values).
-    pub(crate) starts: Tensor,
     /// The distinct rows read, ascending.
     pub(crate) distinct: Tensor,
     /// How many distinct rows.
@@ -354,7 +351,6 @@ impl RowIndex {
             piece_starts: Tensor::from_slice(&piece_starts, piece_starts.len(), device)?,
             row_pieces: Tensor::from_slice(&row_pieces, row_pieces.len(), device)?,
             order: Tensor::from_slice(&order, order.len(), device)?,
-            starts: Tensor::from_slice(&starts, starts.len(), device)?,
             distinct: Tensor::from_slice(&distinct, distinct.len(), device)?,
         };
         Ok(self.groups.get_or_init(|| groups))

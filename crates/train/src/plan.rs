@@ -232,29 +232,32 @@ fn largest_group(c: &BertConfig) -> f64 {
     .unwrap_or(0) as f64
 }
 
-/// The CUDA kernel choices of this process that change what a step keeps.
+/// What the CUDA kernels keep of a step, by the forms that change it: this process's
+/// ([`CudaKernels::current`]), and (the tests) those of the builds whose measured peaks the
+/// account is compared with.
 #[derive(Debug, Clone, Copy)]
 struct CudaKernels {
     /// [`bertkit_model::kernels::set_lean_cuda_feed_forward`].
     lean_feed_forward: bool,
     /// [`bertkit_model::kernels::set_cuda_flash_attention`].
     one_pass_attention: bool,
-    /// [`bertkit_model::kernels::set_cuda_loss`].
+    /// The loss in one kernel, each row's log-sum-exp kept (always, in this build).
     fused_loss: bool,
     /// The optimiser's update in place ([`crate::optim::set_cuda_update_in_place`]): the
     /// gradients settle into the flat bucket as on the CPU, and no new state is made.
     update_in_place: bool,
     /// The encoder's backward by hand ([`bertkit_model::kernels::set_cuda_tape`]).
     tape: bool,
-    /// The embeddings' end in one op ([`bertkit_model::kernels::set_cuda_embeddings_end`]):
-    /// it keeps its output alone (the composed path, every intermediate of its graph).
+    /// The embeddings' end in one op (always, in this build): it keeps its output alone (the
+    /// composed path, every intermediate of its graph).
     fused_embeddings: bool,
     /// The one-pass attention's dropout keep bits handed from its forward to its backward: a
     /// bit a probability, in words of a pair of 64-place tiles. Always, where it drops (the
     /// peaks measured before it did, which the tests compare, had none).
     keep_bits: bool,
-    /// The sublayer ends' dropout keep bits handed from their forward to their backward
-    /// ([`bertkit_model::kernels::cuda_norm_keeps_bits`]): a byte a 16-byte piece of a row.
+    /// The sublayer ends' dropout keep bits handed from their forward to their backward: a
+    /// byte a 16-byte piece of a row. Always, where they drop (the peaks measured before they
+    /// did, which the tests compare, had none).
     norm_keep_bits: bool,
 }
 
@@ -263,12 +266,12 @@ impl CudaKernels {
         CudaKernels {
             lean_feed_forward: bertkit_model::kernels::lean_cuda_feed_forward(),
             one_pass_attention: bertkit_model::kernels::cuda_flash_attention(),
-            fused_loss: bertkit_model::kernels::cuda_loss(),
+            fused_loss: true,
             update_in_place: crate::optim::cuda_optimizer() && crate::optim::cuda_update_in_place(),
             tape: bertkit_model::kernels::cuda_tape(),
-            fused_embeddings: bertkit_model::kernels::cuda_embeddings_end(),
+            fused_embeddings: true,
             keep_bits: true,
-            norm_keep_bits: bertkit_model::kernels::cuda_norm_keeps_bits(),
+            norm_keep_bits: true,
         }
     }
 

@@ -149,45 +149,25 @@ enum Form {
     Plain,
     /// The one-pass attention (`flash.cu`).
     Flash,
-    /// LayerNorm 16 bytes a thread.
-    NormVector,
-    /// The same with its forward a warp per row.
-    NormWarp,
-    /// The same with its backward's loads of a row at once.
-    NormAhead,
-    /// The same with the dropout's keep bits handed from the forward to the backward.
-    NormBits,
-    /// The same (the defaults since 2026-11-27's evening run) with its backward a warp per row.
-    NormWarpBackward,
+    /// A form of CUDA's own (LayerNorm's kernels by row width): on CUDA only, where the
+    /// other devices would repeat the plain rows under another name.
+    Cuda,
 }
 
 impl Form {
     /// Whether the form runs where the kernels are `on_cuda` in `dtype` at `shape`: the
-    /// one-pass attention in bf16 with heads of 64, LayerNorm's vector form on CUDA (its
-    /// kernels decide row by row; on the CPU the row would repeat the plain one).
+    /// one-pass attention in bf16 with heads of 64, CUDA's own forms on CUDA.
     fn runs(self, on_cuda: bool, dtype: DType, shape: &CheckShape) -> bool {
         match self {
             Form::Plain => true,
             Form::Flash => on_cuda && dtype == DType::BF16 && shape.hidden == 64 * shape.heads,
-            Form::NormVector
-            | Form::NormWarp
-            | Form::NormAhead
-            | Form::NormBits
-            | Form::NormWarpBackward => on_cuda,
+            Form::Cuda => on_cuda,
         }
     }
 
     /// Sets the process's settings for the form.
     fn set(self) {
         super::set_cuda_flash_attention(self == Form::Flash);
-        let norm_bits = matches!(self, Form::NormBits | Form::NormWarpBackward);
-        let norm_ahead = norm_bits || self == Form::NormAhead;
-        let norm_warp = norm_ahead || self == Form::NormWarp;
-        super::set_cuda_norm_vector(norm_warp || self == Form::NormVector);
-        super::set_cuda_norm_warp_forward(norm_warp);
-        super::set_cuda_norm_backward_ahead(norm_ahead);
-        super::set_cuda_norm_keep_bits(norm_bits);
-        super::set_cuda_norm_backward_warp(self == Form::NormWarpBackward);
     }
 
     /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
@@ -203,14 +183,7 @@ impl Form {
 }
 
 /// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 6] = [
-    &super::CUDA_FLASH_ATTENTION,
-    &super::CUDA_NORM_VECTOR,
-    &super::CUDA_NORM_WARP_FORWARD,
-    &super::CUDA_NORM_BACKWARD_AHEAD,
-    &super::CUDA_NORM_KEEP_BITS,
-    &super::CUDA_NORM_BACKWARD_WARP,
-];
+static FORM_SWITCHES: [&crate::switch::Switch; 1] = [&super::CUDA_FLASH_ATTENTION];
 
 type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
 
@@ -227,24 +200,28 @@ struct Case {
 fn cases(s: &CheckShape) -> Vec<Case> {
     let (t, h, i) = (s.tokens(), s.hidden, s.intermediate);
     let w = 1.0 / (h as f64).sqrt();
-    let norm = |kernel, form| Case {
+    // LayerNorm at rows of `width`: on CUDA the rows decide the kernels (a warp a row at the
+    // shapes' widths; 16 bytes a thread a block a row, each row's loads at once up to 256
+    // pieces (1,536 in half precision), after its statistics beyond (4,096, and 1,536 in f32);
+    // an element a thread where a row is not whole 16-byte pieces, 1,001).
+    let norm = |kernel, width, form| Case {
         kernel,
         inputs: vec![
-            ("x", vec![t, h], 2.0),
-            ("weight", vec![h], 1.0),
-            ("bias", vec![h], 0.5),
+            ("x", vec![t, width], 2.0),
+            ("weight", vec![width], 1.0),
+            ("bias", vec![width], 0.5),
         ],
         run: |k, x, _, _, _| k.layer_norm(&x[0], &x[1], &x[2], 1e-12),
         train: false,
         form,
     };
-    let residual_norm = |kernel, form| Case {
+    let residual_norm = |kernel, width, form| Case {
         kernel,
         inputs: vec![
-            ("x", vec![t, h], 2.0),
-            ("residual", vec![t, h], 2.0),
-            ("weight", vec![h], 1.0),
-            ("bias", vec![h], 0.5),
+            ("x", vec![t, width], 2.0),
+            ("residual", vec![t, width], 2.0),
+            ("weight", vec![width], 1.0),
+            ("bias", vec![width], 0.5),
         ],
         run: |k, x, p, mode, _| {
             k.residual_layer_norm(&x[0], &x[1], p, mode, DROPOUT, &x[2], &x[3], 1e-12)
@@ -367,11 +344,10 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             train: true,
             form: Form::Plain,
         },
-        norm("layer_norm", Form::Plain),
-        norm("layer_norm (vector)", Form::NormVector),
-        norm("layer_norm (warp forward)", Form::NormWarp),
-        norm("layer_norm (backward ahead)", Form::NormAhead),
-        norm("layer_norm (backward a warp a row)", Form::NormWarpBackward),
+        norm("layer_norm", h, Form::Plain),
+        norm("layer_norm (rows of 1,001)", 1001, Form::Cuda),
+        norm("layer_norm (rows of 1,536)", 1536, Form::Cuda),
+        norm("layer_norm (rows of 4,096)", 4096, Form::Cuda),
         linear("linear", |k, x, _, _, _| {
             k.linear(&x[0], &x[1], Some(&x[2]))
         }),
@@ -450,20 +426,21 @@ fn cases(s: &CheckShape) -> Vec<Case> {
             train: false,
             form: Form::Plain,
         },
-        residual_norm("residual_layer_norm (dropout)", Form::Plain),
-        residual_norm("residual_layer_norm (dropout, vector)", Form::NormVector),
+        residual_norm("residual_layer_norm (dropout)", h, Form::Plain),
         residual_norm(
-            "residual_layer_norm (dropout, warp forward)",
-            Form::NormWarp,
+            "residual_layer_norm (dropout, rows of 1,001)",
+            1001,
+            Form::Cuda,
         ),
         residual_norm(
-            "residual_layer_norm (dropout, backward ahead)",
-            Form::NormAhead,
+            "residual_layer_norm (dropout, rows of 1,536)",
+            1536,
+            Form::Cuda,
         ),
-        residual_norm("residual_layer_norm (dropout, keep bits)", Form::NormBits),
         residual_norm(
-            "residual_layer_norm (dropout, backward a warp a row)",
-            Form::NormWarpBackward,
+            "residual_layer_norm (dropout, rows of 4,096)",
+            4096,
+            Form::Cuda,
         ),
     ]
 }

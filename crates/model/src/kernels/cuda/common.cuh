@@ -97,21 +97,11 @@ __device__ float block_max(float v, float* scratch) {
     return block_reduce<warp_max>(v, scratch, -INFINITY);
 }
 
-// Sums of per-block partial column sums: `out[c] = sum_p partial[p * cols + c]`.
-template <typename T>
-__device__ void column_sums(const float* partial, T* out, int parts, int cols) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
-        float s = 0.0f;
-        for (int p = 0; p < parts; ++p) s += partial[(size_t)p * cols + c];
-        out[c] = from_f32<T>(s);
-    }
-}
-
-// The same sums, a block (1,024 threads) per 32 columns (`BERTKIT_CUDA_COLUMN_SUMS=lanes`):
-// lane `l` of a column sums its parts `l`, `l + 32`, ... in order, then the column's 32 lane
-// sums are added in lane order (a fixed order: a run repeats its bits). `column_sums` gives a
-// column one thread, which reads its parts one after the other: for LayerNorm's 512 partial
-// rows of 2,048 columns, eight blocks on the whole GPU.
+// Sums of per-block partial column sums, `out[c] = sum_p partial[p * cols + c]`: a block
+// (1,024 threads) per 32 columns, lane `l` of a column summing its parts `l`, `l + 32`, ... in
+// order, then the column's 32 lane sums added in lane order (a fixed order: a run repeats its
+// bits), so that LayerNorm's 512 partial rows of 2,048 columns take 64 blocks, not the eight a
+// thread a column would.
 template <typename T>
 __device__ void column_sums_lanes(const float* partial, T* out, int parts, int cols) {
     __shared__ float lanes[32][33];

@@ -1,13 +1,11 @@
 //! Embedding lookups on CUDA ([`crate::kernels::Kernels::gather_rows`]): the rows each token
 //! reads gathered in one launch, and a backward that sums each table row's gradients apart (a
 //! block per distinct row read) in token order. candle's backward of `index_select` gives each
-//! of a table's columns one thread, which walks every token of the batch in turn: on a
-//! BERT-large batch of 8,192 tokens, 1,024 threads (one block) each adding 8,192 rows, for
-//! each of the three tables. Summed in the same order from zero, the gradients are its bits.
-//! In pieces ([`crate::kernels::set_cuda_embeddings_in_pieces`]) a row's tokens are summed by
-//! several blocks and the pieces added in order, in f32: a row read by thousands of tokens
-//! (the two token types) no longer waits on one block. The twin is candle's `index_select` on
-//! the CPU (the same sums, in the same order; in pieces, within the check's bound).
+//! of a table's columns one thread, which walks every token of the batch in turn. Here a row's
+//! tokens are summed in pieces of 64 by as many blocks and the pieces added in order, in f32:
+//! a row read by thousands of tokens (the two token types) does not wait on one block. The
+//! twin is candle's `index_select` on the CPU (the same sums, in another order: within the
+//! check's bound).
 
 use super::*;
 use crate::packing::RowIndex;
@@ -110,68 +108,44 @@ impl CustomOp1 for GatherRowsBackward {
             // Rows no token read keep a zero gradient.
             let mut out = dev.alloc_zeros::<T>(op.rows * cols)?;
             let (groups_i, cols_i) = (groups.count as i32, cols as i32);
-            if crate::kernels::cuda_embeddings_in_pieces() {
-                // Each piece's sum, then each row's pieces in order (`kernels.cu`).
-                // SAFETY: the first launch writes every piece's row.
-                let mut partial = unsafe { dev.alloc::<f32>(groups.pieces * cols)? };
-                let pieces_i = groups.pieces as i32;
-                with_view::<u32, _>(name, "order", &groups.order, |order| {
-                    with_view::<u32, _>(name, "pieces", &groups.piece_starts, |pieces| {
-                        launch!(
-                            T,
-                            dev,
-                            "gather_rows_backward_pieces",
-                            config(groups.pieces.min(65_535), row_threads(cols), 0),
-                            |b| {
-                                b.arg(&src)
-                                    .arg(&order)
-                                    .arg(&pieces)
-                                    .arg(&mut partial)
-                                    .arg(&pieces_i)
-                                    .arg(&cols_i);
-                            }
-                        )
-                    })
-                })?;
-                with_view::<u32, _>(name, "row pieces", &groups.row_pieces, |row_pieces| {
-                    with_view::<u32, _>(name, "distinct", &groups.distinct, |distinct| {
-                        launch!(
-                            T,
-                            dev,
-                            "gather_rows_backward_rows",
-                            config(groups.count.min(65_535), row_threads(cols), 0),
-                            |b| {
-                                b.arg(&partial)
-                                    .arg(&row_pieces)
-                                    .arg(&distinct)
-                                    .arg(&mut out)
-                                    .arg(&groups_i)
-                                    .arg(&cols_i);
-                            }
-                        )
-                    })
-                })?;
-                return Ok((wrap(out, dev), Shape::from((op.rows, cols))));
-            }
+            // Each piece's sum, then each row's pieces in order (`kernels.cu`).
+            // SAFETY: the first launch writes every piece's row.
+            let mut partial = unsafe { dev.alloc::<f32>(groups.pieces * cols)? };
+            let pieces_i = groups.pieces as i32;
             with_view::<u32, _>(name, "order", &groups.order, |order| {
-                with_view::<u32, _>(name, "starts", &groups.starts, |starts| {
-                    with_view::<u32, _>(name, "distinct", &groups.distinct, |distinct| {
-                        launch!(
-                            T,
-                            dev,
-                            "gather_rows_backward",
-                            config(groups.count.min(65_535), row_threads(cols), 0),
-                            |b| {
-                                b.arg(&src)
-                                    .arg(&order)
-                                    .arg(&starts)
-                                    .arg(&distinct)
-                                    .arg(&mut out)
-                                    .arg(&groups_i)
-                                    .arg(&cols_i);
-                            }
-                        )
-                    })
+                with_view::<u32, _>(name, "pieces", &groups.piece_starts, |pieces| {
+                    launch!(
+                        T,
+                        dev,
+                        "gather_rows_backward_pieces",
+                        config(groups.pieces.min(65_535), row_threads(cols), 0),
+                        |b| {
+                            b.arg(&src)
+                                .arg(&order)
+                                .arg(&pieces)
+                                .arg(&mut partial)
+                                .arg(&pieces_i)
+                                .arg(&cols_i);
+                        }
+                    )
+                })
+            })?;
+            with_view::<u32, _>(name, "row pieces", &groups.row_pieces, |row_pieces| {
+                with_view::<u32, _>(name, "distinct", &groups.distinct, |distinct| {
+                    launch!(
+                        T,
+                        dev,
+                        "gather_rows_backward_rows",
+                        config(groups.count.min(65_535), row_threads(cols), 0),
+                        |b| {
+                            b.arg(&partial)
+                                .arg(&row_pieces)
+                                .arg(&distinct)
+                                .arg(&mut out)
+                                .arg(&groups_i)
+                                .arg(&cols_i);
+                        }
+                    )
                 })
             })?;
             Ok((wrap(out, dev), Shape::from((op.rows, cols))))

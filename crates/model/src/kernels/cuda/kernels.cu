@@ -64,7 +64,7 @@ __device__ void layer_norm_forward(const T* x, const T* residual, const T* weigh
 // The backward: the gradient of the sum (`grad_sum`: the residual's, and `x`'s without
 // dropout), `x`'s through the dropout (`grad_x`, or null), and per-block partial sums of the
 // weight's and the bias's gradients (`partial`, `[gridDim.x, 2, hidden]`, summed by
-// `column_sums`). The row's statistics are recomputed, not stored.
+// `column_sums_lanes`). The row's statistics are recomputed, not stored.
 template <typename T>
 __device__ void layer_norm_backward(const T* x, const T* residual, const T* weight, const T* grad,
                                     T* grad_sum, T* grad_x, float* partial, int rows, int hidden,
@@ -123,7 +123,7 @@ __device__ void layer_norm_backward(const T* x, const T* residual, const T* weig
 }
 
 // ---------------------------------------------------------------------------------------------
-// LayerNorm 16 bytes a thread (`BERTKIT_CUDA_NORM=vector`, `norm.rs`): the same sums as above,
+// LayerNorm 16 bytes a thread (`norm.rs`): the same sums as above,
 // a block per row still, but each thread holds 16 bytes of the row (8 bf16 or f16, 4 f32) in
 // registers, read and written with one 16-byte access each, where the kernels above read and
 // write an element at a time and keep the row in shared memory. Rows of `hidden` a multiple of
@@ -283,14 +283,12 @@ __device__ void layer_norm_vec_forward(const T* x, const T* residual, const T* w
     }
 }
 
-// The forward a warp per row (`BERTKIT_CUDA_NORM_FORWARD=warp`, `norm.rs`): a lane holds up to
-// WARP_ROW_PIECES 16-byte pieces of the row (lane, lane + 32, ...: each of its loads of `x` and
-// `residual` in flight at once), the row's statistics are warp sums (shuffles, no block-wide
-// barrier), and the weight and bias are read where a piece needs them (from the cache) rather
-// than held. The block-per-row form waits on its loads, then on four barriers, once a row: on
-// an H200 it moved 50 MB of BERT-large's `[8192, 1024]` bf16 in 27 µs (1.9 TB/s) at 50%
-// occupancy, bound by registers. The same sums in another order (the mean, then the squares
-// about it); the backward is unchanged (it recomputes the statistics itself).
+// The forward a warp per row (`norm.rs`, rows of up to WARP_ROW_PIECES pieces a lane): a lane
+// holds up to WARP_ROW_PIECES 16-byte pieces of the row (lane, lane + 32, ...: each of its
+// loads of `x` and `residual` in flight at once), the row's statistics are warp sums
+// (shuffles, no block-wide barrier), and the weight and bias are read where a piece needs them
+// (from the cache) rather than held, where a block a row waits on its loads, then on four
+// barriers, once a row. The same sums in another order (the mean, then the squares about it).
 #define WARP_ROW_PIECES 4
 
 // A row's mean and 1 / sqrt(variance + eps) over the warp whose lanes hold its pieces `lane`,
@@ -316,7 +314,7 @@ __device__ __forceinline__ void warp_row_statistics(const float (&v)[P][N], int 
     rstd = rsqrtf(warp_sum(sq) / hidden + eps);
 }
 
-// `Bits` (`BERTKIT_CUDA_NORM_DROPOUT=bits`, with dropout): each piece's keeps written to
+// `Bits` (with dropout): each piece's keeps written to
 // `keep` as a byte, `[rows, pieces]` (bit k: the piece's element k kept), for the backward to
 // read where it would draw them again.
 template <typename T, bool Bits = false>
@@ -386,7 +384,7 @@ __device__ void layer_norm_warp_forward(const T* x, const T* residual, const T* 
 }
 
 // A thread's 16-byte pieces of a row's input, residual and output gradient, as loaded: the
-// backward ahead (`BERTKIT_CUDA_NORM_BACKWARD=ahead`) loads all three at the row's start and
+// backward ahead loads all three at the row's start and
 // widens the gradient only where it is used, after the statistics.
 struct NormPieces {
     uint4 x, residual, grad;
@@ -405,23 +403,17 @@ __device__ __forceinline__ void load_norm_pieces(NormPieces& p, const T* x, cons
 }
 
 // The backward, as `layer_norm_backward`'s outputs: `partial` is `[gridDim.x, 2, hidden]`.
-// `Ahead` (`BERTKIT_CUDA_NORM_BACKWARD=ahead`): each row's input, residual and gradient loaded
-// at once at the row's start, where the form in use loads the input and residual there and the
-// gradient only after its two statistics' block-wide sums: two trips to memory a row that
-// nothing overlaps (a block works on its rows one after the other, four a block at
-// BERT-large's 8,192 tokens), one. (Loading the next row's during this one's needed 99
-// registers, or spilled the pieces under the launch bounds.) The same arithmetic in the same
-// order: the same bits.
-// `Bits` (with `Ahead`; `BERTKIT_CUDA_NORM_DROPOUT=bits`, with dropout): the forward's keep
-// bytes (`keep`, `layer_norm_warp_forward`'s), read where the dropout's keeps would be drawn
-// again from the keys (a splitmix64 an element, and the row's line a thread): the same
-// factors.
-template <typename T, bool Ahead = false, bool Bits = false>
+// `Ahead` (rows of up to 256 pieces, the launch bounds' threads): each row's input, residual
+// and gradient loaded at once at the row's start, where without it the input and residual are
+// loaded there and the gradient only after the two statistics' block-wide sums: one trip to
+// memory a row, not two that nothing overlaps. (Loading the next row's during this one's
+// needed 99 registers, or spilled the pieces under the launch bounds.) The same arithmetic in
+// the same order: the same bits.
+template <typename T, bool Ahead = false>
 __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* weight,
                                         const T* grad, T* grad_sum, T* grad_x, float* partial,
                                         int rows, int hidden, float eps, Dropout d,
-                                        const uint32_t* places, int seq,
-                                        const uint8_t* keep = nullptr) {
+                                        const uint32_t* places, int seq) {
     constexpr int N = Vec16<T>::N;
     __shared__ float scratch[64];
     const int j0 = threadIdx.x * N;
@@ -442,13 +434,7 @@ __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* 
             kept = (1u << N) - 1;
             if (active) {
                 unpack_vec16<T>(now.x, v);
-                if constexpr (Bits) {
-                    kept = keep[(size_t)r * (hidden / N) + threadIdx.x];
-#pragma unroll
-                    for (int k = 0; k < N; ++k) v[k] *= (kept >> k) & 1u ? d.scale : 0.0f;
-                } else {
-                    kept = drop_vec(v, r, j0, d, places, seq);
-                }
+                kept = drop_vec(v, r, j0, d, places, seq);
                 if (residual) {
                     float rv[N];
                     unpack_vec16<T>(now.residual, rv);
@@ -507,16 +493,14 @@ __device__ void layer_norm_vec_backward(const T* x, const T* residual, const T* 
     }
 }
 
-// The backward a warp per row (`BERTKIT_CUDA_NORM_BACKWARD_ROWS=warp`, `norm.rs`), the forward
-// a warp per row's twin: a lane loads its pieces `lane`, `lane + 32`, ... of the row's input,
-// residual and output gradient at once, the four sums a row (the statistics, then `a` and `b`)
-// are warp sums, and each warp adds its rows' parts of the weight's and bias's gradients into
-// its own slice of the block's shared memory, which the block adds in warp order into
-// `partial` (`[gridDim.x, 2, hidden]`, as `layer_norm_vec_backward`'s). That form gives a row a
-// block: four block-wide sums a row (two barriers each) between its loads and its stores,
-// which nothing overlaps within the block; on an H200 60 µs a BERT-large sublayer end
-// (`[8192, 1024]` bf16, ~1.4 TB/s of ~84 MB). (Held in registers, a lane's parameter sums took
-// 64 of them: 165 in all, three blocks an SM; in shared memory, laid out lane by lane in
+// The backward a warp per row (`norm.rs`), the forward a warp per row's twin: a lane loads its
+// pieces `lane`, `lane + 32`, ... of the row's input, residual and output gradient at once, the
+// four sums a row (the statistics, then `a` and `b`) are warp sums, and each warp adds its
+// rows' parts of the weight's and bias's gradients into its own slice of the block's shared
+// memory, which the block adds in warp order into `partial` (`[gridDim.x, 2, hidden]`, as
+// `layer_norm_vec_backward`'s), where a block a row makes four block-wide sums a row (two
+// barriers each) between its loads and its stores. (Held in registers, a lane's parameter sums
+// took 64 of them: 165 in all, three blocks an SM; in shared memory, laid out lane by lane in
 // 16-byte pieces, they cost a load and a store of 16 bytes each a piece of a row.) The same
 // arithmetic by element; the row's sums and the parameters' in another order. `Bits`: the
 // forward's keep bytes, as `layer_norm_vec_backward`'s.
@@ -738,44 +722,15 @@ __device__ void bias_act_backward(const T* y, const T* bias, const T* grad, T* g
             partial[(size_t)blockIdx.x * cols + c] = grad_bias[c - first];
 }
 
-// The same two kernels 16 bytes a thread (`BERTKIT_CUDA_BIAS_ACT=vector`, `linear.rs`): each
-// thread reads and writes 16 bytes of a row at a time (8 bf16 or f16, 4 f32), where the two
-// above take an element a thread (a warp's access 64 bytes in bf16; on an H200 the forward ran
-// at ~2.6 TB/s and the backward at ~2.8 for BERT-large's `[8192, 4096]`). The same arithmetic
-// on each element, and in the backward each column's partial sum over the same rows in the
-// same order: the same bits. Rows of whole 16-byte pieces, every input on a 16-byte boundary
-// (the launcher checks).
-
-// `out = act(y + bias)`: the grid's threads strided over the 16-byte pieces.
-template <typename T>
-__device__ void bias_act_vec_forward(const T* y, const T* bias, T* out, int rows, int cols,
-                                     int act) {
-    constexpr int N = Vec16<T>::N;
-    const int pieces = cols / N;
-    const size_t n = (size_t)rows * pieces;
-    for (size_t p = (size_t)blockIdx.x * blockDim.x + threadIdx.x; p < n;
-         p += (size_t)gridDim.x * blockDim.x) {
-        float v[N];
-        load_vec16(y + p * N, v);
-        if (bias) {
-            float b[N];
-            load_vec16(bias + (p % pieces) * N, b);
-#pragma unroll
-            for (int k = 0; k < N; ++k) v[k] += b[k];
-        }
-#pragma unroll
-        for (int k = 0; k < N; ++k) v[k] = activation(v[k], act);
-        store_vec16(out + p * N, v);
-    }
-}
-
-// The same forward with a thread's columns fixed (`BERTKIT_CUDA_BIAS_ACT_FORWARD=rows`): the
-// grid's threads over a row's pieces (`blockIdx.y` a stretch of `blockDim.x` of them), each
-// taking its piece at the rows `blockIdx.x`, `+ gridDim.x`, ...: its bias read and widened
-// once, where the form above indexes the bias by `piece % pieces` (a 64-bit remainder a
-// thread) and reads and widens it for every piece. The same arithmetic on each element: the
-// same bits. (The pass is issue-bound on `erff`'s ~27 instructions an element: what is left
-// around it is what this trims.)
+// The same two kernels 16 bytes a thread (`linear.rs`: rows of whole 16-byte pieces, every
+// input on a 16-byte boundary), each thread reading and writing 16 bytes of a row at a time
+// (8 bf16 or f16, 4 f32). The same arithmetic on each element, and in the backward each
+// column's partial sum over the same rows in the same order: the same bits.
+//
+// The forward: the grid's threads over a row's pieces (`blockIdx.y` a stretch of `blockDim.x`
+// of them), each taking its piece at the rows `blockIdx.x`, `+ gridDim.x`, ...: its bias read
+// and widened once for all of them. (The pass is issue-bound on `erff`'s ~27 instructions an
+// element: what is left around it is what this trims.)
 template <typename T>
 __device__ void bias_act_rows_forward(const T* y, const T* bias, T* out, int rows, int cols,
                                       int act) {
@@ -799,64 +754,15 @@ __device__ void bias_act_rows_forward(const T* y, const T* bias, T* out, int row
     }
 }
 
-// The backward, as `bias_act_backward` (a block's rows, the chunk `blockIdx.y` of BIAS_CHUNK
-// columns): a thread's pieces are the same columns at every row, so its shared sums are its own.
-template <typename T>
-__device__ void bias_act_vec_backward(const T* y, const T* bias, const T* grad, T* grad_y,
-                                      float* partial, int rows, int cols, int act) {
-    constexpr int N = Vec16<T>::N;
-    DYNAMIC_SHARED(float, grad_bias);
-    const int first = blockIdx.y * BIAS_CHUNK, end = min(cols, first + BIAS_CHUNK);
-    if (partial)
-        for (int c = first + N * threadIdx.x; c < end; c += N * blockDim.x)
-#pragma unroll
-            for (int k = 0; k < N; ++k) grad_bias[c - first + k] = 0.0f;
-    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const size_t at = (size_t)r * cols;
-        for (int c = first + N * threadIdx.x; c < end; c += N * blockDim.x) {
-            float g[N];
-            load_vec16(grad + at + c, g);
-            if (act != 0) {
-                float v[N];
-                load_vec16(y + at + c, v);
-                if (bias) {
-                    float b[N];
-                    load_vec16(bias + c, b);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) v[k] += b[k];
-                }
-#pragma unroll
-                for (int k = 0; k < N; ++k) g[k] *= activation_slope(v[k], act);
-                store_vec16(grad_y + at + c, g);
-            }
-            if (partial) {
-#pragma unroll
-                for (int k = 0; k < N; ++k) grad_bias[c - first + k] += g[k];
-            }
-        }
-    }
-    if (partial) {
-        // Each thread's own columns, as it summed them (no other thread's to wait for).
-        for (int c = first + N * threadIdx.x; c < end; c += N * blockDim.x)
-#pragma unroll
-            for (int k = 0; k < N; ++k)
-                partial[(size_t)blockIdx.x * cols + c + k] = grad_bias[c - first + k];
-    }
-}
-
-// The bias's gradient alone (a linear layer with no activation: `bias_act_vec_backward` with
-// `act` 0 and no `grad_y`), its partial column sums kept in registers: each thread one 16-byte
-// piece of columns over the block's rows `blockIdx.x + k · gridDim.x`, in that order (the same
-// sums as `bias_act_vec_backward`'s to the bit), four rows' loads issued before their
-// additions. That kernel gives a block BIAS_CHUNK columns (256 threads where a BERT-large row
-// has 128 pieces: half of them idle), adds each element into shared memory, and waits on each
-// row's loads in turn (12.5 µs for `[8192, 1024]` bf16 on an H200, ~1.3 TB/s).
-// `Act` (`act` 1 or 2): the activation's backward as well, `bias_act_vec_backward`'s with its
-// slope: each row's gradient and product (`y`) loaded four rows ahead, `grad · act'(y + bias)`
-// written to `grad_y` and summed into `partial` (null: no bias, nothing summed), the bias's
-// piece read once for all of the thread's rows. That kernel waits on each row's two loads in
-// turn: on an H200 80.6 µs for the GELU backward of a BERT-large feed-forward at phase 1
-// (`[8192, 4096]` bf16, 201 MB: ~2.5 TB/s). The same arithmetic an element: the same bits.
+// The backward: the bias's gradient alone (a linear layer with no activation), its partial
+// column sums kept in registers: each thread one 16-byte piece of columns over the block's rows
+// `blockIdx.x + k · gridDim.x`, in that order (the same sums as `bias_act_backward`'s to the
+// bit), four rows' loads issued before their additions, where adding each element into shared
+// memory would wait on each row's loads in turn.
+// `Act` (`act` 1 or 2): the activation's backward as well: each row's gradient and product
+// (`y`) loaded four rows ahead, `grad · act'(y + bias)` written to `grad_y` and summed into
+// `partial` (null: no bias, nothing summed), the bias's piece read once for all of the
+// thread's rows. The same arithmetic an element: the same bits.
 #define BIAS_SUMS_THREADS 128
 template <typename T, bool Act = false>
 __device__ void bias_sums_vec(const T* grad, float* partial, int rows, int cols,
@@ -1063,8 +969,7 @@ __device__ void attention_softmax_backward(const T* scores, const T* grad_probs,
 
 // ---------------------------------------------------------------------------------------------
 // Embedding lookups: rows of a table gathered per token, and the backward summing each row's
-// gradients apart (a block per distinct row, a thread per column), in token order from zero as
-// candle's backward of a lookup does, so the sums are its bits.
+// gradients apart.
 
 template <typename T>
 __device__ void gather_rows(const T* table, const uint32_t* rows, T* out, int tokens, int cols) {
@@ -1076,29 +981,11 @@ __device__ void gather_rows(const T* table, const uint32_t* rows, T* out, int to
     }
 }
 
-template <typename T>
-__device__ void gather_rows_backward(const T* grad, const uint32_t* order, const uint32_t* starts,
-                                     const uint32_t* distinct, T* grad_table, int groups,
-                                     int cols) {
-    for (int k = blockIdx.x; k < groups; k += gridDim.x) {
-        const uint32_t begin = starts[k], end = starts[k + 1];
-        T* dst = grad_table + (size_t)distinct[k] * cols;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            T sum = from_f32<T>(0.0f);
-            for (uint32_t i = begin; i < end; ++i) {
-                sum = from_f32<T>(to_f32(sum) + to_f32(grad[(size_t)order[i] * cols + c]));
-            }
-            dst[c] = sum;
-        }
-    }
-}
-
 // The backward in pieces: each row's tokens cut into pieces of at most a fixed count
 // (RowGroups' pieces, in token order), a block summing each piece's gradients in f32 into
-// `partial`, then a block per row summing its pieces in order. The per-row form above gives a
-// row read by thousands of tokens (a token type, [MASK]) one block that adds them one after
-// the other: on an H200 1.3 ms for a BERT-large batch's token types alone. These sums are
-// f32's, in a fixed order (not candle's bits).
+// `partial`, then a block per row summing its pieces in order, so that a row read by thousands
+// of tokens (a token type, [MASK]) is not one block adding them one after the other. These
+// sums are f32's, in a fixed order.
 template <typename T>
 __device__ void gather_rows_backward_pieces(const T* grad, const uint32_t* order,
                                             const uint32_t* piece_starts, float* partial,
@@ -1331,7 +1218,7 @@ __device__ void embeddings_forward(const float* words, const float* types, const
 
 // The backward: the sum's gradient (`grad_sum`, f32 `[rows, hidden]`) and the block's partial
 // sums of the weight's and the bias's gradients (`partial`, `[gridDim.x, 2, hidden]`, summed by
-// `column_sums`): a lane's columns are the same at every row, so it sums them in registers; the
+// `column_sums_lanes`): a lane's columns are the same at every row, so it sums them in registers; the
 // block's warps add theirs in warp order (the same bits at every run).
 template <typename T>
 __device__ void embeddings_backward(const float* words, const float* types,
@@ -1444,10 +1331,6 @@ __device__ void embeddings_backward(const float* words, const float* types,
     }
 
 #define ENTRY_POINTS(T, SUFFIX)                                                                   \
-    extern "C" __global__ void column_sums_##SUFFIX(const float* partial, T* out, int parts,     \
-                                                    int cols) {                                 \
-        column_sums<T>(partial, out, parts, cols);                                              \
-    }                                                                                           \
     NORM_ENTRIES(layer_norm, T, SUFFIX)                                                         \
     NORM_ENTRIES(layer_norm_vec, T, SUFFIX)                                                     \
     extern "C" __global__ void __launch_bounds__(256, 3) layer_norm_vec_backward_ahead_##SUFFIX( \
@@ -1456,15 +1339,6 @@ __device__ void embeddings_backward(const float* words, const float* types,
         int seq) {                                                                              \
         layer_norm_vec_backward<T, true>(x, residual, weight, grad, grad_sum, grad_x, partial,  \
                                          rows, hidden, eps, d, places, seq);                    \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, 3)                                        \
-        layer_norm_vec_backward_ahead_bits_##SUFFIX(                                            \
-            const T* x, const T* residual, const T* weight, const T* grad, T* grad_sum,         \
-            T* grad_x, float* partial, int rows, int hidden, float eps, Dropout d,              \
-            const uint32_t* places, int seq, const uint8_t* keep) {                             \
-        layer_norm_vec_backward<T, true, true>(x, residual, weight, grad, grad_sum, grad_x,     \
-                                               partial, rows, hidden, eps, d, places, seq,      \
-                                               keep);                                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NORM_WARP_BACKWARD_WARPS, 5)            \
         layer_norm_warp_backward_##SUFFIX(                                                      \
@@ -1508,19 +1382,9 @@ __device__ void embeddings_backward(const float* words, const float* types,
                                                           int act) {                            \
         bias_act_backward<T>(y, bias, grad, grad_y, partial, rows, cols, act);                  \
     }                                                                                           \
-    extern "C" __global__ void bias_act_vec_forward_##SUFFIX(const T* y, const T* bias, T* out,  \
-                                                             int rows, int cols, int act) {     \
-        bias_act_vec_forward<T>(y, bias, out, rows, cols, act);                                 \
-    }                                                                                           \
     extern "C" __global__ void bias_act_rows_forward_##SUFFIX(const T* y, const T* bias, T* out, \
                                                               int rows, int cols, int act) {    \
         bias_act_rows_forward<T>(y, bias, out, rows, cols, act);                                \
-    }                                                                                           \
-    extern "C" __global__ void bias_act_vec_backward_##SUFFIX(const T* y, const T* bias,         \
-                                                              const T* grad, T* grad_y,         \
-                                                              float* partial, int rows,         \
-                                                              int cols, int act) {              \
-        bias_act_vec_backward<T>(y, bias, grad, grad_y, partial, rows, cols, act);              \
     }                                                                                           \
     /* Blocks of BIAS_SUMS_THREADS: bounded, ptxas keeps a thread's four loads ahead (40    \
        registers; unbounded it holds 32 and issues them two by two). */                       \
@@ -1553,11 +1417,6 @@ __device__ void embeddings_backward(const float* words, const float* types,
     extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* rows, T* out,  \
                                                     int tokens, int cols) {                     \
         gather_rows<T>(table, rows, out, tokens, cols);                                         \
-    }                                                                                           \
-    extern "C" __global__ void gather_rows_backward_##SUFFIX(                                    \
-        const T* grad, const uint32_t* order, const uint32_t* starts, const uint32_t* distinct, \
-        T* grad_table, int groups, int cols) {                                                  \
-        gather_rows_backward<T>(grad, order, starts, distinct, grad_table, groups, cols);       \
     }                                                                                           \
     extern "C" __global__ void keyed_dropout_##SUFFIX(const T* x, T* out, int rows, int width,   \
                                                       Dropout d, const uint32_t* places,        \

@@ -39,12 +39,11 @@ fn rows_cols(op: &str, y: &Layout, bias: Option<&Layout>) -> Result<(usize, usiz
     Ok((y.shape().elem_count() / cols, cols))
 }
 
-/// Whether a linear layer's end takes its kernels 16 bytes a thread
-/// ([`crate::kernels::set_cuda_bias_act_vector`]) for rows of `cols` elements of `T`, its
-/// inputs laid out as `layouts`.
+/// Whether a linear layer's end takes its kernels 16 bytes a thread for rows of `cols` elements
+/// of `T`, its inputs laid out as `layouts` (whole 16-byte pieces, every row aligned); other
+/// rows take the kernels an element a thread.
 fn vector_end<T>(cols: usize, layouts: &[&Layout]) -> bool {
-    crate::kernels::cuda_bias_act_vector()
-        && in_16_byte_pieces::<T>(cols, layouts.iter().map(|l| l.start_offset()))
+    in_16_byte_pieces::<T>(cols, layouts.iter().map(|l| l.start_offset()))
 }
 
 /// Rows a thread of `bias_act_rows_forward` takes its piece of (the grid's rows a quarter of
@@ -62,7 +61,7 @@ fn forward<T: Element>(
     // SAFETY: every element is written by the kernel.
     let mut out = unsafe { dev.alloc::<T>(rows * cols)? };
     let (rows_i, cols_i) = (rows as i32, cols as i32);
-    let (name, cfg) = if vector && crate::kernels::cuda_bias_act_rows() {
+    let (name, cfg) = if vector {
         // A thread a piece of a row at every ROWS_A_THREAD-th row (its bias read once); a
         // block's threads no more than a row's pieces (whole warps).
         let pieces = cols / piece_elements::<T>();
@@ -76,10 +75,6 @@ fn forward<T: Element>(
             ..config(1, threads, 0)
         };
         ("bias_act_rows_forward", cfg)
-    } else if vector {
-        // A thread a 16-byte piece.
-        let pieces = rows * cols / piece_elements::<T>();
-        ("bias_act_vec_forward", config(pieces.div_ceil(256), 256, 0))
     } else {
         ("bias_act_forward", config(rows, 256, 0))
     };
@@ -121,9 +116,8 @@ fn backward<T: Element>(
         None
     };
     let (rows_i, cols_i) = (rows as i32, cols as i32);
-    // The sums kept in registers (`bias_sums_vec`: the same partial sums, the same slopes),
-    // a thread a piece of columns, blocks of `BIAS_SUMS_THREADS` over them.
-    let registers = vector && crate::kernels::cuda_bias_sums_registers();
+    // 16 bytes a thread, the sums kept in registers (`bias_sums_vec`), a thread a piece of
+    // columns, blocks of `BIAS_SUMS_THREADS` over them; else an element a thread.
     let registers_cfg = || LaunchConfig {
         grid_dim: (
             blocks as u32,
@@ -132,7 +126,7 @@ fn backward<T: Element>(
         ),
         ..config(blocks, BIAS_SUMS_THREADS, 0)
     };
-    if registers
+    if vector
         && act == 0
         && let Some(partial) = &partial
     {
@@ -140,7 +134,7 @@ fn backward<T: Element>(
         launch!(T, dev, "bias_sums_vec", registers_cfg(), |b| {
             b.arg(grad).arg(partial).arg(&rows_i).arg(&cols_i);
         })?;
-    } else if registers && act != 0 {
+    } else if vector && act != 0 {
         // The activation's slope, and the bias's sums where there is a bias.
         let (mut grad_y, _) = out.split_at_mut(n);
         launch!(T, dev, "bias_act_sums_vec", registers_cfg(), |b| {
@@ -156,7 +150,7 @@ fn backward<T: Element>(
             };
             b.arg(&rows_i).arg(&cols_i).arg(&act);
         })?;
-    } else {
+    } else if !vector {
         let (mut grad_y, _) = out.split_at_mut(n);
         // Rows wider than a block's shared memory holds bias sums for: a block per chunk of
         // BIAS_CHUNK columns as well (`bias_act_backward`).
@@ -169,12 +163,7 @@ fn backward<T: Element>(
             grid_dim: (blocks as u32, cols.div_ceil(BIAS_CHUNK) as u32, 1),
             ..config(blocks, 256, shared)
         };
-        let name = if vector {
-            "bias_act_vec_backward"
-        } else {
-            "bias_act_backward"
-        };
-        launch!(T, dev, name, cfg, |b| {
+        launch!(T, dev, "bias_act_backward", cfg, |b| {
             b.arg(y);
             match bias {
                 Some(bias) => b.arg(bias),
@@ -225,14 +214,13 @@ struct LinearOp {
 }
 
 /// Whether a linear layer without an activation on either side takes cuBLASLt's product with
-/// the bias added in its epilogue ([`crate::kernels::set_cuda_linear_epilogue`]): bf16 (or
-/// f16 where turned on: f32 keeps cuBLAS's product, whose TF32 the process sets), some rows,
+/// the bias added in its epilogue: bf16 or f16 (f32 keeps cuBLAS's product, whose TF32 the
+/// process sets), some rows,
 /// widths of whole 16-byte pieces (every row aligned: the masked-LM decoder's 30,522 words
 /// keep the product and our bias kernel), and every input starting on a 16-byte boundary.
 fn epilogue_takes(x: &Tensor, weight: &Tensor, bias: &Tensor, rows: usize) -> bool {
     let whole = |n: usize| n.is_multiple_of(8);
-    crate::kernels::cuda_linear_epilogue()
-        && matches!(x.dtype(), DType::BF16 | DType::F16)
+    matches!(x.dtype(), DType::BF16 | DType::F16)
         && rows > 0
         && weight
             .dims2()
@@ -535,21 +523,20 @@ where
     Ok(out)
 }
 
-/// Whether a linear layer's backward takes its two products through cuBLASLt
-/// ([`crate::kernels::set_cuda_linear_backward_lt`]) for these operands: half precision, each
+/// Whether a linear layer's backward takes its two products through cuBLASLt (else candle's
+/// `matmul`) for these operands: half precision, each
 /// contiguous from a 16-byte boundary with rows of whole 16-byte pieces (the products' leading
 /// dimensions; the token count, a packed batch's, may be any).
 fn lt_backward_takes(tensors: &[&Tensor]) -> bool {
-    crate::kernels::cuda_linear_backward_lt()
-        && tensors.iter().all(|t| {
-            matches!(t.dtype(), DType::BF16 | DType::F16)
-                && t.is_contiguous()
-                && starts_on_16_bytes(t)
-                && t.dims().last().is_some_and(|d| d.is_multiple_of(8))
-        })
+    tensors.iter().all(|t| {
+        matches!(t.dtype(), DType::BF16 | DType::F16)
+            && t.is_contiguous()
+            && starts_on_16_bytes(t)
+            && t.dims().last().is_some_and(|d| d.is_multiple_of(8))
+    })
 }
 
-/// A linear layer's gradients as cuBLASLt products (`BERTKIT_CUDA_LINEAR_BACKWARD=lt`), laid
+/// A linear layer's gradients as cuBLASLt products, laid
 /// out in cuBLAS's column-major terms as the input's gradient `[rows, in]` = `weight · grad`
 /// (`[in, out] · [out, rows]`, neither transposed) and the weight's `[out, in]` = `x · gradᵀ`
 /// (`[in, rows] · [rows, out]`, the right one transposed), through the handle and heuristics
@@ -786,9 +773,8 @@ impl CustomOp3 for LinearOp {
                 // Without an activation the product's gradient is the output's, and its
                 // column sums (the bias's gradient) may come out of the weight gradient's
                 // product (`lt_raw`).
-                let bias_in_product = self.act.is_none()
-                    && crate::kernels::cuda_bias_gradient_epilogue()
-                    && lt_backward_takes(&[&grad, &x_rows, &weight]);
+                let bias_in_product =
+                    self.act.is_none() && lt_backward_takes(&[&grad, &x_rows, &weight]);
                 let (grad_pre, grad_bias) = match self.act {
                     Some(_) => {
                         let pre = self.pre.take(self.name())?;
@@ -1011,22 +997,15 @@ pub(crate) fn linear(
 
 /// [`linear`] (no activation) with the weight's gradient handed to `sink`
 /// ([`crate::kernels::Kernels::linear_into`]). A weight in another dtype than `x` (the f32
-/// word embeddings) goes into the op where [`crate::kernels::set_cuda_linear_cast`] is on;
-/// otherwise a cast copy outside the graph does (the product and the gradient the same: the
-/// op's gradient, in `x`'s dtype, cast to the weight's by the sink, as the cast's node did).
+/// word embeddings) goes into the op, which casts it for the product and its gradient back
+/// (the op's gradient, in `x`'s dtype, cast to the weight's by the sink).
 pub(crate) fn linear_into(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
     sink: &GradientSink,
 ) -> Result<Tensor> {
-    let sink = Some(sink.clone());
-    if weight.dtype() == x.dtype() || crate::kernels::cuda_linear_cast() {
-        linear_node(x, weight, bias, None, None, sink)
-    } else {
-        let cast = weight.detach().to_dtype(x.dtype())?;
-        linear_node(x, &cast, bias, None, None, sink)
-    }
+    linear_node(x, weight, bias, None, None, Some(sink.clone()))
 }
 
 /// GELU then a linear layer on CUDA, `GELU(x) · weightᵀ + bias`, in `x`'s dtype, as one node
@@ -1069,8 +1048,7 @@ fn linear_node(
         Some(act) => input.apply_op1_no_bwd(&ActOp { act })?,
         None => input,
     };
-    // A weight kept in another dtype (`crate::kernels::set_cuda_linear_cast`): a cast copy for
-    // the product, dropped after it.
+    // A weight kept in another dtype: a cast copy for the product, dropped after it.
     let product_weight = weight.detach().to_dtype(dtype)?;
     let pre = input.matmul(&product_weight.t()?)?;
     drop((input, product_weight));

@@ -119,9 +119,6 @@ fn function<T: Element>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
             .get_or_load_custom_func(&full, MODULE, PTX)?
             .into_cuda_function())
     };
-    if !crate::kernels::CUDA_FUNCTIONS_KEPT.get() {
-        return lookup();
-    }
     let mut devices = FUNCTIONS.lock().map_err(|_| {
         candle_core::Error::Msg("the CUDA kernels' functions: a poisoned lock".into())
     })?;
@@ -150,14 +147,9 @@ fn device_entry<'a, V>(
     Ok(&mut cache[at].1)
 }
 
-/// Whether the CUDA kernels take `dtype`: f32 and bf16, and f16 where turned on
-/// ([`crate::kernels::set_cuda_fp16`]).
+/// Whether the CUDA kernels take `dtype`: f32, bf16 and f16 (computing in f32).
 pub(crate) fn takes(dtype: DType) -> bool {
-    match dtype {
-        DType::F32 | DType::BF16 => true,
-        DType::F16 => crate::kernels::cuda_fp16(),
-        _ => false,
-    }
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
 }
 
 /// Launches kernel `$name` for element type `$T` on candle's stream, the arguments pushed by
@@ -267,9 +259,6 @@ fn allow_dynamic_shared<T: Element>(dev: &CudaDevice, name: &str, bytes: usize) 
         .w()?;
         Ok(true)
     };
-    if !crate::kernels::CUDA_FUNCTIONS_KEPT.get() {
-        return ask();
-    }
     answer_once::<T, _>(&ALLOWED, "shared memory", dev, (name, bytes), ask)
 }
 
@@ -395,14 +384,9 @@ fn column_sums<T: Element>(
     cols: usize,
 ) -> Result<()> {
     let (parts_i, cols_i) = (parts as i32, cols as i32);
-    // 32 lanes a column, a block per 32 columns ([`crate::kernels::set_cuda_column_sums_lanes`]),
-    // or a thread a column.
-    let (name, cfg) = if crate::kernels::cuda_column_sums_lanes() {
-        ("column_sums_lanes", config(cols.div_ceil(32), 1024, 0))
-    } else {
-        ("column_sums", config(cols.div_ceil(256), 256, 0))
-    };
-    launch!(T, dev, name, cfg, |b| {
+    // 32 lanes a column, a block per 32 columns.
+    let cfg = config(cols.div_ceil(32), 1024, 0);
+    launch!(T, dev, "column_sums_lanes", cfg, |b| {
         b.arg(partial).arg(out).arg(&parts_i).arg(&cols_i);
     })
 }
@@ -433,14 +417,8 @@ pub(crate) fn norm_fits(hidden: usize) -> bool {
     3 * hidden + 32 <= SHARED_FLOATS
 }
 
-/// Whether the linear kernels take outputs of `cols` columns: the bias's backward sums at most
-/// [`BIAS_CHUNK`] columns a block, wider rows only in chunks once turned on.
-pub(crate) fn bias_fits(cols: usize) -> bool {
-    cols <= BIAS_CHUNK || crate::kernels::cuda_wide_linear()
-}
-
 /// The most columns one block of the bias's backward sums (`BIAS_CHUNK` in `kernels.cu`: its
-/// shared memory); wider rows take a block per chunk ([`crate::kernels::set_cuda_wide_linear`]).
+/// shared memory); wider rows take a block per chunk.
 const BIAS_CHUNK: usize = SHARED_FLOATS;
 
 /// A packing's device tensors the attention and dropout kernels read: each padded place's token

@@ -19,16 +19,14 @@ struct NormShape {
 
 /// Whether LayerNorm's kernels 16 bytes a thread take rows of `hidden` elements of `T` whose
 /// inputs start at the elements `starts` of their buffers (the buffers themselves are aligned):
-/// turned on ([`crate::kernels::set_cuda_norm_vector`]), whole 16-byte pieces, at most 1,024
-/// of them a row (a thread each), every row on a 16-byte boundary.
+/// whole 16-byte pieces, at most 1,024 of them a row (a thread each), every row on a 16-byte
+/// boundary. Other rows take the kernels a block a row, an element a thread.
 fn vector_form<T>(hidden: usize, starts: &[usize]) -> bool {
-    crate::kernels::cuda_norm_vector()
-        && in_16_byte_pieces::<T>(hidden, starts.iter().copied())
-        && pieces::<T>(hidden) <= 1024
+    in_16_byte_pieces::<T>(hidden, starts.iter().copied()) && pieces::<T>(hidden) <= 1024
 }
 
-/// The most 16-byte pieces a lane of the forward a warp per row holds (`WARP_ROW_PIECES` in
-/// `kernels.cu`, [`crate::kernels::set_cuda_norm_warp_forward`]).
+/// The most 16-byte pieces a lane of the kernels a warp a row holds (`WARP_ROW_PIECES` in
+/// `kernels.cu`).
 const WARP_ROW_PIECES: usize = 4;
 
 /// A block's threads for the kernels 16 bytes a thread: one per piece of the row, whole warps.
@@ -42,7 +40,7 @@ fn pieces<T>(hidden: usize) -> usize {
 }
 
 /// The forward kernel: `y = norm(dropout(x) + residual) · weight + bias`; `keep`: where the
-/// dropout's keep bytes go (the warp forward's form writing them, [`keeps_bits`]).
+/// dropout's keep bytes go ([`keeps_bits`]).
 #[allow(clippy::too_many_arguments)]
 fn forward<T: Element>(
     dev: &CudaDevice,
@@ -57,7 +55,7 @@ fn forward<T: Element>(
     // SAFETY: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(s.rows * s.hidden)? };
     let (rows, hidden, seq) = (s.rows as i32, s.hidden as i32, s.seq as i32);
-    let warp = warp_forward::<T>(&s);
+    let warp = warp_rows::<T>(&s);
     let keep = keep.filter(|_| warp);
     let (name, cfg) = if warp {
         // Four warps a block, a warp a row.
@@ -98,21 +96,16 @@ fn forward<T: Element>(
     Ok(y)
 }
 
-/// Whether the forward takes a warp per row ([`crate::kernels::set_cuda_norm_warp_forward`]).
-fn warp_forward<T>(s: &NormShape) -> bool {
-    s.vector
-        && crate::kernels::cuda_norm_warp_forward()
-        && pieces::<T>(s.hidden) <= WARP_ROW_PIECES * 32
+/// Whether the forward and the backward take a warp a row (its loads all in flight, its sums
+/// by warp shuffles): the rows 16 bytes a thread of at most [`WARP_ROW_PIECES`] pieces a lane.
+fn warp_rows<T>(s: &NormShape) -> bool {
+    s.vector && pieces::<T>(s.hidden) <= WARP_ROW_PIECES * 32
 }
 
-/// Whether a sublayer end's forward writes its dropout's keep bytes for its backward
-/// ([`crate::kernels::set_cuda_norm_keep_bits`]): with dropout, its forward a warp per row and
-/// its backward the one with a row's loads at once, which read them.
+/// Whether a sublayer end's forward writes its dropout's keep bytes for its backward (a byte a
+/// 16-byte piece, read where the keeps would be drawn again): with dropout, a warp a row.
 fn keeps_bits<T>(s: &NormShape) -> bool {
-    crate::kernels::cuda_norm_keeps_bits()
-        && s.dropout.on != 0
-        && warp_forward::<T>(s)
-        && vector_threads::<T>(s.hidden) <= AHEAD_THREADS
+    s.dropout.on != 0 && warp_rows::<T>(s)
 }
 
 /// The keep bytes of a sublayer end: one a 16-byte piece of a row.
@@ -120,28 +113,19 @@ fn keep_bytes<T>(s: &NormShape) -> usize {
     s.rows * pieces::<T>(s.hidden)
 }
 
-/// Blocks of the backward kernel with its wider grid ([`crate::kernels::set_cuda_norm_wide_grid`]):
-/// four rows a block at BERT-large's 8,192 tokens, where [`MAX_BACKWARD_BLOCKS`] gives each
-/// block 16 rows one after the other, each row four block-wide sums.
+/// Blocks of the backward kernels a block a row: four rows a block at BERT-large's 8,192
+/// tokens (at 512, each block's 16 rows one after the other, each four block-wide sums).
 const NORM_BACKWARD_BLOCKS: usize = 2048;
-/// The most threads a block of the backward with each row's loads at once takes (its launch
-/// bounds, which hold it to the registers of six blocks of 128 an SM): rows of up to 2,048
-/// bf16 or 1,024 f32 elements; wider ones take the backward in use.
+/// The most threads a block of the backward 16 bytes a thread with each row's loads at once
+/// takes (its launch bounds, which hold it to the registers of six blocks of 128 an SM): rows
+/// of up to 2,048 bf16 or 1,024 f32 elements; wider ones load the gradient after the row's
+/// statistics.
 const AHEAD_THREADS: usize = 256;
 
-/// Warps a block of the backward a warp per row ([`crate::kernels::set_cuda_norm_backward_warp`];
-/// `NORM_WARP_BACKWARD_WARPS` in `kernels.cu`).
+/// Warps a block of the backward a warp a row (`NORM_WARP_BACKWARD_WARPS` in `kernels.cu`).
 const WARP_BACKWARD_WARPS: usize = 4;
 /// Its block's threads.
 const WARP_BACKWARD_THREADS: usize = 32 * WARP_BACKWARD_WARPS;
-
-/// Whether the backward takes a warp per row ([`crate::kernels::set_cuda_norm_backward_warp`]):
-/// the rows the forward a warp per row takes (its lanes hold the same pieces).
-fn warp_backward<T>(s: &NormShape) -> bool {
-    s.vector
-        && crate::kernels::cuda_norm_backward_warp()
-        && pieces::<T>(s.hidden) <= WARP_ROW_PIECES * 32
-}
 
 /// The backward kernel, packed as `[rows + rows (with `grad_x`) + 2, hidden]`: the sum's
 /// gradient, `x`'s through the dropout when asked, then the weight's and the bias's.
@@ -162,7 +146,7 @@ fn backward<T: Element>(
     // SAFETY: every element is written: the gradients by the first kernel, the parameters' by
     // the column sums.
     let mut out = unsafe { dev.alloc::<T>(parts * n + 2 * h)? };
-    let warp = warp_backward::<T>(&s);
+    let warp = warp_rows::<T>(&s);
     let blocks = if warp {
         // Every block resident at once (five an SM on sm_90 under its launch bounds: 94
         // registers, 32 KiB of shared memory; the form reading keep bytes has the same
@@ -170,10 +154,8 @@ fn backward<T: Element>(
         let resident =
             resident_blocks::<T>(dev, "layer_norm_warp_backward", WARP_BACKWARD_THREADS)?;
         s.rows.div_ceil(WARP_BACKWARD_WARPS).clamp(1, resident)
-    } else if crate::kernels::cuda_norm_wide_grid() {
-        s.rows.clamp(1, NORM_BACKWARD_BLOCKS)
     } else {
-        s.rows.clamp(1, MAX_BACKWARD_BLOCKS)
+        s.rows.clamp(1, NORM_BACKWARD_BLOCKS)
     };
     let partial = if s.vector {
         // SAFETY: every block writes its whole `[2, hidden]` (its threads cover the row).
@@ -185,10 +167,8 @@ fn backward<T: Element>(
     {
         let (mut grad_sum, mut rest) = out.split_at_mut(n);
         let mut grad_x_view = rest.slice_mut(0..if grad_x { n } else { 0 });
-        // The backward with a row's loads at once takes blocks of up to `AHEAD_THREADS`; the
-        // keep bytes only with it or a warp a row.
-        let ahead = s.vector && vector_threads::<T>(s.hidden) <= AHEAD_THREADS;
-        let keep = keep.filter(|_| ahead || warp);
+        // (The keep bytes only a warp a row, as the forward wrote them.)
+        let keep = keep.filter(|_| warp);
         let (name, cfg) = if warp {
             let name = if keep.is_some() {
                 "layer_norm_warp_backward_bits"
@@ -197,9 +177,7 @@ fn backward<T: Element>(
             };
             (name, config(blocks, WARP_BACKWARD_THREADS, 0))
         } else if s.vector {
-            let name = if keep.is_some() {
-                "layer_norm_vec_backward_ahead_bits"
-            } else if ahead && crate::kernels::cuda_norm_backward_ahead() {
+            let name = if vector_threads::<T>(s.hidden) <= AHEAD_THREADS {
                 "layer_norm_vec_backward_ahead"
             } else {
                 "layer_norm_vec_backward"
@@ -506,12 +484,9 @@ impl CustomOp3 for ResidualLayerNormOp {
                     keep: Handoff::empty(),
                 },
                 grad: Handoff::new(grad.contiguous()?),
-                // (The bytes where the forward wrote them and the settings still take the
-                // backward that reads them: else it draws the same keeps from the keys.)
-                keep: self
-                    .keep
-                    .take_any()
-                    .filter(|_| crate::kernels::cuda_norm_keep_bits()),
+                // (The bytes where the forward wrote them: else the backward draws the same
+                // keeps from the keys.)
+                keep: self.keep.take_any(),
             };
             let packed = x.apply_op3_no_bwd(residual, params, &op)?;
             let hidden = params.dim(1)?;
