@@ -114,9 +114,6 @@ pub(crate) struct FlatSums {
     pending_count: usize,
     /// The entries that have had a gradient this step.
     seen: Vec<bool>,
-    /// A bucket to write the first sums into instead of a new one (the last step's, kept:
-    /// [`crate::optim::Optimizer::keep_buckets`]).
-    spare: Option<Tensor>,
 }
 
 impl FlatSums {
@@ -131,17 +128,7 @@ impl FlatSums {
             pending: vec![None; entries],
             pending_count: 0,
             seen: vec![false; entries],
-            spare: None,
         }
-    }
-
-    /// Writes the first sums into `bucket` (the layout's elements in the sums' dtype; every
-    /// element is written before any is read) rather than a new one; `None` keeps a new one.
-    pub(crate) fn reusing(mut self, bucket: Option<Tensor>) -> Self {
-        self.spare = bucket.filter(|b| {
-            b.dtype() == self.dtype && b.dims() == [self.layout.elements] && b.is_contiguous()
-        });
-        self
     }
 
     /// Adds parameter `name`'s gradient `g` (as the backward made it): held, and added to the
@@ -180,11 +167,7 @@ impl FlatSums {
                 numel: entry.numel(),
             });
         }
-        let bucket = match self.bucket.take().or_else(|| {
-            // (A kept bucket on another device than the gradients is not reused.)
-            let device = pieces.iter().find_map(|p| p.gradient.as_ref())?.device();
-            self.spare.take().filter(|b| b.device().same_device(device))
-        }) {
+        let bucket = match self.bucket.take() {
             Some(bucket) => bucket,
             None => {
                 let device = pieces

@@ -8,10 +8,7 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::TrainError;
 use crate::bucket::StepGradients;
-use crate::optim::{
-    Optimizer, OptimizerConfig, Rule, cuda_update_in_place, set_cuda_optimizer,
-    set_cuda_update_in_place, set_trust_ratios_apart, set_update_ahead, update_ahead,
-};
+use crate::optim::{Optimizer, OptimizerConfig, Rule};
 
 /// The optimiser update on `device` against its reference, as `bertkit check kernels` reports
 /// kernels ([`bertkit_model::kernels::check`]): two steps of LAMB and of AdamW (the second
@@ -19,13 +16,11 @@ use crate::optim::{
 /// kernels' blocks, one without a gradient at the first step, from the same weights and
 /// gradients (two micro-batches a step, summed at a loss scale as a step sums them); each
 /// step's squared gradient norm, and the weights, both moments and the parameters after them,
-/// against the reference's. On a CUDA device the reference is the CPU's one-pass update in f32 (the twin)
-/// and the CUDA update is turned on for the process ([`set_cuda_optimizer`]), in both its
-/// forms: a new state per step, and in place ([`set_cuda_update_in_place`]: the bucket
-/// gathered and the parameters set by its kernels), the latter also with bf16 parameters and
-/// gradients, LAMB's trust ratios in a launch of their own ([`set_trust_ratios_apart`]), and
-/// without a bucket ([`Optimizer::hold_gradients`]: one micro-batch a step, its gradients read
-/// where they are held, against the reference's bucket of the same one); on the CPU it is the
+/// against the reference's. On a CUDA device the reference is the CPU's one-pass update in f32
+/// (the twin), which the CUDA update (the bucket gathered and the parameters set by its
+/// kernels) is checked against with f32 and bf16 parameters and gradients, with the bucket and
+/// without it ([`Optimizer::hold_gradients`]: one micro-batch a step, its gradients read where
+/// they are held, against the reference's bucket of the same one); on the CPU it is the
 /// composed update in f64, which the CPU's update with and without a bucket is checked against.
 pub fn check_update(
     device: &candle_core::Device,
@@ -33,10 +28,6 @@ pub fn check_update(
     use bertkit_model::kernels::check::{KernelCheck, device_broken, tolerance, values, worst};
     const SHAPE: &str = "4 params";
     use candle_core::Device;
-    if device.is_cuda() {
-        set_cuda_optimizer(true);
-        set_trust_ratios_apart(true);
-    }
     let shapes: [(&str, &[usize]); 4] = [
         ("encoder.layer.0.attention.self.query.weight", &[64, 48]),
         ("encoder.layer.0.attention.self.query.bias", &[48]),
@@ -107,26 +98,22 @@ pub fn check_update(
             .collect()
     };
     let mut checks = Vec::new();
-    // (in place, its loads ahead, the gradients held, the row's name, the parameters' dtype)
-    let forms: &[(bool, bool, bool, &str, DType)] = if device.is_cuda() {
+    // (the gradients held, the row's name, the parameters' dtype)
+    let forms: &[(bool, &str, DType)] = if device.is_cuda() {
         &[
-            (false, false, false, "", DType::F32),
-            (true, false, false, " in place", DType::F32),
-            (true, false, false, " in place, bf16", DType::BF16),
-            (true, true, false, " in place, ahead", DType::F32),
-            (true, true, false, " in place, ahead, bf16", DType::BF16),
-            (true, true, true, " without a bucket", DType::F32),
-            (true, true, true, " without a bucket, bf16", DType::BF16),
+            (false, "", DType::F32),
+            (false, ", bf16", DType::BF16),
+            (true, " without a bucket", DType::F32),
+            (true, " without a bucket, bf16", DType::BF16),
         ]
     } else {
         &[
-            (false, false, false, "", DType::F32),
-            (false, false, true, " without a bucket", DType::F32),
+            (false, "", DType::F32),
+            (true, " without a bucket", DType::F32),
         ]
     };
-    let (was_in_place, was_ahead) = (cuda_update_in_place(), update_ahead());
     for (rule, name) in [(Rule::Lamb, "LAMB"), (Rule::Adamw, "AdamW")] {
-        for &(in_place, ahead, held, form, dtype) in forms {
+        for &(held, form, dtype) in forms {
             let kernel = format!("optimizer update{form} ({name})");
             // The CPU's f32 update (the twin) on CUDA, the composed one in f64 on the CPU.
             let lines = || -> Result<Vec<KernelCheck>, TrainError> {
@@ -139,12 +126,7 @@ pub fn check_update(
                     micro_batches,
                     false,
                 )?;
-                set_cuda_update_in_place(in_place);
-                set_update_ahead(ahead);
-                let got = run(rule, device, dtype, micro_batches, held);
-                set_cuda_update_in_place(was_in_place);
-                set_update_ahead(was_ahead);
-                let got = got?;
+                let got = run(rule, device, dtype, micro_batches, held)?;
                 let mut lines = Vec::new();
                 for (value, prefix) in [
                     ("weights", ""),

@@ -1,9 +1,11 @@
 // The optimiser update of one parameter group on CUDA: the device half of `cuda_update.rs`,
 // the twin of `cpu_update.rs` (the same f32 arithmetic, element by element; LAMB's squared
-// norms in f64). Two launches per group where the composed update made about fifteen passes:
-// the moments and the update with per-block partial norms, then the weights. And the copies
-// around it in one launch each, whatever the number of parameters: every gradient into the
-// flat bucket, and (in place) every parameter set from its new weights.
+// norms in f64). The group's `[3, rows, numel]` weights, first and second moments are updated
+// where they are: for LAMB three launches (the moments with per-block partial norms, each
+// row's trust ratio, the weights), for AdamW one, where the composed update made about
+// fifteen passes; every parameter is set from its new weights as they are written. And the
+// copies around it in one launch each, whatever the number of parameters: every gradient into
+// the flat bucket, and its squared norm.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -77,66 +79,17 @@ __device__ __forceinline__ void store_partial_norms(double w2, double u2, double
     }
 }
 
-// `state` is `[3, rows, numel]`: the update `u` (the new weights after the second launch), the
-// first and the second moments. `norms` is `[rows, gridDim.x, 2]`: each block's Σw², Σu².
-extern "C" __global__ void update_moments(const float* w, const float* m, const float* v,
-                                          const float* g, float* state, double* norms,
-                                          int rows, int numel, Constants c) {
-    __shared__ double scratch[32];
-    const size_t total = (size_t)rows * numel;
-    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-        const size_t base = (size_t)row * numel;
-        const int start = blockIdx.x * CHUNK;
-        const int end = min(start + CHUNK, numel);
-        double w2 = 0.0, u2 = 0.0;
-        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
-            const size_t i = base + j;
-            const float gi = g[i] * c.clip;
-            const float mi = m[i] * c.b1 + gi * c.one_b1;
-            const float vi = v[i] * c.b2 + gi * gi * c.one_b2;
-            const float denominator = sqrtf(vi * c.inv_bc2) + c.eps;
-            float u = (mi * c.inv_bc1) / denominator;
-            if (c.decayed) u = u + w[i] * c.decay;
-            state[i] = u;
-            state[total + i] = mi;
-            state[2 * total + i] = vi;
-            if (c.trust_ratio) {
-                w2 += (double)w[i] * (double)w[i];
-                u2 += (double)u * (double)u;
-            }
-        }
-        if (c.trust_ratio) store_partial_norms(w2, u2, scratch, norms, row);
-    }
-}
-
 // The trust ratio `‖w‖ / ‖u‖` from the squared norms, 1 when either is 0.
 __device__ __forceinline__ float trust_ratio_of(double w2, double u2) {
     const double wn = sqrt(w2), un = sqrt(u2);
     return wn > 0.0 && un > 0.0 ? (float)(wn / un) : 1.0f;
 }
 
-// Row `row`'s factor of the update in the weights' launches: its trust ratio where `trust_ratio`
-// is set, read from `ratios` where `trust_ratios` made them, else from the row's partial norms
-// (`norms`, `[rows, blocks, 2]`) added in block order; 1 without the trust ratio.
-__device__ __forceinline__ float row_ratio(int trust_ratio, const float* ratios,
-                                           const double* norms, int row, int blocks) {
-    if (!trust_ratio) return 1.0f;
-    if (ratios != nullptr) return ratios[row];
-    double w2 = 0.0, u2 = 0.0;
-    const double* p = norms + (size_t)row * blocks * 2;
-    for (int b = 0; b < blocks; ++b) {
-        w2 += p[2 * b];
-        u2 += p[2 * b + 1];
-    }
-    return trust_ratio_of(w2, u2);
-}
-
 // Each row's trust ratio `‖w‖ / ‖u‖` (1 when either is 0) from its blocks' partial norms
 // (`norms`, `[rows, blocks, 2]`), a block per row summing them in parallel, into `ratios`
-// (`[rows]`) for the weights' launch to read (`cuda_update::set_trust_ratios_apart`). Without
-// it each block of the weights' launch has its first thread add up every partial of its row:
-// the row's blocks times over, one after the other (BERT-large's word embeddings are one row
-// of 7,630 blocks).
+// (`[rows]`) for the weights' launch to read: once a row, where each block of the weights'
+// launch adding up its row's partials would do it the row's blocks times over (BERT-large's
+// word embeddings are one row of 7,630 blocks).
 extern "C" __global__ void trust_ratios(const double* norms, int rows, int blocks,
                                         float* ratios) {
     __shared__ double scratch[32];
@@ -153,35 +106,11 @@ extern "C" __global__ void trust_ratios(const double* norms, int rows, int block
     }
 }
 
-// The new weights `w - (u · ratio) · lr` into `state`'s first part, the row's trust ratio
-// `‖w‖ / ‖u‖` (1 when either is 0, or without the trust ratio) from the partial norms added in
-// block order.
-extern "C" __global__ void update_weights(const float* w, float* state, const double* norms,
-                                          int rows, int numel, int blocks, float lr,
-                                          int trust_ratio, const float* ratios) {
-    __shared__ float ratio_shared;
-    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-        if (threadIdx.x == 0) {
-            ratio_shared = row_ratio(trust_ratio, ratios, norms, row, blocks);
-        }
-        __syncthreads();
-        const float ratio = ratio_shared;
-        const size_t base = (size_t)row * numel;
-        const int start = blockIdx.x * CHUNK;
-        const int end = min(start + CHUNK, numel);
-        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
-            const size_t i = base + j;
-            state[i] = w[i] - state[i] * ratio * lr;
-        }
-        __syncthreads();
-    }
-}
-
-// In place: `state` is the group's `[3, rows, numel]` weights, first and second moments,
-// updated where they are (no second state allocated per group per step). The first launch
-// writes the moments and the per-block norms; the second recomputes each element's update
-// from the new moments and the old weight (the same function, so the same value the first
-// launch measured) and writes the weight.
+// `state` is the group's `[3, rows, numel]` weights, first and second moments, updated where
+// they are (no second state allocated per group per step). The moments' launch writes the
+// moments and the per-block norms; the weights' launch recomputes each element's update from
+// the new moments and the old weight (the same function, so the same value the first launch
+// measured) and writes the weight.
 
 // An element's update `m̂ / (√v̂ + ε) (+ decay · w)` from its new moments.
 __device__ __forceinline__ float update_of(float mi, float vi, float wi, const Constants& c) {
@@ -191,9 +120,7 @@ __device__ __forceinline__ float update_of(float mi, float vi, float wi, const C
     return u;
 }
 
-// An element's new moments from its gradient `gi` (before clipping) and its old moments: the
-// arithmetic of `update_moments_in_place` (which keeps its own copy, its code unchanged since it
-// ran on a GPU).
+// An element's new moments from its gradient `gi` (before clipping) and its old moments.
 __device__ __forceinline__ void new_moments(float gi, float& mi, float& vi, const Constants& c) {
     const float clipped = gi * c.clip;
     mi = mi * c.b1 + clipped * c.one_b1;
@@ -205,73 +132,12 @@ __device__ __forceinline__ float stepped(float wi, float u, float ratio, float l
     return wi - u * ratio * lr;
 }
 
-extern "C" __global__ void update_moments_in_place(float* state, const float* g, double* norms,
-                                                   int rows, int numel, Constants c) {
-    __shared__ double scratch[32];
-    const size_t total = (size_t)rows * numel;
-    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-        const size_t base = (size_t)row * numel;
-        const int start = blockIdx.x * CHUNK;
-        const int end = min(start + CHUNK, numel);
-        double w2 = 0.0, u2 = 0.0;
-        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
-            const size_t i = base + j;
-            const float gi = g[i] * c.clip;
-            const float wi = state[i];
-            const float mi = state[total + i] * c.b1 + gi * c.one_b1;
-            const float vi = state[2 * total + i] * c.b2 + gi * gi * c.one_b2;
-            state[total + i] = mi;
-            state[2 * total + i] = vi;
-            if (c.trust_ratio) {
-                const float u = update_of(mi, vi, wi, c);
-                w2 += (double)wi * (double)wi;
-                u2 += (double)u * (double)u;
-            }
-        }
-        if (c.trust_ratio) store_partial_norms(w2, u2, scratch, norms, row);
-    }
-}
-
-// `params` (`[rows]`, or null): each row's parameter, set from its new weights in its own
-// type, so that no cast of the group and no copy per parameter follows the update.
-extern "C" __global__ void update_weights_in_place(float* state, const double* norms, int rows,
-                                                   int numel, int blocks, float lr, Constants c,
-                                                   const DeviceTensor* params,
-                                                   const float* ratios) {
-    __shared__ float ratio_shared;
-    const size_t total = (size_t)rows * numel;
-    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-        if (threadIdx.x == 0) {
-            ratio_shared = row_ratio(c.trust_ratio, ratios, norms, row, blocks);
-        }
-        __syncthreads();
-        const float ratio = ratio_shared;
-        const size_t base = (size_t)row * numel;
-        const int start = blockIdx.x * CHUNK;
-        const int end = min(start + CHUNK, numel);
-        for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
-            const size_t i = base + j;
-            const float wi = state[i];
-            const float u = update_of(state[total + i], state[2 * total + i], wi, c);
-            const float w = stepped(wi, u, ratio, lr);
-            state[i] = w;
-            if (params != nullptr) store_f32(params[row], j, w);
-        }
-        __syncthreads();
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The in-place update with each thread's loads issued ahead (`cuda_update::set_update_ahead`).
-// The kernels above read an element's values, compute and store, then go on to the next: the
-// stores may alias the next element's loads as far as the compiler knows, so a thread has one
-// element's loads in flight at a time. These read all of a thread's elements of the block's
-// chunk first (`AHEAD` a thread, each array), then compute and store them in the same order:
-// the same arithmetic and the same order of the norms' sums (the same bits in the CPU
-// emulation; nvcc may fuse another product into a multiply-add, as it does between the
-// two-buffer and in-place kernels above, so on a GPU they agree to rounding). And where the
-// rule has no trust ratio (AdamW) the update is one launch: the moments, the update and the
-// weight in one pass (30 bytes a parameter moved where two launches move 42).
+// Each thread's loads are issued ahead: it reads all of its elements of the block's chunk
+// first (`AHEAD` a thread, each array), then computes and stores them in the same order (a
+// read, compute and store an element at a time keeps one element's loads in flight a thread:
+// the stores may alias the next element's loads as far as the compiler knows). Where the rule
+// has no trust ratio (AdamW) the update is one launch: the moments, the update and the weight
+// in one pass (30 bytes a parameter moved where two launches move 42).
 
 // Elements of each array a thread holds (a block's chunk over its threads).
 #define AHEAD (CHUNK / THREADS)
@@ -352,10 +218,10 @@ __device__ __forceinline__ void load_ahead(const float* state, const Row& g, siz
     }
 }
 
-// The moments' launch with its loads ahead, over the gradients of `G` (above).
+// The moments' launch over the gradients of `G` (above).
 template <class G>
-__device__ __forceinline__ void moments_in_place_ahead(float* state, const G& g, double* norms,
-                                                       int rows, int numel, Constants c) {
+__device__ __forceinline__ void moments_of(float* state, const G& g, double* norms, int rows,
+                                           int numel, Constants c) {
     __shared__ double scratch[32];
     const size_t total = (size_t)rows * numel;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
@@ -386,32 +252,31 @@ __device__ __forceinline__ void moments_in_place_ahead(float* state, const G& g,
     }
 }
 
+// The moments from the flat bucket's rows.
 extern "C" __global__ void __launch_bounds__(THREADS)
-update_moments_in_place_ahead(float* state, const float* g, double* norms, int rows, int numel,
-                              Constants c) {
-    moments_in_place_ahead(state, BucketGradients{g}, norms, rows, numel, c);
+update_moments(float* state, const float* g, double* norms, int rows, int numel, Constants c) {
+    moments_of(state, BucketGradients{g}, norms, rows, numel, c);
 }
 
 // The same from each row's gradient as the backward made it (`rows`, `[rows]`), times
-// `unscale`: no flat bucket (`cuda_update::update_in_place_held`).
+// `unscale`: no flat bucket (`cuda_update::update_held`).
 // (Two blocks an SM, as the bucket's form has: the element types' loads would take 147
 // registers, one block.)
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-update_moments_in_place_held(float* state, const DeviceTensor* rows_held, float unscale,
-                             double* norms, int rows, int numel, Constants c) {
-    moments_in_place_ahead(state, HeldGradients{rows_held, unscale}, norms, rows, numel, c);
+update_moments_held(float* state, const DeviceTensor* rows_held, float unscale, double* norms,
+                    int rows, int numel, Constants c) {
+    moments_of(state, HeldGradients{rows_held, unscale}, norms, rows, numel, c);
 }
 
+// The new weights `w - (u · ratio) · lr`, the row's trust ratio from `ratios` (`trust_ratios`),
+// each row's parameter in `params` (or none: null) set from them.
 extern "C" __global__ void __launch_bounds__(THREADS)
-update_weights_in_place_ahead(float* state, const double* norms, int rows, int numel, int blocks,
-                              float lr, Constants c, const DeviceTensor* params,
-                              const float* ratios) {
+update_weights(float* state, int rows, int numel, float lr, Constants c,
+               const DeviceTensor* params, const float* ratios) {
     __shared__ float ratio_shared;
     const size_t total = (size_t)rows * numel;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-        if (threadIdx.x == 0) {
-            ratio_shared = row_ratio(c.trust_ratio, ratios, norms, row, blocks);
-        }
+        if (threadIdx.x == 0) ratio_shared = c.trust_ratio ? ratios[row] : 1.0f;
         const size_t base = (size_t)row * numel;
         const int start = blockIdx.x * CHUNK;
         const int end = min(start + CHUNK, numel);
@@ -435,8 +300,8 @@ update_weights_in_place_ahead(float* state, const double* norms, int rows, int n
 }
 
 // Without a trust ratio (AdamW): the moments, the update and the weight in one pass, the row's
-// parameter set from its new weights; the values `update_moments_in_place` and
-// `update_weights_in_place` make in two.
+// parameter set from its new weights; the values `update_moments` and `update_weights` make in
+// two.
 template <class G>
 __device__ __forceinline__ void in_place_one_pass(float* state, const G& g, int rows, int numel,
                                                   float lr, Constants c,
@@ -469,17 +334,16 @@ __device__ __forceinline__ void in_place_one_pass(float* state, const G& g, int 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-update_in_place_one_pass(float* state, const float* g, int rows, int numel, float lr,
-                         Constants c, const DeviceTensor* params) {
+update_one_pass(float* state, const float* g, int rows, int numel, float lr, Constants c,
+                const DeviceTensor* params) {
     in_place_one_pass(state, BucketGradients{g}, rows, numel, lr, c, params);
 }
 
 // The same from each row's gradient as the backward made it, times `unscale` (as
-// `update_moments_in_place_held`).
+// `update_moments_held`).
 extern "C" __global__ void __launch_bounds__(THREADS)
-update_in_place_one_pass_held(float* state, const DeviceTensor* rows_held, float unscale,
-                              int rows, int numel, float lr, Constants c,
-                              const DeviceTensor* params) {
+update_one_pass_held(float* state, const DeviceTensor* rows_held, float unscale, int rows,
+                     int numel, float lr, Constants c, const DeviceTensor* params) {
     in_place_one_pass(state, HeldGradients{rows_held, unscale}, rows, numel, lr, c, params);
 }
 

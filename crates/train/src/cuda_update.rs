@@ -1,28 +1,21 @@
 //! The optimiser update of one parameter group on CUDA (the `cuda` feature), the twin of
-//! `cpu_update`: two launches over the group's `[rows, numel]` f32 state (`cuda_update.cu`)
-//! where the composed update makes about fifteen element-wise passes, each a fresh tensor. The
-//! new weights and moments come back as one `[3, rows, numel]` buffer whose rows the group
-//! keeps as views. `bertkit check kernels --device cuda` compares it with the CPU's update
-//! ([`crate::check::check_update`]); on by default since that passed on an H200
-//! (`BERTKIT_CUDA_OPTIMIZER=composed` turns it off).
-//!
-//! In place (the default since it passed on an H200 on 2026-11-27; `BERTKIT_CUDA_OPTIMIZER=by-name`
-//! for the form above) the copies around the
-//! update take one launch each too, however many parameters: [`gather`] makes or adds to the
-//! flat gradient bucket from every gradient (`crate::bucket`; a cast and a copy or an addition
-//! per parameter before), and [`update_in_place`] sets each parameter from its new weights as
-//! it writes them (no cast of the group, no copy per parameter). With
-//! [`crate::optim::set_update_ahead`] (on by default since it passed on an H200 on
-//! 2026-11-27) its kernels issue each thread's loads before its arithmetic, and AdamW's update
-//! is one launch.
+//! `cpu_update`: the group's weights and moments packed once into one `[3, rows, numel]` f32
+//! buffer and updated where they are (`cuda_update.cu`), in three launches for LAMB (the
+//! moments, each row's trust ratio, the weights) and one for AdamW, where the composed update
+//! makes about fifteen element-wise passes, each a fresh tensor; each parameter is set from its
+//! new weights as the kernel writes them (no cast of the group, no copy per parameter). The
+//! copies around the update take one launch each too, however many parameters: [`gather`]
+//! makes or adds to the flat gradient bucket from every gradient (`crate::bucket`), and
+//! [`squared_norm`] and [`held_squared_norm`] sum its squares. `bertkit check kernels --device
+//! cuda` compares it with the CPU's update ([`crate::check::check_update`]).
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Storage, Tensor,
-    Var, backend::BackendStorage, bail,
+    CpuStorage, CudaStorage, DType, InplaceOp2, Layout, Result, Storage, Tensor, Var,
+    backend::BackendStorage, bail,
 };
 
 use crate::cpu_update::{Constants, Scalars};
@@ -35,23 +28,15 @@ const MODULE: &str = "bertkit-optimizer";
 const CHUNK: usize = 4096;
 /// Threads a block (a multiple of 32, as the kernels' reductions need).
 const THREADS: u32 = 256;
-/// The null pointer, for a kernel's optional buffer.
-const NULL: u64 = 0;
 
-/// Each row's trust ratio from its blocks' partial norms in a launch of its own
-/// (`trust_ratios` in `cuda_update.cu`, [`crate::optim::set_trust_ratios_apart`]), where it is
-/// turned on and the rule has one: `[rows]` f32 for the weights' launch; `None` otherwise (each
-/// of that launch's blocks adds up its row's partials itself).
+/// Each row's trust ratio from its blocks' partial norms, a block a row (`trust_ratios` in
+/// `cuda_update.cu`): `[rows]` f32 for the weights' launch.
 fn trust_ratios(
     dev: &candle_core::cuda_backend::CudaDevice,
     norms: &CudaSlice<f64>,
     rows: usize,
     blocks: usize,
-    trust_ratio: bool,
-) -> Result<Option<CudaSlice<f32>>> {
-    if !(trust_ratio && crate::optim::trust_ratios_apart()) {
-        return Ok(None);
-    }
+) -> Result<CudaSlice<f32>> {
     // SAFETY: the launch writes every row's ratio.
     let mut ratios = unsafe { dev.alloc::<f32>(rows)? };
     let func = dev.get_or_load_custom_func("trust_ratios", MODULE, PTX)?;
@@ -66,54 +51,27 @@ fn trust_ratios(
     // SAFETY: the arguments `trust_ratios` declares, in order; `norms` holds `rows · blocks · 2`
     // values and `ratios` `rows`.
     unsafe { b.launch(cfg) }.w()?;
-    Ok(Some(ratios))
+    Ok(ratios)
 }
 
 // SAFETY: a plain `#[repr(C)]` value, laid out as the kernels' `struct Constants`.
 unsafe impl DeviceRepr for Constants {}
 
-/// The update of one group from its master weights, moments and gradients (each
-/// `[rows, numel]` f32 on the device): `[3, rows, numel]` holding the new weights, first and
-/// second moments.
-pub(crate) fn update(
-    master: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    gradients: &Tensor,
-    s: Scalars,
-) -> Result<Tensor> {
-    let op = Update {
-        gradients: gradients.contiguous()?,
-        constants: Constants::of(s),
-        lr: s.lr as f32,
-    };
-    master
-        .contiguous()?
-        .apply_op3_no_bwd(&m.contiguous()?, &v.contiguous()?, &op)
-}
-
 /// The update of a group whose weights and moments are one `[3, rows, numel]` f32 `state`
-/// (weights, first and second moments), written in place: no state allocated per group per
-/// step. Two launches, as [`update`]'s; the second recomputes each element's update from the
-/// new moments instead of reading it from a buffer, and sets `params` (the group's
-/// parameters, one a row, in their own dtype) from the new weights.
-pub(crate) fn update_in_place(
-    state: &Tensor,
-    gradients: &Tensor,
-    s: Scalars,
-    params: &[Var],
-) -> Result<()> {
+/// (weights, first and second moments), from the bucket's rows `gradients`, written in place:
+/// no state allocated per group per step; `params` (the group's parameters, one a row, in
+/// their own dtype) set from the new weights.
+pub(crate) fn update(state: &Tensor, gradients: &Tensor, s: Scalars, params: &[Var]) -> Result<()> {
     let op = UpdateInPlace::new(s, params, None)?;
     state.inplace_op2(&gradients.contiguous()?, &op)
 }
 
-/// As [`update_in_place`], from each row's gradient as the backward made it (`rows`, one a
-/// parameter in the group's order: f32, bf16 or f16, `None` for zeros) times `unscale`, read
-/// by the moments' launch itself (`update_moments_in_place_held`,
-/// `update_in_place_one_pass_held`): no flat gradient bucket. The values the bucket's form
-/// reads, bit for bit (`pieces_to_flat` makes them with the same two f32 operations). The
-/// kernels with their loads ahead only ([`crate::optim::set_update_ahead`]).
-pub(crate) fn update_in_place_held(
+/// As [`update`], from each row's gradient as the backward made it (`rows`, one a parameter in
+/// the group's order: f32, bf16 or f16, `None` for zeros) times `unscale`, read by the moments'
+/// launch itself (`update_moments_held`, `update_one_pass_held`): no flat gradient bucket. The
+/// values the bucket's form reads, bit for bit (`pieces_to_flat` makes them with the same two
+/// f32 operations).
+pub(crate) fn update_held(
     state: &Tensor,
     rows: &[Option<&Tensor>],
     unscale: f64,
@@ -148,7 +106,7 @@ struct UpdateInPlace {
     params: Vec<DeviceTensor>,
     numel: Vec<usize>,
     /// Each row's gradient as the backward made it and the factor it is read times
-    /// ([`update_in_place_held`]); `None`: the bucket's rows, the op's second tensor.
+    /// ([`update_held`]); `None`: the bucket's rows, the op's second tensor.
     held: Option<(Vec<DeviceTensor>, f32)>,
 }
 
@@ -251,19 +209,15 @@ impl UpdateInPlace {
         let dev = state.device.clone();
         let params = upload(&dev, &self.params)?;
         let (cfg, blocks) = grid(rows, numel);
-        let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
+        let (rows_i, numel_i) = (rows as i32, numel as i32);
         let mut state = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
-        let ahead = crate::optim::update_ahead();
         let held = matches!(gradients, Gradients::Held(..));
-        if held && !ahead {
-            bail!("{name}: held gradients are read by the kernels with their loads ahead only")
-        }
-        if ahead && self.constants.trust_ratio == 0 {
+        if self.constants.trust_ratio == 0 {
             // No trust ratio: the moments, the update and the weights in one launch.
             let one_pass = if held {
-                "update_in_place_one_pass_held"
+                "update_one_pass_held"
             } else {
-                "update_in_place_one_pass"
+                "update_one_pass"
             };
             let func = dev.get_or_load_custom_func(one_pass, MODULE, PTX)?;
             let mut b = func.builder();
@@ -271,22 +225,16 @@ impl UpdateInPlace {
             gradients.push(&mut b);
             b.arg(&rows_i).arg(&numel_i);
             b.arg(&self.lr).arg(&self.constants).arg(&params);
-            // SAFETY: the arguments `update_in_place_one_pass` declares, in order; `state`
+            // SAFETY: the arguments `update_one_pass` declares, in order; `state`
             // holds `3 · rows · numel` values, `params` a row's parameter each (as below).
             unsafe { b.launch(cfg) }.w()?;
             return Ok(());
         }
         let norms = partial_norms(&dev, rows, blocks)?;
-        let (moments, weights) = match (ahead, held) {
-            (true, true) => (
-                "update_moments_in_place_held",
-                "update_weights_in_place_ahead",
-            ),
-            (true, false) => (
-                "update_moments_in_place_ahead",
-                "update_weights_in_place_ahead",
-            ),
-            _ => ("update_moments_in_place", "update_weights_in_place"),
+        let moments = if held {
+            "update_moments_held"
+        } else {
+            "update_moments"
         };
         {
             let func = dev.get_or_load_custom_func(moments, MODULE, PTX)?;
@@ -297,20 +245,16 @@ impl UpdateInPlace {
             b.arg(&rows_i).arg(&numel_i).arg(&self.constants);
             unsafe { b.launch(cfg) }.w()?;
         }
-        let ratios = trust_ratios(&dev, &norms, rows, blocks, self.constants.trust_ratio != 0)?;
+        let ratios = trust_ratios(&dev, &norms, rows, blocks)?;
         {
-            let func = dev.get_or_load_custom_func(weights, MODULE, PTX)?;
+            let func = dev.get_or_load_custom_func("update_weights", MODULE, PTX)?;
             let mut b = func.builder();
-            b.arg(&mut state).arg(&norms).arg(&rows_i).arg(&numel_i);
-            b.arg(&blocks_i)
-                .arg(&self.lr)
+            b.arg(&mut state).arg(&rows_i).arg(&numel_i);
+            b.arg(&self.lr)
                 .arg(&self.constants)
-                .arg(&params);
-            match &ratios {
-                Some(r) => b.arg(r),
-                None => b.arg(&NULL),
-            };
-            // SAFETY: the arguments `update_weights_in_place` (and `_ahead`) declares, in order; `params`
+                .arg(&params)
+                .arg(&ratios);
+            // SAFETY: the arguments `update_weights` declares, in order; `params`
             // holds a row's parameter each, of `numel` elements (checked above), which the
             // optimiser holds past the launch (it owns the variables); on candle's one stream
             // the writes come after every earlier use of the parameters, before any later.
@@ -320,91 +264,7 @@ impl UpdateInPlace {
     }
 }
 
-struct Update {
-    gradients: Tensor,
-    constants: Constants,
-    lr: f32,
-}
-
-impl CustomOp3 for Update {
-    fn name(&self) -> &'static str {
-        "bertkit-cuda-optimizer-update"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("{}: a CUDA kernel, given CPU tensors", self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        w: &CudaStorage,
-        wl: &Layout,
-        m: &CudaStorage,
-        ml: &Layout,
-        v: &CudaStorage,
-        vl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let name = self.name();
-        let (rows, numel) = wl.shape().dims2()?;
-        let (gs, gl) = self.gradients.storage_and_layout();
-        let Storage::Cuda(g) = &*gs else {
-            bail!("{name}: gradients on the CUDA device expected")
-        };
-        let shape = (rows, numel);
-        let w_view = view(name, w, wl, shape, "weights")?;
-        let m_view = view(name, m, ml, shape, "first moments")?;
-        let v_view = view(name, v, vl, shape, "second moments")?;
-        let g_view = view(name, g, gl, shape, "gradients")?;
-        let dev = &w.device;
-        // SAFETY: every element is written by the two launches.
-        let mut state = unsafe { dev.alloc::<f32>(3 * rows * numel)? };
-        let (cfg, blocks) = grid(rows, numel);
-        let norms = partial_norms(dev, rows, blocks)?;
-        let (rows_i, numel_i, blocks_i) = (rows as i32, numel as i32, blocks as i32);
-        let trust = self.constants.trust_ratio;
-        {
-            let func = dev.get_or_load_custom_func("update_moments", MODULE, PTX)?;
-            let mut b = func.builder();
-            b.arg(&w_view).arg(&m_view).arg(&v_view).arg(&g_view);
-            b.arg(&mut state).arg(&norms).arg(&rows_i).arg(&numel_i);
-            b.arg(&self.constants);
-            // SAFETY: the arguments `update_moments` declares, in order; `state` holds
-            // `3 · rows · numel` and `norms` `rows · blocks · 2` values, what the grid covers.
-            unsafe { b.launch(cfg) }.w()?;
-        }
-        let ratios = trust_ratios(dev, &norms, rows, blocks, trust != 0)?;
-        {
-            let func = dev.get_or_load_custom_func("update_weights", MODULE, PTX)?;
-            let mut b = func.builder();
-            b.arg(&w_view)
-                .arg(&mut state)
-                .arg(&norms)
-                .arg(&rows_i)
-                .arg(&numel_i);
-            b.arg(&blocks_i).arg(&self.lr).arg(&trust);
-            match &ratios {
-                Some(r) => b.arg(r),
-                None => b.arg(&NULL),
-            };
-            // SAFETY: as above, for `update_weights`.
-            unsafe { b.launch(cfg) }.w()?;
-        }
-        Ok((
-            CudaStorage::wrap_cuda_slice(state, dev.clone()),
-            Shape::from((3, rows, numel)),
-        ))
-    }
-}
-
-/// Both forms' launch shape: a block per `CHUNK` elements of a row (rows along y, strided
+/// The launch shape: a block per `CHUNK` elements of a row (rows along y, strided
 /// past 65,535), and the blocks a row.
 fn grid(rows: usize, numel: usize) -> (LaunchConfig, usize) {
     let blocks = numel.div_ceil(CHUNK).max(1);

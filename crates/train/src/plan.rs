@@ -243,8 +243,8 @@ struct CudaKernels {
     one_pass_attention: bool,
     /// The loss in one kernel, each row's log-sum-exp kept (always, in this build).
     fused_loss: bool,
-    /// The optimiser's update in place ([`crate::optim::set_cuda_update_in_place`]): the
-    /// gradients settle into the flat bucket as on the CPU, and no new state is made.
+    /// The optimiser's update in place (always, in this build): the gradients settle into the
+    /// flat bucket as on the CPU, and no new state is made.
     update_in_place: bool,
     /// The encoder's backward by hand ([`bertkit_model::kernels::set_cuda_tape`]).
     tape: bool,
@@ -267,7 +267,7 @@ impl CudaKernels {
             lean_feed_forward: bertkit_model::kernels::lean_cuda_feed_forward(),
             one_pass_attention: bertkit_model::kernels::cuda_flash_attention(),
             fused_loss: true,
-            update_in_place: crate::optim::cuda_optimizer() && crate::optim::cuda_update_in_place(),
+            update_in_place: true,
             tape: bertkit_model::kernels::cuda_tape(),
             fused_embeddings: true,
             keep_bits: true,

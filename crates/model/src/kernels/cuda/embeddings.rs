@@ -1,5 +1,4 @@
-//! The embeddings' end on CUDA ([`crate::kernels::Kernels::embeddings`],
-//! `BERTKIT_CUDA_EMBEDDINGS_END=fused`): each token's word, token-type and position rows summed,
+//! The embeddings' end on CUDA ([`crate::kernels::Kernels::embeddings`]): each token's word, token-type and position rows summed,
 //! LayerNorm and dropout in one launch (`embeddings_forward` in `kernels.cu`), where the composed
 //! path gathers three `[tokens, hidden]` f32 tensors, adds them with two of candle's additions,
 //! normalises, casts and drops in passes of their own, and candle's autograd adds a zeroed

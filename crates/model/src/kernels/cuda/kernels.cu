@@ -1017,7 +1017,7 @@ __device__ void gather_rows_backward_rows(const float* partial, const uint32_t* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensors joined along their rows (`join.rs`, `BERTKIT_CUDA_JOIN=kernel`): a layer's query, key
+// Tensors joined along their rows (`join.rs`): a layer's query, key
 // and value weights (and biases) for their one product, a LayerNorm's weight and bias for its
 // kernel, at every pass. Their bytes one part after another, 16 a thread, in one launch where
 // candle's concatenation makes one a part (`copy2d`, an element a thread: on an H200 5.6 µs a
@@ -1092,7 +1092,7 @@ __device__ void add_tensors(const T* a, const T* b, T* out, size_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout with the CPU's keyed masks (`BERTKIT_CUDA_DROPOUT=keyed`, `keyed_dropout.rs`): the
+// Dropout with the CPU's keyed masks (`keyed_dropout.rs`): the
 // embeddings' (a packed `[tokens, width]` tensor, each token's line keyed by its place in the
 // padded batch, as `dropout.rs`'s `cpu_token_keep_mask` keys it) and the pooler's (`[rows,
 // width]`, row `r`'s line keyed by the row alone, as `cpu_keep_mask` keys two dimensions). A
@@ -1116,7 +1116,7 @@ __device__ void keyed_dropout(const T* x, T* out, int rows, int width, Dropout d
 }
 
 // ---------------------------------------------------------------------------------------------
-// The embeddings' end (`BERTKIT_CUDA_EMBEDDINGS_END=fused`, `embeddings.rs`): each token's word,
+// The embeddings' end (`embeddings.rs`): each token's word,
 // token-type and position rows (f32 tables) summed, LayerNorm, then dropout, in one pass. The
 // composed path writes the three rows gathered as three `[tokens, hidden]` f32 tensors, adds them
 // in two passes, normalises, casts and drops in passes of their own (candle's additions an
@@ -1462,8 +1462,7 @@ __device__ void embeddings_backward(const float* words, const float* types,
 
 ENTRY_POINTS(float, f32)
 ENTRY_POINTS(bf16, bf16)
-// Half precision for GPUs without bf16 (before compute capability 8.0): fp16 runs
-// (`BERTKIT_CUDA_FP16=fused`).
+// Half precision for GPUs without bf16 (before compute capability 8.0): fp16 runs.
 ENTRY_POINTS(f16, f16)
 
 // ---------------------------------------------------------------------------------------------

@@ -224,10 +224,8 @@ fn resident_blocks<T: Element>(dev: &CudaDevice, name: &str, threads: usize) -> 
 
 /// Whether `dev` gives a block of kernel `name` (for `T`) `bytes` of dynamic shared memory
 /// beside its static shared memory, and if so the function allowed them: above 48 KB a kernel
-/// must ask (`cuFuncSetAttribute`). Asked and allowed once a kernel, size and device while
-/// [`function`] keeps the handles (the attribute stays with the function; every launch made
-/// the two driver calls before); at every launch, as before, with each launch looking the
-/// function up again (`BERTKIT_CUDA_FUNCTIONS=lookup`).
+/// must ask (`cuFuncSetAttribute`). Asked and allowed once a kernel, size and device, as
+/// [`function`] keeps the handles (the attribute stays with the function).
 /// (sm_80 and sm_90 give a block up to 163 and 227 KB; sm_86 and sm_89, 99.)
 fn allow_dynamic_shared<T: Element>(dev: &CudaDevice, name: &str, bytes: usize) -> Result<bool> {
     static ALLOWED: Answers<bool> = Mutex::new(Vec::new());
