@@ -86,12 +86,13 @@ memory() {
     # Phase 2, six steps as built and with the lean feed-forward (its GELU recomputed, fewer
     # tensors kept, where the plan takes the full one on this GPU): what it costs in step time
     # and what it leaves of the pool's held peak.
-    local setting
-    for setting in "" BERTKIT_CUDA_FEED_FORWARD=lean; do
-        log "2b' phase 2, micro-batch 8, six steps, ${setting:-as built}"
-        # shellcheck disable=SC2086
-        env $setting timeout 120 $b bench memory \
-            --config "$here/data/pipelines/pretrain-phase1.toml" --data "$here/data/records/phase2" \
+    local form config
+    for form in auto lean; do
+        log "2b' phase 2, micro-batch 8, six steps, the feed-forward: $form"
+        config=/tmp/pretrain-$form.toml
+        sed "s|^\[train\]$|[train]\nfeed_forward = \"$form\"|" \
+            "$here/data/pipelines/pretrain-phase1.toml" > "$config"
+        timeout 120 $b bench memory --config "$config" --data "$here/data/records/phase2" \
             --preset large --precision bf16 --device cuda --predictions 80 --micro-batch 8 \
             --steps 6 2>&1 | tail -n 1
     done

@@ -164,12 +164,28 @@ fn plan_prints_a_table_per_sequence_length() {
 }
 
 /// With a recipe on CUDA the plan's peak is the feed-forward the run would take: the full one
-/// (its activation kept) where it fits, the lean one where only that fits; the environment's
-/// choice stands over the plan's.
+/// (its activation kept) where it fits, the lean one where only that fits; the recipe's
+/// `[train] feed_forward` stands over the plan's.
 #[test]
 fn plan_of_a_recipe_takes_the_feed_forward_the_run_would() {
-    let recipe = repo_root().join("pipelines/pretrain-phase1.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let shipped =
+        std::fs::read_to_string(repo_root().join("pipelines/pretrain-phase1.toml")).unwrap();
     let plan = |memory: &str, setting: Option<&str>| {
+        let recipe = dir
+            .path()
+            .join(format!("recipe-{}.toml", setting.unwrap_or("auto")));
+        let text = match setting {
+            Some(v) => {
+                shipped.replacen("[train]\n", &format!("[train]\nfeed_forward = {v:?}\n"), 1)
+            }
+            None => shipped.clone(),
+        };
+        assert!(
+            setting.is_none() || text != shipped,
+            "a [train] section to set"
+        );
+        std::fs::write(&recipe, text).unwrap();
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bertkit"));
         command.args([
             "plan",
@@ -181,10 +197,6 @@ fn plan_of_a_recipe_takes_the_feed_forward_the_run_would() {
             memory,
             "--json",
         ]);
-        match setting {
-            Some(v) => command.env("BERTKIT_CUDA_FEED_FORWARD", v),
-            None => command.env_remove("BERTKIT_CUDA_FEED_FORWARD"),
-        };
         let out = ok(command.output().expect("bertkit runs"));
         let row: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
         (

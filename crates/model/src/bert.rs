@@ -891,7 +891,7 @@ impl BertModel {
             embeddings,
             layers,
             pooler,
-            kernels: Arc::new(Fused),
+            kernels: Arc::new(Fused::default()),
             tape_refused: std::sync::OnceLock::new(),
             embeddings_tape_refused: std::sync::OnceLock::new(),
         })

@@ -366,7 +366,8 @@ mod tests {
         };
         let cpu = &Device::Cpu;
         let composed = pretraining(&config, Arc::new(Composed), DType::F32, cpu, shape).unwrap();
-        let fused = pretraining(&config, Arc::new(Fused), DType::F32, cpu, shape).unwrap();
+        let fused =
+            pretraining(&config, Arc::new(Fused::default()), DType::F32, cpu, shape).unwrap();
         eprintln!("composed {composed:?}\nfused {fused:?}");
         assert!(
             composed.layer.ops > 2 * fused.layer.ops,
@@ -384,7 +385,7 @@ mod tests {
         let timed_by = |inference, clock| {
             profile(
                 &config,
-                Arc::new(Fused),
+                Arc::new(Fused::default()),
                 DType::F32,
                 cpu,
                 shape,
@@ -494,7 +495,7 @@ mod tests {
         assert!(inference.backward_seconds < 1e-3, "{inference:?}");
         // The count is the graph's: the same pass counted twice gives the same figures.
         assert_eq!(
-            pretraining(&config, Arc::new(Fused), DType::F32, cpu, shape).unwrap(),
+            pretraining(&config, Arc::new(Fused::default()), DType::F32, cpu, shape).unwrap(),
             fused
         );
     }

@@ -13,11 +13,12 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use crate::bert::{BertModel, Inputs, Mode, init};
 use crate::dropout::DropoutSource;
 use crate::kernels::check::{CheckShape, KernelCheck, device_broken, tolerance, values, worst};
+use crate::kernels::{Fused, KernelOptions};
 use crate::{BertConfig, ModelError};
 
 /// The name the report gives the check.
 pub const NAME: &str = "encoder backward by hand";
-/// Its name with the one-pass attention on ([`crate::kernels::set_cuda_flash_attention`]).
+/// Its name with the one-pass attention ([`KernelOptions::one_pass_attention`]).
 pub const FLASH_NAME: &str = "encoder backward by hand (flash)";
 
 fn model_error(e: ModelError) -> candle_core::Error {
@@ -30,34 +31,23 @@ fn model_error(e: ModelError) -> candle_core::Error {
 /// Checks the encoder's backward by hand against autograd on `device` in `dtype` at each of
 /// `shapes`: an output line, the input's gradient and the worst of the parameters'. Nothing
 /// when the default kernels do not record in `dtype` on `device` (they run under autograd
-/// there, so there is nothing to compare). On a CUDA device this turns every CUDA kernel on
-/// for the process, the backward by hand among them
-/// (`crate::kernels::turn_cuda_kernels_on`), and in bf16 checks the shapes with heads of 64 a
-/// second time with the one-pass attention on ([`FLASH_NAME`]; as it was afterwards). Where a
-/// line fails on CUDA, the check runs again with settings still off by default turned off, to
-/// blame the one (or ones) its failure follows (`blame_among`): the failed lines need those
-/// alone, and the runs that found them are lines of their own (`... without VARIABLE=value`).
+/// there, so there is nothing to compare). The attention runs around cuBLAS's products; on a
+/// CUDA device in bf16 the shapes with heads of 64 are checked a second time with the
+/// one-pass attention ([`FLASH_NAME`]).
 pub fn check_encoder_backward(
     device: &Device,
     dtype: DType,
     shapes: &[CheckShape],
 ) -> Result<Vec<KernelCheck>> {
-    if device.is_cuda() {
-        // What is checked is the CUDA kernels' composition by hand: on, whatever the setting.
-        crate::kernels::turn_cuda_kernels_on();
-    }
-    let flash_before = crate::kernels::cuda_flash_attention();
-    let checks = check_shapes(device, dtype, shapes);
-    crate::kernels::set_cuda_flash_attention(flash_before);
-    checks
-}
-
-/// [`check_encoder_backward`]'s shapes, the one-pass attention set for each.
-fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<Vec<KernelCheck>> {
+    let kernels = |one_pass_attention| {
+        Fused::with(KernelOptions {
+            one_pass_attention,
+            ..KernelOptions::default()
+        })
+    };
     let mut checks = Vec::new();
     for shape in shapes {
-        crate::kernels::set_cuda_flash_attention(false);
-        match check_shape(device, dtype, shape, NAME, &mut checks) {
+        match check_shape(device, dtype, shape, NAME, kernels(false), &mut checks) {
             Ok(true) => {}
             Ok(false) => return Ok(Vec::new()),
             Err(e) => {
@@ -67,15 +57,12 @@ fn check_shapes(device: &Device, dtype: DType, shapes: &[CheckShape]) -> Result<
             }
         }
         if device.is_cuda() && dtype == DType::BF16 && shape.hidden == 64 * shape.heads {
-            crate::kernels::set_cuda_flash_attention(true);
-            let checked = check_shape(device, dtype, shape, FLASH_NAME, &mut checks);
+            let checked = check_shape(device, dtype, shape, FLASH_NAME, kernels(true), &mut checks);
             if let Err(e) = checked
                 && not_run(device, shape, FLASH_NAME, &e, &mut checks)
             {
-                crate::kernels::set_cuda_flash_attention(false);
                 return Ok(checks);
             }
-            crate::kernels::set_cuda_flash_attention(false);
         }
     }
     Ok(checks)
@@ -94,16 +81,17 @@ fn not_run(
     device_broken(device).is_some()
 }
 
-/// One shape of [`check_encoder_backward`], reported as `check`: false when the kernels do not
-/// record there.
+/// One shape of [`check_encoder_backward`] with `kernels`, reported as `check`: false when the
+/// kernels do not record there.
 fn check_shape(
     device: &Device,
     dtype: DType,
     shape: &CheckShape,
     check: &'static str,
+    kernels: Fused,
     checks: &mut Vec<KernelCheck>,
 ) -> Result<bool> {
-    let Some(both) = both_ways(device, dtype, shape, check)? else {
+    let Some(both) = both_ways(device, dtype, shape, check, kernels)? else {
         return Ok(false);
     };
     let mut line = |value: &'static str, gradient: bool, worst: f64| {
@@ -143,6 +131,7 @@ fn both_ways(
     dtype: DType,
     shape: &CheckShape,
     check: &str,
+    kernels: Fused,
 ) -> Result<Option<BothWays>> {
     let config = BertConfig {
         vocab_size: 8,
@@ -153,7 +142,8 @@ fn both_ways(
         max_position_embeddings: shape.seq,
         ..BertConfig::tiny(8)
     };
-    let loaded = init::<BertModel>(&config, dtype, device, 21).map_err(model_error)?;
+    let mut loaded = init::<BertModel>(&config, dtype, device, 21).map_err(model_error)?;
+    loaded.model.set_kernels(std::sync::Arc::new(kernels));
     let bert = &loaded.model;
     let (batch, seq) = (shape.lengths.len(), shape.seq);
     let mask = shape.mask();
@@ -307,7 +297,7 @@ mod tests {
     #[test]
     fn the_key_bias_gradient_is_rounding_noise() {
         let shape = &CheckShape::defaults()[0];
-        let both = both_ways(&Device::Cpu, DType::F32, shape, NAME)
+        let both = both_ways(&Device::Cpu, DType::F32, shape, NAME, Fused::default())
             .unwrap()
             .expect("the CPU's kernels record");
         let largest = |p: &ParamGradients| {

@@ -45,7 +45,6 @@ pub mod kernels;
 pub mod loss;
 pub mod packing;
 pub mod params;
-pub mod switch;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -140,13 +139,10 @@ pub fn parse_device(name: &str) -> Result<candle_core::Device, ModelError> {
                 // default), so cudarc's per-allocation events, which order uses across streams,
                 // have nothing to order; they cost an event record per use.
                 unsafe { gpu.disable_event_tracking() };
-                if !crate::switch::env_is("BERTKIT_CUDA_POOL_KEEP", "0") {
-                    device_pool::keep_freed_memory(gpu, pool_keep_limit()?);
-                    if let Some(bytes) = pool_reserve()? {
-                        device_pool::reserve(gpu, bytes)
-                            .map_err(|e| ModelError::Config(format!("device {cuda}: {e}")))?;
-                    }
-                }
+                device_pool::keep_freed_memory(gpu);
+                let trace = std::env::var("BERTKIT_CUDA_POOL_TRACE").ok();
+                let trace = pool_trace_setting(trace.as_deref())?;
+                POOL_TRACE.get_or_init(|| trace);
             }
             if TF32.load(Ordering::Relaxed) == TF32_UNSET {
                 set_tf32(DEFAULT_TF32);
@@ -230,25 +226,14 @@ mod device_pool {
         }
     }
 
-    /// Has the pool take `bytes` from the driver in one allocation and keep them, freed (see
-    /// [`super::pool_reserve`]).
-    pub(super) fn reserve(gpu: &candle_core::CudaDevice, bytes: u64) -> candle_core::Result<()> {
-        use candle_core::backend::BackendDevice;
-        // SAFETY: never read; freed (into the pool, which keeps it) when dropped.
-        let block = unsafe { gpu.alloc::<u8>(bytes as usize)? };
-        drop(block);
-        gpu.synchronize()
-    }
-
     /// Keeps freed memory in the pool instead of returning it to the driver at each
-    /// synchronisation (the pool's release threshold, 0 by default, raised to all of it, or to
-    /// `limit` bytes: beyond them, free memory goes back at the next synchronisation), so a
-    /// step reuses the last step's memory as PyTorch's caching allocator does (on an H200,
-    /// BERT-large's phase-1 step 153 -> 132 ms; BENCHMARKS.md, 2026-11-27). On unless
-    /// `BERTKIT_CUDA_POOL_KEEP=0`. A failure leaves the driver's default.
-    pub(super) fn keep_freed_memory(gpu: &candle_core::CudaDevice, limit: Option<u64>) {
+    /// synchronisation (the pool's release threshold, 0 by default, raised to all of it), so a
+    /// step reuses the last step's memory as PyTorch's caching allocator does (a step does not
+    /// wait on the driver for memory it held a step before). A failure leaves the driver's
+    /// default.
+    pub(super) fn keep_freed_memory(gpu: &candle_core::CudaDevice) {
         if let Some(pool) = default_pool(gpu) {
-            let mut threshold: u64 = limit.unwrap_or(u64::MAX);
+            let mut threshold: u64 = u64::MAX;
             // SAFETY: RELEASE_THRESHOLD is a cuuint64_t.
             let _ = unsafe {
                 result::mem_pool::set_attribute(
@@ -261,44 +246,21 @@ mod device_pool {
     }
 }
 
-/// What the CUDA pool keeps of freed memory at most (`BERTKIT_CUDA_POOL_KEEP_MIB`, in MiB; unset:
-/// all of it). The pool's memory beyond it goes back to the driver at each synchronisation (a
-/// step's read-back): a bound on the pool's spare above its tensors (which nvidia-smi counts as
-/// used), at the cost of asking the driver again for what a step needs beyond it. Where the
-/// pool's spare forms is not yet measured (at BERT-large's phase 2 on an H200 it held 10,560
-/// MiB for a high-water mark of 8,271 in tensors; BENCHMARKS.md, 2026-11-27): a setting to
-/// measure it with, off by default.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn pool_keep_limit() -> Result<Option<u64>, ModelError> {
-    const VARIABLE: &str = "BERTKIT_CUDA_POOL_KEEP_MIB";
-    mib_setting(VARIABLE, std::env::var(VARIABLE).ok().as_deref())
-}
+/// Whether the device pool's growth is traced ([`trace_device_pool`]): the environment's
+/// `BERTKIT_CUDA_POOL_TRACE` (`on` or `off`; unset: off), read when a CUDA device opens.
+static POOL_TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
-/// What the CUDA pool takes from the driver in one allocation when the device opens, freed
-/// and kept (`BERTKIT_CUDA_POOL_RESERVE_MIB`, in MiB; unset: nothing), where the pool keeps
-/// freed memory: an experiment on the pool's spare (the same measurement as
-/// [`pool_keep_limit`]'s). A step's tensors then start in one stretch of the pool's memory
-/// rather than in pieces the driver hands over as the first step grows, if the pool carves
-/// smaller allocations from a freed larger one; whether it does is what the device run tells
-/// (nvidia-smi, the pool's held peak against the reserve). Off by default.
+/// `BERTKIT_CUDA_POOL_TRACE`'s `value` (`None`: unset): `on` or `off`, else an error naming the
+/// variable and its values.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn pool_reserve() -> Result<Option<u64>, ModelError> {
-    const VARIABLE: &str = "BERTKIT_CUDA_POOL_RESERVE_MIB";
-    mib_setting(VARIABLE, std::env::var(VARIABLE).ok().as_deref())
-}
-
-/// Environment variable `name`'s `value` as a number of MiB, in bytes (`None` unset).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn mib_setting(name: &str, value: Option<&str>) -> Result<Option<u64>, ModelError> {
-    let Some(v) = value else {
-        return Ok(None);
-    };
-    v.trim()
-        .parse::<u64>()
-        .ok()
-        .and_then(|mib| mib.checked_mul(1 << 20))
-        .map(Some)
-        .ok_or_else(|| ModelError::Config(format!("{name}={v:?}: expected a number of MiB")))
+fn pool_trace_setting(value: Option<&str>) -> Result<bool, ModelError> {
+    match value {
+        None | Some("" | "off") => Ok(false),
+        Some("on") => Ok(true),
+        Some(other) => Err(ModelError::Config(format!(
+            "BERTKIT_CUDA_POOL_TRACE={other:?}: on or off expected"
+        ))),
+    }
 }
 
 /// The most bytes the device's tensors held at once since [`reset_device_peak`] (or since the
@@ -325,9 +287,6 @@ pub fn device_reserved_peak(device: &candle_core::Device) -> Option<u64> {
     }
 }
 
-/// Whether the device pool's growth is traced ([`trace_device_pool`]).
-static POOL_TRACE: switch::Switch = switch::Switch::opt_in("BERTKIT_CUDA_POOL_TRACE", "on");
-
 /// What the pool held from the driver at the last line [`trace_device_pool`] wrote (bytes).
 static POOL_TRACED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -340,7 +299,7 @@ static POOL_TRACED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// driver without waiting for the device (allocations are the pool's at the call). Nothing on
 /// the CPU.
 pub fn trace_device_pool(device: &candle_core::Device, at: impl FnOnce() -> String) {
-    if !POOL_TRACE.get() {
+    if !POOL_TRACE.get().copied().unwrap_or(false) {
         return;
     }
     #[cfg(feature = "cuda")]
@@ -399,16 +358,19 @@ pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    /// `BERTKIT_CUDA_POOL_TRACE` is on or off (unset: off); another value is an error naming
+    /// the variable and its values.
     #[test]
-    fn a_mib_setting_is_bytes_or_a_clear_error() {
-        assert_eq!(super::mib_setting("V", None).unwrap(), None);
-        assert_eq!(
-            super::mib_setting("V", Some(" 9000")).unwrap(),
-            Some(9000 << 20)
+    fn the_pool_trace_setting_is_on_off_or_a_clear_error() {
+        assert!(!super::pool_trace_setting(None).unwrap());
+        assert!(!super::pool_trace_setting(Some("off")).unwrap());
+        assert!(super::pool_trace_setting(Some("on")).unwrap());
+        let e = super::pool_trace_setting(Some("yes"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("BERTKIT_CUDA_POOL_TRACE=\"yes\": on or off"),
+            "{e}"
         );
-        for bad in ["9 GiB", "-1", "", "99999999999999999999"] {
-            let e = super::mib_setting("V", Some(bad)).unwrap_err().to_string();
-            assert!(e.contains("V=") && e.contains("MiB"), "{bad}: {e}");
-        }
     }
 }

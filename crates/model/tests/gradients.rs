@@ -255,7 +255,7 @@ fn tanh_gelu_matches_finite_differences_and_googles_formula() {
         .unwrap()
         .to_vec1()
         .unwrap();
-    let fused: Vec<f32> = Fused
+    let fused: Vec<f32> = Fused::default()
         .gelu(&input.to_dtype(DType::F32).unwrap(), Gelu::Tanh)
         .unwrap()
         .to_vec1()
@@ -309,7 +309,7 @@ fn fused_against_f64(inputs: &[Tensor], fused: u64, f: &dyn Fn(&dyn Kernels, &[T
         .collect();
     let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let before = fused_calls_on_this_thread();
-    let out = f(&Fused, &tensors);
+    let out = f(&Fused::default(), &tensors);
     assert_eq!(fused_calls_on_this_thread() - before, fused);
     assert_eq!(out.dtype(), DType::F32);
     let reference = f(&Composed, inputs);
@@ -552,12 +552,12 @@ fn fused_chains_are_their_parts_to_the_bit() {
                 let source = DropoutSource::new(9);
                 let mode = Mode::Train(&source);
                 if fused {
-                    Fused
+                    Fused::default()
                         .residual_layer_norm(&t[0], &t[1], &packing, mode, p, &t[2], &t[3], 1e-12)
                         .unwrap()
                 } else {
                     let dropped = mode.dropout_tokens(&t[0], p, &packing).unwrap();
-                    Fused
+                    Fused::default()
                         .layer_norm(&(dropped + &t[1]).unwrap(), &t[2], &t[3], 1e-12)
                         .unwrap()
                 }
@@ -584,16 +584,21 @@ fn fused_chains_are_their_parts_to_the_bit() {
     ];
     for form in [Gelu::Erf, Gelu::Tanh] {
         let fused = values_and_gradients(&inputs, &|t| {
-            Fused.linear_gelu(&t[0], &t[1], Some(&t[2]), form).unwrap()
+            Fused::default()
+                .linear_gelu(&t[0], &t[1], Some(&t[2]), form)
+                .unwrap()
         });
         let parts = values_and_gradients(&inputs, &|t| {
-            Fused
-                .gelu(&Fused.linear(&t[0], &t[1], Some(&t[2])).unwrap(), form)
+            Fused::default()
+                .gelu(
+                    &Fused::default().linear(&t[0], &t[1], Some(&t[2])).unwrap(),
+                    form,
+                )
                 .unwrap()
         });
         assert_eq!(fused, parts, "linear + GELU ({form:?})");
         let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        let inference = Fused
+        let inference = Fused::default()
             .linear_gelu(
                 &f32(&inputs[0]),
                 &f32(&inputs[1]),
@@ -623,13 +628,15 @@ fn fused_chains_are_their_parts_to_the_bit() {
     ];
     for form in [Gelu::Erf, Gelu::Tanh] {
         let lean = values_and_gradients(&inputs, &|t| {
-            Fused
+            Fused::default()
                 .feed_forward(&t[0], (&t[1], Some(&t[2])), (&t[3], Some(&t[4])), form)
                 .unwrap()
         });
         let pair = values_and_gradients(&inputs, &|t| {
-            let inner = Fused.linear_gelu(&t[0], &t[1], Some(&t[2]), form).unwrap();
-            Fused.linear(&inner, &t[3], Some(&t[4])).unwrap()
+            let inner = Fused::default()
+                .linear_gelu(&t[0], &t[1], Some(&t[2]), form)
+                .unwrap();
+            Fused::default().linear(&inner, &t[3], Some(&t[4])).unwrap()
         });
         assert_eq!(lean, pair, "feed-forward ({form:?})");
     }
@@ -752,9 +759,12 @@ fn a_linear_layer_hands_its_weights_gradient_over() {
             .backward()
             .unwrap()
     };
-    let y = Fused.linear(&x, &w, Some(&b)).unwrap();
+    let y = Fused::default().linear(&x, &w, Some(&b)).unwrap();
     let graph = backward(&y);
-    for (kernels, hands_over) in [(&Fused as &dyn Kernels, true), (&Composed, false)] {
+    for (kernels, hands_over) in [
+        (&Fused::default() as &dyn Kernels, true),
+        (&Composed, false),
+    ] {
         let sink = bertkit_model::GradientSink::new(&w);
         let handed = kernels.linear_into(&x, &w, Some(&b), &sink).unwrap();
         assert_eq!(bits(&handed), bits(&y));

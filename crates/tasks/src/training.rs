@@ -58,6 +58,8 @@ pub struct TrainSettings {
     pub checkpoint_every: usize,
     /// Checkpoints kept (the newest).
     pub keep_checkpoints: usize,
+    /// On CUDA, the feed-forward's form (the memory plan's by default).
+    pub feed_forward: bertkit_train::plan::FeedForward,
 }
 
 impl TrainSettings {
@@ -73,6 +75,7 @@ impl TrainSettings {
             max_steps: None,
             checkpoint_every: 500,
             keep_checkpoints: 2,
+            feed_forward: Default::default(),
         }
     }
 
@@ -148,15 +151,16 @@ impl TrainLog {
     }
 }
 
-/// On CUDA, the feed-forward's form for fine-tuning `config` on sequences of up to `seq` tokens
-/// in `dtype` (the model loaded, its optimiser not yet made): `settings.batch` examples a step,
-/// split over its accumulation and `reducer`'s ranks, as the memory plan chooses for
-/// pre-training ([`bertkit_train::plan::settle_feed_forward`]: the activation kept where that
-/// fits), said through `progress`. Nothing to choose on the CPU.
+/// On CUDA, the feed-forward's form for fine-tuning `bert` (of `config`) on sequences of up to
+/// `seq` tokens in `dtype` (the model loaded, its optimiser not yet made): `settings.batch`
+/// examples a step, split over its accumulation and `reducer`'s ranks, as
+/// `settings.feed_forward` says (by default as the memory plan chooses for pre-training,
+/// [`bertkit_train::plan::settle_feed_forward`]: the activation kept where that fits), given to
+/// the model's kernels and said through `progress`. Nothing to choose on the CPU.
 pub fn settle_feed_forward(
+    bert: &mut bertkit_model::BertModel,
     config: &bertkit_model::BertConfig,
-    seq: usize,
-    settings: &TrainSettings,
+    (seq, settings): (usize, &TrainSettings),
     reducer: &dyn GradientReducer,
     (dtype, device): (DType, &candle_core::Device),
     progress: &mut dyn FnMut(&str),
@@ -167,10 +171,11 @@ pub fn settle_feed_forward(
     if let Some(choice) = bertkit_train::plan::settle_feed_forward(
         config,
         shape,
-        dtype,
-        device,
+        (dtype, device),
         bertkit_train::plan::WeightsOnDevice::Loaded,
+        settings.feed_forward,
     ) {
+        bert.set_kernels(std::sync::Arc::new(choice.kernels()));
         progress(&choice.to_string());
     }
 }

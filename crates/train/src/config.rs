@@ -117,6 +117,10 @@ pub struct TrainSection {
     /// the segment in backward (0 = off, 1 = every layer).
     #[serde(default)]
     pub activation_checkpointing: usize,
+    /// On CUDA, the feed-forward's form: `auto` (the memory plan's: the full form where it
+    /// fits), `lean` (less memory, its GELU recomputed) or `full`.
+    #[serde(default)]
+    pub feed_forward: crate::plan::FeedForward,
 }
 
 fn default_precision() -> String {

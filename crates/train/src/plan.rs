@@ -232,14 +232,14 @@ fn largest_group(c: &BertConfig) -> f64 {
     .unwrap_or(0) as f64
 }
 
-/// What the CUDA kernels keep of a step, by the forms that change it: this process's
-/// ([`CudaKernels::current`]), and (the tests) those of the builds whose measured peaks the
-/// account is compared with.
+/// What the CUDA kernels keep of a step, by the forms that change it: this build's with a
+/// run's options ([`CudaKernels::of`]), and (the tests) those of the builds whose measured
+/// peaks the account is compared with.
 #[derive(Debug, Clone, Copy)]
 struct CudaKernels {
-    /// [`bertkit_model::kernels::set_lean_cuda_feed_forward`].
+    /// [`bertkit_model::kernels::KernelOptions::lean_feed_forward`].
     lean_feed_forward: bool,
-    /// [`bertkit_model::kernels::set_cuda_flash_attention`].
+    /// [`bertkit_model::kernels::KernelOptions::one_pass_attention`].
     one_pass_attention: bool,
     /// The loss in one kernel, each row's log-sum-exp kept (always, in this build).
     fused_loss: bool,
@@ -262,13 +262,14 @@ struct CudaKernels {
 }
 
 impl CudaKernels {
-    fn current() -> Self {
+    /// What this build's kernels keep with `options`.
+    fn of(options: bertkit_model::kernels::KernelOptions) -> Self {
         CudaKernels {
-            lean_feed_forward: bertkit_model::kernels::lean_cuda_feed_forward(),
-            one_pass_attention: bertkit_model::kernels::cuda_flash_attention(),
+            lean_feed_forward: options.lean_feed_forward,
+            one_pass_attention: options.one_pass_attention,
             fused_loss: true,
             update_in_place: true,
-            tape: bertkit_model::kernels::cuda_tape(),
+            tape: true,
             fused_embeddings: true,
             keep_bits: true,
             norm_keep_bits: true,
@@ -374,7 +375,7 @@ pub fn predict(
         precision,
         checkpointing,
         target,
-        CudaKernels::current(),
+        CudaKernels::of(Default::default()),
     )
 }
 
@@ -553,20 +554,74 @@ impl Plan {
     }
 }
 
-/// The feed-forward form a CUDA run takes (see
-/// [`bertkit_model::kernels::set_lean_cuda_feed_forward`]), and why.
+/// The feed-forward a CUDA run takes, as a setting (`[train] feed_forward`, fine-tuning's
+/// `--feed-forward`): chosen by the memory plan, or the one named
+/// ([`bertkit_model::kernels::KernelOptions::lean_feed_forward`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FeedForward {
+    /// The full form where the memory plan says its peak fits, else the lean one.
+    #[default]
+    Auto,
+    /// The first product kept alone, its GELU recomputed by the backward pass.
+    Lean,
+    /// The first product and its GELU both kept.
+    Full,
+}
+
+impl FeedForward {
+    /// The accepted values, as a setting names them.
+    pub const VALUES: &str = "auto, lean or full";
+
+    /// The setting `value` names (`auto`, `lean`, `full`); an error naming `setting` and the
+    /// accepted values otherwise.
+    pub fn parse(setting: &str, value: &str) -> Result<Self, TrainError> {
+        match value {
+            "auto" => Ok(FeedForward::Auto),
+            "lean" => Ok(FeedForward::Lean),
+            "full" => Ok(FeedForward::Full),
+            other => Err(TrainError::Config(format!(
+                "{setting} = {other:?}: {} expected",
+                Self::VALUES
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for FeedForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FeedForward::Auto => "auto",
+            FeedForward::Lean => "lean",
+            FeedForward::Full => "full",
+        })
+    }
+}
+
+/// The feed-forward form a CUDA run takes, and why.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FeedForwardChoice {
     /// Whether the lean form runs (the GELU recomputed by the backward pass).
     pub lean: bool,
-    /// Whether the plan chose (else the environment or code had: `BERTKIT_CUDA_FEED_FORWARD`).
-    pub by_plan: bool,
+    /// The setting it was chosen by ([`FeedForward::Auto`]: the plan chose).
+    pub setting: FeedForward,
     /// The full form's predicted peak.
     pub full_peak: f64,
     /// What a plan may fill: [`USABLE`] of the memory.
     pub usable: f64,
     /// The step's predicted peak with the form chosen.
     pub prediction: Prediction,
+}
+
+impl FeedForwardChoice {
+    /// The fused kernels with the form chosen, for the run's model
+    /// (`BertModel::set_kernels`).
+    pub fn kernels(&self) -> bertkit_model::Fused {
+        bertkit_model::Fused::with(bertkit_model::kernels::KernelOptions {
+            lean_feed_forward: self.lean,
+            ..Default::default()
+        })
+    }
 }
 
 /// `feed-forward: full, its activation kept (34.1 GiB predicted at the peak, within the 64.1
@@ -580,16 +635,18 @@ impl std::fmt::Display for FeedForwardChoice {
             "full, its activation kept"
         };
         write!(f, "feed-forward: {form} (")?;
-        match (self.by_plan, self.lean) {
-            (false, _) => write!(f, "as BERTKIT_CUDA_FEED_FORWARD chose")?,
-            (true, false) => write!(
+        match (self.setting, self.lean) {
+            (FeedForward::Lean | FeedForward::Full, _) => {
+                write!(f, "as feed_forward = {} chose", self.setting)?
+            }
+            (FeedForward::Auto, false) => write!(
                 f,
-                "{:.1} GiB predicted at the peak, within the {:.1} GiB usable; \
-                 BERTKIT_CUDA_FEED_FORWARD=lean keeps less",
+                "{:.1} GiB predicted at the peak, within the {:.1} GiB usable; feed_forward = \
+                 lean keeps less",
                 gib(self.full_peak),
                 gib(self.usable)
             )?,
-            (true, true) => write!(
+            (FeedForward::Auto, true) => write!(
                 f,
                 "the full form's predicted {:.1} GiB would not fit the {:.1} GiB usable",
                 gib(self.full_peak),
@@ -614,14 +671,15 @@ pub enum WeightsOnDevice {
 /// Before the optimiser's state is made (the model's weights on `device` or not yet, as
 /// `weights` says): the CUDA feed-forward for micro-batches of `micro_batch` sequences of up
 /// to `seq` tokens (`accumulation` a step) in `dtype`, chosen as `bertkit pretrain`'s memory
-/// check chooses ([`feed_forward_for`], in the device's free memory plus what the runtime and
-/// loaded weights already hold) and set for the process. `None` off CUDA: nothing to choose.
+/// check chooses ([`feed_forward_for`] by `setting`, in the device's free memory plus what the
+/// runtime and loaded weights already hold), for the caller to give the model
+/// ([`FeedForwardChoice::kernels`]). `None` off CUDA: nothing to choose.
 pub fn settle_feed_forward(
     c: &BertConfig,
     (seq, micro_batch, accumulation): (usize, usize, usize),
-    dtype: candle_core::DType,
-    device: &candle_core::Device,
+    (dtype, device): (candle_core::DType, &candle_core::Device),
     weights: WeightsOnDevice,
+    setting: FeedForward,
 ) -> Option<FeedForwardChoice> {
     if !device.is_cuda() {
         return None;
@@ -638,9 +696,9 @@ pub fn settle_feed_forward(
         micro_batch: micro_batch.max(1),
         accumulation: accumulation.max(1),
     };
-    let choice = feed_forward_before_state(c, &shape, precision, free, weights);
-    bertkit_model::kernels::set_lean_cuda_feed_forward(choice.lean);
-    Some(choice)
+    Some(feed_forward_before_state(
+        c, &shape, precision, free, weights, setting,
+    ))
 }
 
 /// [`feed_forward_for`] with `free` bytes left on the device before the optimiser's state is
@@ -653,6 +711,7 @@ fn feed_forward_before_state(
     precision: Precision,
     free: f64,
     weights: WeightsOnDevice,
+    setting: FeedForward,
 ) -> FeedForwardChoice {
     // Neither the state nor the runtime depends on the kernels' forms.
     let probe = predict(c, shape, precision, 0, Target::Cuda);
@@ -660,37 +719,40 @@ fn feed_forward_before_state(
         WeightsOnDevice::Loaded => probe.state_bytes - 12.0 * parameters(c) as f64,
         WeightsOnDevice::NotYet => 0.0,
     };
-    feed_forward_for(c, shape, precision, 0, free + loaded + probe.runtime_bytes)
+    let memory = free + loaded + probe.runtime_bytes;
+    feed_forward_for(c, shape, precision, 0, memory, setting)
 }
 
 /// The feed-forward for a CUDA step of `shape` in `memory` bytes (the device's, state and
-/// runtime included), with the step's peak predicted for it; the caller sets it
-/// ([`bertkit_model::kernels::set_lean_cuda_feed_forward`]): the form someone chose if one
-/// did, else the full one (the activation
-/// kept: ~4 ms a phase-1 pass faster on an H200, BENCHMARKS.md) when its predicted peak fits
-/// in [`USABLE`] of `memory`, the lean one (BERT-large: 1.4 GiB less a micro-batch of 64 at
-/// seq 128) when it does not.
+/// runtime included), with the step's peak predicted for it: the form `setting` names, or
+/// ([`FeedForward::Auto`]) the full one (its activation kept: the faster pass) when its
+/// predicted peak fits in [`USABLE`] of `memory`, the lean one (BERT-large: 1.4 GiB less a
+/// micro-batch of 64 at seq 128) when it does not.
 pub fn feed_forward_for(
     c: &BertConfig,
     shape: &Shape,
     precision: Precision,
     checkpointing: usize,
     memory: f64,
+    setting: FeedForward,
 ) -> FeedForwardChoice {
     let with = |lean_feed_forward| {
-        let kernels = CudaKernels {
+        let kernels = CudaKernels::of(bertkit_model::kernels::KernelOptions {
             lean_feed_forward,
-            ..CudaKernels::current()
-        };
+            ..Default::default()
+        });
         predict_with(c, shape, precision, checkpointing, Target::Cuda, kernels)
     };
     let full_peak = with(false).total();
     let usable = USABLE * memory;
-    let chosen = bertkit_model::kernels::lean_cuda_feed_forward_chosen();
-    let lean = chosen.unwrap_or(full_peak > usable);
+    let lean = match setting {
+        FeedForward::Auto => full_peak > usable,
+        FeedForward::Lean => true,
+        FeedForward::Full => false,
+    };
     FeedForwardChoice {
         lean,
-        by_plan: chosen.is_none(),
+        setting,
         full_peak,
         usable,
         prediction: with(lean),
@@ -708,9 +770,6 @@ mod tests {
     /// Before the model is loaded (`bench kernels`) the weights are among the free bytes.
     #[test]
     fn fine_tuning_counts_the_weights_as_held() {
-        if bertkit_model::kernels::lean_cuda_feed_forward_chosen().is_some() {
-            return; // BERTKIT_CUDA_FEED_FORWARD set for this process.
-        }
         let c = BertConfig::large();
         let shape = Shape {
             seq: 384,
@@ -720,15 +779,22 @@ mod tests {
         };
         let gib = (1u64 << 30) as f64;
         let loaded = WeightsOnDevice::Loaded;
-        let roomy = feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib, loaded);
-        assert!(!roomy.lean && roomy.by_plan, "{roomy:?}");
+        let auto = FeedForward::Auto;
+        let roomy =
+            feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib, loaded, auto);
+        assert!(!roomy.lean, "{roomy:?}");
+        // A setting that names the form takes it, whatever the memory.
+        let named = FeedForward::Lean;
+        let lean =
+            feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib, loaded, named);
+        assert!(lean.lean && lean.setting == named, "{lean:?}");
         let p = parameters(&c) as f64;
         let weights = roomy.prediction.state_bytes - 12.0 * p;
         let memory = 70.0 * gib + weights + roomy.prediction.runtime_bytes;
         assert!((roomy.usable - USABLE * memory).abs() < 1.0);
         // Free bytes that hold the full form's peak but not with the 10% kept back.
         let tight = roomy.full_peak - weights - roomy.prediction.runtime_bytes;
-        let lean = feed_forward_before_state(&c, &shape, Precision::Half, tight, loaded);
+        let lean = feed_forward_before_state(&c, &shape, Precision::Half, tight, loaded, auto);
         assert!(
             lean.lean && lean.prediction.total() < lean.full_peak,
             "{lean:?}"
@@ -737,10 +803,11 @@ mod tests {
         // bytes are less memory, and the tight free bytes plus the weights hold the full
         // form's peak there as the tight ones did with the weights loaded.
         let unloaded = WeightsOnDevice::NotYet;
-        let before = feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib, unloaded);
+        let before =
+            feed_forward_before_state(&c, &shape, Precision::Half, 70.0 * gib, unloaded, auto);
         assert!(!before.lean && (before.usable - USABLE * (memory - weights)).abs() < 1.0);
         let before_tight =
-            feed_forward_before_state(&c, &shape, Precision::Half, tight + weights, unloaded);
+            feed_forward_before_state(&c, &shape, Precision::Half, tight + weights, unloaded, auto);
         assert!(before_tight.lean, "{before_tight:?}");
     }
 
@@ -756,7 +823,7 @@ mod tests {
         };
         let mut choice = FeedForwardChoice {
             lean: false,
-            by_plan: true,
+            setting: FeedForward::Auto,
             full_peak: 31.25 * gib,
             usable: 64.0 * gib,
             prediction,
@@ -764,7 +831,7 @@ mod tests {
         assert_eq!(
             choice.to_string(),
             "feed-forward: full, its activation kept (31.2 GiB predicted at the peak, within the \
-             64.0 GiB usable; BERTKIT_CUDA_FEED_FORWARD=lean keeps less)"
+             64.0 GiB usable; feed_forward = lean keeps less)"
         );
         choice.lean = true;
         choice.usable = 28.8 * gib;
@@ -773,11 +840,22 @@ mod tests {
             "feed-forward: lean, its activation recomputed in the backward pass (the full \
              form's predicted 31.2 GiB would not fit the 28.8 GiB usable)"
         );
-        choice.by_plan = false;
+        choice.setting = FeedForward::Lean;
         assert_eq!(
             choice.to_string(),
             "feed-forward: lean, its activation recomputed in the backward pass (as \
-             BERTKIT_CUDA_FEED_FORWARD chose)"
+             feed_forward = lean chose)"
+        );
+        assert_eq!(
+            FeedForward::parse("--feed-forward", "full").unwrap(),
+            FeedForward::Full
+        );
+        let err = FeedForward::parse("--feed-forward", "half")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--feed-forward = \"half\": auto, lean or full"),
+            "{err}"
         );
     }
 

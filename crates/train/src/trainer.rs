@@ -524,7 +524,8 @@ fn check_memory(
         };
     let feed_forward = (target == crate::plan::Target::Cuda).then(|| {
         let memory = free as f64 + allocated;
-        crate::plan::feed_forward_for(model, &shape, precision, every, memory)
+        let setting = config.train.feed_forward;
+        crate::plan::feed_forward_for(model, &shape, precision, every, memory, setting)
     });
     if let Some(choice) = &feed_forward {
         predicted = choice.prediction;
@@ -632,7 +633,7 @@ impl Trainer {
                 c.attention_probs_dropout_prob = p;
             }
         };
-        let model = match (&resume_from, &config.model.init) {
+        let mut model = match (&resume_from, &config.model.init) {
             (Some((_, dir)), _) => {
                 let loaded = load_with::<BertForPreTraining>(
                     dir,
@@ -715,7 +716,10 @@ impl Trainer {
                 .min(model.config.max_position_embeddings);
             feed_forward = check_memory(&config, &model.config, seq, free, accumulation)?;
             if let Some(choice) = &feed_forward {
-                bertkit_model::kernels::set_lean_cuda_feed_forward(choice.lean);
+                model
+                    .model
+                    .bert
+                    .set_kernels(std::sync::Arc::new(choice.kernels()));
             }
             startup.lap("memory check", &mut since);
         }
@@ -1135,9 +1139,6 @@ mod tests {
     /// that fits only with the lean one passes with it. On the CPU there is nothing to pick.
     #[test]
     fn the_memory_check_keeps_the_feed_forwards_activation_where_it_fits() {
-        if bertkit_model::kernels::lean_cuda_feed_forward_chosen().is_some() {
-            return; // BERTKIT_CUDA_FEED_FORWARD set for this process: nothing for the plan.
-        }
         let recipe = bertkit_test_support::repo_root().join("pipelines/pretrain-phase1.toml");
         let mut config = PretrainConfig::load(&recipe).unwrap();
         let model = config.bert_config().unwrap();
@@ -1145,7 +1146,10 @@ mod tests {
         let roomy = check_memory(&config, &model, 128, 70 * gib, 1024)
             .unwrap()
             .unwrap();
-        assert!(!roomy.lean && roomy.by_plan, "{roomy:?}");
+        assert!(
+            !roomy.lean && roomy.setting == crate::plan::FeedForward::Auto,
+            "{roomy:?}"
+        );
         assert!(roomy.full_peak <= roomy.usable);
         assert_eq!(roomy.prediction.total(), roomy.full_peak);
         // The full form keeps one more intermediate activation a token a layer, in bf16.
@@ -1157,7 +1161,10 @@ mod tests {
         let lean = check_memory(&config, &model, 128, tight, 1024)
             .unwrap()
             .unwrap();
-        assert!(lean.lean && lean.by_plan, "{lean:?}");
+        assert!(
+            lean.lean && lean.setting == crate::plan::FeedForward::Auto,
+            "{lean:?}"
+        );
         assert!(lean.full_peak > lean.usable);
         assert!((lean.full_peak - lean.prediction.total() - extra).abs() < 1.0);
         config.train.device = "cpu".into();

@@ -110,6 +110,7 @@ fn config(records: &Path, output: &Path) -> PretrainConfig {
             max_skipped_steps: 10,
             peak_tflops: None,
             activation_checkpointing: 0,
+            feed_forward: Default::default(),
         },
         eval: None,
     }

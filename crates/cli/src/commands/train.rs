@@ -356,11 +356,16 @@ pub(crate) fn plan(args: PlanArgs) -> Result<()> {
             micro_batch: micro.max(1),
             accumulation: accumulate.unwrap_or(2),
         };
-        // A recipe's run on CUDA picks its feed-forward by the plan (`bertkit pretrain`'s
-        // memory check): the peak is the form it would take.
-        let feed_forward =
-            (recipe.is_some() && target == bertkit_train::plan::Target::Cuda).then(|| {
-                bertkit_train::plan::feed_forward_for(&config, &shape, precision, every, memory)
+        // A recipe's run on CUDA picks its feed-forward as its setting says (by default the
+        // plan, `bertkit pretrain`'s memory check): the peak is the form it would take.
+        let feed_forward = recipe
+            .as_ref()
+            .filter(|_| target == bertkit_train::plan::Target::Cuda)
+            .map(|r| {
+                let setting = r.train.feed_forward;
+                bertkit_train::plan::feed_forward_for(
+                    &config, &shape, precision, every, memory, setting,
+                )
             });
         let at = match &feed_forward {
             Some(choice) => choice.prediction,
@@ -747,7 +752,10 @@ fn bench_graph(args: BenchGraphArgs) -> Result<()> {
     );
     let sets: [(&str, std::sync::Arc<dyn bertkit_model::Kernels>); 2] = [
         ("composed", std::sync::Arc::new(bertkit_model::Composed)),
-        ("fused", std::sync::Arc::new(bertkit_model::Fused)),
+        (
+            "fused",
+            std::sync::Arc::new(bertkit_model::Fused::default()),
+        ),
     ];
     for (name, kernels) in sets {
         let c = pretraining(&config, kernels, dtype, &device, shape)?;
@@ -775,29 +783,34 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
     let config = bertkit_model::BertConfig::named(&g.config)?;
     let dtype = bertkit_model::parse_dtype(&g.dtype)?;
     let device = bertkit_model::parse_device(&g.device)?;
-    let kernels: std::sync::Arc<dyn bertkit_model::Kernels> = match args.kernels.as_str() {
-        "fused" => std::sync::Arc::new(bertkit_model::Fused),
-        "composed" => std::sync::Arc::new(bertkit_model::Composed),
-        other => return Err(format!("--kernels {other:?}: fused or composed").into()),
-    };
+    if !matches!(args.kernels.as_str(), "fused" | "composed") {
+        return Err(format!("--kernels {:?}: fused or composed", args.kernels).into());
+    }
     let shape = CensusBatch {
         batch: g.batch,
         seq: g.seq,
         predictions: g.predictions,
     };
     // A training pass on CUDA takes the feed-forward `bertkit pretrain` would at this shape
-    // (the plan's, unless BERTKIT_CUDA_FEED_FORWARD says), so its profile is the step's.
+    // (the plan's, unless --feed-forward names one), so its profile is the step's.
     let feed_forward = (!args.inference)
         .then(|| {
             bertkit_train::plan::settle_feed_forward(
                 &config,
                 (g.seq, g.batch, 1),
-                dtype,
-                &device,
+                (dtype, &device),
                 bertkit_train::plan::WeightsOnDevice::NotYet,
+                args.feed_forward,
             )
         })
         .flatten();
+    let kernels: std::sync::Arc<dyn bertkit_model::Kernels> = match args.kernels.as_str() {
+        "composed" => std::sync::Arc::new(bertkit_model::Composed),
+        _ => match &feed_forward {
+            Some(choice) => std::sync::Arc::new(choice.kernels()),
+            None => std::sync::Arc::new(bertkit_model::Fused::default()),
+        },
+    };
     let p = profile(
         &config,
         kernels,

@@ -7,6 +7,7 @@ use bertkit_tasks::squad::features::FeatureOptions;
 use bertkit_tasks::squad::finetune::PredictOptions;
 use bertkit_tasks::squad::postprocess::PostprocessOptions;
 use bertkit_tasks::training::TrainSettings;
+use bertkit_train::plan::FeedForward;
 use clap::{Args, Subcommand};
 
 #[derive(Subcommand)]
@@ -68,6 +69,10 @@ pub(crate) struct TrainFlags {
     /// Checkpoints kept (the newest).
     #[arg(long, default_value_t = TrainSettings::glue().keep_checkpoints)]
     pub(crate) keep_checkpoints: usize,
+    /// On CUDA, the feed-forward's form: auto (the memory plan's: the full form where it
+    /// fits), lean (less memory, its GELU recomputed) or full.
+    #[arg(long, default_value = "auto", value_parser = feed_forward)]
+    pub(crate) feed_forward: FeedForward,
     /// Continue from the newest checkpoint in the output folder (same data and settings): the
     /// run ends as if it had not stopped. Without it, a folder holding checkpoints is refused.
     #[arg(long)]
@@ -100,8 +105,14 @@ impl TrainFlags {
             max_steps: self.max_steps,
             checkpoint_every: self.checkpoint_every,
             keep_checkpoints: self.keep_checkpoints,
+            feed_forward: self.feed_forward,
         }
     }
+}
+
+/// `--feed-forward`'s value.
+pub(crate) fn feed_forward(value: &str) -> Result<FeedForward, String> {
+    FeedForward::parse("--feed-forward", value).map_err(|e| e.to_string())
 }
 
 #[derive(Subcommand)]

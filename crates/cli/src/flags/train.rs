@@ -197,10 +197,14 @@ pub(crate) struct BenchGraphArgs {
 pub(crate) struct BenchKernelsArgs {
     #[command(flatten)]
     pub(crate) graph: BenchGraphArgs,
-    /// The kernel set: fused (the default; on CUDA the fused CUDA kernels unless
-    /// BERTKIT_CUDA_KERNELS=composed) or composed (the reference, candle's ops).
+    /// The kernel set: fused (the default; on CUDA the fused CUDA kernels) or composed (the
+    /// reference, candle's ops).
     #[arg(long, default_value = "fused")]
     pub(crate) kernels: String,
+    /// On CUDA, the fused feed-forward's form in a training pass: auto (the memory plan's, as
+    /// `bertkit pretrain` takes it at this shape), lean or full.
+    #[arg(long, default_value = "auto", value_parser = super::tasks::feed_forward)]
+    pub(crate) feed_forward: bertkit_train::plan::FeedForward,
     /// Timed passes (after one untimed).
     #[arg(long, default_value_t = 3)]
     pub(crate) passes: usize,

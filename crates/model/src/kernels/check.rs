@@ -10,7 +10,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use super::{Composed, Fused, Gelu, Kernels, Mode};
+use super::{Composed, Fused, Gelu, KernelOptions, Kernels, Mode};
 use crate::dropout::DropoutSource;
 use crate::packing::{Packing, RowIndex};
 
@@ -141,8 +141,7 @@ const DROPOUT: f64 = 0.1;
 /// The dropout masks' seed.
 const SEED: u64 = 1234;
 
-/// Which of a kernel's CUDA forms a case runs (the settings that choose between forms of one
-/// op, set for the case and as they were afterwards).
+/// Which of a kernel's CUDA forms a case runs (the [`KernelOptions`] its kernels take).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Form {
     /// The attention around cuBLAS, LayerNorm a block per row (and every other case).
@@ -165,25 +164,16 @@ impl Form {
         }
     }
 
-    /// Sets the process's settings for the form.
-    fn set(self) {
-        super::set_cuda_flash_attention(self == Form::Flash);
-    }
-
-    /// The settings [`Form::set`] changes, as they are now: restored by [`Form::restore`].
-    fn saved() -> Vec<bool> {
-        FORM_SWITCHES.iter().map(|s| s.get()).collect()
-    }
-
-    fn restore(saved: Vec<bool>) {
-        for (switch, on) in FORM_SWITCHES.iter().zip(saved) {
-            switch.set(on);
-        }
+    /// The fused kernels the form runs: the one-pass attention for its own rows only (the
+    /// others check the kernels around cuBLAS), the feed-forward in its lean form (its full
+    /// form is the linear rows' kernels, checked there).
+    fn kernels(self) -> Fused {
+        Fused::with(KernelOptions {
+            one_pass_attention: self == Form::Flash,
+            lean_feed_forward: true,
+        })
     }
 }
-
-/// The settings [`Form::set`] decides.
-static FORM_SWITCHES: [&crate::switch::Switch; 1] = [&super::CUDA_FLASH_ATTENTION];
 
 type Run = fn(&dyn Kernels, &[Tensor], &Packing, Mode, &CheckShape) -> Result<Tensor>;
 
@@ -523,10 +513,9 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
-/// (see the module's documentation). On a CUDA device this turns every CUDA kernel on and TF32
-/// off for the process (`super::turn_cuda_kernels_on`, [`crate::set_tf32`]); the
-/// one-pass attention runs for its own rows only and is as it was afterwards
-/// ([`super::set_cuda_flash_attention`]). A kernel that fails to run gives a failed line with
+/// (see the module's documentation), each case with its form's kernels ([`Form::kernels`]). On
+/// a CUDA device this turns TF32 off for the process ([`crate::set_tf32`]). A kernel that
+/// fails to run gives a failed line with
 /// its error ([`KernelCheck::not_run`]) and the check goes on, unless the error broke the
 /// device ([`device_broken`]): then the lines end there.
 pub fn check_kernels(
@@ -535,7 +524,6 @@ pub fn check_kernels(
     shapes: &[CheckShape],
 ) -> Result<Vec<KernelCheck>> {
     if device.is_cuda() {
-        super::turn_cuda_kernels_on();
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
         // error behind the product's.
         crate::set_tf32(false);
@@ -543,10 +531,8 @@ pub fn check_kernels(
     let (reference, ref_dtype): (&dyn Kernels, DType) = if device.is_cpu() {
         (&Composed, DType::F64)
     } else {
-        (&Fused, DType::F32)
+        (&Fused::default(), DType::F32)
     };
-    // The forms' settings as they were, once their rows and the others have run.
-    let before = Form::saved();
     let mut checks = Vec::new();
     for shape in shapes {
         for (c, case) in cases(shape).iter().enumerate() {
@@ -555,7 +541,7 @@ pub fn check_kernels(
             if !case.form.runs(device.is_cuda(), dtype, shape) {
                 continue;
             }
-            case.form.set();
+            let kernels = case.form.kernels();
             let run = || -> Result<Vec<KernelCheck>> {
                 let inputs = case
                     .inputs
@@ -564,7 +550,7 @@ pub fn check_kernels(
                     .map(|(i, (_, dims, scale))| values(dims, *scale, (c * 16 + i) as u64, dtype))
                     .collect::<Result<Vec<_>>>()?;
                 let want = run_side(case, shape, &inputs, reference, &Device::Cpu, ref_dtype)?;
-                let got = run_side(case, shape, &inputs, &Fused, device, dtype)?;
+                let got = run_side(case, shape, &inputs, &kernels, device, dtype)?;
                 let names = std::iter::once("output").chain(case.inputs.iter().map(|(n, _, _)| *n));
                 names
                     .zip(&got)
@@ -591,14 +577,12 @@ pub fn check_kernels(
                         &e,
                     ));
                     if device_broken(device).is_some() {
-                        Form::restore(before);
                         return Ok(checks);
                     }
                 }
             }
         }
     }
-    Form::restore(before);
     Ok(checks)
 }
 

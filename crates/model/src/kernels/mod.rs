@@ -32,7 +32,6 @@ use candle_core::{D, DType, Layout, Result, Tensor};
 pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
 use crate::packing::{Packing, RowIndex};
-use crate::switch::Switch;
 
 pub mod check;
 mod composed;
@@ -436,89 +435,6 @@ fn cpu_dropout(
     }
 }
 
-/// Whether [`Fused`] takes its CUDA kernels on a CUDA device.
-static CUDA_KERNELS: Switch = Switch::opt_out("BERTKIT_CUDA_KERNELS", "composed");
-
-/// Turns [`Fused`]'s CUDA kernels on or off for this process (the `cuda` feature; without it
-/// there are none and this changes nothing). Unset, they are on unless the environment says
-/// `BERTKIT_CUDA_KERNELS=composed` (candle's ops, the reference, as before the kernels); they
-/// passed their check (`bertkit check kernels --device cuda`) on an H200 (BENCHMARKS.md).
-pub fn set_cuda_kernels(on: bool) {
-    CUDA_KERNELS.set(on);
-}
-
-/// Whether [`Fused`] takes its CUDA kernels on a CUDA device (see [`set_cuda_kernels`]).
-pub fn cuda_kernels() -> bool {
-    CUDA_KERNELS.get()
-}
-
-/// Whether the CUDA feed-forward keeps only its first product.
-pub(crate) static LEAN_CUDA_FEED_FORWARD: Switch =
-    Switch::opt_out("BERTKIT_CUDA_FEED_FORWARD", "full");
-
-/// Turns the lean feed-forward on CUDA on or off for this process: the first product kept
-/// alone and its GELU recomputed by the second layer's backward ([`Kernels::feed_forward`]),
-/// the CPU's way, instead of the product and its activation both kept (BERT-large: 1.5 GiB
-/// less at phase 1's micro-batch of 64: 11.2 GiB against 12.6 measured on an H200, for ~4 ms
-/// more a pass: the GELU recomputed). Unset, it is on unless `BERTKIT_CUDA_FEED_FORWARD=full`
-/// (`=lean` chooses it); both forms passed their check on an H200 (BENCHMARKS.md,
-/// 2026-11-27). A pre-training run that finds it unchosen ([`lean_cuda_feed_forward_chosen`])
-/// takes the full form when its memory plan says that fits.
-pub fn set_lean_cuda_feed_forward(on: bool) {
-    LEAN_CUDA_FEED_FORWARD.set(on);
-}
-
-/// Whether the CUDA feed-forward is the lean one (see [`set_lean_cuda_feed_forward`]).
-pub fn lean_cuda_feed_forward() -> bool {
-    LEAN_CUDA_FEED_FORWARD.get()
-}
-
-/// The feed-forward form someone chose (`BERTKIT_CUDA_FEED_FORWARD`, or
-/// [`set_lean_cuda_feed_forward`]): `Some(lean)`; `None` while the default stands, free for a
-/// caller that knows the memory to choose.
-pub fn lean_cuda_feed_forward_chosen() -> Option<bool> {
-    LEAN_CUDA_FEED_FORWARD.chosen()
-}
-
-/// Whether the encoder's backward pass on CUDA runs by hand over the kernels' tape.
-pub(crate) static CUDA_TAPE: Switch = Switch::opt_out("BERTKIT_CUDA_BACKWARD", "autograd");
-
-/// Turns the encoder's backward pass by hand ([`tape`]) on or off for CUDA in this process.
-/// It calls the CUDA kernels' own backward passes, which passed their check, in the order
-/// candle's autograd calls them, and gives the same bits on the CPU. Unset, it is on unless
-/// `BERTKIT_CUDA_BACKWARD=autograd`; it passed its check (`bertkit check kernels --device
-/// cuda` compares it with autograd) on an H200 (BENCHMARKS.md, 2026-11-27). On the CPU it is
-/// always on.
-pub fn set_cuda_tape(on: bool) {
-    CUDA_TAPE.set(on);
-}
-
-/// Whether the encoder's backward pass on CUDA runs by hand (see [`set_cuda_tape`]).
-pub fn cuda_tape() -> bool {
-    CUDA_TAPE.get()
-}
-
-/// Whether attention on CUDA runs in one pass over key tiles.
-pub(crate) static CUDA_FLASH_ATTENTION: Switch =
-    Switch::opt_out("BERTKIT_CUDA_ATTENTION", "cublas");
-
-/// Turns attention in one pass over key tiles on CUDA on or off for this process (bf16, heads
-/// of 64, GPUs of compute capability 8.0 and later: the products on tensor cores, the scores
-/// never written to memory, the queries, keys and values read from the tokens where they are).
-/// Other shapes and dtypes keep the kernels around cuBLAS. Unset, it is on unless
-/// `BERTKIT_CUDA_ATTENTION=cublas` (the kernels around cuBLAS everywhere); it passed its check
-/// (`bertkit check kernels --device cuda`, its `attention flash` rows) on an H200
-/// (BENCHMARKS.md, 2026-11-27).
-pub fn set_cuda_flash_attention(on: bool) {
-    CUDA_FLASH_ATTENTION.set(on);
-}
-
-/// Whether attention on CUDA takes the one-pass kernels where they apply (see
-/// [`set_cuda_flash_attention`]).
-pub fn cuda_flash_attention() -> bool {
-    CUDA_FLASH_ATTENTION.get()
-}
-
 /// The negative log-likelihood of each row of `logits` (`[rows, width]`) for `labels`
 /// (`[rows]` u32) through our CUDA kernel, where it takes them: `None` elsewhere.
 #[cfg(feature = "cuda")]
@@ -568,31 +484,12 @@ pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a + b
 }
 
-/// Every setting of the model's CUDA kernels, in one list: what a check turns on
-/// ([`turn_cuda_kernels_on`]).
-static CUDA_SWITCHES: [&Switch; 4] = [
-    &CUDA_KERNELS,
-    &LEAN_CUDA_FEED_FORWARD,
-    &CUDA_TAPE,
-    &CUDA_FLASH_ATTENTION,
-];
-
-/// Turns every CUDA kernel setting on for the process: what the checks compare
-/// (`check::check_kernels`, `encoder_check`), whatever the environment says.
-pub(crate) fn turn_cuda_kernels_on() {
-    for s in &CUDA_SWITCHES {
-        s.set(true);
-    }
-}
-
-/// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32 or bf16, with the
-/// kernels turned on).
+/// Whether the fused CUDA kernels take `tensors` (on a CUDA device, in f32, bf16 or f16).
 #[cfg(feature = "cuda")]
 fn on_cuda(tensors: &[&Tensor]) -> bool {
     tensors
         .iter()
         .all(|t| t.device().is_cuda() && cuda::takes(t.dtype()))
-        && cuda_kernels()
 }
 
 /// The keys of a CUDA kernel's dropout in training `mode` (none in evaluation or at 0).
@@ -660,9 +557,8 @@ fn widened(x: &Tensor) -> Result<Tensor> {
 ///   cuBLAS's product, and attention within packed sequences up to 512 positions (products in
 ///   cuBLAS, the scale, padding, softmax and dropout in one kernel, the probabilities
 ///   recomputed in the backward). Dropout drops what the CPU kernels drop. Checked against
-///   the CPU kernels by `bertkit check kernels --device cuda`; [`set_cuda_kernels`] or
-///   `BERTKIT_CUDA_KERNELS=composed` turns them off. Elsewhere (f16, longer sequences, a bias
-///   wider than a block's shared memory) the rules below.
+///   the CPU kernels by `bertkit check kernels --device cuda`. Elsewhere (longer sequences,
+///   rows wider than a block's shared memory) the rules below.
 /// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a
 ///   frozen inference model, see [`crate::params::ParamBuilder::frozen`]); they have no
 ///   backward, so a trainable model takes the composed ops there.
@@ -670,8 +566,50 @@ fn widened(x: &Tensor) -> Result<Tensor> {
 ///
 /// [`fused_calls_on_this_thread`] counts the fused LayerNorm and softmax calls, so a test can
 /// tell which path ran.
+///
+/// Its [`KernelOptions`] are the choices a caller makes (the memory plan, the checks), passed
+/// down as a value: [`Fused::with`].
 #[derive(Debug, Default, Clone, Copy)]
-pub struct Fused;
+pub struct Fused {
+    options: KernelOptions,
+}
+
+/// The choices among [`Fused`]'s CUDA forms that a caller makes, each where two forms serve
+/// different needs; the default is what a run takes unless its memory plan says otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelOptions {
+    /// Attention in one pass over key tiles where it applies (bf16, heads of 64, compute
+    /// capability 8.0 on: the products on tensor cores, the scores never written to memory);
+    /// else, and at other shapes, the kernels around cuBLAS's products. On by default; the
+    /// checks turn it off to check the kernels around cuBLAS at the same shapes.
+    pub one_pass_attention: bool,
+    /// The feed-forward keeping its first product alone, its GELU recomputed by the second
+    /// layer's backward (the CPU's way), instead of the product and its activation both kept:
+    /// less memory (BERT-large: ~1.4 GiB at phase 1's micro-batch of 64) for a slower pass. Off
+    /// by default; the memory plan turns it on where the full form would not fit.
+    pub lean_feed_forward: bool,
+}
+
+impl Default for KernelOptions {
+    fn default() -> Self {
+        KernelOptions {
+            one_pass_attention: true,
+            lean_feed_forward: false,
+        }
+    }
+}
+
+impl Fused {
+    /// The fused kernels with `options`.
+    pub fn with(options: KernelOptions) -> Self {
+        Fused { options }
+    }
+
+    /// Their options.
+    pub fn options(&self) -> KernelOptions {
+        self.options
+    }
+}
 
 /// Whether `x` (after widening from half precision) takes our fused CPU kernels.
 fn on_cpu_in_f32(x: &Tensor) -> bool {
@@ -684,7 +622,7 @@ impl Kernels for Fused {
             // The fused CPU linear layers take f32 only (half precision runs candle's).
             candle_core::Device::Cpu => dtype == DType::F32,
             #[cfg(feature = "cuda")]
-            candle_core::Device::Cuda(_) => cuda_tape() && cuda_kernels() && cuda::takes(dtype),
+            candle_core::Device::Cuda(_) => cuda::takes(dtype),
             _ => false,
         }
     }
@@ -858,7 +796,7 @@ impl Kernels for Fused {
             .collect();
         if let (Some(b1), Some(b2), true) = (b1, b2, trains(&inputs)) {
             #[cfg(feature = "cuda")]
-            if lean_cuda_feed_forward() && on_cuda(&[x, w1, w2]) {
+            if self.options.lean_feed_forward && on_cuda(&[x, w1, w2]) {
                 return cuda::gelu_linear(&self.linear(x, w1, Some(b1))?, w2, b2, form);
             }
             if on_cpu_in_f32(x) && [w1, b1, w2, b2].iter().all(|t| t.dtype() == DType::F32) {
@@ -893,7 +831,14 @@ impl Kernels for Fused {
         #[cfg(feature = "cuda")]
         if on_cuda(&[qkv]) && packing.padded_dims().1 <= cuda::MAX_SEQ {
             count_fused();
-            return cuda::attention(qkv, packing, heads, cuda_dropout(mode, dropout));
+            let dropout = cuda_dropout(mode, dropout);
+            return cuda::attention(
+                qkv,
+                packing,
+                heads,
+                dropout,
+                self.options.one_pass_attention,
+            );
         }
         let dtype = qkv.dtype();
         if !(qkv.device().is_cpu() && (dtype == DType::F32 || is_half(dtype))) {

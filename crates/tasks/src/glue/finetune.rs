@@ -248,7 +248,7 @@ pub fn finetune(
     let train_set = encode_all(&options.data.join("train.tsv"))?;
     let dev = encode_all(&options.data.join(task.dev_file()))?;
     let labels = task.labels();
-    let model = load_with::<BertForSequenceClassification>(
+    let mut model = load_with::<BertForSequenceClassification>(
         &model_dir,
         options.dtype,
         &options.device,
@@ -264,9 +264,9 @@ pub fn finetune(
         },
     )?;
     crate::training::settle_feed_forward(
+        &mut model.model.bert,
         &model.config,
-        options.max_seq_length,
-        &options.settings,
+        (options.max_seq_length, &options.settings),
         options.reducer.as_ref(),
         (options.dtype, &options.device),
         progress,

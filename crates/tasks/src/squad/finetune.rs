@@ -349,7 +349,7 @@ pub fn finetune(
         features.len()
     ));
     let device = &options.predict.device;
-    let model = load_with::<BertForQuestionAnswering>(
+    let mut model = load_with::<BertForQuestionAnswering>(
         &model_dir,
         options.dtype,
         device,
@@ -357,9 +357,9 @@ pub fn finetune(
         &|_| {},
     )?;
     crate::training::settle_feed_forward(
+        &mut model.model.bert,
         &model.config,
-        options.predict.features.max_seq_length,
-        &options.settings,
+        (options.predict.features.max_seq_length, &options.settings),
         options.reducer.as_ref(),
         (options.dtype, device),
         progress,

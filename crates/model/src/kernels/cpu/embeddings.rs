@@ -231,10 +231,10 @@ mod tests {
                 let lookups = [(t(0), &rows[0]), (t(1), &rows[1]), (t(2), &rows[2])];
                 let mode = Mode::Train(&source);
                 let y = if fused {
-                    Fused.embeddings(lookups, &packing, mode, p, t(3), t(4), 1e-12)
+                    Fused::default().embeddings(lookups, &packing, mode, p, t(3), t(4), 1e-12)
                 } else {
                     let norm = (t(3), t(4), 1e-12);
-                    composed_embeddings(&Fused, lookups, &packing, mode, p, norm)
+                    composed_embeddings(&Fused::default(), lookups, &packing, mode, p, norm)
                 }
                 .unwrap();
                 let grads = crate::bert::backward_from(&y, &upstream).unwrap();

@@ -337,13 +337,15 @@ fn probabilities(h: &Heads, qkv: &Tensor) -> Result<Probabilities> {
     })
 }
 
-/// [`crate::kernels::Kernels::attention`] on CUDA (f32 or bf16, sequences up to [`MAX_SEQ`]);
-/// in one pass over key tiles ([`super::flash`]) where that is turned on and takes the shapes.
+/// [`crate::kernels::Kernels::attention`] on CUDA (f32, bf16 or f16, sequences up to
+/// [`MAX_SEQ`]); in one pass over key tiles ([`super::flash`]) where `one_pass` and the kernels
+/// take the shapes.
 pub(crate) fn attention(
     qkv: &Tensor,
     packing: &Packing,
     heads: usize,
     dropout: DeviceDropout,
+    one_pass: bool,
 ) -> Result<Tensor> {
     let hidden = qkv.dim(1)? / 3;
     let head = hidden / heads.max(1);
@@ -354,7 +356,7 @@ pub(crate) fn attention(
         scale: (1.0 / (head as f64).sqrt()) as f32,
         dropout,
     };
-    if crate::kernels::cuda_flash_attention() && super::flash::takes(qkv, &h) {
+    if one_pass && super::flash::takes(qkv, &h) {
         return super::flash::attention(qkv, h);
     }
     let context = {

@@ -12,9 +12,6 @@
 //! dropout masks included: a CUDA kernel recomputes each element's keep from the mask's keys
 //! exactly as the CPU draws it ([`DeviceDropout`]). `bertkit check kernels --device cuda`
 //! ([`super::check`]) runs each against its CPU twin, values and gradients.
-//!
-//! On by default since their check passed on an H200; [`super::set_cuda_kernels`] (or
-//! `BERTKIT_CUDA_KERNELS=composed`) turns them off.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
