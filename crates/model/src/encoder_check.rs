@@ -216,8 +216,7 @@ struct ParamGradients {
 /// each query's keys, and the bias adds the same to each of them): both ways it is rounding
 /// noise, and over its own largest value any change in where the rounding falls (a residual's
 /// gradient added by the product that makes the other, rounded once where the tape rounded
-/// twice) reads as a difference of ~100% (1.3 on an H200, 2026-11-28, the other gradients
-/// within bounds). A NaN anywhere gives NaN.
+/// twice) reads as a difference of ~100%. A NaN anywhere gives NaN.
 fn farthest_off(params: &[ParamGradients]) -> (f64, String) {
     // Each rank's largest `|theirs|`, once.
     let mut largest = std::collections::BTreeMap::<usize, f64>::new();

@@ -630,7 +630,7 @@ impl Optimizer {
     /// Each buffer crosses to the host once and the rows are views of that copy: candle's
     /// `to_device` copies a view's whole storage, so taking each row across on its own moved
     /// the group's buffer once per member, and held every copy until the file was written
-    /// (BENCHMARKS.md, the checkpoints of the H200 runs).
+    /// (BENCHMARKS.md).
     fn by_name(
         &self,
         prefix: &str,

@@ -216,7 +216,7 @@ pub(crate) struct BenchKernelsArgs {
     /// the GPU's own time, the host running ahead as in training; on the CPU the host's clock)
     /// or synchronised (the device synchronised around each call, the host's clock: a GPU's
     /// idle time while the host launches, and at each synchronisation the pool's work, count
-    /// to the call; on an H200 its linear layers read 1.7x their events' time).
+    /// to the call).
     #[arg(long, default_value = "events")]
     pub(crate) clock: bertkit_model::kernels::Clock,
     #[command(flatten)]

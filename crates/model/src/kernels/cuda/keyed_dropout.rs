@@ -2,9 +2,8 @@
 //! embeddings' dropout of a packed `[tokens, width]` tensor ([`crate::kernels::Mode::dropout_tokens`])
 //! and the pooler's of a `[rows, width]` one ([`crate::kernels::Mode::dropout`]). Where the
 //! fused kernels drop within their own passes, these two went through candle: a cuRAND
-//! uniform per element, a comparison, two casts and a product, each a launch and a tensor
-//! (on an H200 ~0.4 ms a BERT-large phase-1 pass, `generate_seed_pseudo` alone 180 µs), and a
-//! mask other than the CPU's for the same keys. The twin is `DropoutSource::apply_to_tokens`
+//! uniform per element, a comparison, two casts and a product, each a launch and a tensor, and
+//! a mask other than the CPU's for the same keys. The twin is `DropoutSource::apply_to_tokens`
 //! and `DropoutSource::apply` on the CPU: the same elements kept, each scaled in f32.
 
 use super::*;

@@ -388,6 +388,7 @@ fn column_sums<T: Element>(
 
 mod add;
 mod attention;
+mod bias_act;
 mod embeddings;
 mod flash;
 mod gather;
@@ -395,6 +396,7 @@ mod join;
 mod keyed_dropout;
 mod linear;
 mod loss;
+mod lt;
 mod norm;
 
 pub(crate) use add::add;
@@ -403,8 +405,9 @@ pub(crate) use embeddings::{embeddings, embeddings_fit};
 pub(crate) use gather::gather_rows;
 pub(crate) use join::{join, join_takes};
 pub(crate) use keyed_dropout::{keyed_dropout_rows, keyed_dropout_tokens};
-pub(crate) use linear::{activation, gelu_epilogue, gelu_linear, linear, linear_into};
+pub(crate) use linear::{activation, gelu_linear, linear, linear_into};
 pub(crate) use loss::nll;
+pub(crate) use lt::gelu_epilogue;
 pub(crate) use norm::{layer_norm, residual_layer_norm};
 
 /// Whether a row of `hidden` fits a LayerNorm backward block's shared memory.
