@@ -9,6 +9,7 @@ fn main() {
     println!("cargo::rerun-if-changed=ptx.rs");
     // kernels.cu includes these.
     println!("cargo::rerun-if-changed=src/kernels/cuda/common.cuh");
+    println!("cargo::rerun-if-changed=src/kernels/cuda/norm.cu");
     println!("cargo::rerun-if-changed=src/kernels/cuda/flash.cu");
     println!("cargo::rerun-if-changed=src/kernels/cuda/flash_registers.cu");
     println!("cargo::rerun-if-changed=src/kernels/cuda/tensor_core.cuh");

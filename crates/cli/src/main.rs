@@ -61,7 +61,7 @@ fn configure_allocator(command: &Command) {
 }
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
-    use commands::{data, model, pipeline, tasks, train};
+    use commands::{bench, data, model, pipeline, tasks, train};
     match cli.command {
         Command::Format(c) => data::format(c),
         Command::Shard(args) => data::shard(args),
@@ -76,7 +76,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Pretrain(args) => train::pretrain(args),
         Command::Plot(args) => train::plot(args),
         Command::Plan(args) => train::plan(args),
-        Command::Bench(c) => train::bench(c),
+        Command::Bench(c) => bench::bench(c),
         Command::Check(c) => model::check(c),
         Command::Evaluate(c) => tasks::evaluate(c),
         Command::Finetune(c) => tasks::finetune(c),

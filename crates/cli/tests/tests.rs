@@ -2,6 +2,7 @@
 //! per file), a module per subject.
 
 mod bad_input;
+mod bad_input_model;
 mod chain;
 mod cli;
 mod commands;

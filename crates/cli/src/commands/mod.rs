@@ -1,5 +1,6 @@
 //! What each command does: runs its library with the parsed flags and prints the summary.
 
+pub(crate) mod bench;
 pub(crate) mod data;
 pub(crate) mod model;
 pub(crate) mod pipeline;
