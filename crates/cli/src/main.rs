@@ -36,8 +36,13 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 ///   peak RSS and stall it in compaction on larger inputs (BENCHMARKS.md), so they stay off.
 ///
 /// `MIMALLOC_PURGE_DELAY` in the environment still wins over the first; `BERTKIT_THP=1` keeps
-/// huge pages.
-fn configure_allocator(command: &Command) {
+/// huge pages (`0` or unset: off; another value is an error naming the variable).
+fn configure_allocator(command: &Command) -> Result<(), String> {
+    let huge_pages = match std::env::var("BERTKIT_THP").ok().as_deref() {
+        None | Some("" | "0") => false,
+        Some("1") => true,
+        Some(other) => return Err(format!("BERTKIT_THP={other:?}: 0 or 1 expected")),
+    };
     let data_stage = matches!(
         command,
         Command::Format(_)
@@ -53,11 +58,14 @@ fn configure_allocator(command: &Command) {
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     }
     #[cfg(target_os = "linux")]
-    if std::env::var_os("BERTKIT_THP").is_none_or(|v| v != "1") {
+    if !huge_pages {
         // SAFETY: a process-wide flag for future page faults; no memory is touched. Failure
         // (an old kernel) only leaves huge pages on.
         unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = huge_pages;
+    Ok(())
 }
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
@@ -99,7 +107,10 @@ fn quiet_library_backtraces() {
 fn main() -> ExitCode {
     quiet_library_backtraces();
     let cli = Cli::parse();
-    configure_allocator(&cli.command);
+    if let Err(e) = configure_allocator(&cli.command) {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     if cli.command.no_tf32() {
         bertkit_model::set_tf32(false);
     }

@@ -94,3 +94,76 @@ fn a_decay_power_that_does_not_decay_is_refused() {
     );
     assert!(!run.join("metrics.jsonl").exists());
 }
+
+/// Every environment variable the shipped code reads (a `"BERTKIT_*"` literal in
+/// `crates/*/src`, the test support's aside) is in docs/environment.md's table, and every
+/// variable the table gives the binary is read somewhere: the reference cannot drift.
+#[test]
+fn the_environment_reference_lists_every_variable_read() {
+    let root = repo_root();
+    let doc = std::fs::read_to_string(root.join("docs/environment.md")).unwrap();
+    let mut read = std::collections::BTreeSet::new();
+    let mut stack = vec![root.join("crates")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            if path.is_dir() {
+                // The shipped sources: each crate's src/, not its tests or the test support.
+                if !matches!(
+                    name.as_str(),
+                    "tests" | "test-support" | "fixtures" | "target"
+                ) {
+                    stack.push(path);
+                }
+            } else if name.ends_with(".rs") && path.components().any(|c| c.as_os_str() == "src") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let mut rest = text.as_str();
+                while let Some(at) = rest.find("\"BERTKIT_") {
+                    let tail = &rest[at + 1..];
+                    let end = tail
+                        .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+                        .unwrap_or(tail.len());
+                    read.insert(tail[..end].to_string());
+                    rest = &tail[end..];
+                }
+            }
+        }
+    }
+    // (Tests' own variables, in `#[cfg(test)]` code of the sources.)
+    read.remove("BERTKIT_BACKTRACE_TEST_CHILD");
+    assert!(read.contains("BERTKIT_THP"), "{read:?}");
+    for variable in &read {
+        assert!(
+            doc.contains(&format!("| `{variable}` |")),
+            "{variable} is read by the sources but not in docs/environment.md"
+        );
+    }
+    for line in doc.lines().filter(|l| l.starts_with("| `BERTKIT_")) {
+        let variable = line.trim_start_matches("| `").split('`').next().unwrap();
+        let for_tests = ["BERTKIT_SHARED_DATA", "BERTKIT_PYTHON"].contains(&variable);
+        assert!(
+            for_tests || read.contains(variable),
+            "docs/environment.md lists {variable}, which no source reads"
+        );
+    }
+}
+
+/// An environment variable's value the binary does not know stops it, naming the variable and
+/// its values.
+#[test]
+fn an_unknown_environment_value_names_the_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(["plot", p(&dir.path().join("metrics.jsonl")), "-o"])
+        .arg(dir.path().join("plot.svg"))
+        .env("BERTKIT_THP", "yes")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("BERTKIT_THP=\"yes\": 0 or 1 expected"),
+        "{err}"
+    );
+}
