@@ -226,6 +226,16 @@ impl RecordsFile {
             .map(|n| n as usize)
     }
 
+    /// The `max_predictions_per_seq` the file was made with (from its `bertkit.parameters`):
+    /// the most masked positions a record holds, if it says.
+    pub fn max_predictions_per_seq(&self) -> Option<usize> {
+        let parameters = self.metadata_value("bertkit.parameters")?;
+        let json: serde_json::Value = serde_json::from_str(&parameters).ok()?;
+        json["instances"]["max_predictions_per_seq"]
+            .as_u64()
+            .map(|n| n as usize)
+    }
+
     /// Decodes row group `index`.
     pub fn read_row_group(&self, index: usize) -> Result<Vec<Record>, RecordsError> {
         let groups = self.metadata.metadata().num_row_groups();

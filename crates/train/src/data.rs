@@ -340,6 +340,17 @@ impl Dataset {
             .max()
     }
 
+    /// The most masked positions a record can hold: the largest `max_predictions_per_seq`
+    /// their files were made with (`None` when a file does not say).
+    pub fn max_predictions_per_seq(&self) -> Option<usize> {
+        self.files
+            .iter()
+            .map(|f| f.max_predictions_per_seq())
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .max()
+    }
+
     /// The files, in order.
     pub fn paths(&self) -> Vec<&Path> {
         self.files.iter().map(|f| f.path()).collect()

@@ -302,6 +302,48 @@ fn objective(
 /// feed-forward's form is chosen first (the full one where it fits, unless someone chose:
 /// [`crate::plan::feed_forward_for`]), the run checked with it, and the choice returned for
 /// the caller to set (the process's setting is left alone here).
+/// The records agree with the run's settings and with each other: no record holds more masked
+/// positions than `[data] max_predictions` takes (the loader would drop the rest; the training
+/// records' only where they are not masked anew), and the held-out records were made with the
+/// training records' vocabulary (else their ids mean other words).
+fn check_records_agree(
+    config: &PretrainConfig,
+    train: &Dataset,
+    eval: Option<&Dataset>,
+) -> Result<(), TrainError> {
+    let limit = config.data.max_predictions;
+    let sets = [
+        (
+            "[data] records",
+            Some(train).filter(|_| config.data.dynamic_masking.is_none()),
+        ),
+        ("[eval] records", eval),
+    ];
+    for (name, set) in sets {
+        if let Some(masked) = set.and_then(Dataset::max_predictions_per_seq)
+            && masked > limit
+        {
+            return Err(TrainError::Data(format!(
+                "{name} hold up to {masked} masked positions a sequence (their \
+                 max_predictions_per_seq), more than [data] max_predictions = {limit} takes: \
+                 set max_predictions to at least {masked}"
+            )));
+        }
+    }
+    if let (Some(train_files), Some(eval_files)) = (
+        train.tokenizer_files(),
+        eval.and_then(Dataset::tokenizer_files),
+    ) && train_files.vocab != eval_files.vocab
+    {
+        return Err(TrainError::Data(
+            "[eval] records were made with another vocabulary than [data] records: their ids \
+             would mean other words (make them with the same vocab.txt, or drop [eval])"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 fn check_memory(
     config: &PretrainConfig,
     model: &bertkit_model::BertConfig,
@@ -510,6 +552,11 @@ impl Trainer {
                 model.config.vocab_size
             )));
         }
+        check_records_agree(
+            &config,
+            &dataset,
+            eval.as_ref().map(|(set, _)| set.as_ref()),
+        )?;
         startup.lap("data", &mut since);
         let mut feed_forward = None;
         if let Some(free) = bertkit_model::free_memory(&device) {

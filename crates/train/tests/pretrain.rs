@@ -677,6 +677,40 @@ fn dynamic_masking_uses_the_records_vocabulary() {
         .unwrap()
         .to_string();
     assert!(err.contains("more than the model's vocab_size"), "{err}");
+    // Held-out records of another vocabulary (MiniLM's) are refused before any step.
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    let held_out = records_with_vocab(&other, &require("minilm/vocab.txt"));
+    let mut mixed = config(&records, &dir.path().join("mixed"));
+    mixed.eval = Some(EvalSection {
+        records: vec![held_out],
+        every: 1,
+        sequences: 8,
+        micro_batch: None,
+    });
+    let err = Trainer::new(mixed, RunOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("[eval] records were made with another vocabulary"),
+        "{err}"
+    );
+    // Records of 10 masked positions a sequence and a run that takes 5: refused, unless the
+    // run masks anew.
+    let mut fewer = config(&records, &dir.path().join("fewer"));
+    fewer.data.max_predictions = 5;
+    let err = Trainer::new(fewer.clone(), RunOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("[data] records hold up to 10 masked positions")
+            && err.contains("max_predictions = 5"),
+        "{err}"
+    );
+    fewer.data.dynamic_masking = Some(toml::from_str("").unwrap());
+    assert!(Trainer::new(fewer, RunOptions::default()).is_ok());
 }
 
 /// Unknown keys in a config are named, not reported as a missing field.

@@ -42,8 +42,8 @@ fn check_below(
     }
 }
 
-/// A tensor's integers on the host, for checking (`u8`, `u32` or `i64`; a negative value is an
-/// error naming its place).
+/// A tensor's integers on the host, for checking (`u8`, `u32` or `i64`; a value outside u32's
+/// range is an error naming its place).
 fn host_integers(t: &Tensor, name: &str) -> Result<Vec<u32>, ModelError> {
     let width = t.dims().last().copied().unwrap_or(1).max(1);
     let values: Vec<i64> = match t.dtype() {
@@ -59,8 +59,13 @@ fn host_integers(t: &Tensor, name: &str) -> Result<Vec<u32>, ModelError> {
         .enumerate()
         .map(|(i, &v)| {
             u32::try_from(v).map_err(|_| {
+                let why = if v < 0 {
+                    "below 0"
+                } else {
+                    "above u32's range"
+                };
                 ModelError::Input(format!(
-                    "{name} row {} position {} holds {v}, below 0",
+                    "{name} row {} position {} holds {v}, {why}",
                     i / width,
                     i % width
                 ))
@@ -261,5 +266,44 @@ impl MaskedPositions {
     /// The positions, `[batch, predictions]`.
     pub fn tensor(&self) -> &Tensor {
         &self.positions
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An i64 id below 0 or beyond u32's range, and a mask value other than 0 and 1, are errors
+    /// naming the tensor, the row, the position and the value.
+    #[test]
+    fn out_of_range_integers_are_named() {
+        let config = BertConfig::tiny(30);
+        let device = Device::Cpu;
+        let ids = |v: i64| Tensor::new(&[[1i64, v]], &device).unwrap();
+        let err = Inputs::new(&config, &ids(-3), None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("input_ids row 0 position 1 holds -3, below 0"),
+            "{err}"
+        );
+        let big = (1i64 << 32) + 5;
+        let err = Inputs::new(&config, &ids(big), None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!(
+                "input_ids row 0 position 1 holds {big}, above u32's range"
+            )),
+            "{err}"
+        );
+        let mask = Tensor::new(&[[1i64, 7]], &device).unwrap();
+        let err = Inputs::new(&config, &ids(2), None, Some(&mask))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("attention_mask row 0 position 1 holds 7"),
+            "{err}"
+        );
     }
 }
