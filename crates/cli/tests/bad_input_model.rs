@@ -502,7 +502,20 @@ fn checkpoint_truncated() {
     let (run, records) = checkpointed_run(dir.path());
     let optimizer = run.join("checkpoints/step-1/optimizer.safetensors");
     cut_in_half(&optimizer.clone(), &optimizer);
-    refused(resume(&records, &run), &optimizer, &["incomplete metadata"]);
+    refused(
+        resume(&records, &run),
+        &optimizer,
+        &[
+            "no checkpoint of",
+            "its SHA-256 differs from the one the checkpoint recorded",
+        ],
+    );
+    // `bertkit check checkpoint` names it too.
+    refused(
+        bertkit(&["check", "checkpoint", p(&run)]),
+        &optimizer,
+        &["1 of 1 checkpoints damaged"],
+    );
 }
 
 #[test]
@@ -516,7 +529,7 @@ fn checkpoint_bad_encoding() {
     refused(
         resume(&records, &run),
         &state,
-        &["line 2 (byte offset 3) is not valid UTF-8"],
+        &["its SHA-256 differs from the one the checkpoint recorded"],
     );
 }
 
@@ -561,7 +574,11 @@ fn checkpoint_empty() {
     let (run, records) = checkpointed_run(dir.path());
     let model = run.join("checkpoints/step-1/model.safetensors");
     write(&model, b"");
-    refused(resume(&records, &run), &model, &["header too small"]);
+    refused(
+        resume(&records, &run),
+        &model,
+        &["its SHA-256 differs from the one the checkpoint recorded"],
+    );
 }
 
 /// A run folder another run is writing (a second terminal, a launcher's retry): refused before

@@ -387,7 +387,12 @@ pub fn train(
     };
     let mut started_at = 0;
     if let Some((dir, c)) = &checkpoints {
-        match checkpoint::newest(dir) {
+        let newest = if c.resume {
+            checkpoint::resume_point(dir, &mut |w| progress(&format!("warning: {w}")))?
+        } else {
+            checkpoint::newest(dir)
+        };
+        match newest {
             Some((step, found)) if c.resume => {
                 let device = params
                     .vars()

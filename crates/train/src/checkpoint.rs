@@ -9,13 +9,17 @@
 //!   model folder that fine-tuning, prediction and conversion take as it is;
 //! - `optimizer.safetensors`: the moments (`m.<name>`, `v.<name>`);
 //! - `state.json`: what the loop needs besides tensors to go on exactly (its step, data
-//!   position, loss scaler, settings), a type of the loop's own.
+//!   position, loss scaler, settings), a type of the loop's own;
+//! - `checksums.json`: every other file's SHA-256, read back from the disk once written
+//!   ([`verify`]): a resume takes the newest checkpoint that verifies ([`newest_verified`]), and
+//!   `bertkit check checkpoint RUN` checks them all.
 //!
 //! A checkpoint is written into a hidden `.step-N.partial/` folder and renamed into place, and
 //! `state.json` is written last: a folder named `step-N` with a `state.json` is whole. Old
-//! checkpoints (all but the newest `keep`) are renamed out of sight before they are deleted. A
-//! kill at any moment leaves whole checkpoints and at most hidden leftovers, which the next
-//! write removes.
+//! checkpoints (all but the newest `keep`, and any of a later step than the one written: what
+//! a resume from an earlier, verified checkpoint passed over) are renamed out of sight before
+//! they are deleted. A kill at any moment leaves whole checkpoints and at most hidden
+//! leftovers, which the next write removes.
 //!
 //! At its end a run also writes its final model at the top of the run folder ([`write_model`]:
 //! the same four model files, no optimiser state), so the run folder itself is the model
@@ -23,7 +27,7 @@
 //! `from_pretrained`). [`model_folder`] says which folder a path stands for.
 
 use bertkit_stage_io::lock::FolderLock;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
@@ -134,16 +138,128 @@ pub fn save(
         "state.json",
         &serde_json::to_string_pretty(state).expect("a checkpoint's state serialises"),
     )?;
+    write(
+        CHECKSUMS,
+        &serde_json::to_string_pretty(&checksums(&partial)?).expect("digests serialise"),
+    )?;
     if dir.exists() {
         discard(&dir)?;
     }
     std::fs::rename(&partial, &dir).map_err(io_err(&dir))?;
-    let all = list(run);
+    // Checkpoints of later steps are of the timeline this run left (a resume from an earlier,
+    // verified checkpoint passed over them: damaged); then the oldest beyond `keep`.
+    let (later, all): (Vec<_>, Vec<_>) = list(run).into_iter().partition(|(s, _)| *s > step);
+    for (_, stale) in later {
+        discard(&stale)?;
+    }
     let excess = all.len().saturating_sub(keep.max(1));
     for (_, old) in all.into_iter().take(excess) {
         discard(&old)?;
     }
     Ok(dir)
+}
+
+/// The file of a checkpoint that holds every other file's SHA-256.
+const CHECKSUMS: &str = "checksums.json";
+
+/// Every file of the checkpoint folder `dir` but [`CHECKSUMS`], by name, with its SHA-256
+/// (read back from the disk).
+fn checksums(dir: &Path) -> Result<BTreeMap<String, String>, TrainError> {
+    let mut sums = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let path = entry.map_err(io_err(dir))?.path();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if path.is_file() && name != CHECKSUMS {
+            let digest = bertkit_stage_io::sha256_of_file(&path).map_err(io_err(&path))?;
+            sums.insert(name, digest);
+        }
+    }
+    Ok(sums)
+}
+
+/// What [`verify`] found of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verified {
+    /// Every file its `checksums.json` names has the digest recorded (that many files).
+    Whole(usize),
+    /// It has no `checksums.json` (written before checkpoints recorded digests): nothing to
+    /// check against.
+    Unrecorded,
+}
+
+/// Checks the checkpoint folder `dir` against its `checksums.json`: an error naming the first
+/// file that is missing or whose SHA-256 differs from the one recorded (a damaged
+/// checkpoint), or an unreadable record.
+pub fn verify(dir: &Path) -> Result<Verified, TrainError> {
+    let record_path = dir.join(CHECKSUMS);
+    let text = match std::fs::read_to_string(&record_path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Verified::Unrecorded),
+        Err(e) => return Err(io_err(&record_path)(e)),
+    };
+    let recorded: BTreeMap<String, String> = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", record_path.display())))?;
+    for (name, want) in &recorded {
+        let path = dir.join(name);
+        let got = bertkit_stage_io::sha256_of_file(&path).map_err(|e| {
+            TrainError::Checkpoint(format!(
+                "{}: {e} (the checkpoint records it)",
+                path.display()
+            ))
+        })?;
+        if &got != want {
+            return Err(TrainError::Checkpoint(format!(
+                "{}: its SHA-256 differs from the one the checkpoint recorded: damaged",
+                path.display()
+            )));
+        }
+    }
+    Ok(Verified::Whole(recorded.len()))
+}
+
+/// The newest checkpoint of the run folder `run` that [`verify`] passes (or that records no
+/// digests), and what was wrong with each newer one, passed over (a resume goes on from the
+/// newest good state; the next checkpoint it writes removes the damaged ones).
+pub fn newest_verified(run: &Path) -> (Option<(u64, PathBuf)>, Vec<String>) {
+    let mut passed_over = Vec::new();
+    for (step, dir) in list(run).into_iter().rev() {
+        match verify(&dir) {
+            Ok(_) => return (Some((step, dir)), passed_over),
+            Err(e) => passed_over.push(e.to_string()),
+        }
+    }
+    (None, passed_over)
+}
+
+/// The checkpoint a resume of the run folder `run` goes on from: the newest that verifies
+/// ([`newest_verified`]), each newer one passed over said through `warn`; `None` where the
+/// run has none; an error where it has some and none verifies (a run from scratch would
+/// write over them).
+pub fn resume_point(
+    run: &Path,
+    warn: &mut dyn FnMut(&str),
+) -> Result<Option<(u64, PathBuf)>, TrainError> {
+    let (found, passed_over) = newest_verified(run);
+    if found.is_none() && !passed_over.is_empty() {
+        return Err(TrainError::Checkpoint(format!(
+            "no checkpoint of {} verifies: {}",
+            run.display(),
+            passed_over.join("; ")
+        )));
+    }
+    for damaged in &passed_over {
+        warn(&format!(
+            "{damaged}; resuming from the newest checkpoint that verifies{}",
+            found
+                .as_ref()
+                .map(|(step, _)| format!(" (step {step})"))
+                .unwrap_or_default()
+        ));
+    }
+    Ok(found)
 }
 
 /// Writes the run's final model at the top of the run folder `run`: `config.json`, the
@@ -291,5 +407,107 @@ mod tests {
         assert!(matches!(refused, TrainError::Lock(_)), "{refused}");
         assert_eq!(names(&root), [".step-4.partial", "step-1"]);
         drop(held);
+    }
+
+    /// A checkpoint records its files' digests and verifies; a flipped byte, a truncated or a
+    /// removed file is named as damage; a resume goes on from the newest checkpoint that
+    /// verifies, saying what it passed over, and its next checkpoint removes the damaged ones
+    /// (the newest good one is never rotated away); with none verifying, a resume refuses.
+    #[test]
+    fn a_damaged_checkpoint_is_named_and_passed_over() {
+        use candle_core::{DType, Var};
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let mut vars = std::collections::BTreeMap::new();
+        let t = Tensor::new(&[0.5f32, -1.0, 2.0], &Device::Cpu).unwrap();
+        vars.insert("encoder.weight".to_string(), Var::from_tensor(&t).unwrap());
+        let optimizer = Optimizer::new(crate::optim::OptimizerConfig::lamb(), &vars).unwrap();
+        assert_eq!(optimizer.master_dtype(), DType::F32);
+        let save_at = |step: u64| {
+            save(
+                &run,
+                step,
+                &optimizer,
+                "{}",
+                None,
+                &serde_json::json!({ "step": step }),
+                1,
+            )
+            .unwrap()
+        };
+        let first = save_at(1);
+        assert_eq!(verify(&first).unwrap(), Verified::Whole(4));
+        let second = save_at(2);
+        // `keep` 1: the first went once the second was whole.
+        assert_eq!(list(&run), [(2, second.clone())]);
+        let third = {
+            // (keep 2 from here, to have a good one to fall back on)
+            save(
+                &run,
+                3,
+                &optimizer,
+                "{}",
+                None,
+                &serde_json::json!({"step": 3}),
+                2,
+            )
+            .unwrap()
+        };
+        let model = third.join("model.safetensors");
+        let bytes = std::fs::read(&model).unwrap();
+        for (damage, says) in [
+            ("flip", "differs from the one the checkpoint recorded"),
+            ("truncate", "differs from the one the checkpoint recorded"),
+            ("remove", "the checkpoint records it"),
+        ] {
+            match damage {
+                "flip" => {
+                    let mut b = bytes.clone();
+                    let at = b.len() - 3;
+                    b[at] ^= 0x40;
+                    std::fs::write(&model, b).unwrap();
+                }
+                "truncate" => std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap(),
+                _ => std::fs::remove_file(&model).unwrap(),
+            }
+            let err = verify(&third).unwrap_err().to_string();
+            assert!(
+                err.contains("model.safetensors") && err.contains(says),
+                "{damage}: {err}"
+            );
+            let mut warned = Vec::new();
+            let found = resume_point(&run, &mut |w| warned.push(w.to_string())).unwrap();
+            assert_eq!(found, Some((2, second.clone())), "{damage}");
+            assert!(
+                warned.len() == 1 && warned[0].contains("(step 2)"),
+                "{warned:?}"
+            );
+        }
+        // The resumed run's next checkpoint (step 3 again, of the new timeline) replaces the
+        // damaged one; one of a later step is removed as stale.
+        std::fs::create_dir_all(run.join("checkpoints/step-9")).unwrap();
+        std::fs::write(run.join("checkpoints/step-9/state.json"), "{}").unwrap();
+        save(
+            &run,
+            3,
+            &optimizer,
+            "{}",
+            None,
+            &serde_json::json!({"step": 3}),
+            2,
+        )
+        .unwrap();
+        let steps: Vec<u64> = list(&run).into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, [2, 3]);
+        assert!(matches!(verify(&third).unwrap(), Verified::Whole(_)));
+        // Every checkpoint damaged: a resume refuses rather than start over them.
+        for (_, dir) in list(&run) {
+            std::fs::write(dir.join("config.json"), "{\"other\": 1}").unwrap();
+        }
+        let err = resume_point(&run, &mut |_| {}).unwrap_err().to_string();
+        assert!(
+            err.contains("no checkpoint of") && err.contains("verifies"),
+            "{err}"
+        );
     }
 }

@@ -467,7 +467,7 @@ impl Trainer {
         let dtype = bertkit_model::parse_dtype(&config.train.precision)?;
         let bert_config = config.bert_config()?;
         let resume_from = if options.resume {
-            checkpoint::newest(&config.output)
+            checkpoint::resume_point(&config.output, &mut |w| eprintln!("warning: {w}"))?
         } else {
             None
         };

@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::flags::model::{
-    CheckCommand, CheckKernelsArgs, ConvertCommand, TfCheckpointArgs, ToTfCheckpointArgs,
+    CheckCheckpointArgs, CheckCommand, CheckKernelsArgs, ConvertCommand, TfCheckpointArgs,
+    ToTfCheckpointArgs,
 };
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -93,7 +94,39 @@ fn to_tf(args: ToTfCheckpointArgs) -> Result<()> {
 pub(crate) fn check(command: CheckCommand) -> Result<()> {
     match command {
         CheckCommand::Kernels(args) => check_kernels(args),
+        CheckCommand::Checkpoint(args) => check_checkpoint(args),
     }
+}
+
+fn check_checkpoint(args: CheckCheckpointArgs) -> Result<()> {
+    use bertkit_train::checkpoint::{Verified, list, verify};
+    let all = list(&args.run);
+    if all.is_empty() {
+        return Err(format!("{}: no checkpoint (checkpoints/step-N)", args.run.display()).into());
+    }
+    let mut damaged = Vec::new();
+    for (step, dir) in &all {
+        match verify(dir) {
+            Ok(Verified::Whole(files)) => println!("step {step}: ok ({files} files as recorded)"),
+            Ok(Verified::Unrecorded) => {
+                println!("step {step}: not checked (written before checkpoints recorded digests)")
+            }
+            Err(e) => {
+                println!("step {step}: damaged: {e}");
+                damaged.push(format!("step {step}: {e}"));
+            }
+        }
+    }
+    if !damaged.is_empty() {
+        return Err(format!(
+            "{} of {} checkpoints damaged ({})",
+            damaged.len(),
+            all.len(),
+            damaged.join("; ")
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// One line of `bertkit check kernels`: a kernel's value, its worst difference and the bound;

@@ -47,6 +47,15 @@ pub(crate) enum CheckCommand {
     /// gradients: on CUDA the CPU's fused kernels in f32, on the CPU the composed ops in f64.
     /// A line per kernel and value with its worst difference; fails if one is out of bounds.
     Kernels(CheckKernelsArgs),
+    /// Each checkpoint of a run folder (pre-training or fine-tuning) against the SHA-256 of
+    /// its files it recorded when written: a line per checkpoint; fails if one is damaged.
+    Checkpoint(CheckCheckpointArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct CheckCheckpointArgs {
+    /// The run folder (its checkpoints are under `checkpoints/`).
+    pub(crate) run: PathBuf,
 }
 
 #[derive(Args)]
