@@ -176,6 +176,7 @@ pub fn convert_from_tf(
     vocab: Option<&Path>,
     out: &Path,
 ) -> Result<FromTfSummary, ModelError> {
+    refuse_another_model(out)?;
     let ckpt = Checkpoint::open(checkpoint)?;
     let mut config = BertConfig::load(config)?;
     if config.hidden_act == "gelu" {
@@ -252,6 +253,36 @@ pub fn convert_from_tf(
         skipped_training_state: skipped,
         vocab_copied,
     })
+}
+
+/// The files of a model folder (transformers' and ours): a conversion into a folder holding
+/// any would leave another model's files (a tokenizer of another vocabulary) beside its own.
+const MODEL_FOLDER_FILES: [&str; 8] = [
+    "config.json",
+    "model.safetensors",
+    "pytorch_model.bin",
+    "vocab.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+];
+
+/// Refuses an output folder `out` that already holds a model's files, naming them.
+fn refuse_another_model(out: &Path) -> Result<(), ModelError> {
+    let held: Vec<&str> = MODEL_FOLDER_FILES
+        .into_iter()
+        .filter(|f| out.join(f).exists())
+        .collect();
+    if held.is_empty() {
+        return Ok(());
+    }
+    Err(ModelError::Config(format!(
+        "{}: already holds a model's files ({}): convert into a new or empty folder, so that \
+         no file of another model stays beside this one",
+        out.display(),
+        held.join(", ")
+    )))
 }
 
 /// Builds `M` from `tensors` (refusing a missing or unused one, named as Google names it) and

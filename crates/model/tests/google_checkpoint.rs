@@ -263,6 +263,26 @@ fn conversion_error(prefix: &Path, config: &Path) -> String {
     err
 }
 
+/// A conversion into a folder that holds another model's files (a tokenizer of another
+/// vocabulary) is refused, naming them, and writes nothing there.
+#[test]
+fn a_conversion_into_another_models_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = copy_fixture(dir.path());
+    let config = dir.path().join("bert_config.json");
+    let out = dir.path().join("held");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("tokenizer.json"), "{}").unwrap();
+    let err = convert_from_tf(&prefix, &config, None, &out)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("already holds a model's files (tokenizer.json)"),
+        "{err}"
+    );
+    assert!(!out.join("model.safetensors").exists());
+}
+
 #[test]
 fn bad_checkpoints_fail_naming_the_file_and_variable() {
     let dir = tempfile::tempdir().unwrap();
