@@ -285,6 +285,40 @@ fn refuse_another_model(out: &Path) -> Result<(), ModelError> {
     )))
 }
 
+/// Checks that `tensors` (by our names) build `M` as `config` describes it: every parameter's
+/// shape, none missing; an error naming `source` otherwise.
+fn check_tensors<M: BertArchitecture>(
+    tensors: HashMap<String, Tensor>,
+    config: &BertConfig,
+    source: &Path,
+) -> Result<(), ModelError> {
+    let mut p = ParamBuilder::from_tensors(
+        tensors,
+        DType::F32,
+        &Device::Cpu,
+        config.initializer_range,
+        0,
+    )
+    .frozen();
+    M::build(config, &mut p).map_err(|e| {
+        ModelError::Weights(format!(
+            "{}: {e} (the folder's config.json disagrees with its tensors)",
+            source.display()
+        ))
+    })?;
+    let params = p.finish();
+    if !params.initialised.is_empty() {
+        return Err(ModelError::Weights(format!(
+            "{}: a {} as config.json describes it needs {} tensor(s) the file lacks: {}",
+            source.display(),
+            M::ARCHITECTURE,
+            params.initialised.len(),
+            listed(&params.initialised)
+        )));
+    }
+    Ok(())
+}
+
 /// Builds `M` from `tensors` (refusing a missing or unused one, named as Google names it) and
 /// saves it to `out`.
 fn write_model<M: BertArchitecture>(
@@ -385,10 +419,12 @@ pub fn convert_to_tf(model: &Path, out: &Path) -> Result<ToTfSummary, ModelError
     let raw = candle_core::safetensors::load(&weights, &Device::Cpu)
         .map_err(|e| ModelError::Weights(format!("{}: {e}", weights.display())))?;
     let mut named = BTreeMap::new();
+    let mut canonical_tensors = HashMap::new();
     for (name, tensor) in raw {
         let Some(canonical) = canonical_name(&name) else {
             continue;
         };
+        canonical_tensors.insert(canonical.clone(), tensor.clone());
         let Some((google, transposed)) = to_google_name(&canonical) else {
             return Err(ModelError::Weights(format!(
                 "{}: {name}: Google's BERT has no variable for it",
@@ -401,6 +437,18 @@ pub fn convert_to_tf(model: &Path, out: &Path) -> Result<ToTfSummary, ModelError
                 weights.display()
             )));
         }
+    }
+    // The tensors are the model its config.json describes (shapes, and nothing missing: the
+    // pooler, say), before anything is written: Google's reader would refuse it.
+    let has = |prefix: &str| canonical_tensors.keys().any(|k| k.starts_with(prefix));
+    if has("qa_outputs.") {
+        check_tensors::<BertForQuestionAnswering>(canonical_tensors, &config, &weights)?;
+    } else if has("classifier.") {
+        check_tensors::<BertForSequenceClassification>(canonical_tensors, &config, &weights)?;
+    } else if has("cls.") {
+        check_tensors::<BertForPreTraining>(canonical_tensors, &config, &weights)?;
+    } else {
+        check_tensors::<BertModel>(canonical_tensors, &config, &weights)?;
     }
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     let prefix = out.join("bert_model.ckpt");

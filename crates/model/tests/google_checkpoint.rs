@@ -263,6 +263,33 @@ fn conversion_error(prefix: &Path, config: &Path) -> String {
     err
 }
 
+/// `convert_to_tf` of a folder whose config.json disagrees with its tensors (a width, a layer
+/// more than the file holds) is refused, naming the file, before anything is written.
+#[test]
+fn a_folder_whose_config_disagrees_with_its_tensors_is_not_converted() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("a");
+    convert(&model);
+    let config_path = model.join("config.json");
+    let original: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let tf = dir.path().join("tf");
+    for (key, says) in [
+        ("intermediate_size", "disagrees with its tensors"),
+        ("num_hidden_layers", "tensor(s) the file lacks"),
+    ] {
+        let mut changed = original.clone();
+        changed[key] = serde_json::json!(original[key].as_u64().unwrap() + 1);
+        std::fs::write(&config_path, changed.to_string()).unwrap();
+        let err = convert_to_tf(&model, &tf).unwrap_err().to_string();
+        assert!(
+            err.contains("model.safetensors") && err.contains(says),
+            "{key}: {err}"
+        );
+        assert!(!tf.exists(), "{key}: written");
+    }
+}
+
 /// A conversion into a folder that holds another model's files (a tokenizer of another
 /// vocabulary) is refused, naming them, and writes nothing there.
 #[test]
