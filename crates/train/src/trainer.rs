@@ -722,7 +722,10 @@ impl Trainer {
                 .model
                 .model
                 .forward(&d.inputs, &d.positions, Mode::Eval)?;
-            let (_, _, f) = loss_sums(&out, &d)?;
+            // (Detached: the weights track gradients, and a sum over the rounds' graphs would
+            // hold every round's activations to the end of the evaluation.)
+            let f = loss_sums(&out, &d)?.2.detach();
+            drop(out);
             figures = Some(match figures {
                 Some(sum) => (sum + f)?,
                 None => f,
