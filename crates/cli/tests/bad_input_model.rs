@@ -568,6 +568,66 @@ fn checkpoint_wrong_shape() {
     );
 }
 
+/// A damaged newest checkpoint (a flipped byte in its weights): `check checkpoint` names it,
+/// and `--resume` warns and goes on from the newest checkpoint that verifies, the run then
+/// writing its own checkpoints in place of the damaged one.
+#[test]
+fn checkpoint_damaged_newest() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = book_records(dir.path());
+    let run = dir.path().join("run");
+    let config = repo_root().join("pipelines/tiny.toml");
+    let args = |steps: &'static str, resume: bool| {
+        let mut a = vec![
+            "pretrain".to_string(),
+            "--config".into(),
+            p(&config).into(),
+            "--data".into(),
+            p(&records).into(),
+            "--no-eval".into(),
+            "--output".into(),
+            p(&run).into(),
+            "--max-steps".into(),
+            steps.into(),
+            "--set".into(),
+            "train.checkpoint_every=1".into(),
+        ];
+        if resume {
+            a.push("--resume".into());
+        }
+        a
+    };
+    let run_with = |a: Vec<String>| bertkit(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    ok(run_with(args("2", false)));
+    let weights = run.join("checkpoints/step-2/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let at = bytes.len() - 5;
+    bytes[at] ^= 0x10;
+    write(&weights, bytes);
+    refused(
+        bertkit(&["check", "checkpoint", p(&run)]),
+        &weights,
+        &[
+            "1 of 2 checkpoints damaged",
+            "differs from the one the checkpoint recorded",
+        ],
+    );
+    let resumed = run_with(args("3", true));
+    let stderr = text(&resumed.stderr);
+    let out = ok(resumed);
+    assert!(out.contains("steps 1..3"), "{out}");
+    assert!(
+        stderr.contains("warning:")
+            && stderr.contains("resuming from the newest checkpoint that verifies (step 1)"),
+        "{stderr}"
+    );
+    let checked = ok(bertkit(&["check", "checkpoint", p(&run)]));
+    assert!(
+        checked.contains("step 2: ok") && checked.contains("step 3: ok"),
+        "{checked}"
+    );
+}
+
 #[test]
 fn checkpoint_empty() {
     let dir = tempfile::tempdir().unwrap();
