@@ -136,12 +136,17 @@ fn check_same_model(
     )))
 }
 
-/// Refuses to start a new run in a folder that holds an earlier one (its checkpoints or its
-/// final model), which the new run's checkpoints and rotation would overwrite piecemeal.
+/// Refuses to start a new run in a folder that holds an earlier one (its checkpoints, its
+/// final model, or the metrics of a run without checkpoints), which the new run would
+/// overwrite piecemeal.
 fn refuse_an_earlier_run(output: &Path) -> Result<(), TrainError> {
+    let logged = std::fs::read_to_string(output.join("metrics.jsonl"))
+        .map(|text| text.lines().filter(|l| !l.trim().is_empty()).count())
+        .unwrap_or(0);
     let held = match (checkpoint::newest(output), checkpoint::model_folder(output)) {
         (Some((step, _)), _) => format!("checkpoints up to step {step}"),
         (None, Some(_)) => "a final model".to_string(),
+        (None, None) if logged > 0 => format!("metrics.jsonl of {logged} steps"),
         (None, None) => return Ok(()),
     };
     Err(TrainError::Config(format!(
@@ -931,6 +936,25 @@ impl Trainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A folder holding a run's metrics, even without its checkpoints (a run with
+    /// `--no-checkpoints`), is refused to a new run; an empty one, or an empty metrics file,
+    /// is not.
+    #[test]
+    fn a_folder_with_an_earlier_runs_metrics_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path();
+        refuse_an_earlier_run(run).unwrap();
+        std::fs::write(run.join("metrics.jsonl"), "").unwrap();
+        refuse_an_earlier_run(run).unwrap();
+        std::fs::write(run.join("metrics.jsonl"), "{\"step\": 1}\n{\"step\": 2}\n").unwrap();
+        let err = refuse_an_earlier_run(run).unwrap_err().to_string();
+        assert!(
+            err.contains("holds an earlier run (metrics.jsonl of 2 steps)")
+                && err.contains("--resume"),
+            "{err}"
+        );
+    }
 
     /// The formula against the model's products listed one by one (forward, `2·m·k·n` each;
     /// training three times that). (Tried: without the sequence length in attention's term,

@@ -23,9 +23,11 @@ const STEP_CODE: &[(&str, &[(&str, usize)])] = &[
     // `Inputs::new` takes tensors and reads them back to check them; training builds its
     // inputs from host data (`Inputs::from_host`) instead.
     (
-        "crates/model/src/bert.rs",
+        "crates/model/src/bert/inputs.rs",
         &[("host_integers", 1), ("new", 1)],
     ),
+    ("crates/model/src/bert.rs", &[]),
+    ("crates/model/src/bert/heads.rs", &[]),
     // The packing of the tokens is computed on the host when the inputs are built.
     ("crates/model/src/kernels/mod.rs", &[]),
     ("crates/model/src/kernels/composed.rs", &[]),
@@ -36,6 +38,8 @@ const STEP_CODE: &[(&str, &[(&str, usize)])] = &[
     ("crates/model/src/kernels/cuda/mod.rs", &[]),
     ("crates/model/src/kernels/cuda/attention.rs", &[]),
     ("crates/model/src/kernels/cuda/linear.rs", &[]),
+    ("crates/model/src/kernels/cuda/lt.rs", &[]),
+    ("crates/model/src/kernels/cuda/bias_act.rs", &[]),
     ("crates/model/src/kernels/cuda/norm.rs", &[]),
     ("crates/train/src/cuda_update.rs", &[]),
 ];
