@@ -207,6 +207,16 @@ fn pretrain_on_a_full_disk_fails_cleanly_and_reruns() {
     assert_failed_writing(&run, &run_dir);
     let checkpoints = run_dir.join("checkpoints");
     assert_nothing_finished(&checkpoints);
-    ok(bertkit(&args()));
+    // The folder holds the failed run's metrics: the run again with --resume (no checkpoint:
+    // from step 0); without it the folder is refused as holding an earlier run.
+    let again = bertkit(&args());
+    assert!(
+        text(&again.stderr).contains("holds an earlier run (metrics.jsonl of 2 steps)"),
+        "{}",
+        text(&again.stderr)
+    );
+    let mut resume = args();
+    resume.push("--resume");
+    ok(bertkit(&resume));
     assert!(checkpoints.join("step-2/state.json").is_file());
 }
