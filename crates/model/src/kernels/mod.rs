@@ -585,8 +585,9 @@ pub struct KernelOptions {
     pub one_pass_attention: bool,
     /// The feed-forward keeping its first product alone, its GELU recomputed by the second
     /// layer's backward (the CPU's way), instead of the product and its activation both kept:
-    /// less memory (BERT-large: ~1.4 GiB at phase 1's micro-batch of 64) for a slower pass. Off
-    /// by default; the memory plan turns it on where the full form would not fit.
+    /// less memory (BERT-large: ~1.4 GiB at phase 1's micro-batch of 64) for a slower training
+    /// pass. On by default (inference keeps neither); the memory plan of a training run turns it
+    /// off where the full form fits.
     pub lean_feed_forward: bool,
 }
 
@@ -594,7 +595,7 @@ impl Default for KernelOptions {
     fn default() -> Self {
         KernelOptions {
             one_pass_attention: true,
-            lean_feed_forward: false,
+            lean_feed_forward: true,
         }
     }
 }
