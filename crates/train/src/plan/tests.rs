@@ -108,13 +108,13 @@ fn sizes_and_known_parameter_counts() {
     assert!((large - 336.2).abs() < 1.0, "{large}");
 }
 
-/// The CUDA account against the peaks measured on an H200 (BENCHMARKS.md; BERT-large, bf16):
-/// phase 1's shape and phase 2's, whose activations differ by half. The final build of
-/// 2026-11-26 (the fused kernels, nothing else; nvidia-smi's peaks, runtime included) at the
-/// micro-batches of 64 and 8, and the kernels on by default since 2026-11-27 (the device
-/// pool's high-water mark, runtime not included) at those and at the recipes' 256 and 64.
+/// The CUDA account against the peaks measured on a GPU (BENCHMARKS.md, its first two CUDA
+/// runs; BERT-large, bf16): phase 1's shape and phase 2's, whose activations differ by half.
+/// The first build with the fused kernels alone (nvidia-smi's peaks, runtime included) at the
+/// micro-batches of 64 and 8, and the next with the kernels on by default (the device pool's
+/// high-water mark, runtime not included) at those and at the recipes' 256 and 64.
 #[test]
-fn the_cuda_account_matches_the_h200_peaks() {
+fn the_cuda_account_matches_the_measured_peaks() {
     let c = BertConfig::large();
     let mib = 1024f64.powi(2);
     let before = CudaKernels {
@@ -139,7 +139,7 @@ fn the_cuda_account_matches_the_h200_peaks() {
     };
     // (seq, predictions, micro-batch, micro-batches a step, kernels, pool only, measured).
     for (seq, predictions, micro_batch, accumulation, kernels, pool_only, measured_gib) in [
-        // The build of 2026-11-26 held each gradient's f32 copy beside the backward pass's
+        // The first fused build held each gradient's f32 copy beside the backward pass's
         // (4 bytes a parameter, as a step of several micro-batches holds the sums so far
         // now).
         (128, 20, 64, 2, before, false, 15_023.0 / 1024.0),

@@ -13,8 +13,8 @@ use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, DevicePtr, DevicePt
 use super::bias_act::{backward, vector_end};
 use super::*;
 
-/// The cuBLASLt handle of each device (with its workspace: 32 MiB on Hopper, 4 MiB before),
-/// made at the first product that takes it.
+/// The cuBLASLt handle of each device (with the workspace cudarc sizes for the device), made at
+/// the first product that takes it.
 static LT_HANDLES: Mutex<Vec<(DeviceId, Arc<CudaBlasLT>)>> = Mutex::new(Vec::new());
 
 pub(super) fn lt_handle(dev: &CudaDevice) -> Result<Arc<CudaBlasLT>> {
@@ -125,8 +125,8 @@ fn set_preference<V>(
     .map_err(lt_error)
 }
 
-/// The most workspace the products through [`lt_raw`] offer cuBLASLt's search: NVIDIA's
-/// recommendation for Hopper (32 MiB, cudarc's handle's own).
+/// The most workspace the products through [`lt_raw`] offer cuBLASLt's search: the largest
+/// cudarc's handle allocates (NVIDIA's recommendation for the newest cards).
 const LT_MAX_WORKSPACE: usize = 32 << 20;
 
 /// The column-major cuBLASLt product `cfg` lays out ([`lt_product`]: `D` `[m, n]` (ld m) =
