@@ -226,18 +226,24 @@ pub fn convert_from_tf(
                 .collect(),
         );
     }
-    let has = |prefix: &str| tensors.keys().any(|k| k.starts_with(prefix));
     let parameters = tensors.len();
     let values = tensors.values().map(|t| t.elem_count()).sum();
     let source = ckpt.prefix().to_path_buf();
-    let architecture = if has("qa_outputs.") {
-        write_model::<BertForQuestionAnswering>(tensors, &config, &google_names, &source, out)?
-    } else if has("classifier.") {
-        write_model::<BertForSequenceClassification>(tensors, &config, &google_names, &source, out)?
-    } else if has("cls.") {
-        write_model::<BertForPreTraining>(tensors, &config, &google_names, &source, out)?
-    } else {
-        write_model::<BertModel>(tensors, &config, &google_names, &source, out)?
+    let architecture = match Heads::of(&tensors) {
+        Heads::QuestionAnswering => {
+            write_model::<BertForQuestionAnswering>(tensors, &config, &google_names, &source, out)?
+        }
+        Heads::Classification => write_model::<BertForSequenceClassification>(
+            tensors,
+            &config,
+            &google_names,
+            &source,
+            out,
+        )?,
+        Heads::PreTraining => {
+            write_model::<BertForPreTraining>(tensors, &config, &google_names, &source, out)?
+        }
+        Heads::Encoder => write_model::<BertModel>(tensors, &config, &google_names, &source, out)?,
     };
     let vocab_copied = match vocab {
         Some(vocab) => {
@@ -285,13 +291,46 @@ fn refuse_another_model(out: &Path) -> Result<(), ModelError> {
     )))
 }
 
-/// Checks that `tensors` (by our names) build `M` as `config` describes it: every parameter's
-/// shape, none missing; an error naming `source` otherwise.
-fn check_tensors<M: BertArchitecture>(
+/// Which architecture a set of tensors (by our names) is, by the heads they hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Heads {
+    QuestionAnswering,
+    Classification,
+    PreTraining,
+    Encoder,
+}
+
+impl Heads {
+    fn of(tensors: &HashMap<String, Tensor>) -> Self {
+        let has = |prefix: &str| tensors.keys().any(|k| k.starts_with(prefix));
+        if has("qa_outputs.") {
+            Heads::QuestionAnswering
+        } else if has("classifier.") {
+            Heads::Classification
+        } else if has("cls.") {
+            Heads::PreTraining
+        } else {
+            Heads::Encoder
+        }
+    }
+}
+
+/// What building a model from a file's tensors found unlike the config.
+enum Mismatch {
+    /// A parameter of another shape than the config's (the builder's error).
+    Shape(ModelError),
+    /// Parameters the config needs and the tensors lack.
+    Missing(Vec<String>),
+    /// Tensors the config's model has no place for.
+    Unused(Vec<String>),
+}
+
+/// `tensors` (by our names, f32 on the CPU) built into `M` as `config` describes it: every
+/// parameter's shape, none missing, none left over; the callers name what is wrong.
+fn build_exactly<M: BertArchitecture>(
     tensors: HashMap<String, Tensor>,
     config: &BertConfig,
-    source: &Path,
-) -> Result<(), ModelError> {
+) -> Result<Loaded<M>, Mismatch> {
     let mut p = ParamBuilder::from_tensors(
         tensors,
         DType::F32,
@@ -300,23 +339,42 @@ fn check_tensors<M: BertArchitecture>(
         0,
     )
     .frozen();
-    M::build(config, &mut p).map_err(|e| {
-        ModelError::Weights(format!(
-            "{}: {e} (the folder's config.json disagrees with its tensors)",
-            source.display()
-        ))
-    })?;
+    let model = M::build(config, &mut p).map_err(Mismatch::Shape)?;
     let params = p.finish();
     if !params.initialised.is_empty() {
-        return Err(ModelError::Weights(format!(
+        return Err(Mismatch::Missing(params.initialised));
+    }
+    if !params.unused.is_empty() {
+        return Err(Mismatch::Unused(params.unused));
+    }
+    Ok(Loaded {
+        model,
+        params,
+        config: config.clone(),
+    })
+}
+
+/// Checks that `tensors` (by our names) build `M` as `config` describes it: every parameter's
+/// shape, none missing; an error naming `source` otherwise.
+fn check_tensors<M: BertArchitecture>(
+    tensors: HashMap<String, Tensor>,
+    config: &BertConfig,
+    source: &Path,
+) -> Result<(), ModelError> {
+    match build_exactly::<M>(tensors, config) {
+        Ok(_) | Err(Mismatch::Unused(_)) => Ok(()),
+        Err(Mismatch::Shape(e)) => Err(ModelError::Weights(format!(
+            "{}: {e} (the folder's config.json disagrees with its tensors)",
+            source.display()
+        ))),
+        Err(Mismatch::Missing(names)) => Err(ModelError::Weights(format!(
             "{}: a {} as config.json describes it needs {} tensor(s) the file lacks: {}",
             source.display(),
             M::ARCHITECTURE,
-            params.initialised.len(),
-            listed(&params.initialised)
-        )));
+            names.len(),
+            listed(&names)
+        ))),
     }
-    Ok(())
 }
 
 /// Builds `M` from `tensors` (refusing a missing or unused one, named as Google names it) and
@@ -328,27 +386,6 @@ fn write_model<M: BertArchitecture>(
     source: &Path,
     out: &Path,
 ) -> Result<&'static str, ModelError> {
-    let mut p = ParamBuilder::from_tensors(
-        tensors,
-        DType::F32,
-        &Device::Cpu,
-        config.initializer_range,
-        0,
-    )
-    .frozen();
-    let model = M::build(config, &mut p).map_err(|e| {
-        // A shape unlike the config names the model's parameter: say Google's name too.
-        let google = match &e {
-            ModelError::Weights(m) => m
-                .split_once(':')
-                .and_then(|(name, _)| google_names.get(name))
-                .map(|g| format!(" (Google's {g})"))
-                .unwrap_or_default(),
-            _ => String::new(),
-        };
-        ModelError::Weights(format!("{}: {e}{google}", source.display()))
-    })?;
-    let params = p.finish();
     let google = |names: &[String]| -> Vec<String> {
         names
             .iter()
@@ -361,30 +398,36 @@ fn write_model<M: BertArchitecture>(
             })
             .collect()
     };
-    for (names, what) in [
-        (
-            &params.initialised,
-            "needs {} variable(s) the checkpoint lacks",
-        ),
-        (&params.unused, "has no place for {} variable(s)"),
-    ] {
-        if !names.is_empty() {
+    let (names, what) = match build_exactly::<M>(tensors, config) {
+        Ok(loaded) => {
+            crate::bert::save(&loaded, out, DType::F32)?;
+            return Ok(M::ARCHITECTURE);
+        }
+        Err(Mismatch::Shape(e)) => {
+            // A shape unlike the config names the model's parameter: say Google's name too.
+            let google = match &e {
+                ModelError::Weights(m) => m
+                    .split_once(':')
+                    .and_then(|(name, _)| google_names.get(name))
+                    .map(|g| format!(" (Google's {g})"))
+                    .unwrap_or_default(),
+                _ => String::new(),
+            };
             return Err(ModelError::Weights(format!(
-                "{}: a {} {}: {}",
-                source.display(),
-                M::ARCHITECTURE,
-                what.replace("{}", &names.len().to_string()),
-                listed(&google(names))
+                "{}: {e}{google}",
+                source.display()
             )));
         }
-    }
-    let loaded = Loaded {
-        model,
-        params,
-        config: config.clone(),
+        Err(Mismatch::Missing(names)) => (names, "needs {} variable(s) the checkpoint lacks"),
+        Err(Mismatch::Unused(names)) => (names, "has no place for {} variable(s)"),
     };
-    crate::bert::save(&loaded, out, DType::F32)?;
-    Ok(M::ARCHITECTURE)
+    Err(ModelError::Weights(format!(
+        "{}: a {} {}: {}",
+        source.display(),
+        M::ARCHITECTURE,
+        what.replace("{}", &names.len().to_string()),
+        listed(&google(&names))
+    )))
 }
 
 /// What [`convert_to_tf`] made.
@@ -440,15 +483,16 @@ pub fn convert_to_tf(model: &Path, out: &Path) -> Result<ToTfSummary, ModelError
     }
     // The tensors are the model its config.json describes (shapes, and nothing missing: the
     // pooler, say), before anything is written: Google's reader would refuse it.
-    let has = |prefix: &str| canonical_tensors.keys().any(|k| k.starts_with(prefix));
-    if has("qa_outputs.") {
-        check_tensors::<BertForQuestionAnswering>(canonical_tensors, &config, &weights)?;
-    } else if has("classifier.") {
-        check_tensors::<BertForSequenceClassification>(canonical_tensors, &config, &weights)?;
-    } else if has("cls.") {
-        check_tensors::<BertForPreTraining>(canonical_tensors, &config, &weights)?;
-    } else {
-        check_tensors::<BertModel>(canonical_tensors, &config, &weights)?;
+    let (tensors, source) = (canonical_tensors, weights.as_path());
+    match Heads::of(&tensors) {
+        Heads::QuestionAnswering => {
+            check_tensors::<BertForQuestionAnswering>(tensors, &config, source)?
+        }
+        Heads::Classification => {
+            check_tensors::<BertForSequenceClassification>(tensors, &config, source)?
+        }
+        Heads::PreTraining => check_tensors::<BertForPreTraining>(tensors, &config, source)?,
+        Heads::Encoder => check_tensors::<BertModel>(tensors, &config, source)?,
     }
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     let prefix = out.join("bert_model.ckpt");
