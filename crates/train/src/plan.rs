@@ -576,25 +576,27 @@ impl FeedForward {
     /// The setting `value` names (`auto`, `lean`, `full`); an error naming `setting` and the
     /// accepted values otherwise.
     pub fn parse(setting: &str, value: &str) -> Result<Self, TrainError> {
-        match value {
-            "auto" => Ok(FeedForward::Auto),
-            "lean" => Ok(FeedForward::Lean),
-            "full" => Ok(FeedForward::Full),
-            other => Err(TrainError::Config(format!(
-                "{setting} = {other:?}: {} expected",
-                Self::VALUES
-            ))),
+        [FeedForward::Auto, FeedForward::Lean, FeedForward::Full]
+            .into_iter()
+            .find(|f| f.name() == value)
+            .ok_or_else(|| {
+                TrainError::Config(format!("{setting} = {value:?}: {} expected", Self::VALUES))
+            })
+    }
+
+    /// Its name, as a setting writes it (serde's too: lower case).
+    fn name(self) -> &'static str {
+        match self {
+            FeedForward::Auto => "auto",
+            FeedForward::Lean => "lean",
+            FeedForward::Full => "full",
         }
     }
 }
 
 impl std::fmt::Display for FeedForward {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            FeedForward::Auto => "auto",
-            FeedForward::Lean => "lean",
-            FeedForward::Full => "full",
-        })
+        f.write_str(self.name())
     }
 }
 
