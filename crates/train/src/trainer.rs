@@ -140,14 +140,19 @@ fn check_same_model(
 /// final model, or the metrics of a run without checkpoints), which the new run would
 /// overwrite piecemeal.
 fn refuse_an_earlier_run(output: &Path) -> Result<(), TrainError> {
-    let logged = std::fs::read_to_string(output.join("metrics.jsonl"))
-        .map(|text| text.lines().filter(|l| !l.trim().is_empty()).count())
-        .unwrap_or(0);
     let held = match (checkpoint::newest(output), checkpoint::model_folder(output)) {
         (Some((step, _)), _) => format!("checkpoints up to step {step}"),
         (None, Some(_)) => "a final model".to_string(),
-        (None, None) if logged > 0 => format!("metrics.jsonl of {logged} steps"),
-        (None, None) => return Ok(()),
+        (None, None) => {
+            // (Read only where nothing else says a run was here.)
+            let logged = std::fs::read_to_string(output.join("metrics.jsonl"))
+                .map(|text| text.lines().filter(|l| !l.trim().is_empty()).count())
+                .unwrap_or(0);
+            if logged == 0 {
+                return Ok(());
+            }
+            format!("metrics.jsonl of {logged} steps")
+        }
     };
     Err(TrainError::Config(format!(
         "{} holds an earlier run ({held}): --resume to continue it, or write to another \
