@@ -612,6 +612,32 @@ fn checkpoint_damaged_newest() {
             "differs from the one the checkpoint recorded",
         ],
     );
+    // Asked to stop rather than fall back, the run stops, naming the file.
+    let mut strict = args("3", true);
+    strict.push("--stop-if-damaged".into());
+    refused(
+        run_with(strict),
+        &weights,
+        &[
+            "stopped (--stop-if-damaged)",
+            "resumes from the newest checkpoint that verifies (step 1)",
+        ],
+    );
+    // Nor is the damaged checkpoint loaded as a model.
+    refused(
+        bertkit(&[
+            "finetune",
+            "glue",
+            "--task",
+            "mrpc",
+            "--model",
+            p(&run.join("checkpoints/step-2")),
+            "--data",
+            p(&bertkit_test_support::require("glue/MRPC")),
+        ]),
+        &weights,
+        &["differs from the one the checkpoint recorded"],
+    );
     let resumed = run_with(args("3", true));
     let stderr = text(&resumed.stderr);
     let out = ok(resumed);

@@ -82,7 +82,7 @@ fn finetune_glue_then_predict_glue_with_the_saved_model() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("mrpc");
     let (minilm, mrpc) = (require("minilm"), require("glue/MRPC"));
-    let finetune = |resume: bool| {
+    let finetune = |flag: Option<&'static str>| {
         let mut args = vec![
             "finetune",
             "glue",
@@ -99,12 +99,10 @@ fn finetune_glue_then_predict_glue_with_the_saved_model() {
             "--max-seq-length",
             "64",
         ];
-        if resume {
-            args.push("--resume");
-        }
+        args.extend(flag);
         bertkit(&args)
     };
-    let stdout = ok(finetune(false));
+    let stdout = ok(finetune(None));
     assert!(stdout.contains("accuracy"), "{stdout}");
     assert!(stdout.contains("MRPC: 2 steps (train loss "), "{stdout}");
     for file in ["config.json", "model.safetensors", "vocab.txt"] {
@@ -112,7 +110,7 @@ fn finetune_glue_then_predict_glue_with_the_saved_model() {
     }
     // Resumed once finished: nothing to train, said so (not `train loss NaN -> NaN`), and
     // the dev set scored again.
-    let again = finetune(true);
+    let again = finetune(Some("--resume"));
     let stderr = String::from_utf8_lossy(&again.stderr).into_owned();
     let stdout = ok(again);
     assert!(
@@ -125,6 +123,35 @@ fn finetune_glue_then_predict_glue_with_the_saved_model() {
         stderr.contains("nothing left to train: the checkpoint is at step 2"),
         "{stderr}"
     );
+    // Without --resume the finished run is refused, before any work; with --overwrite it is
+    // moved aside whole and a new one made.
+    let refused = finetune(None);
+    assert!(
+        !refused.status.success()
+            && text(&refused.stderr).contains(&format!(
+                "{} holds an earlier run (checkpoints up to step 2): --resume to continue it, \
+                 --overwrite to move it aside",
+                model.display()
+            )),
+        "{}",
+        text(&refused.stderr)
+    );
+    let stderr = text(&finetune(Some("--overwrite")).stderr);
+    let aside = dir.path().join("mrpc.earlier-1");
+    assert!(
+        stderr.contains(&format!("to {}", aside.display())),
+        "{stderr}"
+    );
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "checkpoints/step-2/state.json",
+    ] {
+        assert!(
+            aside.join(file).is_file() && model.join(file).is_file(),
+            "{file}"
+        );
+    }
     let rows = dir.path().join("dev.tsv");
     let stdout = ok(bertkit(&[
         "predict",

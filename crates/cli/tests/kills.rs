@@ -127,7 +127,7 @@ pub(crate) fn kill_until_done(
     panic!("100 runs did not finish: {kills:?}");
 }
 
-fn bertkit_command(args: &[String]) -> Command {
+pub(crate) fn bertkit_command(args: &[String]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_bertkit"));
     command.args(args);
     command
@@ -154,7 +154,7 @@ fn final_weights(run: &Path) -> Vec<u8> {
 }
 
 /// A tiny pre-training config (pipelines/tiny.toml's model) checkpointing every step.
-fn tiny_config(dir: &Path) -> PathBuf {
+pub(crate) fn tiny_config(dir: &Path) -> PathBuf {
     let text = std::fs::read_to_string(repo_root().join("pipelines/tiny.toml"))
         .unwrap()
         .replace("checkpoint_every = 100", "checkpoint_every = 1")

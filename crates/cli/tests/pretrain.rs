@@ -103,11 +103,38 @@ fn pretrain_writes_metrics_and_checkpoints_and_resumes() {
         std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(),
         metrics
     );
+    // Asked to overwrite, the new run starts afresh and the old one is kept whole beside it.
+    let mut overwrite = args("1", false);
+    overwrite.push("--overwrite");
+    let out = bertkit(&overwrite);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let aside = dir.path().join("run.earlier-1");
+    assert!(
+        out.status.success()
+            && stderr.contains(&format!(
+                "moved the earlier run in {} (checkpoints up to step 5) to {}",
+                run.display(),
+                aside.display()
+            )),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(aside.join("metrics.jsonl")).unwrap(),
+        metrics
+    );
+    assert!(aside.join("checkpoints/step-5/model.safetensors").is_file());
+    assert_eq!(
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        1
+    );
     let svg = dir.path().join("loss.svg");
     assert!(
         ok(bertkit(&[
             "plot",
-            p(&run.join("metrics.jsonl")),
+            p(&aside.join("metrics.jsonl")),
             "-o",
             p(&svg)
         ]))

@@ -6,6 +6,7 @@ mod bad_input_model;
 mod chain;
 mod cli;
 mod commands;
+mod damaged_checkpoints;
 mod disk_full;
 #[cfg(feature = "mpi")]
 mod distributed;

@@ -20,7 +20,7 @@ use crate::TaskError;
 /// The model folder `path` stands for (itself, or a run folder's final model or newest
 /// checkpoint), or an error saying what `path` is not.
 pub fn resolve(path: &Path) -> Result<PathBuf, TaskError> {
-    model_folder(path).ok_or_else(|| {
+    let dir = model_folder(path).ok_or_else(|| {
         let missing = ["config.json", "model.safetensors"]
             .into_iter()
             .map(|f| path.join(f))
@@ -32,7 +32,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TaskError> {
                       folder, its final model or checkpoints/step-N)"
                 .into(),
         }
-    })
+    })?;
+    // A checkpoint records its files' digests: a damaged one is named, not loaded.
+    bertkit_train::checkpoint::verify_model(&dir)?;
+    Ok(dir)
 }
 
 /// Whether the model `path` stands for is tokenized uncased: as its `tokenizer_config.json`

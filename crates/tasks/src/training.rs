@@ -29,6 +29,7 @@ use bertkit_tokenizer::folder::TokenizerFiles;
 use bertkit_train::checkpoint;
 use bertkit_train::logs::RunLog;
 use bertkit_train::optim::{Optimizer, OptimizerConfig, Rule};
+use bertkit_train::run_folder::EarlierRun;
 use bertkit_train::scaler::LossScaler;
 use bertkit_train::schedule::{Decay, Schedule};
 use bertkit_train::step::{GradientReducer, Step};
@@ -230,23 +231,25 @@ pub struct Checkpoints {
     pub config_json: String,
     /// The tokenizer the model is fine-tuned with, saved beside its weights too.
     pub tokenizer: TokenizerFiles,
-    /// Continue from the run folder's newest checkpoint (none: start at step 0). Without it a
-    /// folder holding checkpoints is refused rather than mixed with a new run's.
-    pub resume: bool,
+    /// What to do with an earlier run in the run folder: resume from its newest checkpoint
+    /// (none: start at step 0), refuse it, or move it aside (done by the caller, under the
+    /// folder's lock: [`bertkit_train::run_folder::prepare`]). A folder holding checkpoints is never mixed with
+    /// a new run's.
+    pub earlier: EarlierRun,
 }
 
 /// Checkpointing for a run fine-tuning `model`.
 pub fn checkpoints_of<M: BertArchitecture>(
     model: &Loaded<M>,
     tokenizer: TokenizerFiles,
-    resume: bool,
+    earlier: EarlierRun,
 ) -> Checkpoints {
     Checkpoints {
         config_json: model
             .config
             .to_hf_json(M::ARCHITECTURE, &[("torch_dtype", "float32".into())]),
         tokenizer,
-        resume,
+        earlier,
     }
 }
 
@@ -387,13 +390,15 @@ pub fn train(
     };
     let mut started_at = 0;
     if let Some((dir, c)) = &checkpoints {
-        let newest = if c.resume {
-            checkpoint::resume_point(dir, &mut |w| progress(&format!("warning: {w}")))?
+        let newest = if let EarlierRun::Resume { stop_if_damaged } = c.earlier {
+            checkpoint::resume_point(dir, stop_if_damaged, &mut |w| {
+                progress(&format!("warning: {w}"))
+            })?
         } else {
             checkpoint::newest(dir)
         };
         match newest {
-            Some((step, found)) if c.resume => {
+            Some((step, found)) if c.earlier.resumes() => {
                 let device = params
                     .vars()
                     .values()
@@ -415,13 +420,15 @@ pub fn train(
             }
             Some((_, found)) => {
                 return Err(TaskError::Settings(format!(
-                    "{} holds a checkpoint of an earlier run ({}): --resume to continue it, or \
-                     write to another folder",
+                    "{} holds a checkpoint of an earlier run ({}): --resume to continue it, \
+                     --overwrite to move it aside, or write to another folder",
                     dir.display(),
                     found.display()
                 )));
             }
-            None if c.resume => progress("no checkpoint to resume from: starting at step 0"),
+            None if c.earlier.resumes() => {
+                progress("no checkpoint to resume from: starting at step 0")
+            }
             None => {}
         }
     }

@@ -99,7 +99,7 @@ fn minilm_fine_tunes_on_mrpc_briefly() {
         max_seq_length: 64,
         lower_case: true,
         dtype: candle_core::DType::F32,
-        resume: false,
+        earlier: bertkit_train::run_folder::EarlierRun::Refuse,
         reducer: std::rc::Rc::new(bertkit_train::step::Local),
         device: candle_core::Device::Cpu,
     };

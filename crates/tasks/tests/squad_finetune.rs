@@ -63,7 +63,7 @@ fn fine_tuning_moves_every_parameter_and_predictions_cover_every_question() {
         },
         predict: predict_options(),
         dtype: DType::F32,
-        resume: false,
+        earlier: bertkit_train::run_folder::EarlierRun::Refuse,
         reducer: std::rc::Rc::new(bertkit_train::step::Local),
     };
     let mut lines = Vec::new();

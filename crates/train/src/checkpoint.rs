@@ -53,7 +53,8 @@ pub fn model_folder(path: &Path) -> Option<PathBuf> {
     newest(path).map(|(_, dir)| dir)
 }
 
-/// The whole checkpoints of a run folder, oldest first: (step, folder).
+/// The checkpoints of a run folder, oldest first: (step, folder). Each was whole when it
+/// appeared (written under a hidden name, then renamed); whether it still is, [`verify`] says.
 pub fn list(run: &Path) -> Vec<(u64, PathBuf)> {
     let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(run.join("checkpoints"))
         .into_iter()
@@ -66,17 +67,14 @@ pub fn list(run: &Path) -> Vec<(u64, PathBuf)> {
                 .strip_prefix("step-")?
                 .parse::<u64>()
                 .ok()?;
-            e.path()
-                .join("state.json")
-                .is_file()
-                .then(|| (step, e.path()))
+            e.file_type().ok()?.is_dir().then(|| (step, e.path()))
         })
         .collect();
     found.sort();
     found
 }
 
-/// The newest whole checkpoint of a run folder.
+/// The newest checkpoint of a run folder.
 pub fn newest(run: &Path) -> Option<(u64, PathBuf)> {
     list(run).pop()
 }
@@ -194,6 +192,29 @@ pub enum Verified {
 /// file that is missing or whose SHA-256 differs from the one recorded (a damaged
 /// checkpoint), or an unreadable record.
 pub fn verify(dir: &Path) -> Result<Verified, TrainError> {
+    let verified = verify_files(dir, &|_| true)?;
+    // Nothing recorded to check against: the file every checkpoint has must still be there.
+    let state = dir.join("state.json");
+    if verified == Verified::Unrecorded && !state.is_file() {
+        return Err(TrainError::Checkpoint(format!(
+            "{}: missing: not a whole checkpoint",
+            state.display()
+        )));
+    }
+    Ok(verified)
+}
+
+/// [`verify`] of the files a model is loaded from alone (not the optimiser's state nor the
+/// loop's): what `--model` of a checkpoint reads. A model folder that records no digests (not
+/// a checkpoint) passes as [`Verified::Unrecorded`].
+pub fn verify_model(dir: &Path) -> Result<Verified, TrainError> {
+    verify_files(dir, &|name| {
+        name != "optimizer.safetensors" && name != "state.json"
+    })
+}
+
+/// [`verify`] of the recorded files whose names pass `wanted`.
+fn verify_files(dir: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<Verified, TrainError> {
     let record_path = dir.join(CHECKSUMS);
     let text = match std::fs::read_to_string(&record_path) {
         Ok(text) => text,
@@ -202,7 +223,7 @@ pub fn verify(dir: &Path) -> Result<Verified, TrainError> {
     };
     let recorded: BTreeMap<String, String> = serde_json::from_str(&text)
         .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", record_path.display())))?;
-    for (name, want) in &recorded {
+    for (name, want) in recorded.iter().filter(|(name, _)| wanted(name)) {
         let path = dir.join(name);
         let got = bertkit_stage_io::sha256_of_file(&path).map_err(|e| {
             TrainError::Checkpoint(format!(
@@ -237,9 +258,10 @@ pub fn newest_verified(run: &Path) -> (Option<(u64, PathBuf)>, Vec<String>) {
 /// The checkpoint a resume of the run folder `run` goes on from: the newest that verifies
 /// ([`newest_verified`]), each newer one passed over said through `warn`; `None` where the
 /// run has none; an error where it has some and none verifies (a run from scratch would
-/// write over them).
+/// write over them), or, with `stop_if_damaged`, where the newest does not verify.
 pub fn resume_point(
     run: &Path,
+    stop_if_damaged: bool,
     warn: &mut dyn FnMut(&str),
 ) -> Result<Option<(u64, PathBuf)>, TrainError> {
     let (found, passed_over) = newest_verified(run);
@@ -250,13 +272,20 @@ pub fn resume_point(
             passed_over.join("; ")
         )));
     }
+    let from = found
+        .as_ref()
+        .map(|(step, _)| format!(" (step {step})"))
+        .unwrap_or_default();
+    if stop_if_damaged && !passed_over.is_empty() {
+        return Err(TrainError::Checkpoint(format!(
+            "{}; stopped (--stop-if-damaged): without it the run resumes from the newest \
+             checkpoint that verifies{from}",
+            passed_over.join("; ")
+        )));
+    }
     for damaged in &passed_over {
         warn(&format!(
-            "{damaged}; resuming from the newest checkpoint that verifies{}",
-            found
-                .as_ref()
-                .map(|(step, _)| format!(" (step {step})"))
-                .unwrap_or_default()
+            "{damaged}; resuming from the newest checkpoint that verifies{from}"
         ));
     }
     Ok(found)
@@ -453,6 +482,28 @@ mod tests {
             )
             .unwrap()
         };
+        // The optimiser's state damaged: the checkpoint fails, its model still loads; without
+        // its record, a checkpoint lacking state.json is not whole.
+        let moments = third.join("optimizer.safetensors");
+        let kept = std::fs::read(&moments).unwrap();
+        std::fs::write(&moments, &kept[..kept.len() / 2]).unwrap();
+        assert!(verify(&third).is_err());
+        assert_eq!(verify_model(&third).unwrap(), Verified::Whole(4));
+        std::fs::write(&moments, &kept).unwrap();
+        let record = std::fs::read(third.join(CHECKSUMS)).unwrap();
+        let state = std::fs::read(third.join("state.json")).unwrap();
+        std::fs::remove_file(third.join(CHECKSUMS)).unwrap();
+        std::fs::remove_file(third.join("state.json")).unwrap();
+        assert!(
+            verify(&third)
+                .unwrap_err()
+                .to_string()
+                .contains("state.json: missing: not a whole checkpoint")
+        );
+        assert_eq!(verify_model(&third).unwrap(), Verified::Unrecorded);
+        assert_eq!(newest(&run), Some((3, third.clone())));
+        std::fs::write(third.join(CHECKSUMS), record).unwrap();
+        std::fs::write(third.join("state.json"), state).unwrap();
         let model = third.join("model.safetensors");
         let bytes = std::fs::read(&model).unwrap();
         for (damage, says) in [
@@ -476,11 +527,21 @@ mod tests {
                 "{damage}: {err}"
             );
             let mut warned = Vec::new();
-            let found = resume_point(&run, &mut |w| warned.push(w.to_string())).unwrap();
+            let found = resume_point(&run, false, &mut |w| warned.push(w.to_string())).unwrap();
             assert_eq!(found, Some((2, second.clone())), "{damage}");
             assert!(
                 warned.len() == 1 && warned[0].contains("(step 2)"),
                 "{warned:?}"
+            );
+            // Asked to stop instead: an error naming the damage and what a resume would do.
+            let err = resume_point(&run, true, &mut |_| {})
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("model.safetensors")
+                    && err.contains("stopped (--stop-if-damaged)")
+                    && err.contains("verifies (step 2)"),
+                "{err}"
             );
         }
         // The resumed run's next checkpoint (step 3 again, of the new timeline) replaces the
@@ -504,7 +565,9 @@ mod tests {
         for (_, dir) in list(&run) {
             std::fs::write(dir.join("config.json"), "{\"other\": 1}").unwrap();
         }
-        let err = resume_point(&run, &mut |_| {}).unwrap_err().to_string();
+        let err = resume_point(&run, false, &mut |_| {})
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("no checkpoint of") && err.contains("verifies"),
             "{err}"

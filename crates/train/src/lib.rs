@@ -41,6 +41,7 @@ pub mod logs;
 pub mod optim;
 pub mod plan;
 pub mod plot;
+pub mod run_folder;
 pub mod scaler;
 pub mod schedule;
 pub mod step;

@@ -41,6 +41,7 @@ use crate::config::PretrainConfig;
 use crate::data::{Batch, Cursor, DataOptions, Dataset};
 use crate::logs::RunLog;
 use crate::optim::Optimizer;
+use crate::run_folder::{self, EarlierRun};
 use crate::scaler::LossScaler;
 use crate::step::{GradientReducer, Local, Step};
 
@@ -69,8 +70,9 @@ pub struct RunState {
 pub struct RunOptions {
     /// Stop after this many optimiser steps (the schedule still spans `total_steps`).
     pub max_steps: Option<u64>,
-    /// Continue from the newest checkpoint.
-    pub resume: bool,
+    /// What to do with an earlier run in the run folder: refuse it, resume it, or move it
+    /// aside.
+    pub earlier: EarlierRun,
     /// The data-parallel world ([`crate::distributed::join`]); [`Local`] for one process.
     pub reducer: Rc<dyn GradientReducer>,
     /// On the CPU without `peak_tflops` in the config: measure the device's matrix-product
@@ -90,7 +92,7 @@ impl Default for RunOptions {
     fn default() -> Self {
         RunOptions {
             max_steps: None,
-            resume: false,
+            earlier: EarlierRun::Refuse,
             reducer: Rc::new(Local),
             measure_peak: false,
             steps_only: false,
@@ -133,31 +135,6 @@ fn check_same_model(
          config the run was started with, or start a new run folder",
         dir.join("config.json").display(),
         differences.join(", ")
-    )))
-}
-
-/// Refuses to start a new run in a folder that holds an earlier one (its checkpoints, its
-/// final model, or the metrics of a run without checkpoints), which the new run would
-/// overwrite piecemeal.
-fn refuse_an_earlier_run(output: &Path) -> Result<(), TrainError> {
-    let held = match (checkpoint::newest(output), checkpoint::model_folder(output)) {
-        (Some((step, _)), _) => format!("checkpoints up to step {step}"),
-        (None, Some(_)) => "a final model".to_string(),
-        (None, None) => {
-            // (Read only where nothing else says a run was here.)
-            let logged = std::fs::read_to_string(output.join("metrics.jsonl"))
-                .map(|text| text.lines().filter(|l| !l.trim().is_empty()).count())
-                .unwrap_or(0);
-            if logged == 0 {
-                return Ok(());
-            }
-            format!("metrics.jsonl of {logged} steps")
-        }
-    };
-    Err(TrainError::Config(format!(
-        "{} holds an earlier run ({held}): --resume to continue it, or write to another \
-         folder (--output)",
-        output.display()
     )))
 }
 
@@ -461,9 +438,7 @@ impl Trainer {
         // from, or clean up, what the first is writing.
         let lock = if ranks.rank == 0 && !options.steps_only {
             let lock = checkpoint::hold(&config.output)?;
-            if !options.resume {
-                refuse_an_earlier_run(&config.output)?;
-            }
+            run_folder::prepare(&config.output, options.earlier, &mut |s| eprintln!("{s}"))?;
             Some(lock)
         } else {
             None
@@ -476,8 +451,10 @@ impl Trainer {
         startup.lap("device", &mut since);
         let dtype = bertkit_model::parse_dtype(&config.train.precision)?;
         let bert_config = config.bert_config()?;
-        let resume_from = if options.resume {
-            checkpoint::resume_point(&config.output, &mut |w| eprintln!("warning: {w}"))?
+        let resume_from = if let EarlierRun::Resume { stop_if_damaged } = options.earlier {
+            checkpoint::resume_point(&config.output, stop_if_damaged, &mut |w| {
+                eprintln!("warning: {w}")
+            })?
         } else {
             None
         };
@@ -941,25 +918,6 @@ impl Trainer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A folder holding a run's metrics, even without its checkpoints (a run with
-    /// `--no-checkpoints`), is refused to a new run; an empty one, or an empty metrics file,
-    /// is not.
-    #[test]
-    fn a_folder_with_an_earlier_runs_metrics_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let run = dir.path();
-        refuse_an_earlier_run(run).unwrap();
-        std::fs::write(run.join("metrics.jsonl"), "").unwrap();
-        refuse_an_earlier_run(run).unwrap();
-        std::fs::write(run.join("metrics.jsonl"), "{\"step\": 1}\n{\"step\": 2}\n").unwrap();
-        let err = refuse_an_earlier_run(run).unwrap_err().to_string();
-        assert!(
-            err.contains("holds an earlier run (metrics.jsonl of 2 steps)")
-                && err.contains("--resume"),
-            "{err}"
-        );
-    }
 
     /// The formula against the model's products listed one by one (forward, `2·m·k·n` each;
     /// training three times that). (Tried: without the sequence length in attention's term,

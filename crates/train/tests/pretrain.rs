@@ -426,7 +426,9 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     let second = run_to_end(
         resumed.clone(),
         RunOptions {
-            resume: true,
+            earlier: bertkit_train::run_folder::EarlierRun::Resume {
+                stop_if_damaged: false,
+            },
             ..Default::default()
         },
     );
@@ -539,7 +541,9 @@ fn an_fp16_run_with_dynamic_masking_resumes_exactly_across_an_epoch() {
     let after_edit = run_to_end(
         edited_config,
         RunOptions {
-            resume: true,
+            earlier: bertkit_train::run_folder::EarlierRun::Resume {
+                stop_if_damaged: false,
+            },
             max_steps: Some(5),
             ..Default::default()
         },
@@ -549,7 +553,9 @@ fn an_fp16_run_with_dynamic_masking_resumes_exactly_across_an_epoch() {
     let second = run_to_end(
         resumed.clone(),
         RunOptions {
-            resume: true,
+            earlier: bertkit_train::run_folder::EarlierRun::Resume {
+                stop_if_damaged: false,
+            },
             ..Default::default()
         },
     );

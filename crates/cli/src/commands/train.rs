@@ -73,12 +73,16 @@ pub(crate) fn pretrain(args: PretrainArgs) -> Result<()> {
     if let Some(global) = args.global_batch {
         config.train.global_batch = global;
     }
-    let (max_steps, resume, no_checkpoints) = (args.max_steps, args.resume, args.no_checkpoints);
+    let (max_steps, earlier, no_checkpoints) = (
+        args.max_steps,
+        args.run_folder.earlier(),
+        args.no_checkpoints,
+    );
     let device = config.train.device.clone();
     super::as_rank(args.ranks.ranks()?, &device, |reducer| {
         let options = bertkit_train::trainer::RunOptions {
             max_steps,
-            resume,
+            earlier,
             reducer,
             measure_peak: true,
             steps_only: false,
@@ -94,7 +98,7 @@ fn run_pretraining(
     max_steps: Option<u64>,
 ) -> Result<()> {
     let ranks = options.reducer.ranks();
-    let resume = options.resume;
+    let resume = options.earlier.resumes();
     let mut trainer = bertkit_train::trainer::Trainer::new(config.clone(), options)?;
     let last = max_steps
         .unwrap_or(config.schedule.total_steps)

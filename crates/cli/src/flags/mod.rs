@@ -104,6 +104,34 @@ pub(crate) struct ProductArgs {
 
 /// This process's share in a multi-process run. Without the flags, the launcher's variables
 /// are read: RANK/WORLD_SIZE, SLURM_PROCID/SLURM_NTASKS or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE.
+/// What a training run does with an earlier run in its output folder.
+#[derive(Args)]
+pub(crate) struct RunFolderArgs {
+    /// Continue the run in the output folder from its newest checkpoint that verifies (a
+    /// damaged newer one is reported and passed over). Without it (or --overwrite), a folder
+    /// holding an earlier run (checkpoints, a final model, metrics) is refused.
+    #[arg(long)]
+    pub(crate) resume: bool,
+    /// With --resume: stop where the newest checkpoint is damaged, rather than resume from an
+    /// older one that verifies.
+    #[arg(long, requires = "resume")]
+    pub(crate) stop_if_damaged: bool,
+    /// Move an earlier run in the output folder aside, into a new sibling folder
+    /// OUTPUT.earlier-N (nothing deleted), and start afresh.
+    #[arg(long, conflicts_with = "resume")]
+    pub(crate) overwrite: bool,
+}
+
+impl RunFolderArgs {
+    pub(crate) fn earlier(&self) -> bertkit_train::run_folder::EarlierRun {
+        bertkit_train::run_folder::EarlierRun::from_flags(
+            self.resume,
+            self.overwrite,
+            self.stop_if_damaged,
+        )
+    }
+}
+
 #[derive(Args)]
 pub(crate) struct RankArgs {
     /// This process's rank, below --world-size.

@@ -73,10 +73,10 @@ pub(crate) struct TrainFlags {
     /// fits), lean (less memory, its GELU recomputed) or full.
     #[arg(long, default_value = "auto", value_parser = feed_forward)]
     pub(crate) feed_forward: FeedForward,
-    /// Continue from the newest checkpoint in the output folder (same data and settings): the
-    /// run ends as if it had not stopped. Without it, a folder holding checkpoints is refused.
-    #[arg(long)]
-    pub(crate) resume: bool,
+    // --resume: from the newest checkpoint in the output folder (same data and settings), the
+    // run ends as if it had not stopped.
+    #[command(flatten)]
+    pub(crate) run_folder: super::RunFolderArgs,
     /// Cased vocabulary.
     #[arg(long)]
     pub(crate) cased: bool,

@@ -32,9 +32,8 @@ pub(crate) struct PretrainArgs {
     /// Stop after this many optimiser steps (the schedule still spans the config's).
     #[arg(long)]
     pub(crate) max_steps: Option<u64>,
-    /// Continue from the newest checkpoint of the run folder.
-    #[arg(long)]
-    pub(crate) resume: bool,
+    #[command(flatten)]
+    pub(crate) run_folder: super::RunFolderArgs,
     /// Write no checkpoint, not even the last (a benchmark or smoke test that will not be
     /// resumed: BERT-large's checkpoint is 4 GB); metrics and logs as usual.
     #[arg(long, conflicts_with = "resume")]

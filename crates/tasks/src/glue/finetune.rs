@@ -113,8 +113,9 @@ pub struct FinetuneOptions {
     pub output: Option<PathBuf>,
     /// The training loop's settings (the seed also initialises the head).
     pub settings: TrainSettings,
-    /// Continue from the newest checkpoint in `output`.
-    pub resume: bool,
+    /// What to do with an earlier run in `output`: refuse it, resume it from its newest
+    /// checkpoint, or move it aside.
+    pub earlier: bertkit_train::run_folder::EarlierRun,
     /// Longest encoded sequence.
     pub max_seq_length: usize,
     /// Uncased vocabulary.
@@ -238,7 +239,11 @@ pub fn finetune(
     let task = options.task;
     // One writer per run folder, for the whole run (rank 0 writes it).
     let _lock = match &options.output {
-        Some(dir) if options.reducer.ranks().rank == 0 => Some(checkpoint::hold(dir)?),
+        Some(dir) if options.reducer.ranks().rank == 0 => {
+            let lock = checkpoint::hold(dir)?;
+            bertkit_train::run_folder::prepare(dir, options.earlier, progress)?;
+            Some(lock)
+        }
         _ => None,
     };
     let model_dir = resolve(&options.model)?;
@@ -312,7 +317,7 @@ pub fn finetune(
             checkpoints: options
                 .output
                 .is_some()
-                .then(|| checkpoints_of(&model, saved_tokenizer.clone(), options.resume)),
+                .then(|| checkpoints_of(&model, saved_tokenizer.clone(), options.earlier)),
         },
         progress,
     )?;

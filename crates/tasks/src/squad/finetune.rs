@@ -302,8 +302,9 @@ pub struct SquadFinetuneOptions {
     pub output: PathBuf,
     /// The training loop.
     pub settings: TrainSettings,
-    /// Continue from the newest checkpoint in `output`.
-    pub resume: bool,
+    /// What to do with an earlier run in `output`: refuse it, resume it from its newest
+    /// checkpoint, or move it aside.
+    pub earlier: bertkit_train::run_folder::EarlierRun,
     /// Windows, post-processing, prediction batch, device.
     pub predict: PredictOptions,
     /// Weights dtype (f32; bf16 or f16 on CUDA with f32 master weights).
@@ -332,9 +333,14 @@ pub fn finetune(
     progress: &mut dyn FnMut(&str),
 ) -> Result<SquadFinetuneReport, TaskError> {
     // One writer per run folder, for the whole run (rank 0 writes it).
-    let _lock = (options.reducer.ranks().rank == 0)
-        .then(|| checkpoint::hold(&options.output))
-        .transpose()?;
+    let _lock = match options.reducer.ranks().rank {
+        0 => {
+            let lock = checkpoint::hold(&options.output)?;
+            bertkit_train::run_folder::prepare(&options.output, options.earlier, progress)?;
+            Some(lock)
+        }
+        _ => None,
+    };
     let lower_case = options.predict.postprocess.lower_case;
     let model_dir = resolve(&options.model)?;
     let tokenizer = load_tokenizer(&model_dir, lower_case)?;
@@ -393,7 +399,7 @@ pub fn finetune(
             checkpoints: Some(checkpoints_of(
                 &model,
                 saved_tokenizer.clone(),
-                options.resume,
+                options.earlier,
             )),
         },
         progress,
