@@ -76,6 +76,14 @@ pub const TARGETS: &[Target] = &[
         name: "tf_checkpoint",
         run: tf_checkpoint,
     },
+    Target {
+        name: "metrics_plot",
+        run: metrics_plot,
+    },
+    Target {
+        name: "model_json",
+        run: model_json,
+    },
 ];
 
 /// The target called `name`.
@@ -390,6 +398,39 @@ pub fn tf_checkpoint(data: &[u8]) {
         for entry in checkpoint.entries() {
             let _ = checkpoint.read_bytes(entry);
             let _ = checkpoint.read_f32(entry);
+        }
+    }
+}
+
+/// A run's `metrics.jsonl` through `bertkit plot`: every line parsed, the curves, their ranges
+/// and ticks, the SVG written.
+pub fn metrics_plot(data: &[u8]) {
+    let metrics = scratch_file("metrics.jsonl", data);
+    let svg = metrics.with_file_name("metrics.svg");
+    let _ = bertkit_train::plot::plot_file(&metrics, &svg);
+}
+
+/// The JSON files of a model folder and a checkpoint, by the first byte: a `config.json`
+/// (read, checked, written back in transformers' form), a `tokenizer_config.json` (its
+/// casing), or a checkpoint's `checksums.json` (the checkpoint verified against it: every
+/// file it names read and hashed).
+pub fn model_json(data: &[u8]) {
+    let (selector, json) = split_selector(data);
+    match selector % 3 {
+        0 => {
+            let path = scratch_file("config.json", json);
+            if let Ok(config) = bertkit_model::BertConfig::load(&path) {
+                let _ = config.num_labels();
+                let _ = config.to_hf_json("BertModel", &[]);
+            }
+        }
+        1 => {
+            let path = scratch_file("tokenizer_config.json", json);
+            let _ = bertkit_tokenizer::folder::lower_case_of(path.parent().expect("a folder"));
+        }
+        _ => {
+            let path = scratch_file("checksums.json", json);
+            let _ = bertkit_train::checkpoint::verify(path.parent().expect("a folder"));
         }
     }
 }

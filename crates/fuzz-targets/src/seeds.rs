@@ -29,6 +29,8 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
         "configs_toml" => configs_toml(),
         "download_text" => download_text(),
         "tf_checkpoint" => tf_checkpoint(),
+        "metrics_plot" => metrics_plot(),
+        "model_json" => model_json(),
         _ => Vec::new(),
     }
 }
@@ -510,4 +512,53 @@ fn tf_checkpoint() -> Vec<Vec<u8>> {
         seeds.push(seed);
     }
     seeds
+}
+
+/// `metrics.jsonl` as pre-training writes it (held-out rows every other step, a learning rate
+/// warming up) and as fine-tuning does, a flat curve, and a line cut short.
+fn metrics_plot() -> Vec<Vec<u8>> {
+    let pretraining: String = (1..=6)
+        .map(|step| {
+            let mut row = serde_json::json!({
+                "step": step, "loss": 11.0 - step as f64 * 0.4, "mlm_loss": 10.3,
+                "nsp_loss": 0.69, "mlm_accuracy": 0.01 * step as f64, "nsp_accuracy": 0.5,
+                "lr": 1e-4 * step as f64, "grad_norm": 1.5, "seq_per_s": 80.0,
+            });
+            if step % 2 == 0 {
+                row["eval_loss"] = serde_json::json!(10.9);
+                row["eval_mlm_accuracy"] = serde_json::json!(0.02);
+            }
+            format!("{row}\n")
+        })
+        .collect();
+    let finetuning: String = (1..=4)
+        .map(|step| {
+            format!(
+                "{{\"step\":{step},\"loss\":{},\"lr\":2e-5}}\n",
+                0.7 / step as f64
+            )
+        })
+        .collect();
+    let flat = "{\"step\":1,\"loss\":0}\n{\"step\":2,\"loss\":1e-323}\n".to_string();
+    let cut = pretraining[..pretraining.len() / 2].to_string();
+    [pretraining, finetuning, flat, cut]
+        .map(String::into_bytes)
+        .to_vec()
+}
+
+/// MiniLM's `config.json` and `tokenizer_config.json` from the shared folder, and a
+/// checkpoint's `checksums.json` (digests of files beside it, one absent), each behind its
+/// selector.
+fn model_json() -> Vec<Vec<u8>> {
+    use sha2::Digest;
+    let record = serde_json::json!({
+        "config.json": hex(&sha2::Sha256::digest(b"{}")),
+        "state.json": hex(&sha2::Sha256::digest(b"{\"step\": 1}")),
+    });
+    vec![
+        with_selector(0, &shared("minilm/config.json")),
+        with_selector(1, &shared("minilm/tokenizer_config.json")),
+        with_selector(2, record.to_string().as_bytes()),
+        with_selector(2, b"{}"),
+    ]
 }

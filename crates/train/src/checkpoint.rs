@@ -223,6 +223,17 @@ fn verify_files(dir: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<Verified, T
     };
     let recorded: BTreeMap<String, String> = serde_json::from_str(&text)
         .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", record_path.display())))?;
+    // The record names files of this folder alone: a name that reaches elsewhere (`..`, `/`,
+    // an absolute path such as /dev/zero, which would be read forever) is damage too.
+    if let Some(name) = recorded
+        .keys()
+        .find(|n| n.is_empty() || n.contains(['/', '\\', '\0']) || *n == "." || *n == "..")
+    {
+        return Err(TrainError::Checkpoint(format!(
+            "{}: names {name:?}, not a file of the checkpoint folder: damaged",
+            record_path.display()
+        )));
+    }
     for (name, want) in recorded.iter().filter(|(name, _)| wanted(name)) {
         let path = dir.join(name);
         let got = bertkit_stage_io::sha256_of_file(&path).map_err(|e| {
