@@ -343,6 +343,38 @@ fn shard_bad_encoding() {
     );
 }
 
+/// `text` in UTF-16 little-endian, after its byte-order mark where `bom`.
+pub(crate) fn utf16le(text: &str, bom: bool) -> Vec<u8> {
+    let mark: &[u8] = if bom { &[0xFF, 0xFE] } else { &[] };
+    let units = text.encode_utf16().flat_map(u16::to_le_bytes);
+    mark.iter().copied().chain(units).collect()
+}
+
+/// A UTF-16 shard (as Windows tools save text), with or without its byte-order mark: refused
+/// for its NUL bytes, with a hint, rather than read as text with the NULs dropped.
+#[test]
+fn shard_utf16() {
+    let dir = tempfile::tempdir().unwrap();
+    for bom in [false, true] {
+        let shard = write(
+            &dir.path().join("shard.txt"),
+            utf16le("A first sentence.\nA second one.\n", bom),
+        );
+        refused(
+            records(&shard, &require("minilm/vocab.txt"), &dir.path().join("o")),
+            &shard,
+            &[
+                &format!(
+                    "line 1 holds a NUL byte (byte offset {} of the decompressed text)",
+                    if bom { 3 } else { 1 }
+                ),
+                "UTF-16?",
+                "iconv -f UTF-16 -t UTF-8",
+            ],
+        );
+    }
+}
+
 #[test]
 fn shard_wrong_schema() {
     // A records file handed to the records stage as its text.
@@ -563,4 +595,28 @@ fn records_missing() {
         &missing,
         &["No such file or directory"],
     );
+}
+
+/// Every test BAD_INPUT.md names in its last column is a test of this binary: a row's claim is
+/// checked by the test it cites, not by one renamed or gone.
+#[test]
+fn every_row_names_a_test_that_exists() {
+    let root = bertkit_test_support::repo_root();
+    let table = std::fs::read_to_string(root.join("BAD_INPUT.md")).unwrap();
+    let mut sources = String::new();
+    for entry in std::fs::read_dir(root.join("crates/cli/tests")).unwrap() {
+        sources.push_str(&std::fs::read_to_string(entry.unwrap().path()).unwrap());
+    }
+    let mut cited = 0;
+    for row in table.lines().filter(|l| l.starts_with("| ")) {
+        let last = row.trim_end_matches('|').rsplit('|').next().unwrap();
+        for name in last.split('`').skip(1).step_by(2) {
+            assert!(
+                sources.contains(&format!("fn {name}(")),
+                "BAD_INPUT.md cites `{name}`, which no test in crates/cli/tests defines: {row}"
+            );
+            cited += 1;
+        }
+    }
+    assert!(cited >= 60, "only {cited} tests cited");
 }

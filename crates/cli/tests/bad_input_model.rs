@@ -314,6 +314,12 @@ fn task_data_bad_encoding() {
         &folder.join("train.tsv"),
         &["line 6 (byte offset", "is not valid UTF-8"],
     );
+    let folder = glue_folder(dir.path(), crate::bad_input::utf16le(&train, true));
+    refused(
+        finetune_glue_data(&folder, &dir.path().join("o3")),
+        &folder.join("train.tsv"),
+        &["line 1 holds a NUL byte (byte offset", "UTF-16?"],
+    );
 }
 
 #[test]
@@ -900,6 +906,22 @@ fn features_text_bad_encoding() {
     assert!(!out.exists());
     // Nothing left behind, not even the hidden partial file.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    // A UTF-16 file is valid UTF-8 where its text is ASCII, a NUL beside each letter: refused
+    // for its NULs, not read with them dropped.
+    std::fs::write(&input, crate::bad_input::utf16le("fine\nlines\n", false)).unwrap();
+    refused(
+        bertkit(&[
+            "extract-features",
+            "--model",
+            p(&model),
+            "--input",
+            p(&input),
+            "-o",
+            p(&out),
+        ]),
+        &input,
+        &["line 1 holds a NUL byte (byte offset 1)", "UTF-16?"],
+    );
 }
 
 #[test]

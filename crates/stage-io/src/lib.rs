@@ -179,12 +179,22 @@ pub fn expand_inputs(
     Ok(files)
 }
 
-/// Reads a whole text file. Bytes that are not UTF-8 are an `InvalidData` error saying where:
+/// Reads a whole text file. Bytes that are not UTF-8, or a NUL byte (see [`text::NUL_HINT`]),
+/// are an `InvalidData` error saying where:
 /// the line (1-based) and the byte offset of the first invalid byte, which
 /// `std::fs::read_to_string` does not say. The error's text does not repeat the path; callers
 /// name the file, as they do for every I/O error.
 pub fn read_text(path: &Path) -> io::Result<String> {
     let bytes = fs::read(path)?;
+    if let Some((line, offset)) = text::find_nul(&bytes) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "line {line} holds a NUL byte (byte offset {offset}): {}",
+                text::NUL_HINT
+            ),
+        ));
+    }
     String::from_utf8(bytes).map_err(|e| {
         let offset = e.utf8_error().valid_up_to();
         let bytes = e.as_bytes();

@@ -2,7 +2,10 @@
 //! stages: one sentence per line, documents separated by one or
 //! more blank lines (a line that is empty or only whitespace). Plain `.txt` or zstd-compressed
 //! `.txt.zst` (recognised by the zstd magic number, not the name). Trailing `\r` is removed, so
-//! CRLF files read like LF files. A line that is not UTF-8 is an error naming the file and line.
+//! CRLF files read like LF files. A line that is not UTF-8 is an error naming the file and line,
+//! and so is a NUL byte: UTF-8 allows it, but no text holds one, and a UTF-16 file (ASCII text
+//! with a NUL beside every letter) would otherwise read as text with its NULs dropped by the
+//! tokenizer.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
@@ -38,8 +41,28 @@ pub enum TextError {
         /// Byte offset of the line's start in the (decompressed) text.
         offset: u64,
     },
+    /// A line holds a NUL byte: not text (UTF-16, or a binary file).
+    Nul {
+        /// The input.
+        path: PathBuf,
+        /// 1-based line number.
+        line: u64,
+        /// Byte offset of the NUL in the (decompressed) text.
+        offset: u64,
+    },
     /// No input file was found.
     NoInputs,
+}
+
+/// What a NUL byte in a text file most likely means, and what to do.
+pub const NUL_HINT: &str = "not UTF-8 text (UTF-16? convert it first, e.g. `iconv -f UTF-16 -t \
+                            UTF-8 IN > OUT`)";
+
+/// Where a NUL byte in `text` is, if any: as (1-based line, byte offset).
+pub fn find_nul(text: &[u8]) -> Option<(u64, u64)> {
+    let at = memchr::memchr(0, text)?;
+    let line = 1 + memchr::memchr_iter(b'\n', &text[..at]).count() as u64;
+    Some((line, at as u64))
 }
 
 impl std::fmt::Display for TextError {
@@ -59,6 +82,12 @@ impl std::fmt::Display for TextError {
             TextError::InvalidUtf8 { path, line, offset } => write!(
                 f,
                 "{}: line {line} (byte offset {offset} of the decompressed text) is not valid UTF-8",
+                path.display()
+            ),
+            TextError::Nul { path, line, offset } => write!(
+                f,
+                "{}: line {line} holds a NUL byte (byte offset {offset} of the decompressed \
+                 text): {NUL_HINT}",
                 path.display()
             ),
             TextError::NoInputs => {
@@ -243,6 +272,13 @@ impl DocumentReader {
             let line_offset = self.offset;
             self.offset += n as u64;
             let line = trim_line_end(self.buf.as_slice());
+            if let Some(at) = memchr::memchr(0, line) {
+                return Err(TextError::Nul {
+                    path: self.path.clone(),
+                    line: self.line_number,
+                    offset: line_offset + at as u64,
+                });
+            }
             if std::str::from_utf8(line).is_err() {
                 return Err(TextError::InvalidUtf8 {
                     path: self.path.clone(),
@@ -283,6 +319,9 @@ impl DocumentReader {
         if let Err(e) = self.lines.reader().read_to_end(&mut bytes) {
             return Err(self.read_error(self.offset + bytes.len() as u64, e));
         }
+        if let Some(e) = self.nul_error(&bytes) {
+            return Err(e);
+        }
         *text = match String::from_utf8(bytes) {
             Ok(text) => text,
             Err(e) => return Err(self.utf8_error(&e.as_bytes()[..e.utf8_error().valid_up_to()])),
@@ -301,6 +340,16 @@ impl DocumentReader {
             },
             Lines::Plain(_) => TextError::io(&self.path, source),
         }
+    }
+
+    /// The error for a NUL byte in `text` (read from where the reader stands), if it holds one.
+    fn nul_error(&self, text: &[u8]) -> Option<TextError> {
+        let (line, at) = find_nul(text)?;
+        Some(TextError::Nul {
+            path: self.path.clone(),
+            line: self.line_number + line,
+            offset: self.offset + at,
+        })
     }
 
     /// The error for text that is valid UTF-8 up to the end of `valid` (read from where the
@@ -330,6 +379,9 @@ impl DocumentReader {
             // stage runs (see above).
             let map =
                 unsafe { memmap2::Mmap::map(&file) }.map_err(|e| TextError::io(&self.path, e))?;
+            if let Some(e) = self.nul_error(&map) {
+                return Err(e);
+            }
             // A SIMD check first (several times faster); std's finds where a bad text goes bad.
             if simdutf8::basic::from_utf8(&map).is_err() {
                 let valid_up_to =
@@ -428,6 +480,46 @@ mod tests {
             }
         }
         docs
+    }
+
+    /// A NUL byte is refused with its line and offset by each way of reading, plain or
+    /// compressed: line by line, read whole, mapped whole; and by `read_text`.
+    #[test]
+    fn a_nul_byte_is_named_by_every_reader() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = b"one\n\ntwo t\0o\n";
+        let plain = dir.path().join("t.txt");
+        std::fs::write(&plain, text).unwrap();
+        let packed = dir.path().join("t.txt.zst");
+        std::fs::write(&packed, zstd::encode_all(&text[..], 3).unwrap()).unwrap();
+        let is_nul = |e: TextError| {
+            assert!(
+                matches!(
+                    e,
+                    TextError::Nul {
+                        line: 3,
+                        offset: 10,
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("UTF-16?"), "{e}");
+        };
+        for path in [&plain, &packed] {
+            let mut reader = DocumentReader::open(path).unwrap();
+            assert!(reader.next_document().unwrap().is_some());
+            is_nul(reader.next_document().unwrap_err());
+            is_nul(DocumentReader::open(path).unwrap().read_text().unwrap_err());
+            let mut buffer = String::new();
+            let whole = DocumentReader::open(path).unwrap().whole_text(&mut buffer);
+            is_nul(whole.err().unwrap());
+        }
+        let err = crate::read_text(&plain).unwrap_err().to_string();
+        assert!(
+            err.contains("line 3 holds a NUL byte (byte offset 10)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -207,6 +207,16 @@ pub fn extract_features(
         at_end = read == 0;
         if !at_end {
             let line_number = summary.lines + batch.len() + 1;
+            if let Some(at) = bytes.iter().position(|&b| b == 0) {
+                return Err(TaskError::Format {
+                    path: input.into(),
+                    message: format!(
+                        "line {line_number} holds a NUL byte (byte offset {}): {}",
+                        offset + at as u64,
+                        bertkit_stage_io::text::NUL_HINT
+                    ),
+                });
+            }
             let text = std::str::from_utf8(&bytes).map_err(|e| TaskError::Format {
                 path: input.into(),
                 message: format!(
