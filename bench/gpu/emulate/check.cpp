@@ -2,7 +2,7 @@
 // a device run spends time on it, and after its run (these all passed on an H200 on
 // 2026-11-27, the backward in pieces excepted) as a check of every change to them:
 //
-// - the one-pass attention (`crates/model/src/kernels/cuda/flash.cu` and `flash_registers.cu`,
+// - the one-pass attention (`crates/kernels/src/cuda/flash.cu` and `flash_registers.cu`,
 //   through the shim's `mma.sync` and `ldmatrix`, `shim/tensor_core.h`) against the attention
 //   computed directly in f64 from the same bf16 inputs and dropout keys: the context, each
 //   place's log-sum-exp and delta, and the gradients of the queries, keys and values by the

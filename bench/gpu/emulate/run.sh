@@ -15,6 +15,6 @@ out=$dir/check
 flags=()
 [[ $(uname -m) == x86_64 ]] && flags+=(-fcf-protection=none)
 g++ -std=c++20 -O2 -fno-strict-aliasing ${flags[@]+"${flags[@]}"} -Wall -Wno-unknown-pragmas -I "$here/shim" \
-    -I "$root/crates/model/src/kernels/cuda" -I "$root/crates/train/src" \
+    -I "$root/crates/kernels/src/cuda" -I "$root/crates/train/src" \
     -include "$here/shim/emulation.h" "$here/check.cpp" -o "$out"
 "$out"

@@ -472,11 +472,7 @@ impl EncoderPass<'_> {
     }
 }
 
-/// candle's backward from `output` given its gradient `grad`: the backward of the loss
-/// `Σ output · grad`, whose gradient with respect to `output` is `grad`.
-pub(crate) fn backward_from(output: &Tensor, grad: &Tensor) -> candle_core::Result<GradStore> {
-    (output * grad)?.sum_all()?.backward()
-}
+pub(crate) use bertkit_kernels::backward_from;
 
 /// Where the dropout masks are in training `mode` (0 in evaluation, which draws none).
 fn position(mode: Mode) -> u64 {

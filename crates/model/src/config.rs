@@ -52,36 +52,7 @@ pub struct BertConfig {
     pub id2label: Option<std::collections::BTreeMap<String, String>>,
 }
 
-/// Which GELU a model computes, from its `hidden_act`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Gelu {
-    /// The exact GELU, `x · Φ(x)` (`hidden_act` `gelu`, `gelu_python`).
-    #[default]
-    Erf,
-    /// The tanh approximation, `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`, as
-    /// google-research/bert computes it (`gelu_new`, `gelu_pytorch_tanh`). It differs from
-    /// the exact form by up to ~1e-3 at a unit; a model keeps the form it was trained with.
-    Tanh,
-}
-
-impl Gelu {
-    /// The form a `hidden_act` names, if it is a GELU this crate computes.
-    pub fn from_hidden_act(name: &str) -> Option<Self> {
-        match name {
-            "gelu" | "gelu_python" => Some(Gelu::Erf),
-            "gelu_new" | "gelu_pytorch_tanh" => Some(Gelu::Tanh),
-            _ => None,
-        }
-    }
-
-    /// The `hidden_act` transformers reads as this form.
-    pub fn hidden_act(self) -> &'static str {
-        match self {
-            Gelu::Erf => "gelu",
-            Gelu::Tanh => "gelu_new",
-        }
-    }
-}
+pub use bertkit_kernels::Gelu;
 
 fn default_act() -> String {
     "gelu".into()

@@ -4,7 +4,6 @@
 mod google_checkpoint;
 mod gradients;
 mod heads;
-mod kernels_check;
 mod minilm_forward;
 mod tape;
 mod weights;

@@ -19,9 +19,9 @@ pub(crate) fn nll(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
 }
 
 /// The rows and classes of `[..., classes]` logits with `[rows]` labels
-/// ([`crate::kernels::nll_rows`]).
+/// ([`crate::nll_rows`]).
 fn nll_dims(name: &str, logits: &Layout, labels: &Layout) -> Result<(usize, usize)> {
-    crate::kernels::nll_rows(name, logits.dims(), labels.dims())
+    crate::nll_rows(name, logits.dims(), labels.dims())
 }
 
 /// The kernels' launch: a block per row, rows strided past 65,535.
@@ -82,7 +82,7 @@ impl CustomOp2 for Nll {
         _nll: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("loss", grad.device(), || {
+        crate::profiled_backward("loss", grad.device(), || {
             let lse = self.lse.take(self.name())?;
             let grad = grad.to_dtype(DType::F32)?.contiguous()?;
             let op = NllBackward { lse };

@@ -6,7 +6,7 @@
 //! error function ([`GeluOp`]), and the negative log-likelihood ([`NegativeLogLikelihood`]);
 //! one file each, its tests beside it. Dropout's byte masks and the op that applies them are
 //! [`crate::dropout`]'s; the loops' vector dispatch and storage views are `crate::host`'s.
-//! [`crate::kernels::Fused`] takes them for f32 on the CPU, whether or not gradients are
+//! [`crate::Fused`] takes them for f32 on the CPU, whether or not gradients are
 //! tracked; a backward pass is itself one op of ours, computed from the forward op's inputs
 //! and output (which candle keeps anyway) and, for attention, the dropout mask.
 //!

@@ -1,5 +1,5 @@
 //! The embeddings' end: each token's word, token-type and position rows summed, LayerNorm and
-//! dropout in one op ([`crate::kernels::Kernels::embeddings`]), the twin of the CUDA kernel
+//! dropout in one op ([`crate::Kernels::embeddings`]), the twin of the CUDA kernel
 //! (`kernels/cuda/embeddings.rs`, the same inputs). The composed path writes the three rows
 //! gathered, the two sums, the norm and the dropped values as tensors of their own, and
 //! candle's autograd adds a zeroed gradient and a sum at each of that graph's edges on the way
@@ -130,7 +130,7 @@ impl CustomOp3 for Embeddings {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("embeddings", grad.device(), || {
+        crate::profiled_backward("embeddings", grad.device(), || {
             let op = self.name();
             // The dropout's backward first: the same mask on the gradient.
             let grad = match &self.keep {
@@ -189,8 +189,8 @@ impl CustomOp3 for Embeddings {
 mod tests {
     use super::*;
     use crate::dropout::DropoutSource;
-    use crate::kernels::{Fused, Kernels, Mode, composed_embeddings};
     use crate::packing::Packing;
+    use crate::{Fused, Kernels, Mode, composed_embeddings};
     use candle_core::{DType, Device, Var};
 
     /// The fused op gives the composed path's values to the bit, and the same gradients (the
@@ -205,7 +205,7 @@ mod tests {
         let packing = Packing::from_mask((batch, seq), &mask, &device).unwrap();
         let tokens = packing.tokens();
         let values = |n: usize, seed: u64| {
-            crate::kernels::check::values(&[n, hidden], 1.0, seed, DType::F32).unwrap()
+            crate::check::values(&[n, hidden], 1.0, seed, DType::F32).unwrap()
         };
         let vars = [
             values(11, 1),
@@ -237,7 +237,7 @@ mod tests {
                     composed_embeddings(&Fused::default(), lookups, &packing, mode, p, norm)
                 }
                 .unwrap();
-                let grads = crate::bert::backward_from(&y, &upstream).unwrap();
+                let grads = crate::backward_from(&y, &upstream).unwrap();
                 let mut out = vec![y.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
                 for v in &vars {
                     let g = grads.get(v.as_tensor()).unwrap();

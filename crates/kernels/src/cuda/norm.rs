@@ -300,7 +300,7 @@ impl CustomOp3 for LayerNormOp {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("layer_norm", grad.device(), || {
+        crate::profiled_backward("layer_norm", grad.device(), || {
             let packed = x.apply_op3_no_bwd(
                 weight,
                 &grad.contiguous()?,
@@ -359,7 +359,7 @@ impl CustomOp3 for LayerNormBackwardOp {
     }
 }
 
-/// [`crate::kernels::Kernels::layer_norm`] on CUDA, in `x`'s dtype (f32 or bf16).
+/// [`crate::Kernels::layer_norm`] on CUDA, in `x`'s dtype (f32 or bf16).
 pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     tape::apply_op3(
@@ -474,7 +474,7 @@ impl CustomOp3 for ResidualLayerNormOp {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("residual_layer_norm", grad.device(), || {
+        crate::profiled_backward("residual_layer_norm", grad.device(), || {
             let dropped = self.dropout.on != 0;
             let op = ResidualLayerNormBackwardOp {
                 forward: ResidualLayerNormOp {
@@ -563,7 +563,7 @@ impl CustomOp3 for ResidualLayerNormBackwardOp {
     }
 }
 
-/// [`crate::kernels::Kernels::residual_layer_norm`] on CUDA: `dropout` drawn from `source` in
+/// [`crate::Kernels::residual_layer_norm`] on CUDA: `dropout` drawn from `source` in
 /// training (the CPU kernel's mask), in `x`'s dtype.
 pub(crate) fn residual_layer_norm(
     x: &Tensor,

@@ -39,7 +39,7 @@ impl std::str::FromStr for Clock {
 }
 
 /// A point in a device's work as a [`Clock`] reads it.
-pub(crate) enum Mark {
+pub enum Mark {
     /// The host's clock (after synchronising the device, with [`Clock::Synchronised`]).
     Host(Instant),
     /// An event recorded on candle's CUDA stream, timing on.
@@ -49,7 +49,7 @@ pub(crate) enum Mark {
 
 impl Mark {
     /// The point `device` has reached by `clock`.
-    pub(crate) fn now(device: &Device, clock: Clock) -> Result<Mark> {
+    pub fn now(device: &Device, clock: Clock) -> Result<Mark> {
         match (clock, device) {
             #[cfg(feature = "cuda")]
             (Clock::Events, Device::Cuda(dev)) => {
@@ -72,7 +72,7 @@ impl Mark {
     }
 
     /// Seconds from this point to `end` (for events, once the device has reached both).
-    pub(crate) fn seconds_to(&self, end: &Mark) -> Result<f64> {
+    pub fn seconds_to(&self, end: &Mark) -> Result<f64> {
         match (self, end) {
             (Mark::Host(start), Mark::Host(end)) => {
                 Ok(end.saturating_duration_since(*start).as_secs_f64())
@@ -262,7 +262,7 @@ thread_local! {
 
 /// Starts (`Some`, from zero, by that clock) or stops timing the fused ops' backward passes on
 /// this thread; returns what was timed since the last start.
-pub(crate) fn time_backwards(clock: Option<Clock>) -> Result<BTreeMap<&'static str, KernelTime>> {
+pub fn time_backwards(clock: Option<Clock>) -> Result<BTreeMap<&'static str, KernelTime>> {
     let taken = BACKWARDS.with(|b| {
         let mut b = b.borrow_mut();
         let taken = b.take().map(|(_, spans)| spans).unwrap_or_default();

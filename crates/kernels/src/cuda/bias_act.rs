@@ -3,7 +3,7 @@
 //! partial sums in one pass (16 bytes a thread where the rows allow, else an element a thread).
 
 use super::*;
-use crate::config::Gelu;
+use crate::Gelu;
 
 /// The activation as the kernels number it.
 pub(super) fn code(act: Option<Gelu>) -> i32 {

@@ -114,12 +114,12 @@ impl CheckShape {
     }
 
     /// The batch's tokens (the lengths' sum).
-    pub(crate) fn tokens(&self) -> usize {
+    pub fn tokens(&self) -> usize {
         self.lengths.iter().sum()
     }
 
     /// The `[batch, seq]` attention mask, row-major: 1 for a token.
-    pub(crate) fn mask(&self) -> Vec<u32> {
+    pub fn mask(&self) -> Vec<u32> {
         self.lengths
             .iter()
             .flat_map(|&len| (0..self.seq).map(move |c| u32::from(c < len)))
@@ -411,7 +411,7 @@ fn cases(s: &CheckShape) -> Vec<Case> {
                 let rows = x[0].dim(0)?;
                 let labels: Vec<u32> = (0..rows).map(|r| ((r * 31 + 7) % 517) as u32).collect();
                 let labels = Tensor::from_vec(labels, rows, x[0].device())?;
-                crate::loss::nll_per_row(&x[0], &labels)
+                crate::nll_per_row(&x[0], &labels)
             },
             train: false,
             form: Form::Plain,
@@ -484,7 +484,7 @@ fn run_side(
     let upstream = values(y.dims(), 1.0, SEED + 99, dtype)?
         .to_device(device)?
         .to_dtype(y.dtype())?;
-    let grads = crate::bert::backward_from(&y, &upstream)?;
+    let grads = crate::backward_from(&y, &upstream)?;
     let mut out = vec![y.to_device(&Device::Cpu)?.to_dtype(DType::F64)?];
     for (v, (name, _, _)) in vars.iter().zip(&case.inputs) {
         let Some(g) = grads.get(v.as_tensor()) else {
@@ -514,7 +514,7 @@ pub fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
 
 /// Checks every fused kernel on `device` in `dtype` against its reference at each of `shapes`
 /// (see the module's documentation), each case with its form's kernels ([`Form::kernels`]). On
-/// a CUDA device this turns TF32 off for the process ([`crate::set_tf32`]). A kernel that
+/// a CUDA device this turns TF32 off for the process ([`crate::device::set_tf32`]). A kernel that
 /// fails to run gives a failed line with
 /// its error ([`KernelCheck::not_run`]) and the check goes on, unless the error broke the
 /// device ([`device_broken`]): then the lines end there.
@@ -526,7 +526,7 @@ pub fn check_kernels(
     if device.is_cuda() {
         // f32 products in full f32, as the twin's: TF32's 10-bit inputs would hide a kernel's
         // error behind the product's.
-        crate::set_tf32(false);
+        crate::device::set_tf32(false);
     }
     let (reference, ref_dtype): (&dyn Kernels, DType) = if device.is_cpu() {
         (&Composed, DType::F64)

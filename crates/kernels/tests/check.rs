@@ -1,7 +1,7 @@
 //! `bertkit check kernels` on the CPU: each fused kernel against the composed ops in f64,
 //! values and every input's gradient, through the same code a GPU run takes.
 
-use bertkit_model::kernels::check::{CheckShape, check_kernels, tolerance};
+use bertkit_kernels::check::{CheckShape, check_kernels, tolerance};
 use candle_core::{DType, Device};
 
 #[test]
@@ -74,7 +74,7 @@ fn a_kernel_that_fails_to_run_is_a_failed_line_and_the_check_goes_on() {
             "{kernel}: {checks:#?}"
         );
     }
-    assert!(bertkit_model::kernels::check::device_broken(&Device::Cpu).is_none());
+    assert!(bertkit_kernels::check::device_broken(&Device::Cpu).is_none());
 }
 
 /// In bf16 on the CPU (candle's products, our kernels computing in f32 elsewhere) every

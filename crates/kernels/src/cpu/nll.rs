@@ -24,8 +24,7 @@ impl NegativeLogLikelihood {
         labels: &'a CpuStorage,
         labels_layout: &Layout,
     ) -> Result<(&'a [f32], &'a [u32], usize)> {
-        let (_, classes) =
-            crate::kernels::nll_rows(op, logits_layout.dims(), labels_layout.dims())?;
+        let (_, classes) = crate::nll_rows(op, logits_layout.dims(), labels_layout.dims())?;
         let logits = contiguous(op, "logits", logits, logits_layout)?;
         let (CpuStorage::U32(labels), Some((start, end))) =
             (labels, labels_layout.contiguous_offsets())
@@ -72,7 +71,7 @@ impl CustomOp2 for NegativeLogLikelihood {
         _nll: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("loss", grad.device(), || {
+        crate::profiled_backward("loss", grad.device(), || {
             let op = "bertkit-nll-backward";
             let grad = grad.contiguous()?;
             let grad_logits = {

@@ -316,7 +316,7 @@ impl CustomOp1 for Attention {
     }
 
     fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        crate::kernels::profiled_backward("attention", grad.device(), || {
+        crate::profiled_backward("attention", grad.device(), || {
             let op = "bertkit-attention-backward";
             let grad = grad.contiguous()?;
             let dqkv = {

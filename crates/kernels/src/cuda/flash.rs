@@ -225,7 +225,7 @@ impl CustomOp1 for Flash {
     }
 
     fn bwd(&self, qkv: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        crate::kernels::profiled_backward("attention", grad.device(), || {
+        crate::profiled_backward("attention", grad.device(), || {
             let saved = self.saved.take(self.name())?;
             let op = FlashBackward {
                 heads: &self.heads,

@@ -8,8 +8,8 @@ use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul};
 use super::bias_act::{backward, code, forward, rows_cols, vector_end};
 use super::lt::{LtGradient, bias_gradient_start, lt_backward_takes, lt_linear};
 use super::*;
-use crate::config::Gelu;
-use crate::kernels::GradientSink;
+use crate::Gelu;
+use crate::GradientSink;
 
 /// A linear layer on CUDA, `act(x · weightᵀ + bias)`, as one node of the autograd graph: its
 /// product (`pre`, computed by cuBLAS outside the graph and handed over) gets the bias and the
@@ -31,8 +31,8 @@ struct LinearOp {
     epilogue: bool,
     /// Where the weight's gradient goes instead of the graph ([`linear_into`]).
     sink: Option<GradientSink>,
-    /// The [`crate::kernels::Kernels`] method that made it, its backward counted there.
-    caller: crate::kernels::Caller,
+    /// The [`crate::Kernels`] method that made it, its backward counted there.
+    caller: crate::Caller,
 }
 
 /// Whether a linear layer without an activation on either side takes cuBLASLt's product with
@@ -145,7 +145,7 @@ impl CustomOp3 for LinearOp {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward(
+        crate::profiled_backward(
             self.caller.or(match (self.act, self.input_act) {
                 (Some(_), _) => "linear_gelu",
                 (None, Some(_)) => "feed_forward",
@@ -323,7 +323,7 @@ impl CustomOp1 for ActOp {
     }
 
     fn bwd(&self, y: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        crate::kernels::profiled_backward("gelu", grad.device(), || {
+        crate::profiled_backward("gelu", grad.device(), || {
             let grad_y =
                 y.apply_op2_no_bwd(&grad.contiguous()?, &ActBackwardOp { act: self.act })?;
             Ok(Some(grad_y.reshape(y.shape())?))
@@ -374,8 +374,8 @@ impl CustomOp2 for ActBackwardOp {
     }
 }
 
-/// [`crate::kernels::Kernels::linear`] (`act` `None`) and
-/// [`crate::kernels::Kernels::linear_gelu`] on CUDA, in `x`'s dtype: `x` `[..., in]`, `weight`
+/// [`crate::Kernels::linear`] (`act` `None`) and
+/// [`crate::Kernels::linear_gelu`] on CUDA, in `x`'s dtype: `x` `[..., in]`, `weight`
 /// `[out, in]`, `bias` `[out]`.
 pub(crate) fn linear(
     x: &Tensor,
@@ -387,7 +387,7 @@ pub(crate) fn linear(
 }
 
 /// [`linear`] (no activation) with the weight's gradient handed to `sink`
-/// ([`crate::kernels::Kernels::linear_into`]). A weight in another dtype than `x` (the f32
+/// ([`crate::Kernels::linear_into`]). A weight in another dtype than `x` (the f32
 /// word embeddings) goes into the op, which casts it for the product and its gradient back
 /// (the op's gradient, in `x`'s dtype, cast to the weight's by the sink).
 pub(crate) fn linear_into(
@@ -402,7 +402,7 @@ pub(crate) fn linear_into(
 /// GELU then a linear layer on CUDA, `GELU(x) · weightᵀ + bias`, in `x`'s dtype, as one node
 /// that keeps `x` alone: the activation is a temporary for cuBLAS's product and is recomputed
 /// in the backward pass (the feed-forward's second layer,
-/// [`crate::kernels::Kernels::feed_forward`]). The twin of `cpu::GeluLinear`.
+/// [`crate::Kernels::feed_forward`]). The twin of `cpu::GeluLinear`.
 pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: &Tensor, act: Gelu) -> Result<Tensor> {
     linear_node(x, weight, bias, None, Some(act), None)
 }
@@ -430,7 +430,7 @@ fn linear_node(
             pre: Handoff::empty(),
             epilogue: true,
             sink,
-            caller: crate::kernels::Caller::now(),
+            caller: crate::Caller::now(),
         };
         return tape::apply_op3(&x, weight, &bias, op);
     }
@@ -449,7 +449,7 @@ fn linear_node(
         pre: Handoff::new(pre),
         epilogue: false,
         sink,
-        caller: crate::kernels::Caller::now(),
+        caller: crate::Caller::now(),
     };
     tape::apply_op3(&x, weight, &bias, op)
 }

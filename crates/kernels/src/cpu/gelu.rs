@@ -7,7 +7,7 @@ use crate::vectorised;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::config::Gelu;
+use crate::Gelu;
 // ---------------------------------------------------------------------------------------------
 // GELU.
 
@@ -30,7 +30,7 @@ impl CustomOp1 for GeluOp {
     }
 
     fn bwd(&self, x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        crate::kernels::profiled_backward("gelu", grad.device(), || {
+        crate::profiled_backward("gelu", grad.device(), || {
             let backward = GeluBackward { form: self.form };
             Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &backward)?))
         })

@@ -1,4 +1,4 @@
-//! Embedding lookups on CUDA ([`crate::kernels::Kernels::gather_rows`]): the rows each token
+//! Embedding lookups on CUDA ([`crate::Kernels::gather_rows`]): the rows each token
 //! reads gathered in one launch, and a backward that sums each table row's gradients apart (a
 //! block per distinct row read) in token order. candle's backward of `index_select` gives each
 //! of a table's columns one thread, which walks every token of the batch in turn. Here a row's
@@ -66,7 +66,7 @@ impl CustomOp1 for GatherRows {
     }
 
     fn bwd(&self, table: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        crate::kernels::profiled_backward("gather_rows", grad.device(), || {
+        crate::profiled_backward("gather_rows", grad.device(), || {
             let op = GatherRowsBackward {
                 index: self.index.clone(),
                 rows: table.dim(0)?,
@@ -154,7 +154,7 @@ impl CustomOp1 for GatherRowsBackward {
     }
 }
 
-/// [`crate::kernels::Kernels::gather_rows`] on CUDA (f32 or bf16 tables).
+/// [`crate::Kernels::gather_rows`] on CUDA (f32 or bf16 tables).
 pub(crate) fn gather_rows(table: &Tensor, index: &RowIndex) -> Result<Tensor> {
     let op = GatherRows {
         index: index.clone(),

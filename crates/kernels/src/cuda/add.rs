@@ -1,4 +1,4 @@
-//! Two tensors' sum on CUDA ([`crate::kernels::add_gradients`]): the tape's gradients where two
+//! Two tensors' sum on CUDA ([`crate::add_gradients`]): the tape's gradients where two
 //! meet (a residual's and a sublayer's, a layer's input), in one launch that reads and writes 16
 //! bytes a thread, each element added in f32 and rounded once (`add_tensors` in `kernels.cu`).
 //! candle's addition gives each element a thread of its own (a fifth of the speed, measured in

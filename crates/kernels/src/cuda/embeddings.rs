@@ -1,4 +1,4 @@
-//! The embeddings' end on CUDA ([`crate::kernels::Kernels::embeddings`]): each token's word, token-type and position rows summed,
+//! The embeddings' end on CUDA ([`crate::Kernels::embeddings`]): each token's word, token-type and position rows summed,
 //! LayerNorm and dropout in one launch (`embeddings_forward` in `kernels.cu`), where the composed
 //! path gathers three `[tokens, hidden]` f32 tensors, adds them with two of candle's additions,
 //! normalises, casts and drops in passes of their own, and candle's autograd adds a zeroed
@@ -182,7 +182,7 @@ impl CustomOp3 for EmbeddingsOp {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("embeddings", grad.device(), || {
+        crate::profiled_backward("embeddings", grad.device(), || {
             let end = &self.0;
             let op = EmbeddingsBackwardOp {
                 end: end.clone(),
@@ -310,8 +310,8 @@ pub(crate) fn embeddings_fit(lookups: &[(&Tensor, &RowIndex); 3], weight: &Tenso
     })
 }
 
-/// [`crate::kernels::Kernels::embeddings`] on CUDA: the word table, the small tables' stack and
-/// the parameters' (`crate::kernels::embeddings_operands`) of `lookups` as [`embeddings_fit`]
+/// [`crate::Kernels::embeddings`] on CUDA: the word table, the small tables' stack and
+/// the parameters' (`crate::embeddings_operands`) of `lookups` as [`embeddings_fit`]
 /// takes them; the output in the parameters' dtype.
 pub(crate) fn embeddings(
     [words, small, params]: [Tensor; 3],

@@ -119,7 +119,7 @@ impl Tape {
                 continue;
             };
             let inputs = node.backward(&g)?;
-            crate::trace_device_pool(g.device(), || {
+            crate::device::trace_device_pool(g.device(), || {
                 format!(
                     "the backward of {} (the tape's op {})",
                     node.name(),
@@ -174,7 +174,7 @@ pub(crate) fn recording() -> bool {
 fn push(node: Node) {
     RECORDING.with(|r| {
         if let Some(r) = r.borrow_mut().as_mut() {
-            crate::trace_device_pool(node.output.device(), || {
+            crate::device::trace_device_pool(node.output.device(), || {
                 format!(
                     "the forward of {} (the tape's op {})",
                     node.name(),
@@ -286,7 +286,7 @@ fn rows(parts: &[&Tensor], output: Tensor) -> Result<Tensor> {
 
 /// `Tensor::cat(parts, 0)` (by the device's own kernel where it has one,
 /// [`super::joined_on_device`]), recorded while a recording is under way.
-pub(crate) fn cat_rows(parts: &[&Tensor]) -> Result<Tensor> {
+pub fn cat_rows(parts: &[&Tensor]) -> Result<Tensor> {
     rows(parts, joined(parts, false)?)
 }
 

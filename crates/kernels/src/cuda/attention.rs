@@ -141,7 +141,7 @@ impl CustomOp1 for AttentionOutput {
     }
 
     fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        crate::kernels::profiled_backward("attention", grad.device(), || {
+        crate::profiled_backward("attention", grad.device(), || {
             let h = &self.heads;
             let Probabilities {
                 q,
@@ -337,7 +337,7 @@ fn probabilities(h: &Heads, qkv: &Tensor) -> Result<Probabilities> {
     })
 }
 
-/// [`crate::kernels::Kernels::attention`] on CUDA (f32, bf16 or f16, sequences up to
+/// [`crate::Kernels::attention`] on CUDA (f32, bf16 or f16, sequences up to
 /// [`MAX_SEQ`]); in one pass over key tiles ([`super::flash`]) where `one_pass` and the kernels
 /// take the shapes.
 pub(crate) fn attention(

@@ -1,4 +1,4 @@
-//! The hot operations, behind one small interface.
+//! # bertkit-kernels: BERT's hot operations, behind one small interface
 //!
 //! The model calls linear layers, LayerNorm, GELU, softmax and attention only through
 //! [`Kernels`], so that a fused implementation can replace one without touching the model code.
@@ -8,7 +8,7 @@
 //!   have a backward pass, so gradients flow through all of them, on every device and dtype.
 //! - [`Fused`], the default: on the CPU our own fused kernels with fused backward passes
 //!   (`cpu/`, a file per op), for training and inference alike; on CUDA ours too (`cuda/`,
-//!   f32 and bf16, [`set_cuda_kernels`]); elsewhere candle's fused
+//!   f32 and bf16); elsewhere candle's fused
 //!   LayerNorm and softmax where nothing tracks gradients. (candle's fused `softmax_last_dim`,
 //!   `layer_norm`, `rms_norm` and `candle_nn::LayerNorm` have no backward and would silently
 //!   stop gradients, so they are never used where gradients are tracked.)
@@ -23,13 +23,14 @@
 //! storage views). [`Mode`] (training with a dropout source, or evaluation) lives here because
 //! every kernel that drops takes it.
 
+#![deny(missing_docs)]
+
 use std::cell::Cell;
 use std::fmt::Debug;
 use std::sync::Arc;
 
 use candle_core::{D, DType, Layout, Result, Tensor};
 
-pub use crate::config::Gelu;
 use crate::dropout::DropoutSource;
 use crate::packing::{Packing, RowIndex};
 
@@ -38,6 +39,11 @@ mod composed;
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod device;
+pub mod dropout;
+mod host;
+mod nll;
+pub mod packing;
 mod profiled;
 pub mod tape;
 
@@ -45,8 +51,47 @@ pub use composed::Composed;
 use composed::{
     composed_attention, composed_embeddings, composed_linear, composed_residual_layer_norm,
 };
-pub(crate) use profiled::{Caller, Mark, backward as profiled_backward, time_backwards};
+pub use nll::{log_softmax, nll_per_row};
+pub(crate) use profiled::{Caller, backward as profiled_backward};
+pub use profiled::{Mark, time_backwards};
+
+/// Candle's gradients of everything `output` depends on, for an upstream gradient `grad` of
+/// its shape (the backward of `sum(output · grad)`).
+pub fn backward_from(output: &Tensor, grad: &Tensor) -> Result<candle_core::backprop::GradStore> {
+    (output * grad)?.sum_all()?.backward()
+}
 pub use profiled::{Clock, KernelTime, Profiled};
+
+/// Which GELU a model computes, from its `hidden_act`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Gelu {
+    /// The exact GELU, `x · Φ(x)` (`hidden_act` `gelu`, `gelu_python`).
+    #[default]
+    Erf,
+    /// The tanh approximation, `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`, as
+    /// google-research/bert computes it (`gelu_new`, `gelu_pytorch_tanh`). It differs from
+    /// the exact form by up to ~1e-3 at a unit; a model keeps the form it was trained with.
+    Tanh,
+}
+
+impl Gelu {
+    /// The form a `hidden_act` names, if it is a GELU this crate computes.
+    pub fn from_hidden_act(name: &str) -> Option<Self> {
+        match name {
+            "gelu" | "gelu_python" => Some(Gelu::Erf),
+            "gelu_new" | "gelu_pytorch_tanh" => Some(Gelu::Tanh),
+            _ => None,
+        }
+    }
+
+    /// The `hidden_act` transformers reads as this form.
+    pub fn hidden_act(self) -> &'static str {
+        match self {
+            Gelu::Erf => "gelu",
+            Gelu::Tanh => "gelu_new",
+        }
+    }
+}
 
 /// A parameter's gradient handed over by an op outside candle's graph
 /// ([`Kernels::linear_into`]): the masked-LM decoder's weight, the word embeddings it is tied
@@ -173,7 +218,7 @@ impl Mode<'_> {
 pub trait Kernels: Send + Sync + Debug {
     /// Whether these kernels write their ops on a [`tape`] while one records, for tensors of
     /// `dtype` on `device`, so that a backward pass can be run by hand over them
-    /// ([`crate::bert::BertModel::encode_taped`]). Kernels that say no are run under candle's
+    /// (the model's `BertModel::encode_taped`). Kernels that say no are run under candle's
     /// autograd; a kernel that says yes and then falls back to candle's ops for a shape
     /// (`tape::unrecorded`) makes the tape refuse the pass, which then runs again under
     /// autograd.
@@ -472,7 +517,7 @@ pub(crate) fn joined_on_device(parts: &[&Tensor], shape: &[usize]) -> Result<Opt
 
 /// `a + b`: two gradients of one tensor where they meet ([`tape`]), through our CUDA addition
 /// where it takes them, candle's elsewhere (the CPU: the twin).
-pub(crate) fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub fn add_gradients(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dtype() != b.dtype() {
         // A gradient handed over in half precision into an f32 one ([`GradientSink`]).
         return add_gradients(a, &b.to_dtype(a.dtype())?);
@@ -560,7 +605,7 @@ fn widened(x: &Tensor) -> Result<Tensor> {
 ///   the CPU kernels by `bertkit check kernels --device cuda`. Elsewhere (longer sequences,
 ///   rows wider than a block's shared memory) the rules below.
 /// - On other devices: candle's fused LayerNorm and softmax where nothing tracks gradients (a
-///   frozen inference model, see [`crate::params::ParamBuilder::frozen`]); they have no
+///   frozen inference model: the model's `ParamBuilder::frozen`); they have no
 ///   backward, so a trainable model takes the composed ops there.
 /// - f64 (tests) always takes the composed ops.
 ///

@@ -1,6 +1,6 @@
 //! Dropout on CUDA with the CPU's keyed masks (`keyed_dropout` in `kernels.cu`): the
-//! embeddings' dropout of a packed `[tokens, width]` tensor ([`crate::kernels::Mode::dropout_tokens`])
-//! and the pooler's of a `[rows, width]` one ([`crate::kernels::Mode::dropout`]). Where the
+//! embeddings' dropout of a packed `[tokens, width]` tensor ([`crate::Mode::dropout_tokens`])
+//! and the pooler's of a `[rows, width]` one ([`crate::Mode::dropout`]). Where the
 //! fused kernels drop within their own passes, these two went through candle: a cuRAND
 //! uniform per element, a comparison, two casts and a product, each a launch and a tensor, and
 //! a mask other than the CPU's for the same keys. The twin is `DropoutSource::apply_to_tokens`

@@ -2,7 +2,7 @@
 
 use super::gelu::{gelu_all, gelu_backward_all, gelu_in_place};
 use super::*;
-use crate::config::Gelu;
+use crate::Gelu;
 use crate::host::{contiguous, cpu_slice};
 use crate::vectorised;
 
@@ -18,25 +18,25 @@ use rayon::prelude::*;
 /// products and the bias's column sums. One op where candle's composition has five (reshape,
 /// transpose, product, bias broadcast, reshape), each of which costs its backward a zeroed
 /// gradient buffer and an addition over the whole tensor. With a sink
-/// ([`crate::kernels::Kernels::linear_into`]) the weight's gradient is handed over there,
+/// ([`crate::Kernels::linear_into`]) the weight's gradient is handed over there,
 /// not to the graph.
 pub(crate) struct Linear {
-    sink: Option<crate::kernels::GradientSink>,
-    caller: crate::kernels::Caller,
+    sink: Option<crate::GradientSink>,
+    caller: crate::Caller,
 }
 
 impl Linear {
     /// The layer, its weight's gradient to the graph (its backward counted to the kernel
-    /// method making it now, [`crate::kernels::Caller`]).
+    /// method making it now, [`crate::Caller`]).
     pub(crate) fn new() -> Self {
         Linear {
             sink: None,
-            caller: crate::kernels::Caller::now(),
+            caller: crate::Caller::now(),
         }
     }
 
     /// The layer whose weight's gradient goes to `sink`.
-    pub(crate) fn handing_to(sink: &crate::kernels::GradientSink) -> Self {
+    pub(crate) fn handing_to(sink: &crate::GradientSink) -> Self {
         Linear {
             sink: Some(sink.clone()),
             ..Linear::new()
@@ -350,7 +350,7 @@ impl CustomOp3 for Linear {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward(self.caller.or("linear"), grad.device(), || {
+        crate::profiled_backward(self.caller.or("linear"), grad.device(), || {
             let op = "bertkit-linear-backward";
             let grad = grad.contiguous()?;
             let (g_storage, g_layout) = grad.storage_and_layout();
@@ -377,7 +377,7 @@ pub(crate) struct LinearGelu {
     keep_pre_activation: bool,
     pre_activation: std::sync::OnceLock<Vec<f32>>,
     form: Gelu,
-    caller: crate::kernels::Caller,
+    caller: crate::Caller,
 }
 
 impl LinearGelu {
@@ -387,7 +387,7 @@ impl LinearGelu {
             keep_pre_activation: trains,
             pre_activation: std::sync::OnceLock::new(),
             form,
-            caller: crate::kernels::Caller::now(),
+            caller: crate::Caller::now(),
         }
     }
 }
@@ -433,7 +433,7 @@ impl CustomOp3 for LinearGelu {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward(self.caller.or("linear_gelu"), grad.device(), || {
+        crate::profiled_backward(self.caller.or("linear_gelu"), grad.device(), || {
             let op = "bertkit-linear-gelu-backward";
             let Some(pre) = self.pre_activation.get() else {
                 bail!("{op}: no pre-activation kept (the op was built for inference)")
@@ -456,7 +456,7 @@ impl CustomOp3 for LinearGelu {
 /// values as that pair to the bit, forward and backward.
 pub(crate) struct GeluLinear {
     form: Gelu,
-    caller: crate::kernels::Caller,
+    caller: crate::Caller,
 }
 
 impl GeluLinear {
@@ -464,7 +464,7 @@ impl GeluLinear {
     pub(crate) fn new(form: Gelu) -> Self {
         GeluLinear {
             form,
-            caller: crate::kernels::Caller::now(),
+            caller: crate::Caller::now(),
         }
     }
 }
@@ -502,7 +502,7 @@ impl CustomOp3 for GeluLinear {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward(self.caller.or("feed_forward"), grad.device(), || {
+        crate::profiled_backward(self.caller.or("feed_forward"), grad.device(), || {
             let op = "bertkit-gelu-linear-backward";
             let (activated, grad_activated, weight_and_bias) = {
                 let (x_storage, x_layout) = x.storage_and_layout();

@@ -50,7 +50,7 @@ impl CustomOp3 for LayerNorm {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("layer_norm", grad.device(), || {
+        crate::profiled_backward("layer_norm", grad.device(), || {
             let packed = x.apply_op3_no_bwd(
                 weight,
                 &grad.contiguous()?,
@@ -401,7 +401,7 @@ impl CustomOp3 for ResidualLayerNorm {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        crate::kernels::profiled_backward("residual_layer_norm", grad.device(), || {
+        crate::profiled_backward("residual_layer_norm", grad.device(), || {
             let op = self.name();
             let grad = grad.contiguous()?;
             let (grad_sum, grad_params) = {

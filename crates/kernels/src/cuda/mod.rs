@@ -4,7 +4,7 @@
 //!
 //! The device code is `kernels.cu`, compiled to PTX by the crate's build script and loaded on
 //! candle's device the first time a kernel runs; launches go on candle's stream. Every kernel
-//! reads f32 or bf16 (f16 too where turned on, [`crate::kernels::set_cuda_fp16`]) and computes
+//! reads f32 or bf16 (f16 too where turned on, [`crate::set_cuda_fp16`]) and computes
 //! in f32. Products stay in cuBLAS (candle's `matmul`); around
 //! them a kernel does what candle's generic ops did in several launches, each writing a tensor.
 //!
@@ -27,8 +27,8 @@ use candle_core::{
 };
 
 use crate::dropout::DropoutSource;
-use crate::kernels::tape;
 use crate::packing::Packing;
+use crate::tape;
 
 /// The kernels' PTX (build.rs).
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
