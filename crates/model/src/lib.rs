@@ -13,12 +13,10 @@
 //!   tied to the word embeddings with its own output bias; next sentence), question answering
 //!   (start/end logits) and sequence classification. [`bert::load`], [`bert::init`] and
 //!   [`bert::save`] read and write transformers model directories.
-//! - [`packing`]: unpadded batches: inside the encoder a batch is its tokens end to end
-//!   (`[tokens, hidden]`), attention runs within each sequence, outputs are padded back.
-//! - [`kernels`]: LayerNorm, GELU, softmax and attention behind the [`Kernels`] interface: the
-//!   default [`Fused`] kernels (our fused CPU ops with their backward passes; candle's fused
-//!   inference ops on other devices) and the reference [`Composed`] ones, built from candle ops
-//!   that all have a backward pass.
+//! - [`kernels`] (the `bertkit-kernels` crate, re-exported with its [`packing`] and
+//!   [`dropout`]): every operation the network calls, behind the [`Kernels`] interface: the
+//!   default [`Fused`] kernels per device and the reference [`Composed`] ones, each fused kernel
+//!   checked against the reference; the device and its memory pool.
 //! - [`params`]: checkpoint names (with or without `bert.`, `gamma`/`beta`), initialisation of
 //!   what a checkpoint lacks, and saving in the transformers layout.
 //! - [`google`]: google-research/bert's TensorFlow checkpoints converted to and from model
@@ -27,7 +25,8 @@
 //!   layer (what each kernel set asks of a device, counted on any device).
 //! - [`encoder_check`]: the encoder's backward pass by hand (over the kernels' tape,
 //!   [`kernels::tape`]) against candle's autograd on one device, for `bertkit check kernels`.
-//! - [`loss`]: masked-LM, next-sentence and cross-entropy losses from differentiable ops.
+//! - [`loss`]: masked-LM, next-sentence and cross-entropy losses over the kernels' per-row
+//!   negative log-likelihood.
 //!
 //! Dropout is on in [`Mode::Train`] forward passes, with reproducible masks from a
 //! [`DropoutSource`] ([`dropout`]), and off in [`Mode::Eval`].

@@ -246,7 +246,7 @@ struct CudaKernels {
     /// The optimiser's update in place (always, in this build): the gradients settle into the
     /// flat bucket as on the CPU, and no new state is made.
     update_in_place: bool,
-    /// The encoder's backward by hand ([`bertkit_model::kernels::set_cuda_tape`]).
+    /// The encoder's backward by hand (over the kernels' tape).
     tape: bool,
     /// The embeddings' end in one op (always, in this build): it keeps its output alone (the
     /// composed path, every intermediate of its graph).
@@ -358,10 +358,9 @@ fn activations(
 }
 
 /// Predicts the peak bytes of a training step of `c` on micro-batches of `shape` on `target`,
-/// with activation checkpointing every `checkpointing` layers (0 = off), for the kernels this
-/// process runs (on CUDA, whether the feed-forward is the lean one,
-/// [`bertkit_model::kernels::set_lean_cuda_feed_forward`], and whether attention runs in one
-/// pass, [`bertkit_model::kernels::set_cuda_flash_attention`]).
+/// with activation checkpointing every `checkpointing` layers (0 = off), for the default
+/// kernels ([`bertkit_model::kernels::KernelOptions`]' defaults: on CUDA the lean feed-forward
+/// and the one-pass attention where it applies).
 pub fn predict(
     c: &BertConfig,
     shape: &Shape,
