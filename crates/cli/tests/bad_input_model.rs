@@ -890,7 +890,7 @@ fn features_text_bad_encoding() {
     let input = write(&dir.path().join("lines.txt"), b"fine\nbad \xff here\n");
     let out = dir.path().join("f.jsonl");
     let model = require("minilm");
-    refused(
+    let extract = || {
         bertkit(&[
             "extract-features",
             "--model",
@@ -899,7 +899,10 @@ fn features_text_bad_encoding() {
             p(&input),
             "-o",
             p(&out),
-        ]),
+        ])
+    };
+    refused(
+        extract(),
         &input,
         &["line 2 (byte offset 9) is not valid UTF-8"],
     );
@@ -910,15 +913,7 @@ fn features_text_bad_encoding() {
     // for its NULs, not read with them dropped.
     std::fs::write(&input, crate::bad_input::utf16le("fine\nlines\n", false)).unwrap();
     refused(
-        bertkit(&[
-            "extract-features",
-            "--model",
-            p(&model),
-            "--input",
-            p(&input),
-            "-o",
-            p(&out),
-        ]),
+        extract(),
         &input,
         &["line 1 holds a NUL byte (byte offset 1)", "UTF-16?"],
     );

@@ -45,6 +45,16 @@ fn copy_folder(from: &Path, to: &Path) {
     }
 }
 
+/// `args` as strings, then `--max-steps steps` and, to resume, `--resume`.
+fn with_steps(args: &[&str], steps: u64, resume: bool) -> Vec<String> {
+    let mut a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    a.extend(["--max-steps".to_string(), steps.to_string()]);
+    if resume {
+        a.push("--resume".into());
+    }
+    a
+}
+
 fn run_ok(args: &[String]) -> String {
     let out = bertkit_command(args).output().unwrap();
     assert!(
@@ -119,7 +129,7 @@ fn a_damaged_newest_checkpoint_loses_nothing_on_resume() {
     let records = book_records(dir.path());
     let config = tiny_config(dir.path());
     let pretrain = |run: &Path, steps: u64, resume: bool| {
-        let mut a: Vec<String> = [
+        let args = [
             "pretrain",
             "--config",
             p(&config),
@@ -128,15 +138,8 @@ fn a_damaged_newest_checkpoint_loses_nothing_on_resume() {
             "--no-eval",
             "--output",
             p(run),
-            "--max-steps",
-        ]
-        .map(String::from)
-        .to_vec();
-        a.push(steps.to_string());
-        if resume {
-            a.push("--resume".into());
-        }
-        a
+        ];
+        with_steps(&args, steps, resume)
     };
     let newest = |run: &Path| run.join(format!("checkpoints/step-{STEPS}/model.safetensors"));
     let cases = each_damage_resumes_whole(dir.path(), "pretrain", &pretrain, &newest);
@@ -147,7 +150,7 @@ fn a_damaged_newest_checkpoint_loses_nothing_on_resume() {
     let model = dir.path().join("pretrain-whole");
     let mrpc = require("glue/MRPC");
     let finetune = |out: &Path, steps: u64, resume: bool| {
-        let mut a: Vec<String> = [
+        let args = [
             "finetune",
             "glue",
             "--task",
@@ -166,15 +169,8 @@ fn a_damaged_newest_checkpoint_loses_nothing_on_resume() {
             "1e-3",
             "--checkpoint-every",
             "1",
-            "--max-steps",
-        ]
-        .map(String::from)
-        .to_vec();
-        a.push(steps.to_string());
-        if resume {
-            a.push("--resume".into());
-        }
-        a
+        ];
+        with_steps(&args, steps, resume)
     };
     let saved = |out: &Path| out.join("model.safetensors");
     let cases = each_damage_resumes_whole(dir.path(), "glue", &finetune, &saved);
