@@ -578,8 +578,9 @@ impl candle_core::CustomOp1 for SquaredNorm {
     }
 }
 
-/// A step's gradient sums: the flat bucket ([`FlatSums`]), or by parameter (on CUDA with the
-/// update by name or the composed one, [`crate::optim::set_cuda_update_in_place`]):
+/// A step's gradient sums: the flat bucket ([`FlatSums`]), or by parameter (where the update
+/// is the composed one: on CUDA with master weights other than f32, on devices with no update
+/// of ours):
 /// each first gradient kept as the backward made it unless it must be unscaled, cast to the
 /// master dtype and added when a second arrives; the bucket made group by group at the end.
 #[derive(Debug)]

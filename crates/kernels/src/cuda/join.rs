@@ -1,4 +1,4 @@
-//! Tensors joined along their rows on CUDA ([`crate::set_cuda_join`]): a layer's query,
+//! Tensors joined along their rows on CUDA: a layer's query,
 //! key and value weights and biases for their one product, a LayerNorm's weight and bias for its
 //! kernel, the embeddings' small tables, at every pass. One launch moves every part's bytes 16 a
 //! thread (`join_rows` in `kernels.cu`), where candle's concatenation (and stack) launches a copy

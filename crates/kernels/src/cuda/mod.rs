@@ -4,8 +4,7 @@
 //!
 //! The device code is `kernels.cu`, compiled to PTX by the crate's build script and loaded on
 //! candle's device the first time a kernel runs; launches go on candle's stream. Every kernel
-//! reads f32 or bf16 (f16 too where turned on, [`crate::set_cuda_fp16`]) and computes
-//! in f32. Products stay in cuBLAS (candle's `matmul`); around
+//! reads f32, bf16 or f16 and computes in f32. Products stay in cuBLAS (candle's `matmul`); around
 //! them a kernel does what candle's generic ops did in several launches, each writing a tensor.
 //!
 //! The twins: each op computes what its `kernels::cpu` namesake (or the composed ops) computes,
