@@ -90,6 +90,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Finetune(c) => tasks::finetune(c),
         Command::Predict(c) => tasks::predict(c),
         Command::Split(c) => tasks::split(c),
+        Command::Reference => {
+            print!("{}", commands::reference::markdown());
+            Ok(())
+        }
     }
 }
 

@@ -368,7 +368,7 @@ fn shard_utf16() {
                     "line 1 holds a NUL byte (byte offset {} of the decompressed text)",
                     if bom { 3 } else { 1 }
                 ),
-                "UTF-16?",
+                "or UTF-16",
                 "iconv -f UTF-16 -t UTF-8",
             ],
         );
@@ -385,7 +385,7 @@ fn shard_wrong_schema() {
     refused(
         records(&shard, &require("minilm/vocab.txt"), &dir.path().join("o")),
         &shard,
-        &["is not valid UTF-8"],
+        &["holds a NUL byte", "not text: a binary file"],
     );
 }
 

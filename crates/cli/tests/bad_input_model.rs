@@ -318,7 +318,7 @@ fn task_data_bad_encoding() {
     refused(
         finetune_glue_data(&folder, &dir.path().join("o3")),
         &folder.join("train.tsv"),
-        &["line 1 holds a NUL byte (byte offset", "UTF-16?"],
+        &["line 1 holds a NUL byte (byte offset", "or UTF-16"],
     );
 }
 
@@ -915,7 +915,7 @@ fn features_text_bad_encoding() {
     refused(
         extract(),
         &input,
-        &["line 1 holds a NUL byte (byte offset 1)", "UTF-16?"],
+        &["line 1 holds a NUL byte (byte offset 1)", "or UTF-16"],
     );
 }
 

@@ -55,8 +55,8 @@ pub enum TextError {
 }
 
 /// What a NUL byte in a text file most likely means, and what to do.
-pub const NUL_HINT: &str = "not UTF-8 text (UTF-16? convert it first, e.g. `iconv -f UTF-16 -t \
-                            UTF-8 IN > OUT`)";
+pub const NUL_HINT: &str = "not text: a binary file, or UTF-16 (convert that first, e.g. `iconv \
+                            -f UTF-16 -t UTF-8 IN > OUT`)";
 
 /// Where a NUL byte in `text` is, if any: as (1-based line, byte offset).
 pub fn find_nul(text: &[u8]) -> Option<(u64, u64)> {
@@ -504,7 +504,7 @@ mod tests {
                 ),
                 "{e:?}"
             );
-            assert!(e.to_string().contains("UTF-16?"), "{e}");
+            assert!(e.to_string().contains("or UTF-16"), "{e}");
         };
         for path in [&plain, &packed] {
             let mut reader = DocumentReader::open(path).unwrap();

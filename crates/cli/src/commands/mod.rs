@@ -4,6 +4,7 @@ pub(crate) mod bench;
 pub(crate) mod data;
 pub(crate) mod model;
 pub(crate) mod pipeline;
+pub(crate) mod reference;
 pub(crate) mod tasks;
 pub(crate) mod train;
 

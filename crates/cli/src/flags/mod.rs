@@ -70,6 +70,9 @@ pub(crate) enum Command {
     /// Check the kernels of this machine's devices against their references.
     #[command(subcommand)]
     Check(model::CheckCommand),
+    /// Every command's flags as Markdown (docs/configuration.md's generated part).
+    #[command(hide = true)]
+    Reference,
 }
 
 impl Command {
