@@ -237,8 +237,7 @@ impl FlatSums {
     }
 }
 
-/// A step's gradients as its norm ([`crate::optim::Optimizer::squared_norm_of`]) and update
-/// ([`crate::optim::Optimizer::update`]) read them.
+/// A step's gradients as the optimiser's norm and update read them.
 #[derive(Debug)]
 pub(crate) enum StepGradients {
     /// The flat bucket: the micro-batches' sums, over the ranks once reduced.
@@ -246,7 +245,7 @@ pub(crate) enum StepGradients {
     /// One micro-batch's gradients on one process as the backward made them (the compute
     /// dtype, times the loss scale), by the layout's entry (`None`: no gradient), each element
     /// read times `unscale`: the values the bucket would hold, without the bucket
-    /// ([`crate::optim::Optimizer::hold_gradients`]).
+    /// (where the optimiser holds gradients).
     Held {
         gradients: Vec<Option<Tensor>>,
         unscale: f64,
@@ -626,31 +625,6 @@ impl GradientSums {
         match self {
             GradientSums::Flat(flat) => flat.flush(),
             GradientSums::ByName { .. } => Ok(()),
-        }
-    }
-
-    /// The step's gradients as its norm and update read them: held as the backward made them
-    /// where `hold` allows and the sums are one micro-batch's on the flat bucket's path
-    /// ([`FlatSums::into_step_gradients`]), else the flat bucket.
-    pub(crate) fn into_step_gradients(
-        self,
-        optimizer: &crate::optim::Optimizer,
-        hold: bool,
-    ) -> Result<StepGradients, TrainError> {
-        match self {
-            GradientSums::Flat(flat) => flat.into_step_gradients(&optimizer.device(), hold),
-            by_name => Ok(StepGradients::Bucket(by_name.into_bucket(optimizer)?)),
-        }
-    }
-
-    /// The flat bucket of the sums ([`crate::optim::Optimizer::flatten`]'s layout).
-    pub(crate) fn into_bucket(
-        self,
-        optimizer: &crate::optim::Optimizer,
-    ) -> Result<Tensor, TrainError> {
-        match self {
-            GradientSums::Flat(flat) => flat.into_bucket(&optimizer.device()),
-            GradientSums::ByName { sums, .. } => optimizer.flatten_by_name(sums),
         }
     }
 

@@ -69,7 +69,7 @@ pub fn check_update(
                     sums.add(name, &g.to_dtype(dtype)?.to_device(device)?)?;
                 }
             }
-            let gradients = sums.into_step_gradients(&optimizer, optimizer.holds_gradients())?;
+            let gradients = optimizer.step_gradients(sums, optimizer.holds_gradients())?;
             if held != matches!(gradients, StepGradients::Held { .. }) {
                 return Err(TrainError::Config(format!(
                     "check_update: the gradients {}held, where the form says {held}",

@@ -297,7 +297,7 @@ impl Step {
         // norm and the update as the backward made them, without the bucket
         // ([`Optimizer::hold_gradients`]).
         let hold = reducer.ranks().world_size == 1 && optimizer.holds_gradients();
-        let mut gradients = grads.into_step_gradients(optimizer, hold)?;
+        let mut gradients = optimizer.step_gradients(grads, hold)?;
         if let StepGradients::Bucket(bucket) = &mut gradients {
             reducer.all_reduce_sum(bucket)?;
             trace_pool(bucket, "the gradient bucket");
@@ -594,7 +594,7 @@ mod tests {
         let mut one = Step::begin(&vars, &optimizer, None);
         one.backward(&loss(&vars, 0.3).to_dtype(DType::BF16).unwrap())
             .unwrap();
-        let bucket = one.grads.into_bucket(&optimizer).unwrap();
+        let bucket = optimizer.bucket(one.grads).unwrap();
         assert_eq!(bucket.dtype(), DType::F32);
         assert_eq!(bucket.to_vec1::<f32>().unwrap(), first);
     }
