@@ -26,6 +26,48 @@ fn evaluate_squad_prints_the_official_line() {
     }
 }
 
+/// A predictions file answering 3 of SQuAD's 10,570 dev questions: the scores as the official
+/// script computes them (the rest 0), ten questions named, the rest counted, not 10,567 lines.
+#[test]
+fn a_partial_predictions_file_names_ten_unanswered_questions_and_counts_the_rest() {
+    let data = require("squad/dev-v1.1.json");
+    let dataset: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&data).unwrap()).unwrap();
+    let ids: Vec<String> = dataset["data"][0]["paragraphs"][0]["qas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(3)
+        .map(|q| q["id"].as_str().unwrap().to_string())
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let predictions = dir.path().join("predictions.json");
+    let answers: serde_json::Map<String, serde_json::Value> = ids
+        .iter()
+        .map(|id| (id.clone(), serde_json::json!("Denver Broncos")))
+        .collect();
+    std::fs::write(&predictions, serde_json::Value::Object(answers).to_string()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bertkit"))
+        .args(["evaluate", "squad", "--data"])
+        .arg(&data)
+        .arg("--predictions")
+        .arg(&predictions)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.matches("will receive score 0.").count(),
+        10,
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("... and 10557 more questions without a prediction, each scored 0 (10567 in all)"),
+        "{stderr}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"exact_match\""));
+}
+
 #[test]
 fn bench_inference_prints_a_row_per_setting() {
     let out = Command::new(env!("CARGO_BIN_EXE_bertkit"))

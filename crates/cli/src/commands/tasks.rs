@@ -51,9 +51,9 @@ fn score_squad(
             na_probs.as_deref(),
             na_prob_thresh,
         );
-        for id in &scores.unanswered {
-            eprintln!("Missing prediction for {id} (scored 0)");
-        }
+        say_unanswered(&scores.unanswered, |id| {
+            format!("Missing prediction for {id} (scored 0)")
+        });
         return Ok(scores.to_json());
     }
     if dataset.version != "1.1" {
@@ -63,11 +63,29 @@ fn score_squad(
         );
     }
     let scores = bertkit_tasks::squad::eval::evaluate(dataset, predictions);
-    for id in &scores.unanswered {
-        eprintln!("Unanswered question {id} will receive score 0.");
-    }
+    say_unanswered(&scores.unanswered, |id| {
+        format!("Unanswered question {id} will receive score 0.")
+    });
     Ok(scores.to_json())
 }
+
+/// The questions a predictions file leaves unanswered, a line each as the official scripts say
+/// them, up to [`UNANSWERED_LINES`], then their count (a partial file leaves thousands).
+fn say_unanswered(ids: &[String], line: impl Fn(&str) -> String) {
+    for id in ids.iter().take(UNANSWERED_LINES) {
+        eprintln!("{}", line(id));
+    }
+    if ids.len() > UNANSWERED_LINES {
+        eprintln!(
+            "... and {} more questions without a prediction, each scored 0 ({} in all)",
+            ids.len() - UNANSWERED_LINES,
+            ids.len()
+        );
+    }
+}
+
+/// Unanswered questions named one by one before the rest are counted.
+const UNANSWERED_LINES: usize = 10;
 
 pub(crate) fn finetune(command: FinetuneCommand) -> Result<()> {
     match command {
