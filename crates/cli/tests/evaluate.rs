@@ -62,7 +62,9 @@ fn a_partial_predictions_file_names_ten_unanswered_questions_and_counts_the_rest
         "{stderr}"
     );
     assert!(
-        stderr.contains("... and 10557 more questions without a prediction, each scored 0 (10567 in all)"),
+        stderr.contains(
+            "... and 10557 more questions without a prediction, each scored 0 (10567 in all)"
+        ),
         "{stderr}"
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("\"exact_match\""));
