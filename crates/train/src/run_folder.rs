@@ -115,11 +115,26 @@ pub fn move_aside(run: &Path) -> Result<Option<PathBuf>, TrainError> {
     if entries.is_empty() {
         return Ok(None);
     }
-    let name = run
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "run".to_string());
-    let parent = run.parent().unwrap_or(Path::new("."));
+    // `.` and `x/..` name no folder of their own: their real path does (a sibling of `.` must
+    // not land inside it).
+    let real;
+    let (name, parent) = match (run.file_name(), run.parent()) {
+        (Some(name), Some(parent)) => (name, parent),
+        _ => {
+            real = std::fs::canonicalize(run).map_err(io_err(run))?;
+            match (real.file_name(), real.parent()) {
+                (Some(name), Some(parent)) => (name, parent),
+                _ => {
+                    return Err(TrainError::Config(format!(
+                        "{}: the root folder cannot be moved aside; write the run to a folder \
+                         of its own",
+                        run.display()
+                    )));
+                }
+            }
+        }
+    };
+    let name = name.to_string_lossy();
     let aside = (1..)
         .map(|n| parent.join(format!("{name}.earlier-{n}")))
         .find(|p| !p.exists())
@@ -185,8 +200,10 @@ mod tests {
         })
         .unwrap();
         assert_eq!(said.len(), 1);
+        // Named as `run/x/..`: the sibling is still `run.earlier-N`, beside the folder.
+        std::fs::create_dir(run.join("x")).unwrap();
         std::fs::write(run.join("metrics.jsonl"), "{\"step\": 1}\n").unwrap();
-        prepare(&run, EarlierRun::MoveAside, &mut |_| {}).unwrap();
+        prepare(&run.join("x/.."), EarlierRun::MoveAside, &mut |_| {}).unwrap();
         assert!(dir.path().join("run.earlier-2/metrics.jsonl").is_file());
     }
 }
