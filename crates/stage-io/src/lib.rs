@@ -179,7 +179,7 @@ pub fn expand_inputs(
     Ok(files)
 }
 
-/// Reads a whole text file. Bytes that are not UTF-8, or a NUL byte (see [`text::NUL_HINT`]),
+/// Reads a whole text file. Bytes that are not UTF-8, or a NUL byte ([`text::nul_message`]),
 /// are an `InvalidData` error saying where:
 /// the line (1-based) and the byte offset of the first invalid byte, which
 /// `std::fs::read_to_string` does not say. The error's text does not repeat the path; callers
@@ -189,10 +189,7 @@ pub fn read_text(path: &Path) -> io::Result<String> {
     if let Some((line, offset)) = text::find_nul(&bytes) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!(
-                "line {line} holds a NUL byte (byte offset {offset}): {}",
-                text::NUL_HINT
-            ),
+            text::nul_message(line, offset, ""),
         ));
     }
     String::from_utf8(bytes).map_err(|e| {

@@ -58,6 +58,12 @@ pub enum TextError {
 pub const NUL_HINT: &str = "not text: a binary file, or UTF-16 (convert that first, e.g. `iconv \
                             -f UTF-16 -t UTF-8 IN > OUT`)";
 
+/// What a reader says of a NUL byte at (1-based) `line`, byte `offset` (`of` what the offset
+/// counts in, e.g. ` of the decompressed text`, or empty).
+pub fn nul_message(line: u64, offset: u64, of: &str) -> String {
+    format!("line {line} holds a NUL byte (byte offset {offset}{of}): {NUL_HINT}")
+}
+
 /// Where a NUL byte in `text` is, if any: as (1-based line, byte offset).
 pub fn find_nul(text: &[u8]) -> Option<(u64, u64)> {
     let at = memchr::memchr(0, text)?;
@@ -86,9 +92,9 @@ impl std::fmt::Display for TextError {
             ),
             TextError::Nul { path, line, offset } => write!(
                 f,
-                "{}: line {line} holds a NUL byte (byte offset {offset} of the decompressed \
-                 text): {NUL_HINT}",
-                path.display()
+                "{}: {}",
+                path.display(),
+                nul_message(*line, *offset, " of the decompressed text")
             ),
             TextError::NoInputs => {
                 f.write_str("no input files: give .txt or .txt.zst files or folders holding them")

@@ -207,13 +207,13 @@ pub fn extract_features(
         at_end = read == 0;
         if !at_end {
             let line_number = summary.lines + batch.len() + 1;
-            if let Some(at) = bytes.iter().position(|&b| b == 0) {
+            if let Some((_, at)) = bertkit_stage_io::text::find_nul(&bytes) {
                 return Err(TaskError::Format {
                     path: input.into(),
-                    message: format!(
-                        "line {line_number} holds a NUL byte (byte offset {}): {}",
-                        offset + at as u64,
-                        bertkit_stage_io::text::NUL_HINT
+                    message: bertkit_stage_io::text::nul_message(
+                        line_number as u64,
+                        offset + at,
+                        "",
                     ),
                 });
             }

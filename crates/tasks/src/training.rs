@@ -233,7 +233,7 @@ pub struct Checkpoints {
     pub tokenizer: TokenizerFiles,
     /// What to do with an earlier run in the run folder: resume from its newest checkpoint
     /// (none: start at step 0), refuse it, or move it aside (done by the caller, under the
-    /// folder's lock: [`bertkit_train::run_folder::prepare`]). A folder holding checkpoints is never mixed with
+    /// folder's lock: [`bertkit_train::run_folder::take`]). A folder holding checkpoints is never mixed with
     /// a new run's.
     pub earlier: EarlierRun,
 }

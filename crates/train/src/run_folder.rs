@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-use bertkit_stage_io::lock::LOCK_FILE;
+use bertkit_stage_io::lock::{FolderLock, LOCK_FILE};
 
 use crate::{TrainError, checkpoint, io_err};
 
@@ -68,14 +68,23 @@ pub fn earlier_run(run: &Path) -> Option<String> {
     (logged > 0).then(|| format!("metrics.jsonl of {logged} steps"))
 }
 
-/// Readies the run folder `run` for a run that does `earlier` with an earlier run there:
-/// refuses one ([`EarlierRun::Refuse`]), moves it aside ([`EarlierRun::MoveAside`], said
-/// through `say`), or leaves it to be resumed.
-pub fn prepare(
+/// Takes the run folder `run` for a run that does `earlier` with an earlier run there: holds
+/// it ([`checkpoint::hold`]: one writer, leftovers of killed writes removed), then, under that
+/// hold, refuses an earlier run ([`EarlierRun::Refuse`]), moves it aside
+/// ([`EarlierRun::MoveAside`], said through `say`) or leaves it to be resumed. The hold lasts
+/// as long as the lock returned.
+pub fn take(
     run: &Path,
     earlier: EarlierRun,
     say: &mut dyn FnMut(&str),
-) -> Result<(), TrainError> {
+) -> Result<FolderLock, TrainError> {
+    let lock = checkpoint::hold(run)?;
+    prepare(run, earlier, say)?;
+    Ok(lock)
+}
+
+/// [`take`]'s work on an earlier run, the folder held.
+fn prepare(run: &Path, earlier: EarlierRun, say: &mut dyn FnMut(&str)) -> Result<(), TrainError> {
     match earlier {
         EarlierRun::Resume { .. } => Ok(()),
         EarlierRun::Refuse => match earlier_run(run) {

@@ -437,9 +437,11 @@ impl Trainer {
         // Before anything is read from the run folder: a second run on it must not resume
         // from, or clean up, what the first is writing.
         let lock = if ranks.rank == 0 && !options.steps_only {
-            let lock = checkpoint::hold(&config.output)?;
-            run_folder::prepare(&config.output, options.earlier, &mut |s| eprintln!("{s}"))?;
-            Some(lock)
+            Some(run_folder::take(
+                &config.output,
+                options.earlier,
+                &mut |s| eprintln!("{s}"),
+            )?)
         } else {
             None
         };

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use bertkit_model::bert::{BertForSequenceClassification, Loaded, load_with};
 use bertkit_model::{Inputs, Mode, loss};
 use bertkit_tokenizer::FullTokenizer;
-use bertkit_train::checkpoint;
+use bertkit_train::run_folder;
 use bertkit_train::step::GradientReducer;
 use candle_core::{DType, Device, Tensor};
 
@@ -240,9 +240,7 @@ pub fn finetune(
     // One writer per run folder, for the whole run (rank 0 writes it).
     let _lock = match &options.output {
         Some(dir) if options.reducer.ranks().rank == 0 => {
-            let lock = checkpoint::hold(dir)?;
-            bertkit_train::run_folder::prepare(dir, options.earlier, progress)?;
-            Some(lock)
+            Some(run_folder::take(dir, options.earlier, progress)?)
         }
         _ => None,
     };

@@ -19,7 +19,7 @@ use std::time::Instant;
 use bertkit_model::bert::{BertForQuestionAnswering, Loaded, load_frozen, load_with};
 use bertkit_model::{Mode, loss};
 use bertkit_tokenizer::FullTokenizer;
-use bertkit_train::checkpoint;
+use bertkit_train::run_folder;
 use candle_core::{DType, Device, Tensor};
 
 use crate::TaskError;
@@ -333,14 +333,9 @@ pub fn finetune(
     progress: &mut dyn FnMut(&str),
 ) -> Result<SquadFinetuneReport, TaskError> {
     // One writer per run folder, for the whole run (rank 0 writes it).
-    let _lock = match options.reducer.ranks().rank {
-        0 => {
-            let lock = checkpoint::hold(&options.output)?;
-            bertkit_train::run_folder::prepare(&options.output, options.earlier, progress)?;
-            Some(lock)
-        }
-        _ => None,
-    };
+    let _lock = (options.reducer.ranks().rank == 0)
+        .then(|| run_folder::take(&options.output, options.earlier, progress))
+        .transpose()?;
     let lower_case = options.predict.postprocess.lower_case;
     let model_dir = resolve(&options.model)?;
     let tokenizer = load_tokenizer(&model_dir, lower_case)?;
