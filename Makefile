@@ -185,9 +185,12 @@ require-gpu:
 pretrain-phase1 pretrain-phase2: pretrain-%: require-gpu $(BUILD_TRAIN)
 	$(TRAIN_BERTKIT) pretrain --config pipelines/pretrain-$*.toml $(TRAIN_FLAGS) $(PRETRAIN_FLAGS)
 
+# The Wikipedia dump: pipelines/data.toml's pinned date unless WIKI_DATE names another (see
+# that file for how to pick one).
+WIKI_DATE ?=
 data: $(BUILD)
-	@echo "== the full data pipeline (pipelines/data.toml): downloads tens of GB"
-	$(BERTKIT) pipeline --config pipelines/data.toml
+	@echo "== the full data pipeline (pipelines/data.toml): downloads ~22 GB, writes ~370 GB (docs/data-pipeline.md)"
+	$(BERTKIT) pipeline --config pipelines/data.toml $(if $(WIKI_DATE),--var date=$(WIKI_DATE))
 
 # The data-parallel tests run ranks under mpirun: OpenMPI, and libclang for the `mpi` crate's
 # bindings, from the distribution's packages when missing (Debian/Ubuntu names).

@@ -174,6 +174,15 @@ pub enum DownloadError {
         /// One line per failed file.
         errors: Vec<String>,
     },
+    /// A set failed and its registry entries say what the user can do about it (e.g. how to
+    /// pick another dump date).
+    #[error("{error}\n{}", hints.join("\n"))]
+    Hinted {
+        /// What failed.
+        error: Box<DownloadError>,
+        /// The hints of the set's entries, each once.
+        hints: Vec<String>,
+    },
 }
 
 fn io_err(path: &Path) -> impl Fn(io::Error) -> DownloadError + '_ {

@@ -85,6 +85,9 @@ pub struct SourceEntry {
     pub checksum_file: Option<ChecksumFile>,
     /// Expand once per id, as `{id}`.
     pub ids: Option<Vec<u64>>,
+    /// Said under the error when a file of this entry fails: what the user can do about it
+    /// (a dump date the mirror no longer keeps, a site that moved).
+    pub hint: Option<String>,
 }
 
 /// The registry.
@@ -117,7 +120,9 @@ impl Registry {
     }
 }
 
-fn fill(template: &str, vars: &HashMap<String, String>) -> Result<String, DownloadError> {
+/// `template` with each `{name}` replaced by `vars[name]`; a name without a value is an error
+/// saying which `--var` it needs.
+pub fn fill(template: &str, vars: &HashMap<String, String>) -> Result<String, DownloadError> {
     let mut out = String::with_capacity(template.len());
     let mut rest = template;
     while let Some(open) = rest.find('{') {
@@ -356,10 +361,48 @@ pub fn plan_set(
     Ok(jobs)
 }
 
+/// The set's entries' hints, each once, in registry order.
+fn set_hints(registry: &Registry, set: &str) -> Vec<String> {
+    let mut hints: Vec<String> = Vec::new();
+    for hint in registry
+        .source
+        .iter()
+        .filter(|s| s.set == set)
+        .filter_map(|s| s.hint.as_ref())
+    {
+        if !hints.contains(hint) {
+            hints.push(hint.clone());
+        }
+    }
+    hints
+}
+
 /// Downloads this rank's share of `set` into `output` (from `mirror` when given), verifying
 /// checksums. Every file is tried; if any failed, the error lists them all (what succeeded
 /// stays, so a re-run fetches only the rest). Returns each file's relative path and outcome.
 pub fn download_set(
+    registry: &Registry,
+    set: &str,
+    vars: &HashMap<String, String>,
+    output: &Path,
+    mirror: Option<&str>,
+    options: &SetOptions,
+    reporter: &dyn Reporter,
+) -> Result<Outcome<Vec<(String, Fetched)>>, DownloadError> {
+    fetch_set(registry, set, vars, output, mirror, options, reporter).map_err(|error| {
+        let hints = set_hints(registry, set);
+        if hints.is_empty() {
+            error
+        } else {
+            DownloadError::Hinted {
+                error: Box::new(error),
+                hints,
+            }
+        }
+    })
+}
+
+fn fetch_set(
     registry: &Registry,
     set: &str,
     vars: &HashMap<String, String>,

@@ -186,3 +186,32 @@ fn checksum_files_and_templates() {
     .unwrap_err();
     assert!(err.to_string().contains("--var repo="), "{err}");
 }
+
+/// A dump date the mirror no longer keeps says how to pick another (the registry's hint),
+/// once, under what failed (here its checksum file, fetched first).
+#[test]
+fn a_dump_date_gone_from_the_mirror_says_how_to_pick_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let mirror = dir.path().join("mirror");
+    std::fs::create_dir_all(&mirror).unwrap();
+    let vars = HashMap::from([("date".to_string(), "20000101".to_string())]);
+    let err = download_set(
+        &registry(),
+        "wikipedia",
+        &vars,
+        &dir.path().join("out"),
+        mirror.to_str(),
+        &SetOptions::default(),
+        &bertkit_stage_io::stage::Silent,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("enwiki-20000101-sha1sums.txt"), "{err}");
+    assert_eq!(
+        err.matches("https://dumps.wikimedia.org/enwiki/ whose page")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert!(err.contains("make data WIKI_DATE=YYYYMMDD"), "{err}");
+}

@@ -30,7 +30,7 @@
 
 pub mod merge;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -47,12 +47,14 @@ use crate::merge::MergePoints;
 pub struct DownloadConfig {
     /// Source sets of `pipelines/sources.toml` to fetch.
     pub sets: Vec<String>,
-    /// Template variables (`date`, `repo`, …).
+    /// Template variables (`date`, `repo`, …). Ordered, so every rank's fingerprint of the
+    /// config (its `Debug` text) is the same.
     #[serde(default)]
-    pub vars: HashMap<String, String>,
+    pub vars: BTreeMap<String, String>,
 }
 
-/// The `[format]` table: inputs relative to `<output>/raw`.
+/// The `[format]` table: inputs relative to `<output>/raw`, with `{name}` filled from the
+/// download's `vars` (so one `date` names the dump to fetch and to format).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FormatConfig {
@@ -86,7 +88,7 @@ pub struct ShardConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RecordsConfig {
-    /// Vocabulary, relative to `<output>/raw`.
+    /// Vocabulary, relative to `<output>/raw` (`{name}` filled from the download's `vars`).
     pub vocab: String,
     /// Passes over the corpus.
     pub dupe_factor: usize,
@@ -224,6 +226,22 @@ pub fn run(
 ) -> Result<Outcome<Vec<StepReport>>, PipelineError> {
     let root = &config.output;
     let raw = root.join("raw");
+    // The paths under raw/ are resolved before anything runs, so a variable the config lacks
+    // stops the run before a download.
+    let vars: HashMap<String, String> = config.download.vars.clone().into_iter().collect();
+    let raw_paths = |paths: &[String]| -> Result<Vec<PathBuf>, PipelineError> {
+        paths
+            .iter()
+            .map(|p| {
+                bertkit_download::sources::fill(p, &vars)
+                    .map(|p| raw.join(p))
+                    .map_err(|e| PipelineError::Config(format!("{p}: {e}")))
+            })
+            .collect()
+    };
+    let wiki_inputs = raw_paths(&config.format.wiki)?;
+    let books_inputs = raw_paths(&config.format.books)?;
+    let vocab = raw_paths(std::slice::from_ref(&config.records.vocab))?.remove(0);
     let ranks = options.ranks;
     let merge = MergePoints::new(
         root,
@@ -256,7 +274,7 @@ pub fn run(
         let done = bertkit_download::sources::download_set(
             registry,
             set,
-            &config.download.vars,
+            &vars,
             &raw,
             mirror,
             &bertkit_download::sources::SetOptions {
@@ -313,7 +331,7 @@ pub fn run(
     };
     if !config.format.wiki.is_empty() && owns_next() {
         let meter = Meter::start();
-        let inputs: Vec<PathBuf> = config.format.wiki.iter().map(|p| raw.join(p)).collect();
+        let inputs = wiki_inputs;
         let out = root.join("formatted/wiki");
         let outcome =
             bertkit_format::wiki::format_wiki(&inputs, &out, &Default::default(), &stage_reporter)
@@ -325,7 +343,7 @@ pub fn run(
     }
     if !config.format.books.is_empty() && owns_next() {
         let meter = Meter::start();
-        let inputs: Vec<PathBuf> = config.format.books.iter().map(|p| raw.join(p)).collect();
+        let inputs = books_inputs;
         let out = root.join("formatted/books");
         let outcome = bertkit_format::books::format_books(
             &inputs,
@@ -386,7 +404,6 @@ pub fn run(
 
     // Records, per phase, from this rank's train shards, then the held-out records from its
     // share of the first test shards.
-    let vocab = raw.join(&config.records.vocab);
     let train_shards = ranks.share(
         bertkit_stage_io::text::expand_text_inputs(&[shards.join("train")])
             .map_err(step_err("records"))?,

@@ -193,3 +193,41 @@ fn a_config_typo_is_named() {
     assert!(err.contains("typo.toml"), "{err}");
     assert!(err.contains("unknown field `num_train_shard`"), "{err}");
 }
+
+/// The format and records paths take the download's variables (one `date` names the dump to
+/// fetch and to format); a variable no one set stops the run before anything is fetched.
+#[test]
+fn config_paths_take_the_download_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = PipelineConfig::load(&repo_root().join("pipelines/demo.toml")).unwrap();
+    config.output = dir.path().join("demo");
+    config.format.wiki = vec!["wikipedia/enwiki-{date}.xml.bz2".into()];
+    let registry =
+        bertkit_download::sources::Registry::load(&repo_root().join("pipelines/sources.toml"))
+            .unwrap();
+    let mirror = shared_data_dir().unwrap();
+    let err = run(
+        &config,
+        &registry,
+        mirror.to_str(),
+        &RunOptions::default(),
+        &Silent,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("wikipedia/enwiki-{date}.xml.bz2") && err.contains("needs --var date="),
+        "{err}"
+    );
+    assert!(!dir.path().join("demo/raw").exists(), "nothing fetched");
+
+    let data = PipelineConfig::load(&repo_root().join("pipelines/data.toml")).unwrap();
+    let vars: std::collections::HashMap<_, _> = data.download.vars.clone().into_iter().collect();
+    let wiki = bertkit_download::sources::fill(&data.format.wiki[0], &vars).unwrap();
+    assert_eq!(
+        wiki,
+        "wikipedia/enwiki-20240101-pages-articles-multistream.xml.bz2"
+    );
+    let vocab = bertkit_download::sources::fill(&data.records.vocab, &vars).unwrap();
+    assert_eq!(vocab, "weights/bert-base-uncased/vocab.txt");
+}

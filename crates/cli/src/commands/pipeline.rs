@@ -138,7 +138,8 @@ fn download_url(args: DownloadUrlArgs) -> Result<()> {
 }
 
 pub(crate) fn pipeline(args: PipelineArgs) -> Result<()> {
-    let config = bertkit_pipeline::PipelineConfig::load(&args.config)?;
+    let mut config = bertkit_pipeline::PipelineConfig::load(&args.config)?;
+    config.download.vars.extend(args.vars);
     let registry = bertkit_download::sources::Registry::load(&args.registry)?;
     println!(
         "pipeline {} into {}",

@@ -21,6 +21,10 @@ pub(crate) struct PipelineArgs {
     /// The source registry.
     #[arg(long, default_value = "pipelines/sources.toml")]
     pub(crate) registry: PathBuf,
+    /// Set a template variable over the config's [download] vars, e.g. date=20261101 (the
+    /// Wikipedia dump).
+    #[arg(long = "var", value_parser = parse_var)]
+    pub(crate) vars: Vec<(String, String)>,
     #[command(flatten)]
     pub(crate) ranks: RankArgs,
     /// How long a rank waits at a merge point for the others, in seconds.
